@@ -1,0 +1,214 @@
+"""Counters and histograms for kvcore's transfers, pinned memory and allocators.
+
+The numbers are kept in plain Python so that they cost nothing when nobody reads
+them; :func:`register_prometheus` exposes them through prometheus_client when it
+is installed (the engines' own metrics endpoints then show them).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SECONDS_BUCKETS: tuple[float, ...] = (
+    1e-5,
+    3e-5,
+    1e-4,
+    3e-4,
+    1e-3,
+    3e-3,
+    1e-2,
+    3e-2,
+    1e-1,
+    3e-1,
+    1.0,
+    3.0,
+)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram in the Prometheus sense."""
+
+    buckets: Sequence[float] = SECONDS_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    observations: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.observations += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, count of observations <= bound), ending with +Inf."""
+        out: list[tuple[float, int]] = []
+        running = 0
+        for bound, count in zip([*self.buckets, float("inf")], self.counts, strict=True):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+TransferKey = tuple[str, str]
+
+
+class Metrics:
+    """Thread-safe store of everything kvcore counts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.transfer_bytes: dict[TransferKey, int] = defaultdict(int)
+            self.transfer_count: dict[TransferKey, int] = defaultdict(int)
+            self.transfer_seconds: dict[TransferKey, Histogram] = defaultdict(Histogram)
+            self.fallbacks: dict[str, int] = defaultdict(int)
+            self.pinned_bytes_in_use = 0
+            self.pinned_bytes_capacity = 0
+            self.allocator_allocs = 0
+            self.allocator_one_run_allocs = 0
+            self.allocator_runs = 0
+
+    def record_transfer(self, direction: str, path: str, nbytes: int, seconds: float) -> None:
+        """One executed transfer; ``seconds`` is host time spent issuing it."""
+        key = (direction, path)
+        with self._lock:
+            self.transfer_bytes[key] += nbytes
+            self.transfer_count[key] += 1
+            self.transfer_seconds[key].observe(seconds)
+
+    def record_fallback(self, reason: str) -> None:
+        with self._lock:
+            self.fallbacks[reason] += 1
+
+    def set_pinned(self, in_use: int, capacity: int) -> None:
+        with self._lock:
+            self.pinned_bytes_in_use = in_use
+            self.pinned_bytes_capacity = capacity
+
+    def record_allocation(self, runs: int) -> None:
+        """One successful allocation that was served by ``runs`` free runs."""
+        with self._lock:
+            self.allocator_allocs += 1
+            self.allocator_runs += runs
+            if runs == 1:
+                self.allocator_one_run_allocs += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain-data copy of every value, for logs, JSON and tests."""
+        with self._lock:
+            allocs = self.allocator_allocs
+            return {
+                "transfers": [
+                    {
+                        "direction": direction,
+                        "path": path,
+                        "count": self.transfer_count[(direction, path)],
+                        "bytes": self.transfer_bytes[(direction, path)],
+                        "seconds": self.transfer_seconds[(direction, path)].total,
+                    }
+                    for direction, path in sorted(self.transfer_count)
+                ],
+                "fallbacks": dict(sorted(self.fallbacks.items())),
+                "pinned": {
+                    "in_use_bytes": self.pinned_bytes_in_use,
+                    "capacity_bytes": self.pinned_bytes_capacity,
+                },
+                "allocator": {
+                    "allocations": allocs,
+                    "one_run_fraction": self.allocator_one_run_allocs / allocs if allocs else 1.0,
+                    "runs_per_allocation": self.allocator_runs / allocs if allocs else 0.0,
+                },
+            }
+
+
+METRICS = Metrics()
+
+
+class _PrometheusCollector:
+    """Reads :class:`Metrics` at scrape time, so recording never touches prometheus_client."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        m = self._metrics
+        labels = ["direction", "path"]
+        nbytes = CounterMetricFamily(
+            "kvcore_transfer_bytes", "Bytes moved by kvcore transfers", labels=labels
+        )
+        count = CounterMetricFamily("kvcore_transfers", "Transfers executed", labels=labels)
+        seconds = HistogramMetricFamily(
+            "kvcore_transfer_issue_seconds", "Host time spent issuing a transfer", labels=labels
+        )
+        fallbacks = CounterMetricFamily(
+            "kvcore_fallbacks", "Transfers handed to the engine's stock path", labels=["reason"]
+        )
+        with m._lock:
+            for key in sorted(m.transfer_count):
+                nbytes.add_metric(list(key), m.transfer_bytes[key])
+                count.add_metric(list(key), m.transfer_count[key])
+                hist = m.transfer_seconds[key]
+                buckets = [
+                    ("+Inf" if bound == float("inf") else repr(bound), c)
+                    for bound, c in hist.cumulative()
+                ]
+                seconds.add_metric(list(key), buckets, hist.total)
+            for reason, n in sorted(m.fallbacks.items()):
+                fallbacks.add_metric([reason], n)
+            pinned_in_use = m.pinned_bytes_in_use
+            pinned_capacity = m.pinned_bytes_capacity
+            allocs = m.allocator_allocs
+            one_run = m.allocator_one_run_allocs
+        yield nbytes
+        yield count
+        yield seconds
+        yield fallbacks
+        yield GaugeMetricFamily(
+            "kvcore_pinned_bytes_in_use", "Pinned host bytes leased", value=pinned_in_use
+        )
+        yield GaugeMetricFamily(
+            "kvcore_pinned_bytes_capacity", "Pinned host bytes in the arena", value=pinned_capacity
+        )
+        yield GaugeMetricFamily(
+            "kvcore_allocator_one_run_fraction",
+            "Share of host-slot allocations served by one contiguous run",
+            value=one_run / allocs if allocs else 1.0,
+        )
+
+
+def register_prometheus(registry: Any = None, metrics: Metrics = METRICS) -> bool:
+    """Expose ``metrics`` on a prometheus_client registry (the default one if None).
+
+    Returns False when prometheus_client is not installed. Registering the same
+    Metrics twice on one registry is a no-op.
+    """
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return False
+    target = REGISTRY if registry is None else registry
+    registered: set[int] = getattr(target, "_kvcore_registered", set())
+    if id(metrics) in registered:
+        return True
+    target.register(_PrometheusCollector(metrics))
+    registered.add(id(metrics))
+    target._kvcore_registered = registered
+    return True

@@ -1,0 +1,171 @@
+"""Index tensors -> ascending unit-stride runs.
+
+This is the only module that segments index tensors. It accepts CPU tensors
+only: a plan must never be made by reading a CUDA index tensor back, because that
+would synchronise the copy stream on every layer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+class Runs(NamedTuple):
+    """Maximal runs ``[starts[i], starts[i] + lengths[i])`` in index order."""
+
+    starts: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.starts.numel())
+
+    @property
+    def total(self) -> int:
+        return int(self.lengths.sum()) if self.count else 0
+
+    def as_list(self) -> list[tuple[int, int]]:
+        return list(zip(self.starts.tolist(), self.lengths.tolist(), strict=True))
+
+
+class PairedRuns(NamedTuple):
+    """Runs that are unit-stride on the source and the destination at once.
+
+    Row ``k`` of the transfer covers ``src_starts[i] + j -> dst_starts[i] + j``
+    for ``j < lengths[i]``; ``offsets[i]`` is where run ``i`` begins in the
+    index tensors.
+    """
+
+    src_starts: torch.Tensor
+    dst_starts: torch.Tensor
+    lengths: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.lengths.numel())
+
+    @property
+    def total(self) -> int:
+        return int(self.lengths.sum()) if self.count else 0
+
+    def src_runs(self) -> Runs:
+        return Runs(self.src_starts, self.lengths)
+
+    def dst_runs(self) -> Runs:
+        return Runs(self.dst_starts, self.lengths)
+
+
+def check_index(index: torch.Tensor, name: str = "index") -> torch.Tensor:
+    """Validate an index tensor and return it as a 1-D int64 CPU tensor.
+
+    Raises TypeError for CUDA (or other non-CPU) tensors and non-integer dtypes,
+    ValueError for anything that is not one-dimensional.
+    """
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(index).__name__}")
+    if index.device.type != "cpu":
+        raise TypeError(
+            f"{name} is on {index.device}; kvcore plans from CPU index tensors only, "
+            "because reading a device tensor back would synchronise the GPU. "
+            "Pass the indices before they are moved to the device."
+        )
+    if index.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"{name} must have an integer dtype, got {index.dtype}")
+    if index.dim() != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {tuple(index.shape)}")
+    return index.to(torch.int64)
+
+
+def check_bounds(index: torch.Tensor, size: int, name: str = "index") -> None:
+    """Raise ValueError unless every entry lies in ``[0, size)``."""
+    if index.numel() == 0:
+        return
+    low = int(index.min())
+    high = int(index.max())
+    if low < 0 or high >= size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds {bad}, outside [0, {size})")
+
+
+def has_duplicates(index: torch.Tensor) -> bool:
+    if index.numel() < 2:
+        return False
+    return bool(torch.unique(index).numel() != index.numel())
+
+
+def _break_positions(index: torch.Tensor) -> torch.Tensor:
+    """Positions ``p`` (>= 1) where ``index[p] != index[p - 1] + 1``."""
+    steps = index[1:] - index[:-1]
+    return torch.nonzero(steps != 1, as_tuple=False).flatten() + 1
+
+
+def _segment(index: torch.Tensor, breaks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = index.numel()
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    ends = torch.cat([breaks, torch.tensor([n], dtype=torch.int64)])
+    return offsets, ends - offsets
+
+
+def find_runs(index: torch.Tensor) -> Runs:
+    """Split ``index`` into maximal ascending unit-stride runs, in order."""
+    index = check_index(index)
+    if index.numel() == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return Runs(empty, empty.clone())
+    offsets, lengths = _segment(index, _break_positions(index))
+    return Runs(index[offsets], lengths)
+
+
+def find_paired_runs(src_index: torch.Tensor, dst_index: torch.Tensor) -> PairedRuns:
+    """Runs that are unit-stride on both sides: a break on either side splits."""
+    src_index = check_index(src_index, "src_index")
+    dst_index = check_index(dst_index, "dst_index")
+    if src_index.numel() != dst_index.numel():
+        raise ValueError(
+            f"src_index has {src_index.numel()} entries but dst_index has {dst_index.numel()}"
+        )
+    if src_index.numel() == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return PairedRuns(empty, empty.clone(), empty.clone(), empty.clone())
+    breaks = torch.unique(torch.cat([_break_positions(src_index), _break_positions(dst_index)]))
+    offsets, lengths = _segment(src_index, breaks)
+    return PairedRuns(src_index[offsets], dst_index[offsets], lengths, offsets)
+
+
+def is_single_run(index: torch.Tensor) -> bool:
+    """True when ``index`` is empty or one ascending unit-stride run."""
+    index = check_index(index)
+    n = index.numel()
+    if n < 2:
+        return True
+    return bool((index[1:] - index[:-1] == 1).all())
+
+
+def find_page_runs(index: torch.Tensor, page_size: int) -> Runs:
+    """Runs of a token index made of whole pages, found at page granularity.
+
+    ``index`` must consist of whole pages: every ``page_size`` entries start at a
+    multiple of ``page_size`` and count up by one. The result is in token units,
+    like :func:`find_runs`, but the work is done on one entry per page.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    index = check_index(index)
+    n = index.numel()
+    if n % page_size:
+        raise ValueError(f"index length {n} is not a multiple of page_size {page_size}")
+    if n == 0 or page_size == 1:
+        return find_runs(index)
+    pages = index.view(-1, page_size)
+    first = pages[:, :1]
+    if bool((first % page_size != 0).any()) or not torch.equal(
+        pages - first, torch.arange(page_size, dtype=torch.int64).expand_as(pages)
+    ):
+        raise ValueError(f"index is not made of whole, aligned pages of {page_size}")
+    page_runs = find_runs(first.flatten() // page_size)
+    return Runs(page_runs.starts * page_size, page_runs.lengths * page_size)
