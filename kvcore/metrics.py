@@ -205,10 +205,13 @@ def register_prometheus(registry: Any = None, metrics: Metrics = METRICS) -> boo
     except ImportError:
         return False
     target = REGISTRY if registry is None else registry
-    registered: set[int] = getattr(target, "_kvcore_registered", set())
-    if id(metrics) in registered:
-        return True
-    target.register(_PrometheusCollector(metrics))
-    registered.add(id(metrics))
-    target._kvcore_registered = registered
+    key = (id(target), id(metrics))
+    with _REGISTERED_LOCK:
+        if key not in _REGISTERED:
+            target.register(_PrometheusCollector(metrics))
+            _REGISTERED.add(key)
     return True
+
+
+_REGISTERED: set[tuple[int, int]] = set()
+_REGISTERED_LOCK = threading.Lock()

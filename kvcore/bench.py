@@ -1,0 +1,453 @@
+"""`kvcore bench`: GB/s of every transfer path beside the link ceiling, and allocator churn.
+
+One run measures, on the same data: the plain contiguous copy (the ceiling), the
+path kvcore's planner picks, every other kvcore path that is correct for the
+layout, and the naive stock baselines (advanced indexing; one copy per page).
+Every result is checked byte for byte against a per-index reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvcore.allocator import ContiguousSlotAllocator
+from kvcore.churn import make_trace, replay
+from kvcore.direction import Direction
+from kvcore.kernels.reference import as_row_words
+from kvcore.mover import Mover, PathPolicy, TransferPath, plan
+from kvcore.pinned import allocate_host_buffer
+from kvcore.stock_allocator import StockSlotAllocator
+
+PAGE = 64
+
+ROW_KINDS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "mla-1152B": ((1, 576), torch.bfloat16),
+    "mha-4KiB": ((2, 8, 128), torch.bfloat16),
+    "mha-16KiB": ((2, 8, 512), torch.bfloat16),
+}
+
+# Host-side layouts: the share of 64-token pages moved away from one contiguous
+# run; "tokens" scatters every token, as a page_size-1 pool does under churn.
+HOST_FRAGMENTATION = {
+    "0%": (0.0, PAGE),
+    "50%": (0.5, PAGE),
+    "100%": (1.0, PAGE),
+    "tokens": (1.0, 1),
+}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    tokens: int
+    row_kinds: tuple[str, ...]
+    host_levels: tuple[str, ...]
+    device_layouts: tuple[str, ...]
+    repeats: int
+    allocator_slots: int
+    allocator_ops: int
+    device: torch.device
+
+
+def options_for(args: argparse.Namespace) -> BenchOptions:
+    device = _pick_device(args.device)
+    quick = args.quick
+    return BenchOptions(
+        tokens=args.tokens or (16384 if quick else 131072),
+        row_kinds=("mla-1152B", "mha-4KiB") if quick else tuple(ROW_KINDS),
+        host_levels=("0%", "50%", "100%") if quick else tuple(HOST_FRAGMENTATION),
+        device_layouts=("contiguous", "scattered"),
+        repeats=3 if quick else 10,
+        allocator_slots=1 << 20,
+        allocator_ops=10_000,
+        device=device,
+    )
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("kvcore bench: --device cuda asked for, but CUDA is not available")
+    return torch.device(name)
+
+
+def scattered_layout(
+    rows: int, fragmentation: float, unit: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Slot ids for ``rows`` rows in a pool twice that size.
+
+    ``fragmentation`` of the ``unit``-row chunks are moved to random places beyond
+    the first run; the rest stay where a fresh pool would put them.
+    """
+    chunks = rows // unit
+    moved = round(chunks * fragmentation)
+    chunk_slots = torch.arange(chunks, dtype=torch.int64)
+    if moved:
+        which = torch.randperm(chunks, generator=generator)[:moved]
+        elsewhere = torch.randperm(chunks, generator=generator)[:moved] + chunks
+        chunk_slots[which] = elsewhere
+    return (chunk_slots[:, None] * unit + torch.arange(unit)).flatten()
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
+    """Median device seconds and median host seconds to issue ``fn``."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    device_times: list[float] = []
+    host_times: list[float] = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            fn()
+            host_times.append(time.perf_counter() - t0)
+            end.record()
+            end.synchronize()
+            device_times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t0
+            host_times.append(elapsed)
+            device_times.append(elapsed)
+    return statistics.median(device_times), statistics.median(host_times)
+
+
+def _random_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Random bytes (NaN patterns included), never zeros."""
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    return raw.view(dtype).view(shape).to(device)
+
+
+def _host_rows(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, Any]:
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    buffer = allocate_host_buffer(nbytes, pin=pin)
+    return buffer.tensor.view(dtype).view(shape), buffer
+
+
+@dataclass
+class Scenario:
+    name: str
+    direction: Direction
+    src: torch.Tensor
+    dst: torch.Tensor
+    src_idx: torch.Tensor
+    dst_idx: torch.Tensor
+    expected: torch.Tensor
+    poison: torch.Tensor
+
+
+def _scenarios(opts: BenchOptions, pin: bool) -> Iterator[tuple[Scenario, list[Any]]]:
+    generator = torch.Generator().manual_seed(1234)
+    for kind in opts.row_kinds:
+        row_shape, dtype = ROW_KINDS[kind]
+        pool = 2 * opts.tokens
+        host, host_buffer = _host_rows((pool, *row_shape), dtype, pin)
+        host.copy_(_random_rows((pool, *row_shape), dtype, torch.device("cpu")))
+        device_rows = _random_rows((pool, *row_shape), dtype, opts.device)
+        for level in opts.host_levels:
+            fragmentation, unit = HOST_FRAGMENTATION[level]
+            host_idx = scattered_layout(opts.tokens, fragmentation, unit, generator)
+            for layout in opts.device_layouts:
+                device_idx = scattered_layout(
+                    opts.tokens, 0.0 if layout == "contiguous" else 1.0, PAGE, generator
+                )
+                for direction in Direction:
+                    if direction is Direction.H2D:
+                        src, dst, src_idx, dst_idx = host, device_rows, host_idx, device_idx
+                    else:
+                        src, dst, src_idx, dst_idx = device_rows, host, device_idx, host_idx
+                    expected = dst.clone()
+                    expected[dst_idx.to(dst.device)] = src[src_idx.to(src.device)].to(dst.device)
+                    yield (
+                        Scenario(
+                            f"{kind}/{direction.value}/host-{level}/device-{layout}",
+                            direction,
+                            src,
+                            dst,
+                            src_idx,
+                            dst_idx,
+                            expected,
+                            dst.clone(),
+                        ),
+                        [host_buffer],
+                    )
+
+
+def _identical(dst: torch.Tensor, expected: torch.Tensor) -> bool:
+    a, b = as_row_words(dst), as_row_words(expected)
+    if a is None or b is None:
+        return False
+    return bool(torch.equal(a, b))
+
+
+def _result(
+    scenario: str,
+    path: str,
+    nbytes: int,
+    seconds: float,
+    host_seconds: float,
+    identical: bool,
+    ceiling: float,
+    kind: str,
+) -> dict[str, Any]:
+    gbps = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+    return {
+        "scenario": scenario,
+        "path": path,
+        "bytes": nbytes,
+        "gbps": gbps,
+        "identical": identical,
+        "kind": kind,
+        "share_of_ceiling": gbps / ceiling if ceiling else 0.0,
+        "submit_us": host_seconds * 1e6,
+    }
+
+
+def _ceiling(sc: Scenario, nbytes: int, opts: BenchOptions) -> float:
+    flat_src = sc.src.reshape(-1).view(torch.uint8)[:nbytes]
+    flat_dst = sc.dst.reshape(-1).view(torch.uint8)[:nbytes]
+    seconds, _ = _timed(
+        lambda: flat_dst.copy_(flat_src, non_blocking=True), opts.device, opts.repeats
+    )
+    return nbytes / seconds / 1e9
+
+
+def _stock_paths(sc: Scenario) -> dict[str, Callable[[], None]]:
+    src_idx = sc.src_idx.to(sc.src.device)
+    dst_idx = sc.dst_idx.to(sc.dst.device)
+
+    def advanced_indexing() -> None:
+        sc.dst[dst_idx] = sc.src[src_idx].to(sc.dst.device, non_blocking=True)
+
+    def per_page_copy() -> None:
+        for start in range(0, sc.src_idx.numel(), PAGE):
+            s, d = sc.src_idx[start : start + PAGE], sc.dst_idx[start : start + PAGE]
+            sc.dst[int(d[0]) : int(d[0]) + PAGE].copy_(
+                sc.src[int(s[0]) : int(s[0]) + PAGE], non_blocking=True
+            )
+
+    paths: dict[str, Callable[[], None]] = {"stock:advanced_indexing": advanced_indexing}
+    # One copy per page is only correct where every page is one run on both sides.
+    if (
+        sc.src_idx.numel() % PAGE == 0
+        and _pages_are_runs(sc.src_idx)
+        and _pages_are_runs(sc.dst_idx)
+    ):
+        paths["stock:per_page_copy"] = per_page_copy
+    return paths
+
+
+def _pages_are_runs(index: torch.Tensor) -> bool:
+    pages = index.view(-1, PAGE)
+    return bool(torch.equal(pages - pages[:, :1], torch.arange(PAGE).expand_as(pages)))
+
+
+def run_transfers(opts: BenchOptions, progress: bool = True) -> tuple[float, list[dict[str, Any]]]:
+    mover = Mover(PathPolicy())
+    pin = opts.device.type == "cuda"
+    results: list[dict[str, Any]] = []
+    ceilings: list[float] = []
+    total = len(opts.row_kinds) * len(opts.host_levels) * len(opts.device_layouts) * len(Direction)
+    bar = tqdm(
+        total=total, desc="kvcore bench", unit="scenario", disable=not progress, file=sys.stderr
+    )
+    for sc, _keepalive in _scenarios(opts, pin):
+        auto = plan(sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction)
+        nbytes = auto.nbytes
+        ceiling = _ceiling(sc, nbytes, opts)
+        ceilings.append(ceiling)
+        results.append(
+            _result(
+                sc.name,
+                "ceiling:contiguous_copy",
+                nbytes,
+                nbytes / ceiling / 1e9,
+                0.0,
+                True,
+                ceiling,
+                "ceiling",
+            )
+        )
+        candidates: list[tuple[str, str, Callable[[], None]]] = []
+        for path in TransferPath:
+            if path is TransferPath.FALLBACK:
+                continue
+            try:
+                forced = plan(
+                    sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction, force=path
+                )
+            except ValueError:
+                continue
+            label = f"kvcore:{path.value}" + (" (auto)" if path is auto.path else "")
+            candidates.append((label, "kvcore", functools.partial(mover.execute, forced)))
+        candidates += [(name, "stock", fn) for name, fn in _stock_paths(sc).items()]
+        for label, kind, fn in candidates:
+            sc.dst.copy_(sc.poison)
+            seconds, host_seconds = _timed(fn, opts.device, opts.repeats)
+            if opts.device.type == "cuda":
+                torch.cuda.synchronize(opts.device)
+            results.append(
+                _result(
+                    sc.name,
+                    label,
+                    nbytes,
+                    seconds,
+                    host_seconds,
+                    _identical(sc.dst, sc.expected),
+                    ceiling,
+                    kind,
+                )
+            )
+        bar.update()
+    bar.close()
+    results += _fallback_results(opts, mover)
+    return statistics.median(ceilings), results
+
+
+def _fallback_results(opts: BenchOptions, mover: Mover) -> list[dict[str, Any]]:
+    """A strided host view: the planner must hand it to the stock path, still exact."""
+    rows = min(opts.tokens, 4096)
+    wide = _random_rows((rows, 2, 576), torch.bfloat16, torch.device("cpu"))
+    src = wide[:, 0]
+    dst = _random_rows((rows, 576), torch.bfloat16, opts.device)
+    generator = torch.Generator().manual_seed(7)
+    src_idx = torch.randperm(rows, generator=generator)
+    dst_idx = torch.randperm(rows, generator=generator)
+    expected = dst.clone()
+    expected[dst_idx.to(dst.device)] = src[src_idx].to(dst.device)
+    fallback = plan(src, dst, src_idx, dst_idx, direction=Direction.H2D)
+    seconds, host_seconds = _timed(lambda: mover.execute(fallback), opts.device, 1)
+    nbytes = fallback.nbytes
+    return [
+        _result(
+            f"mla-1152B/strided-host-view ({fallback.reason})",
+            f"kvcore:{fallback.path.value}",
+            nbytes,
+            seconds,
+            host_seconds,
+            _identical(dst, expected),
+            0.0,
+            "kvcore",
+        )
+    ]
+
+
+def run_allocator(opts: BenchOptions) -> dict[str, dict[str, float]]:
+    trace = make_trace(opts.allocator_slots, page_size=1, mixed_ops=opts.allocator_ops)
+    out: dict[str, dict[str, float]] = {}
+    outcomes = {}
+    for name, allocator in (
+        ("kvcore", ContiguousSlotAllocator(opts.allocator_slots)),
+        ("stock", StockSlotAllocator(opts.allocator_slots)),
+    ):
+        result = replay(trace, allocator)
+        outcomes[name] = result.outcomes
+        out[name] = {
+            "one_run_fraction": result.one_run_fraction,
+            "ops_per_s": result.ops_per_s,
+            "allocations": result.allocations,
+            "operations": len(trace.ops),
+        }
+    out["same_outcomes"] = {"value": float(outcomes["kvcore"] == outcomes["stock"])}
+    return out
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"device: {report['device']}   "
+        f"pinned-copy ceiling (median): {report['ceiling_gbps']:.2f} GB/s",
+        f"{'scenario':<44} {'path':<30} {'MiB':>7} {'GB/s':>8} {'ceil%':>6} {'submit us':>10} ok",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"{r['scenario']:<44} {r['path']:<30} {r['bytes'] / 2**20:>7.1f} {r['gbps']:>8.2f} "
+            f"{100 * r['share_of_ceiling']:>5.0f}% {r['submit_us']:>10.1f} "
+            f"{'yes' if r['identical'] else 'NO'}"
+        )
+    alloc = report["allocator"]
+    lines.append("")
+    lines.append(
+        f"allocator churn ({alloc['kvcore']['operations']:.0f} ops, 1M slots, <= 90% full):"
+    )
+    for name in ("kvcore", "stock"):
+        a = alloc[name]
+        lines.append(
+            f"  {name:<7} one-run share {a['one_run_fraction']:.3f}   {a['ops_per_s']:,.0f} ops/s"
+        )
+    lines.append(f"  same success/failure sequence: {bool(alloc['same_outcomes']['value'])}")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in report["results"] if r["kind"] != "ceiling"]
+    labels = [f"{r['scenario']}\n{r['path']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, max(4, 0.22 * len(rows))))
+    colours = ["tab:blue" if r["kind"] == "kvcore" else "tab:grey" for r in rows]
+    ax.barh(range(len(rows)), [r["gbps"] for r in rows], color=colours)
+    ax.axvline(report["ceiling_gbps"], color="tab:red", linestyle="--", label="pinned-copy ceiling")
+    ax.set_yticks(range(len(rows)), labels, fontsize=5)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s")
+    ax.set_title(f"kvcore bench on {report['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes, a few repeats")
+    parser.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a bar chart (needs matplotlib)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--tokens", type=int, default=0, help="rows per transfer")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
+    ceiling, results = run_transfers(opts, progress)
+    name = torch.cuda.get_device_name(opts.device) if opts.device.type == "cuda" else "cpu"
+    return {
+        "device": name,
+        "ceiling_gbps": ceiling,
+        "tokens": opts.tokens,
+        "torch": torch.__version__,
+        "results": results,
+        "allocator": run_allocator(opts),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    opts = options_for(args)
+    report = run(opts, progress=not args.no_progress)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    if args.plot and not write_plot(report, args.plot):
+        print("kvcore bench: matplotlib is not installed; no plot written", file=sys.stderr)
+    bad = [r for r in report["results"] if not r["identical"]]
+    return 1 if bad else 0

@@ -1,0 +1,291 @@
+"""The ``kvcore`` command: ``doctor``, ``bench`` and ``launch``.
+
+Only the standard library and kvcore's configuration are imported up front, so
+``kvcore launch`` starts the engine without first paying for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from kvcore import __version__
+from kvcore.config import (
+    ENGINES,
+    SETTINGS,
+    ConfigError,
+    KVCoreConfig,
+    format_size,
+    settings_help,
+)
+from kvcore.engine_status import EngineStatus
+
+ADAPTERS: tuple[str, ...] = ("kvcore_sglang", "kvcore_vllm")
+ENGINE_ENTRY_MODULES: dict[str, str] = {
+    "sglang": "sglang.launch_server",
+    "vllm": "vllm.entrypoints.cli.main",
+}
+
+
+class UsageError(Exception):
+    """The command line is wrong; the message says how."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``kvcore`` command; returns the exit status (2 for a usage or config error)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(with_bench_options=_command_of(args_list) == "bench")
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.handler(args))
+    except (ConfigError, UsageError) as exc:
+        print(f"kvcore {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _command_of(argv: list[str]) -> str | None:
+    # The top level has only -h and --version, so the first word is the command.
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser:
+    """The argument parser; bench's options are added only when asked, since they import torch."""
+    parser = argparse.ArgumentParser(
+        prog="kvcore", description="Line-rate KV-cache offloading for SGLang and vLLM."
+    )
+    parser.add_argument("--version", action="version", version=f"kvcore {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    doctor = commands.add_parser(
+        "doctor", help="report versions, CUDA, engines and pinned-memory limits"
+    )
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.set_defaults(handler=run_doctor)
+
+    bench = commands.add_parser("bench", help="measure every transfer path against the link")
+    if with_bench_options:
+        from kvcore import bench as bench_module
+
+        bench_module.add_arguments(bench)
+    bench.set_defaults(handler=run_bench)
+
+    launch = commands.add_parser(
+        "launch",
+        help="start an engine with kvcore enabled and configured",
+        usage="kvcore launch ENGINE [--kvcore-...] [--dry-run] -- ENGINE_ARGS...",
+        description=(
+            "Turn --kvcore-* flags (over KVCORE_* variables already set) into KVCORE_* "
+            "variables, enable kvcore for ENGINE, and replace this process with the engine's "
+            "own server."
+        ),
+        epilog="kvcore settings:\n" + settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument("--dry-run", action="store_true", help="print what would run; run nothing")
+    launch.add_argument("engine", metavar="ENGINE", help=" or ".join(ENGINES))
+    launch.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    launch.set_defaults(handler=run_launch)
+    return parser
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from kvcore import bench
+
+    return bench.main(args)
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    engine = args.engine
+    if engine not in ENGINE_ENTRY_MODULES:
+        raise UsageError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    config, engine_args, dry_run = _split_launch_args(args.rest)
+    dry_run = dry_run or args.dry_run
+    config = replace(config, enable=config.enable | {engine})
+    command = [sys.executable, "-m", ENGINE_ENTRY_MODULES[engine], *engine_args]
+    variables = config.to_env()
+    installed = engine_installed(engine)
+    if dry_run:
+        _print_plan(variables, command)
+        if not installed:
+            print(f"kvcore launch: note: {engine} is not installed here", file=sys.stderr)
+        return 0
+    if not installed:
+        raise UsageError(f"{engine} is not installed for {sys.executable}; pip install {engine}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(command[0], command, {**os.environ, **variables})
+
+
+def _split_launch_args(rest: list[str]) -> tuple[KVCoreConfig, list[str], bool]:
+    """(config, engine arguments, dry run) from what follows ENGINE.
+
+    Before ``--`` only kvcore's flags are allowed; with no ``--`` every other
+    argument goes to the engine.
+    """
+    has_separator = "--" in rest
+    cut = rest.index("--") if has_separator else len(rest)
+    config, leftover = KVCoreConfig.from_args(rest[:cut])
+    dry_run = "--dry-run" in leftover
+    leftover = [arg for arg in leftover if arg != "--dry-run"]
+    if has_separator and leftover:
+        raise UsageError(
+            f"unexpected {shlex.join(leftover)} before '--': only --kvcore-* flags and "
+            "--dry-run go there; engine arguments go after '--'"
+        )
+    return config, leftover + rest[cut + 1 :], dry_run
+
+
+def engine_installed(engine: str) -> bool:
+    # The top-level name only: finding a submodule would import the engine's package.
+    return importlib.util.find_spec(engine) is not None
+
+
+def _print_plan(variables: dict[str, str], command: list[str]) -> None:
+    changed = {k: v for k, v in variables.items() if os.environ.get(k) != v}
+    print("environment (set by kvcore launch):")
+    for name, value in changed.items():
+        print(f"  {name}={shlex.quote(value)}")
+    if not changed:
+        print("  (no change)")
+    print("command:")
+    print(f"  {shlex.join(command)}")
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    report = doctor_report(KVCoreConfig.from_env())
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_doctor(report))
+    return 0
+
+
+def doctor_report(config: KVCoreConfig) -> dict[str, Any]:
+    """Everything ``kvcore doctor`` knows, JSON-ready."""
+    torch_report, cuda_report = _torch_and_cuda()
+    return {
+        "kvcore": {
+            "version": __version__,
+            "location": os.path.dirname(os.path.abspath(__file__)),
+            "python": sys.version.split()[0],
+        },
+        "torch": torch_report,
+        "cuda": cuda_report,
+        "engines": [
+            importlib.import_module(adapter).status(config).to_dict() for adapter in ADAPTERS
+        ],
+        "pinned": _pinned_limits(),
+        "config": config.to_dict(),
+    }
+
+
+def _torch_and_cuda() -> tuple[dict[str, Any], dict[str, Any]]:
+    cuda: dict[str, Any] = {"available": False, "version": None, "device_count": 0, "devices": []}
+    try:
+        import torch
+    except ImportError as exc:
+        return {"version": None, "error": str(exc)}, cuda
+    cuda["version"] = torch.version.cuda
+    try:
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            cuda.update(
+                available=True,
+                device_count=count,
+                devices=[torch.cuda.get_device_name(i) for i in range(count)],
+            )
+    except RuntimeError as exc:
+        # A broken driver is exactly what doctor is run to find out about.
+        cuda["error"] = str(exc)
+    return {"version": torch.__version__}, cuda
+
+
+def _pinned_limits() -> dict[str, Any]:
+    """RLIMIT_MEMLOCK (bytes or "unlimited") and whether we are root, which lifts it."""
+    limits: dict[str, Any] = {"memlock_soft": None, "memlock_hard": None}
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return {**limits, "root": False}
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+    def bytes_or_unlimited(value: int) -> int | str:
+        return "unlimited" if value == resource.RLIM_INFINITY else value
+
+    return {
+        "memlock_soft": bytes_or_unlimited(soft),
+        "memlock_hard": bytes_or_unlimited(hard),
+        "root": os.geteuid() == 0,
+    }
+
+
+def format_doctor(report: dict[str, Any]) -> str:
+    """The report as a short aligned table for people."""
+    kv, torch_report, cuda, pinned = (
+        report["kvcore"],
+        report["torch"],
+        report["cuda"],
+        report["pinned"],
+    )
+    rows = [
+        ("kvcore", f"{kv['version']} ({kv['location']}), Python {kv['python']}"),
+        ("torch", torch_report["version"] or f"not importable: {torch_report.get('error')}"),
+        ("CUDA", _describe_cuda(cuda)),
+    ]
+    rows += [(status["engine"], _describe_engine(status)) for status in report["engines"]]
+    rows.append(("memlock", _describe_memlock(pinned)))
+    rows.append(("config", _describe_config(report["config"])))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {text}" for label, text in rows)
+
+
+def _describe_cuda(cuda: dict[str, Any]) -> str:
+    if "error" in cuda:
+        return f"error: {cuda['error']}"
+    if not cuda["available"]:
+        built = f"torch built for CUDA {cuda['version']}" if cuda["version"] else "CPU-only torch"
+        return f"not available ({built})"
+    names = ", ".join(sorted(set(cuda["devices"])))
+    return f"CUDA {cuda['version']}, {cuda['device_count']} device(s): {names}"
+
+
+def _describe_engine(status: dict[str, Any]) -> str:
+    line = EngineStatus(**status).summary()
+    details = [f"patched {target}" for target in status["patched_targets"]]
+    details += [f"skipped {s['target']}: {s['reason']}" for s in status["skipped_targets"]]
+    return "; ".join([line, *details])
+
+
+def _describe_memlock(pinned: dict[str, Any]) -> str:
+    def spell(value: int | str | None) -> str:
+        return str(value) if not isinstance(value, int) else format_size(value)
+
+    text = f"soft {spell(pinned['memlock_soft'])}, hard {spell(pinned['memlock_hard'])}"
+    if pinned["root"]:
+        return text + " (running as root, which may pin past it)"
+    if pinned["memlock_soft"] != "unlimited":
+        return text + " (pinning more fails; raise it with `ulimit -l unlimited`)"
+    return text
+
+
+def _describe_config(values: dict[str, Any]) -> str:
+    changed = [
+        f"{s.env}={s.kind.render(values[s.name])}"
+        for s in SETTINGS
+        if s.parse(values[s.name]) != s.default
+    ]
+    return " ".join(changed) or "all defaults (kvcore is not enabled)"

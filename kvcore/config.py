@@ -1,0 +1,386 @@
+"""KVCoreConfig: every kvcore setting, read from ``KVCORE_*`` variables or ``--kvcore-*`` flags.
+
+Engines start their workers as separate processes. Environment variables reach all
+of them, so the variables are the configuration and flags are only another way of
+writing them (``kvcore launch`` turns flags into variables before starting the engine).
+This module imports nothing but the standard library: adapters read it at plugin-load
+time, before the engine has decided anything about CUDA.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
+from typing import Any
+
+ENGINES: tuple[str, ...] = ("sglang", "vllm")
+ENV_PREFIX = "KVCORE_"
+FLAG_PREFIX = "--kvcore-"
+LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A setting has a value kvcore does not accept; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class ValueKind:
+    """How one kind of setting is written as text and read back."""
+
+    allowed: str  # in full, for error messages
+    summary: str  # in a few words, for help tables
+    parse: Callable[[object], Any]  # raises ValueError or TypeError saying why
+    render: Callable[[Any], str]
+
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "kib": KiB,
+    "kb": 1000,
+    "m": MiB,
+    "mib": MiB,
+    "mb": 1000**2,
+    "g": GiB,
+    "gib": GiB,
+    "gb": 1000**3,
+    "t": TiB,
+    "tib": TiB,
+    "tb": 1000**4,
+}
+_SIZE_PATTERN = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+) *([a-z]*)")
+_BINARY_UNITS = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+_SIZE_SYNTAX = (
+    "a byte count with an optional unit, case-insensitive: k/KiB, M/MiB, G/GiB, T/TiB are "
+    "powers of 1024, KB/MB/GB/TB powers of 1000 (e.g. 4096, 4k, 512MiB, 1.5GB)"
+)
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"1.5GB"``, ``"4k"``."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"a size must be an int or a string, not {type(value).__name__}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE_PATTERN.fullmatch(value.strip().lower())
+    if match is None or match.group(2) not in _SIZE_UNITS:
+        raise ValueError("not a byte size")
+    nbytes = Fraction(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    if nbytes.denominator != 1:
+        raise ValueError("not a whole number of bytes")
+    return int(nbytes)
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact spelling: the largest binary unit that divides ``nbytes``."""
+    for unit, scale in _BINARY_UNITS:
+        if nbytes and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def _size(minimum: int) -> ValueKind:
+    def parse(value: object) -> int:
+        nbytes = parse_size(value)
+        if nbytes < minimum:
+            raise ValueError(f"below the minimum of {minimum}")
+        return nbytes
+
+    limit = f"; at least {minimum}" if minimum else ""
+    summary = f"size >= {minimum}" if minimum else "size"
+    return ValueKind(_SIZE_SYNTAX + limit, summary, parse, format_size)
+
+
+def _integer(low: int, high: int) -> ValueKind:
+    def parse(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise TypeError(f"expected an int or a string, not {type(value).__name__}")
+        if isinstance(value, str) and not re.fullmatch(r"[+-]?[0-9]+", value.strip()):
+            raise ValueError("not an integer")
+        number = int(value) if isinstance(value, str) else value
+        if not low <= number <= high:
+            raise ValueError("out of range")
+        return number
+
+    return ValueKind(f"an integer from {low} to {high}", f"integer {low}..{high}", parse, str)
+
+
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
+def parse_bool(value: object) -> bool:
+    """True or False from a bool or one of 1/0/true/false/yes/no/on/off (any case)."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"expected a bool or a string, not {type(value).__name__}")
+    word = value.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ValueError("not a boolean")
+
+
+BOOLEAN = ValueKind(
+    "1/0, true/false, yes/no or on/off", "bool", parse_bool, lambda flag: "1" if flag else "0"
+)
+
+
+def _parse_engines(value: object) -> frozenset[str]:
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _FALSE_WORDS or text == "":
+            return frozenset()
+        if text in _TRUE_WORDS or text == "all":
+            return frozenset(ENGINES)
+        names: list[object] = [part.strip() for part in text.split(",") if part.strip()]
+    elif isinstance(value, Iterable):
+        names = list(value)
+    else:
+        raise TypeError(f"expected a string or a set of engine names, not {type(value).__name__}")
+    unknown = sorted(str(name) for name in names if name not in ENGINES)
+    if unknown:
+        raise ValueError(f"unknown engine {', '.join(map(repr, unknown))}")
+    return frozenset(str(name) for name in names)
+
+
+ENGINE_SET = ValueKind(
+    f"0/false/empty for none, 1/true/all for all, or a comma list of {', '.join(ENGINES)}",
+    "engine list",
+    _parse_engines,
+    lambda engines: ",".join(sorted(engines)) or "0",
+)
+
+
+def _parse_level(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a level name, not {type(value).__name__}")
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError("not a logging level")
+    return level
+
+
+LOG_LEVEL = ValueKind(
+    f"one of {', '.join(LOG_LEVELS)} (any case)", "logging level", _parse_level, str
+)
+
+
+def _setting(default: Any, kind: ValueKind, help: str) -> Any:
+    return field(default=default, metadata={"kind": kind, "help": help})
+
+
+@dataclass(frozen=True)
+class KVCoreConfig:
+    """Every kvcore setting. Values are checked (and text parsed) on construction."""
+
+    enable: frozenset[str] = _setting(
+        frozenset(), ENGINE_SET, "engines kvcore patches; it patches nothing unless named here"
+    )
+    pinned_bytes: int = _setting(
+        0, _size(0), "cap on pinned host memory; 0 sizes it from the engine's own host-pool setting"
+    )
+    staging_bytes: int = _setting(
+        256 * MiB, _size(1), "device staging buffer, per device, for scattered device-side rows"
+    )
+    long_run_bytes: int = _setting(
+        256 * KiB,
+        _size(1),
+        "average run size from which one DMA per run beats staging or the gather kernel",
+    )
+    gather_ctas: int = _setting(
+        8,
+        _integer(1, 1024),
+        "thread blocks of the UVA gather/scatter kernel (SMs taken from the model)",
+    )
+    max_inflight_bytes: int = _setting(
+        0,
+        _size(0),
+        "bytes of copies in flight before new transfers get backpressure; 0 = unbounded",
+    )
+    prefault_threads: int = _setting(
+        8, _integer(1, 256), "threads that pre-fault host memory before it is pinned"
+    )
+    register_chunk_bytes: int = _setting(
+        16 * GiB, _size(1), "host memory registered with CUDA per cudaHostRegister call"
+    )
+    metrics: bool = _setting(True, BOOLEAN, "collect transfer metrics (Prometheus when installed)")
+    log_level: str = _setting("WARNING", LOG_LEVEL, "level of the 'kvcore' logger")
+
+    def __post_init__(self) -> None:
+        for setting in SETTINGS:
+            object.__setattr__(self, setting.name, setting.parse(getattr(self, setting.name)))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KVCoreConfig:
+        """Settings from ``KVCORE_*`` variables; an empty variable counts as unset."""
+        env = os.environ if environ is None else environ
+        values = {s.name: s.parse(env[s.env], s.env) for s in SETTINGS if env.get(s.env, "")}
+        _warn_unknown_variables(env)
+        return cls(**values)
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str], environ: Mapping[str, str] | None = None
+    ) -> tuple[KVCoreConfig, list[str]]:
+        """Settings from the environment, overridden by ``--kvcore-*`` flags in ``argv``.
+
+        Flags are ``--kvcore-x=v`` or ``--kvcore-x v``; a boolean flag alone means true.
+        Scanning stops at ``--``. Returns the config and every other argument, in order.
+        """
+        overrides, remaining = _scan_flags(argv)
+        return replace(cls.from_env(environ), **overrides), remaining
+
+    def to_env(self) -> dict[str, str]:
+        """Every setting as a ``KVCORE_*`` variable; ``from_env`` reads back an equal config."""
+        return {s.env: s.kind.render(getattr(self, s.name)) for s in SETTINGS}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field name -> value, JSON-ready (engines as a sorted list)."""
+        values = {s.name: getattr(self, s.name) for s in SETTINGS}
+        values["enable"] = sorted(self.enable)
+        return values
+
+    def enabled_for(self, engine: str) -> bool:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+        return engine in self.enable
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of KVCoreConfig with its variable, flag, default and help."""
+
+    name: str
+    kind: ValueKind
+    default: Any
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return FLAG_PREFIX + self.name.replace("_", "-")
+
+    @property
+    def is_bool(self) -> bool:
+        return self.kind is BOOLEAN
+
+    def parse(self, value: object, source: str | None = None) -> Any:
+        """The checked value; ConfigError names ``source`` (the variable or flag), the value and
+        what is allowed."""
+        try:
+            return self.kind.parse(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{source or self.name}={value!r}: {exc}; allowed: {self.kind.allowed}"
+            ) from None
+
+    def default_text(self) -> str:
+        return self.kind.render(self.default)
+
+
+SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(f.name, f.metadata["kind"], f.default, f.metadata["help"]) for f in fields(KVCoreConfig)
+)
+_BY_FLAG = {s.flag: s for s in SETTINGS}
+_BY_ENV = {s.env: s for s in SETTINGS}
+
+
+def _scan_flags(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    overrides: dict[str, Any] = {}
+    remaining: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            remaining.extend(argv[i:])
+            break
+        if not arg.startswith(FLAG_PREFIX):
+            remaining.append(arg)
+            i += 1
+            continue
+        flag, has_value, text = arg.partition("=")
+        setting = _BY_FLAG.get(flag)
+        if setting is None:
+            raise ConfigError(_unknown_message("flag", flag, list(_BY_FLAG)))
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if has_value:
+            i += 1
+        elif setting.is_bool:
+            # A bare boolean flag means true; a following 1/0/yes/no... is its value.
+            if following is not None and following.strip().lower() in _TRUE_WORDS | _FALSE_WORDS:
+                text = following
+                i += 2
+            else:
+                text = "1"
+                i += 1
+        elif following is None or following.startswith("--"):
+            raise ConfigError(f"{flag} needs a value; allowed: {setting.kind.allowed}")
+        else:
+            text = following
+            i += 2
+        overrides[setting.name] = setting.parse(text, flag)
+    return overrides, remaining
+
+
+def _unknown_message(what: str, name: str, known: list[str]) -> str:
+    guess = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {guess[0]}?)" if guess else ""
+    return f"unknown kvcore {what} {name}{hint}; known: {', '.join(known)}"
+
+
+def _warn_unknown_variables(env: Mapping[str, str]) -> None:
+    # A misspelt variable would otherwise be ignored without a word.
+    for name in env:
+        if name.startswith(ENV_PREFIX) and name not in _BY_ENV:
+            logger.warning("%s; it is ignored", _unknown_message("variable", name, list(_BY_ENV)))
+
+
+SYNTAX_NOTES: tuple[str, ...] = (
+    f"Sizes: {_SIZE_SYNTAX}.",
+    f"Booleans: {BOOLEAN.allowed}; a boolean flag alone means true.",
+    f"Engines: {ENGINE_SET.allowed}.",
+    "An empty variable counts as unset; flags override variables.",
+)
+
+
+def settings_markdown() -> str:
+    """The settings as a Markdown table with notes on syntax, for docs/operations.md."""
+    lines = ["| variable | flag | default | accepts | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        lines.append(
+            f"| `{s.env}` | `{s.flag}` | `{s.default_text()}` | {s.kind.summary} | {s.help} |"
+        )
+    lines.append("")
+    lines.extend(f"- {note}" for note in SYNTAX_NOTES)
+    return "\n".join(lines) + "\n"
+
+
+def settings_help() -> str:
+    """The settings as plain text, for ``--help`` output."""
+    lines = []
+    for s in SETTINGS:
+        value = "" if s.is_bool else " VALUE"
+        lines.append(f"  {s.flag}{value}  [{s.env}; {s.kind.summary}; default {s.default_text()}]")
+        lines.append(f"      {s.help}")
+    lines.append("")
+    lines.extend(SYNTAX_NOTES)
+    return "\n".join(lines) + "\n"

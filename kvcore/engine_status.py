@@ -1,0 +1,79 @@
+"""What kvcore knows about one serving engine on this machine, found without importing it.
+
+Importing an engine is slow and can initialise CUDA, so the installed version is
+read from the distribution's metadata instead.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class EngineStatus:
+    """One engine: installed or not, whether kvcore supports that version, and what it patched."""
+
+    engine: str
+    distribution: str
+    installed: bool
+    version: str | None
+    supported: bool
+    supported_versions: list[str]
+    enabled: bool
+    patched_targets: list[str] = field(default_factory=list)
+    skipped_targets: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        """Whether kvcore should patch this engine: installed, a tested version, and enabled."""
+        return self.installed and self.supported and self.enabled
+
+    def skip(self, target: str, reason: str) -> None:
+        self.skipped_targets.append({"target": target, "reason": reason})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for people, e.g. ``0.5.22, supported, enabled: 3 patched, 0 skipped``."""
+        if not self.installed:
+            return "not installed"
+        if not self.supported:
+            tested = ", ".join(self.supported_versions) or "none"
+            return f"{self.version}, not a tested version (tested: {tested}); runs stock"
+        if not self.enabled:
+            return f"{self.version}, supported, not enabled (KVCORE_ENABLE); runs stock"
+        return (
+            f"{self.version}, supported, enabled: {len(self.patched_targets)} patched, "
+            f"{len(self.skipped_targets)} skipped"
+        )
+
+
+def release_of(version: str) -> str:
+    """``version`` without its local label: ``0.32.0+cu128`` is the 0.32.0 release's source."""
+    return version.split("+", 1)[0]
+
+
+def probe_engine(
+    engine: str, distribution: str, supported_versions: Iterable[str], *, enabled: bool
+) -> EngineStatus:
+    """The engine's status from its installed metadata; supported means the release string is
+    exactly one of ``supported_versions`` (a local label such as ``+cu128`` is ignored; ``.post1``
+    or ``.dev`` builds are other releases)."""
+    tested = list(supported_versions)
+    try:
+        version: str | None = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return EngineStatus(
+        engine=engine,
+        distribution=distribution,
+        installed=version is not None,
+        version=version,
+        supported=version is not None and release_of(version) in tested,
+        supported_versions=tested,
+        enabled=enabled,
+    )

@@ -1,0 +1,53 @@
+"""Device kernels behind the mover, chosen by the device type of the transfer's device side.
+
+A :class:`KernelSet` holds one implementation of each op the mover issues. The
+reference set (plain torch ops) serves every device type until a faster set is
+registered for it; CUDA kernels (cudaMemcpyBatchAsync, a Triton UVA gather)
+plug in through :func:`register_kernels` with the same signatures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvcore.kernels import reference
+from kvcore.runs import PairedRuns, Runs
+
+CopyRuns = Callable[[torch.Tensor, torch.Tensor, PairedRuns], None]
+GatherRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+StageIn = Callable[[torch.Tensor, Runs, torch.Tensor, torch.Tensor, torch.Tensor], None]
+StageOut = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Runs], None]
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """One implementation of each mover op; see :mod:`kvcore.kernels.reference` for semantics."""
+
+    name: str
+    copy_runs: CopyRuns
+    gather_rows: GatherRows
+    stage_in: StageIn
+    stage_out: StageOut
+
+
+REFERENCE = KernelSet(
+    name="reference",
+    copy_runs=reference.copy_runs,
+    gather_rows=reference.gather_rows,
+    stage_in=reference.stage_in,
+    stage_out=reference.stage_out,
+)
+
+_BY_DEVICE_TYPE: dict[str, KernelSet] = {}
+
+
+def register_kernels(device_type: str, kernels: KernelSet) -> None:
+    """Use ``kernels`` for transfers whose device side is of ``device_type``."""
+    _BY_DEVICE_TYPE[device_type] = kernels
+
+
+def kernels_for(device: torch.device) -> KernelSet:
+    return _BY_DEVICE_TYPE.get(device.type, REFERENCE)

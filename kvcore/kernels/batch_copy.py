@@ -1,0 +1,186 @@
+"""Row runs copied with one cudaMemcpyBatchAsync submission, or one copy per run.
+
+A run ``i`` is ``lengths[i]`` rows from source row ``src_starts[i]`` to destination row
+``dst_starts[i]`` of two dense ``[rows, words]`` views; one side is usually pinned host memory.
+``copy_runs_batched`` raises ``BatchCopyError`` whenever the driver path cannot take the batch,
+so the caller can fall back to ``copy_runs_each`` and count the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+_MIN_CUDA_VERSION = 12080  # cudaMemcpyBatchAsync first shipped in CUDA 12.8
+_LEGACY_STREAM_HANDLES = (0, 1)  # NULL and cudaStreamLegacy: rejected by the batch API
+
+
+class BatchCopyError(RuntimeError):
+    """The batched submission failed; ``reason`` is a CUDA error name or a short cause."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@functools.cache
+def _runtime() -> Any | None:
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return None
+    return runtime if hasattr(runtime, "cudaMemcpyBatchAsync") else None
+
+
+@functools.cache
+def batch_copy_available() -> bool:
+    """True when a CUDA device is visible and the runtime and driver have cudaMemcpyBatchAsync."""
+    rt = _runtime()
+    if rt is None or not torch.cuda.is_available():
+        return False
+    success = rt.cudaError_t.cudaSuccess
+    runtime_err, runtime_version = rt.cudaRuntimeGetVersion()
+    driver_err, driver_version = rt.cudaDriverGetVersion()
+    return (
+        runtime_err == success
+        and driver_err == success
+        and runtime_version >= _MIN_CUDA_VERSION
+        and driver_version >= _MIN_CUDA_VERSION
+    )
+
+
+@functools.cache
+def _stream_ordered_attrs(rt: Any) -> Any:
+    attrs = rt.cudaMemcpyAttributes()
+    # The engine's producer may still be writing the source when we submit: read it in stream
+    # order. An attribute left at its zero value (cudaMemcpySrcAccessOrderInvalid) is rejected.
+    attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+    attrs.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+    return attrs
+
+
+def _check_rows(tensor: torch.Tensor, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, words], got shape {tuple(tensor.shape)}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (a run spans whole rows back to back)")
+
+
+def _check_runs(
+    src_words: torch.Tensor,
+    dst_words: torch.Tensor,
+    src_starts: torch.Tensor,
+    dst_starts: torch.Tensor,
+    lengths: torch.Tensor,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate both views and the runs; return the runs as int64 numpy arrays."""
+    _check_rows(src_words, "src_words")
+    _check_rows(dst_words, "dst_words")
+    if src_words.dtype != dst_words.dtype:
+        raise TypeError(f"word dtypes differ: {src_words.dtype} vs {dst_words.dtype}")
+    if src_words.shape[1] != dst_words.shape[1]:
+        raise ValueError(f"words per row differ: {src_words.shape[1]} vs {dst_words.shape[1]}")
+    arrays = []
+    for tensor, name in (
+        (src_starts, "src_starts"),
+        (dst_starts, "dst_starts"),
+        (lengths, "lengths"),
+    ):
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            raise TypeError(f"{name} must be a CPU tensor")
+        if tensor.dtype != torch.int64 or tensor.dim() != 1:
+            raise TypeError(
+                f"{name} must be a 1-D int64 tensor, got {tensor.dtype} {tensor.dim()}-D"
+            )
+        arrays.append(tensor.numpy())
+    src, dst, n = arrays
+    if not len(src) == len(dst) == len(n):
+        raise ValueError(f"run arrays differ in length: {len(src)}, {len(dst)}, {len(n)}")
+    if len(n) == 0:
+        return src, dst, n
+    if n.min() < 1:
+        raise ValueError("every run must have a length >= 1")
+    for starts, rows, name in (
+        (src, src_words.shape[0], "source"),
+        (dst, dst_words.shape[0], "destination"),
+    ):
+        if starts.min() < 0 or (starts + n).max() > rows:
+            raise ValueError(f"a run lies outside the {name} buffer of {rows} rows")
+    return src, dst, n
+
+
+def _host_side(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu"
+
+
+def copy_runs_batched(
+    src_words: torch.Tensor,
+    dst_words: torch.Tensor,
+    src_starts: torch.Tensor,
+    dst_starts: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Copy every run with one cudaMemcpyBatchAsync on ``stream`` (default: the current one).
+
+    Raises ValueError/TypeError for bad arguments (runs out of bounds included, checked here
+    before the driver sees them) and BatchCopyError when the batch path cannot take the copy.
+    """
+    src, dst, n = _check_runs(src_words, dst_words, src_starts, dst_starts, lengths)
+    rt = _runtime()
+    if rt is None or not batch_copy_available():
+        raise BatchCopyError("unavailable", "cuda-bindings or CUDA >= 12.8 missing")
+    cuda_sides = {t.device for t in (src_words, dst_words) if t.device.type == "cuda"}
+    if not cuda_sides:
+        raise BatchCopyError("no device side", "both buffers are host memory")
+    if len(cuda_sides) > 1:
+        raise BatchCopyError("two devices", f"buffers on {sorted(map(str, cuda_sides))}")
+    for tensor, name in ((src_words, "src_words"), (dst_words, "dst_words")):
+        if _host_side(tensor) and not tensor.is_pinned():
+            raise BatchCopyError("pageable host memory", f"{name} is not pinned")
+    if len(n) == 0:
+        return
+    (device,) = cuda_sides
+    stream = stream if stream is not None else torch.cuda.current_stream(device)
+    if stream.cuda_stream in _LEGACY_STREAM_HANDLES:
+        raise BatchCopyError("legacy default stream", "cudaMemcpyBatchAsync rejects it")
+    if torch.cuda.is_current_stream_capturing():
+        raise BatchCopyError("stream capture", "cudaMemcpyBatchAsync cannot be captured")
+
+    row_bytes = src_words.shape[1] * src_words.element_size()
+    srcs = (src * row_bytes + src_words.data_ptr()).tolist()
+    dsts = (dst * row_bytes + dst_words.data_ptr()).tolist()
+    sizes = (n * row_bytes).tolist()
+    with torch.cuda.device(device):
+        result = rt.cudaMemcpyBatchAsync(
+            dsts, srcs, sizes, len(sizes), [_stream_ordered_attrs(rt)], [0], 1, stream.cuda_stream
+        )
+    # CUDA 12.8/12.9 bindings return (err, failIdx); CUDA 13 dropped failIdx and returns (err,).
+    err = result[0] if isinstance(result, tuple) else result
+    if err != rt.cudaError_t.cudaSuccess:
+        name = rt.cudaGetErrorName(err)[1].decode()
+        detail = (
+            f"failed at copy {result[1]}" if isinstance(result, tuple) and len(result) > 1 else ""
+        )
+        raise BatchCopyError(name, detail)
+
+
+def copy_runs_each(
+    src_words: torch.Tensor,
+    dst_words: torch.Tensor,
+    src_starts: torch.Tensor,
+    dst_starts: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """The fallback: one non-blocking ``copy_`` per run on the current stream."""
+    src, dst, n = _check_runs(src_words, dst_words, src_starts, dst_starts, lengths)
+    for src_start, dst_start, length in zip(src.tolist(), dst.tolist(), n.tolist(), strict=True):
+        dst_words[dst_start : dst_start + length].copy_(
+            src_words[src_start : src_start + length], non_blocking=True
+        )

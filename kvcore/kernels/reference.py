@@ -1,0 +1,148 @@
+"""Reference kernels: plain torch ops on byte-level row views.
+
+They are the CPU implementation of every op the mover issues, and also valid
+(if slower) on CUDA because they only use device-agnostic torch ops. Faster
+device kernels must stay byte-identical to these.
+
+Every ``*_words`` argument is a ``[rows, words]`` integer view made by
+:func:`as_row_words`; copying integer words instead of the tensor's own dtype
+keeps NaN payloads, fp8 and bf16 bit-exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvcore.runs import PairedRuns, Runs
+
+_WORD_DTYPES: dict[int, torch.dtype] = {
+    8: torch.int64,
+    4: torch.int32,
+    2: torch.int16,
+    1: torch.uint8,
+}
+
+
+def row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one row (everything after dim 0)."""
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def row_word_bytes(t: torch.Tensor) -> int | None:
+    """Widest word size dividing the row bytes and the tensor's alignment.
+
+    None when the rows have no byte view: dim 0 is missing, a row is not dense,
+    dim 0 is not packed (stride != row numel), or a lazy conj/neg bit means the
+    stored bytes are not the values.
+    """
+    if t.dim() == 0 or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    size = row_bytes(t)
+    # torch checks the storage offset when viewing as a wider dtype; the data
+    # pointer is what the hardware sees. Both must be aligned.
+    offset = t.storage_offset() * t.element_size()
+    address = t.data_ptr()
+    for width in _WORD_DTYPES:
+        if size % width == 0 and offset % width == 0 and address % width == 0:
+            return width
+    raise AssertionError("a width of 1 always divides")
+
+
+def as_row_words(t: torch.Tensor, word_bytes: int | None = None) -> torch.Tensor | None:
+    """``[rows, words]`` integer view of ``t`` sharing its memory; None if no byte view exists.
+
+    ``word_bytes`` narrows the word (so that two tensors with different
+    alignments get the same word type); it must divide the widest valid width.
+    """
+    widest = row_word_bytes(t)
+    if widest is None:
+        return None
+    width = widest if word_bytes is None else word_bytes
+    if width not in _WORD_DTYPES or widest % width:
+        raise ValueError(f"word size {width} does not fit a tensor whose widest word is {widest}")
+    rows = t.shape[0]
+    as_bytes = t.reshape(rows, math.prod(t.shape[1:])).view(torch.uint8)
+    return as_bytes.view(_WORD_DTYPES[width])
+
+
+def staging_words(staging: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """The first ``rows`` rows of a flat uint8 staging buffer, shaped and typed like ``like``."""
+    words = like.shape[1]
+    needed = rows * words * like.element_size()
+    if needed > staging.numel():
+        raise ValueError(f"{needed} bytes do not fit a staging buffer of {staging.numel()}")
+    return staging[:needed].view(like.dtype).view(rows, words)
+
+
+def copy_runs(src_words: torch.Tensor, dst_words: torch.Tensor, runs: PairedRuns) -> None:
+    """One copy per paired run."""
+    for src_start, dst_start, length in zip(
+        runs.src_starts.tolist(), runs.dst_starts.tolist(), runs.lengths.tolist(), strict=True
+    ):
+        dst_words[dst_start : dst_start + length].copy_(src_words[src_start : src_start + length])
+
+
+def gather_rows(
+    src_words: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_words: torch.Tensor,
+    dst_idx: torch.Tensor,
+) -> None:
+    """``dst_words[dst_idx[k]] = src_words[src_idx[k]]`` as one gather and one scatter."""
+    rows = src_words.index_select(0, src_idx.to(src_words.device))
+    dst_words.index_copy_(0, dst_idx.to(dst_words.device), rows.to(dst_words.device))
+
+
+def _runs_to_staging(
+    host_words: torch.Tensor, host_runs: Runs, staging: torch.Tensor, *, into_staging: bool
+) -> None:
+    position = 0
+    for start, length in host_runs.as_list():
+        host = host_words[start : start + length]
+        staged = staging[position : position + length]
+        if into_staging:
+            staged.copy_(host)
+        else:
+            host.copy_(staged)
+        position += length
+
+
+def stage_in(
+    src_words: torch.Tensor,
+    host_runs: Runs,
+    staging: torch.Tensor,
+    dst_words: torch.Tensor,
+    dst_idx: torch.Tensor,
+) -> None:
+    """Host-to-device: host runs into ``staging`` back to back, then scatter to ``dst_idx``.
+
+    ``staging`` is ``[host_runs.total, words]`` on the destination's device.
+    """
+    _runs_to_staging(src_words, host_runs, staging, into_staging=True)
+    dst_words.index_copy_(0, dst_idx.to(dst_words.device), staging)
+
+
+def stage_out(
+    src_words: torch.Tensor,
+    src_idx: torch.Tensor,
+    staging: torch.Tensor,
+    dst_words: torch.Tensor,
+    host_runs: Runs,
+) -> None:
+    """Device-to-host: gather ``src_idx`` into ``staging``, then copy it out into the host runs.
+
+    ``staging`` is ``[host_runs.total, words]`` on the source's device.
+    """
+    torch.index_select(src_words, 0, src_idx.to(src_words.device), out=staging)
+    _runs_to_staging(dst_words, host_runs, staging, into_staging=False)
+
+
+def index_copy_rows(
+    src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """``dst[dst_idx] = src[src_idx]``: the stock path, casting like ``copy_`` and broadcasting."""
+    rows = src[src_idx.to(src.device)]
+    # Index assignment refuses a dtype change; copy_ semantics cast instead.
+    dst[dst_idx.to(dst.device)] = rows.to(device=dst.device, dtype=dst.dtype)

@@ -1,0 +1,236 @@
+"""Triton row gather between pinned host memory and device memory, through UVA addresses.
+
+``gather_rows_uva`` copies ``dst[dst_idx[k]] = src[src_idx[k]]`` with a persistent grid of a
+few CTAs. PCIe needs many bytes in flight, so each CTA handles a 2-D tile of several rows per
+iteration and issues the loads of the whole tile before its stores. Triton is optional: import
+this module freely and ask ``triton_available()`` before calling ``gather_rows_uva``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+    tl = None
+
+# Real bytes per tile. Measured on an H200 (PCIe Gen5, scattered rows, 1152 B to 16 KiB): ~64 KiB
+# tiles reach 50-51 GB/s host->device on 4 CTAs and on 8; 16-32 KiB tiles need 8 CTAs for that.
+TILE_BYTES = 64 * 1024
+# Register footprint of one tile, masked padding lanes included (rows are padded to a power of 2).
+_MAX_TILE_LANES_BYTES = 128 * 1024
+_MAX_BLOCK_BYTES = 32 * 1024
+# Each row of a tile holds two indices and two addresses in registers: cap rows for tiny rows.
+_MAX_TILE_ROWS = 1024
+_VECTOR_BYTES = 16
+_WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+_WORD_DTYPE_BY_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def triton_available() -> bool:
+    """True when Triton is importable (the gather kernel's only optional dependency)."""
+    return triton is not None
+
+
+def gather_sm_count(ctas: int) -> int:
+    """SMs the gather occupies when launched with ``ctas`` programs.
+
+    Assumes one CTA per SM: on an idle GPU the block scheduler spreads a grid this small over
+    distinct SMs, and a default CTA (up to 16 warps holding a tile of up to 128 KiB in registers)
+    leaves no room for a second one. So the kernel takes ``ctas`` SMs, capped by the device's
+    SM count when one is visible. Grids are also capped by the number of tiles to copy.
+    """
+    if ctas < 1:
+        raise ValueError(f"ctas must be >= 1, got {ctas}")
+    if torch.cuda.is_available():
+        return min(ctas, torch.cuda.get_device_properties().multi_processor_count)
+    return ctas
+
+
+def _interpreting() -> bool:
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def _widest_word(src: torch.Tensor, dst: torch.Tensor) -> torch.dtype:
+    row_bytes = src.shape[1] * src.element_size()
+    byte_facts = (
+        row_bytes,
+        src.stride(0) * src.element_size(),
+        dst.stride(0) * dst.element_size(),
+        src.data_ptr(),
+        dst.data_ptr(),
+    )
+    for size in (8, 4, 2):
+        if all(fact % size == 0 for fact in byte_facts):
+            return _WORD_DTYPE_BY_SIZE[size]
+    return torch.uint8
+
+
+def _check_rows(tensor: torch.Tensor, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, words], got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in _WORD_DTYPES:
+        raise TypeError(f"{name} must be an integer word view {_WORD_DTYPES}, got {tensor.dtype}")
+    if tensor.shape[1] > 1 and tensor.stride(1) != 1:
+        raise ValueError(f"{name} rows must be dense (stride(1) == 1), got {tensor.stride()}")
+
+
+def _check_index(index: torch.Tensor, name: str, device: torch.device) -> None:
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(index).__name__}")
+    if index.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64, got {index.dtype}")
+    if index.dim() != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {tuple(index.shape)}")
+    if index.numel() > 1 and index.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {index.stride(0)}")
+    if index.device != device:
+        raise ValueError(f"{name} is on {index.device}; the kernel runs on {device}")
+
+
+def _kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
+    if _interpreting():
+        for tensor, name in ((src, "src_words"), (dst, "dst_words")):
+            if tensor.device.type != "cpu":
+                raise ValueError(f"under TRITON_INTERPRET=1 {name} must be a CPU tensor")
+        return torch.device("cpu")
+    cuda_sides = [t.device for t in (src, dst) if t.device.type == "cuda"]
+    if not cuda_sides:
+        raise ValueError("one of src_words / dst_words must be a CUDA tensor")
+    if len(cuda_sides) == 2 and cuda_sides[0] != cuda_sides[1]:
+        raise ValueError(f"src_words and dst_words are on different GPUs: {cuda_sides}")
+    for tensor, name in ((src, "src_words"), (dst, "dst_words")):
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on {tensor.device}; expected cpu (pinned) or cuda")
+        if tensor.device.type == "cpu" and not tensor.is_pinned():
+            raise ValueError(f"{name} is host memory that is not pinned; the GPU cannot address it")
+    return cuda_sides[0]
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+def _prev_pow2(value: int) -> int:
+    return 1 << (max(1, value).bit_length() - 1)
+
+
+def default_tile(words: int, word_bytes: int) -> tuple[int, int]:
+    """(rows_per_iter, block_w) for rows of ``words`` words: about TILE_BYTES of data a tile."""
+    block_w = min(_next_pow2(words), _MAX_BLOCK_BYTES // word_bytes)
+    row_bytes_in_block = min(words, block_w) * word_bytes
+    rows = 1 << max(0, round(math.log2(TILE_BYTES / row_bytes_in_block)))
+    rows = min(rows, _prev_pow2(max(1, _MAX_TILE_LANES_BYTES // (block_w * word_bytes))))
+    return min(rows, _MAX_TILE_ROWS), block_w
+
+
+def _default_num_warps(rows: int, block_w: int, word_bytes: int) -> int:
+    vectors = rows * block_w * word_bytes // _VECTOR_BYTES
+    # Aim for ~8 16-byte vectors a thread: all loads of a tile can then be in flight at once.
+    return max(1, min(16, _prev_pow2(max(1, vectors // (32 * 8)))))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_rows_kernel(
+        src_ptr,
+        dst_ptr,
+        src_idx_ptr,
+        dst_idx_ptr,
+        n_rows,
+        src_pitch,
+        dst_pitch,
+        WORDS: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        ALIGN: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        n_programs = tl.num_programs(0)
+        n_tiles = tl.cdiv(n_rows, ROWS)
+        row_lane = tl.arange(0, ROWS)
+        col_lane = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
+        # A while loop, not range(pid, ...): Triton 3.6's interpreter cannot take a tensor as a
+        # range bound under numpy >= 2.4 (triton-lang/triton#9171), and CI runs the interpreter.
+        tile = pid
+        while tile < n_tiles:
+            k = tile * ROWS + row_lane
+            row_ok = k < n_rows
+            src_row = tl.load(src_idx_ptr + k, mask=row_ok, other=0)
+            dst_row = tl.load(dst_idx_ptr + k, mask=row_ok, other=0)
+            src_off = tl.multiple_of(src_row * src_pitch, ALIGN)
+            dst_off = tl.multiple_of(dst_row * dst_pitch, ALIGN)
+            for col in tl.range(0, WORDS, BLOCK_W):
+                cols = col + col_lane
+                mask = row_ok[:, None] & (cols < WORDS)[None, :]
+                values = tl.load(src_ptr + src_off[:, None] + cols[None, :], mask=mask)
+                tl.store(dst_ptr + dst_off[:, None] + cols[None, :], values, mask=mask)
+            tile += n_programs
+
+
+def gather_rows_uva(
+    src_words: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_words: torch.Tensor,
+    dst_idx: torch.Tensor,
+    *,
+    ctas: int = 8,
+    rows_per_iter: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """``dst_words[dst_idx[k]] = src_words[src_idx[k]]`` for every k, on the current stream.
+
+    One of src/dst may be pinned host memory, addressed from the GPU through UVA. The indices
+    are int64 tensors on the kernel's device; they are never read back on the host, so they are
+    not bounds-checked here (the caller checked them on CPU before uploading).
+    """
+    if triton is None:
+        raise RuntimeError("gather_rows_uva needs Triton, which is not installed")
+    _check_rows(src_words, "src_words")
+    _check_rows(dst_words, "dst_words")
+    if src_words.dtype != dst_words.dtype:
+        raise TypeError(f"word dtypes differ: {src_words.dtype} vs {dst_words.dtype}")
+    if src_words.shape[1] != dst_words.shape[1]:
+        raise ValueError(f"words per row differ: {src_words.shape[1]} vs {dst_words.shape[1]}")
+    device = _kernel_device(src_words, dst_words)
+    _check_index(src_idx, "src_idx", device)
+    _check_index(dst_idx, "dst_idx", device)
+    if src_idx.numel() != dst_idx.numel():
+        raise ValueError(f"index lengths differ: {src_idx.numel()} vs {dst_idx.numel()}")
+    if ctas < 1:
+        raise ValueError(f"ctas must be >= 1, got {ctas}")
+    if rows_per_iter is not None and (rows_per_iter < 1 or rows_per_iter & (rows_per_iter - 1)):
+        raise ValueError(f"rows_per_iter must be a power of two, got {rows_per_iter}")
+    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+    n_rows = src_idx.numel()
+    if n_rows == 0 or src_words.shape[1] == 0:
+        return
+
+    word = _widest_word(src_words, dst_words)
+    src_view = src_words.view(word)
+    dst_view = dst_words.view(word)
+    words = src_view.shape[1]
+    word_bytes = src_view.element_size()
+    rows, block_w = default_tile(words, word_bytes)
+    if rows_per_iter is not None:
+        rows = rows_per_iter
+    warps = num_warps or _default_num_warps(rows, block_w, word_bytes)
+    align = math.gcd(src_view.stride(0), dst_view.stride(0), _VECTOR_BYTES // word_bytes)
+    n_tiles = -(-n_rows // rows)
+    grid = (min(ctas, n_tiles),)
+    args = (src_view, dst_view, src_idx, dst_idx, n_rows, src_view.stride(0), dst_view.stride(0))
+    constants = {"WORDS": words, "ROWS": rows, "BLOCK_W": block_w, "ALIGN": align}
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            _gather_rows_kernel[grid](*args, **constants, num_warps=warps)
+    else:
+        _gather_rows_kernel[grid](*args, **constants, num_warps=warps)

@@ -1,0 +1,420 @@
+"""Host memory with an exact byte cap, handed out as leases with backpressure.
+
+:func:`allocate_host_buffer` gets the memory: pageable on machines without a GPU,
+otherwise an anonymous mmap pre-faulted by several threads and registered with
+cudaHostRegister chunk by chunk. Nothing is rounded up to a power of two (torch's
+``pin_memory=True`` would turn 100 GB into 128 GB).
+
+:class:`PinnedArena` splits one buffer into leases. A reservation that does not
+fit returns a falsy :class:`Backpressure` at once instead of blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import operator
+import os
+import resource
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+
+from kvcore.allocator import ContiguousSlotAllocator
+from kvcore.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+HostBufferKind = Literal["pageable", "registered", "cuda_host_alloc"]
+
+
+class PinnedMemoryError(RuntimeError):
+    """Host memory could not be pinned (memlock limit, registration failure, no CUDA)."""
+
+
+def format_bytes(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps it >= 1, e.g. ``1.5 GiB``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def check_memlock(nbytes: int) -> None:
+    """Refuse to pin ``nbytes`` above the soft RLIMIT_MEMLOCK, naming the limit and the fix.
+
+    Root may lock past the limit, but CUDA registration can still hit it, so for
+    root this only warns.
+    """
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or nbytes <= soft:
+        return
+    message = (
+        f"cannot pin {nbytes} bytes ({format_bytes(nbytes)}) of host memory: the locked-memory "
+        f"limit RLIMIT_MEMLOCK is {soft} bytes ({format_bytes(soft)}; `ulimit -l` shows "
+        f"{soft // 1024} KiB). Raise it with `ulimit -l unlimited` in the launching shell, "
+        "`--ulimit memlock=-1` for docker, LimitMEMLOCK=infinity for systemd, or a memlock "
+        "line in /etc/security/limits.conf; or ask for less host memory."
+    )
+    if os.geteuid() == 0:
+        logger.warning("%s (running as root, trying anyway)", message)
+        return
+    raise PinnedMemoryError(message)
+
+
+class HostRegistrar(Protocol):
+    """Pins and unpins ranges of existing host memory (cudaHostRegister and its inverse)."""
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+class CudaHostRegistrar:
+    """cudaHostRegister / cudaHostUnregister through torch's CUDA runtime bindings."""
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise PinnedMemoryError("pinning host memory needs CUDA; pass pin=False without a GPU")
+        self._cudart = torch.cuda.cudart()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self._check(self._cudart.cudaHostRegister(ptr, nbytes, 0), f"cudaHostRegister({nbytes})")
+
+    def unregister(self, ptr: int) -> None:
+        self._check(self._cudart.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+    def _check(self, err: object, call: str) -> None:
+        if err != self._cudart.cudaError.success:
+            reason = self._cudart.cudaGetErrorString(err)
+            raise PinnedMemoryError(f"{call} failed: {reason}")
+
+
+class HostBuffer:
+    """``nbytes`` of host memory as one uint8 tensor; :meth:`close` gives it back."""
+
+    kind: HostBufferKind
+    pinned: bool
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor: torch.Tensor | None = tensor
+        self.nbytes = tensor.numel()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError(f"{self.kind} host buffer is closed")
+        return self._tensor
+
+    @property
+    def closed(self) -> bool:
+        return self._tensor is None
+
+    def close(self) -> None:
+        self._tensor = None
+
+
+class PageableBuffer(HostBuffer):
+    kind: HostBufferKind = "pageable"
+    pinned = False
+
+
+class RegisteredBuffer(HostBuffer):
+    """An anonymous mmap registered chunk by chunk; unregistered before it is unmapped.
+
+    The tensor is a numpy view of the mapping, which holds a buffer export: views
+    that outlive :meth:`close` keep the memory mapped (no longer pinned) instead of
+    dangling.
+    """
+
+    kind: HostBufferKind = "registered"
+    pinned = True
+
+    def __init__(
+        self,
+        nbytes: int,
+        registrar: HostRegistrar,
+        *,
+        prefault_threads: int,
+        register_chunk_bytes: int,
+    ) -> None:
+        if register_chunk_bytes <= 0 or register_chunk_bytes % mmap.PAGESIZE:
+            raise ValueError(
+                f"register_chunk_bytes {register_chunk_bytes} is not a positive multiple "
+                f"of the page size {mmap.PAGESIZE}"
+            )
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, nbytes)
+        array = np.frombuffer(self._mmap, dtype=np.uint8)
+        prefault(array, prefault_threads)
+        super().__init__(torch.from_numpy(array))
+        # Only the tensor may hold the mapping's export, so close() can unmap it.
+        del array
+        self._registrar = registrar
+        self._registered: list[int] = []
+        base = self.tensor.data_ptr()
+        try:
+            for offset in range(0, nbytes, register_chunk_bytes):
+                size = min(register_chunk_bytes, nbytes - offset)
+                registrar.register(base + offset, size)
+                self._registered.append(base + offset)
+        except Exception as exc:
+            self.close()
+            if isinstance(exc, PinnedMemoryError):
+                raise
+            raise PinnedMemoryError(f"registering {nbytes} bytes of host memory failed") from exc
+
+    def close(self) -> None:
+        # A chunk whose unregistration raises stays listed and mapped: freeing
+        # registered memory breaks a later registration of the same range.
+        while self._registered:
+            self._registrar.unregister(self._registered[-1])
+            self._registered.pop()
+        super().close()
+        if self._mmap is not None:
+            mapping, self._mmap = self._mmap, None
+            try:
+                mapping.close()
+            except BufferError:
+                logger.debug("host buffer views outlive close(); unmapped when they are freed")
+
+
+def prefault(array: np.ndarray, threads: int) -> None:
+    """Touch every page of ``array`` from ``threads`` threads (numpy drops the GIL)."""
+    page = mmap.PAGESIZE
+    pages = -(-array.size // page)
+    threads = max(1, min(threads, pages))
+    bounds = [page * (pages * i // threads) for i in range(threads + 1)]
+
+    def touch(i: int) -> None:
+        array[bounds[i] : bounds[i + 1] : page] = 0
+
+    if threads == 1:
+        touch(0)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="kvcore-prefault") as pool:
+        list(pool.map(touch, range(threads)))
+
+
+def allocate_host_buffer(
+    nbytes: int,
+    *,
+    pin: bool | None = None,
+    prefault_threads: int = 8,
+    register_chunk_bytes: int = 16 << 30,
+    registrar: HostRegistrar | None = None,
+) -> HostBuffer:
+    """Exactly ``nbytes`` of host memory; pinned iff ``pin`` (default: iff CUDA is present).
+
+    ``registrar`` replaces cudaHostRegister (tests pass a fake one).
+    """
+    nbytes = operator.index(nbytes)
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    if pin is None:
+        pin = torch.cuda.is_available()
+    if not pin:
+        return PageableBuffer(torch.empty(nbytes, dtype=torch.uint8))
+    check_memlock(nbytes)
+    return RegisteredBuffer(
+        nbytes,
+        registrar if registrar is not None else CudaHostRegistrar(),
+        prefault_threads=prefault_threads,
+        register_chunk_bytes=register_chunk_bytes,
+    )
+
+
+class Lease:
+    """``nbytes`` at ``offset`` of an arena's buffer, held until :meth:`release`."""
+
+    __slots__ = ("_arena", "nbytes", "offset", "released", "reserved_bytes")
+
+    def __init__(self, arena: PinnedArena, offset: int, nbytes: int, reserved_bytes: int) -> None:
+        self._arena = arena
+        self.offset = offset
+        self.nbytes = nbytes
+        self.reserved_bytes = reserved_bytes
+        self.released = False
+
+    def view(
+        self, dtype: torch.dtype = torch.uint8, shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """The leased bytes as a tensor of ``dtype`` (flat, or ``shape``)."""
+        if self.released:
+            raise RuntimeError(f"{self!r} was released")
+        raw = self._arena.buffer.tensor[self.offset : self.offset + self.nbytes]
+        typed = raw.view(dtype)
+        return typed if shape is None else typed.view(tuple(shape))
+
+    def release(self) -> None:
+        self._arena.release(self)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "live"
+        return f"Lease(offset={self.offset}, nbytes={self.nbytes}, {state})"
+
+
+@dataclass(frozen=True)
+class Backpressure:
+    """A refused reservation; falsy. ``available`` is the largest reservation possible now."""
+
+    requested: int
+    available: int
+    in_use: int
+    capacity: int
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"Backpressure(requested={format_bytes(self.requested)}, "
+            f"available={format_bytes(self.available)}, in_use={format_bytes(self.in_use)}, "
+            f"capacity={format_bytes(self.capacity)})"
+        )
+
+
+class PinnedArena:
+    """One host buffer of exactly ``capacity_bytes``, leased out in ``alignment``-byte units.
+
+    Thread-safe. ``in_use_bytes`` counts whole units, so it can reach but never
+    pass ``capacity_bytes``.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        alignment: int = 256,
+        pin: bool | None = None,
+        metrics: Metrics | None = None,
+        buffer: HostBuffer | None = None,
+    ) -> None:
+        capacity_bytes = operator.index(capacity_bytes)
+        alignment = operator.index(alignment)
+        if alignment <= 0:
+            raise ValueError(f"alignment must be positive, got {alignment}")
+        if capacity_bytes <= 0 or capacity_bytes % alignment:
+            below = capacity_bytes // alignment * alignment
+            raise ValueError(
+                f"capacity_bytes {capacity_bytes} is not a positive multiple of alignment "
+                f"{alignment}; use {below} or {below + alignment}"
+            )
+        if buffer is not None and buffer.nbytes != capacity_bytes:
+            raise ValueError(f"buffer holds {buffer.nbytes} bytes, not {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.alignment = alignment
+        if buffer is None:
+            buffer = allocate_host_buffer(capacity_bytes, pin=pin)
+        self.buffer = buffer
+        self._units = ContiguousSlotAllocator(capacity_bytes // alignment)
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._live: set[Lease] = set()
+        self._in_use = 0
+        self._closed = False
+        self._publish()
+
+    @property
+    def pinned(self) -> bool:
+        return self.buffer.pinned
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self._in_use
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self._in_use
+
+    @property
+    def lease_count(self) -> int:
+        return len(self._live)
+
+    def reserve(self, nbytes: int) -> Lease | Backpressure:
+        """A lease of ``nbytes`` contiguous bytes, or :class:`Backpressure` now; never blocks."""
+        nbytes = operator.index(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        if nbytes > self.capacity_bytes:
+            raise ValueError(
+                f"{nbytes} bytes can never fit in an arena of {self.capacity_bytes} bytes"
+            )
+        units = -(-nbytes // self.alignment)
+        with self._lock:
+            self._check_open()
+            start = self._units.alloc_run(units)
+            if start is None:
+                largest = max((n for _, n in self._units.free_runs_snapshot()), default=0)
+                return Backpressure(
+                    requested=nbytes,
+                    available=largest * self.alignment,
+                    in_use=self._in_use,
+                    capacity=self.capacity_bytes,
+                )
+            lease = Lease(self, start * self.alignment, nbytes, units * self.alignment)
+            self._live.add(lease)
+            self._in_use += lease.reserved_bytes
+            self._publish()
+            return lease
+
+    def release(self, lease: Lease) -> None:
+        """Give ``lease`` back; a second release raises RuntimeError."""
+        with self._lock:
+            if lease.released:
+                raise RuntimeError(f"{lease!r} released twice")
+            if lease not in self._live:
+                raise ValueError(f"{lease!r} does not belong to this arena")
+            units = lease.reserved_bytes // self.alignment
+            self._units.free_runs([(lease.offset // self.alignment, units)])
+            self._forget(lease)
+            self._publish()
+
+    def close(self, *, force: bool = False) -> None:
+        """Close the buffer; refused while leases are outstanding unless ``force``."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._live and not force:
+                held = sum(lease.reserved_bytes for lease in self._live)
+                raise RuntimeError(
+                    f"{len(self._live)} leases ({held} bytes) are still outstanding; "
+                    "release them or close(force=True)"
+                )
+            for lease in list(self._live):
+                self._forget(lease)
+            self._closed = True
+            self.buffer.close()
+            if self._metrics is not None:
+                self._metrics.set_pinned(0, 0)
+
+    def __enter__(self) -> PinnedArena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PinnedArena({self.buffer.kind}, {format_bytes(self._in_use)} of "
+            f"{format_bytes(self.capacity_bytes)} in {len(self._live)} leases)"
+        )
+
+    def _forget(self, lease: Lease) -> None:
+        lease.released = True
+        self._live.discard(lease)
+        self._in_use -= lease.reserved_bytes
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("arena is closed")
+
+    def _publish(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set_pinned(self._in_use, self.capacity_bytes)

@@ -1,0 +1,435 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.config import (
+    ENGINES,
+    SETTINGS,
+    ConfigError,
+    KVCoreConfig,
+    format_size,
+    parse_size,
+    settings_help,
+    settings_markdown,
+)
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+# One non-default value per field, as text and as the parsed value.
+NON_DEFAULTS: dict[str, tuple[str, object]] = {
+    "enable": ("sglang", frozenset({"sglang"})),
+    "pinned_bytes": ("64GiB", 64 * GiB),
+    "staging_bytes": ("512MiB", 512 * MiB),
+    "long_run_bytes": ("1MiB", MiB),
+    "gather_ctas": ("16", 16),
+    "max_inflight_bytes": ("2GB", 2_000_000_000),
+    "prefault_threads": ("32", 32),
+    "register_chunk_bytes": ("4G", 4 * GiB),
+    "metrics": ("false", False),
+    "log_level": ("debug", "DEBUG"),
+}
+
+# One value per field that must be refused, with a fragment of what is allowed.
+BAD_VALUES: dict[str, tuple[str, str]] = {
+    "enable": ("sglang,tgi", "comma list of sglang, vllm"),
+    "pinned_bytes": ("lots", "KiB"),
+    "staging_bytes": ("0", "at least 1"),
+    "long_run_bytes": ("-4k", "KiB"),
+    "gather_ctas": ("1025", "from 1 to 1024"),
+    "max_inflight_bytes": ("1.5", "KiB"),
+    "prefault_threads": ("0", "from 1 to 256"),
+    "register_chunk_bytes": ("16 GiB per call", "KiB"),
+    "metrics": ("maybe", "yes/no"),
+    "log_level": ("LOUD", "WARNING"),
+}
+
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def test_tables_cover_every_field():
+    names = {f.name for f in dataclasses.fields(KVCoreConfig)}
+    assert set(BY_NAME) == names
+    assert set(NON_DEFAULTS) == names
+    assert set(BAD_VALUES) == names
+
+
+def test_defaults():
+    config = KVCoreConfig()
+    assert config == KVCoreConfig.from_env({})
+    assert config.enable == frozenset()
+    assert config.pinned_bytes == 0
+    assert config.staging_bytes == 256 * MiB
+    assert config.long_run_bytes == 256 * KiB
+    assert config.gather_ctas == 8
+    assert config.max_inflight_bytes == 0
+    assert config.prefault_threads == 8
+    assert config.register_chunk_bytes == 16 * GiB
+    assert config.metrics is True
+    assert config.log_level == "WARNING"
+
+
+def test_names_follow_the_field():
+    assert BY_NAME["register_chunk_bytes"].env == "KVCORE_REGISTER_CHUNK_BYTES"
+    assert BY_NAME["register_chunk_bytes"].flag == "--kvcore-register-chunk-bytes"
+
+
+@pytest.mark.parametrize("name", sorted(NON_DEFAULTS))
+def test_every_field_from_env(name):
+    text, expected = NON_DEFAULTS[name]
+    config = KVCoreConfig.from_env({BY_NAME[name].env: text})
+    assert getattr(config, name) == expected
+    others = {n for n in BY_NAME if n != name}
+    assert all(getattr(config, n) == BY_NAME[n].default for n in others)
+
+
+@pytest.mark.parametrize("name", sorted(NON_DEFAULTS))
+@pytest.mark.parametrize("joined", [True, False])
+def test_every_field_from_flags(name, joined):
+    text, expected = NON_DEFAULTS[name]
+    flag = BY_NAME[name].flag
+    argv = [f"{flag}={text}"] if joined else [flag, text]
+    config, remaining = KVCoreConfig.from_args(argv, environ={})
+    assert getattr(config, name) == expected
+    assert remaining == []
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("4096", 4096),
+        ("1B", 1),
+        ("4k", 4 * KiB),
+        ("4K", 4 * KiB),
+        ("4KiB", 4 * KiB),
+        ("4kb", 4000),
+        (".5k", 512),
+        ("512MiB", 512 * MiB),
+        ("512 MiB", 512 * MiB),
+        (" 3m ", 3 * MiB),
+        ("7MB", 7_000_000),
+        ("1.5GiB", 3 * GiB // 2),
+        ("1.5GB", 1_500_000_000),
+        ("64GiB", 64 * GiB),
+        ("64g", 64 * GiB),
+        ("2T", 2 * TiB),
+        ("2TB", 2_000_000_000_000),
+        ("2tib", 2 * TiB),
+    ],
+)
+def test_size_units(text, expected):
+    assert parse_size(text) == expected
+    assert KVCoreConfig.from_env({"KVCORE_PINNED_BYTES": text}).pinned_bytes == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["1.5", "0.1k", "k", "12XB", "1e9", "1 2k", "-1", "1,024", "½k", "٣k"]
+)
+def test_bad_sizes(text):
+    with pytest.raises(ConfigError, match="KVCORE_PINNED_BYTES"):
+        KVCoreConfig.from_env({"KVCORE_PINNED_BYTES": text})
+
+
+def test_sizes_accept_ints_and_strings_in_code():
+    assert KVCoreConfig(staging_bytes="1GiB").staging_bytes == GiB
+    assert KVCoreConfig(staging_bytes=12345).staging_bytes == 12345
+    with pytest.raises(ConfigError, match="staging_bytes"):
+        KVCoreConfig(staging_bytes=True)
+    with pytest.raises(ConfigError, match="staging_bytes"):
+        KVCoreConfig(staging_bytes=1.5)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [(w, True) for w in ("1", "true", "True", "YES", "on", " On ")]
+    + [(w, False) for w in ("0", "false", "FALSE", "no", "off", "Off")],
+)
+def test_bools(text, expected):
+    assert KVCoreConfig.from_env({"KVCORE_METRICS": text}).metrics is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", set()),
+        ("false", set()),
+        ("off", set()),
+        ("1", {"sglang", "vllm"}),
+        ("true", {"sglang", "vllm"}),
+        ("all", {"sglang", "vllm"}),
+        ("ALL", {"sglang", "vllm"}),
+        ("sglang", {"sglang"}),
+        ("vllm", {"vllm"}),
+        ("vllm, SGLang", {"sglang", "vllm"}),
+        ("sglang,", {"sglang"}),
+    ],
+)
+def test_enable(text, expected):
+    config = KVCoreConfig.from_env({"KVCORE_ENABLE": text})
+    assert config.enable == expected
+    for engine in ENGINES:
+        assert config.enabled_for(engine) is (engine in expected)
+
+
+def test_enabled_for_refuses_unknown_engines():
+    with pytest.raises(ValueError, match="tgi"):
+        KVCoreConfig(enable="1").enabled_for("tgi")
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("gather_ctas", "1"),
+        ("gather_ctas", "1024"),
+        ("prefault_threads", "1"),
+        ("prefault_threads", "256"),
+        ("staging_bytes", "1"),
+        ("max_inflight_bytes", "0"),
+    ],
+)
+def test_range_edges_accepted(name, text):
+    assert getattr(KVCoreConfig.from_env({BY_NAME[name].env: text}), name) == int(text)
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("gather_ctas", "0"),
+        ("gather_ctas", "2.5"),
+        ("gather_ctas", "eight"),
+        ("gather_ctas", "٣"),
+        ("prefault_threads", "257"),
+        ("prefault_threads", "-1"),
+        ("long_run_bytes", "0"),
+        ("register_chunk_bytes", "0"),
+    ],
+)
+def test_range_edges_refused(name, text):
+    with pytest.raises(ConfigError, match=BY_NAME[name].env):
+        KVCoreConfig.from_env({BY_NAME[name].env: text})
+
+
+@pytest.mark.parametrize("name", sorted(BAD_VALUES))
+def test_bad_value_messages_name_variable_value_and_allowed(name):
+    text, allowed = BAD_VALUES[name]
+    setting = BY_NAME[name]
+    with pytest.raises(ConfigError) as env_error:
+        KVCoreConfig.from_env({setting.env: text})
+    with pytest.raises(ConfigError) as flag_error:
+        KVCoreConfig.from_args([f"{setting.flag}={text}"], environ={})
+    for error, source in ((env_error, setting.env), (flag_error, setting.flag)):
+        message = str(error.value)
+        assert source in message
+        assert repr(text) in message
+        assert allowed in message
+
+
+def test_empty_variable_counts_as_unset():
+    env = {s.env: "" for s in SETTINGS}
+    assert KVCoreConfig.from_env(env) == KVCoreConfig()
+
+
+def test_from_env_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("KVCORE_GATHER_CTAS", "12")
+    assert KVCoreConfig.from_env().gather_ctas == 12
+    assert KVCoreConfig.from_args([])[0].gather_ctas == 12
+
+
+def test_unknown_variable_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvcore.config"):
+        config = KVCoreConfig.from_env({"KVCORE_STAGING_BYTE": "1GiB", "OTHER_THING": "1"})
+    assert config == KVCoreConfig()
+    assert "KVCORE_STAGING_BYTE " in caplog.text
+    assert "did you mean KVCORE_STAGING_BYTES" in caplog.text
+    assert "OTHER_THING" not in caplog.text
+
+
+def test_flags_override_env_and_env_fills_the_rest():
+    env = {"KVCORE_STAGING_BYTES": "1GiB", "KVCORE_GATHER_CTAS": "4", "KVCORE_ENABLE": "vllm"}
+    config, _ = KVCoreConfig.from_args(["--kvcore-staging-bytes", "2GiB"], environ=env)
+    assert config.staging_bytes == 2 * GiB
+    assert config.gather_ctas == 4
+    assert config.enable == {"vllm"}
+
+
+def test_last_flag_wins():
+    config, _ = KVCoreConfig.from_args(
+        ["--kvcore-gather-ctas=2", "--kvcore-gather-ctas", "3"], environ={}
+    )
+    assert config.gather_ctas == 3
+
+
+def test_remaining_argv_is_preserved_in_order():
+    argv = [
+        "--model-path",
+        "/m",
+        "--kvcore-staging-bytes",
+        "64MiB",
+        "--tp",
+        "2",
+        "-x",
+        "--kvcore-metrics",
+        "model.bin",
+        "--kvcore-log-level=info",
+        "--kvcore",
+        "--",
+        "--kvcore-gather-ctas",
+        "99",
+        "--kvcore-no-such-flag",
+    ]
+    config, remaining = KVCoreConfig.from_args(argv, environ={"KVCORE_METRICS": "0"})
+    assert remaining == [
+        "--model-path",
+        "/m",
+        "--tp",
+        "2",
+        "-x",
+        "model.bin",
+        "--kvcore",
+        "--",
+        "--kvcore-gather-ctas",
+        "99",
+        "--kvcore-no-such-flag",
+    ]
+    assert config.staging_bytes == 64 * MiB
+    assert config.metrics is True
+    assert config.log_level == "INFO"
+    assert config.gather_ctas == 8
+
+
+@pytest.mark.parametrize(
+    ("argv", "metrics", "remaining"),
+    [
+        (["--kvcore-metrics"], True, []),
+        (["--kvcore-metrics", "0"], False, []),
+        (["--kvcore-metrics", "Off", "x"], False, ["x"]),
+        (["--kvcore-metrics", "yes"], True, []),
+        (["--kvcore-metrics=no", "1"], False, ["1"]),
+        (["--kvcore-metrics", "--port", "0"], True, ["--port", "0"]),
+    ],
+)
+def test_bool_flags(argv, metrics, remaining):
+    config, rest = KVCoreConfig.from_args(argv, environ={"KVCORE_METRICS": "0" if metrics else "1"})
+    assert config.metrics is metrics
+    assert rest == remaining
+
+
+def test_unknown_flag_lists_the_known_ones():
+    with pytest.raises(ConfigError) as error:
+        KVCoreConfig.from_args(["--kvcore-staging-byte", "1G"], environ={})
+    message = str(error.value)
+    assert "--kvcore-staging-byte " in message
+    assert "did you mean --kvcore-staging-bytes" in message
+    for setting in SETTINGS:
+        assert setting.flag in message
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kvcore-gather-ctas"],
+        ["--kvcore-gather-ctas", "--", "8"],
+        ["--kvcore-gather-ctas", "--tp"],
+    ],
+)
+def test_flag_without_value(argv):
+    with pytest.raises(ConfigError, match="--kvcore-gather-ctas needs a value"):
+        KVCoreConfig.from_args(argv, environ={})
+
+
+def test_config_is_frozen_and_checked():
+    config = KVCoreConfig(enable={"vllm"})
+    assert isinstance(config.enable, frozenset)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.gather_ctas = 3  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="gather_ctas"):
+        KVCoreConfig(gather_ctas=0)
+    with pytest.raises(ConfigError, match="tgi"):
+        KVCoreConfig(enable=["sglang", "tgi"])
+
+
+def test_to_env_of_defaults():
+    assert KVCoreConfig().to_env() == {
+        "KVCORE_ENABLE": "0",
+        "KVCORE_PINNED_BYTES": "0",
+        "KVCORE_STAGING_BYTES": "256MiB",
+        "KVCORE_LONG_RUN_BYTES": "256KiB",
+        "KVCORE_GATHER_CTAS": "8",
+        "KVCORE_MAX_INFLIGHT_BYTES": "0",
+        "KVCORE_PREFAULT_THREADS": "8",
+        "KVCORE_REGISTER_CHUNK_BYTES": "16GiB",
+        "KVCORE_METRICS": "1",
+        "KVCORE_LOG_LEVEL": "WARNING",
+    }
+
+
+sizes = st.one_of(
+    st.integers(0, 1 << 50),
+    st.builds(
+        lambda n, unit: n * unit, st.integers(0, 1 << 20), st.sampled_from([KiB, MiB, GiB, TiB])
+    ),
+)
+configs = st.builds(
+    KVCoreConfig,
+    enable=st.frozensets(st.sampled_from(ENGINES)),
+    pinned_bytes=sizes,
+    staging_bytes=sizes.map(lambda n: n + 1),
+    long_run_bytes=sizes.map(lambda n: n + 1),
+    gather_ctas=st.integers(1, 1024),
+    max_inflight_bytes=sizes,
+    prefault_threads=st.integers(1, 256),
+    register_chunk_bytes=sizes.map(lambda n: n + 1),
+    metrics=st.booleans(),
+    log_level=st.sampled_from(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs)
+def test_to_env_round_trips(config):
+    env = config.to_env()
+    assert set(env) == {s.env for s in SETTINGS}
+    assert all(isinstance(v, str) and v for v in env.values())
+    assert KVCoreConfig.from_env(env) == config
+    flags = [arg for s in SETTINGS for arg in (s.flag, env[s.env])]
+    assert KVCoreConfig.from_args(flags, environ={}) == (config, [])
+    assert json.loads(json.dumps(config.to_dict()))["enable"] == sorted(config.enable)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes)
+def test_format_size_is_exact_and_shortest(nbytes):
+    text = format_size(nbytes)
+    assert parse_size(text) == nbytes
+    number = re.match(r"\d+", text)
+    assert number is not None
+    if nbytes and nbytes % KiB == 0:
+        # The largest unit that divides: one step up would not be whole.
+        assert int(number.group()) % 1024 != 0 or text.endswith("TiB")
+    else:
+        assert text == str(nbytes)
+
+
+def test_settings_table_renders_every_field():
+    table = settings_markdown()
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(SETTINGS)
+    for row, setting in zip(rows, SETTINGS, strict=True):
+        assert row.count("|") == 6
+        assert f"`{setting.env}`" in row
+        assert f"`{setting.flag}`" in row
+        assert f"`{setting.default_text()}`" in row
+        assert setting.help in row
+    assert "`256MiB`" in table
+    assert "1.5GB" in table
+    help_text = settings_help()
+    for setting in SETTINGS:
+        assert setting.flag in help_text and setting.env in help_text
+        assert setting.help

@@ -1,0 +1,215 @@
+"""Reference kernels: byte views, and every op against a per-index python loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore import kernels
+from kvcore.kernels import REFERENCE, KernelSet, kernels_for, register_kernels
+from kvcore.kernels.reference import (
+    as_row_words,
+    copy_runs,
+    gather_rows,
+    index_copy_rows,
+    row_bytes,
+    row_word_bytes,
+    stage_in,
+    stage_out,
+    staging_words,
+)
+from kvcore.runs import find_paired_runs, find_runs
+
+POISON = 0xA5
+
+
+def random_bytes(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+
+
+def random_words(rows: int, words: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    width = torch.empty(0, dtype=dtype).element_size()
+    return random_bytes(rows * words * width, gen).view(dtype).view(rows, words)
+
+
+def poisoned(rows: int, words: int, dtype: torch.dtype) -> torch.Tensor:
+    width = torch.empty(0, dtype=dtype).element_size()
+    return torch.full((rows * words * width,), POISON, dtype=torch.uint8).view(dtype).view(rows, -1)
+
+
+def loop_copy(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor):
+    out = dst.clone()
+    for s, d in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
+        out[d] = src[s]
+    return out
+
+
+def scattered(n: int, pool: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randperm(pool, generator=gen)[:n]
+
+
+def untouched(rows: int, idx: torch.Tensor) -> torch.Tensor:
+    keep = torch.ones(rows, dtype=torch.bool)
+    keep[idx] = False
+    return keep
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "width"),
+    [
+        ((4, 2, 8, 128), torch.bfloat16, 8),
+        ((4, 1, 576), torch.bfloat16, 8),
+        ((4, 64 * 132), torch.uint8, 8),
+        ((4, 10), torch.uint8, 2),
+        ((4, 12), torch.uint8, 4),
+        ((4, 3), torch.uint8, 1),
+        ((4, 3), torch.float16, 2),
+        ((4, 6), torch.int8, 2),
+        ((4,), torch.int32, 4),
+        ((4, 5), torch.float64, 8),
+    ],
+)
+def test_widest_word_divides_row_bytes(shape, dtype, width):
+    t = torch.zeros(shape, dtype=dtype)
+    assert row_word_bytes(t) == width
+    words = as_row_words(t)
+    assert words is not None
+    assert words.element_size() == width
+    assert tuple(words.shape) == (shape[0], row_bytes(t) // width)
+
+
+@pytest.mark.parametrize(("offset", "width"), [(1, 1), (2, 2), (4, 4), (8, 8), (6, 2)])
+def test_word_narrows_to_alignment(offset, width):
+    base = torch.zeros(8 * 4 + 16, dtype=torch.uint8)
+    t = base[offset : offset + 32].view(4, 8)
+    assert row_word_bytes(t) == width
+    words = as_row_words(t)
+    assert words is not None and words.element_size() == width
+
+
+@pytest.mark.parametrize(("offset", "width"), [(3, 1), (2, 2), (4, 4)])
+def test_word_narrows_to_a_misaligned_storage_base(offset, width):
+    # The storage offset is 0 here: only the data pointer shows the misalignment.
+    memory = bytearray(96)
+    t = torch.frombuffer(memoryview(memory)[offset : offset + 64], dtype=torch.uint8)
+    assert t.storage_offset() == 0 and t.data_ptr() % 8 == offset % 8
+    assert row_word_bytes(t.view(4, 16)) == width
+
+
+def test_no_byte_view_for_non_dense_rows():
+    t = torch.zeros(6, 4, 8, dtype=torch.bfloat16)
+    assert row_word_bytes(torch.zeros((), dtype=torch.float32)) is None
+    assert as_row_words(t[:, :, :3]) is None
+    assert as_row_words(t[::2]) is None
+    assert as_row_words(t.transpose(1, 2)) is None
+    assert as_row_words(t[:1].expand(6, 4, 8)) is None
+    assert as_row_words(torch.zeros(3, 2, dtype=torch.complex64).conj()) is None
+    assert as_row_words(t[1:4]) is not None
+
+
+def test_row_words_share_memory_and_bytes():
+    gen = torch.Generator().manual_seed(1)
+    t = random_bytes(5 * 1152, gen).view(torch.bfloat16).view(5, 1, 576)
+    words = as_row_words(t)
+    assert words is not None
+    assert words.data_ptr() == t.data_ptr()
+    assert torch.equal(words.view(torch.uint8), t.view(torch.uint8).view(5, 1152))
+    fresh = random_words(1, words.shape[1], words.dtype, gen)
+    words[3] = fresh[0]
+    assert torch.equal(t[3].reshape(-1).view(torch.uint8), fresh[0].view(torch.uint8))
+
+
+def test_explicit_word_size():
+    t = torch.zeros(4, 16, dtype=torch.uint8)
+    narrowed = as_row_words(t, 2)
+    assert narrowed is not None and narrowed.dtype == torch.int16 and narrowed.shape == (4, 8)
+    with pytest.raises(ValueError):
+        as_row_words(t, 16)
+    with pytest.raises(ValueError):
+        as_row_words(torch.zeros(34, dtype=torch.uint8)[2:].view(4, 8), 8)
+
+
+def test_staging_words_views_the_buffer_front():
+    buffer = torch.zeros(100, dtype=torch.uint8)
+    like = torch.zeros(3, 6, dtype=torch.int16)
+    view = staging_words(buffer, 8, like)
+    assert view.shape == (8, 6) and view.dtype == torch.int16
+    assert view.data_ptr() == buffer.data_ptr()
+    with pytest.raises(ValueError):
+        staging_words(buffer, 9, like)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.uint8])
+def test_copy_runs_matches_loop(dtype):
+    gen = torch.Generator().manual_seed(2)
+    src = random_words(40, 7, dtype, gen)
+    dst = poisoned(30, 7, dtype)
+    src_idx = torch.cat([torch.arange(3, 9), torch.tensor([20]), torch.arange(30, 40)])
+    dst_idx = torch.cat(
+        [torch.arange(0, 4), torch.arange(10, 14), torch.tensor([29]), scattered(8, 9, gen) + 15]
+    )
+    expected = loop_copy(src, dst, src_idx, dst_idx)
+    before = src.clone()
+    copy_runs(src, dst, find_paired_runs(src_idx, dst_idx))
+    assert torch.equal(dst, expected)
+    assert torch.equal(src, before)
+    assert bool((dst[untouched(30, dst_idx)].view(torch.uint8) == POISON).all())
+
+
+def test_gather_rows_matches_loop_with_repeated_sources():
+    gen = torch.Generator().manual_seed(3)
+    src = random_words(20, 5, torch.int32, gen)
+    dst = poisoned(25, 5, torch.int32)
+    src_idx = torch.randint(0, 20, (18,), generator=gen)
+    dst_idx = scattered(18, 25, gen)
+    expected = loop_copy(src, dst, src_idx, dst_idx)
+    gather_rows(src, src_idx, dst, dst_idx)
+    assert torch.equal(dst, expected)
+
+
+def test_stage_in_matches_loop():
+    gen = torch.Generator().manual_seed(4)
+    src = random_words(30, 9, torch.int16, gen)
+    dst = poisoned(24, 9, torch.int16)
+    src_idx = torch.cat([torch.arange(2, 10), torch.arange(20, 26), torch.tensor([0, 29])])
+    dst_idx = scattered(16, 24, gen)
+    staging = random_words(16, 9, torch.int16, gen)
+    expected = loop_copy(src, dst, src_idx, dst_idx)
+    stage_in(src, find_runs(src_idx), staging, dst, dst_idx)
+    assert torch.equal(dst, expected)
+    assert torch.equal(staging, src[src_idx])
+
+
+def test_stage_out_matches_loop():
+    gen = torch.Generator().manual_seed(5)
+    src = random_words(24, 3, torch.uint8, gen)
+    dst = poisoned(30, 3, torch.uint8)
+    src_idx = torch.randint(0, 24, (16,), generator=gen)
+    dst_idx = torch.cat([torch.arange(12, 20), torch.arange(0, 6), torch.tensor([29, 27])])
+    staging = random_words(16, 3, torch.uint8, gen)
+    expected = loop_copy(src, dst, src_idx, dst_idx)
+    stage_out(src, src_idx, staging, dst, find_runs(dst_idx))
+    assert torch.equal(dst, expected)
+
+
+def test_index_copy_rows_is_stock_indexing():
+    gen = torch.Generator().manual_seed(6)
+    src = torch.randn(12, 4, generator=gen)
+    dst = torch.full((10, 4), 7.0, dtype=torch.bfloat16)
+    src_idx = torch.tensor([3, 3, 0, 11])
+    dst_idx = torch.tensor([9, 1, 4, 0])
+    expected = dst.clone()
+    for s, d in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
+        expected[d] = src[s].to(torch.bfloat16)
+    index_copy_rows(src, dst, src_idx, dst_idx)
+    assert torch.equal(dst, expected)
+
+
+def test_reference_serves_unregistered_devices(monkeypatch):
+    monkeypatch.setattr(kernels, "_BY_DEVICE_TYPE", {})
+    assert kernels_for(torch.device("cpu")) is REFERENCE
+    assert kernels_for(torch.device("meta")) is REFERENCE
+    custom = KernelSet("custom", copy_runs, gather_rows, stage_in, stage_out)
+    register_kernels("meta", custom)
+    assert kernels_for(torch.device("meta")) is custom
+    assert kernels_for(torch.device("cpu")) is REFERENCE

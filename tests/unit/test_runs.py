@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.runs import (
+    check_bounds,
+    check_index,
+    find_page_runs,
+    find_paired_runs,
+    find_runs,
+    has_duplicates,
+    is_single_run,
+)
+
+index_lists = st.lists(st.integers(min_value=0, max_value=60), max_size=80)
+
+
+def expand(starts: list[int], lengths: list[int]) -> list[int]:
+    return [s + j for s, n in zip(starts, lengths, strict=True) for j in range(n)]
+
+
+def reference_runs(values: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for v in values:
+        if out and out[-1][0] + out[-1][1] == v:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(index_lists)
+def test_find_runs_matches_reference(values: list[int]) -> None:
+    runs = find_runs(torch.tensor(values, dtype=torch.int64))
+    assert runs.as_list() == reference_runs(values)
+    assert runs.total == len(values)
+    assert expand(runs.starts.tolist(), runs.lengths.tolist()) == values
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60))
+def test_paired_runs_split_where_either_side_breaks(pairs: list[tuple[int, int]]) -> None:
+    src = [p[0] for p in pairs]
+    dst = [p[1] for p in pairs]
+    runs = find_paired_runs(
+        torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
+    )
+    assert expand(runs.src_starts.tolist(), runs.lengths.tolist()) == src
+    assert expand(runs.dst_starts.tolist(), runs.lengths.tolist()) == dst
+    assert runs.offsets.tolist() == [0, *torch.cumsum(runs.lengths, 0).tolist()[:-1]][: runs.count]
+    # maximal: two neighbouring runs could not have been joined
+    for i in range(runs.count - 1):
+        end = int(runs.offsets[i] + runs.lengths[i]) - 1
+        joinable = src[end] + 1 == src[end + 1] and dst[end] + 1 == dst[end + 1]
+        assert not joinable
+
+
+def test_single_run_detection() -> None:
+    assert is_single_run(torch.arange(7, 19))
+    assert is_single_run(torch.tensor([], dtype=torch.int64))
+    assert is_single_run(torch.tensor([5]))
+    assert not is_single_run(torch.tensor([1, 2, 4]))
+    assert not is_single_run(torch.tensor([3, 2, 1]))
+    assert not is_single_run(torch.tensor([1, 1]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=20), st.sampled_from([1, 2, 4, 64]))
+def test_page_runs_equal_token_runs(pages: list[int], page_size: int) -> None:
+    tokens = torch.tensor(
+        [p * page_size + j for p in pages for j in range(page_size)], dtype=torch.int64
+    )
+    assert find_page_runs(tokens, page_size).as_list() == find_runs(tokens).as_list()
+
+
+def test_page_runs_reject_broken_pages() -> None:
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        find_page_runs(torch.arange(6), 4)
+    with pytest.raises(ValueError, match="whole, aligned pages"):
+        find_page_runs(torch.arange(2, 10), 4)
+    with pytest.raises(ValueError, match="whole, aligned pages"):
+        find_page_runs(torch.tensor([0, 1, 3, 2]), 4)
+    with pytest.raises(ValueError, match="page_size"):
+        find_page_runs(torch.arange(4), 0)
+
+
+def test_bad_index_tensors_are_refused() -> None:
+    with pytest.raises(TypeError, match="integer dtype"):
+        check_index(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="one-dimensional"):
+        check_index(torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
+        check_index([1, 2])  # type: ignore[arg-type]
+    meta = torch.empty(4, dtype=torch.int64, device="meta")
+    with pytest.raises(TypeError, match="CPU index tensors only"):
+        find_runs(meta)
+
+
+@pytest.mark.gpu
+def test_cuda_index_is_refused_without_reading_it_back() -> None:
+    with pytest.raises(TypeError, match="synchronise the GPU"):
+        find_runs(torch.arange(8, device="cuda"))
+
+
+def test_bounds_and_duplicates() -> None:
+    check_bounds(torch.tensor([0, 9]), 10)
+    with pytest.raises(ValueError, match="holds 10"):
+        check_bounds(torch.tensor([0, 10]), 10)
+    with pytest.raises(ValueError, match="holds -1"):
+        check_bounds(torch.tensor([-1, 3]), 10)
+    assert has_duplicates(torch.tensor([4, 1, 4]))
+    assert not has_duplicates(torch.tensor([4, 1, 5]))
+    assert find_runs(torch.tensor([1, 2, 3], dtype=torch.int32)).as_list() == [(1, 3)]
