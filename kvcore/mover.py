@@ -68,9 +68,11 @@ class PathPolicy:
     """Capacity of the preallocated staging buffer per device."""
     long_run_bytes: int = 256 << 10
     """Average run size from which one copy per run (or batched DMA) reaches line rate."""
+    gather_ctas: int = 8
+    """CTAs (so SMs) the UVA gather kernel may occupy on CUDA."""
 
     def __post_init__(self) -> None:
-        if self.staging_bytes < 1 or self.long_run_bytes < 1:
+        if self.staging_bytes < 1 or self.long_run_bytes < 1 or self.gather_ctas < 1:
             raise ValueError(f"PathPolicy sizes must be positive, got {self}")
 
 
@@ -308,6 +310,17 @@ class Mover:
         self.policy = policy
         self.metrics = metrics
         self.staging = StagingBuffers(policy.staging_bytes) if staging is None else staging
+        self._cuda_kernels: KernelSet | None = None
+
+    def kernels(self, device: torch.device) -> KernelSet:
+        """The kernel set for ``device``; CUDA's is built on first use (it imports Triton)."""
+        if device.type != "cuda":
+            return kernels_for(device)
+        if self._cuda_kernels is None:
+            from kvcore.kernels.cuda import cuda_kernels
+
+            self._cuda_kernels = cuda_kernels(self.policy.gather_ctas)
+        return self._cuda_kernels
 
     def transfer(
         self,
@@ -335,24 +348,27 @@ class Mover:
                 stock()
             else:
                 index_copy_rows(plan.src, plan.dst, plan.src_idx, plan.dst_idx)
-        elif plan.rows and plan.row_bytes:
-            self._copy(plan)
+        degraded = None
+        if plan.path is not TransferPath.FALLBACK and plan.rows and plan.row_bytes:
+            degraded = self._copy(plan)
         seconds = time.perf_counter() - started
         if self.metrics is not None:
             direction, path = plan.direction.value, plan.path.value
             self.metrics.record_transfer(direction, path, plan.nbytes, seconds)
-            if plan.reason is not None:
-                self.metrics.record_fallback(plan.reason)
+            for reason in (plan.reason, degraded):
+                if reason is not None:
+                    self.metrics.record_fallback(reason)
 
-    def _copy(self, plan: TransferPlan) -> None:
+    def _copy(self, plan: TransferPlan) -> str | None:
+        """Issue the plan's copies; returns why a slower way was taken, if one was."""
         src_words, dst_words = _word_views(plan.src, plan.dst)
-        kernels = kernels_for(plan.device)
+        kernels = self.kernels(plan.device)
         if plan.path in (TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS):
-            kernels.copy_runs(src_words, dst_words, plan.runs)
-        elif plan.path is TransferPath.GATHER:
-            kernels.gather_rows(src_words, plan.src_idx, dst_words, plan.dst_idx)
-        else:
-            self._staged(plan, kernels, src_words, dst_words)
+            return kernels.copy_runs(src_words, dst_words, plan.runs)
+        if plan.path is TransferPath.GATHER:
+            return kernels.gather_rows(src_words, plan.src_idx, dst_words, plan.dst_idx)
+        self._staged(plan, kernels, src_words, dst_words)
+        return None
 
     def _staged(
         self,

@@ -16,8 +16,10 @@ import torch
 from kvcore.kernels import reference
 from kvcore.runs import PairedRuns, Runs
 
-CopyRuns = Callable[[torch.Tensor, torch.Tensor, PairedRuns], None]
-GatherRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# copy_runs and gather_rows return None, or the reason they had to take a slower
+# way (a refused batch submission, a missing kernel), which the mover counts.
+CopyRuns = Callable[[torch.Tensor, torch.Tensor, PairedRuns], str | None]
+GatherRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], str | None]
 StageIn = Callable[[torch.Tensor, Runs, torch.Tensor, torch.Tensor, torch.Tensor], None]
 StageOut = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Runs], None]
 

@@ -81,7 +81,9 @@ def copy_runs(src_words: torch.Tensor, dst_words: torch.Tensor, runs: PairedRuns
     for src_start, dst_start, length in zip(
         runs.src_starts.tolist(), runs.dst_starts.tolist(), runs.lengths.tolist(), strict=True
     ):
-        dst_words[dst_start : dst_start + length].copy_(src_words[src_start : src_start + length])
+        dst_words[dst_start : dst_start + length].copy_(
+            src_words[src_start : src_start + length], non_blocking=True
+        )
 
 
 def gather_rows(
@@ -92,7 +94,9 @@ def gather_rows(
 ) -> None:
     """``dst_words[dst_idx[k]] = src_words[src_idx[k]]`` as one gather and one scatter."""
     rows = src_words.index_select(0, src_idx.to(src_words.device))
-    dst_words.index_copy_(0, dst_idx.to(dst_words.device), rows.to(dst_words.device))
+    dst_words.index_copy_(
+        0, dst_idx.to(dst_words.device), rows.to(dst_words.device, non_blocking=True)
+    )
 
 
 def _runs_to_staging(
@@ -103,9 +107,9 @@ def _runs_to_staging(
         host = host_words[start : start + length]
         staged = staging[position : position + length]
         if into_staging:
-            staged.copy_(host)
+            staged.copy_(host, non_blocking=True)
         else:
-            host.copy_(staged)
+            host.copy_(staged, non_blocking=True)
         position += length
 
 

@@ -1,0 +1,226 @@
+"""The core's transfer paths, pinned arena and copy streams on a real GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore.direction import Direction
+from kvcore.metrics import Metrics
+from kvcore.mover import Mover, PathPolicy, TransferPath, plan
+from kvcore.pinned import PinnedArena, allocate_host_buffer
+from kvcore.streams import CopyStreams, CudaBackend
+
+pytestmark = pytest.mark.gpu
+
+ROW_SHAPES = {
+    "mla-1152B": ((1, 576), torch.bfloat16),
+    "mha-4KiB": ((2, 8, 128), torch.bfloat16),
+    "mha-16KiB-fp16": ((2, 8, 512), torch.float16),
+    "fp8-1KiB": ((1024,), torch.uint8),
+    "dsa-page": ((64 * 132,), torch.uint8),
+}
+LAYOUTS = ("one-run", "host-run-device-scattered", "long-runs", "scattered")
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    numel = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel,), dtype=torch.uint8, device=device)
+    return raw.view(dtype).view(shape)
+
+
+def _pinned_rows(rows: int, row_shape: tuple[int, ...], dtype: torch.dtype):
+    elem = torch.empty(0, dtype=dtype).element_size()
+    buffer = allocate_host_buffer(rows * torch.Size(row_shape).numel() * elem, pin=True)
+    host = buffer.tensor.view(dtype).view(rows, *row_shape)
+    host.copy_(_random((rows, *row_shape), dtype, "cpu"))
+    return buffer, host
+
+
+def _layout(
+    name: str, n: int, pool: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host index, device index) for one of LAYOUTS."""
+    if name == "one-run":
+        return torch.arange(5, 5 + n), torch.arange(7, 7 + n)
+    if name == "host-run-device-scattered":
+        return torch.arange(3, 3 + n), torch.randperm(pool, generator=gen)[:n]
+    if name == "long-runs":
+        chunk = 128
+        order = torch.randperm(pool // chunk, generator=gen)[: n // chunk]
+        host = (order[:, None] * chunk + torch.arange(chunk)).flatten()
+        order = torch.randperm(pool // chunk, generator=gen)[: n // chunk]
+        return host, (order[:, None] * chunk + torch.arange(chunk)).flatten()
+    return (
+        torch.randperm(pool, generator=gen)[:n],
+        torch.randperm(pool, generator=gen)[:n],
+    )
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1).view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("row_kind", ROW_SHAPES)
+@pytest.mark.parametrize("direction", list(Direction))
+@pytest.mark.parametrize("forced", [None, *[p for p in TransferPath if p.value != "fallback"]])
+def test_every_path_is_byte_identical(direction, row_kind, layout, forced) -> None:
+    row_shape, dtype = ROW_SHAPES[row_kind]
+    pool, n = 4096, 1024
+    gen = torch.Generator().manual_seed(hash((direction, row_kind, layout)) % 2**31)
+    buffer, host = _pinned_rows(pool, row_shape, dtype)
+    device_rows = _random((pool, *row_shape), dtype, "cuda")
+    host_idx, device_idx = _layout(layout, n, pool, gen)
+    if direction is Direction.H2D:
+        src, dst, src_idx, dst_idx = host, device_rows, host_idx, device_idx
+    else:
+        src, dst, src_idx, dst_idx = device_rows, host, device_idx, host_idx
+    try:
+        chosen = plan(
+            src, dst, src_idx, dst_idx, policy=PathPolicy(staging_bytes=1 << 20), force=forced
+        )
+    except ValueError:
+        assert forced is TransferPath.SINGLE_COPY
+        buffer.close()
+        return
+    src_before = _as_bytes(src).clone()
+    expected = _as_bytes(dst).clone()
+    expected[dst_idx] = _as_bytes(src)[src_idx]
+    metrics = Metrics()
+    Mover(PathPolicy(staging_bytes=1 << 20), metrics=metrics).execute(chosen)
+    torch.cuda.synchronize()
+    assert torch.equal(_as_bytes(dst), expected), chosen.describe()
+    assert torch.equal(_as_bytes(src), src_before)
+    assert metrics.snapshot()["fallbacks"] == {}, chosen.describe()
+    buffer.close()
+
+
+def test_auto_paths_cover_all_four_layouts() -> None:
+    pool, n = 4096, 1024
+    gen = torch.Generator().manual_seed(0)
+    host = torch.empty(pool, 2048, dtype=torch.uint8).pin_memory()
+    device_rows = torch.empty(pool, 2048, dtype=torch.uint8, device="cuda")
+    seen = {plan(host, device_rows, *_layout(name, n, pool, gen)).path for name in LAYOUTS}
+    assert seen == {
+        TransferPath.SINGLE_COPY,
+        TransferPath.STAGED,
+        TransferPath.BATCHED_RUNS,
+        TransferPath.GATHER,
+    }
+
+
+def test_page_out_makes_no_host_synchronisation() -> None:
+    """Every non-fallback page-out path, with torch's sync debugger set to raise."""
+    pool, n = 4096, 1024
+    gen = torch.Generator().manual_seed(1)
+    buffer, host = _pinned_rows(pool, (1, 576), torch.bfloat16)
+    device_rows = _random((pool, 1, 576), torch.bfloat16, "cuda")
+    mover = Mover(PathPolicy(staging_bytes=1 << 20))
+    plans = []
+    for name in LAYOUTS:
+        host_idx, device_idx = _layout(name, n, pool, gen)
+        plans.append(plan(device_rows, host, device_idx, host_idx))
+    for p in plans:  # warm up: first calls compile kernels and allocate staging
+        mover.execute(p)
+    torch.cuda.synchronize()
+    streams = CopyStreams(CudaBackend())
+    producer = torch.cuda.current_stream().record_event()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tickets = [
+            streams.submit(
+                Direction.D2H, lambda p=p: mover.execute(p), nbytes=p.nbytes, wait_for=producer
+            )
+            for p in plans
+        ]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for t in tickets:
+        streams.wait(t)
+    assert {p.path for p in plans} >= {TransferPath.STAGED, TransferPath.GATHER}
+    buffer.close()
+
+
+def test_page_out_waits_for_the_producer() -> None:
+    """A producer held back by a spin kernel: the page-out must read its rows, not stale ones."""
+    rows = 2048
+    buffer, host = _pinned_rows(rows, (1, 576), torch.bfloat16)
+    device_rows = _random((rows, 1, 576), torch.bfloat16, "cuda")
+    fresh = _random((rows, 1, 576), torch.bfloat16, "cuda")
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(200_000_000)
+        device_rows.copy_(fresh)
+        done = producer.record_event()
+    streams = CopyStreams(CudaBackend())
+    idx = torch.randperm(rows)
+    out = plan(device_rows, host, idx, torch.arange(rows))
+    mover = Mover()
+    ticket = streams.submit(
+        Direction.D2H, lambda: mover.execute(out), nbytes=out.nbytes, wait_for=done
+    )
+    streams.wait(ticket)
+    assert torch.equal(_as_bytes(host), _as_bytes(fresh)[idx])
+    buffer.close()
+
+
+def test_consumer_waits_for_the_page_in() -> None:
+    rows = 4096
+    buffer, host = _pinned_rows(rows, (2, 8, 128), torch.bfloat16)
+    device_rows = _random((rows, 2, 8, 128), torch.bfloat16, "cuda")
+    streams = CopyStreams(CudaBackend())
+    mover = Mover()
+    dst_idx = torch.randperm(rows)
+    page_in = plan(host, device_rows, torch.arange(rows), dst_idx)
+
+    def slow_copy() -> None:
+        torch.cuda._sleep(100_000_000)
+        mover.execute(page_in)
+
+    ticket = streams.submit(Direction.H2D, slow_copy, nbytes=page_in.nbytes)
+    consumer = torch.cuda.Stream()
+    streams.make_stream_wait(ticket, consumer)
+    with torch.cuda.stream(consumer):
+        seen = device_rows[dst_idx].clone()
+    consumer.synchronize()
+    assert torch.equal(_as_bytes(seen), _as_bytes(host))
+    streams.drain()
+    buffer.close()
+
+
+def test_cancel_and_drain_with_copies_in_flight() -> None:
+    arena = PinnedArena(64 << 20, pin=True)
+    streams = CopyStreams(CudaBackend())
+    device_rows = _random((8192, 4096), torch.uint8, "cuda")
+    tickets = []
+    for i in range(8):
+        lease = arena.reserve(4 << 20)
+        assert lease
+        host = lease.view(torch.uint8, (1024, 4096))
+
+        def copy(host=host, i=i) -> None:
+            torch.cuda._sleep(20_000_000)
+            host.copy_(device_rows[i * 1024 : (i + 1) * 1024], non_blocking=True)
+
+        tickets.append(streams.submit(Direction.D2H, copy, nbytes=4 << 20, leases=[lease]))
+    streams.cancel(tickets[0])
+    assert arena.in_use_bytes == 32 << 20  # the tombstone still owns its lease
+    report = streams.drain(cancel=True)
+    assert report.leases_released == 8
+    assert arena.in_use_bytes == 0
+    arena.close()
+
+
+def test_registered_arena_is_pinned_and_exact() -> None:
+    size = (3 << 30) + 4096  # not a power of two: no rounding up
+    buffer = allocate_host_buffer(size, pin=True, register_chunk_bytes=1 << 30)
+    assert buffer.kind == "registered"
+    assert buffer.tensor.numel() == size
+    assert buffer.tensor.is_pinned()
+    src = _random((size // 4096, 4096), torch.uint8, "cuda")
+    buffer.tensor.view(-1, 4096).copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buffer.tensor.view(-1, 4096)[-7:].cuda(), src[-7:])
+    buffer.close()
+    assert buffer.closed
