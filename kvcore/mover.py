@@ -70,9 +70,12 @@ class PathPolicy:
     """Average run size from which one copy per run (or batched DMA) reaches line rate."""
     gather_ctas: int = 8
     """CTAs (so SMs) the UVA gather kernel may occupy on CUDA."""
+    max_dma_runs: int = 16
+    """Most runs worth one DMA each: each costs ~1-15 us of host time to submit."""
 
     def __post_init__(self) -> None:
-        if self.staging_bytes < 1 or self.long_run_bytes < 1 or self.gather_ctas < 1:
+        sizes = (self.staging_bytes, self.long_run_bytes, self.gather_ctas, self.max_dma_runs)
+        if min(sizes) < 1:
             raise ValueError(f"PathPolicy sizes must be positive, got {self}")
 
 
@@ -237,11 +240,14 @@ def _choose_path(
     if runs.count <= 1:
         # One run on both sides is one DMA at line rate; nothing can beat it.
         return TransferPath.SINGLE_COPY
-    if nbytes >= policy.long_run_bytes * runs.count:
-        # Runs long enough that DMA engines reach line rate run by run, and the
-        # per-run submission cost (one batched submission on CUDA) is amortised.
+    if runs.count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * runs.count:
+        # A few runs long enough that DMA engines reach line rate run by run, and
+        # the per-run submission cost (one batched submission on CUDA) is amortised.
+        # Many runs cost host time per run (measured 1-15 us each on the H200).
         return TransferPath.BATCHED_RUNS
-    host_runs_long = host_runs.count <= 1 or nbytes >= policy.long_run_bytes * host_runs.count
+    host_runs_long = host_runs.count <= 1 or (
+        host_runs.count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * host_runs.count
+    )
     if host_runs_long and row_size <= policy.staging_bytes:
         # Only the host side crosses PCIe: a few long DMAs into device staging,
         # then a scatter at HBM bandwidth (>10x PCIe), which is nearly free.

@@ -37,10 +37,6 @@ def copy_runs(src_words: torch.Tensor, dst_words: torch.Tensor, runs: PairedRuns
     return None
 
 
-def _upload(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return index.to(device, non_blocking=True)
-
-
 def make_gather_rows(ctas: int) -> GatherRows:
     def gather_rows(
         src_words: torch.Tensor,
@@ -57,7 +53,11 @@ def make_gather_rows(ctas: int) -> GatherRows:
             reference.gather_rows(src_words, src_idx, dst_words, dst_idx)
             return "gather_kernel_unavailable:pageable_host"
         gather_rows_uva(
-            src_words, _upload(src_idx, device), dst_words, _upload(dst_idx, device), ctas=ctas
+            src_words,
+            reference.index_on(src_idx, device),
+            dst_words,
+            reference.index_on(dst_idx, device),
+            ctas=ctas,
         )
         return None
 

@@ -25,6 +25,19 @@ _WORD_DTYPES: dict[int, torch.dtype] = {
 }
 
 
+def index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``index`` on ``device`` without a host sync.
+
+    A blocking upload would wait for every copy queued before it; going through
+    pinned memory lets the upload queue behind them instead.
+    """
+    if index.device == device:
+        return index
+    if device.type == "cuda" and index.device.type == "cpu":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
 def row_bytes(t: torch.Tensor) -> int:
     """Bytes of one row (everything after dim 0)."""
     return math.prod(t.shape[1:]) * t.element_size()
@@ -93,9 +106,9 @@ def gather_rows(
     dst_idx: torch.Tensor,
 ) -> None:
     """``dst_words[dst_idx[k]] = src_words[src_idx[k]]`` as one gather and one scatter."""
-    rows = src_words.index_select(0, src_idx.to(src_words.device))
+    rows = src_words.index_select(0, index_on(src_idx, src_words.device))
     dst_words.index_copy_(
-        0, dst_idx.to(dst_words.device), rows.to(dst_words.device, non_blocking=True)
+        0, index_on(dst_idx, dst_words.device), rows.to(dst_words.device, non_blocking=True)
     )
 
 
@@ -125,7 +138,7 @@ def stage_in(
     ``staging`` is ``[host_runs.total, words]`` on the destination's device.
     """
     _runs_to_staging(src_words, host_runs, staging, into_staging=True)
-    dst_words.index_copy_(0, dst_idx.to(dst_words.device), staging)
+    dst_words.index_copy_(0, index_on(dst_idx, dst_words.device), staging)
 
 
 def stage_out(
@@ -139,7 +152,7 @@ def stage_out(
 
     ``staging`` is ``[host_runs.total, words]`` on the source's device.
     """
-    torch.index_select(src_words, 0, src_idx.to(src_words.device), out=staging)
+    torch.index_select(src_words, 0, index_on(src_idx, src_words.device), out=staging)
     _runs_to_staging(dst_words, host_runs, staging, into_staging=False)
 
 

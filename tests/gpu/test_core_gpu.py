@@ -88,11 +88,30 @@ def test_every_path_is_byte_identical(direction, row_kind, layout, forced) -> No
     expected = _as_bytes(dst).clone()
     expected[dst_idx] = _as_bytes(src)[src_idx]
     metrics = Metrics()
-    Mover(PathPolicy(staging_bytes=1 << 20), metrics=metrics).execute(chosen)
+    # A real stream, as CopyStreams gives: the batch API refuses the legacy default stream.
+    with torch.cuda.stream(torch.cuda.Stream()):
+        Mover(PathPolicy(staging_bytes=1 << 20), metrics=metrics).execute(chosen)
     torch.cuda.synchronize()
     assert torch.equal(_as_bytes(dst), expected), chosen.describe()
     assert torch.equal(_as_bytes(src), src_before)
     assert metrics.snapshot()["fallbacks"] == {}, chosen.describe()
+    buffer.close()
+
+
+def test_batch_refusal_on_the_default_stream_is_counted_and_exact() -> None:
+    pool = 4096
+    gen = torch.Generator().manual_seed(3)
+    buffer, host = _pinned_rows(pool, (2, 8, 128), torch.bfloat16)
+    device_rows = _random((pool, 2, 8, 128), torch.bfloat16, "cuda")
+    host_idx, device_idx = _layout("long-runs", 1024, pool, gen)
+    chosen = plan(host, device_rows, host_idx, device_idx, force=TransferPath.BATCHED_RUNS)
+    expected = _as_bytes(device_rows).clone()
+    expected[device_idx] = _as_bytes(host)[host_idx]
+    metrics = Metrics()
+    Mover(metrics=metrics).execute(chosen)
+    torch.cuda.synchronize()
+    assert torch.equal(_as_bytes(device_rows), expected)
+    assert metrics.snapshot()["fallbacks"] == {"batch_copy_refused:legacy default stream": 1}
     buffer.close()
 
 
