@@ -102,6 +102,12 @@ class HostBuffer:
 
     kind: HostBufferKind
     pinned: bool
+    segment_bytes: int | None = None
+    """Size of each separately registered segment, None when the buffer is one segment.
+
+    A DMA copy must not cross a segment boundary: the driver rejects a range that
+    spans two registrations (cudaErrorInvalidValue).
+    """
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor: torch.Tensor | None = tensor
@@ -145,6 +151,8 @@ class RegisteredBuffer(HostBuffer):
         prefault_threads: int,
         register_chunk_bytes: int,
     ) -> None:
+        if nbytes > register_chunk_bytes:
+            self.segment_bytes = register_chunk_bytes
         if register_chunk_bytes <= 0 or register_chunk_bytes % mmap.PAGESIZE:
             raise ValueError(
                 f"register_chunk_bytes {register_chunk_bytes} is not a positive multiple "
@@ -313,13 +321,50 @@ class PinnedArena:
         if buffer is None:
             buffer = allocate_host_buffer(capacity_bytes, pin=pin)
         self.buffer = buffer
-        self._units = ContiguousSlotAllocator(capacity_bytes // alignment)
+        self._segment_units = self._check_segments(buffer, capacity_bytes, alignment)
+        self._units = self._segmented_units(capacity_bytes // alignment, self._segment_units)
         self._metrics = metrics
         self._lock = threading.Lock()
         self._live: set[Lease] = set()
         self._in_use = 0
         self._closed = False
         self._publish()
+
+    @staticmethod
+    def _check_segments(buffer: HostBuffer, capacity_bytes: int, alignment: int) -> int:
+        """Units per registration segment (all of them when the buffer is one segment)."""
+        segment = buffer.segment_bytes
+        if segment is None or segment >= capacity_bytes:
+            return capacity_bytes // alignment
+        if segment % alignment:
+            raise ValueError(
+                f"registration segment of {segment} bytes is not a multiple of "
+                f"alignment {alignment}"
+            )
+        return segment // alignment
+
+    @staticmethod
+    def _segmented_units(units: int, segment_units: int) -> ContiguousSlotAllocator:
+        """A unit allocator with one never-free unit between segments.
+
+        Those fence units keep every run, hence every lease, inside one
+        registration segment, so a lease can always be copied with one DMA.
+        """
+        segments = -(-units // segment_units)
+        allocator = ContiguousSlotAllocator(units + segments - 1)
+        allocator.alloc_run(allocator.size)
+        allocator.free_runs(
+            (s * (segment_units + 1), min(segment_units, units - s * segment_units))
+            for s in range(segments)
+        )
+        return allocator
+
+    def _offset_of(self, unit: int) -> int:
+        return (unit - unit // (self._segment_units + 1)) * self.alignment
+
+    def _unit_of(self, offset: int) -> int:
+        real = offset // self.alignment
+        return real + real // self._segment_units
 
     @property
     def pinned(self) -> bool:
@@ -347,6 +392,11 @@ class PinnedArena:
                 f"{nbytes} bytes can never fit in an arena of {self.capacity_bytes} bytes"
             )
         units = -(-nbytes // self.alignment)
+        if units > self._segment_units:
+            raise ValueError(
+                f"{nbytes} bytes can never fit in one registration segment of "
+                f"{self._segment_units * self.alignment} bytes"
+            )
         with self._lock:
             self._check_open()
             start = self._units.alloc_run(units)
@@ -358,7 +408,7 @@ class PinnedArena:
                     in_use=self._in_use,
                     capacity=self.capacity_bytes,
                 )
-            lease = Lease(self, start * self.alignment, nbytes, units * self.alignment)
+            lease = Lease(self, self._offset_of(start), nbytes, units * self.alignment)
             self._live.add(lease)
             self._in_use += lease.reserved_bytes
             self._publish()
@@ -372,7 +422,7 @@ class PinnedArena:
             if lease not in self._live:
                 raise ValueError(f"{lease!r} does not belong to this arena")
             units = lease.reserved_bytes // self.alignment
-            self._units.free_runs([(lease.offset // self.alignment, units)])
+            self._units.free_runs([(self._unit_of(lease.offset), units)])
             self._forget(lease)
             self._publish()
 

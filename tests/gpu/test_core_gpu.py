@@ -231,15 +231,34 @@ def test_cancel_and_drain_with_copies_in_flight() -> None:
     arena.close()
 
 
-def test_registered_arena_is_pinned_and_exact() -> None:
-    size = (3 << 30) + 4096  # not a power of two: no rounding up
-    buffer = allocate_host_buffer(size, pin=True, register_chunk_bytes=1 << 30)
+def test_registered_arena_is_pinned_exact_and_copyable_per_segment() -> None:
+    segment = 1 << 30
+    size = 3 * segment + 4096  # not a power of two: no rounding up
+    buffer = allocate_host_buffer(size, pin=True, register_chunk_bytes=segment)
     assert buffer.kind == "registered"
+    assert buffer.segment_bytes == segment
     assert buffer.tensor.numel() == size
     assert buffer.tensor.is_pinned()
-    src = _random((size // 4096, 4096), torch.uint8, "cuda")
-    buffer.tensor.view(-1, 4096).copy_(src, non_blocking=True)
+    src = _random((size,), torch.uint8, "cuda")
+    # One DMA per registration segment: a copy spanning two is refused by the driver.
+    for begin in range(0, size, segment):
+        end = min(begin + segment, size)
+        buffer.tensor[begin:end].copy_(src[begin:end], non_blocking=True)
     torch.cuda.synchronize()
-    assert torch.equal(buffer.tensor.view(-1, 4096)[-7:].cuda(), src[-7:])
-    buffer.close()
+    assert torch.equal(
+        buffer.tensor[segment - 4096 : segment + 4096].cuda(), src[segment - 4096 : segment + 4096]
+    )
+    arena = PinnedArena(size, buffer=buffer)
+    leases = [arena.reserve(segment - 256) for _ in range(3)]
+    assert all(leases)
+    for i, lease in enumerate(leases):
+        lease.view().copy_(src[i : i + lease.nbytes], non_blocking=True)
+    torch.cuda.synchronize()
+    assert all(
+        torch.equal(lease.view()[-64:].cuda(), src[i + lease.nbytes - 64 : i + lease.nbytes])
+        for i, lease in enumerate(leases)
+    )
+    for lease in leases:
+        lease.release()
+    arena.close()
     assert buffer.closed

@@ -429,3 +429,38 @@ def test_concurrent_leases_never_share_bytes() -> None:
     assert failures == []
     assert arena.in_use_bytes == 0 and arena.lease_count == 0
     assert isinstance(arena.reserve(arena.capacity_bytes), Lease)
+
+
+def _segmented_buffer(nbytes: int, segment: int) -> pinned.HostBuffer:
+    buffer = pinned.PageableBuffer(torch.empty(nbytes, dtype=torch.uint8))
+    buffer.segment_bytes = segment
+    return buffer
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 4096)), max_size=60), st.data())
+def test_leases_never_cross_a_registration_segment(ops, data) -> None:
+    """The driver rejects one DMA over two registrations: no lease may straddle one."""
+    segment, alignment, capacity = 4096, 256, 4096 * 3 + 1024
+    arena = PinnedArena(capacity, alignment=alignment, buffer=_segmented_buffer(capacity, segment))
+    live = []
+    for grow, nbytes in ops:
+        if grow or not live:
+            lease = arena.reserve(nbytes)
+            if lease:
+                assert (
+                    lease.offset // segment == (lease.offset + lease.reserved_bytes - 1) // segment
+                )
+                assert lease.offset + lease.reserved_bytes <= capacity
+                live.append(lease)
+        else:
+            live.pop(data.draw(st.integers(0, len(live) - 1))).release()
+        assert arena.in_use_bytes == sum(lease.reserved_bytes for lease in live)
+    for lease in live:
+        lease.release()
+    whole = [arena.reserve(segment) for _ in range(3)]
+    assert all(whole) and arena.reserve(1024)
+    assert arena.in_use_bytes == capacity
+    with pytest.raises(ValueError, match="registration segment"):
+        arena.reserve(segment + 1)
+    arena.close(force=True)
