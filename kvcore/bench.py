@@ -64,14 +64,28 @@ def options_for(args: argparse.Namespace) -> BenchOptions:
     quick = args.quick
     return BenchOptions(
         tokens=args.tokens or (16384 if quick else 131072),
-        row_kinds=("mla-1152B", "mha-4KiB") if quick else tuple(ROW_KINDS),
-        host_levels=("0%", "50%", "100%") if quick else tuple(HOST_FRAGMENTATION),
+        row_kinds=_choice(args.rows, ROW_KINDS, ("mla-1152B", "mha-4KiB") if quick else None),
+        host_levels=_choice(
+            args.host_levels, HOST_FRAGMENTATION, ("0%", "50%", "100%") if quick else None
+        ),
         device_layouts=("contiguous", "scattered"),
         repeats=3 if quick else 5,
         allocator_slots=1 << 20,
         allocator_ops=10_000,
         device=device,
     )
+
+
+def _choice(
+    asked: str | None, known: dict[str, Any], default: tuple[str, ...] | None
+) -> tuple[str, ...]:
+    if not asked:
+        return default if default is not None else tuple(known)
+    names = tuple(name.strip() for name in asked.split(","))
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"kvcore bench: unknown {unknown}; choose from {', '.join(known)}")
+    return names
 
 
 def _pick_device(name: str) -> torch.device:
@@ -426,6 +440,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", help="write a bar chart (needs matplotlib)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--tokens", type=int, default=0, help="rows per transfer")
+    parser.add_argument("--rows", help=f"comma list of row kinds: {', '.join(ROW_KINDS)}")
+    parser.add_argument(
+        "--host-levels", help=f"comma list of host layouts: {', '.join(HOST_FRAGMENTATION)}"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 

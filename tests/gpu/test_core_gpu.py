@@ -245,9 +245,8 @@ def test_registered_arena_is_pinned_exact_and_copyable_per_segment() -> None:
         end = min(begin + segment, size)
         buffer.tensor[begin:end].copy_(src[begin:end], non_blocking=True)
     torch.cuda.synchronize()
-    assert torch.equal(
-        buffer.tensor[segment - 4096 : segment + 4096].cuda(), src[segment - 4096 : segment + 4096]
-    )
+    for begin, end in ((segment - 4096, segment), (segment, segment + 4096)):
+        assert torch.equal(buffer.tensor[begin:end].cuda(), src[begin:end])
     arena = PinnedArena(size, buffer=buffer)
     leases = [arena.reserve(segment - 256) for _ in range(3)]
     assert all(leases)
@@ -262,3 +261,22 @@ def test_registered_arena_is_pinned_exact_and_copyable_per_segment() -> None:
         lease.release()
     arena.close()
     assert buffer.closed
+
+
+def test_index_uploads_do_not_wait_for_queued_copies() -> None:
+    from kvcore.kernels.index_upload import IndexUploader
+
+    uploader = IndexUploader(torch.device("cuda"), slots=4, slot_entries=1 << 12)
+    busy = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(9)
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(500_000_000)  # far longer than the uploads below
+        indices = [torch.randint(0, 1 << 30, (1000 + i,), generator=gen) for i in range(12)]
+        outs = [uploader.upload(index) for index in indices]  # wraps the ring three times
+        assert not busy.query()  # the host never waited for the sleeping stream
+        copies = [out.clone() for out in outs]
+    busy.synchronize()
+    for index, copy in zip(indices, copies, strict=True):
+        assert torch.equal(copy.cpu(), index)
+    big = torch.arange(5000)
+    assert torch.equal(uploader.upload(big).cpu(), big)  # larger than a slot

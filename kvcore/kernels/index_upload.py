@@ -1,0 +1,65 @@
+"""CPU index tensors to the GPU without a host sync and without allocating pinned memory.
+
+Uploading from pageable memory blocks the host; ``pin_memory()`` per upload goes
+through cudaHostAlloc whenever the caching host allocator has no free block,
+which stalled submissions for several milliseconds on the H200. Instead, a ring
+of pinned slots is allocated once, and uploads run on a stream of their own so
+that reusing a slot waits only for an earlier (tiny) upload, never for the bulk
+copies queued on the copy streams. The consuming stream waits on the upload's
+event.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class IndexUploader:
+    """A bounded pinned ring of ``slots`` x ``slot_entries`` int64 indices on one device."""
+
+    def __init__(
+        self, device: torch.device, *, slots: int = 16, slot_entries: int = 1 << 18
+    ) -> None:
+        if slots < 1 or slot_entries < 1:
+            raise ValueError(f"slots and slot_entries must be positive: {slots}, {slot_entries}")
+        self.device = device
+        self.slot_entries = slot_entries
+        self._host = torch.empty(slots, slot_entries, dtype=torch.int64).pin_memory()
+        self._done: list[torch.cuda.Event | None] = [None] * slots
+        self._next = 0
+        self._stream = torch.cuda.Stream(device=device)
+        self._lock = threading.Lock()
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._host.numel() * self._host.element_size()
+
+    def upload(self, index: torch.Tensor) -> torch.Tensor:
+        """``index`` on the device, ready for work issued afterwards on the current stream."""
+        n = index.numel()
+        if n > self.slot_entries:
+            # Larger than a slot: rare, and correct through torch's own pinned path.
+            return index.pin_memory().to(self.device, non_blocking=True)
+        consumer = torch.cuda.current_stream(self.device)
+        with self._lock:
+            slot = self._next
+            self._next = (slot + 1) % len(self._done)
+            earlier = self._done[slot]
+            if earlier is not None:
+                earlier.synchronize()
+            staged = self._host[slot, :n]
+            staged.copy_(index)
+            # Allocated from the upload stream's pool, so no pending work of another
+            # stream can still be using this memory when the upload writes it.
+            with torch.cuda.stream(self._stream):
+                out = torch.empty(n, dtype=torch.int64, device=self.device)
+                out.copy_(staged, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            self._done[slot] = done
+        consumer.wait_event(done)
+        # Keep the memory from being reused until the consumer's work on it is done.
+        out.record_stream(consumer)
+        return out
