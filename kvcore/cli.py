@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        KVCoreConfig.from_env().configure_logging()
         return int(args.handler(args))
     except (ConfigError, UsageError) as exc:
         print(f"kvcore {args.command}: {exc}", file=sys.stderr)

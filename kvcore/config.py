@@ -261,6 +261,10 @@ class KVCoreConfig:
             raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
         return engine in self.enable
 
+    def configure_logging(self) -> None:
+        """Apply ``log_level`` to the 'kvcore' logger (and so to every kvcore module)."""
+        logging.getLogger("kvcore").setLevel(self.log_level)
+
 
 @dataclass(frozen=True)
 class Setting:

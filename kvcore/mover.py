@@ -18,6 +18,7 @@ from enum import Enum
 
 import torch
 
+from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.kernels.reference import (
@@ -77,6 +78,15 @@ class PathPolicy:
         sizes = (self.staging_bytes, self.long_run_bytes, self.gather_ctas, self.max_dma_runs)
         if min(sizes) < 1:
             raise ValueError(f"PathPolicy sizes must be positive, got {self}")
+
+
+def policy_from_config(config: KVCoreConfig) -> PathPolicy:
+    """The path policy that a KVCoreConfig (KVCORE_* variables) asks for."""
+    return PathPolicy(
+        staging_bytes=config.staging_bytes,
+        long_run_bytes=config.long_run_bytes,
+        gather_ctas=config.gather_ctas,
+    )
 
 
 @dataclass(frozen=True, eq=False)

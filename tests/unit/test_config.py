@@ -433,3 +433,13 @@ def test_settings_table_renders_every_field():
     for setting in SETTINGS:
         assert setting.flag in help_text and setting.env in help_text
         assert setting.help
+
+
+def test_log_level_is_applied_to_the_kvcore_logger():
+    logger = logging.getLogger("kvcore")
+    before = logger.level
+    try:
+        KVCoreConfig.from_env({"KVCORE_LOG_LEVEL": "DEBUG"}).configure_logging()
+        assert logging.getLogger("kvcore.mover").getEffectiveLevel() == logging.DEBUG
+    finally:
+        logger.setLevel(before)

@@ -578,3 +578,22 @@ def test_many_long_runs_go_to_the_gather_kernel(direction):
     host_long = host_long if direction is H2D else host_long[::-1]
     assert plan(src, dst, *host_long, direction=direction, policy=policy).path is GATHER
     assert plan(src, dst, *host_long, direction=direction, policy=relaxed).path is STAGED
+
+
+def test_policy_follows_the_config():
+    from kvcore.config import KVCoreConfig
+    from kvcore.mover import policy_from_config
+
+    config = KVCoreConfig.from_env(
+        {
+            "KVCORE_STAGING_BYTES": "64MiB",
+            "KVCORE_LONG_RUN_BYTES": "128KiB",
+            "KVCORE_GATHER_CTAS": "12",
+        }
+    )
+    policy = policy_from_config(config)
+    assert (policy.staging_bytes, policy.long_run_bytes, policy.gather_ctas) == (
+        64 << 20,
+        128 << 10,
+        12,
+    )

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from kvcore import bench
+from kvcore.mover import TransferPath
+
+
+def test_quick_report_has_every_path_identical_and_the_documented_shape(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "report.json"
+    args = parser.parse_args(
+        ["--quick", "--tokens", "512", "--rows", "mla-1152B", "--no-progress", "--json", str(out)]
+    )
+    opts = bench.options_for(args)
+    opts = bench.BenchOptions(**{**opts.__dict__, "allocator_slots": 1 << 14, "allocator_ops": 300})
+    report = bench.run(opts, progress=False)
+    assert set(report) >= {"device", "ceiling_gbps", "results", "allocator"}
+    assert report["device"] == "cpu"
+    paths = {r["path"].split(" ")[0] for r in report["results"]}
+    for path in TransferPath:
+        assert f"kvcore:{path.value}" in paths
+    assert all(r["identical"] for r in report["results"])
+    for r in report["results"]:
+        assert {"scenario", "path", "bytes", "gbps", "identical"} <= set(r)
+    alloc = report["allocator"]
+    assert alloc["kvcore"]["one_run_fraction"] >= alloc["stock"]["one_run_fraction"]
+    assert alloc["same_outcomes"]["value"] == 1.0
+    assert "kvcore" in bench.format_table(report)
+    json.dumps(report)
+
+
+def test_scattered_layout_moves_the_asked_share_of_chunks() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows, unit = 64 * 32, 64
+    for share in (0.0, 0.5, 1.0):
+        slots = bench.scattered_layout(rows, share, unit, gen)
+        assert slots.numel() == rows and torch.unique(slots).numel() == rows
+        pages = slots.view(-1, unit)[:, 0] // unit
+        moved = int((pages != torch.arange(rows // unit)).sum())
+        assert moved == round(share * (rows // unit))

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvcore.metrics import Histogram, Metrics, register_prometheus
+
+
+def test_histogram_buckets_are_cumulative_and_exact() -> None:
+    hist = Histogram(buckets=(1.0, 2.0))
+    for value in (0.5, 1.0, 1.5, 3.0, 7.0):
+        hist.observe(value)
+    assert hist.cumulative() == [(1.0, 2), (2.0, 3), (float("inf"), 5)]
+    assert hist.total == pytest.approx(13.0)
+    assert hist.observations == 5
+
+
+def test_snapshot_counts_transfers_fallbacks_pinned_and_allocator() -> None:
+    m = Metrics()
+    m.record_transfer("h2d", "gather", 100, 0.001)
+    m.record_transfer("h2d", "gather", 50, 0.002)
+    m.record_transfer("d2h", "staged", 7, 0.5)
+    m.record_fallback("strided_rows")
+    m.record_fallback("strided_rows")
+    m.set_pinned(10, 64)
+    for runs in (1, 1, 3):
+        m.record_allocation(runs)
+    snap = m.snapshot()
+    assert snap["transfers"] == [
+        {"direction": "d2h", "path": "staged", "count": 1, "bytes": 7, "seconds": 0.5},
+        {"direction": "h2d", "path": "gather", "count": 2, "bytes": 150, "seconds": 0.003},
+    ]
+    assert snap["fallbacks"] == {"strided_rows": 2}
+    assert snap["pinned"] == {"in_use_bytes": 10, "capacity_bytes": 64}
+    assert snap["allocator"]["one_run_fraction"] == pytest.approx(2 / 3)
+    assert snap["allocator"]["runs_per_allocation"] == pytest.approx(5 / 3)
+    m.reset()
+    assert m.snapshot()["transfers"] == []
+    assert m.snapshot()["allocator"]["one_run_fraction"] == 1.0
+
+
+def test_recording_from_many_threads_loses_nothing() -> None:
+    m = Metrics()
+
+    def work() -> None:
+        for _ in range(2000):
+            m.record_transfer("h2d", "single_copy", 3, 1e-6)
+            m.record_fallback("x")
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (row,) = m.snapshot()["transfers"]
+    assert row["count"] == 8000 and row["bytes"] == 24000
+    assert m.snapshot()["fallbacks"] == {"x": 8000}
+
+
+def test_prometheus_exposition_reads_the_store_at_scrape_time() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    m = Metrics()
+    assert register_prometheus(registry, m)
+    assert register_prometheus(registry, m)  # twice on one registry: no duplicate error
+    m.record_transfer("h2d", "gather", 4096, 2e-4)
+    m.record_fallback("dtype_mismatch")
+    m.set_pinned(1 << 20, 1 << 30)
+    m.record_allocation(1)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'kvcore_transfer_bytes_total{direction="h2d",path="gather"} 4096.0' in text
+    assert 'kvcore_transfers_total{direction="h2d",path="gather"} 1.0' in text
+    bucket = 'kvcore_transfer_issue_seconds_bucket{direction="h2d",le="0.0003",path="gather"}'
+    assert f"{bucket} 1.0" in text
+    assert 'kvcore_fallbacks_total{reason="dtype_mismatch"} 1.0' in text
+    assert "kvcore_pinned_bytes_in_use 1.048576e+06" in text
+    assert "kvcore_allocator_one_run_fraction 1.0" in text
