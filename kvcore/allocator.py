@@ -64,16 +64,22 @@ def expand_runs(runs: list[tuple[int, int]]) -> torch.Tensor:
     return torch.from_numpy(ids)
 
 
+def check_pool_size(size: int, page_size: int) -> tuple[int, int]:
+    """``size`` and ``page_size`` as ints, or ValueError unless size is whole pages."""
+    size = operator.index(size)
+    page_size = operator.index(page_size)
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if size < 0 or size % page_size:
+        raise ValueError(f"size {size} is not a non-negative multiple of page_size {page_size}")
+    return size, page_size
+
+
 class ContiguousSlotAllocator:
     """Slots ``[0, size)`` in pages of ``page_size``, handed out as contiguous runs."""
 
     def __init__(self, size: int, page_size: int = 1, *, metrics: Metrics | None = None) -> None:
-        size = operator.index(size)
-        page_size = operator.index(page_size)
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if size < 0 or size % page_size:
-            raise ValueError(f"size {size} is not a non-negative multiple of page_size {page_size}")
+        size, page_size = check_pool_size(size, page_size)
         self.size = size
         self.page_size = page_size
         self._pages = size // page_size

@@ -467,6 +467,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
+            fh.write("\n")
     if args.plot and not write_plot(report, args.plot):
         print("kvcore bench: matplotlib is not installed; no plot written", file=sys.stderr)
     bad = [r for r in report["results"] if not r["identical"]]

@@ -21,12 +21,11 @@ SGLang's ``free`` returns the number of slots freed; this model returns None lik
 
 from __future__ import annotations
 
-import operator
 import threading
 
 import torch
 
-from kvcore.allocator import AllocatorStats
+from kvcore.allocator import AllocatorStats, check_pool_size
 from kvcore.runs import find_runs
 
 # Allocations counted together, so the list of uncounted ones stays bounded.
@@ -37,12 +36,7 @@ class StockSlotAllocator:
     """First-fit-in-list-order slot allocator with lazily merged releases."""
 
     def __init__(self, size: int, page_size: int = 1) -> None:
-        size = operator.index(size)
-        page_size = operator.index(page_size)
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if size < 0 or size % page_size:
-            raise ValueError(f"size {size} is not a non-negative multiple of page_size {page_size}")
+        size, page_size = check_pool_size(size, page_size)
         self.size = size
         self.page_size = page_size
         self.lock = threading.RLock()

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvcore.kernels.reference import check_word_views
+
 _MIN_CUDA_VERSION = 12080  # cudaMemcpyBatchAsync first shipped in CUDA 12.8
 _LEGACY_STREAM_HANDLES = (0, 1)  # NULL and cudaStreamLegacy: rejected by the batch API
 
@@ -62,11 +64,7 @@ def _stream_ordered_attrs(rt: Any) -> Any:
     return attrs
 
 
-def _check_rows(tensor: torch.Tensor, name: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [rows, words], got shape {tuple(tensor.shape)}")
+def _check_contiguous(tensor: torch.Tensor, name: str) -> None:
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (a run spans whole rows back to back)")
 
@@ -79,12 +77,9 @@ def _check_runs(
     lengths: torch.Tensor,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate both views and the runs; return the runs as int64 numpy arrays."""
-    _check_rows(src_words, "src_words")
-    _check_rows(dst_words, "dst_words")
-    if src_words.dtype != dst_words.dtype:
-        raise TypeError(f"word dtypes differ: {src_words.dtype} vs {dst_words.dtype}")
-    if src_words.shape[1] != dst_words.shape[1]:
-        raise ValueError(f"words per row differ: {src_words.shape[1]} vs {dst_words.shape[1]}")
+    check_word_views(src_words, dst_words)
+    _check_contiguous(src_words, "src_words")
+    _check_contiguous(dst_words, "dst_words")
     arrays = []
     for tensor, name in (
         (src_starts, "src_starts"),

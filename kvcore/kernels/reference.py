@@ -38,6 +38,19 @@ def index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     return index.to(device)
 
 
+def check_word_views(src_words: torch.Tensor, dst_words: torch.Tensor) -> None:
+    """Both are 2-D ``[rows, words]`` tensors of one word dtype and one row width."""
+    for tensor, name in ((src_words, "src_words"), (dst_words, "dst_words")):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [rows, words], got shape {tuple(tensor.shape)}")
+    if src_words.dtype != dst_words.dtype:
+        raise TypeError(f"word dtypes differ: {src_words.dtype} vs {dst_words.dtype}")
+    if src_words.shape[1] != dst_words.shape[1]:
+        raise ValueError(f"words per row differ: {src_words.shape[1]} vs {dst_words.shape[1]}")
+
+
 def row_bytes(t: torch.Tensor) -> int:
     """Bytes of one row (everything after dim 0)."""
     return math.prod(t.shape[1:]) * t.element_size()

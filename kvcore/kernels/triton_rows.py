@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from kvcore.kernels.reference import check_word_views
+
 try:
     import triton
     import triton.language as tl
@@ -72,10 +74,6 @@ def _widest_word(src: torch.Tensor, dst: torch.Tensor) -> torch.dtype:
 
 
 def _check_rows(tensor: torch.Tensor, name: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [rows, words], got shape {tuple(tensor.shape)}")
     if tensor.dtype not in _WORD_DTYPES:
         raise TypeError(f"{name} must be an integer word view {_WORD_DTYPES}, got {tensor.dtype}")
     if tensor.shape[1] > 1 and tensor.stride(1) != 1:
@@ -194,12 +192,9 @@ def gather_rows_uva(
     """
     if triton is None:
         raise RuntimeError("gather_rows_uva needs Triton, which is not installed")
+    check_word_views(src_words, dst_words)
     _check_rows(src_words, "src_words")
     _check_rows(dst_words, "dst_words")
-    if src_words.dtype != dst_words.dtype:
-        raise TypeError(f"word dtypes differ: {src_words.dtype} vs {dst_words.dtype}")
-    if src_words.shape[1] != dst_words.shape[1]:
-        raise ValueError(f"words per row differ: {src_words.shape[1]} vs {dst_words.shape[1]}")
     device = _kernel_device(src_words, dst_words)
     _check_index(src_idx, "src_idx", device)
     _check_index(dst_idx, "dst_idx", device)
