@@ -9,6 +9,7 @@ side (:mod:`kvcore.kernels`) and records what it did.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -106,11 +107,39 @@ class TransferPlan:
     """Bytes of one source row."""
     nbytes: int
     reason: str | None = None
+    policy: PathPolicy = PathPolicy()
+    src_span: int = 0
+    """Rows ``src`` must have at least (largest source index + 1)."""
+    dst_span: int = 0
 
     @property
     def device(self) -> torch.device:
         """The device side: the destination of a page-in, the source of a page-out."""
         return self.dst.device if self.direction is Direction.H2D else self.src.device
+
+    def rebind(self, src: torch.Tensor, dst: torch.Tensor) -> TransferPlan:
+        """The same transfer between other buffers of the same layout, such as the next layer.
+
+        Engines copy layer by layer with the same indices; the segmentation and the
+        path choice are reused, so only the buffers are checked. Anything that could
+        change the decision (devices, row size, a fallback either side) plans again.
+        """
+        same_layout = (
+            self.reason is None
+            and src.device == self.src.device
+            and dst.device == self.dst.device
+            and src.dim() > 0
+            and dst.dim() > 0
+            and src.shape[0] >= self.src_span
+            and dst.shape[0] >= self.dst_span
+            and row_bytes(src) == self.row_bytes
+            and _fallback_reason(src, dst) is None
+        )
+        if not same_layout:
+            return plan(
+                src, dst, self.src_idx, self.dst_idx, direction=self.direction, policy=self.policy
+            )
+        return dataclasses.replace(self, src=src, dst=dst)
 
     def describe(self) -> str:
         path = self.path.value
@@ -191,6 +220,9 @@ def plan(
         row_bytes=src_row_bytes,
         nbytes=nbytes,
         reason=reason,
+        policy=policy,
+        src_span=int(src_idx.max()) + 1 if rows else 0,
+        dst_span=int(dst_idx.max()) + 1 if rows else 0,
     )
 
 

@@ -280,3 +280,35 @@ def test_index_uploads_do_not_wait_for_queued_copies() -> None:
         assert torch.equal(copy.cpu(), index)
     big = torch.arange(5000)
     assert torch.equal(uploader.upload(big).cpu(), big)  # larger than a slot
+
+
+def test_index_upload_is_reused_per_layer_until_the_index_changes() -> None:
+    from kvcore.kernels.index_upload import IndexUploader
+
+    uploader = IndexUploader(torch.device("cuda"), slots=2, slot_entries=1 << 12)
+    index = torch.randperm(3000)
+    first = uploader.upload(index)
+    assert uploader.upload(index) is first  # the next layer: no second upload
+    index[:10] = index[:10].flip(0)  # an in-place change bumps the version
+    second = uploader.upload(index)
+    assert second is not first
+    assert torch.equal(second.cpu(), index)
+
+
+def test_rebound_plan_copies_every_layer_exactly() -> None:
+    layers, pool, n = 3, 4096, 1024
+    gen = torch.Generator().manual_seed(11)
+    buffer, host = _pinned_rows(layers * pool, (1, 576), torch.bfloat16)
+    host = host.view(layers, pool, 1, 576)
+    device_layers = [_random((pool, 1, 576), torch.bfloat16, "cuda") for _ in range(layers)]
+    host_idx, device_idx = _layout("scattered", n, pool, gen)
+    first = plan(host[0], device_layers[0], host_idx, device_idx)
+    mover = Mover()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for layer in range(layers):
+            expected = _as_bytes(device_layers[layer]).clone()
+            expected[device_idx] = _as_bytes(host[layer])[host_idx]
+            mover.execute(first.rebind(host[layer], device_layers[layer]))
+            torch.cuda.current_stream().synchronize()
+            assert torch.equal(_as_bytes(device_layers[layer]), expected)
+    buffer.close()

@@ -597,3 +597,32 @@ def test_policy_follows_the_config():
         128 << 10,
         12,
     )
+
+
+def test_rebind_reuses_the_decision_for_another_layer():
+    gen = torch.Generator().manual_seed(12)
+    layers = torch.randint(0, 256, (3, 64, 1152), dtype=torch.uint8, generator=gen)
+    device = torch.randint(0, 256, (3, 80, 1152), dtype=torch.uint8, generator=gen)
+    src_idx = torch.randperm(64, generator=gen)[:40]
+    dst_idx = torch.randperm(80, generator=gen)[:40]
+    first = plan(layers[0], device[0], src_idx, dst_idx, direction=H2D)
+    mover = Mover()
+    for layer in range(3):
+        again = first.rebind(layers[layer], device[layer])
+        assert again.path is first.path and again.runs is first.runs
+        expected = device[layer].clone()
+        expected[dst_idx] = layers[layer][src_idx]
+        mover.execute(again)
+        assert torch.equal(device[layer], expected)
+
+
+def test_rebind_plans_again_when_the_layout_changes():
+    src = torch.zeros(64, 8, dtype=torch.int16)
+    dst = torch.zeros(64, 8, dtype=torch.int16)
+    idx = torch.arange(10, 20)
+    first = plan(src, dst, idx, idx, direction=H2D)
+    assert first.rebind(src[:, :4].contiguous(), dst[:, :4].contiguous()).row_bytes == 8
+    strided = torch.zeros(64, 16, dtype=torch.int16)[:, ::2]
+    assert first.rebind(strided, dst).reason == "strided_rows"
+    with pytest.raises(ValueError, match="outside"):
+        first.rebind(src[:15], dst)
