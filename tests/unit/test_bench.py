@@ -20,6 +20,8 @@ def test_quick_report_has_every_path_identical_and_the_documented_shape(tmp_path
     opts = bench.BenchOptions(**{**opts.__dict__, "allocator_slots": 1 << 14, "allocator_ops": 300})
     report = bench.run(opts, progress=False)
     assert set(report) >= {"device", "ceiling_gbps", "results", "allocator"}
+    assert report["page_out_host_syncs"] is None  # only countable on CUDA
+    assert any("both-directions-at-once" in r["scenario"] for r in report["results"])
     assert report["device"] == "cpu"
     paths = {r["path"].split(" ")[0] for r in report["results"]}
     for path in TransferPath:
