@@ -28,6 +28,8 @@ pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 
 "${pip[@]}" -c "$constraints" torch==2.13.0
 "${pip[@]}" -c "$constraints" -e "$repo[dev]"
+# pip then lists SGLang's own pins it leaves unmet (CUDA torch, sglang-kernel, ...):
+# expected, since only the modules kvcore's tests import are installed.
 "${pip[@]}" --no-deps "sglang==$sglang_version"
 "${pip[@]}" -c "$constraints" "${deps[@]}"
 

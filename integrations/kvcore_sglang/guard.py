@@ -1,0 +1,167 @@
+"""Version guard: which SGLang releases kvcore patches, and the source it expects to replace.
+
+Each replaced function is fingerprinted from its source text: the sha256 of its
+lines with indentation, blank lines and whole-line comments removed. Text, not an
+AST dump, so the fingerprint is the same under every Python version SGLang ships
+wheels for. Targets are patched in groups (a group's functions share state, so
+replacing part of it would split that state); a changed fingerprint skips its
+whole group.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass
+
+HOST_KV_CACHE = "sglang.srt.mem_cache.pool_host.base.HostKVCache"
+
+ALLOCATOR_GROUP = "host-slot allocator"
+ALLOCATOR_TARGETS: tuple[str, ...] = tuple(
+    f"{HOST_KV_CACHE}.{name}" for name in ("clear", "available_size", "alloc", "free")
+)
+TARGET_GROUPS: dict[str, tuple[str, ...]] = {ALLOCATOR_GROUP: ALLOCATOR_TARGETS}
+
+# Recorded from each release's wheel with ``python -m kvcore_sglang.guard ROOT``;
+# 0.5.22 and 0.5.23 define these functions identically.
+_HOST_SLOTS_0_5_22: dict[str, str] = {
+    f"{HOST_KV_CACHE}.clear": "77c229ee3f69285f93361bf214b45de28c2552347ae9d74048507d2172c3eb26",
+    f"{HOST_KV_CACHE}.available_size": (
+        "72715d2073cb57bb9d3e4f1d5952f7412fa1dcdbcdeda3a689191dde0ec4499c"
+    ),
+    f"{HOST_KV_CACHE}.alloc": "12afebe1815e6d36d7f16115ed89f39d976e95205e549e14ce9b3d218d287020",
+    f"{HOST_KV_CACHE}.free": "b5651e29ed7e3b808d54222e22b7424c8266602beb9a8342da0333c7213f32c0",
+}
+FINGERPRINTS: dict[str, dict[str, str]] = {
+    "0.5.22": dict(_HOST_SLOTS_0_5_22),
+    "0.5.23": dict(_HOST_SLOTS_0_5_22),
+}
+
+
+@dataclass(frozen=True)
+class Skipped:
+    target: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class GuardResult:
+    """Targets whose source matches the recorded fingerprint, and those skipped with why."""
+
+    patchable: tuple[str, ...]
+    skipped: tuple[Skipped, ...]
+
+
+def normalise_source(source: str) -> str:
+    lines = (line.strip() for line in source.splitlines())
+    return "\n".join(line for line in lines if line and not line.startswith("#"))
+
+
+def fingerprint_text(source: str) -> str:
+    return hashlib.sha256(normalise_source(source).encode()).hexdigest()
+
+
+def fingerprint_in_source(module_source: str, qualname: str) -> str:
+    """Fingerprint of ``qualname`` (e.g. ``HostKVCache.alloc``) defined in ``module_source``,
+    decorators included. KeyError when the module does not define it."""
+    lines = module_source.splitlines()
+    node = _find_definition(ast.parse(module_source), qualname.split("."))
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    assert node.end_lineno is not None
+    return fingerprint_text("\n".join(lines[first - 1 : node.end_lineno]))
+
+
+def fingerprint_target(target: str) -> str:
+    """Fingerprint of the installed source of ``target``, a dotted ``module.Class.function``.
+
+    The module is imported; the text comes from its file, so a target already
+    wrapped by a hook still reads as the engine's own source.
+    """
+    module_name, qualname = split_target(target)
+    module = importlib.import_module(module_name)
+    return fingerprint_in_source(inspect.getsource(module), qualname)
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """``(module, qualname)`` of a dotted target whose qualname starts at the first capital."""
+    parts = target.split(".")
+    for i, part in enumerate(parts):
+        if part[:1].isupper():
+            return ".".join(parts[:i]), ".".join(parts[i:])
+    raise ValueError(f"{target!r} names no class")
+
+
+def check_targets(version: str) -> GuardResult:
+    """Which targets may be patched on SGLang ``version`` (a release string, no local label)."""
+    recorded = FINGERPRINTS.get(version)
+    if recorded is None:
+        tested = ", ".join(sorted(FINGERPRINTS))
+        reason = f"SGLang {version} is not a tested version (tested: {tested})"
+        every = (Skipped(t, reason) for group in TARGET_GROUPS.values() for t in group)
+        return GuardResult((), tuple(every))
+    patchable: list[str] = []
+    skipped: list[Skipped] = []
+    for group, targets in TARGET_GROUPS.items():
+        changed = {t: why for t in targets if (why := _mismatch(t, recorded.get(t)))}
+        if not changed:
+            patchable.extend(targets)
+            continue
+        for target in targets:
+            reason = changed.get(target) or (
+                f"part of the {group} group, whose target {next(iter(changed))} changed"
+            )
+            skipped.append(Skipped(target, reason))
+    return GuardResult(tuple(patchable), tuple(skipped))
+
+
+def _mismatch(target: str, expected: str | None) -> str | None:
+    if expected is None:
+        return "no fingerprint recorded for this version"
+    try:
+        actual = fingerprint_target(target)
+    except (ImportError, AttributeError, KeyError, OSError, SyntaxError) as exc:
+        return f"cannot read its source: {type(exc).__name__}: {exc}"
+    if actual != expected:
+        return f"source changed (fingerprint {actual[:12]}, recorded {expected[:12]})"
+    return None
+
+
+_Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+
+
+def _find_definition(tree: ast.Module, path: list[str]) -> _Definition:
+    body: list[ast.stmt] = tree.body
+    node: ast.stmt | None = None
+    for name in path:
+        node = next(
+            (n for n in body if isinstance(n, _Definition) and n.name == name),
+            None,
+        )
+        if node is None:
+            raise KeyError(".".join(path))
+        body = node.body
+    assert isinstance(node, _Definition)
+    return node
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the fingerprints of every target in a release's files: ``ROOT`` is the directory
+    that holds the unpacked ``sglang`` package (e.g. an unzipped wheel)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m kvcore_sglang.guard ROOT", file=sys.stderr)
+        return 2
+    for targets in TARGET_GROUPS.values():
+        for target in targets:
+            module_name, qualname = split_target(target)
+            path = f"{args[0]}/{module_name.replace('.', '/')}.py"
+            with open(path, encoding="utf-8") as source:
+                print(f'"{target}": "{fingerprint_in_source(source.read(), qualname)}",')
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The ``sglang.srt.plugins`` entry point: registers kvcore's hooks with SGLang's HookRegistry.
+
+SGLang calls :func:`load` with no arguments in its launcher and first thing in every
+scheduler process, then applies every registered hook. :func:`load` does nothing
+unless ``KVCORE_ENABLE`` names sglang, patches nothing on an untested version,
+skips any target group whose source changed, and registers each hook at most
+once per process however often it is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvcore.config import KVCoreConfig
+from kvcore.engine_status import EngineStatus, probe_engine, release_of
+
+from . import DISTRIBUTION, ENGINE, SUPPORTED_VERSIONS
+
+logger = logging.getLogger("kvcore.sglang")
+
+_lock = threading.Lock()
+_applied: EngineStatus | None = None
+
+
+def load() -> None:
+    """Entry point for SGLang's ``load_plugins()``."""
+    try:
+        register_hooks()
+    except Exception:
+        # A plugin failure must leave SGLang running stock, never stop it.
+        logger.exception("kvcore: registering SGLang hooks failed; SGLang runs stock")
+
+
+def register_hooks(config: KVCoreConfig | None = None) -> EngineStatus:
+    """Check versions and fingerprints, register the hooks that pass; the resulting status.
+
+    Only the first call that finds kvcore enabled registers anything; later calls
+    return that call's status.
+    """
+    global _applied
+    config = KVCoreConfig.from_env() if config is None else config
+    with _lock:
+        if _applied is not None:
+            return _applied
+        status = probe_engine(
+            ENGINE, DISTRIBUTION, SUPPORTED_VERSIONS, enabled=config.enabled_for(ENGINE)
+        )
+        if not status.enabled:
+            return status
+        if not status.supported:
+            logger.warning("kvcore: %s; nothing patched", status.summary())
+            return status
+        config.configure_logging()
+        _register(status, release_of(status.version or ""))
+        _applied = status
+        return status
+
+
+def applied_status() -> EngineStatus | None:
+    """The status of the hooks registered in this process, or None if none were."""
+    return _applied
+
+
+def _register(status: EngineStatus, version: str) -> None:
+    # Imported here: both modules import torch, and the plugin module is loaded
+    # by SGLang's launcher whether or not kvcore is enabled.
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from . import guard, host_slots
+
+    result = guard.check_targets(version)
+    for skipped in result.skipped:
+        status.skip(skipped.target, skipped.reason)
+    if result.skipped:
+        changed = "; ".join(f"{s.target}: {s.reason}" for s in result.skipped)
+        logger.warning("kvcore: SGLang %s targets left stock: %s", version, changed)
+    hooks = {f"{guard.HOST_KV_CACHE}.{name}": hook for name, hook in host_slots.HOOKS.items()}
+    for target in result.patchable:
+        HookRegistry.register(target, hooks[target], HookType.AROUND)
+        status.patched_targets.append(target)
+    if set(guard.ALLOCATOR_TARGETS) <= set(result.patchable):
+        for pool, reason in host_slots.STOCK_POOLS.items():
+            status.skip(pool, reason)

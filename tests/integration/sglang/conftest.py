@@ -1,0 +1,103 @@
+"""SGLang lane: a torchvision import stub and hook isolation between tests.
+
+torchvision has no CPU build that matches our torch, yet SGLang imports it at module
+level (its multimodal configs). When SGLang is installed and torchvision is not,
+an import finder serves ``torchvision`` and its submodules as placeholder modules;
+any attribute of them is a placeholder class. It is installed here, before any
+test module imports SGLang, and only in that case.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+class _Placeholder(type):
+    """A class whose attributes, calls and subscripts give more placeholders."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder(name, (), {})
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return _Placeholder(cls.__name__, (), {})
+
+    def __getitem__(cls, key: Any) -> Any:
+        return cls
+
+    def __or__(cls, other: Any) -> Any:
+        return cls
+
+    __ror__ = __or__
+
+
+def _placeholder_attribute(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Placeholder(name, (), {})
+
+
+class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname == "torchvision" or fullname.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__path__ = []
+        module.__version__ = "0.0.0+kvcore.stub"  # type: ignore[attr-defined]
+        module.__getattr__ = _placeholder_attribute  # type: ignore[method-assign]
+
+
+def _install_torchvision_stub() -> None:
+    if importlib.util.find_spec("sglang") is None:
+        return
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
+        return
+    sys.meta_path.insert(0, _TorchvisionStub())
+
+
+_install_torchvision_stub()
+
+
+@pytest.fixture
+def sglang_hooks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
+    """A function that runs the plugin with KVCORE_ENABLE=sglang and applies its hooks
+    (returns the status); HostKVCache and the registry are restored afterwards."""
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from kvcore_sglang import host_slots, plugin
+
+    originals = {name: vars(HostKVCache)[name] for name in host_slots.HOOKS}
+    saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
+    saved_patched = set(HookRegistry._patched)
+    HookRegistry.reset()
+    monkeypatch.setattr(plugin, "_applied", None)
+    monkeypatch.setenv("KVCORE_ENABLE", "sglang")
+
+    def apply() -> Any:
+        plugin.load()
+        HookRegistry.apply_hooks()
+        return plugin.applied_status()
+
+    try:
+        yield apply
+    finally:
+        for name, function in originals.items():
+            setattr(HostKVCache, name, function)
+        HookRegistry.reset()
+        HookRegistry._hooks.update(saved_hooks)
+        HookRegistry._patched.update(saved_patched)

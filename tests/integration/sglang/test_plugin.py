@@ -1,0 +1,148 @@
+"""The sglang.srt.plugins entry point and the version guard, against the installed SGLang."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
+
+from sglang.srt.mem_cache.pool_host import base
+from sglang.srt.mem_cache.pool_host.base import HostKVCache
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang_pools import mha_host
+
+import kvcore_sglang
+from kvcore.engine_status import release_of
+from kvcore_sglang import guard, host_slots, plugin
+
+pytestmark = pytest.mark.sglang
+
+ALLOC = f"{guard.HOST_KV_CACHE}.alloc"
+VERSION = release_of(importlib.metadata.version("sglang"))
+
+
+def our_hooks() -> dict[str, int]:
+    return {t: len(HookRegistry._hooks.get(t, [])) for t in guard.ALLOCATOR_TARGETS}
+
+
+# Collected before any test applies hooks.
+STOCK_METHODS = {name: vars(HostKVCache)[name] for name in host_slots.HOOKS}
+
+
+def is_stock(method_name: str) -> bool:
+    return vars(HostKVCache)[method_name] is STOCK_METHODS[method_name]
+
+
+def kvcore_warnings(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name.startswith("kvcore") and r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("enable", [None, "0", "vllm"])
+def test_inactive_unless_enabled_for_sglang(sglang_hooks, monkeypatch, enable):
+    if enable is None:
+        monkeypatch.delenv("KVCORE_ENABLE")
+    else:
+        monkeypatch.setenv("KVCORE_ENABLE", enable)
+    assert sglang_hooks() is None
+    assert our_hooks() == dict.fromkeys(guard.ALLOCATOR_TARGETS, 0)
+    assert host_slots.slots_of(mha_host(256, 16)) is None
+    status = kvcore_sglang.status()
+    assert not status.enabled and status.patched_targets == []
+
+
+def test_recorded_fingerprints_match_the_installed_release():
+    result = guard.check_targets(VERSION)
+    assert result.skipped == ()
+    assert set(result.patchable) == set(guard.ALLOCATOR_TARGETS)
+
+
+def test_enabled_plugin_patches_and_reports(sglang_hooks):
+    status = sglang_hooks()
+    assert status.active
+    assert set(status.patched_targets) == set(guard.ALLOCATOR_TARGETS)
+    skipped = {s["target"]: s["reason"] for s in status.skipped_targets}
+    assert set(skipped) == set(host_slots.STOCK_POOLS)
+    assert "own slot allocator" in skipped["sglang.srt.mem_cache.pool_host.mamba.MambaPoolHost"]
+    assert kvcore_sglang.status() is status
+    assert host_slots.slots_of(mha_host(256, 16)) is not None
+
+
+def test_loading_twice_registers_and_wraps_once(sglang_hooks):
+    sglang_hooks()
+    sglang_hooks()
+    plugin.load()
+    HookRegistry.apply_hooks()
+    assert our_hooks() == dict.fromkeys(guard.ALLOCATOR_TARGETS, 1)
+    for name in host_slots.HOOKS:
+        # One AROUND wrapper directly over SGLang's own function.
+        assert vars(HostKVCache)[name].__wrapped__ is STOCK_METHODS[name]
+    pool = mha_host(256, 16)
+    slots = pool.alloc(32)
+    assert pool.free(slots) == 32 and pool.available_size() == pool.size
+
+
+def test_guard_refuses_a_changed_fingerprint(sglang_hooks, monkeypatch, caplog):
+    monkeypatch.setitem(
+        guard.FINGERPRINTS, VERSION, {**guard.FINGERPRINTS[VERSION], ALLOC: "0" * 64}
+    )
+    caplog.set_level(logging.WARNING)
+    status = sglang_hooks()
+    assert status.patched_targets == []
+    skipped = {s["target"]: s["reason"] for s in status.skipped_targets}
+    assert set(skipped) == set(guard.ALLOCATOR_TARGETS)
+    assert skipped[ALLOC].startswith("source changed")
+    assert ALLOC in skipped[f"{guard.HOST_KV_CACHE}.free"]
+    warnings = kvcore_warnings(caplog)
+    assert len(warnings) == 1 and ALLOC in warnings[0].getMessage()
+    assert all(is_stock(name) for name in host_slots.HOOKS)
+    pool = mha_host(256, 16)
+    assert host_slots.slots_of(pool) is None
+    assert len(pool.free_slots) == pool.size, "the pool should run SGLang's own allocator"
+
+
+def test_unknown_version_patches_nothing(sglang_hooks, monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "SUPPORTED_VERSIONS", ("0.0.1",))
+    caplog.set_level(logging.WARNING)
+    status = sglang_hooks()
+    assert status is None or not status.active
+    assert our_hooks() == dict.fromkeys(guard.ALLOCATOR_TARGETS, 0)
+    warnings = kvcore_warnings(caplog)
+    assert len(warnings) == 1 and "not a tested version" in warnings[0].getMessage()
+    result = guard.check_targets("0.0.1")
+    assert result.patchable == ()
+    assert all("not a tested version" in s.reason for s in result.skipped)
+
+
+def test_fingerprint_ignores_layout_but_not_code():
+    source = inspect.getsource(base)
+    original = guard.fingerprint_in_source(source, "HostKVCache.alloc")
+    assert original == guard.FINGERPRINTS[VERSION][ALLOC]
+    reflowed = source.replace(
+        "        if need_size > self.available_size():",
+        "        # a comment\n\n        if need_size > self.available_size():   ",
+    )
+    assert guard.fingerprint_in_source(reflowed, "HostKVCache.alloc") == original
+    edited = source.replace("return select_index\n", "return select_index.clone()\n")
+    assert edited != source
+    assert guard.fingerprint_in_source(edited, "HostKVCache.alloc") != original
+    with pytest.raises(KeyError):
+        guard.fingerprint_in_source(source, "HostKVCache.no_such_method")
+
+
+def test_sglang_load_plugins_runs_the_entry_point(sglang_hooks, monkeypatch):
+    import sglang.srt.plugins as sglang_plugins
+
+    entry_point = importlib.metadata.EntryPoint(
+        name="kvcore", value="kvcore_sglang.plugin:load", group=sglang_plugins.GENERAL_PLUGINS_GROUP
+    )
+    monkeypatch.setattr(sglang_plugins, "entry_points", lambda group: [entry_point])
+    monkeypatch.setattr(sglang_plugins, "_plugins_loaded", False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    sglang_plugins.load_plugins()
+    assert set(kvcore_sglang.status().patched_targets) == set(guard.ALLOCATOR_TARGETS)
+    assert all(not is_stock(name) for name in host_slots.HOOKS)
+    assert host_slots.slots_of(mha_host(256, 16)) is not None
