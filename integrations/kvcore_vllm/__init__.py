@@ -1,23 +1,24 @@
 """kvcore's vLLM adapter.
 
-For now it only reports the engine's status; the patches come with the adapter's
-hook table. Only kvcore and the standard library are imported here: this module is
-loaded through the engine's plugin entry point, before the engine is ready.
+The plugin (:mod:`kvcore_vllm.plugin`, entry point ``vllm.general_plugins``) makes
+vLLM's CPU offloading build kvcore's spec, whose manager allocates host chunks
+contiguously; :mod:`kvcore_vllm.guard` holds the tested releases and fingerprints.
+Only kvcore and the standard library are imported here: this module is loaded
+through the engine's plugin entry point, before the engine is ready.
 """
 
 from __future__ import annotations
 
 from kvcore.config import KVCoreConfig
-from kvcore.engine_status import EngineStatus, probe_engine
+from kvcore.engine_status import EngineStatus
+from kvcore_vllm import plugin
+from kvcore_vllm.guard import DISTRIBUTION, ENGINE, SUPPORTED_VERSIONS
 
-ENGINE = "vllm"
-DISTRIBUTION = "vllm"
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.32.0", "0.33.0")
+__all__ = ["DISTRIBUTION", "ENGINE", "SUPPORTED_VERSIONS", "status"]
 
 
 def status(config: KVCoreConfig | None = None) -> EngineStatus:
-    """vLLM's status here; ``config`` defaults to the one in the environment."""
+    """vLLM's status here: what the plugin patched in this process, or would patch, and
+    what the version guard refuses; ``config`` defaults to the one in the environment."""
     config = KVCoreConfig.from_env() if config is None else config
-    return probe_engine(
-        ENGINE, DISTRIBUTION, SUPPORTED_VERSIONS, enabled=config.enabled_for(ENGINE)
-    )
+    return plugin.status(config)

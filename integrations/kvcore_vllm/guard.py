@@ -1,0 +1,259 @@
+"""Version guard: the vLLM code the adapter relies on, fingerprinted per tested release.
+
+kvcore does not replace vLLM functions in place; it subclasses vLLM's CPU offloading spec
+and manager and puts the subclass where vLLM's spec factory looks for the default spec.
+The subclass overrides some methods and relies on what others do with the state they
+share, so each of those methods is a target here. A fingerprint is the sha256 of a
+target's normalised source (comments, blank lines and indentation of the whole block
+removed), read from the installed files without importing vLLM: `kvcore doctor` and the
+plugin reach the same verdict, and the doctor stays fast.
+
+Only the standard library and kvcore's engine_status are imported here.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import importlib.util
+import io
+import sys
+import textwrap
+import tokenize
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcore.engine_status import release_of
+
+ENGINE = "vllm"
+DISTRIBUTION = "vllm"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One function of vLLM that the adapter overrides (in a subclass) or depends on."""
+
+    module: str
+    qualname: str
+    overridden: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+_MANAGER = "vllm.v1.kv_offload.cpu.manager"
+_SPEC = "vllm.v1.kv_offload.cpu.spec"
+_FACTORY = "vllm.v1.kv_offload.factory"
+
+# Overridden: the chunk pool methods and get_manager. Depended on: the manager's
+# constructor and the methods that call the chunk pool or read its counters, and the
+# factory methods that resolve the default spec name through the registry.
+TARGETS: tuple[Target, ...] = (
+    Target(_MANAGER, "CPUOffloadingManager.__init__"),
+    Target(_MANAGER, "CPUOffloadingManager._get_num_free_chunks", overridden=True),
+    Target(_MANAGER, "CPUOffloadingManager._allocate_chunks", overridden=True),
+    Target(_MANAGER, "CPUOffloadingManager._free_chunk", overridden=True),
+    Target(_MANAGER, "CPUOffloadingManager.prepare_store"),
+    Target(_MANAGER, "CPUOffloadingManager.complete_store"),
+    Target(_MANAGER, "CPUOffloadingManager.reset_cache", overridden=True),
+    Target(_MANAGER, "CPUOffloadingManager.get_stats"),
+    Target(_SPEC, "CPUOffloadingSpec.get_manager", overridden=True),
+    Target(_FACTORY, "OffloadingSpecFactory.register_spec"),
+    Target(_FACTORY, "OffloadingSpecFactory.get_spec_cls"),
+    Target(_FACTORY, "OffloadingSpecFactory.create_spec"),
+)
+
+# Release -> target qualname -> fingerprint. Print the installed
+# release's with `python -c 'import kvcore_vllm.guard as g; g.main()'`.
+FINGERPRINTS: dict[str, dict[str, str]] = {
+    "0.32.0": {
+        "CPUOffloadingManager.__init__": (
+            "a3a22ab7b74be693ac3309c643eedc8fb760981c75540cf6c450d3f9f8f74143"
+        ),
+        "CPUOffloadingManager._get_num_free_chunks": (
+            "97cc88d90cb9d4eefa188cdac8a6f30b5fa6caac6b71894938b06b91c7528235"
+        ),
+        "CPUOffloadingManager._allocate_chunks": (
+            "915c2ab59bef1a4ca6411eca5e617117430aa5b63c86f410421c86b59e8f6306"
+        ),
+        "CPUOffloadingManager._free_chunk": (
+            "f86ec4a8ba3483f7a65962fbc46af88e2720a91ce15f70124f11105a8811b1be"
+        ),
+        "CPUOffloadingManager.prepare_store": (
+            "de70f87a8d28630041033b46321e9321e267436d01dcf610a659c234001c7a82"
+        ),
+        "CPUOffloadingManager.complete_store": (
+            "30330e2fb44fe8331c377d88336b64e8711f4307fe70ca232741730a60b5d67c"
+        ),
+        "CPUOffloadingManager.reset_cache": (
+            "6fe4b3ce0dc1d8b5945aa407f3694bd3c9dfcbb68a9153a81f078180daa6f65d"
+        ),
+        "CPUOffloadingManager.get_stats": (
+            "ac57f67a8be934fd5234062ca26ada612c6fddc3688032649c9e50fca9f513e3"
+        ),
+        "CPUOffloadingSpec.get_manager": (
+            "c1c63043f12c09d0fbc58d6333ceb9b18eb441777e0464c392e982440c98b004"
+        ),
+        "OffloadingSpecFactory.register_spec": (
+            "642a5f8c7bdc13581886f8af0657236f692c560c1cc2b875c00f8514f6afed24"
+        ),
+        "OffloadingSpecFactory.get_spec_cls": (
+            "543b3ec08f58eecf5401afcceb466100ecb962afde90be0279c2302045361877"
+        ),
+        "OffloadingSpecFactory.create_spec": (
+            "4acbcf9f29ba2a93e8fdd2bea7f0a24ac06dbb47b604f00da9f4c852191cc89e"
+        ),
+    },
+    "0.33.0": {
+        "CPUOffloadingManager.__init__": (
+            "fae5629dc305e82189a6cb962a41589e75d95361807218eb4b6832e7e47a6ee5"
+        ),
+        "CPUOffloadingManager._get_num_free_chunks": (
+            "97cc88d90cb9d4eefa188cdac8a6f30b5fa6caac6b71894938b06b91c7528235"
+        ),
+        "CPUOffloadingManager._allocate_chunks": (
+            "915c2ab59bef1a4ca6411eca5e617117430aa5b63c86f410421c86b59e8f6306"
+        ),
+        "CPUOffloadingManager._free_chunk": (
+            "f86ec4a8ba3483f7a65962fbc46af88e2720a91ce15f70124f11105a8811b1be"
+        ),
+        "CPUOffloadingManager.prepare_store": (
+            "5670b769d8bd7d63be1d22361f5f6e2388e371f3dd12c4cbde50481eff5bf017"
+        ),
+        "CPUOffloadingManager.complete_store": (
+            "86458465ea2a1ccfb444ea5a5a12e95bd92fe5a590df53aa9130f56bb8b609b4"
+        ),
+        "CPUOffloadingManager.reset_cache": (
+            "6fe4b3ce0dc1d8b5945aa407f3694bd3c9dfcbb68a9153a81f078180daa6f65d"
+        ),
+        "CPUOffloadingManager.get_stats": (
+            "ac57f67a8be934fd5234062ca26ada612c6fddc3688032649c9e50fca9f513e3"
+        ),
+        "CPUOffloadingSpec.get_manager": (
+            "87ee981dcf7e3f996f0a4bcc88feb83a32b396f02668e822d6e8f74255ceb5e3"
+        ),
+        "OffloadingSpecFactory.register_spec": (
+            "642a5f8c7bdc13581886f8af0657236f692c560c1cc2b875c00f8514f6afed24"
+        ),
+        "OffloadingSpecFactory.get_spec_cls": (
+            "543b3ec08f58eecf5401afcceb466100ecb962afde90be0279c2302045361877"
+        ),
+        "OffloadingSpecFactory.create_spec": (
+            "4acbcf9f29ba2a93e8fdd2bea7f0a24ac06dbb47b604f00da9f4c852191cc89e"
+        ),
+    },
+}
+# The tested releases are exactly those with fingerprints.
+SUPPORTED_VERSIONS: tuple[str, ...] = tuple(FINGERPRINTS)
+
+
+class SourceNotFound(LookupError):
+    """A target's module file or definition is not where the installed vLLM should have it."""
+
+
+def source_path(module: str) -> Path:
+    """The file of ``module``; found without importing vLLM unless it is already imported."""
+    if module.split(".", 1)[0] in sys.modules:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise SourceNotFound(f"module {module} not found")
+        return Path(spec.origin)
+    try:
+        dist = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise SourceNotFound(f"{DISTRIBUTION} is not installed") from None
+    path = Path(str(dist.locate_file(module.replace(".", "/") + ".py")))
+    if not path.is_file():
+        raise SourceNotFound(f"{path} does not exist")
+    return path
+
+
+def normalised_source(source: str, qualname: str) -> str:
+    """The definition of ``qualname`` (``Class.method`` or ``function``) in ``source``,
+    decorators included, dedented, without comments, blank lines or trailing spaces."""
+    tree = ast.parse(source)
+    node = _find(tree, qualname.split("."))
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    lines = source.splitlines()[first - 1 : node.end_lineno]
+    block = textwrap.dedent("\n".join(lines)) + "\n"
+    return _without_comments(block)
+
+
+def fingerprint(target: Target) -> str:
+    """sha256 of ``target``'s normalised source in the installed vLLM."""
+    path = source_path(target.module)
+    text = normalised_source(path.read_text(encoding="utf-8"), target.qualname)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def current_fingerprints() -> dict[str, str]:
+    """Target qualname -> fingerprint for the installed vLLM."""
+    return {target.qualname: fingerprint(target) for target in TARGETS}
+
+
+def refusals(
+    version: str, fingerprints: Mapping[str, Mapping[str, str]] = FINGERPRINTS
+) -> dict[str, str]:
+    """Target name -> why it cannot be trusted on ``version`` (a release string);
+    empty when every target matches the fingerprint recorded for that release."""
+    recorded = fingerprints.get(version)
+    if recorded is None:
+        return {target.name: f"no fingerprints recorded for vLLM {version}" for target in TARGETS}
+    reasons: dict[str, str] = {}
+    for target in TARGETS:
+        expected = recorded.get(target.qualname)
+        if expected is None:
+            reasons[target.name] = f"no fingerprint recorded for vLLM {version}"
+            continue
+        try:
+            actual = fingerprint(target)
+        except (SourceNotFound, SyntaxError, OSError) as exc:
+            reasons[target.name] = f"source not readable: {exc}"
+            continue
+        if actual != expected:
+            reasons[target.name] = f"fingerprint changed ({actual}, tested {expected})"
+    return reasons
+
+
+def _find(tree: ast.AST, parts: list[str]) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    scope = tree
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        kinds = (ast.FunctionDef, ast.AsyncFunctionDef) if last else (ast.ClassDef,)
+        found = [
+            node
+            for node in getattr(scope, "body", [])
+            if isinstance(node, kinds) and node.name == part
+        ]
+        if not found:
+            raise SourceNotFound(f"{'.'.join(parts[: depth + 1])} is not defined")
+        # The last definition wins at run time, as it does in Python.
+        scope = found[-1]
+    assert isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef)
+    return scope
+
+
+def _without_comments(block: str) -> str:
+    comments: dict[int, int] = {}
+    for token in tokenize.generate_tokens(io.StringIO(block).readline):
+        if token.type == tokenize.COMMENT:
+            row, col = token.start
+            comments[row] = col
+    kept = []
+    for row, line in enumerate(block.splitlines(), start=1):
+        line = line[: comments.get(row, len(line))].rstrip()
+        if line:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+def main() -> None:
+    """Print the installed vLLM's fingerprints as a FINGERPRINTS entry."""
+    version = release_of(importlib.metadata.version(DISTRIBUTION))
+    print(f'    "{version}": {{')
+    for name, value in current_fingerprints().items():
+        print(f'        "{name}": (\n            "{value}"\n        ),')
+    print("    },")

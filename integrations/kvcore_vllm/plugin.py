@@ -1,0 +1,132 @@
+"""The ``vllm.general_plugins`` entry point: make kvcore's spec the one vLLM builds.
+
+vLLM calls :func:`register` with no arguments in the API server, the engine core and
+every worker, before any KV connector exists. When ``KVCORE_ENABLE`` names vllm, the
+installed release is a tested one and every guarded function still has its tested
+source, the factory's entry for the default spec name (``CPUOffloadingSpec``, the one
+``--kv-offloading-size`` uses) is pointed at :class:`KVCoreCPUOffloadingSpec`, and the
+same class is registered as ``KVCoreCPUOffloadingSpec`` for explicit selection.
+Otherwise nothing changes and, where kvcore was asked for, one warning says why.
+
+vLLM itself is imported only once all of that holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Mapping
+
+from kvcore.config import KVCoreConfig
+from kvcore.engine_status import EngineStatus, probe_engine, release_of
+from kvcore_vllm.guard import (
+    DISTRIBUTION,
+    ENGINE,
+    FINGERPRINTS,
+    SUPPORTED_VERSIONS,
+    TARGETS,
+    refusals,
+)
+
+DEFAULT_SPEC_NAME = "CPUOffloadingSpec"
+SPEC_NAME = "KVCoreCPUOffloadingSpec"
+SPEC_MODULE = "kvcore_vllm.spec"
+REGISTRY_TARGET = (
+    f"vllm.v1.kv_offload.factory.OffloadingSpecFactory._registry[{DEFAULT_SPEC_NAME!r}]"
+)
+
+logger = logging.getLogger("kvcore.vllm")
+
+_lock = threading.Lock()
+# What activation decided in this process; vLLM may load the plugin more than once.
+_decided: EngineStatus | None = None
+
+
+def register() -> None:
+    """Entry point for ``vllm.general_plugins``; safe to call any number of times."""
+    try:
+        activate(KVCoreConfig.from_env())
+    except Exception:
+        # vLLM does not catch errors raised by a general plugin: it would not start.
+        logger.exception("kvcore: activating the vLLM adapter failed; vLLM runs stock")
+
+
+def activate(
+    config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]] = FINGERPRINTS
+) -> EngineStatus:
+    """Install kvcore's spec if ``config`` enables vLLM and the guard passes; the status.
+
+    The first decision for an enabled config is final for the process: later calls
+    return it again without patching or warning twice.
+    """
+    with _lock:
+        return copy.deepcopy(_decide(config, fingerprints))
+
+
+def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]]) -> EngineStatus:
+    global _decided
+    if _decided is not None and config.enabled_for(ENGINE):
+        return _decided
+    status = check(config, fingerprints)
+    if not status.enabled or not status.installed:
+        return status
+    config.configure_logging()
+    if not status.supported:
+        logger.warning(
+            "kvcore: vLLM %s is not a tested version (tested: %s); vLLM runs stock",
+            status.version,
+            ", ".join(SUPPORTED_VERSIONS),
+        )
+    elif status.skipped_targets:
+        first = status.skipped_targets[0]
+        logger.warning(
+            "kvcore: %d of %d vLLM functions kvcore relies on differ from vLLM %s as tested "
+            "(first: %s: %s); vLLM runs stock",
+            len(status.skipped_targets),
+            len(TARGETS),
+            status.version,
+            first["target"],
+            first["reason"],
+        )
+    else:
+        _install()
+        status.patched_targets = [REGISTRY_TARGET] + [t.name for t in TARGETS if t.overridden]
+    _decided = status
+    return status
+
+
+def check(
+    config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]] = FINGERPRINTS
+) -> EngineStatus:
+    """vLLM's status with the guard's verdict as skipped targets; patches nothing."""
+    status = probe_engine(
+        ENGINE, DISTRIBUTION, SUPPORTED_VERSIONS, enabled=config.enabled_for(ENGINE)
+    )
+    if status.active and status.version is not None:
+        for target, reason in refusals(release_of(status.version), fingerprints).items():
+            status.skip(target, reason)
+    return status
+
+
+def status(config: KVCoreConfig) -> EngineStatus:
+    """What activation did in this process, or what it would decide."""
+    if _decided is not None and config.enabled_for(ENGINE):
+        return copy.deepcopy(_decided)
+    return check(config)
+
+
+def _install() -> None:
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    # register_spec refuses a taken name, and the default name is taken by vLLM's own
+    # spec; its registry maps a name to a zero-argument loader, so swap that loader.
+    OffloadingSpecFactory._registry[DEFAULT_SPEC_NAME] = _load_spec
+    if SPEC_NAME not in OffloadingSpecFactory._registry:
+        OffloadingSpecFactory.register_spec(SPEC_NAME, SPEC_MODULE, SPEC_NAME)
+
+
+def _load_spec() -> type:
+    from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
+
+    return KVCoreCPUOffloadingSpec

@@ -1,0 +1,39 @@
+"""vLLM's CPU offloading spec with kvcore's chunk manager.
+
+Everything but the scheduler-side manager is the stock spec's. The plugin puts this
+class where vLLM's spec factory looks for its default spec (the one behind
+``--kv-offloading-size``); it can also be named explicitly with
+``kv_connector_extra_config={"spec_name": "KVCoreCPUOffloadingSpec"}``.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from kvcore.config import KVCoreConfig
+from kvcore.metrics import METRICS
+from kvcore_vllm.manager import KVCoreCPUOffloadingManager
+
+
+class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
+    """:class:`CPUOffloadingSpec` whose manager allocates host chunks contiguously."""
+
+    def get_manager(self) -> OffloadingManager:
+        if not self._manager:
+            extra = self.extra_config
+            # The same keys and defaults as the stock get_manager (fingerprinted).
+            options = {
+                "cache_policy": self.eviction_policy,
+                "cache_policy_module_path": self.cache_policy_module_path,
+                "enable_events": self.kv_events_config.enable_kv_cache_events,
+                "store_threshold": int(extra.get("store_threshold", 0)),
+                "max_tracker_size": int(extra.get("max_tracker_size", 64_000)),
+            }
+            # vLLM 0.33 reports the tier's facts through the manager; 0.32 has no such info.
+            info = getattr(self, "cpu_info", None)
+            if info is not None:
+                options["info"] = info
+            metrics = METRICS if KVCoreConfig.from_env().metrics else None
+            self._manager = KVCoreCPUOffloadingManager(self.num_chunks, metrics=metrics, **options)
+        return self._manager

@@ -1,0 +1,209 @@
+"""The vLLM plugin and its version guard, against the installed vLLM."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
+
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm_support import offloading_config
+
+import kvcore_vllm
+from kvcore.config import KVCoreConfig
+from kvcore_vllm import guard, plugin
+from kvcore_vllm.manager import KVCoreCPUOffloadingManager
+from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
+
+pytestmark = pytest.mark.vllm
+
+OVERRIDDEN = [
+    "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager._get_num_free_chunks",
+    "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager._allocate_chunks",
+    "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager._free_chunk",
+    "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager.reset_cache",
+    "vllm.v1.kv_offload.cpu.spec.CPUOffloadingSpec.get_manager",
+]
+ENABLED = KVCoreConfig(enable={"vllm"})
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state(monkeypatch):
+    """Each test starts as a process that has not loaded the plugin, and leaves none behind."""
+    monkeypatch.setattr(plugin, "_decided", None)
+    monkeypatch.setattr(OffloadingSpecFactory, "_registry", dict(OffloadingSpecFactory._registry))
+    monkeypatch.delenv("KVCORE_ENABLE", raising=False)
+
+
+def _default_spec() -> type:
+    return OffloadingSpecFactory.get_spec_cls({})
+
+
+def _installed_release() -> str:
+    status = kvcore_vllm.status(ENABLED)
+    assert status.version is not None
+    return status.version.split("+", 1)[0]
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "sglang"])
+def test_inactive_unless_kvcore_enable_names_vllm(monkeypatch, caplog, value):
+    if value is not None:
+        monkeypatch.setenv("KVCORE_ENABLE", value)
+    registry = dict(OffloadingSpecFactory._registry)
+    with caplog.at_level(logging.WARNING):
+        plugin.register()
+        plugin.register()
+    assert OffloadingSpecFactory._registry == registry
+    assert _default_spec() is CPUOffloadingSpec
+    assert "KVCoreCPUOffloadingSpec" not in OffloadingSpecFactory._registry
+    assert caplog.records == []
+    status = kvcore_vllm.status()
+    assert not status.enabled and status.patched_targets == []
+
+
+@pytest.mark.parametrize("value", ["vllm", "1", "sglang,vllm"])
+def test_enabled_plugin_selects_kvcore_spec_and_is_idempotent(monkeypatch, caplog, value):
+    monkeypatch.setenv("KVCORE_ENABLE", value)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            plugin.register()
+    assert caplog.records == []
+    assert _default_spec() is KVCoreCPUOffloadingSpec
+    assert issubclass(KVCoreCPUOffloadingSpec, CPUOffloadingSpec)
+    explicit = OffloadingSpecFactory.get_spec_cls({"spec_name": "KVCoreCPUOffloadingSpec"})
+    assert explicit is KVCoreCPUOffloadingSpec
+    tiering = OffloadingSpecFactory.get_spec_cls({"spec_name": "TieringOffloadingSpec"})
+    assert tiering is TieringOffloadingSpec
+    spec = OffloadingSpecFactory.create_spec(offloading_config({"cpu_bytes_to_use": 1 << 20}))
+    assert isinstance(spec.get_manager(), KVCoreCPUOffloadingManager)
+    status = kvcore_vllm.status()
+    assert status.active and status.skipped_targets == []
+    assert status.patched_targets == [plugin.REGISTRY_TARGET, *OVERRIDDEN]
+    assert status.summary().endswith("6 patched, 0 skipped")
+
+
+def test_status_before_loading_reports_nothing_patched_and_the_guard_passing():
+    status = kvcore_vllm.status(ENABLED)
+    assert status.active
+    assert status.patched_targets == [] and status.skipped_targets == []
+    assert _default_spec() is CPUOffloadingSpec
+
+
+def test_recorded_fingerprints_match_the_installed_vllm():
+    release = _installed_release()
+    assert release in guard.SUPPORTED_VERSIONS
+    assert guard.current_fingerprints() == guard.FINGERPRINTS[release]
+    assert guard.refusals(release) == {}
+
+
+def test_guard_refuses_a_changed_fingerprint_with_one_warning(caplog):
+    release = _installed_release()
+    changed = {release: dict(guard.FINGERPRINTS[release])}
+    target = "CPUOffloadingManager._allocate_chunks"
+    changed[release][target] = "0" * 64
+    registry = dict(OffloadingSpecFactory._registry)
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        status = plugin.activate(ENABLED, changed)
+        again = plugin.activate(ENABLED, changed)
+    assert OffloadingSpecFactory._registry == registry
+    assert _default_spec() is CPUOffloadingSpec
+    assert status.patched_targets == []
+    full_name = f"vllm.v1.kv_offload.cpu.manager.{target}"
+    assert [s["target"] for s in status.skipped_targets] == [full_name]
+    assert status.skipped_targets[0]["reason"].startswith("fingerprint changed")
+    assert again == status
+    assert kvcore_vllm.status(ENABLED).to_dict() == status.to_dict()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "vLLM runs stock" in warnings[0].getMessage()
+    assert full_name in warnings[0].getMessage()
+
+
+def test_guard_refuses_a_release_without_fingerprints(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        status = plugin.activate(ENABLED, {})
+    assert _default_spec() is CPUOffloadingSpec
+    assert len(status.skipped_targets) == len(guard.TARGETS)
+    assert all("no fingerprints recorded" in s["reason"] for s in status.skipped_targets)
+    assert len(caplog.records) == 1
+
+
+def test_guard_refuses_a_target_whose_source_changed(tmp_path, monkeypatch):
+    module = "vllm.v1.kv_offload.cpu.manager"
+    original = guard.source_path(module).read_text(encoding="utf-8")
+    edited = original.replace(
+        "chunks.append(ChunkStatus(self._free_list.pop()))",
+        "chunks.append(ChunkStatus(self._free_list.pop(0)))",
+    )
+    assert edited != original
+    copy = tmp_path / "manager.py"
+    copy.write_text(edited, encoding="utf-8")
+    real_source_path = guard.source_path
+    monkeypatch.setattr(
+        guard, "source_path", lambda name: copy if name == module else real_source_path(name)
+    )
+    reasons = guard.refusals(_installed_release())
+    assert list(reasons) == [f"{module}.CPUOffloadingManager._allocate_chunks"]
+
+
+def test_fingerprint_ignores_comments_blank_lines_and_indentation():
+    plain = "class A:\n    @staticmethod\n    def f(x):\n        return x + 1\n"
+    noisy = (
+        "class A:\n\n        # why\n        @staticmethod\n        def f(x):  # note\n\n"
+        "            return x + 1   \n"
+    )
+    changed = plain.replace("x + 1", "x + 2")
+    undecorated = plain.replace("    @staticmethod\n", "")
+    assert guard.normalised_source(plain, "A.f") == guard.normalised_source(noisy, "A.f")
+    assert guard.normalised_source(plain, "A.f") != guard.normalised_source(changed, "A.f")
+    assert guard.normalised_source(plain, "A.f") != guard.normalised_source(undecorated, "A.f")
+    assert guard.normalised_source(plain, "A.f").startswith("@staticmethod\ndef f(x):")
+    with pytest.raises(guard.SourceNotFound, match=r"A\.g is not defined"):
+        guard.normalised_source(plain, "A.g")
+
+
+def test_vllm_plugin_loader_runs_the_entry_point(tmp_path, monkeypatch):
+    import vllm.plugins
+
+    dist_info = tmp_path / "kvcore_entry_probe-0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcore-entry-probe\n")
+    (dist_info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nkvcore_entry_probe = kvcore_vllm.plugin:register\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("VLLM_PLUGINS", "kvcore_entry_probe")
+    monkeypatch.setenv("KVCORE_ENABLE", "vllm")
+    for _ in range(2):
+        monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+        vllm.plugins.load_general_plugins()
+    assert _default_spec() is KVCoreCPUOffloadingSpec
+    assert kvcore_vllm.status().patched_targets == [plugin.REGISTRY_TARGET, *OVERRIDDEN]
+
+
+def test_kvcore_distribution_declares_the_entry_point():
+    from importlib.metadata import entry_points
+
+    declared = [
+        ep
+        for ep in entry_points(group="vllm.general_plugins")
+        if ep.dist is not None and ep.dist.name == "kvcore"
+    ]
+    if not declared:
+        pytest.skip("kvcore is installed without its vllm.general_plugins entry point")
+    assert [(ep.name, ep.value) for ep in declared] == [("kvcore", "kvcore_vllm.plugin:register")]
+
+
+def test_a_bad_kvcore_setting_leaves_vllm_stock_and_says_so(monkeypatch, caplog):
+    monkeypatch.setenv("KVCORE_ENABLE", "vllm")
+    monkeypatch.setenv("KVCORE_GATHER_CTAS", "many")
+    with caplog.at_level(logging.ERROR, logger="kvcore"):
+        plugin.register()
+    assert _default_spec() is CPUOffloadingSpec
+    assert len(caplog.records) == 1
+    assert "vLLM runs stock" in caplog.records[0].getMessage()
+    assert "KVCORE_GATHER_CTAS" in caplog.text
