@@ -220,6 +220,12 @@ class KVCoreConfig:
         16 * GiB, _size(1), "host memory registered with CUDA per cudaHostRegister call"
     )
     metrics: bool = _setting(True, BOOLEAN, "collect transfer metrics (Prometheus when installed)")
+    transfers: bool = _setting(
+        False,
+        BOOLEAN,
+        "route the engines' host<->device copies through kvcore's mover "
+        "(experimental: not yet proven on a GPU inside an engine)",
+    )
     log_level: str = _setting("WARNING", LOG_LEVEL, "level of the 'kvcore' logger")
 
     def __post_init__(self) -> None:

@@ -25,6 +25,16 @@ ALLOCATOR_TARGETS: tuple[str, ...] = tuple(
 )
 TARGET_GROUPS: dict[str, tuple[str, ...]] = {ALLOCATOR_GROUP: ALLOCATOR_TARGETS}
 
+_POOL_HOST = "sglang.srt.mem_cache.pool_host"
+TRANSFER_GROUP = "host-pool transfers"
+TRANSFER_TARGETS: tuple[str, ...] = tuple(
+    f"{_POOL_HOST}.{pool}.{method}"
+    for pool in ("mha.MHATokenToKVPoolHost", "mla.MLATokenToKVPoolHost")
+    for method in ("load_to_device_per_layer", "backup_from_device_all_layer")
+)
+# Checked and registered only when the transfer hooks are asked for (see plugin).
+TRANSFER_GROUPS: dict[str, tuple[str, ...]] = {TRANSFER_GROUP: TRANSFER_TARGETS}
+
 # Recorded from each release's wheel with ``python -m kvcore_sglang.guard ROOT``;
 # 0.5.22 and 0.5.23 define these functions identically.
 _HOST_SLOTS_0_5_22: dict[str, str] = {
@@ -35,9 +45,25 @@ _HOST_SLOTS_0_5_22: dict[str, str] = {
     f"{HOST_KV_CACHE}.alloc": "12afebe1815e6d36d7f16115ed89f39d976e95205e549e14ce9b3d218d287020",
     f"{HOST_KV_CACHE}.free": "b5651e29ed7e3b808d54222e22b7424c8266602beb9a8342da0333c7213f32c0",
 }
+# The transfer hooks follow 0.5.23's code (0.5.22 maps layers through the device pool's
+# layer sharding), so 0.5.22 has none recorded and keeps its stock transfers.
+_TRANSFERS_0_5_23: dict[str, str] = {
+    f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.load_to_device_per_layer": (
+        "9bd30c239ff84b6cdd08f8c9bf3c52b94c088c95d7387ef7b4b3026d689c421c"
+    ),
+    f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.backup_from_device_all_layer": (
+        "16ba921ce9ad0a399ea0ffd29661494fe68254b00554d0dffe5f623542dab451"
+    ),
+    f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.load_to_device_per_layer": (
+        "fce382eecb032ba34d8bb561822c4708d6138cdb8cf4f86764a154fa6a9fb670"
+    ),
+    f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.backup_from_device_all_layer": (
+        "5f35499e804eef01c4c2a44e84bc974ba0af10fea286834594297acd79489ef5"
+    ),
+}
 FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.5.22": dict(_HOST_SLOTS_0_5_22),
-    "0.5.23": dict(_HOST_SLOTS_0_5_22),
+    "0.5.23": {**_HOST_SLOTS_0_5_22, **_TRANSFERS_0_5_23},
 }
 
 
@@ -94,17 +120,18 @@ def split_target(target: str) -> tuple[str, str]:
     raise ValueError(f"{target!r} names no class")
 
 
-def check_targets(version: str) -> GuardResult:
-    """Which targets may be patched on SGLang ``version`` (a release string, no local label)."""
+def check_targets(version: str, groups: dict[str, tuple[str, ...]] = TARGET_GROUPS) -> GuardResult:
+    """Which targets of ``groups`` may be patched on SGLang ``version`` (a release string,
+    no local label)."""
     recorded = FINGERPRINTS.get(version)
     if recorded is None:
         tested = ", ".join(sorted(FINGERPRINTS))
         reason = f"SGLang {version} is not a tested version (tested: {tested})"
-        every = (Skipped(t, reason) for group in TARGET_GROUPS.values() for t in group)
+        every = (Skipped(t, reason) for group in groups.values() for t in group)
         return GuardResult((), tuple(every))
     patchable: list[str] = []
     skipped: list[Skipped] = []
-    for group, targets in TARGET_GROUPS.items():
+    for group, targets in groups.items():
         changed = {t: why for t in targets if (why := _mismatch(t, recorded.get(t)))}
         if not changed:
             patchable.extend(targets)
@@ -154,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m kvcore_sglang.guard ROOT", file=sys.stderr)
         return 2
-    for targets in TARGET_GROUPS.values():
+    for targets in (*TARGET_GROUPS.values(), *TRANSFER_GROUPS.values()):
         for target in targets:
             module_name, qualname = split_target(target)
             path = f"{args[0]}/{module_name.replace('.', '/')}.py"

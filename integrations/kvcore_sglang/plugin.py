@@ -32,11 +32,15 @@ def load() -> None:
         logger.exception("kvcore: registering SGLang hooks failed; SGLang runs stock")
 
 
-def register_hooks(config: KVCoreConfig | None = None) -> EngineStatus:
+def register_hooks(
+    config: KVCoreConfig | None = None, *, with_transfers: bool | None = None
+) -> EngineStatus:
     """Check versions and fingerprints, register the hooks that pass; the resulting status.
 
     Only the first call that finds kvcore enabled registers anything; later calls
-    return that call's status.
+    return that call's status. ``with_transfers`` adds the host-pool transfer hooks
+    (:mod:`kvcore_sglang.transfers`); by default it follows ``KVCORE_TRANSFERS``, which
+    is off until the hooks are proven on a GPU inside SGLang.
     """
     global _applied
     config = KVCoreConfig.from_env() if config is None else config
@@ -53,6 +57,8 @@ def register_hooks(config: KVCoreConfig | None = None) -> EngineStatus:
             return status
         config.configure_logging()
         _register(status, release_of(status.version or ""))
+        if config.transfers if with_transfers is None else with_transfers:
+            _register_transfers(status, release_of(status.version or ""))
         _applied = status
         return status
 
@@ -82,3 +88,19 @@ def _register(status: EngineStatus, version: str) -> None:
     if set(guard.ALLOCATOR_TARGETS) <= set(result.patchable):
         for pool, reason in host_slots.STOCK_POOLS.items():
             status.skip(pool, reason)
+
+
+def _register_transfers(status: EngineStatus, version: str) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from . import guard, transfers
+
+    result = guard.check_targets(version, guard.TRANSFER_GROUPS)
+    for skipped in result.skipped:
+        status.skip(skipped.target, skipped.reason)
+    if result.skipped:
+        changed = "; ".join(f"{s.target}: {s.reason}" for s in result.skipped)
+        logger.warning("kvcore: SGLang %s transfers left stock: %s", version, changed)
+    for target in result.patchable:
+        HookRegistry.register(target, transfers.HOOKS[target], HookType.AROUND)
+        status.patched_targets.append(target)

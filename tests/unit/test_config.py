@@ -33,6 +33,7 @@ NON_DEFAULTS: dict[str, tuple[str, object]] = {
     "prefault_threads": ("32", 32),
     "register_chunk_bytes": ("4G", 4 * GiB),
     "metrics": ("false", False),
+    "transfers": ("on", True),
     "log_level": ("debug", "DEBUG"),
 }
 
@@ -47,6 +48,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "prefault_threads": ("0", "from 1 to 256"),
     "register_chunk_bytes": ("16 GiB per call", "KiB"),
     "metrics": ("maybe", "yes/no"),
+    "transfers": ("sometimes", "yes/no"),
     "log_level": ("LOUD", "WARNING"),
 }
 
@@ -366,6 +368,7 @@ def test_to_env_of_defaults():
         "KVCORE_PREFAULT_THREADS": "8",
         "KVCORE_REGISTER_CHUNK_BYTES": "16GiB",
         "KVCORE_METRICS": "1",
+        "KVCORE_TRANSFERS": "0",
         "KVCORE_LOG_LEVEL": "WARNING",
     }
 
