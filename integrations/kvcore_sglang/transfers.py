@@ -183,101 +183,74 @@ def _split(pairs: LayerPairs | str) -> tuple[str | None, LayerPairs | None]:
     return (pairs, None) if isinstance(pairs, str) else (None, pairs)
 
 
-def mha_load_hook(
-    original: Callable[..., Any],
-    pool: Any,
-    device_pool: Any,
-    host_indices: Any,
-    device_indices: Any,
-    layer_id: int,
-    io_backend: str,
-    *,
-    is_draft: bool = False,
-) -> None:
-    def stock() -> None:
-        original(
-            pool,
-            device_pool,
-            host_indices,
-            device_indices,
-            layer_id,
-            io_backend,
-            is_draft=is_draft,
-        )
+def _make_load_hook(
+    pool_class: str,
+    holds_layer: Callable[[Any, int], bool],
+    pairs_of: Callable[[Any, int], Any],
+) -> Callable[..., None]:
+    def load_hook(
+        original: Callable[..., Any],
+        pool: Any,
+        device_pool: Any,
+        host_indices: Any,
+        device_indices: Any,
+        layer_id: int,
+        io_backend: str,
+        *,
+        is_draft: bool = False,
+    ) -> None:
+        def stock() -> None:
+            original(
+                pool,
+                device_pool,
+                host_indices,
+                device_indices,
+                layer_id,
+                io_backend,
+                is_draft=is_draft,
+            )
 
-    reason = _call_reason(pool, MHA_POOL, host_indices, device_indices, io_backend)
-    if reason is None and not is_draft and not 0 <= layer_id < pool.target_layer_num:
-        stock()  # a layer this pool does not hold: stock returns without copying
-        return
-    reason, pairs = _split(reason or _mha_load_pairs(pool, layer_id))
-    _serve(stock, reason, pairs, host_indices, device_indices, Direction.H2D)
+        reason = _call_reason(pool, pool_class, host_indices, device_indices, io_backend)
+        if reason is None and not is_draft and not holds_layer(pool, layer_id):
+            stock()  # a layer this pool does not hold: stock returns without copying
+            return
+        reason, pairs = _split(reason or pairs_of(pool, layer_id))
+        _serve(stock, reason, pairs, host_indices, device_indices, Direction.H2D)
 
-
-def mha_backup_hook(
-    original: Callable[..., Any],
-    pool: Any,
-    device_pool: Any,
-    host_indices: Any,
-    device_indices: Any,
-    io_backend: str,
-) -> None:
-    def stock() -> None:
-        original(pool, device_pool, host_indices, device_indices, io_backend)
-
-    reason = _call_reason(pool, MHA_POOL, host_indices, device_indices, io_backend)
-    reason, pairs = _split(reason or _mha_backup_pairs(pool))
-    _serve(stock, reason, pairs, device_indices, host_indices, Direction.D2H)
+    return load_hook
 
 
-def mla_load_hook(
-    original: Callable[..., Any],
-    pool: Any,
-    device_pool: Any,
-    host_indices: Any,
-    device_indices: Any,
-    layer_id: int,
-    io_backend: str,
-    *,
-    is_draft: bool = False,
-) -> None:
-    def stock() -> None:
-        original(
-            pool,
-            device_pool,
-            host_indices,
-            device_indices,
-            layer_id,
-            io_backend,
-            is_draft=is_draft,
-        )
+def _make_backup_hook(pool_class: str, pairs_of: Callable[[Any], Any]) -> Callable[..., None]:
+    def backup_hook(
+        original: Callable[..., Any],
+        pool: Any,
+        device_pool: Any,
+        host_indices: Any,
+        device_indices: Any,
+        io_backend: str,
+    ) -> None:
+        def stock() -> None:
+            original(pool, device_pool, host_indices, device_indices, io_backend)
 
-    reason = _call_reason(pool, MLA_POOL, host_indices, device_indices, io_backend)
-    if (
-        reason is None
-        and not pool._is_dummy
-        and not is_draft
-        and layer_id not in pool._target_layer_indices
-    ):
-        stock()  # a layer this pool does not hold: stock returns without copying
-        return
-    reason, pairs = _split(reason or _mla_load_pairs(pool, layer_id))
-    _serve(stock, reason, pairs, host_indices, device_indices, Direction.H2D)
+        reason = _call_reason(pool, pool_class, host_indices, device_indices, io_backend)
+        reason, pairs = _split(reason or pairs_of(pool))
+        _serve(stock, reason, pairs, device_indices, host_indices, Direction.D2H)
+
+    return backup_hook
 
 
-def mla_backup_hook(
-    original: Callable[..., Any],
-    pool: Any,
-    device_pool: Any,
-    host_indices: Any,
-    device_indices: Any,
-    io_backend: str,
-) -> None:
-    def stock() -> None:
-        original(pool, device_pool, host_indices, device_indices, io_backend)
+def _mha_holds_layer(pool: Any, layer_id: int) -> bool:
+    return 0 <= layer_id < pool.target_layer_num
 
-    reason = _call_reason(pool, MLA_POOL, host_indices, device_indices, io_backend)
-    reason, pairs = _split(reason or _mla_backup_pairs(pool))
-    _serve(stock, reason, pairs, device_indices, host_indices, Direction.D2H)
+
+def _mla_holds_layer(pool: Any, layer_id: int) -> bool:
+    return pool._is_dummy or layer_id in pool._target_layer_indices
+
+
+mha_load_hook = _make_load_hook(MHA_POOL, _mha_holds_layer, _mha_load_pairs)
+mla_load_hook = _make_load_hook(MLA_POOL, _mla_holds_layer, _mla_load_pairs)
+mha_backup_hook = _make_backup_hook(MHA_POOL, _mha_backup_pairs)
+mla_backup_hook = _make_backup_hook(MLA_POOL, _mla_backup_pairs)
 
 
 # Target (as the guard names it) -> hook.
