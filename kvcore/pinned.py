@@ -30,7 +30,7 @@ from kvcore.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
-HostBufferKind = Literal["pageable", "registered", "cuda_host_alloc"]
+HostBufferKind = Literal["pageable", "registered"]
 
 
 class PinnedMemoryError(RuntimeError):
