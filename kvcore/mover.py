@@ -186,8 +186,8 @@ def plan(
     for name, tensor in (("src", src), ("dst", dst)):
         if tensor.dim() == 0:
             raise ValueError(f"{name} is a scalar; rows are indexed along dim 0")
-    check_bounds(src_idx, src.shape[0], "src_idx")
-    check_bounds(dst_idx, dst.shape[0], "dst_idx")
+    src_span = check_bounds(src_idx, src.shape[0], "src_idx")
+    dst_span = check_bounds(dst_idx, dst.shape[0], "dst_idx")
     if has_duplicates(dst_idx):
         # Which source row would win is undefined: stock GPU copies would race.
         raise ValueError("dst_idx holds duplicate indices")
@@ -222,8 +222,8 @@ def plan(
         nbytes=nbytes,
         reason=reason,
         policy=policy,
-        src_span=int(src_idx.max()) + 1 if rows else 0,
-        dst_span=int(dst_idx.max()) + 1 if rows else 0,
+        src_span=src_span,
+        dst_span=dst_span,
     )
 
 

@@ -84,15 +84,19 @@ def check_index(index: torch.Tensor, name: str = "index") -> torch.Tensor:
     return index.to(torch.int64)
 
 
-def check_bounds(index: torch.Tensor, size: int, name: str = "index") -> None:
-    """Raise ValueError unless every entry lies in ``[0, size)``."""
+def check_bounds(index: torch.Tensor, size: int, name: str = "index") -> int:
+    """Raise ValueError unless every entry lies in ``[0, size)``; return the largest + 1.
+
+    The span (0 for an empty index) is the fewest rows a buffer indexed by it needs.
+    """
     if index.numel() == 0:
-        return
+        return 0
     low = int(index.min())
     high = int(index.max())
     if low < 0 or high >= size:
         bad = low if low < 0 else high
         raise ValueError(f"{name} holds {bad}, outside [0, {size})")
+    return high + 1
 
 
 def has_duplicates(index: torch.Tensor) -> bool:

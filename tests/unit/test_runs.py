@@ -107,7 +107,9 @@ def test_cuda_index_is_refused_without_reading_it_back() -> None:
 
 
 def test_bounds_and_duplicates() -> None:
-    check_bounds(torch.tensor([0, 9]), 10)
+    assert check_bounds(torch.tensor([0, 9]), 10) == 10
+    assert check_bounds(torch.tensor([3, 1]), 10) == 4
+    assert check_bounds(torch.tensor([], dtype=torch.int64), 10) == 0
     with pytest.raises(ValueError, match="holds 10"):
         check_bounds(torch.tensor([0, 10]), 10)
     with pytest.raises(ValueError, match="holds -1"):
