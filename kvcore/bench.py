@@ -59,6 +59,7 @@ class BenchOptions:
     allocator_slots: int
     allocator_ops: int
     device: torch.device
+    pin_measure_bytes: int = 8 << 30
 
 
 def options_for(args: argparse.Namespace) -> BenchOptions:
@@ -75,6 +76,7 @@ def options_for(args: argparse.Namespace) -> BenchOptions:
         allocator_slots=1 << 20,
         allocator_ops=10_000,
         device=device,
+        pin_measure_bytes=(1 if quick else 8) << 30,
     )
 
 
@@ -301,7 +303,10 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
         total=total, desc="kvcore bench", unit="scenario", disable=not progress, file=sys.stderr
     )
     for sc, _keepalive in _scenarios(opts, pin):
+        plan_started = time.perf_counter()
         auto = plan(sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction)
+        # Engines plan once per transfer and rebind the plan for every layer.
+        plan_us = (time.perf_counter() - plan_started) * 1e6
         nbytes = auto.nbytes
         ceiling = _ceiling(sc, nbytes, opts)
         ceilings.append(ceiling)
@@ -334,6 +339,7 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
                 )
             candidates.append((label, "kvcore", functools.partial(mover.execute, forced)))
         candidates += [(name, "stock", fn) for name, fn in _stock_paths(sc).items()]
+        first_result = len(results)
         for label, kind, fn in candidates:
             sc.dst.copy_(sc.poison)
             # The naive baselines are slow by two orders of magnitude: fewer repeats suffice.
@@ -353,6 +359,9 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
                     kind,
                 )
             )
+        for result in results[first_result:]:
+            if result["path"].endswith("(auto)"):
+                result["plan_us"] = plan_us
         bar.update()
     bar.close()
     results += _fallback_results(opts, mover)
@@ -485,6 +494,14 @@ def format_table(report: dict[str, Any]) -> str:
             f"{'yes' if r['identical'] else 'NO'}"
         )
     syncs = report["page_out_host_syncs"]
+    pinning = report.get("pinning")
+    if pinning is not None:
+        lines.append("")
+        lines.append(
+            f"pinning {pinning['gib']:.0f} GiB (pre-fault + cudaHostRegister): "
+            f"{pinning['pin_s_per_gib']:.3f} s/GiB, "
+            f"release {pinning['release_s_per_gib']:.3f} s/GiB"
+        )
     lines.append("")
     lines.append(
         "host synchronisations on the page-out paths: "
@@ -542,13 +559,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+def measure_pinning(nbytes: int) -> dict[str, float] | None:
+    """Seconds per GiB to make (pre-fault and register) and to release pinned host memory."""
+    if not torch.cuda.is_available():
+        return None
+    started = time.perf_counter()
+    buffer = allocate_host_buffer(nbytes, pin=True)
+    pinned = time.perf_counter()
+    buffer.close()
+    released = time.perf_counter()
+    gib = nbytes / 2**30
+    return {
+        "gib": gib,
+        "pin_s_per_gib": (pinned - started) / gib,
+        "release_s_per_gib": (released - pinned) / gib,
+    }
+
+
 def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
     transfers = run_transfers(opts, progress)
+    pinning = measure_pinning(opts.pin_measure_bytes) if opts.device.type == "cuda" else None
     name = torch.cuda.get_device_name(opts.device) if opts.device.type == "cuda" else "cpu"
     return {
         "device": name,
         "ceiling_gbps": transfers.ceiling_gbps,
         "page_out_host_syncs": transfers.page_out_host_syncs,
+        "pinning": pinning,
         "tokens": opts.tokens,
         "torch": torch.__version__,
         "results": transfers.results,

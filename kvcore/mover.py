@@ -317,7 +317,9 @@ class StagingBuffers:
     """One preallocated, never-grown byte buffer per device, allocated on first use.
 
     :meth:`lease` holds the device's buffer exclusively, so concurrent transfers
-    (an engine's load and backup threads) never share it.
+    (an engine's load and backup threads) never share it. On CUDA the lock is released
+    when the copies are queued, not done, so the next lease's stream also waits on the
+    GPU for the stream that used the buffer last (an event, never a host sync).
     """
 
     def __init__(self, capacity_bytes: int = PathPolicy.staging_bytes) -> None:
@@ -326,6 +328,7 @@ class StagingBuffers:
         self.capacity_bytes = capacity_bytes
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._locks: dict[torch.device, threading.Lock] = {}
+        self._last_use: dict[torch.device, torch.cuda.Event] = {}
         self._guard = threading.Lock()
 
     @property
@@ -343,7 +346,19 @@ class StagingBuffers:
                 buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
                 with self._guard:
                     self._buffers[device] = buffer
-            yield buffer
+            if device.type != "cuda":
+                yield buffer
+                return
+            stream = torch.cuda.current_stream(device)
+            last_use = self._last_use.get(device)
+            if last_use is not None:
+                stream.wait_event(last_use)
+            try:
+                yield buffer
+            finally:
+                done = torch.cuda.Event()
+                done.record(stream)
+                self._last_use[device] = done
 
 
 class Mover:

@@ -147,6 +147,24 @@ def find_paired_runs(src_index: torch.Tensor, dst_index: torch.Tensor) -> Paired
     return PairedRuns(torch.from_numpy(src[at]), torch.from_numpy(dst[at]), lengths, offsets)
 
 
+def slice_runs(runs: Runs, begin: int, end: int) -> Runs:
+    """The part of ``runs`` that covers positions ``[begin, end)`` of their concatenation.
+
+    Staged copies are split into pieces by position so that the scatter of one piece
+    overlaps the DMA of the next; each piece needs the host runs it spans.
+    """
+    if not 0 <= begin <= end <= runs.total:
+        raise ValueError(f"[{begin}, {end}) is not within [0, {runs.total}]")
+    lengths = runs.lengths.numpy()
+    run_ends = np.cumsum(lengths)
+    run_begins = run_ends - lengths
+    keep = (run_ends > begin) & (run_begins < end)
+    piece_begins = np.maximum(run_begins[keep], begin)
+    piece_ends = np.minimum(run_ends[keep], end)
+    starts = runs.starts.numpy()[keep] + (piece_begins - run_begins[keep])
+    return Runs(torch.from_numpy(starts), torch.from_numpy(piece_ends - piece_begins))
+
+
 def is_single_run(index: torch.Tensor) -> bool:
     """True when ``index`` is empty or one ascending unit-stride run."""
     index = check_index(index)

@@ -13,10 +13,14 @@ from kvcore.kernels import KernelSet, reference
 from kvcore.kernels.batch_copy import BatchCopyError, copy_runs_batched, copy_runs_each
 from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import gather_rows_uva, triton_available
-from kvcore.runs import PairedRuns, Runs
+from kvcore.runs import PairedRuns, Runs, slice_runs
 
 # Below this many runs one copy_ per run costs less host time than building a batch.
 _FEW_RUNS = 4
+# A staged copy is cut into pieces so that the device-side scatter (or gather) of one
+# piece runs while the next crosses PCIe; only the last piece's scatter is exposed.
+_MAX_PIECES = 4
+_MIN_PIECE_BYTES = 8 << 20
 
 
 def _host_side(src_words: torch.Tensor, dst_words: torch.Tensor) -> torch.Tensor:
@@ -45,6 +49,7 @@ class _CudaIndexedOps:
     def __init__(self, gather_ctas: int) -> None:
         self.gather_ctas = gather_ctas
         self._uploaders: dict[torch.device, IndexUploader] = {}
+        self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def _on(self, index: torch.Tensor, device: torch.device) -> torch.Tensor:
         if index.device == device:
@@ -78,6 +83,12 @@ class _CudaIndexedOps:
         )
         return None
 
+    def _scatter_stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._scatter_streams.get(device)
+        if stream is None:
+            stream = self._scatter_streams.setdefault(device, torch.cuda.Stream(device=device))
+        return stream
+
     def stage_in(
         self,
         src_words: torch.Tensor,
@@ -86,8 +97,23 @@ class _CudaIndexedOps:
         dst_words: torch.Tensor,
         dst_idx: torch.Tensor,
     ) -> None:
-        device_idx = self._on(dst_idx, dst_words.device)
-        reference.stage_in(src_words, host_runs, staging, dst_words, device_idx)
+        """DMA piece by piece into staging; each piece's scatter overlaps the next DMA."""
+        device = dst_words.device
+        copies = torch.cuda.current_stream(device)
+        scatter = self._scatter_stream(device)
+        # The destination may still be in use by work queued before this transfer.
+        scatter.wait_stream(copies)
+        with torch.cuda.stream(scatter):
+            device_idx = self._on(dst_idx, device)
+        for begin, end in staging_pieces(host_runs.total, staging):
+            piece = staging[begin:end]
+            reference.runs_to_staging(
+                src_words, slice_runs(host_runs, begin, end), piece, into_staging=True
+            )
+            scatter.wait_stream(copies)
+            with torch.cuda.stream(scatter):
+                dst_words.index_copy_(0, device_idx[begin:end], piece)
+        copies.wait_stream(scatter)
 
     def stage_out(
         self,
@@ -97,8 +123,29 @@ class _CudaIndexedOps:
         dst_words: torch.Tensor,
         host_runs: Runs,
     ) -> None:
-        device_idx = self._on(src_idx, src_words.device)
-        reference.stage_out(src_words, device_idx, staging, dst_words, host_runs)
+        """Gather piece by piece into staging; each piece's DMA overlaps the next gather."""
+        device = src_words.device
+        copies = torch.cuda.current_stream(device)
+        gather = self._scatter_stream(device)
+        gather.wait_stream(copies)
+        with torch.cuda.stream(gather):
+            device_idx = self._on(src_idx, device)
+        for begin, end in staging_pieces(host_runs.total, staging):
+            piece = staging[begin:end]
+            with torch.cuda.stream(gather):
+                torch.index_select(src_words, 0, device_idx[begin:end], out=piece)
+            copies.wait_stream(gather)
+            reference.runs_to_staging(
+                dst_words, slice_runs(host_runs, begin, end), piece, into_staging=False
+            )
+
+
+def staging_pieces(rows: int, staging: torch.Tensor) -> list[tuple[int, int]]:
+    """Row ranges of a staged copy: up to ``_MAX_PIECES``, none under ``_MIN_PIECE_BYTES``."""
+    row_size = staging.shape[1] * staging.element_size() if staging.dim() == 2 else 1
+    pieces = max(1, min(_MAX_PIECES, rows * row_size // _MIN_PIECE_BYTES))
+    step = -(-rows // pieces)
+    return [(begin, min(begin + step, rows)) for begin in range(0, rows, step)]
 
 
 def cuda_kernels(gather_ctas: int) -> KernelSet:

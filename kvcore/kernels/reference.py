@@ -125,9 +125,10 @@ def gather_rows(
     )
 
 
-def _runs_to_staging(
+def runs_to_staging(
     host_words: torch.Tensor, host_runs: Runs, staging: torch.Tensor, *, into_staging: bool
 ) -> None:
+    """One copy per host run between the runs and ``staging``, where they lie back to back."""
     position = 0
     for start, length in host_runs.as_list():
         host = host_words[start : start + length]
@@ -150,7 +151,7 @@ def stage_in(
 
     ``staging`` is ``[host_runs.total, words]`` on the destination's device.
     """
-    _runs_to_staging(src_words, host_runs, staging, into_staging=True)
+    runs_to_staging(src_words, host_runs, staging, into_staging=True)
     dst_words.index_copy_(0, index_on(dst_idx, dst_words.device), staging)
 
 
@@ -166,7 +167,7 @@ def stage_out(
     ``staging`` is ``[host_runs.total, words]`` on the source's device.
     """
     torch.index_select(src_words, 0, index_on(src_idx, src_words.device), out=staging)
-    _runs_to_staging(dst_words, host_runs, staging, into_staging=False)
+    runs_to_staging(dst_words, host_runs, staging, into_staging=False)
 
 
 def index_copy_rows(

@@ -183,12 +183,17 @@ def gather_rows_uva(
     ctas: int = 8,
     rows_per_iter: int | None = None,
     num_warps: int | None = None,
+    block_words: int | None = None,
 ) -> None:
     """``dst_words[dst_idx[k]] = src_words[src_idx[k]]`` for every k, on the current stream.
 
     One of src/dst may be pinned host memory, addressed from the GPU through UVA. The indices
     are int64 tensors on the kernel's device; they are never read back on the host, so they are
     not bounds-checked here (the caller checked them on CPU before uploading).
+
+    ``rows_per_iter``, ``num_warps`` and ``block_words`` override the tile for tuning;
+    ``block_words`` counts words of the widest width both sides' alignment allows (8 B for
+    rows of a multiple of 8 B at 8-B aligned addresses).
     """
     if triton is None:
         raise RuntimeError("gather_rows_uva needs Triton, which is not installed")
@@ -202,10 +207,13 @@ def gather_rows_uva(
         raise ValueError(f"index lengths differ: {src_idx.numel()} vs {dst_idx.numel()}")
     if ctas < 1:
         raise ValueError(f"ctas must be >= 1, got {ctas}")
-    if rows_per_iter is not None and (rows_per_iter < 1 or rows_per_iter & (rows_per_iter - 1)):
-        raise ValueError(f"rows_per_iter must be a power of two, got {rows_per_iter}")
-    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
-        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+    for name, value in (
+        ("rows_per_iter", rows_per_iter),
+        ("num_warps", num_warps),
+        ("block_words", block_words),
+    ):
+        if value is not None and (value < 1 or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two, got {value}")
     n_rows = src_idx.numel()
     if n_rows == 0 or src_words.shape[1] == 0:
         return
@@ -216,6 +224,8 @@ def gather_rows_uva(
     words = src_view.shape[1]
     word_bytes = src_view.element_size()
     rows, block_w = default_tile(words, word_bytes)
+    if block_words is not None:
+        block_w = block_words
     if rows_per_iter is not None:
         rows = rows_per_iter
     warps = num_warps or _default_num_warps(rows, block_w, word_bytes)

@@ -312,3 +312,73 @@ def test_rebound_plan_copies_every_layer_exactly() -> None:
             torch.cuda.current_stream().synchronize()
             assert torch.equal(_as_bytes(device_layers[layer]), expected)
     buffer.close()
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_staged_copy_in_pieces_is_exact(direction) -> None:
+    """64 MiB of 4 KiB rows: several pieces, each scatter overlapping the next DMA."""
+    pool, n = 32768, 16384
+    gen = torch.Generator().manual_seed(13)
+    buffer, host = _pinned_rows(pool, (2, 8, 128), torch.bfloat16)
+    device_rows = _random((pool, 2, 8, 128), torch.bfloat16, "cuda")
+    starts = torch.tensor([0, 9000, 20000])
+    host_idx = torch.cat(
+        [torch.arange(s, s + n // 4) for s in starts] + [torch.arange(30000, 30000 + n // 4)]
+    )
+    device_idx = torch.randperm(pool, generator=gen)[:n]
+    if direction is Direction.H2D:
+        src, dst, src_idx, dst_idx = host, device_rows, host_idx, device_idx
+    else:
+        src, dst, src_idx, dst_idx = device_rows, host, device_idx, host_idx
+    chosen = plan(src, dst, src_idx, dst_idx, force=TransferPath.STAGED)
+    src_before = _as_bytes(src).clone()
+    expected = _as_bytes(dst).clone()
+    expected[dst_idx] = _as_bytes(src)[src_idx]
+    with torch.cuda.stream(torch.cuda.Stream()):
+        Mover().execute(chosen)
+    torch.cuda.synchronize()
+    assert torch.equal(_as_bytes(dst), expected)
+    assert torch.equal(_as_bytes(src), src_before)
+    buffer.close()
+
+
+def test_staging_is_not_shared_by_two_streams_at_once() -> None:
+    """A load held back on one stream and a backup on another stage through one buffer in turn."""
+    pool, n = 8192, 4096
+    gen = torch.Generator().manual_seed(17)
+    in_buffer, host_in = _pinned_rows(pool, (2, 8, 128), torch.bfloat16)
+    out_buffer, host_out = _pinned_rows(pool, (2, 8, 128), torch.bfloat16)
+    device_in = _random((pool, 2, 8, 128), torch.bfloat16, "cuda")
+    device_out = _random((pool, 2, 8, 128), torch.bfloat16, "cuda")
+    load = plan(
+        host_in,
+        device_in,
+        torch.arange(n),
+        torch.randperm(pool, generator=gen)[:n],
+        force=TransferPath.STAGED,
+    )
+    backup = plan(
+        device_out,
+        host_out,
+        torch.randperm(pool, generator=gen)[:n],
+        torch.arange(n),
+        force=TransferPath.STAGED,
+    )
+    expected_in = _as_bytes(device_in).clone()
+    expected_in[load.dst_idx] = _as_bytes(host_in)[load.src_idx]
+    expected_out = _as_bytes(host_out).clone()
+    expected_out[backup.dst_idx] = _as_bytes(device_out)[backup.src_idx]
+    mover = Mover()
+    slow, other = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(slow):
+        torch.cuda._sleep(100_000_000)
+        mover.execute(load)
+    with torch.cuda.stream(other):
+        mover.execute(backup)
+    # The backup's stream waits on the GPU for the load that used the buffer first.
+    assert not other.query()
+    torch.cuda.synchronize()
+    assert torch.equal(_as_bytes(device_in), expected_in)
+    assert torch.equal(_as_bytes(host_out), expected_out)
+    in_buffer.close()
+    out_buffer.close()

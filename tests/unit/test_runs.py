@@ -13,6 +13,7 @@ from kvcore.runs import (
     find_runs,
     has_duplicates,
     is_single_run,
+    slice_runs,
 )
 
 index_lists = st.lists(st.integers(min_value=0, max_value=60), max_size=80)
@@ -57,6 +58,24 @@ def test_paired_runs_split_where_either_side_breaks(pairs: list[tuple[int, int]]
         end = int(runs.offsets[i] + runs.lengths[i]) - 1
         joinable = src[end] + 1 == src[end + 1] and dst[end] + 1 == dst[end + 1]
         assert not joinable
+
+
+@settings(max_examples=200, deadline=None)
+@given(index_lists, st.data())
+def test_slices_of_runs_cover_exactly_their_positions(values: list[int], data) -> None:
+    runs = find_runs(torch.tensor(values, dtype=torch.int64))
+    begin = data.draw(st.integers(0, len(values)))
+    end = data.draw(st.integers(begin, len(values)))
+    piece = slice_runs(runs, begin, end)
+    assert expand(piece.starts.tolist(), piece.lengths.tolist()) == values[begin:end]
+    assert piece.total == end - begin
+    assert all(length > 0 for length in piece.lengths.tolist())
+
+
+def test_slice_outside_the_runs_is_refused() -> None:
+    runs = find_runs(torch.arange(5))
+    with pytest.raises(ValueError, match="not within"):
+        slice_runs(runs, 2, 6)
 
 
 def test_single_run_detection() -> None:

@@ -109,6 +109,10 @@ def _named_cases() -> dict[str, dict]:
             row_bytes=64, dtype=torch.int64, n=200, src_rows=300, dst_rows=256, seed=9,
             ctas=1, rows_per_iter=8,
         ),
+        "narrow_block_column_loop_1152B": _gather_case(
+            row_bytes=1152, dtype=torch.int64, n=50, src_rows=90, dst_rows=70, seed=12,
+            ctas=3, rows_per_iter=16, block_words=16,
+        ),
         "empty_index": _gather_case(
             row_bytes=128, dtype=torch.int64, n=0, src_rows=10, dst_rows=10, seed=10
         ),
@@ -156,6 +160,7 @@ def _invalid_cases() -> dict[str, dict]:
         "one_d_rows": variant(src=base["src"].reshape(-1), dst=base["dst"].reshape(-1)),
         "zero_ctas": variant(kwargs={"ctas": 0}),
         "rows_per_iter_not_pow2": variant(kwargs={"rows_per_iter": 3}),
+        "block_words_not_pow2": variant(kwargs={"block_words": 12}),
     }
 
 
@@ -169,6 +174,7 @@ EXPECTED_ERRORS = {
     "one_d_rows": "ValueError",
     "zero_ctas": "ValueError",
     "rows_per_iter_not_pow2": "ValueError",
+    "block_words_not_pow2": "ValueError",
 }
 
 CASES = {**_named_cases(), **_random_cases(40), **_invalid_cases()}
