@@ -155,6 +155,9 @@ def slice_runs(runs: Runs, begin: int, end: int) -> Runs:
     """
     if not 0 <= begin <= end <= runs.total:
         raise ValueError(f"[{begin}, {end}) is not within [0, {runs.total}]")
+    if begin == end:
+        empty = torch.empty(0, dtype=torch.int64)
+        return Runs(empty, empty.clone())
     lengths = runs.lengths.numpy()
     run_ends = np.cumsum(lengths)
     run_begins = run_ends - lengths
