@@ -176,41 +176,53 @@ class Scenario:
     poison: torch.Tensor
 
 
-def _scenarios(opts: BenchOptions, pin: bool) -> Iterator[tuple[Scenario, list[Any]]]:
+def _scenarios(opts: BenchOptions, pin: bool) -> Iterator[Scenario]:
     generator = torch.Generator().manual_seed(1234)
     for kind in opts.row_kinds:
         row_shape, dtype = ROW_KINDS[kind]
         pool = 2 * opts.tokens
         host, host_buffer = _host_rows((pool, *row_shape), dtype, pin)
-        host.copy_(_random_rows((pool, *row_shape), dtype, torch.device("cpu")))
-        device_rows = _random_rows((pool, *row_shape), dtype, opts.device)
-        for level in opts.host_levels:
-            fragmentation, unit = HOST_FRAGMENTATION[level]
-            host_idx = scattered_layout(opts.tokens, fragmentation, unit, generator)
-            for layout in opts.device_layouts:
-                device_idx = scattered_layout(
-                    opts.tokens, 0.0 if layout == "contiguous" else 1.0, PAGE, generator
-                )
-                for direction in Direction:
-                    if direction is Direction.H2D:
-                        src, dst, src_idx, dst_idx = host, device_rows, host_idx, device_idx
-                    else:
-                        src, dst, src_idx, dst_idx = device_rows, host, device_idx, host_idx
-                    expected = dst.clone()
-                    expected[dst_idx.to(dst.device)] = src[src_idx.to(src.device)].to(dst.device)
-                    yield (
-                        Scenario(
+        try:
+            host.copy_(_random_rows((pool, *row_shape), dtype, torch.device("cpu")))
+            device_rows = _random_rows((pool, *row_shape), dtype, opts.device)
+            for level in opts.host_levels:
+                fragmentation, unit = HOST_FRAGMENTATION[level]
+                host_idx = scattered_layout(opts.tokens, fragmentation, unit, generator)
+                for layout in opts.device_layouts:
+                    device_idx = scattered_layout(
+                        opts.tokens, 0.0 if layout == "contiguous" else 1.0, PAGE, generator
+                    )
+                    for direction in Direction:
+                        yield _scenario(
                             f"{kind}/{direction.value}/host-{level}/device-{layout}",
                             direction,
-                            src,
-                            dst,
-                            src_idx,
-                            dst_idx,
-                            expected,
-                            dst.clone(),
-                        ),
-                        [host_buffer],
-                    )
+                            host,
+                            host_idx,
+                            device_rows,
+                            device_idx,
+                        )
+        finally:
+            # Copies still queued read the host rows: finish them before unpinning.
+            if opts.device.type == "cuda":
+                torch.cuda.synchronize(opts.device)
+            host_buffer.close()
+
+
+def _scenario(
+    name: str,
+    direction: Direction,
+    host: torch.Tensor,
+    host_idx: torch.Tensor,
+    device_rows: torch.Tensor,
+    device_idx: torch.Tensor,
+) -> Scenario:
+    if direction is Direction.H2D:
+        src, dst, src_idx, dst_idx = host, device_rows, host_idx, device_idx
+    else:
+        src, dst, src_idx, dst_idx = device_rows, host, device_idx, host_idx
+    expected = dst.clone()
+    expected[dst_idx.to(dst.device)] = src[src_idx.to(src.device)].to(dst.device)
+    return Scenario(name, direction, src, dst, src_idx, dst_idx, expected, dst.clone())
 
 
 def _identical(dst: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -309,7 +321,7 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
     bar = tqdm(
         total=total, desc="kvcore bench", unit="scenario", disable=not progress, file=sys.stderr
     )
-    for sc, _keepalive in _scenarios(opts, pin):
+    for sc in _scenarios(opts, pin):
         plan_started = time.perf_counter()
         auto = plan(sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction)
         # Engines plan once per transfer and rebind the plan for every layer.

@@ -17,6 +17,7 @@ import operator
 import os
 import resource
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -162,10 +163,14 @@ class RegisteredBuffer(HostBuffer):
         array = np.frombuffer(self._mmap, dtype=np.uint8)
         prefault(array, prefault_threads)
         super().__init__(torch.from_numpy(array))
-        # Only the tensor may hold the mapping's export, so close() can unmap it.
-        del array
         self._registrar = registrar
         self._registered: list[int] = []
+        # A buffer dropped without close(): numpy clears weak references before it lets go of
+        # the mapping, so the registration ends before the range is unmapped. Otherwise a later
+        # mapping at the same address could not be registered ("already mapped").
+        weakref.finalize(array, _unregister_all, registrar, self._registered)
+        # Only the tensor may hold the mapping's export, so close() can unmap it.
+        del array
         base = self.tensor.data_ptr()
         try:
             for offset in range(0, nbytes, register_chunk_bytes):
@@ -179,11 +184,7 @@ class RegisteredBuffer(HostBuffer):
             raise PinnedMemoryError(f"registering {nbytes} bytes of host memory failed") from exc
 
     def close(self) -> None:
-        # A chunk whose unregistration raises stays listed and mapped: freeing
-        # registered memory breaks a later registration of the same range.
-        while self._registered:
-            self._registrar.unregister(self._registered[-1])
-            self._registered.pop()
+        _unregister_all(self._registrar, self._registered)
         super().close()
         if self._mmap is not None:
             mapping, self._mmap = self._mmap, None
@@ -191,6 +192,14 @@ class RegisteredBuffer(HostBuffer):
                 mapping.close()
             except BufferError:
                 logger.debug("host buffer views outlive close(); unmapped when they are freed")
+
+
+def _unregister_all(registrar: HostRegistrar, registered: list[int]) -> None:
+    # A chunk whose unregistration raises stays listed and mapped: freeing
+    # registered memory breaks a later registration of the same range.
+    while registered:
+        registrar.unregister(registered[-1])
+        registered.pop()
 
 
 def prefault(array: np.ndarray, threads: int) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import random
@@ -162,6 +163,20 @@ def test_views_outliving_close_stay_valid(registrar: FakeRegistrar) -> None:
     data = random_bytes(PAGE, seed=2)
     view.copy_(data)
     assert torch.equal(view, data)
+
+
+def test_dropped_buffer_is_unregistered_once_its_last_view_dies(
+    registrar: FakeRegistrar,
+) -> None:
+    buf = allocate_host_buffer(3 * PAGE, pin=True, registrar=registrar, register_chunk_bytes=PAGE)
+    view = buf.tensor[PAGE:]
+    del buf
+    gc.collect()
+    assert len(registrar.registered) == 3  # a view still uses the memory
+    del view
+    gc.collect()
+    assert registrar.registered == {}
+    assert [call[0] for call in registrar.calls] == ["register"] * 3 + ["unregister"] * 3
 
 
 def test_chunk_size_must_be_whole_pages(registrar: FakeRegistrar) -> None:
