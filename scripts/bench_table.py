@@ -1,0 +1,54 @@
+"""Print the markdown table of docs/benchmarks.md from a ``kvcore bench --json`` report.
+
+One row per scenario: the same run's ceiling, the planner's path, its share of the ceiling,
+host submit and plan time, and the best naive stock baseline beside it.
+
+    python scripts/bench_table.py docs/bench/h200-full-2026-11-29.json [--rows mla-1152B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def table(report: dict, row_kind: str | None) -> str:
+    by_scenario: dict[str, list[dict]] = defaultdict(list)
+    for result in report["results"]:
+        if row_kind is None or result["scenario"].startswith(f"{row_kind}/"):
+            by_scenario[result["scenario"]].append(result)
+    lines = [
+        "| scenario | ceiling | kvcore path (auto) | GB/s | of ceiling | submit µs | plan µs"
+        " | best stock baseline | GB/s | kvcore / stock |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for scenario, results in by_scenario.items():
+        auto = [r for r in results if r["path"].endswith("(auto)")]
+        ceiling = [r for r in results if r["kind"] == "ceiling"]
+        stock = [r for r in results if r["kind"] == "stock"]
+        if not (auto and ceiling and stock):
+            continue
+        best = max(stock, key=lambda r: r["gbps"])
+        path = auto[0]["path"].removeprefix("kvcore:").removesuffix(" (auto)")
+        lines.append(
+            f"| {scenario} | {ceiling[0]['gbps']:.1f} | {path} | {auto[0]['gbps']:.1f}"
+            f" | {auto[0]['share_of_ceiling']:.0%} | {auto[0]['submit_us']:.0f}"
+            f" | {auto[0].get('plan_us', float('nan')):.0f}"
+            f" | {best['path'].removeprefix('stock:')} | {best['gbps']:.1f}"
+            f" | {auto[0]['gbps'] / best['gbps']:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("report")
+    parser.add_argument("--rows", help="only this row kind, e.g. mla-1152B")
+    args = parser.parse_args()
+    with open(args.report) as fh:
+        print(table(json.load(fh), args.rows))
+
+
+if __name__ == "__main__":
+    main()
