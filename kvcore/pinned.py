@@ -3,7 +3,8 @@
 :func:`allocate_host_buffer` gets the memory: pageable on machines without a GPU,
 otherwise an anonymous mmap pre-faulted by several threads and registered with
 cudaHostRegister chunk by chunk. Nothing is rounded up to a power of two (torch's
-``pin_memory=True`` would turn 100 GB into 128 GB).
+``pin_memory=True`` would turn 100 GB into 128 GB). Given a NUMA node, the mapping
+is bound to it and pre-faulted from its CPUs (:mod:`kvcore.numa`).
 
 :class:`PinnedArena` splits one buffer into leases. A reservation that does not
 fit returns a falsy :class:`Backpressure` at once instead of blocking.
@@ -18,7 +19,7 @@ import os
 import resource
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -26,7 +27,9 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
+from kvcore import numa
 from kvcore.allocator import ContiguousSlotAllocator
+from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -103,6 +106,9 @@ class HostBuffer:
 
     kind: HostBufferKind
     pinned: bool
+    numa_node: int | None = None
+    """The NUMA node the memory was placed on (by policy, or by first touch from the node's
+    CPUs); None where placement was off or impossible."""
     segment_bytes: int | None = None
     """Size of each separately registered segment, None when the buffer is one segment.
 
@@ -151,6 +157,7 @@ class RegisteredBuffer(HostBuffer):
         *,
         prefault_threads: int,
         register_chunk_bytes: int,
+        placement: numa.Placement | None = None,
     ) -> None:
         if nbytes > register_chunk_bytes:
             self.segment_bytes = register_chunk_bytes
@@ -161,7 +168,16 @@ class RegisteredBuffer(HostBuffer):
             )
         self._mmap: mmap.mmap | None = mmap.mmap(-1, nbytes)
         array = np.frombuffer(self._mmap, dtype=np.uint8)
-        prefault(array, prefault_threads)
+        cpus: tuple[int, ...] | None = None
+        if placement is not None:
+            address = array.__array_interface__["data"][0]
+            bound = numa.bind_memory(address, nbytes, placement.node)
+            # Where the policy was refused, first touch from the node's CPUs still
+            # puts the pages there under the default (local) policy.
+            cpus = placement.cpus
+            if bound or cpus:
+                self.numa_node = placement.node
+        prefault(array, prefault_threads, cpus=cpus)
         super().__init__(torch.from_numpy(array))
         self._registrar = registrar
         self._registered: list[int] = []
@@ -202,8 +218,11 @@ def _unregister_all(registrar: HostRegistrar, registered: list[int]) -> None:
         registered.pop()
 
 
-def prefault(array: np.ndarray, threads: int) -> None:
-    """Touch every page of ``array`` from ``threads`` threads (numpy drops the GIL)."""
+def prefault(array: np.ndarray, threads: int, *, cpus: Collection[int] | None = None) -> None:
+    """Touch every page of ``array`` from ``threads`` threads (numpy drops the GIL).
+
+    With ``cpus``, the threads run only there (never the caller, whose affinity stays).
+    """
     page = mmap.PAGESIZE
     pages = -(-array.size // page)
     threads = max(1, min(threads, pages))
@@ -212,10 +231,15 @@ def prefault(array: np.ndarray, threads: int) -> None:
     def touch(i: int) -> None:
         array[bounds[i] : bounds[i + 1] : page] = 0
 
-    if threads == 1:
+    if threads == 1 and cpus is None:
         touch(0)
         return
-    with ThreadPoolExecutor(threads, thread_name_prefix="kvcore-prefault") as pool:
+    with ThreadPoolExecutor(
+        threads,
+        thread_name_prefix="kvcore-prefault",
+        initializer=numa.restrict_thread_to,
+        initargs=(cpus or (),),
+    ) as pool:
         list(pool.map(touch, range(threads)))
 
 
@@ -226,9 +250,12 @@ def allocate_host_buffer(
     prefault_threads: int = 8,
     register_chunk_bytes: int = 16 << 30,
     registrar: HostRegistrar | None = None,
+    numa_node: int | None = None,
 ) -> HostBuffer:
     """Exactly ``nbytes`` of host memory; pinned iff ``pin`` (default: iff CUDA is present).
 
+    ``numa_node`` places pinned memory on that node (``buffer.numa_node`` says whether
+    it was); pageable memory, for hosts without a GPU, is never placed.
     ``registrar`` replaces cudaHostRegister (tests pass a fake one).
     """
     nbytes = operator.index(nbytes)
@@ -237,6 +264,8 @@ def allocate_host_buffer(
     if pin is None:
         pin = torch.cuda.is_available()
     if not pin:
+        if numa_node is not None:
+            logger.info("NUMA node %d ignored: pageable host memory is not placed", numa_node)
         return PageableBuffer(torch.empty(nbytes, dtype=torch.uint8))
     check_memlock(nbytes)
     return RegisteredBuffer(
@@ -244,6 +273,7 @@ def allocate_host_buffer(
         registrar if registrar is not None else CudaHostRegistrar(),
         prefault_threads=prefault_threads,
         register_chunk_bytes=register_chunk_bytes,
+        placement=numa.placement_for(numa_node),
     )
 
 
@@ -312,6 +342,7 @@ class PinnedArena:
         pin: bool | None = None,
         metrics: Metrics | None = None,
         buffer: HostBuffer | None = None,
+        numa_node: int | None = None,
     ) -> None:
         capacity_bytes = operator.index(capacity_bytes)
         alignment = operator.index(alignment)
@@ -328,7 +359,7 @@ class PinnedArena:
         self.capacity_bytes = capacity_bytes
         self.alignment = alignment
         if buffer is None:
-            buffer = allocate_host_buffer(capacity_bytes, pin=pin)
+            buffer = allocate_host_buffer(capacity_bytes, pin=pin, numa_node=numa_node)
         self.buffer = buffer
         self._segment_units = self._check_segments(buffer, capacity_bytes, alignment)
         self._units = self._segmented_units(capacity_bytes // alignment, self._segment_units)
@@ -338,6 +369,35 @@ class PinnedArena:
         self._in_use = 0
         self._closed = False
         self._publish()
+
+    @classmethod
+    def from_config(
+        cls,
+        capacity_bytes: int,
+        config: KVCoreConfig,
+        *,
+        device: torch.device | int | None = None,
+        alignment: int = 256,
+        pin: bool | None = None,
+        metrics: Metrics | None = None,
+    ) -> PinnedArena:
+        """An arena pre-faulted, registered and NUMA-placed as ``config`` says.
+
+        ``device`` is the GPU the arena serves; KVCORE_NUMA=auto places it on that
+        GPU's node (default: the current device).
+        """
+        buffer = allocate_host_buffer(
+            capacity_bytes,
+            pin=pin,
+            prefault_threads=config.prefault_threads,
+            register_chunk_bytes=config.register_chunk_bytes,
+            numa_node=numa.resolve_node(config.numa, device),
+        )
+        try:
+            return cls(capacity_bytes, alignment=alignment, metrics=metrics, buffer=buffer)
+        except BaseException:
+            buffer.close()
+            raise
 
     @staticmethod
     def _check_segments(buffer: HostBuffer, capacity_bytes: int, alignment: int) -> int:

@@ -34,6 +34,7 @@ NON_DEFAULTS: dict[str, tuple[str, object]] = {
     "register_chunk_bytes": ("4G", 4 * GiB),
     "metrics": ("false", False),
     "transfers": ("on", True),
+    "numa": ("auto", "auto"),
     "log_level": ("debug", "DEBUG"),
 }
 
@@ -49,6 +50,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "register_chunk_bytes": ("16 GiB per call", "KiB"),
     "metrics": ("maybe", "yes/no"),
     "transfers": ("sometimes", "yes/no"),
+    "numa": ("near", "allowed: off, auto"),
     "log_level": ("LOUD", "WARNING"),
 }
 
@@ -369,6 +371,7 @@ def test_to_env_of_defaults():
         "KVCORE_REGISTER_CHUNK_BYTES": "16GiB",
         "KVCORE_METRICS": "1",
         "KVCORE_TRANSFERS": "0",
+        "KVCORE_NUMA": "off",
         "KVCORE_LOG_LEVEL": "WARNING",
     }
 
