@@ -1,12 +1,13 @@
 """Version guard: the vLLM code the adapter relies on, fingerprinted per tested release.
 
 kvcore does not replace vLLM functions in place; it subclasses vLLM's CPU offloading spec
-and manager and puts the subclass where vLLM's spec factory looks for the default spec.
-The subclass overrides some methods and relies on what others do with the state they
-share, so each of those methods is a target here. A fingerprint is the sha256 of a
-target's normalised source (comments, blank lines and indentation of the whole block
-removed), read from the installed files without importing vLLM: `kvcore doctor` and the
-plugin reach the same verdict, and the doctor stays fast.
+and manager and puts the subclass where vLLM's spec factory looks for the default spec,
+and swaps the worker's transfer handler objects for its own. The subclasses override some
+methods and rely on what others do with the state they share, and the handler reads the
+stock one's state and calls its descriptor fill, so each of those methods is a target.
+A fingerprint is the sha256 of a target's normalised source (comments, blank lines and
+indentation of the whole block removed), read from the installed files without importing
+vLLM: `kvcore doctor` and the plugin reach the same verdict, and the doctor stays fast.
 
 Only the standard library and kvcore's engine_status are imported here.
 """
@@ -47,6 +48,7 @@ class Target:
 _MANAGER = "vllm.v1.kv_offload.cpu.manager"
 _SPEC = "vllm.v1.kv_offload.cpu.spec"
 _FACTORY = "vllm.v1.kv_offload.factory"
+_WORKER = "vllm.v1.kv_offload.cpu.gpu_worker"
 
 # Overridden: the chunk pool methods and get_manager. Depended on: the manager's
 # constructor and the methods that call the chunk pool or read its counters, and the
@@ -64,6 +66,26 @@ TARGETS: tuple[Target, ...] = (
     Target(_FACTORY, "OffloadingSpecFactory.register_spec"),
     Target(_FACTORY, "OffloadingSpecFactory.get_spec_cls"),
     Target(_FACTORY, "OffloadingSpecFactory.create_spec"),
+    # The worker's transfer handlers are replaced after the stock create_worker built
+    # them: kvcore's handler reads the stock one's state, keeps its contract, pairs pages
+    # as its transfer_async and sub-block pointers do, and runs its descriptor fill and
+    # copy op for the jobs that fall back.
+    Target(_SPEC, "CPUOffloadingSpec.create_worker", overridden=True),
+    Target(_WORKER, "CPUOffloadingWorker.__init__"),
+    Target(_WORKER, "CPUOffloadingWorker.submit_store"),
+    Target(_WORKER, "CPUOffloadingWorker.submit_load"),
+    Target(_WORKER, "CPUOffloadingWorker.get_finished"),
+    Target(_WORKER, "CPUOffloadingWorker.wait"),
+    Target(_WORKER, "CPUOffloadingWorker.shutdown"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.__init__"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler._estimate_max_copy_ops"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_direct_ops"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_canonical_ops"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.transfer_async"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.get_finished"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.wait"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.shutdown"),
+    Target(_WORKER, "compute_sub_block_ptrs"),
 )
 
 # Release -> target qualname -> fingerprint. Print the installed
@@ -106,6 +128,54 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "OffloadingSpecFactory.create_spec": (
             "4acbcf9f29ba2a93e8fdd2bea7f0a24ac06dbb47b604f00da9f4c852191cc89e"
         ),
+        "CPUOffloadingSpec.create_worker": (
+            "27631d6925e93ebea08bc74398b4dfadc33a2f44e873ac6575fa03dd52f9786d"
+        ),
+        "CPUOffloadingWorker.__init__": (
+            "5ada72feb2b0c45ef96312941c14ebb395a61d9f190d8095ca7c0dd9f9fa8315"
+        ),
+        "CPUOffloadingWorker.submit_store": (
+            "bca152246abc88b8c9929533bff23bc70a4c0c88718ac963d073ddc24ce39dc1"
+        ),
+        "CPUOffloadingWorker.submit_load": (
+            "91eb8d4890e4949ef434a58da4383096a42c3316102412d648d96aa916661ebd"
+        ),
+        "CPUOffloadingWorker.get_finished": (
+            "1015445ffd9699c1066c5cd266965553b25494277d4a379a134fb49a2925f29d"
+        ),
+        "CPUOffloadingWorker.wait": (
+            "d35d0b09e7bf1302d70b9689e2755decf47123c2163ba6e392dc8f15c181a367"
+        ),
+        "CPUOffloadingWorker.shutdown": (
+            "e50a18a9f12a0fe3adbb3268433134ecf4c98bafa673c220e8f361c134a05632"
+        ),
+        "SingleDirectionOffloadingHandler.__init__": (
+            "c5a085777b125ea6442c2c0dd5a38429b0986c468adb729e517cee28923cdfa9"
+        ),
+        "SingleDirectionOffloadingHandler._estimate_max_copy_ops": (
+            "90b43abc9d635603499470598e4c5d3031bd341243e722c4c761a90f3d7f06a4"
+        ),
+        "SingleDirectionOffloadingHandler._fill_direct_ops": (
+            "cbe601d6d4821b499e09b44b02d5e2619c5e03605e15124017bd57520caced4e"
+        ),
+        "SingleDirectionOffloadingHandler._fill_canonical_ops": (
+            "6ca705a9a9688467d9d05ea9815f09ce109abab61250701681321bb2b39dc595"
+        ),
+        "SingleDirectionOffloadingHandler.transfer_async": (
+            "0959ee8fc08b3599a9cb01903b83898a53defac8e4afc74a160b9c3f319f9295"
+        ),
+        "SingleDirectionOffloadingHandler.get_finished": (
+            "aef518bd77a2086b48145951a113ea6dda5ce9cacc46c04d5536f56aaea28c89"
+        ),
+        "SingleDirectionOffloadingHandler.wait": (
+            "eadca0aea61d8d9c1f618aafbda9ee5faf3ec39de99abfc8e206176bbe26d2f7"
+        ),
+        "SingleDirectionOffloadingHandler.shutdown": (
+            "96b0194e66b6ce80178bb9744c954de11f3f40a8c18b6533d4a3379091bebb98"
+        ),
+        "compute_sub_block_ptrs": (
+            "73aa8343f47860ad247b134a672ec67977895991bcc6c421298e7f397ebe6de9"
+        ),
     },
     "0.33.0": {
         "CPUOffloadingManager.__init__": (
@@ -143,6 +213,54 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         ),
         "OffloadingSpecFactory.create_spec": (
             "4acbcf9f29ba2a93e8fdd2bea7f0a24ac06dbb47b604f00da9f4c852191cc89e"
+        ),
+        "CPUOffloadingSpec.create_worker": (
+            "1e650a6ad14e50f7b4eff460764d2c8687d77cd94801e9afa824a46f780cd7d1"
+        ),
+        "CPUOffloadingWorker.__init__": (
+            "5dba46e006fd89acc690e590d5e9555a90bea426191792e9a989e791a7c10212"
+        ),
+        "CPUOffloadingWorker.submit_store": (
+            "bca152246abc88b8c9929533bff23bc70a4c0c88718ac963d073ddc24ce39dc1"
+        ),
+        "CPUOffloadingWorker.submit_load": (
+            "408a4fd15670aa439411f54f385eb4aeea1c34aaa966b14531ea931abd64e5d1"
+        ),
+        "CPUOffloadingWorker.get_finished": (
+            "706c4be4f2da6089c901b4ad5ecd63bf0ec14f3ea621daec0c6f65435d6b58eb"
+        ),
+        "CPUOffloadingWorker.wait": (
+            "7732f9984eaa7e6d4e77821735799ed297adddcca91cad24828e1441ec431add"
+        ),
+        "CPUOffloadingWorker.shutdown": (
+            "8bb918cb90265e4f3d7139f64b73df49459a546ca0b76fa8ccf3cfd04e79f347"
+        ),
+        "SingleDirectionOffloadingHandler.__init__": (
+            "c5a085777b125ea6442c2c0dd5a38429b0986c468adb729e517cee28923cdfa9"
+        ),
+        "SingleDirectionOffloadingHandler._estimate_max_copy_ops": (
+            "90b43abc9d635603499470598e4c5d3031bd341243e722c4c761a90f3d7f06a4"
+        ),
+        "SingleDirectionOffloadingHandler._fill_direct_ops": (
+            "cbe601d6d4821b499e09b44b02d5e2619c5e03605e15124017bd57520caced4e"
+        ),
+        "SingleDirectionOffloadingHandler._fill_canonical_ops": (
+            "6ca705a9a9688467d9d05ea9815f09ce109abab61250701681321bb2b39dc595"
+        ),
+        "SingleDirectionOffloadingHandler.transfer_async": (
+            "0959ee8fc08b3599a9cb01903b83898a53defac8e4afc74a160b9c3f319f9295"
+        ),
+        "SingleDirectionOffloadingHandler.get_finished": (
+            "aef518bd77a2086b48145951a113ea6dda5ce9cacc46c04d5536f56aaea28c89"
+        ),
+        "SingleDirectionOffloadingHandler.wait": (
+            "eadca0aea61d8d9c1f618aafbda9ee5faf3ec39de99abfc8e206176bbe26d2f7"
+        ),
+        "SingleDirectionOffloadingHandler.shutdown": (
+            "96b0194e66b6ce80178bb9744c954de11f3f40a8c18b6533d4a3379091bebb98"
+        ),
+        "compute_sub_block_ptrs": (
+            "73aa8343f47860ad247b134a672ec67977895991bcc6c421298e7f397ebe6de9"
         ),
     },
 }

@@ -1,23 +1,29 @@
-"""vLLM's CPU offloading spec with kvcore's chunk manager.
+"""vLLM's CPU offloading spec with kvcore's chunk manager and transfer handlers.
 
-Everything but the scheduler-side manager is the stock spec's. The plugin puts this
-class where vLLM's spec factory looks for its default spec (the one behind
-``--kv-offloading-size``); it can also be named explicitly with
+The scheduler-side manager allocates host chunks contiguously; the worker is the
+stock one (its host memory included), with its transfer handlers replaced by
+:class:`~kvcore_vllm.transfers.KVCoreOffloadingHandler` when ``KVCORE_TRANSFERS`` is
+on. Everything else is stock.
+The plugin puts this class where vLLM's spec factory looks for its default spec
+(the one behind ``--kv-offloading-size``); it can also be named explicitly with
 ``kv_connector_extra_config={"spec_name": "KVCoreCPUOffloadingSpec"}``.
 """
 
 from __future__ import annotations
 
-from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager
+from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import METRICS
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
+from kvcore_vllm.transfers import install_handlers
 
 
 class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
-    """:class:`CPUOffloadingSpec` whose manager allocates host chunks contiguously."""
+    """:class:`CPUOffloadingSpec` whose manager allocates host chunks contiguously and
+    whose worker moves bytes through kvcore's mover."""
 
     def get_manager(self) -> OffloadingManager:
         if not self._manager:
@@ -37,3 +43,12 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             metrics = METRICS if KVCoreConfig.from_env().metrics else None
             self._manager = KVCoreCPUOffloadingManager(self.num_chunks, metrics=metrics, **options)
         return self._manager
+
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
+        # The stock worker keeps vLLM's host memory (its shared, pre-faulted, host-registered
+        # region); only the handlers that copy in and out of it are kvcore's.
+        worker = super().create_worker(kv_caches)
+        config = KVCoreConfig.from_env()
+        if config.transfers:
+            install_handlers(worker, config, METRICS if config.metrics else None)
+        return worker

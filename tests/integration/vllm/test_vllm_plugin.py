@@ -27,6 +27,7 @@ OVERRIDDEN = [
     "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager._free_chunk",
     "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager.reset_cache",
     "vllm.v1.kv_offload.cpu.spec.CPUOffloadingSpec.get_manager",
+    "vllm.v1.kv_offload.cpu.spec.CPUOffloadingSpec.create_worker",
 ]
 ENABLED = KVCoreConfig(enable={"vllm"})
 
@@ -83,7 +84,7 @@ def test_enabled_plugin_selects_kvcore_spec_and_is_idempotent(monkeypatch, caplo
     status = kvcore_vllm.status()
     assert status.active and status.skipped_targets == []
     assert status.patched_targets == [plugin.REGISTRY_TARGET, *OVERRIDDEN]
-    assert status.summary().endswith("6 patched, 0 skipped")
+    assert status.summary().endswith("7 patched, 0 skipped")
 
 
 def test_status_before_loading_reports_nothing_patched_and_the_guard_passing():

@@ -1,0 +1,403 @@
+"""A/B of vLLM's CPU offload copies: the stock handler's paths against kvcore's handler.
+
+:func:`ab` builds one vLLM offload layout per descriptor size (GPU KV tensors, the
+host tensors as vLLM lays them out, vLLM's own ``SingleDirectionOffloadingHandler``
+over them), submits the same job to each path, checks the destination bytes against
+the source after every timed copy, and returns one row per (direction, size,
+fragmentation, path). Stock paths, whichever can run where it runs:
+
+* ``stock_handler``: vLLM's handler end to end, when vLLM's compiled ops are loaded;
+* ``stock_batch_dma``: what its compiled op does (one cudaMemcpyBatchAsync over one
+  descriptor per page), issued through kvcore's binding of the same driver call;
+* ``stock_triton``: vLLM's Triton swap kernel over the stock descriptors (loads whose
+  pages stock would give it: under 28 KiB, 8-byte multiples, 16 descriptors or more);
+* ``per_block_copy``: one ``copy_`` per descriptor, the Python-level floor.
+
+On a CPU ``device`` only ``per_block_copy`` and ``kvcore`` run (a tiny dry run).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+
+from kvcore.config import KVCoreConfig
+from kvcore.kernels.batch_copy import _runtime, _stream_ordered_attrs, batch_copy_available
+from kvcore.metrics import Metrics
+from kvcore.mover import Mover, PathPolicy, policy_from_config
+from kvcore.streams import CpuSyncBackend
+from kvcore_vllm.transfers import CudaJobStreams, JobStreams, KVCoreOffloadingHandler
+
+# vLLM aligns each chunk row of its shared host region to the OS page size.
+HOST_ROW_ALIGNMENT = 4096
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One vLLM offload layout: GPU KV tensors and their host counterparts."""
+
+    page_bytes: int
+    """Bytes of one GPU block of one KV tensor."""
+    tensors: int = 1
+    """KV tensors: one per layer, or one for a cross-layer layout (each page all layers)."""
+    blocks_per_chunk: int = 1
+    gpu_blocks: int = 64
+    cpu_chunks: int = 64
+    shared_region: bool = False
+    """Host tensors as strided views of one region whose chunk rows hold every tensor's
+    pages (vLLM's shared mmap region); otherwise one dense host tensor per KV tensor."""
+    ref_page_bytes: int | None = None
+    """Bytes vLLM copies of each page (its unpadded size); None copies whole pages."""
+
+    def refs(self, groups: int = 1) -> list[list[CanonicalKVCacheRef]]:
+        copied = self.page_bytes if self.ref_page_bytes is None else self.ref_page_bytes
+        return [[CanonicalKVCacheRef(t, copied) for t in range(self.tensors)]] * groups
+
+    def make_tensors(
+        self, device: torch.device, generator: torch.Generator
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Random GPU-side and host-side tensors, int8 ``[rows, bytes]`` as vLLM has them."""
+        gpu = [
+            _random((self.gpu_blocks, self.page_bytes), generator).to(device)
+            for _ in range(self.tensors)
+        ]
+        pin = device.type == "cuda"
+        chunk_bytes = self.page_bytes * self.blocks_per_chunk
+        if not self.shared_region:
+            host = [_random((self.cpu_chunks, chunk_bytes), generator) for _ in range(self.tensors)]
+            return gpu, [t.pin_memory() if pin else t for t in host]
+        row = -(-self.tensors * chunk_bytes // HOST_ROW_ALIGNMENT) * HOST_ROW_ALIGNMENT
+        region = _random((self.cpu_chunks * row,), generator)
+        region = region.pin_memory() if pin else region
+        views = [
+            region.as_strided((self.cpu_chunks, chunk_bytes), (row, 1), t * chunk_bytes)
+            for t in range(self.tensors)
+        ]
+        return gpu, views
+
+
+def _random(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(-128, 128, shape, dtype=torch.int8, generator=generator)
+
+
+class _HostAsDevice(torch.Tensor):
+    """A host tensor that the stock handler's constructor accepts as its GPU side.
+
+    Only for CPU dry runs and tests: the constructor asserts CUDA or XPU tensors, while
+    everything kvcore and the stock descriptor fill do with them works on host memory.
+    """
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def stock_handler(
+    gpu: list[torch.Tensor],
+    host: list[torch.Tensor],
+    layout: Layout,
+    *,
+    gpu_to_cpu: bool,
+    groups: int = 1,
+) -> SingleDirectionOffloadingHandler:
+    """vLLM's own handler over the tensors (host stand-ins accepted on a CPU ``gpu``)."""
+    if gpu[0].device.type == "cpu":
+        gpu = [t.as_subclass(_HostAsDevice) for t in gpu]
+    return SingleDirectionOffloadingHandler(
+        gpu_tensors=list(gpu),
+        cpu_tensors=list(host),
+        blocks_per_chunk=layout.blocks_per_chunk,
+        layer_refs_per_group=layout.refs(groups),
+        gpu_to_cpu=gpu_to_cpu,
+        host_memory_is_pinned=gpu[0].device.type == "cuda",
+    )
+
+
+def kvcore_handler(
+    stock: SingleDirectionOffloadingHandler,
+    *,
+    policy: PathPolicy | None = None,
+    metrics: Metrics | None = None,
+    mover: Mover | None = None,
+    streams: JobStreams | None = None,
+) -> KVCoreOffloadingHandler:
+    """kvcore's handler in place of ``stock``, on CUDA streams or, on a CPU, run at once;
+    ``policy`` defaults to the one the environment (KVCORE_*) asks for."""
+    device = (stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors)[0].device
+    compute: Callable[[], Any]
+    if streams is None and device.type == "cuda":
+        cuda = CudaJobStreams(device)
+        streams, compute = cuda, cuda.compute_stream
+    else:
+        streams = CpuSyncBackend() if streams is None else streams
+        compute = _named(streams, "compute")
+    return KVCoreOffloadingHandler(
+        stock,
+        mover=Mover(policy or _env_policy(), metrics=metrics) if mover is None else mover,
+        streams=streams,
+        compute_stream=compute,
+        name="store" if stock.gpu_to_cpu else "load",
+        metrics=metrics,
+    )
+
+
+def _env_policy() -> PathPolicy:
+    return policy_from_config(KVCoreConfig.from_env())
+
+
+def _named(streams: JobStreams, name: str) -> Callable[[], Any]:
+    return lambda: streams.stream(name)
+
+
+def fragmented_ids(count: int, fragmentation: float, rng: np.random.Generator) -> np.ndarray:
+    """``count`` ascending unique ids; ``fragmentation`` of the neighbour pairs are not adjacent."""
+    breaks = np.zeros(max(count - 1, 0), dtype=bool)
+    broken = round(fragmentation * len(breaks))
+    breaks[rng.choice(len(breaks), size=broken, replace=False)] = True
+    steps = np.where(breaks, 2 + rng.integers(0, 3, size=len(breaks)), 1)
+    return np.concatenate([[0], np.cumsum(steps)]).astype(np.int64)
+
+
+def job_specs(
+    gpu_ids: np.ndarray, cpu_ids: np.ndarray, *, gpu_to_cpu: bool, block_index: int = 0
+) -> tuple[Any, Any]:
+    """(src_spec, dst_spec) of a one-group job."""
+    gpu = GPULoadStoreSpec(
+        gpu_ids.tolist(), group_sizes=[len(gpu_ids)], block_indices=[block_index]
+    )
+    cpu = CPULoadStoreSpec(cpu_ids.tolist())
+    return (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
+
+
+def ab(
+    device: torch.device | str,
+    block_bytes_list: Sequence[int] = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 2 << 20),
+    frag_levels: Sequence[float] = (0.0, 0.5, 1.0),
+    *,
+    job_bytes: int = 64 << 20,
+    tensors: int = 1,
+    shared_region: bool = False,
+    directions: Iterable[bool] = (True, False),
+    repeats: int = 10,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Time each stock path and kvcore's handler; one dict per (direction, size, frag, path).
+
+    Each job moves about ``job_bytes`` in pages of ``block_bytes`` per KV tensor
+    (``tensors`` of them: 1 is a cross-layer layout), with both sides' ids broken at
+    ``frag`` of the neighbour pairs. Keys: direction, block_bytes, frag, path, pages,
+    descriptors, seconds (median), gbps, bytes_ok.
+    """
+    device = torch.device(device)
+    rows: list[dict[str, Any]] = []
+    generator = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    for block_bytes in block_bytes_list:
+        pages = max(16, min(4096, job_bytes // (block_bytes * tensors)))
+        # fragmented_ids steps by at most 4, and the ids start below `pages`.
+        span = pages * 5
+        layout = Layout(
+            page_bytes=block_bytes,
+            tensors=tensors,
+            gpu_blocks=span,
+            cpu_chunks=span,
+            shared_region=shared_region,
+        )
+        gpu, host = layout.make_tensors(device, generator)
+        for gpu_to_cpu in directions:
+            stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+            kvcore = kvcore_handler(stock)
+            for frag in frag_levels:
+                gpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
+                cpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
+                specs = job_specs(gpu_ids, cpu_ids, gpu_to_cpu=gpu_to_cpu)
+                check = _Pages(gpu, host, gpu_ids, cpu_ids, gpu_to_cpu)
+                for path, run in _paths(stock, kvcore, specs, device):
+                    check.poison()
+                    seconds = _time(run, device, repeats)
+                    nbytes = pages * block_bytes * tensors
+                    rows.append(
+                        {
+                            "direction": "d2h" if gpu_to_cpu else "h2d",
+                            "block_bytes": block_bytes,
+                            "frag": frag,
+                            "path": path,
+                            "pages": pages,
+                            "descriptors": pages * tensors,
+                            "seconds": seconds,
+                            "gbps": nbytes / seconds / 1e9,
+                            "bytes_ok": check.copied(),
+                        }
+                    )
+            kvcore.shutdown()
+    return rows
+
+
+def _paths(
+    stock: SingleDirectionOffloadingHandler,
+    kvcore: KVCoreOffloadingHandler,
+    specs: tuple[Any, Any],
+    device: torch.device,
+) -> list[tuple[str, Callable[[], None]]]:
+    """The paths that can run here; stock ones fill their descriptors per job, as stock does."""
+    paths: list[tuple[str, Callable[[], None]]] = []
+    if device.type == "cuda":
+        if _compiled_ops_loaded():
+            paths.append(("stock_handler", lambda: _through_handler(stock, specs)))
+        if batch_copy_available():
+            paths.append(("stock_batch_dma", lambda: _batch_dma(*_stock_descriptors(stock, specs))))
+        if _triton_applies(stock, specs):
+            paths.append(("stock_triton", lambda: _triton_swap(*_stock_descriptors(stock, specs))))
+    paths.append(("per_block_copy", lambda: _per_block(stock, specs)))
+    paths.append(("kvcore", lambda: _through_handler(kvcore, specs)))
+    return paths
+
+
+def _through_handler(handler: Any, specs: tuple[Any, Any]) -> None:
+    handler.transfer_async(0, *specs)
+    handler.wait({0})
+    while not handler.get_finished():
+        pass
+
+
+def _stock_descriptors(
+    stock: SingleDirectionOffloadingHandler, specs: tuple[Any, Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stock handler's descriptors for the job, filled by its own code."""
+    gpu_spec, cpu_spec = specs if stock.gpu_to_cpu else specs[::-1]
+    size = len(gpu_spec.block_ids)
+    count = stock._estimate_max_copy_ops([size])
+    buffers = [torch.empty(count, dtype=torch.int64) for _ in range(3)]
+    src_ids, dst_ids = (
+        (gpu_spec.block_ids, cpu_spec.block_ids)
+        if stock.gpu_to_cpu
+        else (cpu_spec.block_ids, gpu_spec.block_ids)
+    )
+    filled, _ = stock._fill_group_ops(
+        0,
+        group_src=src_ids,
+        group_dst=dst_ids,
+        group_size=size,
+        src_skip_count=0,
+        dst_skip_count=0,
+        all_src=buffers[0].numpy(),
+        all_dst=buffers[1].numpy(),
+        all_sizes=buffers[2].numpy(),
+        op_idx=0,
+    )
+    src, dst, sizes = (b[:filled] for b in buffers)
+    return src, dst, sizes
+
+
+def _compiled_ops_loaded() -> bool:
+    return hasattr(torch.ops, "_C_cache_ops") and hasattr(
+        torch.ops._C_cache_ops, "swap_blocks_batch"
+    )
+
+
+def _batch_dma(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) -> None:
+    """One cudaMemcpyBatchAsync over the stock descriptors, as vLLM's compiled op issues."""
+    rt = _runtime()
+    assert rt is not None, "_paths offers this path only where batch copies are available"
+    stream = torch.cuda.current_stream()
+    result = rt.cudaMemcpyBatchAsync(
+        dst.tolist(),
+        src.tolist(),
+        sizes.tolist(),
+        len(sizes),
+        [_stream_ordered_attrs(rt)],
+        [0],
+        1,
+        stream.cuda_stream,
+    )
+    error = result[0] if isinstance(result, tuple) else result
+    if error != rt.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaMemcpyBatchAsync: {rt.cudaGetErrorName(error)[1].decode()}")
+
+
+def _triton_applies(stock: SingleDirectionOffloadingHandler, specs: tuple[Any, Any]) -> bool:
+    """Whether stock would give this job to its Triton kernel (see _select_swap_blocks_fn)."""
+    from vllm.v1.kv_offload.cpu import swap_blocks_triton as swap
+
+    if stock.gpu_to_cpu:
+        return False
+    page = stock.dst_tensors[0].shape[1]
+    descriptors = len(specs[1].block_ids) * len(stock.dst_tensors)
+    return page < swap.THRESHOLD_BYTES and page % 8 == 0 and descriptors >= swap.MIN_N
+
+
+def _triton_swap(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) -> None:
+    from vllm.v1.kv_offload.cpu import swap_blocks_triton as swap
+
+    page = int(sizes.max())
+    chunk = min(1 << (page - 1).bit_length(), 8192)
+    swap.swap_blocks_batch(src, dst, sizes, bytes_per_chunk=chunk)
+
+
+def _per_block(stock: SingleDirectionOffloadingHandler, specs: tuple[Any, Any]) -> None:
+    gpu_spec, cpu_spec = specs if stock.gpu_to_cpu else specs[::-1]
+    gpu_tensors = stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors
+    cpu_tensors = stock.dst_tensors if stock.gpu_to_cpu else stock.src_tensors
+    for gpu, cpu in zip(gpu_tensors, cpu_tensors, strict=True):
+        for block, chunk in zip(
+            gpu_spec.block_ids.tolist(), cpu_spec.block_ids.tolist(), strict=True
+        ):
+            if stock.gpu_to_cpu:
+                cpu[chunk].copy_(gpu[block], non_blocking=True)
+            else:
+                gpu[block].copy_(cpu[chunk], non_blocking=True)
+
+
+class _Pages:
+    """A job's destination pages: poisoned before a path runs, compared after."""
+
+    def __init__(
+        self,
+        gpu: list[torch.Tensor],
+        host: list[torch.Tensor],
+        gpu_ids: np.ndarray,
+        cpu_ids: np.ndarray,
+        gpu_to_cpu: bool,
+    ) -> None:
+        self._gpu, self._host, self._gpu_to_cpu = gpu, host, gpu_to_cpu
+        self._gpu_index = torch.from_numpy(gpu_ids).to(gpu[0].device)
+        self._cpu_index = torch.from_numpy(cpu_ids)
+
+    def poison(self) -> None:
+        """Every destination byte made different from its source byte."""
+        for device_side, host_side in zip(self._gpu, self._host, strict=True):
+            source = device_side[self._gpu_index].cpu()
+            if self._gpu_to_cpu:
+                host_side[self._cpu_index] = torch.bitwise_not(source)
+            else:
+                device_side[self._gpu_index] = torch.bitwise_not(host_side[self._cpu_index]).to(
+                    device_side.device
+                )
+
+    def copied(self) -> bool:
+        for device_side, host_side in zip(self._gpu, self._host, strict=True):
+            if not torch.equal(device_side[self._gpu_index].cpu(), host_side[self._cpu_index]):
+                return False
+        return True
+
+
+def _time(run: Callable[[], None], device: torch.device, repeats: int) -> float:
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    run()
+    synchronize()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        synchronize()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)

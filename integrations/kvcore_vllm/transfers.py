@@ -1,0 +1,476 @@
+"""vLLM's CPU offload transfer handlers with copies planned and issued by kvcore's mover.
+
+A stock ``SingleDirectionOffloadingHandler`` turns every (block, layer) of a job into
+one pointer descriptor and hands them all to one batched copy. This handler keeps its
+public contract (``transfer_async`` / ``get_finished`` / ``wait`` / ``shutdown``) and its
+ordering: each job's copies wait for the work queued on the compute stream when it was
+submitted, jobs run one after another on the handler's own stream, and they are
+reported finished in submission order, each once. In between, the job is planned from
+the block-id arrays alone (never from device memory): per KV tensor, the pages become
+row indices (:mod:`kvcore_vllm.page_rows`), and the mover merges pages adjacent on both
+sides into one copy or picks its staged or gather paths.
+
+A job kvcore cannot prove it copies exactly as stock does (a canonical host layout, a
+page only partly copied, a row layout it cannot express, duplicate destinations, a
+fallback reason from the planner) runs the stock handler's own descriptor fill and copy
+op on the same stream, and the reason is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferResult
+
+from kvcore.config import KVCoreConfig
+from kvcore.direction import Direction
+from kvcore.metrics import Metrics
+from kvcore.mover import Mover, TransferPlan, plan, policy_from_config
+from kvcore.runs import has_duplicates
+from kvcore_vllm.page_rows import PageRows, page_rows
+
+logger = logging.getLogger("kvcore.vllm")
+
+# The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
+HANDLER_ATTRIBUTES = ("_store_handler", "_load_handler", "_expedited_load_handler")
+
+
+class JobStreams(Protocol):
+    """Named streams and their events: kvcore.streams' CopyBackend with any stream name.
+
+    :class:`CudaJobStreams` on a GPU; ``CpuSyncBackend`` and ``ManualCpuBackend`` from
+    :mod:`kvcore.streams` on a CPU.
+    """
+
+    def stream(self, name: Hashable) -> Any: ...
+
+    def record(self, stream: Any) -> Any: ...
+
+    def query(self, event: Any) -> bool: ...
+
+    def synchronize(self, event: Any) -> None: ...
+
+    def wait_event(self, stream: Any, event: Any) -> None: ...
+
+    def run_on(self, stream: Any, fn: Callable[[], None]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The blocks of one KV cache group in one job."""
+
+    group: int
+    gpu_ids: np.ndarray
+    """The group's GPU block ids, as the job gave them."""
+    cpu_ids: np.ndarray
+    """The group's CPU chunk ids, as the job gave them."""
+    skip: int
+    """Sub-blocks of the first CPU chunk that come before the group's first block."""
+    gpu_blocks: np.ndarray
+    """int64 GPU block per copied page."""
+    cpu_sub_blocks: np.ndarray
+    """int64 CPU sub-block (chunk * blocks_per_chunk + j) per copied page."""
+
+
+def split_groups(
+    gpu_ids: np.ndarray,
+    cpu_ids: np.ndarray,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    blocks_per_chunk: int,
+) -> list[Segment]:
+    """The job's pages per group, paired GPU block to CPU sub-block.
+
+    Group ``g`` has ``group_sizes[g]`` GPU blocks, logically starting at block
+    ``block_indices[g]`` of its request, so its first CPU chunk is entered
+    ``block_indices[g] % blocks_per_chunk`` sub-blocks in.
+    """
+    if len(group_sizes) != len(block_indices):
+        raise ValueError(f"{len(group_sizes)} group sizes but {len(block_indices)} block indices")
+    segments = []
+    gpu_at = cpu_at = 0
+    for group, (size, first) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        if size == 0:
+            continue
+        skip = first % blocks_per_chunk
+        chunks = -(-(size + skip) // blocks_per_chunk)
+        gpu_part = gpu_ids[gpu_at : gpu_at + size]
+        cpu_part = cpu_ids[cpu_at : cpu_at + chunks]
+        if len(gpu_part) != size or len(cpu_part) != chunks:
+            raise ValueError(
+                f"group {group} needs {size} GPU blocks and {chunks} CPU chunks; the job has "
+                f"{len(gpu_ids) - gpu_at} and {len(cpu_ids) - cpu_at} left"
+            )
+        chunk_starts = cpu_part.astype(np.int64) * blocks_per_chunk
+        sub_blocks = (chunk_starts[:, None] + np.arange(blocks_per_chunk)).ravel()
+        segments.append(
+            Segment(
+                group=group,
+                gpu_ids=gpu_part,
+                cpu_ids=cpu_part,
+                skip=skip,
+                gpu_blocks=gpu_part.astype(np.int64),
+                cpu_sub_blocks=sub_blocks[skip : skip + size],
+            )
+        )
+        gpu_at += size
+        cpu_at += chunks
+    if gpu_at != len(gpu_ids) or cpu_at != len(cpu_ids):
+        raise ValueError(
+            f"the groups cover {gpu_at} of {len(gpu_ids)} GPU blocks and {cpu_at} of "
+            f"{len(cpu_ids)} CPU chunks"
+        )
+    return segments
+
+
+@dataclass(frozen=True)
+class _Group:
+    """What one KV cache group copies: its distinct KV tensors (indices into the stock lists)."""
+
+    tensors: tuple[int, ...]
+    page_bytes: int
+    """Bytes a stock job counts per block of this group (every layer reference)."""
+
+
+@dataclass
+class _Job:
+    job_id: int
+    nbytes: int
+    start: Any
+    end: Any
+    # Held until the copies finish: descriptor buffers a stock copy may still read.
+    keep_alive: tuple[Any, ...] = ()
+
+
+class KVCoreOffloadingHandler:
+    """Drop-in for one stock ``SingleDirectionOffloadingHandler`` (GPU->CPU or CPU->GPU).
+
+    ``stock`` is the handler this one replaces: its tensors, block geometry and layer
+    references are read once, and its descriptor fill and copy op run the jobs that
+    fall back. ``streams`` supplies the handler's stream (named ``name``) and events;
+    ``compute_stream`` returns the stream whose queued work a job must wait for.
+    """
+
+    def __init__(
+        self,
+        stock: Any,
+        *,
+        mover: Mover,
+        streams: JobStreams,
+        compute_stream: Callable[[], Any],
+        name: str,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._stock = stock
+        self.gpu_to_cpu: bool = stock.gpu_to_cpu
+        self.direction = Direction.D2H if self.gpu_to_cpu else Direction.H2D
+        self.blocks_per_chunk: int = (
+            stock.dst_blocks_per_chunk if self.gpu_to_cpu else stock.src_blocks_per_chunk
+        )
+        self._mover = mover
+        self._streams = streams
+        self._compute_stream = compute_stream
+        self._stream = streams.stream(name)
+        self._metrics = metrics
+        self._jobs: deque[_Job] = deque()
+        self._events: dict[int, Any] = {}
+        self._rows: dict[int, PageRows] = {}
+        self._groups: list[_Group | str] = self._describe_groups()
+
+    def _describe_groups(self) -> list[_Group | str]:
+        if getattr(self._stock, "_canonical_copy_plans", None) is not None:
+            return ["canonical_layout"] * len(self._stock.layer_refs_per_group)
+        gpu_tensors = self._stock.src_tensors if self.gpu_to_cpu else self._stock.dst_tensors
+        cpu_tensors = self._stock.dst_tensors if self.gpu_to_cpu else self._stock.src_tensors
+        reasons: dict[int, str] = {}
+        for index, (gpu, cpu) in enumerate(zip(gpu_tensors, cpu_tensors, strict=True)):
+            rows = page_rows(gpu, cpu, self.blocks_per_chunk)
+            if isinstance(rows, str):
+                reasons[index] = rows
+            else:
+                self._rows[index] = rows
+        groups: list[_Group | str] = []
+        for refs in self._stock.layer_refs_per_group:
+            tensors = tuple(dict.fromkeys(ref.tensor_idx for ref in refs))
+            reason = next((reasons[t] for t in tensors if t in reasons), None)
+            if reason is None and any(
+                ref.page_size_bytes != _page_bytes(gpu_tensors[ref.tensor_idx]) for ref in refs
+            ):
+                # Stock copies the unpadded head of each page; whole rows would copy more.
+                reason = "partial_page"
+            page_bytes = sum(ref.page_size_bytes for ref in refs)
+            groups.append(reason if reason is not None else _Group(tensors, page_bytes))
+        return groups
+
+    def transfer_async(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        gpu_spec, cpu_spec = (src_spec, dst_spec) if self.gpu_to_cpu else (dst_spec, src_spec)
+        if not isinstance(gpu_spec, GPULoadStoreSpec):
+            raise TypeError(f"the GPU side of job {job_id} is a {type(gpu_spec).__name__}")
+        segments = split_groups(
+            np.asarray(gpu_spec.block_ids),
+            np.asarray(cpu_spec.block_ids),  # type: ignore[attr-defined]
+            gpu_spec.group_sizes,
+            gpu_spec.block_indices,
+            self.blocks_per_chunk,
+        )
+        plans, reason = self._plan(segments)
+        if reason is None:
+            nbytes = sum(len(s.gpu_blocks) * self._group(s).page_bytes for s in segments)
+            self._submit(job_id, nbytes, lambda: self._execute(plans))
+        else:
+            if self._metrics is not None:
+                self._metrics.record_fallback(reason)
+            self._submit_stock(job_id, segments)
+        return True
+
+    def _group(self, segment: Segment) -> _Group:
+        group = self._groups[segment.group]
+        assert isinstance(group, _Group)
+        return group
+
+    def _plan(self, segments: list[Segment]) -> tuple[list[TransferPlan], str | None]:
+        for segment in segments:
+            described = self._groups[segment.group]
+            if isinstance(described, str):
+                return [], described
+        indices: dict[tuple[Any, ...], tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        members: dict[tuple[Any, ...], list[int]] = {}
+        for tensor in dict.fromkeys(t for s in segments for t in self._group(s).tensors):
+            rows = self._rows[tensor]
+            used = tuple(s.group for s in segments if tensor in self._group(s).tensors)
+            key = (rows.geometry, used)
+            members.setdefault(key, []).append(tensor)
+            if key in indices:
+                continue
+            gpu_rows, cpu_rows = [], []
+            for segment in segments:
+                if segment.group in used:
+                    gpu_rows.append(rows.gpu_rows(segment.gpu_blocks))
+                    cpu_rows.append(rows.cpu_rows(segment.cpu_sub_blocks, self.blocks_per_chunk))
+            indices[key] = (gpu_rows, cpu_rows)
+        plans: list[TransferPlan] = []
+        for key, tensors in members.items():
+            gpu_idx = torch.from_numpy(np.concatenate(indices[key][0]))
+            cpu_idx = torch.from_numpy(np.concatenate(indices[key][1]))
+            src_idx, dst_idx = (gpu_idx, cpu_idx) if self.gpu_to_cpu else (cpu_idx, gpu_idx)
+            if has_duplicates(dst_idx):
+                # Which copy lands last is undefined; stock races the same way.
+                return [], "duplicate_destinations"
+            first: TransferPlan | None = None
+            for tensor in tensors:
+                src, dst = self._sides(self._rows[tensor])
+                if first is None:
+                    first = plan(
+                        src,
+                        dst,
+                        src_idx,
+                        dst_idx,
+                        direction=self.direction,
+                        policy=self._mover.policy,
+                    )
+                    current = first
+                else:
+                    current = first.rebind(src, dst)
+                if current.reason is not None:
+                    return [], current.reason
+                plans.append(current)
+        return plans, None
+
+    def _sides(self, rows: PageRows) -> tuple[torch.Tensor, torch.Tensor]:
+        return (rows.gpu, rows.cpu) if self.gpu_to_cpu else (rows.cpu, rows.gpu)
+
+    def _execute(self, plans: list[TransferPlan]) -> None:
+        for chosen in plans:
+            self._mover.execute(chosen)
+
+    def _submit_stock(self, job_id: int, segments: list[Segment]) -> None:
+        """Fill descriptors with the stock handler's code and issue its copy op."""
+        stock = self._stock
+        count = stock._estimate_max_copy_ops(_group_sizes(segments, len(self._groups)))
+        buffers = _descriptor_buffers(count)
+        views = [b[:count].numpy() for b in buffers]
+        op_index = nbytes = 0
+        for segment in segments:
+            src_ids, dst_ids = (
+                (segment.gpu_ids, segment.cpu_ids)
+                if self.gpu_to_cpu
+                else (segment.cpu_ids, segment.gpu_ids)
+            )
+            op_index, group_bytes = stock._fill_group_ops(
+                segment.group,
+                group_src=src_ids,
+                group_dst=dst_ids,
+                group_size=len(segment.gpu_blocks),
+                src_skip_count=0 if self.gpu_to_cpu else segment.skip,
+                dst_skip_count=segment.skip if self.gpu_to_cpu else 0,
+                all_src=views[0],
+                all_dst=views[1],
+                all_sizes=views[2],
+                op_idx=op_index,
+            )
+            nbytes += group_bytes
+        src, dst, sizes = (b[:op_index] for b in buffers)
+
+        def copy() -> None:
+            if op_index > 0:
+                stock._swap_blocks_batch(
+                    src, dst, sizes, is_src_access_order_any=not self.gpu_to_cpu
+                )
+
+        self._submit(job_id, nbytes, copy, keep_alive=tuple(buffers))
+
+    def _submit(
+        self, job_id: int, nbytes: int, work: Callable[[], None], keep_alive: tuple[Any, ...] = ()
+    ) -> None:
+        streams = self._streams
+        # Stores read KV the model is still writing; loads overwrite blocks whose earlier
+        # writes (zeroing) may still be queued. Both wait for the compute stream as it is now.
+        streams.wait_event(self._stream, streams.record(self._compute_stream()))
+        start = streams.record(self._stream)
+        streams.run_on(self._stream, work)
+        end = streams.record(self._stream)
+        self._events[job_id] = end
+        self._jobs.append(_Job(job_id, nbytes, start, end, keep_alive))
+
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs whose copies have finished, in submission order; each is reported once."""
+        results = []
+        while self._jobs and self._streams.query(self._jobs[0].end):
+            job = self._jobs.popleft()
+            del self._events[job.job_id]
+            results.append(
+                TransferResult(
+                    job_id=job.job_id,
+                    success=True,
+                    transfer_size=job.nbytes,
+                    transfer_time=_elapsed(job.start, job.end),
+                )
+            )
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the named jobs of this handler have finished; others are ignored."""
+        for job_id in job_ids:
+            event = self._events.get(job_id)
+            if event is not None:
+                self._streams.synchronize(event)
+
+    def shutdown(self) -> None:
+        """Wait for every job, then release this handler's and the stock handler's resources."""
+        error: Exception | None = None
+        while self._jobs:
+            try:
+                self._streams.synchronize(self._jobs[0].end)
+            except Exception as exc:
+                logger.exception(
+                    "kvcore: a transfer failed; dropping %d queued transfers", len(self._jobs) - 1
+                )
+                error = exc
+                break
+            self._jobs.popleft()
+        self._jobs.clear()
+        self._events.clear()
+        self._rows.clear()
+        self._stock.shutdown()
+        if error is not None:
+            raise error
+
+
+def _page_bytes(t: torch.Tensor) -> int:
+    return t.shape[1] * t.element_size()
+
+
+def _group_sizes(segments: list[Segment], groups: int) -> list[int]:
+    sizes = [0] * groups
+    for segment in segments:
+        sizes[segment.group] = len(segment.gpu_blocks)
+    return sizes
+
+
+def _descriptor_buffers(count: int) -> list[torch.Tensor]:
+    # vLLM's copy op reads the descriptors from pinned int64 buffers.
+    pin = torch.cuda.is_available()
+    return [torch.empty(count, dtype=torch.int64, pin_memory=pin) for _ in range(3)]
+
+
+def _elapsed(start: Any, end: Any) -> float | None:
+    elapsed = getattr(start, "elapsed_time", None)
+    return None if elapsed is None else elapsed(end) * 1e-3
+
+
+class CudaJobStreams:
+    """:class:`JobStreams` on CUDA: one stream per name, events that time their jobs."""
+
+    name = "cuda-jobs"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._streams: dict[str, torch.cuda.Stream] = {}
+
+    def stream(self, name: Hashable) -> torch.cuda.Stream:
+        key = str(name)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=self.device)
+        return self._streams[key]
+
+    def compute_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def query(self, event: torch.cuda.Event) -> bool:
+        return bool(event.query())
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def run_on(self, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
+        with torch.cuda.stream(stream):
+            fn()
+
+
+def install_handlers(
+    worker: Any, config: KVCoreConfig, metrics: Metrics | None = None
+) -> list[str]:
+    """Replace ``worker``'s stock handlers by kvcore's; returns the attributes replaced.
+
+    Handlers whose GPU tensors are not CUDA tensors stay stock (counted). The handlers
+    share one mover, so one staging buffer per GPU: its leases order the streams that
+    use it on the GPU.
+    """
+    replaced = []
+    mover = Mover(policy_from_config(config), metrics=metrics)
+    for attribute in HANDLER_ATTRIBUTES:
+        stock = getattr(worker, attribute, None)
+        if stock is None:
+            continue
+        gpu_tensors = stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors
+        device = gpu_tensors[0].device
+        if device.type != "cuda":
+            if metrics is not None:
+                metrics.record_fallback("unsupported_device")
+            continue
+        streams = CudaJobStreams(device)
+        handler = KVCoreOffloadingHandler(
+            stock,
+            mover=mover,
+            streams=streams,
+            compute_stream=streams.compute_stream,
+            name=attribute,
+            metrics=metrics,
+        )
+        setattr(worker, attribute, handler)
+        replaced.append(attribute)
+    return replaced

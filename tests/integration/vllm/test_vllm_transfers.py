@@ -1,0 +1,402 @@
+"""kvcore's offload handler against vLLM's stock handler, on host tensors.
+
+vLLM's copy op is compiled CUDA code, absent here; what runs on a CPU is the stock
+handler's constructor and its descriptor fill (numpy pointer arithmetic). The tests
+compare kvcore's copies with a per-page reference written from vLLM's documented
+layout, and check that reference against the stock descriptors executed by memmove.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm_support import offloading_config
+
+from kvcore.config import KVCoreConfig
+from kvcore.kernels import KernelSet, kernels_for
+from kvcore.metrics import METRICS, Metrics
+from kvcore.mover import Mover, PathPolicy
+from kvcore.streams import ManualCpuBackend
+from kvcore_vllm import bench
+from kvcore_vllm.bench import Layout, fragmented_ids, kvcore_handler, stock_handler
+from kvcore_vllm.page_rows import page_rows
+from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
+from kvcore_vllm.transfers import install_handlers
+
+pytestmark = pytest.mark.vllm
+
+# Small staging keeps the staged path's buffer tiny; long_run_bytes=1 lets few runs
+# take one copy each, so copies can be counted.
+SMALL = PathPolicy(staging_bytes=1 << 20)
+COUNTABLE = PathPolicy(staging_bytes=1 << 20, long_run_bytes=1)
+
+
+class RecordingMover(Mover):
+    """A mover whose reference kernels log each op with the copies it issues."""
+
+    def __init__(self, policy: PathPolicy) -> None:
+        super().__init__(policy)
+        self.ops: list[tuple[str, int]] = []
+
+    def kernels(self, device: torch.device) -> KernelSet:
+        base = kernels_for(device)
+
+        def copy_runs(src, dst, runs):
+            self.ops.append(("copy_runs", runs.count))
+            return base.copy_runs(src, dst, runs)
+
+        def gather_rows(src, src_idx, dst, dst_idx):
+            self.ops.append(("gather_rows", int(src_idx.numel())))
+            return base.gather_rows(src, src_idx, dst, dst_idx)
+
+        def stage_in(src, host_runs, staging, dst, dst_idx):
+            self.ops.append(("stage_in", host_runs.count))
+            base.stage_in(src, host_runs, staging, dst, dst_idx)
+
+        def stage_out(src, src_idx, staging, dst, host_runs):
+            self.ops.append(("stage_out", host_runs.count))
+            base.stage_out(src, src_idx, staging, dst, host_runs)
+
+        return KernelSet("recording", copy_runs, gather_rows, stage_in, stage_out)
+
+
+def memmove_batch(log: list[int]):
+    """vLLM's swap_blocks_batch contract on host memory: one memmove per descriptor."""
+
+    def swap(src, dst, sizes, is_src_access_order_any=False):
+        log.append(len(sizes))
+        for source, target, size in zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(target, source, size)
+
+    return swap
+
+
+def make_job(groups, gpu_to_cpu):
+    """(src_spec, dst_spec) for [(gpu_ids, cpu_ids, block_index), ...], one entry a group."""
+    gpu = GPULoadStoreSpec(
+        [b for ids, _, _ in groups for b in ids],
+        group_sizes=[len(ids) for ids, _, _ in groups],
+        block_indices=[first for _, _, first in groups],
+    )
+    cpu = CPULoadStoreSpec([c for _, chunks, _ in groups for c in chunks])
+    return (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
+
+
+def reference(gpu, host, layout, groups, gpu_to_cpu):
+    """Expected tensors after the job, page by page: GPU block ids[k] <-> the k-th
+    sub-block of the group's chunks, counted from block_index % blocks_per_chunk."""
+    bpc, page = layout.blocks_per_chunk, layout.page_bytes
+    copied = page if layout.ref_page_bytes is None else layout.ref_page_bytes
+    gpu_out = [t.clone() for t in gpu]
+    host_out = [t.clone() for t in host]
+    for ids, chunks, first in groups:
+        subs = [c * bpc + j for c in chunks for j in range(bpc)][first % bpc :]
+        for block, sub in zip(ids, subs, strict=False):
+            chunk, j = divmod(sub, bpc)
+            for t in range(layout.tensors):
+                host_bytes = slice(j * page, j * page + copied)
+                if gpu_to_cpu:
+                    host_out[t][chunk, host_bytes] = gpu[t][block, :copied]
+                else:
+                    gpu_out[t][block, :copied] = host[t][chunk, host_bytes]
+    return gpu_out, host_out
+
+
+def run_stock_fill(stock, groups, gpu_to_cpu):
+    """The job's stock descriptors (vLLM's fill code) executed by memmove."""
+    bpc = stock.dst_blocks_per_chunk if gpu_to_cpu else stock.src_blocks_per_chunk
+    count = stock._estimate_max_copy_ops([len(ids) for ids, _, _ in groups])
+    buffers = [np.empty(count, dtype=np.int64) for _ in range(3)]
+    op = 0
+    for g, (ids, chunks, first) in enumerate(groups):
+        gpu_ids, cpu_ids = np.array(ids, dtype=np.int32), np.array(chunks, dtype=np.int32)
+        op, _ = stock._fill_group_ops(
+            g,
+            group_src=gpu_ids if gpu_to_cpu else cpu_ids,
+            group_dst=cpu_ids if gpu_to_cpu else gpu_ids,
+            group_size=len(ids),
+            src_skip_count=0 if gpu_to_cpu else first % bpc,
+            dst_skip_count=first % bpc if gpu_to_cpu else 0,
+            all_src=buffers[0],
+            all_dst=buffers[1],
+            all_sizes=buffers[2],
+            op_idx=op,
+        )
+    memmove_batch([])(*(torch.from_numpy(b[:op]) for b in buffers))
+
+
+def draw_groups(rng, layout, sizes, frag):
+    """Disjoint GPU blocks and CPU chunks per group, ascending runs broken at ``frag``."""
+    bpc = layout.blocks_per_chunk
+    firsts = [int(rng.integers(0, 3 * bpc)) for _ in sizes]
+    chunk_counts = [
+        -(-(size + first % bpc) // bpc) for size, first in zip(sizes, firsts, strict=True)
+    ]
+    gpu_ids = fragmented_ids(sum(sizes), frag, rng) + int(rng.integers(0, 8))
+    cpu_ids = fragmented_ids(sum(chunk_counts), frag, rng) + int(rng.integers(0, 8))
+    if rng.random() < 0.3:
+        # Scrambled order, as vLLM's stock chunk allocator hands out under churn.
+        cpu_ids = rng.permutation(cpu_ids)
+    groups, g_at, c_at = [], 0, 0
+    for size, first, chunks in zip(sizes, firsts, chunk_counts, strict=True):
+        groups.append(
+            (gpu_ids[g_at : g_at + size].tolist(), cpu_ids[c_at : c_at + chunks].tolist(), first)
+        )
+        g_at, c_at = g_at + size, c_at + chunks
+    return groups
+
+
+LAYOUTS = [
+    # Per-layer host tensors, pages of a few sizes, 1 or 4 GPU blocks per CPU chunk.
+    Layout(page_bytes=256, tensors=3, blocks_per_chunk=1),
+    Layout(page_bytes=1024, tensors=2, blocks_per_chunk=4),
+    # vLLM's shared host region: every tensor's pages of a chunk in one aligned row.
+    Layout(page_bytes=512, tensors=3, blocks_per_chunk=2, shared_region=True),
+    Layout(page_bytes=3072, tensors=2, blocks_per_chunk=1, shared_region=True),
+    # Cross-layer blocks: one tensor whose page holds every layer.
+    Layout(page_bytes=4096, tensors=1, blocks_per_chunk=1, shared_region=True),
+    Layout(page_bytes=2048, tensors=1, blocks_per_chunk=4),
+]
+
+
+def sized(layout):
+    return Layout(**{**layout.__dict__, "gpu_blocks": 128, "cpu_chunks": 128})
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    gpu_to_cpu=st.booleans(),
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=2),
+    frag=st.sampled_from([0.0, 0.5, 1.0]),
+    seed=st.integers(0, 2**31),
+)
+def test_copies_byte_identical_to_per_page_reference_and_stock_fill(
+    layout, gpu_to_cpu, sizes, frag, seed
+):
+    layout = sized(layout)
+    rng = np.random.default_rng(seed)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(seed))
+    groups = draw_groups(rng, layout, sizes, frag)
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu, groups=len(groups))
+    expected_gpu, expected_host = reference(gpu, host, layout, groups, gpu_to_cpu)
+    before_gpu, before_host = [t.clone() for t in gpu], [t.clone() for t in host]
+
+    run_stock_fill(stock, groups, gpu_to_cpu)
+    # The reference is vLLM's semantics: its own descriptors move the same bytes.
+    assert all(torch.equal(a, b) for a, b in zip(gpu, expected_gpu, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(host, expected_host, strict=True))
+    for live, saved in zip(gpu + host, before_gpu + before_host, strict=True):
+        live.copy_(saved)
+
+    metrics = Metrics()
+    handler = kvcore_handler(stock, policy=SMALL, metrics=metrics)
+    assert handler.transfer_async(7, *make_job(groups, gpu_to_cpu))
+    [result] = handler.get_finished()
+    assert (result.job_id, result.success) == (7, True)
+    assert result.transfer_size == sum(sizes) * layout.page_bytes * layout.tensors
+    assert metrics.snapshot()["fallbacks"] == {}
+    for live, want in zip(gpu + host, expected_gpu + expected_host, strict=True):
+        assert torch.equal(live, want)
+    # The source side was only read.
+    source = before_gpu if gpu_to_cpu else before_host
+    assert all(torch.equal(a, b) for a, b in zip(gpu if gpu_to_cpu else host, source, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("layout", "ids", "chunks", "copies_per_tensor"),
+    [
+        # Consecutive on both sides: one copy per tensor instead of one per page.
+        (Layout(page_bytes=256, tensors=3), list(range(10, 20)), list(range(30, 40)), [1, 1, 1]),
+        # Two breaks on the GPU side: three runs.
+        (
+            Layout(page_bytes=256, tensors=3),
+            [1, 2, 3, 7, 8, 20, 21, 22, 23, 24],
+            list(range(5, 15)),
+            [3, 3, 3],
+        ),
+        # Shared region, 4 blocks a chunk: a chunk's sub-blocks are adjacent, chunks are
+        # a row (every tensor's pages) apart, so one run per chunk.
+        (
+            Layout(page_bytes=1024, tensors=2, blocks_per_chunk=4, shared_region=True),
+            list(range(0, 8)),
+            [3, 4],
+            [2, 2],
+        ),
+        # Cross-layer blocks in the shared region: the rows are the pages, so consecutive
+        # chunks are adjacent and the whole job is one copy.
+        (
+            Layout(page_bytes=4096, shared_region=True),
+            list(range(40, 56)),
+            list(range(2, 18)),
+            [1],
+        ),
+    ],
+)
+def test_descriptors_merge_where_both_sides_are_consecutive(layout, ids, chunks, copies_per_tensor):
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(3))
+    for gpu_to_cpu in (True, False):
+        stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+        descriptors = stock._estimate_max_copy_ops([len(ids)])
+        mover = RecordingMover(COUNTABLE)
+        handler = kvcore_handler(stock, mover=mover)
+        groups = [(ids, chunks, 0)]
+        expected = reference(gpu, host, layout, groups, gpu_to_cpu)
+        handler.transfer_async(1, *make_job(groups, gpu_to_cpu))
+        assert [job.job_id for job in handler.get_finished()] == [1]
+        assert mover.ops == [("copy_runs", n) for n in copies_per_tensor]
+        assert sum(copies_per_tensor) < descriptors == len(ids) * layout.tensors
+        assert all(
+            torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+        )
+
+
+def test_host_contiguous_gpu_scattered_load_is_staged():
+    layout = Layout(page_bytes=512, tensors=2, gpu_blocks=256, cpu_chunks=64)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(5))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=False)
+    mover = RecordingMover(SMALL)
+    handler = kvcore_handler(stock, mover=mover)
+    ids = list(range(0, 240, 6))
+    groups = [(ids, list(range(8, 8 + len(ids))), 0)]
+    expected = reference(gpu, host, layout, groups, False)
+    handler.transfer_async(1, *make_job(groups, False))
+    assert handler.get_finished()[0].job_id == 1
+    assert mover.ops == [("stage_in", 1), ("stage_in", 1)]
+    assert all(torch.equal(a, b) for a, b in zip(gpu, expected[0], strict=True))
+
+
+def test_jobs_wait_for_compute_and_finish_in_order_once():
+    layout = Layout(page_bytes=256, tensors=2, gpu_blocks=32, cpu_chunks=32)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(11))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=True)
+    backend = ManualCpuBackend()
+    handler = kvcore_handler(stock, policy=SMALL, streams=backend)
+    compute = backend.stream("compute")
+    written = torch.randint(-128, 128, (4, 256), dtype=torch.int8)
+
+    def model_writes_kv():
+        gpu[0][0:4] = written
+
+    backend.run_on(compute, model_writes_kv)
+    jobs = {1: ([0, 1, 2, 3], [10, 11, 12, 13]), 2: ([4, 5], [20, 21]), 3: ([6], [30])}
+    for job_id, (ids, chunks) in jobs.items():
+        handler.transfer_async(job_id, *make_job([(ids, chunks, 0)], True))
+    assert handler.get_finished() == []
+    untouched = host[0][10:14].clone()
+
+    handler.wait({99})  # a job this handler never had
+    assert torch.equal(host[0][10:14], untouched)
+    handler.wait({2})
+    # Waiting for job 2 ran the model's write, then jobs 1 and 2, and not job 3.
+    assert torch.equal(host[0][10:14], written)
+    assert backend.pending(backend.stream("store")) == 1
+    assert [r.job_id for r in handler.get_finished()] == [1, 2]
+    assert handler.get_finished() == []
+    backend.complete_all()
+    assert [r.job_id for r in handler.get_finished()] == [3]
+    assert handler.get_finished() == []
+    assert torch.equal(host[1][30], gpu[1][6])
+
+
+def test_shutdown_drains_queued_jobs_and_releases_tensors():
+    layout = Layout(page_bytes=256, gpu_blocks=8, cpu_chunks=8)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(2))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=False)
+    backend = ManualCpuBackend()
+    handler = kvcore_handler(stock, policy=SMALL, streams=backend)
+    handler.transfer_async(1, *make_job([([3], [5], 0)], False))
+    handler.transfer_async(2, *make_job([([4], [6], 0)], False))
+    handler.shutdown()
+    assert backend.pending() == 0
+    assert torch.equal(gpu[0][3], host[0][5]) and torch.equal(gpu[0][4], host[0][6])
+    assert handler.get_finished() == []
+    assert stock.src_tensors == [] and stock.dst_tensors == []
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_partial_pages_fall_back_to_the_stock_fill_and_copy_op_counted(gpu_to_cpu):
+    # vLLM copies only a layer's unpadded bytes of each page; kvcore leaves that to stock.
+    layout = Layout(page_bytes=512, tensors=2, blocks_per_chunk=2, ref_page_bytes=384)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(8))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+    issued: list[int] = []
+    stock._swap_blocks_batch = memmove_batch(issued)
+    metrics = Metrics()
+    mover = RecordingMover(SMALL)
+    handler = kvcore_handler(stock, mover=mover, metrics=metrics)
+    groups = [([9, 10, 11], [4, 5], 1)]
+    expected = reference(gpu, host, layout, groups, gpu_to_cpu)
+    handler.transfer_async(4, *make_job(groups, gpu_to_cpu))
+    [result] = handler.get_finished()
+    assert (result.job_id, result.transfer_size) == (4, 3 * 384 * 2)
+    assert metrics.snapshot()["fallbacks"] == {"partial_page": 1}
+    assert issued == [3 * 2] and mover.ops == []
+    assert all(
+        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+    )
+
+
+def test_page_rows_refuses_what_it_cannot_express():
+    gpu = torch.zeros(4, 256, dtype=torch.int8)
+    assert page_rows(gpu, torch.zeros(4, 256, dtype=torch.uint8), 1) == "dtype_mismatch"
+    assert page_rows(gpu, torch.zeros(4, 512, dtype=torch.int8), 1) == "row_shape_mismatch"
+    odd_rows = torch.zeros(4 * 257, dtype=torch.int8).as_strided((4, 256), (257, 1))
+    assert page_rows(gpu, odd_rows, 1) == "unaligned_rows"
+    rows = page_rows(gpu, torch.zeros(4 * 320, dtype=torch.int8).as_strided((4, 256), (320, 1)), 1)
+    assert not isinstance(rows, str) and rows.pieces == 4 and rows.cpu_chunk_rows == 5
+
+
+def host_worker():
+    """A stand-in for vLLM 0.32's worker (no expedited loads), its handlers on host tensors."""
+    layout = Layout(page_bytes=256, gpu_blocks=4, cpu_chunks=4)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(1))
+
+    class Worker:
+        _store_handler = stock_handler(gpu, host, layout, gpu_to_cpu=True)
+        _load_handler = stock_handler(gpu, host, layout, gpu_to_cpu=False)
+
+    return Worker()
+
+
+def test_install_leaves_non_cuda_handlers_stock_and_counts_them():
+    worker, metrics = host_worker(), Metrics()
+    stock = worker._store_handler
+    assert install_handlers(worker, KVCoreConfig(), metrics) == []
+    assert worker._store_handler is stock
+    assert metrics.snapshot()["fallbacks"] == {"unsupported_device": 2}
+
+
+@pytest.mark.parametrize("transfers", ["0", "1"])
+def test_spec_installs_handlers_when_transfers_are_on(monkeypatch, transfers):
+    worker = host_worker()
+    monkeypatch.setattr(CPUOffloadingSpec, "create_worker", lambda self, kv_caches: worker)
+    monkeypatch.delenv("KVCORE_METRICS", raising=False)
+    monkeypatch.setenv("KVCORE_TRANSFERS", transfers)
+    spec = KVCoreCPUOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))
+    before = METRICS.snapshot()["fallbacks"].get("unsupported_device", 0)
+    assert spec.create_worker(None) is worker
+    # Host tensors here: an install declines both handlers, and says so.
+    declined = 2 if transfers == "1" else 0
+    assert METRICS.snapshot()["fallbacks"].get("unsupported_device", 0) == before + declined
+
+
+def test_bench_ab_dry_run_on_cpu_checks_bytes():
+    rows = bench.ab("cpu", [256], [0.5], job_bytes=8 << 10, repeats=1)
+    assert {(r["direction"], r["path"]) for r in rows} == {
+        (d, p) for d in ("d2h", "h2d") for p in ("per_block_copy", "kvcore")
+    }
+    assert all(r["bytes_ok"] and r["pages"] == 32 and r["seconds"] > 0 for r in rows)
