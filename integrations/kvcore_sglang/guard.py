@@ -32,8 +32,17 @@ TRANSFER_TARGETS: tuple[str, ...] = tuple(
     for pool in ("mha.MHATokenToKVPoolHost", "mla.MLATokenToKVPoolHost")
     for method in ("load_to_device_per_layer", "backup_from_device_all_layer")
 )
-# Checked and registered only when the transfer hooks are asked for (see plugin).
-TRANSFER_GROUPS: dict[str, tuple[str, ...]] = {TRANSFER_GROUP: TRANSFER_TARGETS}
+DSA_TRANSFER_GROUP = "DSA indexer transfers"
+DSA_TRANSFER_TARGETS: tuple[str, ...] = tuple(
+    f"{_POOL_HOST}.dsa.DSAIndexerPoolHost.{method}"
+    for method in ("load_to_device_per_layer", "backup_from_device_all_layer")
+)
+# Checked and registered only when the transfer hooks are asked for (see plugin). The
+# groups share no state, so a changed DSA method leaves the MHA and MLA hooks in place.
+TRANSFER_GROUPS: dict[str, tuple[str, ...]] = {
+    TRANSFER_GROUP: TRANSFER_TARGETS,
+    DSA_TRANSFER_GROUP: DSA_TRANSFER_TARGETS,
+}
 
 # Recorded from each release's wheel with ``python -m kvcore_sglang.guard ROOT``;
 # 0.5.22 and 0.5.23 define these functions identically.
@@ -45,8 +54,8 @@ _HOST_SLOTS_0_5_22: dict[str, str] = {
     f"{HOST_KV_CACHE}.alloc": "12afebe1815e6d36d7f16115ed89f39d976e95205e549e14ce9b3d218d287020",
     f"{HOST_KV_CACHE}.free": "b5651e29ed7e3b808d54222e22b7424c8266602beb9a8342da0333c7213f32c0",
 }
-# The transfer hooks follow 0.5.23's code (0.5.22 maps layers through the device pool's
-# layer sharding), so 0.5.22 has none recorded and keeps its stock transfers.
+# The MHA and MLA transfer hooks follow 0.5.23's code (0.5.22 maps layers through the
+# device pool's layer sharding), so 0.5.22 has none recorded and keeps them stock.
 _TRANSFERS_0_5_23: dict[str, str] = {
     f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.load_to_device_per_layer": (
         "9bd30c239ff84b6cdd08f8c9bf3c52b94c088c95d7387ef7b4b3026d689c421c"
@@ -61,9 +70,19 @@ _TRANSFERS_0_5_23: dict[str, str] = {
         "5f35499e804eef01c4c2a44e84bc974ba0af10fea286834594297acd79489ef5"
     ),
 }
+# 0.5.22 and 0.5.23 define the DSA indexer pool's transfers (and the helpers they use)
+# identically, apart from XPU-only code.
+_DSA_TRANSFERS_0_5_22: dict[str, str] = {
+    f"{_POOL_HOST}.dsa.DSAIndexerPoolHost.load_to_device_per_layer": (
+        "750fe765a274fb33260d63c98094c1f4a8984a01695dce79f20a067a73a24559"
+    ),
+    f"{_POOL_HOST}.dsa.DSAIndexerPoolHost.backup_from_device_all_layer": (
+        "ac81f2a3d3f4ec18f1dfdf1839d1f8419b88579a8e49eda2e5c639e6ff042c85"
+    ),
+}
 FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.5.22": dict(_HOST_SLOTS_0_5_22),
-    "0.5.23": {**_HOST_SLOTS_0_5_22, **_TRANSFERS_0_5_23},
+    "0.5.22": {**_HOST_SLOTS_0_5_22, **_DSA_TRANSFERS_0_5_22},
+    "0.5.23": {**_HOST_SLOTS_0_5_22, **_TRANSFERS_0_5_23, **_DSA_TRANSFERS_0_5_22},
 }
 
 

@@ -1,7 +1,10 @@
 """SGLang host pools built on CPU the way SGLang's hybrid pool assembler builds them.
 
-Small geometries (one head, few dims, two layers) keep the buffers tiny; the host
-pools get the assembler's arguments except ``pin_memory=False`` (pinning needs CUDA).
+The one set of pool builders for the SGLang lane. Small geometries (few heads, few
+dims, two layers by default) keep the buffers tiny; the host pools get the assembler's
+arguments except ``pin_memory=False`` (pinning needs CUDA). Each host pool holds its
+device pool's buffers (``device_k_buffers``, ``device_kv_buffers``, ``device_pool``),
+so the transfer tests reach both sides through it.
 """
 
 from __future__ import annotations
@@ -36,22 +39,37 @@ def _host_args(page_size: int, layout: str) -> dict[str, Any]:
     )
 
 
-def _mha_device(tokens: int, page_size: int, v_head_dim: int | None = None) -> MHATokenToKVPool:
+def _mha_device(
+    tokens: int,
+    page_size: int,
+    v_head_dim: int | None = None,
+    *,
+    layers: int = LAYERS,
+    heads: int = 1,
+) -> MHATokenToKVPool:
     return MHATokenToKVPool(
         size=tokens,
         page_size=page_size,
         dtype=torch.bfloat16,
-        head_num=1,
+        head_num=heads,
         head_dim=8,
-        layer_num=LAYERS,
+        layer_num=layers,
         device="cpu",
         enable_memory_saver=False,
         v_head_dim=v_head_dim,
     )
 
 
-def mha_host(tokens: int, page_size: int, layout: str = "layer_first") -> Any:
-    host_cls, buffer_info, kwargs = _mha_host_inputs(_mha_device(tokens, page_size))
+def mha_host(
+    tokens: int,
+    page_size: int,
+    layout: str = "layer_first",
+    *,
+    layers: int = LAYERS,
+    heads: int = 1,
+) -> Any:
+    device = _mha_device(tokens, page_size, layers=layers, heads=heads)
+    host_cls, buffer_info, kwargs = _mha_host_inputs(device)
     return host_cls(buffer_info, **kwargs, **_host_args(page_size, layout))
 
 
@@ -62,7 +80,9 @@ def asymmetric_mha_host(tokens: int, page_size: int) -> Any:
     return host_cls(buffer_info, **kwargs, **_host_args(page_size, "page_first"))
 
 
-def _mla_host_for(device: MLATokenToKVPool, page_size: int) -> MLATokenToKVPoolHost:
+def _mla_host_for(
+    device: MLATokenToKVPool, page_size: int, layout: str = "layer_first"
+) -> MLATokenToKVPoolHost:
     return MLATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
         device_capacity_tokens=device.size,
@@ -70,22 +90,24 @@ def _mla_host_for(device: MLATokenToKVPool, page_size: int) -> MLATokenToKVPoolH
         end_layer=device.end_layer,
         target_layer_num=device.layer_num,
         override_kv_cache_dim=device.kv_cache_dim,
-        **_host_args(page_size, "layer_first"),
+        **_host_args(page_size, layout),
     )
 
 
-def mla_host(tokens: int, page_size: int) -> MLATokenToKVPoolHost:
+def mla_host(
+    tokens: int, page_size: int, layout: str = "layer_first", *, layers: int = LAYERS
+) -> MLATokenToKVPoolHost:
     device = MLATokenToKVPool(
         size=tokens,
         page_size=page_size,
         dtype=torch.bfloat16,
         kv_lora_rank=16,
         qk_rope_head_dim=8,
-        layer_num=LAYERS,
+        layer_num=layers,
         device="cpu",
         enable_memory_saver=False,
     )
-    return _mla_host_for(device, page_size)
+    return _mla_host_for(device, page_size, layout)
 
 
 def k_only_host(tokens: int, page_size: int) -> MHATokenToKOnlyPoolHost:
@@ -104,7 +126,10 @@ def k_only_host(tokens: int, page_size: int) -> MHATokenToKOnlyPoolHost:
     )
 
 
-def dsa_host(tokens: int, page_size: int) -> DSAIndexerPoolHost:
+def dsa_host(
+    tokens: int, page_size: int, layout: str = "layer_first", *, layers: int = LAYERS
+) -> DSAIndexerPoolHost:
+    """The DSA indexer's host pool (its ``device_pool`` is the DSA device pool)."""
     with get_parallel().override(attn_dcp_size=1):
         device = DSATokenToKVPool(
             size=tokens,
@@ -112,13 +137,13 @@ def dsa_host(tokens: int, page_size: int) -> DSAIndexerPoolHost:
             kv_lora_rank=16,
             dtype=torch.bfloat16,
             qk_rope_head_dim=8,
-            layer_num=LAYERS,
+            layer_num=layers,
             device="cpu",
             index_head_dim=128,
             enable_memory_saver=False,
             kv_cache_dim=24,
         )
-    anchor = _mla_host_for(device, page_size)
+    anchor = _mla_host_for(device, page_size, layout)
     return DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), anchor, pin_memory=False)
 
 

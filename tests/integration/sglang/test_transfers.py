@@ -1,8 +1,9 @@
 """SGLang host-pool transfers through kvcore's mover, against a per-index reference on CPU.
 
 SGLang's own transfer ops need CUDA, so the served calls are compared with a copy
-computed here row by row; calls that must stay stock are checked to reach the
-original method once, unchanged, with their reason counted.
+computed here row by row, addressing SGLang's buffers the way each layout defines
+them; calls that must stay stock are checked to reach the original method once,
+unchanged, with their reason counted.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 import importlib.metadata
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,12 +22,11 @@ pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang insta
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.plugins.hook_registry import HookRegistry
-from sglang_pools import mha_host
+from sglang_pools import dsa_host, mha_host, mla_host
 
 from kvcore.engine_status import release_of
 from kvcore.metrics import METRICS
@@ -36,104 +37,157 @@ pytestmark = pytest.mark.sglang
 
 VERSION = release_of(importlib.metadata.version("sglang"))
 PAGE = 16
+DSA_PAGE = 64  # DSA's index pages need page_size 64
 TOKENS = 512
 LAYERS = 3
-POOL_CLASSES = {"mha": MHATokenToKVPoolHost, "mla": MLATokenToKVPoolHost}
+POOL_CLASSES = {"mha": MHATokenToKVPoolHost, "mla": MLATokenToKVPoolHost, "dsa": DSAIndexerPoolHost}
 METHODS = ("load_to_device_per_layer", "backup_from_device_all_layer")
 # Collected at import, before any test applies hooks.
 STOCK = {(cls, name): vars(cls)[name] for cls in POOL_CLASSES.values() for name in METHODS}
 # A small staging buffer and short "long" runs, so that every mover path is taken.
 SMALL_POLICY = PathPolicy(staging_bytes=2048, long_run_bytes=64, max_dma_runs=8)
-
-
-def _host_args() -> dict[str, Any]:
-    return dict(
-        host_to_device_ratio=2.0,
-        host_size=0,
-        page_size=PAGE,
-        layout="layer_first",
-        pin_memory=False,
-    )
-
-
-@functools.cache
-def mha_pair() -> tuple[MHATokenToKVPool, MHATokenToKVPoolHost]:
-    device = MHATokenToKVPool(
-        size=TOKENS,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        head_num=2,
-        head_dim=8,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    host_cls, buffer_info, kwargs = _mha_host_inputs(device)
-    return device, host_cls(buffer_info, **kwargs, **_host_args())
+# Layout -> the io backends SGLang accepts for it.
+LAYOUT_BACKENDS = {
+    "layer_first": ("kernel", "direct"),
+    "page_first": ("kernel",),
+    "page_first_direct": ("direct",),
+}
+SERVED = [
+    (kind, layout, backend)
+    for kind in POOL_CLASSES
+    for layout, backends in LAYOUT_BACKENDS.items()
+    for backend in backends
+]
 
 
 @functools.cache
-def mla_pair() -> tuple[MLATokenToKVPool, MLATokenToKVPoolHost]:
-    device = MLATokenToKVPool(
-        size=TOKENS,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    host = MLATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
-        target_layer_num=device.layer_num,
-        override_kv_cache_dim=device.kv_cache_dim,
-        **_host_args(),
-    )
-    return device, host
-
-
-PAIRS: dict[str, Callable[[], tuple[Any, Any]]] = {"mha": mha_pair, "mla": mla_pair}
-
-
-def layers(kind: str, host: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(host layer, device layer) for every layer the pool moves, in SGLang's order."""
+def pool_for(kind: str, layout: str) -> Any:
     if kind == "mha":
-        host_side = [*host.k_buffer, *host.v_buffer]
-        return list(zip(host_side, [*host.device_k_buffers, *host.device_v_buffers], strict=True))
-    return list(zip(host.kv_buffer, host.device_kv_buffers, strict=True))
+        return mha_host(TOKENS, PAGE, layout, layers=LAYERS, heads=2)
+    if kind == "mla":
+        return mla_host(TOKENS, PAGE, layout, layers=LAYERS)
+    return dsa_host(TOKENS, DSA_PAGE, layout, layers=LAYERS)
+
+
+# --- the per-index reference ---------------------------------------------------------------
+
+HostRow = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+def host_row(layout: str, page: int) -> HostRow:
+    """(buffer, layer, slot) -> that slot's row, as SGLang's layout defines it."""
+    if layout == "layer_first":
+        return lambda buffer, layer, slot: buffer[layer, slot]
+    if layout == "page_first":
+        return lambda buffer, layer, slot: buffer[slot, layer]
+    return lambda buffer, layer, slot: buffer[slot // page, layer, slot % page]
+
+
+@dataclass(frozen=True)
+class Component:
+    """One host buffer (K, V, KV or index pages) and the device layers it mirrors."""
+
+    host: torch.Tensor
+    row: HostRow
+    devices: tuple[torch.Tensor, ...]
+
+
+def components(kind: str, pool: Any) -> list[Component]:
+    if kind == "mha":
+        row = host_row(pool.layout, pool.page_size)
+        return [
+            Component(pool.k_buffer, row, tuple(pool.device_k_buffers)),
+            Component(pool.v_buffer, row, tuple(pool.device_v_buffers)),
+        ]
+    if kind == "mla":
+        row = host_row(pool.layout, pool.page_size)
+        return [Component(pool.kv_buffer, row, tuple(pool.device_kv_buffers))]
+    # Index pages: one row per page, in every layout ([pages, layers, 1, bytes] when page-major).
+    index_row = host_row("layer_first" if pool.layout == "layer_first" else "page_first", 1)
+    devices = tuple(pool.packed_device_index_buffers)
+    assert all(
+        a is b
+        for a, b in zip(devices, pool.device_pool.index_k_with_scale_buffer[:LAYERS], strict=True)
+    )
+    return [Component(pool.index_k_with_scale_buffer, index_row, devices)]
+
+
+def reference_slots(kind: str, pool: Any, host_idx, device_idx) -> tuple[list[int], list[int]]:
+    """The (host slot, device row) pairs stock copies; DSA copies one row per index page."""
+    if kind == "dsa" and host_idx.numel():
+        page = pool.page_size
+        host_idx = host_idx.reshape(-1, page)[:, 0] // page
+        device_idx = device_idx.reshape(-1, page)[:, 0] // page
+    return host_idx.tolist(), device_idx.tolist()
 
 
 def randomise(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
     """Random bits (NaN payloads included) in every tensor: data and poison alike."""
     for tensor in tensors:
-        bits = tensor.view(torch.int16)
-        bits.copy_(torch.randint(-(2**15), 2**15, bits.shape, generator=generator))
+        bits = tensor.view(torch.uint8)
+        bits.copy_(torch.randint(0, 256, bits.shape, dtype=torch.uint8, generator=generator))
 
 
 def as_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone().view(torch.uint8) for t in tensors]
 
 
-def reference_copy(src: torch.Tensor, dst: torch.Tensor, src_idx, dst_idx) -> None:
-    for s, d in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
-        dst[d] = src[s]
+def all_tensors(parts: list[Component]) -> list[torch.Tensor]:
+    return [t for part in parts for t in (part.host, *part.devices)]
+
+
+# --- indices -------------------------------------------------------------------------------
+
+
+def device_slots(kind: str, pool: Any) -> int:
+    """Device token slots; DSA's device index pages hold ``page_size`` tokens each."""
+    rows = components(kind, pool)[0].devices[0].shape[0]
+    return rows * pool.page_size if kind == "dsa" else rows
 
 
 def make_indices(
-    kind_of_host: str, n: int, host_size: int, device_size: int, generator: torch.Generator
+    kind: str, pool: Any, shape: str, n: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if kind_of_host == "contiguous":
-        start = int(torch.randint(0, host_size - n + 1, (1,), generator=generator))
+    """Host slots and device slots as SGLang hands them over: whole pages where the layout
+    copies pages (page_first_direct, DSA), else any ``shape`` of about ``n`` slots."""
+    total = device_slots(kind, pool)
+    if kind == "dsa" or pool.layout == "page_first_direct":
+        page = pool.page_size
+        host_pages, device_pages = pool.size // page, total // page
+        count = min(max(n // page, 1), host_pages, device_pages - 1)
+        return _paged(shape, count, page, host_pages, device_pages, generator)
+    n = min(n, total - 1, 320)
+    if shape == "contiguous":
+        start = int(torch.randint(0, pool.size - n + 1, (1,), generator=generator))
         host_idx = torch.arange(start, start + n)
+    elif shape == "merged":
+        # Five loads merged into one call: five short runs, each in its own 64-slot stretch.
+        lengths = [n // 5 + (i < n % 5) for i in range(5)]
+        starts = (torch.randperm(pool.size // 64, generator=generator)[:5] * 64).tolist()
+        host_idx = torch.cat(
+            [torch.arange(s, s + length) for s, length in zip(starts, lengths, strict=True)]
+        )
     else:
-        host_idx = torch.randperm(host_size, generator=generator)[:n]
+        host_idx = torch.randperm(pool.size, generator=generator)[:n]
     # Device slot 0 is SGLang's padding slot; real loads never write it.
-    device_idx = torch.randperm(device_size - 1, generator=generator)[:n] + 1
+    device_idx = torch.randperm(total - 1, generator=generator)[:n] + 1
     return host_idx, device_idx
+
+
+def _paged(
+    shape: str, count: int, page: int, host_pages: int, device_pages: int, generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if shape == "contiguous":
+        first = int(torch.randint(0, host_pages - count + 1, (1,), generator=generator))
+        host = torch.arange(first, first + count)
+    else:
+        host = torch.randperm(host_pages, generator=generator)[:count]
+    device = torch.randperm(device_pages - 1, generator=generator)[:count] + 1
+    step = torch.arange(page)
+    return (host[:, None] * page + step).reshape(-1), (device[:, None] * page + step).reshape(-1)
+
+
+# --- fixtures ------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -168,34 +222,46 @@ def paths_taken() -> dict[str, int]:
     return counts
 
 
-def check_served_call(kind, direction, io_backend, host_kind, n, seed) -> None:
-    _, host = PAIRS[kind]()
+def device_pool_of(kind: str, pool: Any) -> Any:
+    return pool.device_pool if kind == "dsa" else None
+
+
+# --- served calls --------------------------------------------------------------------------
+
+
+def check_served_call(kind, layout, io_backend, direction, shape, n, seed) -> None:
+    pool = pool_for(kind, layout)
     generator = torch.Generator().manual_seed(seed)
-    pairs = layers(kind, host)
-    randomise([t for pair in pairs for t in pair], generator)
-    device_size = pairs[0][1].shape[0]
-    host_idx, device_idx = make_indices(host_kind, n, host.size, device_size, generator)
+    parts = components(kind, pool)
+    randomise(all_tensors(parts), generator)
+    host_idx, device_idx = make_indices(kind, pool, shape, n, generator)
+    pairs = list(zip(*reference_slots(kind, pool, host_idx, device_idx), strict=True))
     before = fallbacks()
     if direction == "load":
         layer = int(torch.randint(0, LAYERS, (1,), generator=generator))
-        sources = [h for h, _ in pairs]
-        targets = [d for _, d in pairs]
+        targets = [device for part in parts for device in part.devices]
+        sources = [part.host for part in parts]
         expected = as_bytes(targets)
-        for position, (host_layer, _) in enumerate(pairs):
-            if position % LAYERS == layer:  # K and V (MHA) or the one row (MLA) of this layer
-                reference_copy(
-                    host_layer.view(torch.uint8), expected[position], host_idx, device_idx
-                )
+        for p, part in enumerate(parts):
+            want = expected[p * LAYERS + layer]
+            for slot, row in pairs:
+                want[row] = part.row(part.host.view(torch.uint8), layer, slot)
         source_bytes = as_bytes(sources)
-        host.load_to_device_per_layer(None, host_idx, device_idx, layer, io_backend)
+        pool.load_to_device_per_layer(
+            device_pool_of(kind, pool), host_idx, device_idx, layer, io_backend
+        )
     else:
-        sources = [d for _, d in pairs]
-        targets = [h for h, _ in pairs]
+        targets = [part.host for part in parts]
+        sources = [device for part in parts for device in part.devices]
         expected = as_bytes(targets)
-        for position, (_, device_layer) in enumerate(pairs):
-            reference_copy(device_layer.view(torch.uint8), expected[position], device_idx, host_idx)
+        for want, part in zip(expected, parts, strict=True):
+            for layer, device in enumerate(part.devices):
+                for slot, row in pairs:
+                    part.row(want, layer, slot).copy_(device.view(torch.uint8)[row])
         source_bytes = as_bytes(sources)
-        host.backup_from_device_all_layer(None, host_idx, device_idx, io_backend)
+        pool.backup_from_device_all_layer(
+            device_pool_of(kind, pool), host_idx, device_idx, io_backend
+        )
     for target, want in zip(targets, expected, strict=True):
         assert torch.equal(target.view(torch.uint8), want)
     for source, want in zip(sources, source_bytes, strict=True):
@@ -203,74 +269,139 @@ def check_served_call(kind, direction, io_backend, host_kind, n, seed) -> None:
     assert fallbacks() == before
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
-@pytest.mark.parametrize("direction", ["load", "backup"])
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_patched_methods_match_per_index_reference(
-    transfer_hooks, small_mover, kind, direction, io_backend
-):
+def test_patched_methods_match_per_index_reference(transfer_hooks, small_mover):
+    # One test over every served (pool, layout, io backend): applying the hooks is the slow
+    # part, so it is done once.
     transfer_hooks()
-    seen_before = paths_taken()
-    for seed, (host_kind, n) in enumerate(
-        [("contiguous", 1), ("contiguous", 100), ("scattered", 1), ("scattered", 150)]
-    ):
-        check_served_call(kind, direction, io_backend, host_kind, n, seed)
-    seen = paths_taken()
-    assert sum(seen.values()) > sum(seen_before.values()), "nothing went through the mover"
+    cases = [("contiguous", 1), ("contiguous", 100), ("scattered", 1), ("scattered", 150)]
+    for kind, layout, io_backend in SERVED:
+        for direction in ("load", "backup"):
+            seen_before = paths_taken()
+            for seed, (shape, n) in enumerate([*cases, ("merged", 200)]):
+                check_served_call(kind, layout, io_backend, direction, shape, n, seed)
+            seen = paths_taken()
+            assert sum(seen.values()) > sum(seen_before.values()), (
+                f"nothing went through the mover: {kind} {layout} {io_backend} {direction}"
+            )
 
 
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    kind=st.sampled_from(["mha", "mla"]),
+    served=st.sampled_from(SERVED),
     direction=st.sampled_from(["load", "backup"]),
-    io_backend=st.sampled_from(["kernel", "direct"]),
-    host_kind=st.sampled_from(["contiguous", "scattered"]),
+    shape=st.sampled_from(["contiguous", "scattered", "merged"]),
     n=st.integers(0, 300),
     seed=st.integers(0, 2**31 - 1),
     small=st.booleans(),
 )
 def test_random_calls_match_reference_on_every_path(
-    transfer_hooks, monkeypatch, kind, direction, io_backend, host_kind, n, seed, small
+    transfer_hooks, monkeypatch, served, direction, shape, n, seed, small
 ):
     transfer_hooks()  # idempotent: registers and wraps once
     monkeypatch.setattr(
         transfers, "_mover", Mover(SMALL_POLICY if small else PathPolicy(), metrics=METRICS)
     )
-    check_served_call(kind, direction, io_backend, host_kind, n, seed)
+    kind, layout, io_backend = served
+    check_served_call(kind, layout, io_backend, direction, shape, n, seed)
 
 
 def test_all_paths_are_exercised(transfer_hooks, small_mover):
     transfer_hooks()
     before = paths_taken()
     generator = torch.Generator().manual_seed(3)
-    _, host = mha_pair()
+    pool = pool_for("mha", "layer_first")
     cases = [
         (torch.arange(40, 140), torch.arange(200, 300)),  # one run both sides
         (torch.cat([torch.arange(0, 50), torch.arange(300, 350)]), torch.arange(1, 101)),
         (torch.arange(0, 100), torch.randperm(400, generator=generator)[:100] + 1),
-        (torch.randperm(host.size, generator=generator)[:100], torch.arange(1, 101)),
+        (torch.randperm(pool.size, generator=generator)[:100], torch.arange(1, 101)),
     ]
     for host_idx, device_idx in cases:
-        host.load_to_device_per_layer(None, host_idx, device_idx, 0, "kernel")
+        pool.load_to_device_per_layer(None, host_idx, device_idx, 0, "kernel")
     taken = {p: c - before.get(p, 0) for p, c in paths_taken().items()}
     for path in ("single_copy", "batched_runs", "staged", "gather"):
         assert taken.get(path, 0) > 0, f"{path} not taken: {taken}"
 
 
+def test_merged_load_is_split_into_runs_within_fixed_staging(transfer_hooks, small_mover):
+    """Several loads merged into one call go through as runs; the staging buffer is
+    allocated once at its configured size and reused, never grown, across chunks."""
+    transfer_hooks()
+    pool = pool_for("mla", "layer_first")
+    parts = components("mla", pool)
+    generator = torch.Generator().manual_seed(8)
+    runs = [(0, 96), (320, 64), (640, 128)]  # three merged loads: 288 rows x 48 B
+    host_idx = torch.cat([torch.arange(start, start + length) for start, length in runs])
+    assert host_idx.numel() * 48 > 2 * SMALL_POLICY.staging_bytes  # several staging chunks
+    device_sides = {
+        "batched_runs": torch.cat([torch.arange(16, 112), torch.arange(160, 352)]),
+        "staged": torch.randperm(500, generator=generator)[:288] + 1,
+    }
+    staging = small_mover.staging
+    for path, device_idx in device_sides.items():
+        randomise(all_tensors(parts), generator)
+        before = paths_taken()
+        for layer in range(LAYERS):
+            want = parts[0].devices[layer].clone().view(torch.uint8)
+            for slot, row in zip(host_idx.tolist(), device_idx.tolist(), strict=True):
+                want[row] = parts[0].row(parts[0].host.view(torch.uint8), layer, slot)
+            pool.load_to_device_per_layer(None, host_idx, device_idx, layer, "kernel")
+            assert torch.equal(parts[0].devices[layer].view(torch.uint8), want)
+        after = paths_taken()
+        taken = {p: c - before.get(p, 0) for p, c in after.items() if c != before.get(p, 0)}
+        assert taken == {path: LAYERS}
+        # Allocated on first use (by the staged path), at its configured size.
+        reserved = SMALL_POLICY.staging_bytes if path == "staged" else 0
+        assert staging.bytes_reserved == reserved
+    (buffer,) = staging._buffers.values()
+    pool.load_to_device_per_layer(None, host_idx, device_sides["staged"], 0, "kernel")
+    assert staging._buffers[torch.device("cpu")] is buffer
+    assert staging.bytes_reserved == SMALL_POLICY.staging_bytes
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_layer_views_address_the_rows_sglang_own_views_do(layout):
+    """kvcore's dense per-layer views and SGLang's own per-layer views (``data_refs``,
+    strided for page_first) name the same memory for every slot."""
+    from kvcore_sglang.host_layouts import block_rows
+
+    for kind in ("mha", "mla"):
+        pool = pool_for(kind, layout)
+        buffer, refs = (
+            (pool.k_buffer, pool.k_data_refs) if kind == "mha" else (pool.kv_buffer, pool.data_refs)
+        )
+        rows = block_rows(buffer, layout, pool.layer_num, pool.page_size, refs[0].shape[1:])
+        assert not isinstance(rows, str)
+        slots = torch.arange(pool.size)
+        for layer, ref in enumerate(refs):
+            view = rows.layer(layer)
+            assert view.is_contiguous()
+            row_of = rows.slot_rows(slots)
+            for slot in (0, 1, pool.size // 2, pool.size - 1):
+                assert view[row_of[slot]].data_ptr() == ref[slot].data_ptr()
+            assert torch.equal(view[row_of].view(torch.uint8), ref[slots].view(torch.uint8))
+
+
 def test_layer_the_pool_does_not_hold_is_a_no_op(transfer_hooks):
     transfer_hooks()
-    for kind in ("mha", "mla"):
-        _, host = PAIRS[kind]()
-        pairs = layers(kind, host)
-        randomise([t for pair in pairs for t in pair], torch.Generator().manual_seed(5))
-        snapshot = as_bytes([t for pair in pairs for t in pair])
+    for kind in POOL_CLASSES:
+        pool = pool_for(kind, "layer_first")
+        parts = components(kind, pool)
+        randomise(all_tensors(parts), torch.Generator().manual_seed(5))
+        snapshot = as_bytes(all_tensors(parts))
         before = (fallbacks(), paths_taken())
-        host.load_to_device_per_layer(None, torch.arange(8), torch.arange(1, 9), LAYERS, "kernel")
-        after = as_bytes([t for pair in pairs for t in pair])
+        host_idx, device_idx = torch.arange(64), torch.arange(64, 128)
+        pool.load_to_device_per_layer(
+            device_pool_of(kind, pool), host_idx, device_idx, LAYERS, "kernel"
+        )
+        after = as_bytes(all_tensors(parts))
         assert all(torch.equal(a, b) for a, b in zip(snapshot, after, strict=True))
         assert (fallbacks(), paths_taken()) == before
+
+
+# --- calls that stay stock -----------------------------------------------------------------
 
 
 class Recorder:
@@ -296,25 +427,31 @@ def _meta_indices(n: int) -> torch.Tensor:
 FALLBACK_CASES: dict[str, tuple[str, Callable[[Any], dict[str, Any]]]] = {
     "indices_on_device": (
         "sglang_indices_on_device",
-        lambda pool: {"host_indices": _meta_indices(8)},
+        lambda pool: {"host_indices": _meta_indices(64)},
     ),
     "device_side_on_device": (
         "sglang_indices_on_device",
-        lambda pool: {"device_indices": _meta_indices(8)},
+        lambda pool: {"device_indices": _meta_indices(64)},
     ),
     "io_backend": ("sglang_io_backend", lambda pool: {"io_backend": "kernel_ascend"}),
-    "float_indices": ("sglang_index_dtype", lambda pool: {"host_indices": torch.ones(8)}),
+    "float_indices": ("sglang_index_dtype", lambda pool: {"host_indices": torch.ones(64)}),
     "out_of_range": (
         "sglang_invalid_indices",
-        lambda pool: {"host_indices": torch.arange(pool.size, pool.size + 8)},
+        lambda pool: {"host_indices": torch.arange(64) + 100_000},
     ),
     "duplicate_destination": (
         "sglang_invalid_indices",
         lambda pool: {
-            "host_indices": torch.ones(8, dtype=torch.int64),
-            "device_indices": torch.ones(8, dtype=torch.int64),
+            "host_indices": torch.zeros(128, dtype=torch.int64),
+            "device_indices": torch.zeros(128, dtype=torch.int64),
         },
     ),
+    "direct_on_page_first": ("sglang_layout_io_backend", lambda pool: {"layout": "page_first"}),
+    "kernel_on_page_first_direct": (
+        "sglang_layout_io_backend",
+        lambda pool: {"layout": "page_first_direct", "io_backend": "kernel"},
+    ),
+    "page_head": ("sglang_layout_page_head", lambda pool: {"layout": "page_head"}),
 }
 
 
@@ -322,41 +459,21 @@ def call_hook(kind: str, direction: str, pool: Any, **overrides: Any) -> Recorde
     """Runs one transfer hook directly, with a Recorder as the stock method."""
     original = Recorder()
     args: dict[str, Any] = dict(
-        host_indices=torch.arange(8), device_indices=torch.arange(1, 9), io_backend="kernel"
+        host_indices=torch.arange(64), device_indices=torch.arange(64, 128), io_backend="direct"
     )
     args.update(overrides)
+    device_pool = device_pool_of(kind, pool)
     target = f"{POOL_CLASSES[kind].__module__}.{POOL_CLASSES[kind].__qualname__}"
+    indices = (args["host_indices"], args["device_indices"])
     if direction == "load":
         hook = transfers.HOOKS[f"{target}.load_to_device_per_layer"]
-        hook(
-            original,
-            pool,
-            None,
-            args["host_indices"],
-            args["device_indices"],
-            1,
-            args["io_backend"],
-            is_draft=False,
-        )
-        expected_args = (
-            pool,
-            None,
-            args["host_indices"],
-            args["device_indices"],
-            1,
-            args["io_backend"],
-        )
+        hook(original, pool, device_pool, *indices, 1, args["io_backend"], is_draft=False)
+        expected_args = (pool, device_pool, *indices, 1, args["io_backend"])
         expected_kwargs = {"is_draft": False}
     else:
         hook = transfers.HOOKS[f"{target}.backup_from_device_all_layer"]
-        hook(original, pool, None, args["host_indices"], args["device_indices"], args["io_backend"])
-        expected_args = (
-            pool,
-            None,
-            args["host_indices"],
-            args["device_indices"],
-            args["io_backend"],
-        )
+        hook(original, pool, device_pool, *indices, args["io_backend"])
+        expected_args = (pool, device_pool, *indices, args["io_backend"])
         expected_kwargs = {}
     assert len(original.calls) <= 1
     if original.calls:
@@ -368,33 +485,80 @@ def call_hook(kind: str, direction: str, pool: Any, **overrides: Any) -> Recorde
 
 
 def assert_stock_once(kind, direction, pool, reason, **overrides) -> None:
-    pairs = layers(kind, pool)
-    randomise([t for pair in pairs for t in pair], torch.Generator().manual_seed(11))
-    snapshot = as_bytes([t for pair in pairs for t in pair])
+    parts = components(kind, pool)
+    randomise(all_tensors(parts), torch.Generator().manual_seed(11))
+    snapshot = as_bytes(all_tensors(parts))
     before = fallbacks()
     original = call_hook(kind, direction, pool, **overrides)
     assert len(original.calls) == 1, "the stock method should run exactly once"
     after = fallbacks()
-    assert after.get(reason, 0) == before.get(reason, 0) + 1
+    assert after.get(reason, 0) == before.get(reason, 0) + 1, after
     assert sum(after.values()) == sum(before.values()) + 1
-    current = as_bytes([t for pair in pairs for t in pair])
+    current = as_bytes(all_tensors(parts))
     assert all(torch.equal(a, b) for a, b in zip(snapshot, current, strict=True)), (
         "kvcore wrote before handing the call to stock"
     )
 
 
 @pytest.mark.parametrize("direction", ["load", "backup"])
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-@pytest.mark.parametrize("case", sorted(FALLBACK_CASES))
-def test_calls_kvcore_cannot_serve_run_stock_once_with_reason(kind, direction, case):
+@pytest.mark.parametrize(
+    ("kind", "case"),
+    [
+        (kind, case)
+        for kind in sorted(POOL_CLASSES)
+        for case in sorted(FALLBACK_CASES)
+        if case != "page_head" or kind == "mha"  # page_head is an MHA layout
+    ],
+)
+def test_calls_kvcore_cannot_serve_run_stock_once_with_reason(kind, case, direction):
     reason, overrides = FALLBACK_CASES[case]
-    _, pool = PAIRS[kind]()
-    assert_stock_once(kind, direction, pool, reason, **overrides(pool))
+    extra = overrides(pool_for(kind, "layer_first"))
+    layout = extra.pop("layout", "layer_first")
+    assert_stock_once(kind, direction, pool_for(kind, layout), reason, **extra)
+
+
+def test_page_first_direct_needs_whole_pages():
+    # A page's worth of consecutive slots that does not start on a page boundary: stock
+    # would copy the page the first index falls in, not these slots.
+    pool = pool_for("mla", "page_first_direct")
+    for direction in ("load", "backup"):
+        assert_stock_once(
+            "mla",
+            direction,
+            pool,
+            "sglang_unpaged_indices",
+            host_indices=torch.arange(1, 17),
+            device_indices=torch.arange(16, 32),
+        )
+
+
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_dsa_calls_stock_runs(monkeypatch, direction):
+    pool = pool_for("dsa", "layer_first")
+    assert_stock_once(
+        "dsa",
+        direction,
+        pool,
+        "sglang_unaligned_indices",
+        host_indices=torch.arange(8),
+        device_indices=torch.arange(64, 72),
+    )
+    monkeypatch.setattr(pool, "indexer_page_stride_size", pool.indexer_page_stride_size - 4)
+    assert_stock_once("dsa", direction, pool, "sglang_io_backend", io_backend="kernel")
+    monkeypatch.undo()
+    monkeypatch.setattr(pool, "_is_dummy", True)
+    assert_stock_once("dsa", direction, pool, "sglang_dummy_pool")
+
+
+def test_dsa_layer_sharded_backup_runs_stock(monkeypatch):
+    pool = pool_for("dsa", "layer_first")
+    monkeypatch.setattr(pool.device_pool, "layer_shard_enabled", True, raising=False)
+    assert_stock_once("dsa", "backup", pool, "sglang_layer_shard")
 
 
 @pytest.mark.parametrize("direction", ["load", "backup"])
 def test_strided_device_rows_run_stock(monkeypatch, direction):
-    _, pool = mha_pair()
+    pool = pool_for("mha", "layer_first")
     strided = tuple(_strided_like(t) for t in pool.device_v_buffers)
     monkeypatch.setattr(pool, "device_v_buffers", strided)
     # K would be served alone; the call is decided as a whole, so nothing is copied.
@@ -402,21 +566,10 @@ def test_strided_device_rows_run_stock(monkeypatch, direction):
 
 
 def test_dtype_mismatch_runs_stock(monkeypatch):
-    _, pool = mla_pair()
+    pool = pool_for("mla", "layer_first")
     wider = tuple(t.to(torch.float32) for t in pool.device_kv_buffers)
     monkeypatch.setattr(pool, "device_kv_buffers", wider)
     assert_stock_once("mla", "backup", pool, "dtype_mismatch")
-
-
-def test_page_first_layout_runs_stock():
-    pool = mha_host(TOKENS, PAGE, layout="page_first")
-    before = fallbacks()
-    original = call_hook("mha", "load", pool)
-    assert len(original.calls) == 1
-    assert (
-        fallbacks().get("sglang_layout_page_first", 0)
-        == before.get("sglang_layout_page_first", 0) + 1
-    )
 
 
 @pytest.mark.parametrize(
@@ -428,7 +581,7 @@ def test_page_first_layout_runs_stock():
     ],
 )
 def test_mla_pools_kvcore_does_not_serve_run_stock(monkeypatch, attribute, value, reason):
-    _, pool = mla_pair()
+    pool = pool_for("mla", "layer_first")
     monkeypatch.setattr(pool, attribute, value)
     # Layer sharding changes only the backup; the other two change both methods.
     directions = ["backup"] if attribute == "_layer_shard_enabled" else ["load", "backup"]
@@ -436,38 +589,47 @@ def test_mla_pools_kvcore_does_not_serve_run_stock(monkeypatch, attribute, value
         assert_stock_once("mla", direction, pool, reason)
 
 
-def test_subclass_pools_run_stock(monkeypatch):
-    class OwnData(MHATokenToKVPoolHost):
+@pytest.mark.parametrize("kind", sorted(POOL_CLASSES))
+def test_subclass_pools_run_stock(monkeypatch, kind):
+    pool = pool_for(kind, "layer_first")
+
+    class OwnData(POOL_CLASSES[kind]):  # type: ignore[misc, valid-type]
         pass
 
-    _, pool = mha_pair()
     monkeypatch.setattr(pool, "__class__", OwnData)
     for direction in ("load", "backup"):
-        assert_stock_once("mha", direction, pool, "sglang_pool_class")
+        assert_stock_once(kind, direction, pool, "sglang_pool_class")
 
 
 def test_patched_methods_hand_unserved_calls_to_stock(transfer_hooks):
     # Through the real wrappers: SGLang's stock op needs CUDA, so reaching it fails here.
     transfer_hooks()
-    _, pool = mha_pair()
+    pool = pool_for("mha", "layer_first")
     before = fallbacks().get("sglang_io_backend", 0)
     with pytest.raises(ValueError, match="Unsupported IO backend"):
         pool.load_to_device_per_layer(None, torch.arange(4), torch.arange(1, 5), 0, "bogus")
     assert fallbacks().get("sglang_io_backend", 0) == before + 1
 
 
+# --- guard and plugin ----------------------------------------------------------------------
+
+ALL_TRANSFER_TARGETS = {t for group in guard.TRANSFER_GROUPS.values() for t in group}
+
+
 def test_guard_covers_the_transfer_targets():
     result = guard.check_targets(VERSION, guard.TRANSFER_GROUPS)
     assert result.skipped == ()
-    assert set(result.patchable) == set(transfers.HOOKS) == set(guard.TRANSFER_TARGETS)
+    assert set(result.patchable) == set(transfers.HOOKS) == ALL_TRANSFER_TARGETS
     older = guard.check_targets("0.5.22", guard.TRANSFER_GROUPS)
-    assert older.patchable == ()
+    # 0.5.22's DSA transfers are 0.5.23's; its MHA and MLA transfers are not.
+    assert set(older.patchable) == set(guard.DSA_TRANSFER_TARGETS)
+    assert {s.target for s in older.skipped} == set(guard.TRANSFER_TARGETS)
     assert all("no fingerprint recorded" in s.reason for s in older.skipped)
 
 
 def test_plugin_registers_transfer_hooks_over_stock(transfer_hooks):
     status = transfer_hooks()
-    assert set(guard.TRANSFER_TARGETS) <= set(status.patched_targets)
+    assert set(status.patched_targets) >= ALL_TRANSFER_TARGETS
     assert set(guard.ALLOCATOR_TARGETS) <= set(status.patched_targets)
     for (cls, name), function in STOCK.items():
         assert vars(cls)[name].__wrapped__ is function
@@ -477,24 +639,31 @@ def test_entry_point_leaves_transfers_stock(sglang_hooks, monkeypatch):
     for (cls, name), function in STOCK.items():
         monkeypatch.setattr(cls, name, function)
     status = sglang_hooks()
-    assert not set(guard.TRANSFER_TARGETS) & set(status.patched_targets)
+    assert not ALL_TRANSFER_TARGETS & set(status.patched_targets)
     assert all(vars(cls)[name] is function for (cls, name), function in STOCK.items())
 
 
-def test_changed_fingerprint_leaves_the_transfer_group_stock(transfer_hooks, monkeypatch, caplog):
-    changed = guard.TRANSFER_TARGETS[3]
+@pytest.mark.parametrize("group", sorted(guard.TRANSFER_GROUPS))
+def test_changed_fingerprint_leaves_its_transfer_group_stock(
+    transfer_hooks, monkeypatch, caplog, group
+):
+    targets = guard.TRANSFER_GROUPS[group]
+    changed = targets[-1]
     monkeypatch.setitem(
         guard.FINGERPRINTS, VERSION, {**guard.FINGERPRINTS[VERSION], changed: "0" * 64}
     )
     caplog.set_level(logging.WARNING)
     status = transfer_hooks()
-    assert not set(guard.TRANSFER_TARGETS) & set(status.patched_targets)
+    assert not set(targets) & set(status.patched_targets)
+    assert ALL_TRANSFER_TARGETS - set(targets) <= set(status.patched_targets)
     assert set(guard.ALLOCATOR_TARGETS) <= set(status.patched_targets)
     skipped = {s["target"]: s["reason"] for s in status.skipped_targets}
     assert skipped[changed].startswith("source changed")
-    for target in guard.TRANSFER_TARGETS:
-        assert target in skipped
-    assert all(vars(cls)[name] is function for (cls, name), function in STOCK.items())
+    assert set(targets) <= set(skipped)
+    for (cls, name), function in STOCK.items():
+        target = f"{cls.__module__}.{cls.__qualname__}.{name}"
+        patched = vars(cls)[name] is not function
+        assert patched == (target not in targets)
     assert any(changed in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
@@ -503,6 +672,6 @@ def test_transfers_setting_turns_the_hooks_on(sglang_hooks, monkeypatch):
         monkeypatch.setattr(cls, name, function)
     monkeypatch.setenv("KVCORE_TRANSFERS", "1")
     status = sglang_hooks()
-    assert set(guard.TRANSFER_TARGETS) <= set(status.patched_targets)
+    assert set(status.patched_targets) >= ALL_TRANSFER_TARGETS
     for (cls, name), function in STOCK.items():
         assert vars(cls)[name].__wrapped__ is function

@@ -1,0 +1,129 @@
+"""Dense per-layer row views of SGLang's host KV buffers, for every host layout kvcore serves.
+
+The mover copies rows of dense tensors. SGLang's host layouts keep one layer of a
+token run dense only in ``layer_first``; in ``page_first`` and ``page_first_direct``
+a layer's rows are interleaved with the other layers'. Every served layout is the
+same shape seen differently: ``[blocks, layers, block, *row]``, a block being a run
+of slots that one layer keeps contiguous (``layer_first``: all slots; ``page_first``:
+one slot; ``page_first_direct``: one page). Flattening the first three dims gives a
+dense tensor of rows; layer ``L``'s rows start ``L * block`` rows in and repeat every
+``layers * block`` rows, so one dense view per layer and one slot-to-row map, the
+same for every layer, describe any served layout. Plans made for one layer rebind to
+the others unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcore.runs import check_bounds, check_index
+
+# Layout -> io backends whose stock transfer the hooks reproduce. SGLang itself
+# accepts no other pair (its transfer methods raise ValueError for them).
+SERVED_LAYOUTS: dict[str, frozenset[str]] = {
+    "layer_first": frozenset({"kernel", "direct"}),
+    "page_first": frozenset({"kernel"}),
+    "page_first_direct": frozenset({"direct"}),
+}
+IO_BACKENDS = frozenset({"kernel", "direct"})
+
+
+def layout_reason(layout: str, io_backend: str) -> str | None:
+    """Why a (layout, io backend) pair runs stock, or None when kvcore serves it."""
+    if io_backend not in IO_BACKENDS:
+        return "sglang_io_backend"
+    backends = SERVED_LAYOUTS.get(layout)
+    if backends is None:
+        return f"sglang_layout_{layout}"
+    if io_backend not in backends:
+        return "sglang_layout_io_backend"
+    return None
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    """One host buffer as ``[blocks, layers, block, *row]`` rows."""
+
+    rows: torch.Tensor
+    """The whole buffer as a dense ``[blocks * layers * block, *row]`` view."""
+    blocks: int
+    layers: int
+    block: int
+
+    @property
+    def slots(self) -> int:
+        return self.blocks * self.block
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        return self.blocks, self.layers, self.block
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """Dense view whose row ``slot_rows(s)[k]`` is slot ``s[k]`` of ``layer``, and no row
+        past the layer's last slot."""
+        if not 0 <= layer < self.layers:
+            raise IndexError(f"layer {layer} outside [0, {self.layers})")
+        first = layer * self.block
+        span = (self.blocks - 1) * self.layers * self.block + self.block
+        return self.rows[first : first + span]
+
+    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of ``slots`` in every :meth:`layer` view (ValueError if a slot is out of range)."""
+        slots = check_index(slots, "host_indices")
+        check_bounds(slots, self.slots, "host_indices")
+        if self.blocks == 1 or self.layers == 1:
+            return slots
+        if self.block == 1:
+            return slots * self.layers
+        return (slots // self.block) * (self.layers * self.block) + slots % self.block
+
+
+def block_rows(
+    buffer: torch.Tensor, layout: str, layers: int, page_size: int, row_shape: torch.Size
+) -> BlockRows | str:
+    """``buffer`` (one host component: K, V, KV or index) as :class:`BlockRows` whose rows have
+    ``row_shape`` (the device rows'), or why it cannot be viewed so."""
+    if not buffer.is_contiguous() or buffer.dim() < 2:
+        return "sglang_host_buffer_layout"
+    if layout == "layer_first":
+        blocks, block = 1, buffer.shape[1]
+        if buffer.shape[0] != layers:
+            return "sglang_host_buffer_layout"
+    elif layout in ("page_first", "page_first_direct"):
+        blocks = buffer.shape[0]
+        block = 1 if layout == "page_first" else page_size
+        if buffer.shape[1] != layers:
+            return "sglang_host_buffer_layout"
+    else:
+        return f"sglang_layout_{layout}"
+    row_numel = math.prod(row_shape)
+    if row_numel == 0 or buffer.numel() != blocks * layers * block * row_numel:
+        return "row_shape_mismatch"
+    rows = buffer.view(blocks * layers * block, *row_shape)
+    return BlockRows(rows=rows, blocks=blocks, layers=layers, block=block)
+
+
+def is_paged(host_slots: torch.Tensor, device_slots: torch.Tensor, page_size: int) -> bool:
+    """Whether both index tensors are whole pages: groups of ``page_size`` consecutive slots,
+    each host group starting on a page boundary.
+
+    SGLang's ``page_first_direct`` copies read one index per page (the page's first)
+    and move the whole page; on indices of this shape that equals a per-index copy.
+    """
+    host = check_index(host_slots, "host_indices")
+    device = check_index(device_slots, "device_indices")
+    if host.numel() != device.numel() or host.numel() % page_size:
+        return False
+    if host.numel() == 0 or page_size == 1:
+        return True
+    step = torch.arange(page_size)
+    host_pages = host.view(-1, page_size)
+    device_pages = device.view(-1, page_size)
+    return bool(
+        (host_pages[:, 0] % page_size == 0).all()
+        and torch.equal(host_pages, host_pages[:, :1] + step)
+        and torch.equal(device_pages, device_pages[:, :1] + step)
+    )

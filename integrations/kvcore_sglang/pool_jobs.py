@@ -1,0 +1,274 @@
+"""What one SGLang 0.5.23 host-pool transfer call copies, per pool class, as a :class:`Job`.
+
+Each builder reads the pool the way the stock method does (which host layer, which
+device buffer, which indices) and returns the copies as (host layer view, device
+layer) pairs sharing one pair of index tensors, or the reason the call must run
+stock. Builders only look: nothing is copied here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .host_layouts import BlockRows, block_rows, is_paged
+
+LayerPairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Job:
+    """The copies one call makes: every (host layer view, device layer) pair shares the
+    indices (rows of the host views, rows of the device layers)."""
+
+    pairs: LayerPairs
+    host_rows: torch.Tensor
+    device_rows: torch.Tensor
+
+
+class LoadJob(Protocol):
+    def __call__(
+        self,
+        pool: Any,
+        device_pool: Any,
+        layer_id: int,
+        is_draft: bool,
+        host_idx: torch.Tensor,
+        device_idx: torch.Tensor,
+        io_backend: str,
+    ) -> Job | str: ...
+
+
+class BackupJob(Protocol):
+    def __call__(
+        self,
+        pool: Any,
+        device_pool: Any,
+        host_idx: torch.Tensor,
+        device_idx: torch.Tensor,
+        io_backend: str,
+    ) -> Job | str: ...
+
+
+def _rows_of(
+    buffers: Sequence[torch.Tensor], pool: Any, device: torch.Tensor, page_size: int
+) -> list[BlockRows] | str:
+    """Each host buffer as rows shaped like ``device``'s; all must share one geometry."""
+    views: list[BlockRows] = []
+    for buffer in buffers:
+        rows = block_rows(buffer, pool.layout, pool.layer_num, page_size, device.shape[1:])
+        if isinstance(rows, str):
+            return rows
+        views.append(rows)
+    if len({rows.geometry for rows in views}) != 1:
+        return "sglang_host_buffer_layout"
+    return views
+
+
+def _job(
+    rows: BlockRows, pairs: LayerPairs, host_slots: torch.Tensor, device_rows: torch.Tensor
+) -> Job | str:
+    try:
+        host_rows = rows.slot_rows(host_slots)
+    except ValueError:
+        return "sglang_invalid_indices"
+    return Job(pairs, host_rows, device_rows)
+
+
+def _paged_reason(pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor) -> str | None:
+    # Stock page_first_direct copies whole pages named by each page's first index.
+    if pool.layout == "page_first_direct" and not is_paged(host_idx, device_idx, pool.page_size):
+        return "sglang_unpaged_indices"
+    return None
+
+
+# --- MHA ---------------------------------------------------------------------------------
+
+
+def mha_load(
+    pool: Any,
+    device_pool: Any,
+    layer_id: int,
+    is_draft: bool,
+    host_idx: torch.Tensor,
+    device_idx: torch.Tensor,
+    io_backend: str,
+) -> Job | str:
+    if not 0 <= layer_id < min(len(pool.device_k_buffers), pool.layer_num):
+        return "sglang_layer_id"
+    device_k, device_v = pool.device_k_buffers[layer_id], pool.device_v_buffers[layer_id]
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        (pool.k_buffer, pool.v_buffer), pool, device_k, pool.page_size
+    )
+    if isinstance(views, str):
+        return views
+    pairs = [(views[0].layer(layer_id), device_k), (views[1].layer(layer_id), device_v)]
+    return _job(views[0], pairs, host_idx, device_idx)
+
+
+def mha_backup(
+    pool: Any, device_pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor, io_backend: str
+) -> Job | str:
+    devices = (pool.device_k_buffers, pool.device_v_buffers)
+    if not 0 < pool.layer_num == len(devices[0]) == len(devices[1]):
+        return "sglang_layer_count"
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        (pool.k_buffer, pool.v_buffer), pool, devices[0][0], pool.page_size
+    )
+    if isinstance(views, str):
+        return views
+    # K of every layer, then V: the order of SGLang's own all-layer copy.
+    pairs = [
+        (rows.layer(i), device[i])
+        for rows, device in zip(views, devices, strict=True)
+        for i in range(pool.layer_num)
+    ]
+    return _job(views[0], pairs, host_idx, device_idx)
+
+
+def mha_holds_layer(pool: Any, device_pool: Any, layer_id: int) -> bool:
+    return 0 <= layer_id < pool.target_layer_num
+
+
+# --- MLA ---------------------------------------------------------------------------------
+
+
+def _mla_reason(pool: Any) -> str | None:
+    if pool._is_dummy:
+        return "sglang_dummy_pool"
+    if pool.dcp_size != 1:
+        # Stock translates DCP slots to rows (maybe_dcp_kernel_indices); not served yet.
+        return "sglang_dcp"
+    if pool._native_buffers is not None:
+        return "sglang_split_buffers"
+    return None
+
+
+def mla_load(
+    pool: Any,
+    device_pool: Any,
+    layer_id: int,
+    is_draft: bool,
+    host_idx: torch.Tensor,
+    device_idx: torch.Tensor,
+    io_backend: str,
+) -> Job | str:
+    reason = _mla_reason(pool)
+    if reason is not None:
+        return reason
+    host_layer = pool._host_layer_by_controller.get(layer_id)
+    device_layer = pool._buffer_index_by_layer.get(layer_id)
+    if host_layer is None or device_layer is None or not 0 <= host_layer < pool.layer_num:
+        return "sglang_layer_id"
+    device = pool.device_kv_buffers[device_layer]
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        (pool.kv_buffer,), pool, device, pool.page_size
+    )
+    if isinstance(views, str):
+        return views
+    return _job(views[0], [(views[0].layer(host_layer), device)], host_idx, device_idx)
+
+
+def mla_backup(
+    pool: Any, device_pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor, io_backend: str
+) -> Job | str:
+    reason = _mla_reason(pool)
+    if reason is not None:
+        return reason
+    if pool._layer_shard_enabled:
+        return "sglang_layer_shard"
+    devices = pool.device_kv_buffers
+    if not 0 < pool.layer_num == len(devices):
+        return "sglang_layer_count"
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        (pool.kv_buffer,), pool, devices[0], pool.page_size
+    )
+    if isinstance(views, str):
+        return views
+    pairs = [(views[0].layer(i), device) for i, device in enumerate(devices)]
+    return _job(views[0], pairs, host_idx, device_idx)
+
+
+def mla_holds_layer(pool: Any, device_pool: Any, layer_id: int) -> bool:
+    return pool._is_dummy or layer_id in pool._target_layer_indices
+
+
+# --- DSA indexer -------------------------------------------------------------------------
+
+
+def _dsa_pages(
+    pool: Any, io_backend: str, host_idx: torch.Tensor, device_idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """Stock's page indices (the first index of each page-sized group, // page_size), or
+    why the call runs stock."""
+    if pool._is_dummy:
+        return "sglang_dummy_pool"
+    if io_backend == "kernel" and pool.indexer_page_stride_size % 8:
+        # Stock has no copy for this pair and raises.
+        return "sglang_io_backend"
+    page = pool.page_size
+    if host_idx.numel() % page or device_idx.numel() % page:
+        return "sglang_unaligned_indices"
+    if host_idx.numel() == 0:
+        return host_idx, device_idx
+    return (
+        host_idx.reshape(-1, page)[:, 0].to(torch.int64) // page,
+        device_idx.reshape(-1, page)[:, 0].to(torch.int64) // page,
+    )
+
+
+def _dsa_rows(pool: Any, device: torch.Tensor) -> BlockRows | str:
+    # Each index page is one row; a page_first_direct "page" of index pages holds one.
+    views = _rows_of((pool.index_k_with_scale_buffer,), pool, device, 1)
+    return views if isinstance(views, str) else views[0]
+
+
+def dsa_load(
+    pool: Any,
+    device_pool: Any,
+    layer_id: int,
+    is_draft: bool,
+    host_idx: torch.Tensor,
+    device_idx: torch.Tensor,
+    io_backend: str,
+) -> Job | str:
+    pages = _dsa_pages(pool, io_backend, host_idx, device_idx)
+    if isinstance(pages, str):
+        return pages
+    if is_draft:
+        host_layer, device_layer = pool._draft_host_layer(layer_id), 0
+    else:
+        host_layer, device_layer = pool._host_layer_index(layer_id), layer_id
+    devices = device_pool.index_k_with_scale_buffer
+    if not (0 <= host_layer < pool.layer_num and 0 <= device_layer < len(devices)):
+        return "sglang_layer_id"
+    device = devices[device_layer]
+    rows = _dsa_rows(pool, device)
+    if isinstance(rows, str):
+        return rows
+    return _job(rows, [(rows.layer(host_layer), device)], *pages)
+
+
+def dsa_backup(
+    pool: Any, device_pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor, io_backend: str
+) -> Job | str:
+    pages = _dsa_pages(pool, io_backend, host_idx, device_idx)
+    if isinstance(pages, str):
+        return pages
+    if pool._is_device_layer_sharded(device_pool):
+        return "sglang_layer_shard"
+    devices = pool.packed_device_index_buffers
+    if not 0 < pool.layer_num == len(devices):
+        return "sglang_layer_count"
+    rows = _dsa_rows(pool, devices[0])
+    if isinstance(rows, str):
+        return rows
+    pairs = [(rows.layer(i), device) for i, device in enumerate(devices)]
+    return _job(rows, pairs, *pages)
+
+
+def dsa_holds_layer(pool: Any, device_pool: Any, layer_id: int) -> bool:
+    return bool(pool._is_device_layer_owned(device_pool, layer_id))
