@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 from kvcore.config import KVCoreConfig
 from kvcore.engine_status import EngineStatus, probe_engine, release_of
+from kvcore.metrics_export import start_multiprocess_export
 from kvcore_vllm.guard import (
     DISTRIBUTION,
     ENGINE,
@@ -92,6 +93,10 @@ def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]])
     else:
         _install()
         status.patched_targets = [REGISTRY_TARGET] + [t.name for t in TARGETS if t.overridden]
+        if config.metrics:
+            # vLLM's workers are processes of their own: their counts reach /metrics through
+            # prometheus_client's multiprocess files, when vLLM turns that mode on.
+            start_multiprocess_export()
     _decided = status
     return status
 
