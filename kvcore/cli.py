@@ -1,4 +1,4 @@
-"""The ``kvcore`` command: ``doctor``, ``bench`` and ``launch``.
+"""The ``kvcore`` command: ``doctor``, ``bench``, ``launch`` and ``patches``.
 
 Only the standard library and kvcore's configuration are imported up front, so
 ``kvcore launch`` starts the engine without first paying for torch.
@@ -27,6 +27,7 @@ from kvcore.config import (
     settings_help,
 )
 from kvcore.engine_status import EngineStatus
+from kvcore.patching import cli as patching_cli
 
 ADAPTERS: tuple[str, ...] = ("kvcore_sglang", "kvcore_vllm")
 ENGINE_ENTRY_MODULES: dict[str, str] = {
@@ -100,6 +101,8 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
     launch.add_argument("engine", metavar="ENGINE", help=" or ".join(ENGINES))
     launch.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     launch.set_defaults(handler=run_launch)
+
+    patching_cli.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,138 @@
+"""What a patched SGLang source calls, and the adapter's description of its patch sets.
+
+A patched module ends with one line per target, ``Class.method =
+_kvcore_hook("<target>", Class.method)`` (see patches/README.md). :func:`hook` returns
+the stock method unchanged when patched mode is off, and otherwise a wrapper that runs
+the plugin's own AROUND hook for that target (:data:`kvcore_sglang.host_slots.HOOKS`,
+:data:`kvcore_sglang.transfers.HOOKS`), gated as the plugin gates it: the targets of
+``guard.TRANSFER_GROUPS`` only under ``KVCORE_TRANSFERS``. A release's patch set hooks
+every target the guard recorded a fingerprint for on that release.
+
+Patched mode is on in a patched build unless ``KVCORE_ENABLE`` is set and leaves sglang
+out (``KVCORE_ENABLE=0`` turns it off). With the plugin enabled too, the plugin still
+registers its hooks, but every target the patch hooked is marked patched in SGLang's
+HookRegistry, whose ``apply_hooks`` then leaves it alone: each hook runs once per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from kvcore.config import KVCoreConfig
+from kvcore.patching.spec import EngineSpec, PatchTarget
+
+from . import DISTRIBUTION, ENGINE, guard
+
+logger = logging.getLogger("kvcore.sglang")
+
+# Set on every function the patch wrapped: the target it stands for.
+PATCH_MARK = "__kvcore_patch__"
+
+_hooked: list[str] = []
+
+
+def patched_mode_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """On unless ``KVCORE_ENABLE`` is set and does not name sglang."""
+    env = os.environ if environ is None else environ
+    if not env.get("KVCORE_ENABLE", ""):
+        return True
+    return KVCoreConfig.from_env(env).enabled_for(ENGINE)
+
+
+def hook(target: str, original: Any) -> Any:
+    """What the patched module binds in place of ``original`` (the stock ``target``)."""
+    try:
+        if getattr(original, PATCH_MARK, None) == target:
+            # Hooked already (the hook line ran twice on the same class); keep the claim.
+            _claim_in_registry(target)
+            return original
+        implementation = _implementation(target)
+        if implementation is None:
+            return original
+        _claim_in_registry(target)
+    except Exception:
+        # A failure here must leave SGLang importable and stock, never stop it.
+        logger.exception("kvcore: hooking %s failed; it stays stock", target)
+        return original
+
+    @functools.wraps(original)
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        return implementation(original, *args, **kwargs)
+
+    setattr(hooked, PATCH_MARK, target)
+    _hooked.append(target)
+    return hooked
+
+
+def hooked_targets() -> tuple[str, ...]:
+    """The targets the patched source hooked in this process."""
+    return tuple(_hooked)
+
+
+def _implementation(target: str) -> Callable[..., Any] | None:
+    if not patched_mode_enabled():
+        return None
+    config = KVCoreConfig.from_env()
+    config.configure_logging()
+    # Imported here: both import torch, and only a hooked target needs them.
+    if target in _group_targets(guard.TRANSFER_GROUPS):
+        if not config.transfers:
+            return None
+        from . import transfers
+
+        return transfers.HOOKS[target]
+    from . import host_slots
+
+    return {f"{guard.HOST_KV_CACHE}.{name}": h for name, h in host_slots.HOOKS.items()}[target]
+
+
+def _claim_in_registry(target: str) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    # apply_hooks skips the targets it counts as patched, whether the plugin registered
+    # its hook for this target before this module was imported or registers it later.
+    HookRegistry._patched.add(target)
+
+
+def _group_targets(groups: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    return tuple(target for targets in groups.values() for target in targets)
+
+
+def _targets(version: str) -> tuple[PatchTarget, ...]:
+    """Every target of the plugin's groups that the guard recorded for ``version``."""
+    recorded = guard.FINGERPRINTS[version]
+    every = (*_group_targets(guard.TARGET_GROUPS), *_group_targets(guard.TRANSFER_GROUPS))
+    return tuple(PatchTarget.from_dotted(t) for t in every if t in recorded)
+
+
+def _source_changes(version: str, root: Path) -> dict[str, str]:
+    changes: dict[str, str] = {}
+    for target, expected in guard.FINGERPRINTS[version].items():
+        module, qualname = guard.split_target(target)
+        path = root / (module.replace(".", "/") + ".py")
+        try:
+            actual = guard.fingerprint_in_source(path.read_text(encoding="utf-8"), qualname)
+        except (OSError, KeyError, SyntaxError) as exc:
+            changes[target] = f"cannot read its source: {type(exc).__name__}: {exc}"
+            continue
+        if actual != expected:
+            changes[target] = (
+                f"source changed (fingerprint {actual[:12]}, recorded {expected[:12]})"
+            )
+    return changes
+
+
+PATCH_SPEC = EngineSpec(
+    engine=ENGINE,
+    package="sglang",
+    distribution=DISTRIBUTION,
+    hook_module=__name__,
+    versions=tuple(guard.FINGERPRINTS),
+    targets=_targets,
+    source_changes=_source_changes,
+)

@@ -1,0 +1,93 @@
+"""What a patched vLLM source calls, and the adapter's description of its patch sets.
+
+The patch ends ``vllm/v1/kv_offload/factory.py`` with one line that rebinds the spec
+factory's entry for the default spec name through :func:`hook` (see patches/README.md).
+When patched mode is on, :func:`hook` makes the plugin's own change (kvcore's spec
+behind the default name, and registered as ``KVCoreCPUOffloadingSpec``) and returns
+kvcore's loader; otherwise it returns the stock loader unchanged.
+
+Patched mode is on in a patched build unless ``KVCORE_ENABLE`` is set and leaves vllm
+out (``KVCORE_ENABLE=0`` turns it off). The plugin's change is idempotent (the same
+loader, the explicit name registered once), so the plugin enabled on a patched tree
+changes nothing more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvcore.config import KVCoreConfig
+from kvcore.patching.spec import EngineSpec, PatchTarget
+from kvcore_vllm import guard, plugin
+
+logger = logging.getLogger("kvcore.vllm")
+
+_hooked: list[str] = []
+
+
+def patched_mode_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """On unless ``KVCORE_ENABLE`` is set and does not name vllm."""
+    env = os.environ if environ is None else environ
+    if not env.get("KVCORE_ENABLE", ""):
+        return True
+    return KVCoreConfig.from_env(env).enabled_for(guard.ENGINE)
+
+
+def hook(target: str, original: Any) -> Any:
+    """What the patched module binds in place of ``original`` (the stock ``target``)."""
+    try:
+        if target != plugin.REGISTRY_TARGET:
+            raise KeyError(f"kvcore's vLLM adapter has no hook for {target}")
+        if not patched_mode_enabled():
+            return original
+        KVCoreConfig.from_env().configure_logging()
+        # The plugin's own change, made while vLLM's factory module is still executing
+        # (its class and the stock entries exist by the time the patch line runs).
+        plugin._install()
+    except Exception:
+        # A failure here must leave vLLM importable and stock, never stop it.
+        logger.exception("kvcore: hooking %s failed; it stays stock", target)
+        return original
+    _hooked.append(target)
+    return plugin._load_spec
+
+
+def hooked_targets() -> tuple[str, ...]:
+    """The targets the patched source hooked in this process."""
+    return tuple(_hooked)
+
+
+def _targets(version: str) -> tuple[PatchTarget, ...]:
+    return (PatchTarget.from_dotted(plugin.REGISTRY_TARGET),)
+
+
+def _source_changes(version: str, root: Path) -> dict[str, str]:
+    recorded = guard.FINGERPRINTS[version]
+    changes: dict[str, str] = {}
+    for target in guard.TARGETS:
+        path = root / (target.module.replace(".", "/") + ".py")
+        try:
+            text = guard.normalised_source(path.read_text(encoding="utf-8"), target.qualname)
+        except (OSError, SyntaxError, guard.SourceNotFound) as exc:
+            changes[target.name] = f"cannot read its source: {type(exc).__name__}: {exc}"
+            continue
+        actual = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        if actual != recorded.get(target.qualname):
+            changes[target.name] = f"fingerprint changed ({actual[:12]})"
+    return changes
+
+
+PATCH_SPEC = EngineSpec(
+    engine=guard.ENGINE,
+    package="vllm",
+    distribution=guard.DISTRIBUTION,
+    hook_module=__name__,
+    versions=guard.SUPPORTED_VERSIONS,
+    targets=_targets,
+    source_changes=_source_changes,
+)
