@@ -14,6 +14,7 @@ import threading
 
 from kvcore.config import KVCoreConfig
 from kvcore.engine_status import EngineStatus, probe_engine, release_of
+from kvcore.metrics_export import start_multiprocess_export
 
 from . import DISTRIBUTION, ENGINE, SUPPORTED_VERSIONS
 
@@ -59,6 +60,10 @@ def register_hooks(
         _register(status, release_of(status.version or ""))
         if config.transfers if with_transfers is None else with_transfers:
             _register_transfers(status, release_of(status.version or ""))
+        if config.metrics:
+            # Scheduler processes reach SGLang's /metrics (served by the HTTP process)
+            # only through prometheus_client's multiprocess files (--enable-metrics).
+            start_multiprocess_export()
         _applied = status
         return status
 
