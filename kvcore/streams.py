@@ -256,24 +256,14 @@ class ManualCpuBackend:
                     progress = True
 
 
-class CudaBackend:
-    """One torch.cuda.Stream per direction on ``device``; one torch.cuda.Event per ticket."""
+class CudaEventOps:
+    """The event and stream calls that kvcore's CUDA stream backends share."""
 
-    name = "cuda"
-
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
-        if device is None:
-            device = torch.cuda.current_device()
-        if isinstance(device, int):
-            device = torch.device("cuda", device)
-        self.device = torch.device(device)
-        self._streams = {d: torch.cuda.Stream(device=self.device) for d in Direction}
-
-    def stream(self, direction: Direction) -> torch.cuda.Stream:
-        return self._streams[Direction(direction)]
+    timing_events = False
+    """Whether recorded events can time the work between them (costs a little)."""
 
     def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=self.timing_events)
         event.record(stream)
         return event
 
@@ -289,6 +279,23 @@ class CudaBackend:
     def run_on(self, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
         with torch.cuda.stream(stream):
             fn()
+
+
+class CudaBackend(CudaEventOps):
+    """One torch.cuda.Stream per direction on ``device``; one torch.cuda.Event per ticket."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        if device is None:
+            device = torch.cuda.current_device()
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        self.device = torch.device(device)
+        self._streams = {d: torch.cuda.Stream(device=self.device) for d in Direction}
+
+    def stream(self, direction: Direction) -> torch.cuda.Stream:
+        return self._streams[Direction(direction)]
 
 
 class CopyStreams:

@@ -33,6 +33,7 @@ from kvcore.direction import Direction
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, TransferPlan, plan, policy_from_config
 from kvcore.runs import has_duplicates
+from kvcore.streams import CudaEventOps
 from kvcore_vllm.page_rows import PageRows, page_rows
 
 logger = logging.getLogger("kvcore.vllm")
@@ -404,10 +405,11 @@ def _elapsed(start: Any, end: Any) -> float | None:
     return None if elapsed is None else elapsed(end) * 1e-3
 
 
-class CudaJobStreams:
+class CudaJobStreams(CudaEventOps):
     """:class:`JobStreams` on CUDA: one stream per name, events that time their jobs."""
 
     name = "cuda-jobs"
+    timing_events = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -421,24 +423,6 @@ class CudaJobStreams:
 
     def compute_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
-
-    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
-
-    def query(self, event: torch.cuda.Event) -> bool:
-        return bool(event.query())
-
-    def synchronize(self, event: torch.cuda.Event) -> None:
-        event.synchronize()
-
-    def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-        stream.wait_event(event)
-
-    def run_on(self, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
-        with torch.cuda.stream(stream):
-            fn()
 
 
 def install_handlers(
