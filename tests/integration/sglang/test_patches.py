@@ -7,23 +7,20 @@ SGLang is never written to.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
 
+from patch_support import check_apply_then_revert, released_mirror
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 from kvcore.patching import apply as apply_module
-from kvcore.patching.apply import FileState
 from kvcore.patching.generate import drift, generate
 from kvcore.patching.patchset import DEFAULT_PATCHES_DIR, load_set
 from kvcore.patching.tree import EngineTree, find_tree
@@ -38,33 +35,9 @@ HERE = Path(__file__).resolve().parent
 ALLOC = f"{guard.HOST_KV_CACHE}.alloc"
 
 
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def mirror(source_root: Path, package: str, copied: Iterable[str], root: Path) -> EngineTree:
-    """``root/package`` mirroring ``source_root/package``: links, with ``copied`` as copies."""
-    copied = set(copied)
-    real_dirs = {str(parent) for path in copied for parent in Path(path).parents} - {"."}
-    for directory in sorted(real_dirs, key=lambda d: d.count("/")):
-        (root / directory).mkdir()
-        for entry in (source_root / directory).iterdir():
-            relative = f"{directory}/{entry.name}"
-            if relative in real_dirs or entry.name == "__pycache__":
-                continue
-            if relative in copied:
-                shutil.copy2(entry, root / relative)
-            else:
-                (root / relative).symlink_to(entry)
-    return EngineTree(root, INSTALLED.version)
-
-
 @pytest.fixture
 def mirrored(tmp_path: Path) -> EngineTree:
-    """A mirror of the installed engine as released (reverted there in a patched lane)."""
-    tree = mirror(INSTALLED.root, "sglang", (f.path for f in PATCH_SET.files), tmp_path)
-    apply_module.revert(PATCH_SET, SET_DIR, tree)
-    return tree
+    return released_mirror(INSTALLED, PATCH_SET, SET_DIR, tmp_path)
 
 
 def test_committed_patch_set_is_current(mirrored):
@@ -80,17 +53,7 @@ def test_patch_set_hooks_every_recorded_target():
 
 @pytest.mark.parametrize("use_program", [False, True], ids=["python", "patch-program"])
 def test_apply_then_revert_restores_the_installed_bytes(mirrored, use_program):
-    if use_program and shutil.which("patch") is None:
-        pytest.skip("needs patch(1)")
-    installed = {f.path: sha(INSTALLED.file(f.path)) for f in PATCH_SET.files}
-    before = {f.path: sha(mirrored.file(f.path)) for f in PATCH_SET.files}
-    assert before == {f.path: f.pristine_sha256 for f in PATCH_SET.files}
-    changed = apply_module.apply(PATCH_SET, SET_DIR, mirrored, use_program=use_program)
-    assert changed == list(before)
-    assert {r.state for r in apply_module.check(PATCH_SET, mirrored)} == {FileState.APPLIED}
-    apply_module.revert(PATCH_SET, SET_DIR, mirrored, use_program=use_program)
-    assert {path: sha(mirrored.file(path)) for path in before} == before
-    assert {f.path: sha(INSTALLED.file(f.path)) for f in PATCH_SET.files} == installed
+    check_apply_then_revert(INSTALLED, PATCH_SET, SET_DIR, mirrored, use_program)
 
 
 def test_hook_follows_kvcore_enable(monkeypatch):
