@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
-from patch_support import check_apply_then_revert, released_mirror
 
 from kvcore.patching import apply as apply_module
+from kvcore.patching.apply import FileState
 from kvcore.patching.generate import drift, generate
+from kvcore.patching.mirror import patched_file_hashes, released_mirror
 from kvcore.patching.patchset import DEFAULT_PATCHES_DIR, load_set
 from kvcore.patching.tree import EngineTree, find_tree
 from kvcore_vllm import patched, plugin
@@ -48,7 +50,16 @@ def test_patch_set_hooks_the_plugins_registry_entry():
 
 @pytest.mark.parametrize("use_program", [False, True], ids=["python", "patch-program"])
 def test_apply_then_revert_restores_the_installed_bytes(mirrored, use_program):
-    check_apply_then_revert(INSTALLED, PATCH_SET, SET_DIR, mirrored, use_program)
+    if use_program and shutil.which("patch") is None:
+        pytest.skip("needs patch(1)")
+    installed = patched_file_hashes(INSTALLED, PATCH_SET)
+    before = patched_file_hashes(mirrored, PATCH_SET)
+    assert before == {f.path: f.pristine_sha256 for f in PATCH_SET.files}
+    assert apply_module.apply(PATCH_SET, SET_DIR, mirrored, use_program=use_program) == list(before)
+    assert {r.state for r in apply_module.check(PATCH_SET, mirrored)} == {FileState.APPLIED}
+    apply_module.revert(PATCH_SET, SET_DIR, mirrored, use_program=use_program)
+    assert patched_file_hashes(mirrored, PATCH_SET) == before
+    assert patched_file_hashes(INSTALLED, PATCH_SET) == installed
 
 
 def test_hook_follows_kvcore_enable(monkeypatch):
