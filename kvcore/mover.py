@@ -112,6 +112,9 @@ class TransferPlan:
     src_span: int = 0
     """Rows ``src`` must have at least (largest source index + 1)."""
     dst_span: int = 0
+    staged_chunks: tuple[StagedChunk, ...] = ()
+    """For STAGED plans: the pieces that fit the policy's staging buffer, with their host
+    runs, segmented once here rather than on every layer."""
 
     @property
     def device(self) -> torch.device:
@@ -208,6 +211,10 @@ def plan(
         path = _check_forced(force, runs, src_row_bytes, policy)
     else:
         path = _choose_path(runs, host_runs, nbytes, src_row_bytes, policy)
+    host_idx = src_idx if direction is Direction.H2D else dst_idx
+    staged = ()
+    if path is TransferPath.STAGED:
+        staged = staged_chunks(host_idx, host_runs, policy.staging_bytes // src_row_bytes)
     return TransferPlan(
         path=path,
         direction=direction,
@@ -224,6 +231,31 @@ def plan(
         policy=policy,
         src_span=src_span,
         dst_span=dst_span,
+        staged_chunks=staged,
+    )
+
+
+@dataclass(frozen=True)
+class StagedChunk:
+    """Rows ``[begin, end)`` of a staged transfer and the host runs they read or write."""
+
+    begin: int
+    end: int
+    host_runs: Runs
+
+
+def staged_chunks(
+    host_idx: torch.Tensor, host_runs: Runs, chunk_rows: int
+) -> tuple[StagedChunk, ...]:
+    """``host_idx`` cut into chunks of at most ``chunk_rows`` rows (a staging buffer's worth)."""
+    rows = int(host_idx.numel())
+    if rows <= chunk_rows:
+        return (StagedChunk(0, rows, host_runs),)
+    return tuple(
+        StagedChunk(
+            begin, min(begin + chunk_rows, rows), find_runs(host_idx[begin : begin + chunk_rows])
+        )
+        for begin in range(0, rows, chunk_rows)
     )
 
 
@@ -448,20 +480,22 @@ class Mover:
                 f"{self.staging.capacity_bytes} B staging buffer"
             )
         page_in = plan.direction is Direction.H2D
-        host_idx = plan.src_idx if page_in else plan.dst_idx
+        chunks = plan.staged_chunks
+        if not chunks or chunks[0].end - chunks[0].begin > chunk_rows:
+            # A mover whose staging buffer is smaller than the plan's policy assumed.
+            host_idx = plan.src_idx if page_in else plan.dst_idx
+            chunks = staged_chunks(host_idx, plan.host_runs, chunk_rows)
         with self.staging.lease(plan.device) as buffer:
-            for begin in range(0, plan.rows, chunk_rows):
-                end = min(begin + chunk_rows, plan.rows)
-                whole = begin == 0 and end == plan.rows
-                host_runs = plan.host_runs if whole else find_runs(host_idx[begin:end])
+            for chunk in chunks:
+                begin, end = chunk.begin, chunk.end
                 staging = staging_words(buffer, end - begin, src_words)
                 if page_in:
                     kernels.stage_in(
-                        src_words, host_runs, staging, dst_words, plan.dst_idx[begin:end]
+                        src_words, chunk.host_runs, staging, dst_words, plan.dst_idx[begin:end]
                     )
                 else:
                     kernels.stage_out(
-                        src_words, plan.src_idx[begin:end], staging, dst_words, host_runs
+                        src_words, plan.src_idx[begin:end], staging, dst_words, chunk.host_runs
                     )
 
 

@@ -257,6 +257,26 @@ def test_staging_is_chunked_and_dispatched_by_device(monkeypatch, direction, op)
     assert calls == {op: math.ceil(30 / 7)}
 
 
+def test_staged_chunks_are_planned_once_and_fit_a_smaller_buffer():
+    gen = torch.Generator().manual_seed(8)
+    src = random_rows(SRC_ROWS, (1, 576), torch.bfloat16, gen)
+    host_idx = torch.cat([torch.arange(0, 20), torch.arange(30, 40)])
+    dst_idx = torch.randperm(DST_ROWS, generator=gen)[:30]
+    dst = poisoned_rows(DST_ROWS, (1, 576), torch.bfloat16)
+    policy = PathPolicy(staging_bytes=8 * 1152)
+    planned = plan(src, dst, host_idx, dst_idx, direction=H2D, policy=policy, force=STAGED)
+    bounds = [(c.begin, c.end, c.host_runs.as_list()) for c in planned.staged_chunks]
+    assert bounds == [(0, 8, [(0, 8)]), (8, 16, [(8, 8)]), (16, 24, [(16, 4), (30, 4)]),
+                      (24, 30, [(34, 6)])]  # fmt: skip
+    rebound = planned.rebind(src, poisoned_rows(DST_ROWS, (1, 576), torch.bfloat16))
+    assert rebound.staged_chunks is planned.staged_chunks
+    # A mover with less staging than the plan's policy re-cuts the chunks, still exact.
+    expected = rebound.dst.clone()
+    expected[dst_idx] = src[host_idx]
+    Mover(PathPolicy(staging_bytes=8 * 1152), staging=StagingBuffers(5 * 1152)).execute(rebound)
+    assert torch.equal(rebound.dst.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_row_larger_than_staging():
     src = torch.zeros(8, 1024, dtype=torch.uint8)
     dst = torch.zeros(8, 1024, dtype=torch.uint8)
