@@ -67,17 +67,18 @@ class Layout:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Random GPU-side and host-side tensors, int8 ``[rows, bytes]`` as vLLM has them."""
         gpu = [
-            _random((self.gpu_blocks, self.page_bytes), generator).to(device)
+            _random((self.gpu_blocks, self.page_bytes), generator, device)
             for _ in range(self.tensors)
         ]
-        pin = device.type == "cuda"
         chunk_bytes = self.page_bytes * self.blocks_per_chunk
         if not self.shared_region:
-            host = [_random((self.cpu_chunks, chunk_bytes), generator) for _ in range(self.tensors)]
-            return gpu, [t.pin_memory() if pin else t for t in host]
+            host = [
+                _random_host((self.cpu_chunks, chunk_bytes), generator, device)
+                for _ in range(self.tensors)
+            ]
+            return gpu, host
         row = -(-self.tensors * chunk_bytes // HOST_ROW_ALIGNMENT) * HOST_ROW_ALIGNMENT
-        region = _random((self.cpu_chunks * row,), generator)
-        region = region.pin_memory() if pin else region
+        region = _random_host((self.cpu_chunks * row,), generator, device)
         views = [
             region.as_strided((self.cpu_chunks, chunk_bytes), (row, 1), t * chunk_bytes)
             for t in range(self.tensors)
@@ -85,8 +86,26 @@ class Layout:
         return gpu, views
 
 
-def _random(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    return torch.randint(-128, 128, shape, dtype=torch.int8, generator=generator)
+def _random(
+    shape: tuple[int, ...], generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """Random bytes on ``device``; drawn there on a GPU, where a host draw of the
+    gigabytes a run needs would take minutes, seeded from ``generator`` either way."""
+    if device.type != "cuda":
+        return torch.randint(-128, 128, shape, dtype=torch.int8, generator=generator)
+    seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
+    on_device = torch.Generator(device).manual_seed(seed)
+    return torch.randint(-128, 128, shape, dtype=torch.int8, generator=on_device, device=device)
+
+
+def _random_host(
+    shape: tuple[int, ...], generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """Random host bytes, pinned when ``device`` is a GPU (vLLM pins its host cache)."""
+    if device.type != "cuda":
+        return _random(shape, generator, device)
+    host = torch.empty(shape, dtype=torch.int8, pin_memory=True)
+    return host.copy_(_random(shape, generator, device))
 
 
 class _HostAsDevice(torch.Tensor):
@@ -254,7 +273,11 @@ def _paths(
         if _compiled_ops_loaded():
             paths.append(("stock_handler", lambda: _through_handler(stock, specs)))
         if batch_copy_available():
-            paths.append(("stock_batch_dma", lambda: _batch_dma(*_stock_descriptors(stock, specs))))
+            # Stock copies on a stream of its own; the batch API rejects the legacy default one.
+            side = torch.cuda.Stream(device)
+            paths.append(
+                ("stock_batch_dma", lambda: _batch_dma(*_stock_descriptors(stock, specs), side))
+            )
         if _triton_applies(stock, specs):
             paths.append(("stock_triton", lambda: _triton_swap(*_stock_descriptors(stock, specs))))
     paths.append(("per_block_copy", lambda: _per_block(stock, specs)))
@@ -276,7 +299,9 @@ def _stock_descriptors(
     gpu_spec, cpu_spec = specs if stock.gpu_to_cpu else specs[::-1]
     size = len(gpu_spec.block_ids)
     count = stock._estimate_max_copy_ops([size])
-    buffers = [torch.empty(count, dtype=torch.int64) for _ in range(3)]
+    # Pinned where stock pins them, so the Triton path uploads them as stock does.
+    pin = torch.cuda.is_available()
+    buffers = [torch.empty(count, dtype=torch.int64, pin_memory=pin) for _ in range(3)]
     src_ids, dst_ids = (
         (gpu_spec.block_ids, cpu_spec.block_ids)
         if stock.gpu_to_cpu
@@ -304,11 +329,14 @@ def _compiled_ops_loaded() -> bool:
     )
 
 
-def _batch_dma(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) -> None:
-    """One cudaMemcpyBatchAsync over the stock descriptors, as vLLM's compiled op issues."""
+def _batch_dma(
+    src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, stream: torch.cuda.Stream
+) -> None:
+    """One cudaMemcpyBatchAsync over the stock descriptors, as vLLM's compiled op issues,
+    on ``stream`` once it has caught up with the current one (stock's ordering)."""
     rt = _runtime()
     assert rt is not None, "_paths offers this path only where batch copies are available"
-    stream = torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
     result = rt.cudaMemcpyBatchAsync(
         dst.tolist(),
         src.tolist(),

@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# The vLLM offload A/B (issue 5 item 7) in one device call: kvcore_vllm.bench.ab for
+# vLLM's cross-layer layout (one KV tensor) and for 32 per-layer tensors in vLLM's shared
+# host region, descriptors 4 KiB to 2 MiB at 0/50/100% fragmentation, both directions.
+# Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried; .whl/ too when carried.
+# Usage (on the GPU machine, from the repo root): scripts/vllm_ab.sh [repeats]
+# Writes to $OUT (default out/vllm-ab): env.txt, vllm-ab.json, vllm-ab.md, vllm-ab.log.
+set -uo pipefail
+OUT=${OUT:-out/vllm-ab}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+[ -d .vllm-tree/vllm ] || { echo "no .vllm-tree: run scripts/vllm_device_tree.sh, carry it"; exit 1; }
+
+# The image's psutil/regex win; a tree wheel goes in only where the image lacks the module.
+wheels=()
+[ -d .whl ] && wheels+=(.whl/*.whl)
+for wheel in .vllm-tree/wheels/*.whl; do
+    module=$(basename "$wheel" | cut -d- -f1)
+    [ "$module" = pyzmq ] && module=zmq
+    python3 -c "import $module" 2>/dev/null || wheels+=("$wheel")
+done
+if [ ${#wheels[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "${wheels[@]}" || exit 1
+fi
+tree=$PWD/.vllm-tree
+export PYTHONPATH="$tree:$PWD:$PWD/integrations:/tmp/site"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/env.txt"
+echo "installed into /tmp/site: ${wheels[*]:-none}" | tee -a "$OUT/env.txt"
+
+# vllm/env_override.py patches torch.compile internals by torch version (vLLM 0.33 wants
+# torch 2.14); the A/B compiles nothing, so if the import fails, run once more without it.
+if ! python3 -c "import kvcore_vllm.bench" >"$OUT/preflight.log" 2>&1; then
+    tree=/tmp/vllm-tree
+    rm -rf "$tree" && cp -r .vllm-tree "$tree"
+    echo '"""Emptied by scripts/vllm_ab.sh: the real one failed to import here."""' \
+        >"$tree/vllm/env_override.py"
+    export PYTHONPATH="$tree:$PWD:$PWD/integrations:/tmp/site"
+    echo "import failed; retrying with vllm/env_override.py emptied" | tee -a "$OUT/env.txt"
+    python3 -c "import kvcore_vllm.bench" >>"$OUT/preflight.log" 2>&1 || {
+        cat "$OUT/preflight.log"
+        exit 1
+    }
+fi
+
+timeout 230 python3 - "$OUT" "${1:-10}" 2>&1 <<'EOF' | tee "$OUT/vllm-ab.log"
+import json
+import sys
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import triton
+
+import vllm.platforms
+from kvcore.kernels.batch_copy import batch_copy_available
+from kvcore_vllm import bench
+
+out, repeats = Path(sys.argv[1]), int(sys.argv[2])
+env = {
+    "torch": torch.__version__,
+    "triton": triton.__version__,
+    "cuda": torch.version.cuda,
+    "gpu": torch.cuda.get_device_name(0),
+    "vllm_platform": type(vllm.platforms.current_platform).__name__,
+    "vllm_compiled_ops": bench._compiled_ops_loaded(),
+    "batch_copy_available": batch_copy_available(),
+    "repeats": repeats,
+}
+with open(out / "env.txt", "a") as f:
+    f.write(json.dumps(env) + "\n")
+print(env)
+
+CONFIGS = {
+    "cross-layer (1 tensor)": {},
+    "32 tensors, shared region": {"tensors": 32, "shared_region": True},
+}
+SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 2 << 20)
+# What vLLM itself would run, best first; per_block_copy only where none of these can run.
+STOCK = ("stock_handler", "stock_triton", "stock_batch_dma", "per_block_copy")
+PATHS = ("stock_handler", "stock_batch_dma", "stock_triton", "per_block_copy", "kvcore")
+
+
+class PathFailed(Exception):
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
+
+
+# A path that raises is dropped and its size run again, so one broken path costs only
+# its own rows in this single device call.
+disabled: set[str] = set()
+failures: list[str] = []
+stock_paths = bench._paths
+
+
+def _guard(path, run):
+    def guarded():
+        try:
+            run()
+        except Exception as error:
+            raise PathFailed(path) from error
+
+    return guarded
+
+
+def _paths(*args):
+    return [(p, _guard(p, run)) for p, run in stock_paths(*args) if p not in disabled]
+
+
+bench._paths = _paths
+
+
+def cells(rows: list) -> dict:
+    by_cell = defaultdict(dict)
+    for r in rows:
+        by_cell[(r["direction"], r["block_bytes"], r["frag"])][r["path"]] = r
+    return by_cell
+
+
+def size_name(block: int) -> str:
+    return f"{block >> 10} KiB" if block < 1 << 20 else f"{block >> 20} MiB"
+
+
+def table(rows: list) -> list[str]:
+    paths = [p for p in PATHS if any(r["path"] == p for r in rows)]
+    lines = [
+        "| dir | block | frag | descriptors | " + " | ".join(f"{p} GB/s" for p in paths)
+        + " | stock (vLLM's pick) | kvcore / stock | bytes ok |",
+        "|---|---|---|---|" + "---|" * len(paths) + "---|---|---|",
+    ]
+    for (direction, block, frag), by_path in sorted(cells(rows).items()):
+        stock = next((by_path[p] for p in STOCK if p in by_path), None)
+        kvcore = by_path.get("kvcore")
+        ratio = f"{kvcore['gbps'] / stock['gbps']:.2f}x" if kvcore and stock else "-"
+        ok = all(r["bytes_ok"] for r in by_path.values())
+        descriptors = next(iter(by_path.values()))["descriptors"]
+        lines.append(
+            f"| {direction} | {size_name(block)} | {frag:.0%} | {descriptors} | "
+            + " | ".join(f"{by_path[p]['gbps']:.2f}" if p in by_path else "-" for p in paths)
+            + f" | {stock['path'] if stock else '-'} | {ratio} | {'yes' if ok else 'NO'} |"
+        )
+    return lines
+
+
+def goals(rows: list) -> list[str]:
+    lines = []
+    for (direction, block, frag), by_path in sorted(cells(rows).items()):
+        stock = next((by_path[p] for p in STOCK if p in by_path), None)
+        if "kvcore" not in by_path or stock is None:
+            continue
+        ratio = by_path["kvcore"]["gbps"] / stock["gbps"]
+        if block <= 64 << 10 and frag == 0.5:
+            verdict = "meets" if ratio >= 1.5 else "MISSES"
+            lines.append(f"- {direction} {size_name(block)} 50%: {ratio:.2f}x ({verdict} >= 1.5x)")
+        if block == 2 << 20:
+            verdict = "ok" if ratio >= 0.95 else "SLOWER"
+            lines.append(f"- {direction} 2 MiB {frag:.0%}: {ratio:.2f}x ({verdict}: >= 0.95x)")
+    return lines
+
+
+def write(results: dict, final: bool) -> None:
+    (out / "vllm-ab.json").write_text(
+        json.dumps({"env": env, "failures": failures, "results": results}, indent=1)
+    )
+    report = [f"# vLLM offload A/B, {env['gpu']}", "", "```", json.dumps(env), "```", ""]
+    if not final:
+        report += ["**Partial: the run stopped before the last size.**", ""]
+    for name, rows in results.items():
+        report += [f"## {name}", "", *table(rows), "", "Goals:", *goals(rows), ""]
+    bad = sum(not r["bytes_ok"] for rows in results.values() for r in rows)
+    report += [f"Rows with wrong bytes: {bad}", "", "Failed paths (dropped, size rerun):"]
+    report += [f"- {f}" for f in failures] or ["- none"]
+    (out / "vllm-ab.md").write_text("\n".join(report) + "\n")
+
+
+results: dict[str, list] = {name: [] for name in CONFIGS}
+started = time.perf_counter()
+for name, kwargs in CONFIGS.items():
+    for size in SIZES:
+        while True:
+            try:
+                results[name] += bench.ab("cuda", [size], repeats=repeats, **kwargs)
+                break
+            except PathFailed as failed:
+                disabled.add(failed.path)
+                cause = failed.__cause__
+                failures.append(f"{failed.path} at {name} {size_name(size)}: {cause!r}")
+                traceback.print_exception(cause)
+        write(results, final=False)
+        print(f"{name} {size_name(size)} done at {time.perf_counter() - started:.0f} s", flush=True)
+write(results, final=True)
+print((out / "vllm-ab.md").read_text())
+bad = any(not r["bytes_ok"] for rows in results.values() for r in rows)
+sys.exit(1 if bad or failures else 0)
+EOF
+rc=${PIPESTATUS[0]}
+echo "vllm_ab rc=$rc"
+exit "$rc"
