@@ -212,7 +212,7 @@ def plan(
     else:
         path = _choose_path(runs, host_runs, nbytes, src_row_bytes, policy)
     host_idx = src_idx if direction is Direction.H2D else dst_idx
-    staged = ()
+    staged: tuple[StagedChunk, ...] = ()
     if path is TransferPath.STAGED:
         staged = staged_chunks(host_idx, host_runs, policy.staging_bytes // src_row_bytes)
     return TransferPlan(
