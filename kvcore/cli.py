@@ -35,6 +35,9 @@ ENGINE_ENTRY_MODULES: dict[str, str] = {
     "vllm": "vllm.entrypoints.cli.main",
 }
 
+# `kvcore bench --engine NAME` -> the adapter module whose main(args) runs that A/B.
+BENCH_ENGINES: dict[str, str] = {"sglang": "kvcore_sglang.bench"}
+
 
 class UsageError(Exception):
     """The command line is wrong; the message says how."""
@@ -83,6 +86,11 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
         from kvcore import bench as bench_module
 
         bench_module.add_arguments(bench)
+        bench.add_argument(
+            "--engine",
+            choices=BENCH_ENGINES,
+            help="A/B an engine's own transfer methods against kvcore's hooks instead",
+        )
     bench.set_defaults(handler=run_bench)
 
     launch = commands.add_parser(
@@ -107,6 +115,9 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    engine = getattr(args, "engine", None)
+    if engine is not None:
+        return int(importlib.import_module(BENCH_ENGINES[engine]).main(args))
     from kvcore import bench
 
     return bench.main(args)
