@@ -1,0 +1,217 @@
+"""Running one lane: its cached venv, its mode, its test suites, reduced to a LaneResult."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ci.matrix.lanes import DRIFT, Engine, Lane, Matrix
+from ci.matrix.results import LaneResult, Suite, parse_junit
+
+REPO = Path(__file__).resolve().parents[2]
+DRIFT_PROBE = Path(__file__).resolve().with_name("drift_probe.py")
+# Written into a lane venv once its install script succeeded: the release it holds.
+VENV_MARKER = ".kvcore-matrix-release"
+
+
+class LaneError(RuntimeError):
+    """The lane could not run; the message goes into docs/compat.md."""
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where a run keeps venvs, logs, JUnit reports and lane results."""
+
+    cache_dir: Path
+    repo: Path = REPO
+
+    @property
+    def venvs(self) -> Path:
+        return self.cache_dir / "venvs"
+
+    @property
+    def results(self) -> Path:
+        return self.cache_dir / "results"
+
+    def lane_dir(self, lane: Lane) -> Path:
+        path = self.cache_dir / "lanes" / lane.name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def lane_env(engine: str, mode: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The lane's test environment: kvcore enabled, for ``engine`` only, in plugin mode."""
+    env = dict(os.environ if base is None else base)
+    env.pop("KVCORE_ENABLE", None)
+    if mode == "plugin":
+        env["KVCORE_ENABLE"] = engine
+    return env
+
+
+def newest_release(engine: str) -> str:
+    """The newest release of ``engine`` on the package index, as pip reports it."""
+    out = _run(
+        [sys.executable, "-m", "pip", "index", "versions", engine, "--disable-pip-version-check"],
+        log=None,
+    )
+    return parse_index_versions(engine, out)
+
+
+def parse_index_versions(engine: str, output: str) -> str:
+    """The version in ``pip index versions`` output (``ENGINE (X.Y.Z)`` first line)."""
+    match = re.search(rf"^{re.escape(engine)} \(([^)]+)\)", output, re.MULTILINE)
+    if match is None:
+        raise LaneError(f"pip index versions {engine} gave no version: {_tail(output)}")
+    return match.group(1)
+
+
+def ensure_venv(ws: Workspace, engine: Engine, version: str, name: str, log: Path) -> Path:
+    """The lane venv ``name`` holding ``engine`` ``version``, built by the engine's install
+    script unless a previous run already did."""
+    venv = ws.venvs / name
+    marker = venv / VENV_MARKER
+    if marker.is_file() and marker.read_text(encoding="utf-8").strip() == version:
+        return venv
+    ws.venvs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, engine.version_env: version}
+    try:
+        _run(["bash", str(ws.repo / engine.install), str(venv)], log=log, env=env, cwd=ws.repo)
+    except LaneError as exc:
+        raise LaneError(f"installing {engine.name} {version} failed: {exc}") from None
+    marker.write_text(version + "\n", encoding="utf-8")
+    return venv
+
+
+def apply_patches(venv: Path, engine: str, log: Path) -> None:
+    """Apply kvcore's vendored patches to the venv's engine unless they already are."""
+    kvcore = [str(venv / "bin" / "python"), "-m", "kvcore", "patches"]
+    try:
+        state = _run([*kvcore, "check", "--engine", engine], log=log)
+        if re.search(r": applied$", state.splitlines()[0] if state else "", re.MULTILINE):
+            return
+        _run([*kvcore, "apply", "--engine", engine], log=log)
+    except LaneError as exc:
+        if "invalid choice: 'patches'" in str(exc):
+            raise LaneError("`python -m kvcore patches`: no such command") from None
+        raise LaneError(f"`kvcore patches` failed: {exc}") from None
+
+
+def run_suites(ws: Workspace, engine: Engine, lane: Lane, venv: Path) -> list[Suite]:
+    """The engine's shipped tests (where it ships them) and our integration tests."""
+    lane_dir = ws.lane_dir(lane)
+    env = lane_env(engine.name, lane.mode)
+    suites: list[Suite] = []
+    if engine.upstream_tests:
+        junit = lane_dir / "upstream.xml"
+        command = ["bash", str(ws.repo / engine.upstream_tests), str(venv), lane.mode, str(junit)]
+        suites.append(_pytest_suite(f"{engine.name}-tests", command, junit, lane_dir, env, ws))
+    junit = lane_dir / "integration.xml"
+    command = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        f"--junitxml={junit}",
+        engine.integration_tests,
+    ]
+    suites.append(_pytest_suite("integration", command, junit, lane_dir, env, ws))
+    return suites
+
+
+def drift_verdict(venv: Path, engine: str, log: Path) -> dict[str, object]:
+    """What the drift probe says about the release installed in ``venv``."""
+    out = _run([str(venv / "bin" / "python"), str(DRIFT_PROBE), engine], log=log)
+    verdict: dict[str, object] = json.loads(out.strip().splitlines()[-1])
+    return verdict
+
+
+def run_lane(ws: Workspace, matrix: Matrix, lane: Lane) -> LaneResult:
+    """Run ``lane`` end to end; never raises for a lane that cannot run (status error)."""
+    engine = matrix.engines[lane.engine]
+    start = time.monotonic()
+    log = ws.lane_dir(lane) / "lane.log"
+    log.write_text("", encoding="utf-8")
+    version = lane.version
+    result = LaneResult(lane.name, lane.engine, lane.mode, version, "ok", 0.0)
+    try:
+        if lane.mode == DRIFT:
+            version = result.version = newest_release(engine.name)
+        assert version is not None
+        venv = ensure_venv(ws, engine, version, lane.venv_name(version), log)
+        if lane.mode == DRIFT:
+            verdict = drift_verdict(venv, engine.name, log)
+            changed = verdict["changed"]
+            assert isinstance(changed, dict)
+            result.changed_targets = {str(k): str(v) for k, v in changed.items()}
+            tested = "a tested" if verdict["tested"] else "not a tested"
+            result.message = (
+                f"{version} is {tested} release; its targets compared with "
+                f"{verdict['newest_tested']}'s fingerprints"
+            )
+        else:
+            if lane.mode == "patched":
+                apply_patches(venv, engine.name, log)
+            result.suites = run_suites(ws, engine, lane, venv)
+            if result.failed:
+                result.status = "failed"
+    except LaneError as exc:
+        result.status, result.message = "error", str(exc)
+    result.minutes = (time.monotonic() - start) / 60
+    return result
+
+
+def _pytest_suite(
+    name: str,
+    command: Sequence[str],
+    junit: Path,
+    lane_dir: Path,
+    env: Mapping[str, str],
+    ws: Workspace,
+) -> Suite:
+    junit.unlink(missing_ok=True)
+    log = lane_dir / f"{name}.log"
+    with log.open("w", encoding="utf-8") as out:
+        code = subprocess.run(
+            list(command), cwd=ws.repo, env=dict(env), stdout=out, stderr=subprocess.STDOUT
+        ).returncode
+    # pytest exits 1 when tests fail; anything else without a report means it did not run.
+    if not junit.is_file():
+        raise LaneError(f"{name} exited {code} without a report: {_tail(log.read_text())}")
+    return parse_junit(name, junit.read_text(encoding="utf-8"))
+
+
+def _run(
+    command: Sequence[str],
+    log: Path | None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> str:
+    """stdout and stderr of ``command``, also appended to ``log``; LaneError if it fails."""
+    done = subprocess.run(
+        list(command),
+        cwd=cwd,
+        env=None if env is None else dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    if log is not None:
+        with log.open("a", encoding="utf-8") as out:
+            out.write(f"$ {' '.join(command)}\n{done.stdout}\n")
+    if done.returncode != 0:
+        raise LaneError(f"exit {done.returncode}: {_tail(done.stdout)}")
+    return done.stdout
+
+
+def _tail(text: str, lines: int = 3) -> str:
+    kept = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return " / ".join(kept[-lines:])

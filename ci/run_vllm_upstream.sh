@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Run vLLM's own offload tests (from the PyPI sdist of the venv's vLLM) on CPU.
+#
+#   ci/run_vllm_upstream.sh VENV MODE [JUNIT_XML] [PYTEST_ARGS...]
+#
+# MODE is stock (kvcore off), plugin (KVCORE_ENABLE=vllm) or patched (the venv's vLLM
+# carries kvcore's patches; KVCORE_ENABLE unset). The staged conftest loads vLLM's general
+# plugins and stops unless the spec vLLM builds is the one the mode implies.
+# The sdist is cached under $UPSTREAM_TESTS_CACHE (default ~/.cache/kvcore-ci); its tests are
+# staged into a fresh temporary directory, never into the repository. Tests listed in
+# ci/vllm_upstream/deselect.txt are deselected; pytest is stopped after
+# $UPSTREAM_TESTS_TIMEOUT seconds (default 1800). Exit status is pytest's.
+set -euo pipefail
+
+if [[ $# -lt 2 || ! "$2" =~ ^(stock|plugin|patched)$ ]]; then
+    echo "usage: $0 VENV stock|plugin|patched [JUNIT_XML] [PYTEST_ARGS...]" >&2
+    exit 2
+fi
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+venv="$(cd "$1" && pwd)"
+mode="$2"
+shift 2
+python="$venv/bin/python"
+cache="${UPSTREAM_TESTS_CACHE:-$HOME/.cache/kvcore-ci}"
+here="$repo/ci/vllm_upstream"
+
+version="$("$python" -c 'import importlib.metadata as m; print(m.version("vllm").split("+")[0])')"
+junit="${1:-$cache/results/vllm-$version-$mode.xml}"
+[[ $# -gt 0 ]] && shift
+mkdir -p "$(dirname "$junit")"
+junit="$(cd "$(dirname "$junit")" && pwd)/$(basename "$junit")"
+
+# pip prepares an sdist's metadata before it keeps the file, and vLLM's build
+# requirements pull a CUDA torch: so metadata is built without isolation, in a small venv
+# that borrows the lane venv's torch through a .pth file, for no device, with no local
+# version label (pip compares the built version with the requested one).
+sdist_dir="$cache/sdists/vllm-$version"
+sdist="$sdist_dir/vllm-$version.tar.gz"
+if [[ ! -f "$sdist" ]]; then
+    fetch_venv="$cache/sdist-fetch-venv"
+    if [[ ! -x "$fetch_venv/bin/python" ]]; then
+        python3 -m venv "$fetch_venv"
+        "$fetch_venv/bin/python" -m pip install --disable-pip-version-check -q \
+            "setuptools>=77.0.3,<81" "setuptools-scm>=8" "setuptools-rust>=1.9" \
+            wheel packaging jinja2
+    fi
+    lane_site="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    fetch_site="$("$fetch_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "$lane_site" > "$fetch_site/kvcore-ci-lane.pth"
+    mkdir -p "$sdist_dir"
+    VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 \
+        "$fetch_venv/bin/python" -m pip download --disable-pip-version-check -q \
+        --no-deps --no-binary :all: --no-build-isolation -d "$sdist_dir" "vllm==$version"
+fi
+
+stage="$(mktemp -d "${TMPDIR:-/tmp}/kvcore-vllm-upstream.XXXXXX")"
+trap 'rm -rf "$stage"' EXIT
+tar -xzf "$sdist" -C "$stage" "vllm-$version/tests"
+"$python" "$here/stage.py" "$stage/vllm-$version" "$stage/run"
+
+deselect=()
+while read -r test_id _; do
+    [[ -z "$test_id" || "$test_id" == \#* ]] && continue
+    deselect+=("--deselect" "$test_id")
+done < "$here/deselect.txt"
+
+export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_HOME="$stage/run/hf" HF_HUB_CACHE="$stage/run/hf/hub"
+export UPSTREAM_TESTS_MODE="$mode"
+if [[ "$mode" == plugin ]]; then
+    export KVCORE_ENABLE=vllm
+else
+    unset KVCORE_ENABLE
+fi
+
+cd "$stage/run"
+status=0
+# A failed multiprocess test can leave its workers blocked and pytest joining them at exit.
+timeout --kill-after=30 "${UPSTREAM_TESTS_TIMEOUT:-1800}" "$python" -m pytest -p no:cacheprovider -q -o junit_family=xunit2 --junitxml="$junit" \
+    "${deselect[@]}" "$@" tests/v1/kv_offload tests/v1/kv_connector/unit/offloading_connector \
+    || status=$?
+echo "junit: $junit"
+exit "$status"
