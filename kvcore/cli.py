@@ -28,6 +28,7 @@ from kvcore.config import (
 )
 from kvcore.engine_status import EngineStatus
 from kvcore.patching import cli as patching_cli
+from kvcore.patching.status import installed_patch_states
 
 ADAPTERS: tuple[str, ...] = ("kvcore_sglang", "kvcore_vllm")
 ENGINE_ENTRY_MODULES: dict[str, str] = {
@@ -203,6 +204,7 @@ def doctor_report(config: KVCoreConfig) -> dict[str, Any]:
         "engines": [
             importlib.import_module(adapter).status(config).to_dict() for adapter in ADAPTERS
         ],
+        "patches": installed_patch_states(),
         "pinned": _pinned_limits(),
         "config": config.to_dict(),
     }
@@ -262,6 +264,8 @@ def format_doctor(report: dict[str, Any]) -> str:
         ("CUDA", _describe_cuda(cuda)),
     ]
     rows += [(status["engine"], _describe_engine(status)) for status in report["engines"]]
+    patches = [f"{engine} {state}" for engine, state in report["patches"].items() if state]
+    rows.append(("patches", "; ".join(patches) or "no engine installed"))
     rows.append(("memlock", _describe_memlock(pinned)))
     rows.append(("config", _describe_config(report["config"])))
     width = max(len(label) for label, _ in rows)

@@ -18,7 +18,7 @@ from kvcore import __version__
 from kvcore.cli import main
 from kvcore.config import SETTINGS, KVCoreConfig
 
-DOCTOR_KEYS = {"kvcore", "torch", "cuda", "engines", "pinned", "config"}
+DOCTOR_KEYS = {"kvcore", "torch", "cuda", "engines", "pinned", "config", "patches"}
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +59,10 @@ def test_doctor_json(capsys, monkeypatch):
         assert status["enabled"] is (name == "vllm")
         assert status["patched_targets"] == []
     assert engines["sglang"]["supported_versions"] == ["0.5.22", "0.5.23"]
+    # The engine lanes install released engines: their patch state is pristine.
+    assert report["patches"] == {
+        name: "pristine" if installed(name) else None for name in ("sglang", "vllm")
+    }
     assert report["config"]["staging_bytes"] == 1 << 30
     assert report["config"]["enable"] == ["vllm"]
 
@@ -81,7 +85,7 @@ def test_doctor_human(capsys, monkeypatch):
     assert main(["doctor"]) == 0
     lines = capsys.readouterr().out.splitlines()
     labels = [line.split()[0] for line in lines]
-    assert labels == ["kvcore", "torch", "CUDA", "sglang", "vllm", "memlock", "config"]
+    assert labels == ["kvcore", "torch", "CUDA", "sglang", "vllm", "patches", "memlock", "config"]
     # Aligned: every value starts in the same column.
     columns = {
         len(line) - len(line[len(label) :].lstrip())
