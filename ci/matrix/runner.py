@@ -55,6 +55,21 @@ def lane_env(engine: str, mode: str, base: Mapping[str, str] | None = None) -> d
     return env
 
 
+def integration_env(
+    engine: str, mode: str, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Our integration tests' environment: as :func:`lane_env`, but a patched build off.
+
+    They compare kvcore against the engine as released, so a patched build, active by
+    default, must be turned off for them (``KVCORE_ENABLE=0``); tests/integration's
+    patch tests check the active patched build in subprocesses of their own.
+    """
+    env = lane_env(engine, mode, base)
+    if mode == "patched":
+        env["KVCORE_ENABLE"] = "0"
+    return env
+
+
 def newest_release(engine: str) -> str:
     """The newest release of ``engine`` on the package index, as pip reports it."""
     out = _run(
@@ -123,7 +138,8 @@ def run_suites(ws: Workspace, engine: Engine, lane: Lane, venv: Path) -> list[Su
         f"--junitxml={junit}",
         engine.integration_tests,
     ]
-    suites.append(_pytest_suite("integration", command, junit, lane_dir, env, ws))
+    integration = integration_env(engine.name, lane.mode)
+    suites.append(_pytest_suite("integration", command, junit, lane_dir, integration, ws))
     return suites
 
 

@@ -19,7 +19,7 @@ from ci.matrix.results import (
     parse_junit,
     save,
 )
-from ci.matrix.runner import LaneError, lane_env, parse_index_versions
+from ci.matrix.runner import LaneError, integration_env, lane_env, parse_index_versions
 from ci.vllm_upstream import stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,6 +191,13 @@ def test_lane_env_enables_kvcore_only_in_plugin_mode() -> None:
     assert lane_env("vllm", "plugin", base) == {"PATH": "/bin", "KVCORE_ENABLE": "vllm"}
     for mode in ("stock", "patched", "drift"):
         assert lane_env("vllm", mode, base) == {"PATH": "/bin"}
+
+
+def test_integration_tests_turn_a_patched_build_off() -> None:
+    base = {"PATH": "/bin", "KVCORE_ENABLE": "all"}
+    assert integration_env("sglang", "patched", base) == {"PATH": "/bin", "KVCORE_ENABLE": "0"}
+    assert integration_env("sglang", "plugin", base) == lane_env("sglang", "plugin", base)
+    assert integration_env("sglang", "stock", base) == {"PATH": "/bin"}
 
 
 def test_parse_index_versions() -> None:
