@@ -424,3 +424,18 @@ def test_diff_round_trip(old, new, old_end, new_end):
     [parsed] = parse_diff(diff)
     assert apply_diff(old_text, parsed) == new_text
     assert apply_diff(new_text, parsed, reverse=True) == old_text
+
+
+def test_doctor_state_of_the_installed_engine(patches_dir, tree_root, monkeypatch):
+    from kvcore.patching import status
+
+    monkeypatch.setattr(status, "spec_for", lambda engine: SPEC)
+    monkeypatch.setattr(status, "find_tree", lambda spec, target: find_tree(SPEC, tree_root))
+    monkeypatch.setattr(status, "DEFAULT_PATCHES_DIR", patches_dir)
+    assert status.installed_patch_state("fakeeng") == "pristine"
+    apply_set(patches_dir, tree_root)
+    assert status.installed_patch_state("fakeeng") == "applied"
+    (tree_root / FILES[0]).write_text("# changed by hand\n")
+    assert status.installed_patch_state("fakeeng").startswith("mixed: applied, ")
+    monkeypatch.setattr(status, "DEFAULT_PATCHES_DIR", patches_dir / "elsewhere")
+    assert status.installed_patch_state("fakeeng") == f"no patch set for fakeeng {VERSION}"
