@@ -9,11 +9,11 @@ so the transfer tests reach both sides through it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
 from sglang.srt.mem_cache.memory_pool import (
     DSATokenToKVPool,
     MHATokenToKOnlyPool,
@@ -21,9 +21,23 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPool,
 )
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
+from sglang.srt.mem_cache.pool_host.mha import (
+    AsymmetricMHATokenToKVPoolHost,
+    MHATokenToKOnlyPoolHost,
+    MHATokenToKVPoolHost,
+)
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.runtime_context import get_parallel
+
+try:
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
+except ImportError:
+    # SGLang 0.5.22: host pools take their device pool itself, not its buffer description.
+    _mha_host_inputs = None
+# Whether MLATokenToKVPoolHost takes the device pool (0.5.22) or its buffer info (0.5.23).
+_MLA_HOST_TAKES_DEVICE_POOL = (
+    "device_pool" in inspect.signature(MLATokenToKVPoolHost.__init__).parameters
+)
 
 HOST_RATIO = 2.0
 LAYERS = 2
@@ -69,20 +83,31 @@ def mha_host(
     heads: int = 1,
 ) -> Any:
     device = _mha_device(tokens, page_size, layers=layers, heads=heads)
-    host_cls, buffer_info, kwargs = _mha_host_inputs(device)
-    return host_cls(buffer_info, **kwargs, **_host_args(page_size, layout))
+    return _mha_host_for(device, page_size, layout)
 
 
 def asymmetric_mha_host(tokens: int, page_size: int) -> Any:
     device = _mha_device(tokens, page_size, v_head_dim=16)
-    host_cls, buffer_info, kwargs = _mha_host_inputs(device)
     # SGLang accepts only page-major layouts when K and V widths differ.
-    return host_cls(buffer_info, **kwargs, **_host_args(page_size, "page_first"))
+    return _mha_host_for(device, page_size, "page_first")
+
+
+def _mha_host_for(device: MHATokenToKVPool, page_size: int, layout: str) -> Any:
+    if _mha_host_inputs is None:
+        asymmetric = device.v_head_dim != device.head_dim
+        host_cls = AsymmetricMHATokenToKVPoolHost if asymmetric else MHATokenToKVPoolHost
+        return host_cls(device, **_host_args(page_size, layout))
+    host_cls, buffer_info, kwargs = _mha_host_inputs(device)
+    return host_cls(buffer_info, **kwargs, **_host_args(page_size, layout))
 
 
 def _mla_host_for(
     device: MLATokenToKVPool, page_size: int, layout: str = "layer_first"
 ) -> MLATokenToKVPoolHost:
+    if _MLA_HOST_TAKES_DEVICE_POOL:
+        return MLATokenToKVPoolHost(
+            device, override_kv_cache_dim=device.kv_cache_dim, **_host_args(page_size, layout)
+        )
     return MLATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
         device_capacity_tokens=device.size,
