@@ -38,6 +38,7 @@ from kvcore.runs import (
     find_paired_runs,
     find_runs,
     has_duplicates,
+    slice_runs,
 )
 
 SUPPORTED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
@@ -211,10 +212,9 @@ def plan(
         path = _check_forced(force, runs, src_row_bytes, policy)
     else:
         path = _choose_path(runs, host_runs, nbytes, src_row_bytes, policy)
-    host_idx = src_idx if direction is Direction.H2D else dst_idx
     staged: tuple[StagedChunk, ...] = ()
     if path is TransferPath.STAGED:
-        staged = staged_chunks(host_idx, host_runs, policy.staging_bytes // src_row_bytes)
+        staged = staged_chunks(host_runs, policy.staging_bytes // src_row_bytes)
     return TransferPlan(
         path=path,
         direction=direction,
@@ -244,19 +244,13 @@ class StagedChunk:
     host_runs: Runs
 
 
-def staged_chunks(
-    host_idx: torch.Tensor, host_runs: Runs, chunk_rows: int
-) -> tuple[StagedChunk, ...]:
-    """``host_idx`` cut into chunks of at most ``chunk_rows`` rows (a staging buffer's worth)."""
-    rows = int(host_idx.numel())
+def staged_chunks(host_runs: Runs, chunk_rows: int) -> tuple[StagedChunk, ...]:
+    """The host runs cut into chunks of at most ``chunk_rows`` rows (a staging buffer's worth)."""
+    rows = host_runs.total
     if rows <= chunk_rows:
         return (StagedChunk(0, rows, host_runs),)
-    return tuple(
-        StagedChunk(
-            begin, min(begin + chunk_rows, rows), find_runs(host_idx[begin : begin + chunk_rows])
-        )
-        for begin in range(0, rows, chunk_rows)
-    )
+    bounds = [(begin, min(begin + chunk_rows, rows)) for begin in range(0, rows, chunk_rows)]
+    return tuple(StagedChunk(b, e, slice_runs(host_runs, b, e)) for b, e in bounds)
 
 
 def _resolve_direction(
@@ -483,8 +477,7 @@ class Mover:
         chunks = plan.staged_chunks
         if not chunks or chunks[0].end - chunks[0].begin > chunk_rows:
             # A mover whose staging buffer is smaller than the plan's policy assumed.
-            host_idx = plan.src_idx if page_in else plan.dst_idx
-            chunks = staged_chunks(host_idx, plan.host_runs, chunk_rows)
+            chunks = staged_chunks(plan.host_runs, chunk_rows)
         with self.staging.lease(plan.device) as buffer:
             for chunk in chunks:
                 begin, end = chunk.begin, chunk.end
