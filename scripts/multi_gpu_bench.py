@@ -226,6 +226,8 @@ class Worker:
                 self.clock.sync()
                 ceiling = nbytes * repeats / self.clock.seconds(ceiling_copy, repeats)[0] / 1e9
                 alone = nbytes * repeats / self.clock.seconds(transfer, repeats)[0] / 1e9
+        self.wait()
+        _, together_started, together_ended = self.clock.seconds(ceiling_copy, repeats)
         expected = self.poison(chosen, host_raw, device_raw, idx)
         self.wait()
         seconds, started, ended = self.clock.seconds(transfer, repeats)
@@ -236,6 +238,8 @@ class Worker:
             "started": started,
             "ended": ended,
             "ceiling_gbps": ceiling,
+            "ceiling_together_started": together_started,
+            "ceiling_together_ended": together_ended,
             "alone_gbps": alone,
             "identical": identical(chosen.dst.to(self.device), expected),
         }
@@ -276,14 +280,23 @@ def worker_main(rank: int, config: BenchConfig, barrier: Any) -> None:
     path.write_text(json.dumps(report))
 
 
+def wall_span(per_gpu: list[dict[str, Any]], start_key: str, end_key: str) -> float:
+    return max(g[end_key] for g in per_gpu) - min(g[start_key] for g in per_gpu)
+
+
 def summarise(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per round x scenario: per-GPU figures, aggregate and the summed ceilings."""
     rows = []
     for r, first in enumerate(ranks[0]["rounds"]):
         for s, scenario in enumerate(first["scenarios"]):
             per_gpu = [rank["rounds"][r]["scenarios"][s] for rank in ranks]
-            span = max(g["ended"] for g in per_gpu) - min(g["started"] for g in per_gpu)
-            aggregate = sum(g["bytes"] for g in per_gpu) / span / 1e9
+            moved = sum(g["bytes"] for g in per_gpu)
+            aggregate = moved / wall_span(per_gpu, "started", "ended") / 1e9
+            together = (
+                moved
+                / wall_span(per_gpu, "ceiling_together_started", "ceiling_together_ended")
+                / 1e9
+            )
             ceiling_sum = sum(g["ceiling_gbps"] for g in per_gpu)
             rows.append(
                 {
@@ -298,6 +311,8 @@ def summarise(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "sum_per_gpu_gbps": sum(g["gbps"] for g in per_gpu),
                     "n_x_ceiling_gbps": ceiling_sum,
                     "share_of_n_x_ceiling": aggregate / ceiling_sum if ceiling_sum else 0.0,
+                    "ceiling_together_gbps": together,
+                    "share_of_ceiling_together": aggregate / together if together else 0.0,
                     "identical": all(g["identical"] for g in per_gpu),
                 }
             )
@@ -312,6 +327,19 @@ def numa_gain(rows: list[dict[str, Any]]) -> dict[str, float]:
         for (setting, scenario), off in by_round.items()
         if setting == "off" and ("auto", scenario) in by_round and off
     }
+
+
+def measure_host_copy(nbytes: int = 1 << 31, repeats: int = 3) -> dict[str, Any]:
+    """Host memory bandwidth on all CPU threads, the bound N links share on one node."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return {"bytes": nbytes, "threads": torch.get_num_threads(), "gbps": nbytes / best / 1e9}
 
 
 def describe_host(config: BenchConfig) -> dict[str, Any]:
@@ -349,6 +377,11 @@ def format_table(report: dict[str, Any]) -> str:
         f"device: {report['device']}",
         f"{report['tokens']} tokens per transfer, {report['repeats']} timed repeats; "
         f"aggregate = all bytes / wall span of all GPUs; goal >= {GOAL_SHARE:.0%} of N x ceiling",
+        "ceil all = the plain contiguous pinned copy run by every GPU at once (what the host "
+        "gives N links together)",
+        f"host memory: one {report['host_copy']['bytes'] >> 20} MiB CPU-to-CPU copy on "
+        f"{report['host_copy']['threads']} threads reads and writes "
+        f"{report['host_copy']['gbps']:.1f} GB/s each way",
     ]
     for info in report["buffers"]:
         lines.append(
@@ -358,7 +391,7 @@ def format_table(report: dict[str, Any]) -> str:
         )
     header = (
         f"{'numa':<5} {'scenario':<32} {'path':<14} {'per-GPU GB/s':>17} {'alone':>7} "
-        f"{'aggr':>8} {'N x ceil':>9} {'share':>6} ok"
+        f"{'aggr':>8} {'N x ceil':>9} {'share':>6} {'ceil all':>9} {'share':>6} ok"
     )
     lines += ["", header]
     for row in report["summary"]:
@@ -370,6 +403,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{row['numa']:<5} {row['scenario']:<32} {','.join(row['paths']):<14} {spread:>17} "
             f"{statistics.mean(row['alone_gbps']):>7.1f} {row['aggregate_gbps']:>8.1f} "
             f"{row['n_x_ceiling_gbps']:>9.1f} {100 * row['share_of_n_x_ceiling']:>5.0f}% "
+            f"{row['ceiling_together_gbps']:>9.1f} {100 * row['share_of_ceiling_together']:>5.0f}% "
             f"{'yes' if row['identical'] else 'NO'}"
         )
     if report["numa_gain"]:
@@ -434,6 +468,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ranks = [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
     summary = summarise(ranks)
     host = describe_host(config)
+    host_copy = measure_host_copy(1 << 31 if args.device == "cuda" else 1 << 24)
     buffers = [
         {"rank": rank["rank"], **{k: v for k, v in info.items() if k != "scenarios"}}
         for rank in ranks
@@ -441,6 +476,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     return {
         **host,
+        "host_copy": host_copy,
         "tokens": args.tokens,
         "repeats": args.repeats,
         "torch": torch.__version__,

@@ -627,8 +627,10 @@ def test_one_rank_measures_every_scenario_exactly(bench: ModuleType) -> None:
         assert scenario["bytes"] == 2 * 256 * (4096 if "mha" in scenario["scenario"] else 1152)
         assert scenario["gbps"] > 0 and scenario["ceiling_gbps"] > 0
         assert scenario["started"] <= scenario["ended"]
-    # Per round: one before the buffer; per scenario one turn alone and one start together.
-    assert barrier.waits == 2 * (1 + 8 * 2)
+        assert scenario["ceiling_together_started"] <= scenario["ceiling_together_ended"]
+    # Per round: one before the buffer; per scenario one turn alone, one start of the
+    # ceiling copy together and one start of the transfer together.
+    assert barrier.waits == 2 * (1 + 8 * 3)
 
 
 @pytest.mark.parametrize("fault", ["wrong_byte", "stray_row"])
@@ -662,7 +664,10 @@ def test_byte_check_catches_a_wrong_or_stray_row(
 
 def test_summary_aggregates_over_the_wall_span_and_compares_rounds(bench: ModuleType) -> None:
     def scenario(started: float, ended: float, gbps: float, ceiling: float) -> dict[str, Any]:
+        # The ceiling copy ran together 1 s before the transfer and took half as long.
         return {
+            "ceiling_together_started": started - 1.0,
+            "ceiling_together_ended": started - 1.0 + (ended - started) / 2,
             "scenario": "mha-4KiB/h2d/host-contiguous",
             "path": "single_copy",
             "bytes": 10**9,
@@ -692,6 +697,9 @@ def test_summary_aggregates_over_the_wall_span_and_compares_rounds(bench: Module
     assert off["n_x_ceiling_gbps"] == pytest.approx(90.0)
     assert off["share_of_n_x_ceiling"] == pytest.approx(20.0 / 90.0)
     assert off["per_gpu_gbps"] == [25.0, 12.0] and off["gpus"] == 2
+    # rank 0's copy spans [9.0, 9.025], rank 1's [9.01, 9.055]: 2 GB in 0.055 s.
+    assert off["ceiling_together_gbps"] == pytest.approx(2e9 / 0.055 / 1e9)
+    assert off["share_of_ceiling_together"] == pytest.approx(0.055 / 0.1)
     assert auto["aggregate_gbps"] == pytest.approx(40.0)
     gain = bench.numa_gain([off, auto])
     assert gain == {"mha-4KiB/h2d/host-contiguous": pytest.approx(2.0)}
