@@ -23,23 +23,14 @@ from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.kernels.reference import (
-    as_row_words,
     index_copy_rows,
     row_bytes,
     row_word_bytes,
+    rows_as_words,
     staging_words,
 )
 from kvcore.metrics import Metrics
-from kvcore.runs import (
-    PairedRuns,
-    Runs,
-    check_bounds,
-    check_index,
-    find_paired_runs,
-    find_runs,
-    has_duplicates,
-    slice_runs,
-)
+from kvcore.runs import PairedRuns, Runs, check_index, segment_transfer, slice_runs
 
 SUPPORTED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
 
@@ -185,20 +176,18 @@ def plan(
     """
     src_idx = check_index(src_idx, "src_idx")
     dst_idx = check_index(dst_idx, "dst_idx")
-    if src_idx.numel() != dst_idx.numel():
-        raise ValueError(f"src_idx has {src_idx.numel()} entries but dst_idx has {dst_idx.numel()}")
     for name, tensor in (("src", src), ("dst", dst)):
         if tensor.dim() == 0:
             raise ValueError(f"{name} is a scalar; rows are indexed along dim 0")
-    src_span = check_bounds(src_idx, src.shape[0], "src_idx")
-    dst_span = check_bounds(dst_idx, dst.shape[0], "dst_idx")
-    if has_duplicates(dst_idx):
+    direction = _resolve_direction(src.device, dst.device, direction)
+    found = segment_transfer(
+        src_idx, dst_idx, src.shape[0], dst.shape[0], host_is_src=direction is Direction.H2D
+    )
+    if found.dst_has_duplicates:
         # Which source row would win is undefined: stock GPU copies would race.
         raise ValueError("dst_idx holds duplicate indices")
-    direction = _resolve_direction(src.device, dst.device, direction)
-
-    runs = find_paired_runs(src_idx, dst_idx)
-    host_runs = find_runs(src_idx if direction is Direction.H2D else dst_idx)
+    runs, host_runs = found.runs, found.host_runs
+    src_span, dst_span = found.src_span, found.dst_span
     rows = int(src_idx.numel())
     src_row_bytes = row_bytes(src)
     nbytes = rows * src_row_bytes
@@ -499,7 +488,4 @@ def _word_views(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, tor
     if src_width is None or dst_width is None:
         raise ValueError("the plan's tensors no longer have dense rows; plan again")
     width = min(src_width, dst_width)
-    src_words = as_row_words(src, width)
-    dst_words = as_row_words(dst, width)
-    assert src_words is not None and dst_words is not None
-    return src_words, dst_words
+    return rows_as_words(src, width), rows_as_words(dst, width)

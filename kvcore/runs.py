@@ -89,10 +89,13 @@ def check_bounds(index: torch.Tensor, size: int, name: str = "index") -> int:
 
     The span (0 for an empty index) is the fewest rows a buffer indexed by it needs.
     """
-    if index.numel() == 0:
+    return _span(check_index(index, name).numpy(), size, name)
+
+
+def _span(values: np.ndarray, size: int, name: str) -> int:
+    if values.size == 0:
         return 0
-    low = int(index.min())
-    high = int(index.max())
+    low, high = int(values.min()), int(values.max())
     if low < 0 or high >= size:
         bad = low if low < 0 else high
         raise ValueError(f"{name} holds {bad}, outside [0, {size})")
@@ -100,9 +103,28 @@ def check_bounds(index: torch.Tensor, size: int, name: str = "index") -> int:
 
 
 def has_duplicates(index: torch.Tensor) -> bool:
-    if index.numel() < 2:
+    values = check_index(index).numpy()
+    if values.size < 2:
         return False
-    return bool(torch.unique(index).numel() != index.numel())
+    if int(values.min()) < 0:
+        return int(np.unique(values).size) != values.size
+    return _has_duplicates(values, np.diff(values), int(values.max()) + 1)
+
+
+# A mask of the index's span is linear time; past this many slots per entry, sorting
+# costs less memory than the mask.
+_MASK_SLOTS_PER_ENTRY = 64
+
+
+def _has_duplicates(values: np.ndarray, steps: np.ndarray, span: int) -> bool:
+    """Duplicates in ``values`` (non-negative, below ``span``) whose ``np.diff`` is ``steps``."""
+    if values.size < 2 or bool((steps > 0).all()):
+        return False
+    if span <= _MASK_SLOTS_PER_ENTRY * values.size:
+        seen = np.zeros(span, dtype=np.bool_)
+        seen[values] = True
+        return int(np.count_nonzero(seen)) != values.size
+    return int(np.unique(values).size) != values.size
 
 
 # numpy does the segmentation: each torch op on a small CPU tensor costs several
@@ -145,6 +167,54 @@ def find_paired_runs(src_index: torch.Tensor, dst_index: torch.Tensor) -> Paired
     offsets, lengths = _segment(src.size, breaks)
     at = offsets.numpy()
     return PairedRuns(torch.from_numpy(src[at]), torch.from_numpy(dst[at]), lengths, offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferSegmentation:
+    """Everything a plan needs from its two index tensors, found in one pass over each."""
+
+    runs: PairedRuns
+    host_runs: Runs
+    src_span: int
+    dst_span: int
+    dst_has_duplicates: bool
+
+
+def segment_transfer(
+    src_index: torch.Tensor,
+    dst_index: torch.Tensor,
+    src_size: int,
+    dst_size: int,
+    *,
+    host_is_src: bool,
+) -> TransferSegmentation:
+    """Bounds, duplicate destinations, paired runs and host runs of one transfer.
+
+    The same as :func:`check_bounds` on each side, :func:`has_duplicates` on the
+    destination, :func:`find_paired_runs` and :func:`find_runs` on the host side, but
+    each index is differenced once: a layer's plan is on the engine's submit path.
+    """
+    src = check_index(src_index, "src_idx").numpy()
+    dst = check_index(dst_index, "dst_idx").numpy()
+    if src.size != dst.size:
+        raise ValueError(f"src_idx has {src.size} entries but dst_idx has {dst.size}")
+    src_span = _span(src, src_size, "src_idx")
+    dst_span = _span(dst, dst_size, "dst_idx")
+    if src.size == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        runs = PairedRuns(empty, empty.clone(), empty.clone(), empty.clone())
+        return TransferSegmentation(runs, Runs(empty.clone(), empty.clone()), 0, 0, False)
+    src_steps, dst_steps = np.diff(src), np.diff(dst)
+    src_breaks, dst_breaks = src_steps != 1, dst_steps != 1
+    offsets, lengths = _segment(src.size, np.flatnonzero(src_breaks | dst_breaks) + 1)
+    at = offsets.numpy()
+    runs = PairedRuns(torch.from_numpy(src[at]), torch.from_numpy(dst[at]), lengths, offsets)
+    host, host_breaks = (src, src_breaks) if host_is_src else (dst, dst_breaks)
+    host_offsets, host_lengths = _segment(host.size, np.flatnonzero(host_breaks) + 1)
+    host_runs = Runs(torch.from_numpy(host[host_offsets.numpy()]), host_lengths)
+    return TransferSegmentation(
+        runs, host_runs, src_span, dst_span, _has_duplicates(dst, dst_steps, dst_span)
+    )
 
 
 def slice_runs(runs: Runs, begin: int, end: int) -> Runs:

@@ -56,10 +56,21 @@ class _CudaIndexedOps:
     def _on(self, index: torch.Tensor, device: torch.device) -> torch.Tensor:
         if index.device == device:
             return index
+        return self._uploader(device).upload(index)
+
+    def _both_on(
+        self, first: torch.Tensor, second: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if first.device == device or second.device == device:
+            return self._on(first, device), self._on(second, device)
+        on_device = self._uploader(device).upload_all((first, second))
+        return on_device[0], on_device[1]
+
+    def _uploader(self, device: torch.device) -> IndexUploader:
         uploader = self._uploaders.get(device)
         if uploader is None:
             uploader = self._uploaders.setdefault(device, IndexUploader(device))
-        return uploader.upload(index)
+        return uploader
 
     def gather_rows(
         self,
@@ -76,13 +87,8 @@ class _CudaIndexedOps:
         if host.device.type == "cpu" and not host.is_pinned():
             reference.gather_rows(src_words, src_idx, dst_words, dst_idx)
             return "gather_kernel_unavailable:pageable_host"
-        gather_rows_uva(
-            src_words,
-            self._on(src_idx, device),
-            dst_words,
-            self._on(dst_idx, device),
-            ctas=self.gather_ctas,
-        )
+        src_on_device, dst_on_device = self._both_on(src_idx, dst_idx, device)
+        gather_rows_uva(src_words, src_on_device, dst_words, dst_on_device, ctas=self.gather_ctas)
         return None
 
     def _scatter_stream(self, device: torch.device) -> torch.cuda.Stream:

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-_CacheKey = tuple[int, int, int, int]
+_CacheKey = tuple[tuple[int, int, int, int], ...]
 
 
 class IndexUploader:
@@ -44,9 +44,11 @@ class IndexUploader:
         self._stream = torch.cuda.Stream(device=device)
         self._lock = threading.Lock()
         self._cached = cached
-        # key -> (the CPU tensor, kept alive so its address is not reused; device copy; event)
+        # key -> (the CPU tensors, kept alive so their addresses are not reused; their device
+        # copies, views of one block; its event)
         self._recent: OrderedDict[
-            _CacheKey, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]
+            _CacheKey,
+            tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.cuda.Event],
         ] = OrderedDict()
 
     @property
@@ -55,31 +57,39 @@ class IndexUploader:
 
     def upload(self, index: torch.Tensor) -> torch.Tensor:
         """``index`` on the device, ready for work issued afterwards on the current stream."""
+        return self.upload_all((index,))[0]
+
+    def upload_all(self, indices: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Several indices in one copy (a gather's source and destination rows): one slot,
+        one transfer and one event instead of one each."""
         consumer = torch.cuda.current_stream(self.device)
-        key = (index.data_ptr(), index._version, index.numel(), index.stride(0))
+        key = tuple((i.data_ptr(), i._version, i.numel(), i.stride(0)) for i in indices)
         with self._lock:
             hit = self._recent.get(key)
             if hit is not None:
                 self._recent.move_to_end(key)
         if hit is not None:
-            _, out, done = hit
+            _, on_device, done = hit
             consumer.wait_event(done)
-            out.record_stream(consumer)
-            return out
-        out, done = self._upload(index, consumer)
+            # The views share one block: recording one keeps all of them alive.
+            on_device[0].record_stream(consumer)
+            return on_device
+        out, done = self._upload(indices, consumer)
+        on_device = (out,) if len(indices) == 1 else out.split([i.numel() for i in indices])
         with self._lock:
-            self._recent[key] = (index, out, done)
+            self._recent[key] = (indices, on_device, done)
             while len(self._recent) > self._cached:
                 self._recent.popitem(last=False)
-        return out
+        return on_device
 
     def _upload(
-        self, index: torch.Tensor, consumer: torch.cuda.Stream
+        self, indices: tuple[torch.Tensor, ...], consumer: torch.cuda.Stream
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        n = index.numel()
+        n = sum(i.numel() for i in indices)
         if n > self.slot_entries:
             # Larger than a slot: rare, and correct through torch's own pinned path.
-            out = index.pin_memory().to(self.device, non_blocking=True)
+            joined = torch.cat([i.reshape(-1).to(torch.int64) for i in indices])
+            out = joined.pin_memory().to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(consumer)
             return out, done
@@ -90,7 +100,10 @@ class IndexUploader:
             if earlier is not None:
                 earlier.synchronize()
             staged = self._host[slot, :n]
-            staged.copy_(index)
+            at = 0
+            for index in indices:
+                staged[at : at + index.numel()].copy_(index)
+                at += index.numel()
             # Allocated from the upload stream's pool, so no pending work of another
             # stream can still be using this memory when the upload writes it.
             with torch.cuda.stream(self._stream):

@@ -88,9 +88,14 @@ def as_row_words(t: torch.Tensor, word_bytes: int | None = None) -> torch.Tensor
     width = widest if word_bytes is None else word_bytes
     if width not in _WORD_DTYPES or widest % width:
         raise ValueError(f"word size {width} does not fit a tensor whose widest word is {widest}")
+    return rows_as_words(t, width)
+
+
+def rows_as_words(t: torch.Tensor, word_bytes: int) -> torch.Tensor:
+    """:func:`as_row_words` for a width already checked against :func:`row_word_bytes`."""
     rows = t.shape[0]
     as_bytes = t.reshape(rows, math.prod(t.shape[1:])).view(torch.uint8)
-    return as_bytes.view(_WORD_DTYPES[width])
+    return as_bytes.view(_WORD_DTYPES[word_bytes])
 
 
 def staging_words(staging: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:

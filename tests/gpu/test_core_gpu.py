@@ -295,6 +295,23 @@ def test_index_upload_is_reused_per_layer_until_the_index_changes() -> None:
     assert torch.equal(second.cpu(), index)
 
 
+def test_index_pairs_upload_in_one_slot_and_are_reused() -> None:
+    from kvcore.kernels.index_upload import IndexUploader
+
+    uploader = IndexUploader(torch.device("cuda"), slots=2, slot_entries=1 << 12)
+    gen = torch.Generator().manual_seed(12)
+    src, dst = torch.randperm(3000, generator=gen)[:1500], torch.randperm(2500, generator=gen)
+    first = uploader.upload_all((src, dst))
+    assert [t.numel() for t in first] == [1500, 2500]
+    assert torch.equal(first[0].cpu(), src) and torch.equal(first[1].cpu(), dst)
+    assert uploader.upload_all((src, dst)) is first  # the next layer: no second upload
+    swapped = uploader.upload_all((dst, src))  # another pair, not the cached one
+    assert torch.equal(swapped[0].cpu(), dst) and torch.equal(swapped[1].cpu(), src)
+    big = (torch.arange(3000), torch.arange(2000) + 7)  # together larger than a slot
+    on_device = uploader.upload_all(big)
+    assert all(torch.equal(d.cpu(), h) for d, h in zip(on_device, big, strict=True))
+
+
 def test_rebound_plan_copies_every_layer_exactly() -> None:
     layers, pool, n = 3, 4096, 1024
     gen = torch.Generator().manual_seed(11)

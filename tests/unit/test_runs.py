@@ -13,6 +13,7 @@ from kvcore.runs import (
     find_runs,
     has_duplicates,
     is_single_run,
+    segment_transfer,
     slice_runs,
 )
 
@@ -136,3 +137,47 @@ def test_bounds_and_duplicates() -> None:
     assert has_duplicates(torch.tensor([4, 1, 4]))
     assert not has_duplicates(torch.tensor([4, 1, 5]))
     assert find_runs(torch.tensor([1, 2, 3], dtype=torch.int32)).as_list() == [(1, 3)]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[4, 1, 4], [0, 1, 2, 2], [7, 0, 500_000, 7], [-3, 5, -3], [2, 1, 0], [0, 1_000_000, 3]],
+)
+def test_duplicates_found_by_mask_and_by_sorting_alike(values: list[int]) -> None:
+    # Small spans take the mask, spans far larger than the index take the sort.
+    index = torch.tensor(values)
+    assert has_duplicates(index) == (len(set(values)) != len(values))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60),
+    st.booleans(),
+)
+def test_segment_transfer_equals_the_separate_functions(
+    pairs: list[tuple[int, int]], host_is_src: bool
+) -> None:
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    found = segment_transfer(src, dst, 41, 41, host_is_src=host_is_src)
+    paired = find_paired_runs(src, dst)
+    for mine, theirs in (
+        (found.runs.src_starts, paired.src_starts),
+        (found.runs.dst_starts, paired.dst_starts),
+        (found.runs.lengths, paired.lengths),
+        (found.runs.offsets, paired.offsets),
+    ):
+        assert mine.tolist() == theirs.tolist()
+    assert found.host_runs.as_list() == find_runs(src if host_is_src else dst).as_list()
+    assert found.src_span == check_bounds(src, 41)
+    assert found.dst_span == check_bounds(dst, 41)
+    assert found.dst_has_duplicates == has_duplicates(dst)
+
+
+def test_segment_transfer_checks_bounds_and_lengths() -> None:
+    with pytest.raises(ValueError, match="src_idx holds 8"):
+        segment_transfer(torch.tensor([8]), torch.tensor([0]), 8, 8, host_is_src=True)
+    with pytest.raises(ValueError, match="dst_idx holds -1"):
+        segment_transfer(torch.tensor([0]), torch.tensor([-1]), 8, 8, host_is_src=True)
+    with pytest.raises(ValueError, match="2 entries but dst_idx has 1"):
+        segment_transfer(torch.tensor([0, 1]), torch.tensor([0]), 8, 8, host_is_src=False)
