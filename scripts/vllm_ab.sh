@@ -80,8 +80,15 @@ CONFIGS = {
 }
 SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 2 << 20)
 # What vLLM itself would run, best first; per_block_copy only where none of these can run.
-STOCK = ("stock_handler", "stock_triton", "stock_batch_dma", "per_block_copy")
-PATHS = ("stock_handler", "stock_batch_dma", "stock_triton", "per_block_copy", "kvcore")
+STOCK = ("stock_handler", "stock_handler_emul", "stock_triton", "stock_batch_dma", "per_block_copy")
+PATHS = (
+    "stock_handler",
+    "stock_handler_emul",
+    "stock_batch_dma",
+    "stock_triton",
+    "per_block_copy",
+    "kvcore",
+)
 
 
 class PathFailed(Exception):

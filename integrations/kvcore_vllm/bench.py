@@ -7,6 +7,9 @@ the source after every timed copy, and returns one row per (direction, size,
 fragmentation, path). Stock paths, whichever can run where it runs:
 
 * ``stock_handler``: vLLM's handler end to end, when vLLM's compiled ops are loaded;
+* ``stock_handler_emul``: where they are not, vLLM's handler end to end with its compiled
+  copy op (when it picked that op over its Triton kernel) replaced by the same driver call
+  on the same descriptor arrays, read in place through ctypes;
 * ``stock_batch_dma``: what its compiled op does (one cudaMemcpyBatchAsync over one
   descriptor per page), issued through kvcore's binding of the same driver call;
 * ``stock_triton``: vLLM's Triton swap kernel over the stock descriptors (loads whose
@@ -18,8 +21,11 @@ On a CPU ``device`` only ``per_block_copy`` and ``kvcore`` run (a tiny dry run).
 
 from __future__ import annotations
 
+import copy
+import functools
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +37,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 
 from kvcore.config import KVCoreConfig
-from kvcore.kernels.batch_copy import _runtime, _stream_ordered_attrs, batch_copy_available
+from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, policy_from_config
 from kvcore.streams import CpuSyncBackend
@@ -272,6 +278,9 @@ def _paths(
     if device.type == "cuda":
         if _compiled_ops_loaded():
             paths.append(("stock_handler", lambda: _through_handler(stock, specs)))
+        elif batch_copy_available() and hasattr(stock, "_swap_blocks_batch"):
+            emulated = _with_emulated_copy_op(stock)
+            paths.append(("stock_handler_emul", lambda: _through_handler(emulated, specs)))
         if batch_copy_available():
             # Stock copies on a stream of its own; the batch API rejects the legacy default one.
             side = torch.cuda.Stream(device)
@@ -283,6 +292,39 @@ def _paths(
     paths.append(("per_block_copy", lambda: _per_block(stock, specs)))
     paths.append(("kvcore", lambda: _through_handler(kvcore, specs)))
     return paths
+
+
+def _with_emulated_copy_op(
+    stock: SingleDirectionOffloadingHandler,
+) -> SingleDirectionOffloadingHandler:
+    """A copy of ``stock`` whose compiled copy op, where it picked that op, is replaced by
+    the same driver call on the same descriptors (vLLM's Triton pick is kept as is).
+
+    Everything else (descriptor fill, streams, events, get_finished) is vLLM's own code, so
+    the handler's host cost is measured too, as it is for kvcore's handler.
+    """
+    emulated = copy.copy(stock)
+    if not isinstance(stock._swap_blocks_batch, functools.partial):
+        emulated._swap_blocks_batch = _emulated_swap_blocks_batch
+    # Its own queue of jobs, streams, events and descriptor buffers.
+    emulated._transfers = deque()
+    emulated._transfer_events = {}
+    emulated._stream_pool, emulated._event_pool, emulated._buffer_pool = [], [], []
+    return emulated
+
+
+def _emulated_swap_blocks_batch(
+    src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, is_src_access_order_any: bool
+) -> None:
+    """vLLM's compiled swap_blocks_batch: one cudaMemcpyBatchAsync over the descriptor
+    arrays as they lie in memory, on the current stream."""
+    batch_copy_pointers(
+        dst.numpy().view(np.uint64),
+        src.numpy().view(np.uint64),
+        sizes.numpy().view(np.uint64),
+        torch.cuda.current_stream(),
+        source_in_stream_order=not is_src_access_order_any,
+    )
 
 
 def _through_handler(handler: Any, specs: tuple[Any, Any]) -> None:
@@ -334,22 +376,9 @@ def _batch_dma(
 ) -> None:
     """One cudaMemcpyBatchAsync over the stock descriptors, as vLLM's compiled op issues,
     on ``stream`` once it has caught up with the current one (stock's ordering)."""
-    rt = _runtime()
-    assert rt is not None, "_paths offers this path only where batch copies are available"
     stream.wait_stream(torch.cuda.current_stream(stream.device))
-    result = rt.cudaMemcpyBatchAsync(
-        dst.tolist(),
-        src.tolist(),
-        sizes.tolist(),
-        len(sizes),
-        [_stream_ordered_attrs(rt)],
-        [0],
-        1,
-        stream.cuda_stream,
-    )
-    error = result[0] if isinstance(result, tuple) else result
-    if error != rt.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"cudaMemcpyBatchAsync: {rt.cudaGetErrorName(error)[1].decode()}")
+    with torch.cuda.stream(stream):
+        _emulated_swap_blocks_batch(src, dst, sizes, is_src_access_order_any=False)
 
 
 def _triton_applies(stock: SingleDirectionOffloadingHandler, specs: tuple[Any, Any]) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -168,6 +170,38 @@ def test_copy_runs(direction: str, row_bytes: int, copier):
     stream.synchronize()
     assert torch.equal(dst.cpu(), expected)
     assert torch.equal(src.cpu(), src_before)
+
+
+@needs_batch
+@pytest.mark.parametrize("binding", ("ctypes", "cuda-bindings"))
+@pytest.mark.parametrize("direction", ("h2d", "d2h"))
+def test_batched_copies_are_exact_through_either_binding(
+    direction: str, binding: str, monkeypatch: pytest.MonkeyPatch
+):
+    from kvcore.kernels import batch_copy
+
+    if binding == "ctypes" and batch_copy._direct_batch_call() is None:
+        pytest.skip("no dynamically loaded CUDA runtime in this process")
+    if binding == "cuda-bindings":
+        monkeypatch.setattr(batch_copy, "_direct_batch_call", lambda: None)
+    src, dst = _pair(direction, 4000, 4000, 4096, torch.int64)
+    runs, src_index, dst_index = _random_runs(4000, 4000, n_runs=700, max_len=5)
+    expected = _runs_reference(src, dst, src_index, dst_index)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        copy_runs_batched(src, dst, runs.src_starts, runs.dst_starts, runs.lengths)
+    stream.synchronize()
+    assert torch.equal(dst.cpu(), expected)
+
+
+def test_the_runtime_torch_loaded_is_called_directly_when_it_is_shared():
+    from kvcore.kernels import batch_copy
+
+    maps = Path("/proc/self/maps").read_text()
+    if "libcudart.so" not in maps or not batch_copy_available():
+        pytest.skip("torch links the CUDA runtime statically here")
+    assert batch_copy._direct_batch_call() is not None
 
 
 @needs_batch
