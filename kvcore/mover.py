@@ -65,11 +65,20 @@ class PathPolicy:
     gather_ctas: int = 8
     """CTAs (so SMs) the UVA gather kernel may occupy on CUDA."""
     max_dma_runs: int = 16
-    """Most runs worth one DMA each: each costs host time to submit (H200: ~1-2.5 us in
-    cudaMemcpyBatchAsync, ~14 us as one torch copy_)."""
+    """Most host runs a staged copy takes, one torch copy_ each (H200: ~14-45 us of host
+    time a call)."""
+    max_batched_runs: int = 256
+    """Most runs one cudaMemcpyBatchAsync takes (H200: ~100 us for 16 runs, ~1.7 us a run
+    at 256, ~0.8 us at thousands); past it the gather kernel costs less host time."""
 
     def __post_init__(self) -> None:
-        sizes = (self.staging_bytes, self.long_run_bytes, self.gather_ctas, self.max_dma_runs)
+        sizes = (
+            self.staging_bytes,
+            self.long_run_bytes,
+            self.gather_ctas,
+            self.max_dma_runs,
+            self.max_batched_runs,
+        )
         if min(sizes) < 1:
             raise ValueError(f"PathPolicy sizes must be positive, got {self}")
 
@@ -298,10 +307,9 @@ def _choose_path(
     if runs.count <= 1:
         # One run on both sides is one DMA at line rate; nothing can beat it.
         return TransferPath.SINGLE_COPY
-    if runs.count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * runs.count:
-        # A few runs long enough that DMA engines reach line rate run by run, and
-        # the per-run submission cost (one batched submission on CUDA) is amortised.
-        # Many runs cost host time per run (H200: ~1-2.5 us batched, ~14 us per copy_).
+    if runs.count <= policy.max_batched_runs and nbytes >= policy.long_run_bytes * runs.count:
+        # Runs long enough that DMA engines reach line rate run by run, few enough that
+        # the per-run submission cost (one batched submission on CUDA) stays small.
         return TransferPath.BATCHED_RUNS
     host_runs_long = host_runs.count <= 1 or (
         host_runs.count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * host_runs.count

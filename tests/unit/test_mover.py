@@ -579,9 +579,12 @@ def test_staging_buffers_are_lazy_bounded_and_reused():
 
 @pytest.mark.parametrize("direction", [H2D, D2H], ids=ident)
 def test_many_long_runs_go_to_the_gather_kernel(direction):
-    """Past max_dma_runs, per-run submission cost loses to one kernel launch."""
+    """Past max_batched_runs (max_dma_runs for staged host runs), per-run submission cost
+    loses to one kernel launch."""
     rows, runs = 8, 6
-    policy = PathPolicy(long_run_bytes=rows * 1152, max_dma_runs=runs - 1)
+    policy = PathPolicy(
+        long_run_bytes=rows * 1152, max_dma_runs=runs - 1, max_batched_runs=runs - 1
+    )
     src = torch.zeros(4 * rows * runs, *ROW, dtype=torch.bfloat16)
     dst = torch.zeros(4 * rows * runs, *ROW, dtype=torch.bfloat16)
     order = torch.randperm(2 * runs, generator=torch.Generator().manual_seed(5))[:runs]
@@ -589,10 +592,16 @@ def test_many_long_runs_go_to_the_gather_kernel(direction):
     assert plan(src, dst, long_runs, long_runs + 1, direction=direction, policy=policy).path is (
         GATHER
     )
-    relaxed = PathPolicy(long_run_bytes=rows * 1152, max_dma_runs=runs)
+    relaxed = PathPolicy(long_run_bytes=rows * 1152, max_dma_runs=runs, max_batched_runs=runs)
     assert plan(src, dst, long_runs, long_runs + 1, direction=direction, policy=relaxed).path is (
         BATCHED
     )
+    staged_only = PathPolicy(
+        long_run_bytes=rows * 1152, max_dma_runs=runs, max_batched_runs=runs - 1
+    )
+    assert plan(
+        src, dst, long_runs, long_runs + 1, direction=direction, policy=staged_only
+    ).path is (STAGED)
     scattered = torch.randperm(src.shape[0], generator=torch.Generator().manual_seed(6))
     host_long = (long_runs, scattered[: long_runs.numel()])
     host_long = host_long if direction is H2D else host_long[::-1]

@@ -50,7 +50,7 @@ METHODS = ("load_to_device_per_layer", "backup_from_device_all_layer")
 # Collected at import, before any test applies hooks.
 STOCK = {(cls, name): vars(cls)[name] for cls in POOL_CLASSES.values() for name in METHODS}
 # A small staging buffer and short "long" runs, so that every mover path is taken.
-SMALL_POLICY = PathPolicy(staging_bytes=2048, long_run_bytes=64, max_dma_runs=8)
+SMALL_POLICY = PathPolicy(staging_bytes=2048, long_run_bytes=64, max_dma_runs=8, max_batched_runs=8)
 # Layout -> the io backends SGLang accepts for it.
 LAYOUT_BACKENDS = {
     "layer_first": ("kernel", "direct"),

@@ -9,6 +9,7 @@ layout, and check that reference against the stock descriptors executed by memmo
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import pytest
 
@@ -348,6 +349,38 @@ def test_partial_pages_fall_back_to_the_stock_fill_and_copy_op_counted(gpu_to_cp
     assert all(
         torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
     )
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(gpu_to_cpu):
+    layout = Layout(page_bytes=256, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(9))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+    issued: list[int] = []
+    # What vLLM's selector returns for small pinned loads: its Triton kernel, partially applied.
+    stock._swap_blocks_batch = functools.partial(memmove_batch(issued))
+    metrics = Metrics()
+    mover = RecordingMover(SMALL)
+    handler = kvcore_handler(stock, mover=mover, metrics=metrics)
+    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]  # the gather kernel's case
+    one_run = [([4, 5, 6], [8, 9, 10], 0)]  # one copy: kvcore's either way
+    expected = reference(gpu, host, layout, scattered, gpu_to_cpu)
+    handler.transfer_async(1, *make_job(scattered, gpu_to_cpu))
+    assert all(
+        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+    )
+    expected = reference(gpu, host, layout, one_run, gpu_to_cpu)
+    handler.transfer_async(2, *make_job(one_run, gpu_to_cpu))
+    assert [r.job_id for r in handler.get_finished()] == [1, 2]
+    assert all(
+        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+    )
+    if gpu_to_cpu:  # vLLM never gives stores to its kernel: kvcore serves both
+        assert issued == [] and metrics.snapshot()["fallbacks"] == {}
+        assert [op for op, *_ in mover.ops] == ["gather_rows", "copy_runs"]
+    else:
+        assert issued == [4] and metrics.snapshot()["fallbacks"] == {"stock_kernel_load": 1}
+        assert [op for op, *_ in mover.ops] == ["copy_runs"]
 
 
 def test_page_rows_refuses_what_it_cannot_express():
