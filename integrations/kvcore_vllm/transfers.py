@@ -32,12 +32,17 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferRes
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, TransferPath, TransferPlan, plan, policy_from_config
+from kvcore.mover import Mover, TransferPlan, plan, policy_from_config
 from kvcore.runs import has_duplicates
 from kvcore.streams import CudaEventOps
 from kvcore_vllm.page_rows import PageRows, page_rows
 
 logger = logging.getLogger("kvcore.vllm")
+
+# Pages a copy kvcore issues must cover, on average, before its host cost (a few hundred
+# microseconds a copy) undercuts stock's batched copy (~1 us a page in the driver). H200
+# A/B: kvcore lost at 32-256 pages a copy and won from 512 pages (4 KiB to 64 KiB).
+MIN_PAGES_PER_COPY = 512
 
 # The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
 HANDLER_ATTRIBUTES = ("_store_handler", "_load_handler", "_expedited_load_handler")
@@ -225,7 +230,12 @@ class KVCoreOffloadingHandler:
             gpu_spec.block_indices,
             self.blocks_per_chunk,
         )
-        plans, reason = self._plan(segments)
+        reason = self._unsupported_group(segments)
+        if reason is None:
+            reason = self._stock_is_cheaper(segments)
+        plans: list[TransferPlan] = []
+        if reason is None:
+            plans, reason = self._plan(segments)
         if reason is None:
             nbytes = sum(len(s.gpu_blocks) * self._group(s).page_bytes for s in segments)
             self._submit(job_id, nbytes, lambda: self._execute(plans))
@@ -240,11 +250,14 @@ class KVCoreOffloadingHandler:
         assert isinstance(group, _Group)
         return group
 
-    def _plan(self, segments: list[Segment]) -> tuple[list[TransferPlan], str | None]:
+    def _unsupported_group(self, segments: list[Segment]) -> str | None:
         for segment in segments:
             described = self._groups[segment.group]
             if isinstance(described, str):
-                return [], described
+                return described
+        return None
+
+    def _plan(self, segments: list[Segment]) -> tuple[list[TransferPlan], str | None]:
         indices: dict[tuple[Any, ...], tuple[list[np.ndarray], list[np.ndarray]]] = {}
         members: dict[tuple[Any, ...], list[int]] = {}
         for tensor in dict.fromkeys(t for s in segments for t in self._group(s).tensors):
@@ -285,12 +298,30 @@ class KVCoreOffloadingHandler:
                     current = first.rebind(src, dst)
                 if current.reason is not None:
                     return [], current.reason
-                if current.path is TransferPath.GATHER and self._stock_loads_by_kernel:
-                    # Both are UVA kernels at line rate; stock's costs less host time a job
-                    # (H200 A/B: kvcore 0.5-0.9x on 4-16 KiB pages), so stock runs it.
-                    return [], "stock_kernel_load"
                 plans.append(current)
         return plans, None
+
+    def _stock_is_cheaper(self, segments: list[Segment]) -> str | None:
+        """Why stock's own copy costs less for this job, judged from the block ids alone.
+
+        kvcore's handler spends a few hundred microseconds of host time per copy it issues
+        (one per KV tensor, even a single DMA), stock's one batched copy about a microsecond
+        per page in the driver; so kvcore takes a job only where it saves the driver more
+        than it spends.
+        vLLM's Triton load kernel has no per-page cost: kvcore takes those loads only where
+        they are one run per group (a single DMA).
+        """
+        segments = [s for s in segments if len(s.gpu_blocks)]
+        if self._stock_loads_by_kernel and any(
+            bool((np.diff(s.gpu_blocks) != 1).any() or (np.diff(s.cpu_sub_blocks) != 1).any())
+            for s in segments
+        ):
+            return "stock_kernel_load"
+        copies = len({t for s in segments for t in self._group(s).tensors})
+        pages = sum(len(s.gpu_blocks) * len(self._group(s).tensors) for s in segments)
+        if pages < MIN_PAGES_PER_COPY * copies:
+            return "few_pages"
+        return None
 
     def _sides(self, rows: PageRows) -> tuple[torch.Tensor, torch.Tensor]:
         return (rows.gpu, rows.cpu) if self.gpu_to_cpu else (rows.cpu, rows.gpu)

@@ -29,7 +29,7 @@ from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover, PathPolicy
 from kvcore.streams import ManualCpuBackend
-from kvcore_vllm import bench
+from kvcore_vllm import bench, transfers
 from kvcore_vllm.bench import Layout, fragmented_ids, kvcore_handler, stock_handler
 from kvcore_vllm.page_rows import page_rows
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
@@ -41,6 +41,12 @@ pytestmark = pytest.mark.vllm
 # take one copy each, so copies can be counted.
 SMALL = PathPolicy(staging_bytes=1 << 20)
 COUNTABLE = PathPolicy(staging_bytes=1 << 20, long_run_bytes=1)
+
+
+@pytest.fixture(autouse=True)
+def every_job_to_kvcore(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jobs here are a few pages: let kvcore take them, as it does real-sized ones."""
+    monkeypatch.setattr(transfers, "MIN_PAGES_PER_COPY", 1)
 
 
 class RecordingMover(Mover):
@@ -381,6 +387,30 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(gpu_to_cp
     else:
         assert issued == [4] and metrics.snapshot()["fallbacks"] == {"stock_kernel_load": 1}
         assert [op for op, *_ in mover.ops] == ["copy_runs"]
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_jobs_of_few_pages_a_copy_stay_stock(monkeypatch, gpu_to_cpu):
+    monkeypatch.setattr(transfers, "MIN_PAGES_PER_COPY", 4)
+    layout = Layout(page_bytes=256, tensors=2, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(10))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+    issued: list[int] = []
+    stock._swap_blocks_batch = memmove_batch(issued)
+    metrics = Metrics()
+    mover = RecordingMover(SMALL)
+    handler = kvcore_handler(stock, mover=mover, metrics=metrics)
+    few = [([1, 2, 3], [4, 5, 6], 0)]  # 3 pages for each of 2 copies: under 4 a copy
+    enough = [([7, 8, 9, 10], [0, 1, 2, 3], 0)]  # 4 pages a copy
+    for job_id, groups in ((1, few), (2, enough)):
+        expected = reference(gpu, host, layout, groups, gpu_to_cpu)
+        handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
+        assert all(
+            torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+        )
+    assert [r.job_id for r in handler.get_finished()] == [1, 2]
+    assert issued == [3 * 2] and metrics.snapshot()["fallbacks"] == {"few_pages": 1}
+    assert [op for op, *_ in mover.ops] == ["copy_runs", "copy_runs"]
 
 
 def test_page_rows_refuses_what_it_cannot_express():
