@@ -240,7 +240,8 @@ def ab(
         gpu, host = layout.make_tensors(device, generator)
         for gpu_to_cpu in directions:
             stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
-            kvcore = kvcore_handler(stock)
+            # The jobs kvcore leaves to stock need stock's copy op: emulated where it is absent.
+            kvcore = kvcore_handler(_runnable_stock(stock, device))
             for frag in frag_levels:
                 gpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
                 cpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
@@ -292,6 +293,14 @@ def _paths(
     paths.append(("per_block_copy", lambda: _per_block(stock, specs)))
     paths.append(("kvcore", lambda: _through_handler(kvcore, specs)))
     return paths
+
+
+def _runnable_stock(
+    stock: SingleDirectionOffloadingHandler, device: torch.device
+) -> SingleDirectionOffloadingHandler:
+    if device.type != "cuda" or _compiled_ops_loaded() or not batch_copy_available():
+        return stock
+    return _with_emulated_copy_op(stock)
 
 
 def _with_emulated_copy_op(
