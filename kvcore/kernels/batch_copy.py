@@ -94,19 +94,17 @@ def _direct_batch_call() -> Callable[..., int] | None:
 
 
 @functools.cache
-def _stream_ordered_attrs(rt: Any) -> Any:
+def _copy_attrs(rt: Any, source_in_stream_order: bool) -> Any:
     attrs = rt.cudaMemcpyAttributes()
     # The engine's producer may still be writing the source when we submit: read it in stream
-    # order. An attribute left at its zero value (cudaMemcpySrcAccessOrderInvalid) is rejected.
-    attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-    attrs.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
-    return attrs
-
-
-@functools.cache
-def _any_order_attrs(rt: Any) -> Any:
-    attrs = rt.cudaMemcpyAttributes()
-    attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderAny
+    # order unless the caller knows no stream writes it. An attribute left at its zero value
+    # (cudaMemcpySrcAccessOrderInvalid) is rejected.
+    order = rt.cudaMemcpySrcAccessOrder
+    attrs.srcAccessOrder = (
+        order.cudaMemcpySrcAccessOrderStream
+        if source_in_stream_order
+        else order.cudaMemcpySrcAccessOrderAny
+    )
     attrs.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
     return attrs
 
@@ -221,7 +219,7 @@ def batch_copy_pointers(
     rt = _runtime()
     if rt is None:
         raise BatchCopyError("unavailable", "cuda-bindings missing")
-    attrs = _stream_ordered_attrs(rt) if source_in_stream_order else _any_order_attrs(rt)
+    attrs = _copy_attrs(rt, source_in_stream_order)
     direct = _direct_batch_call()
     count = len(sizes)
     if direct is not None:

@@ -89,6 +89,17 @@ def memmove_batch(log: list[int]):
     return swap
 
 
+def logged_handler(gpu, host, layout, gpu_to_cpu, wrap=lambda swap: swap):
+    """kvcore's handler over a stock one whose copy op logs its batches (through ``wrap``),
+    with its mover's ops and its fallbacks recorded."""
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+    issued: list[int] = []
+    stock._swap_blocks_batch = wrap(memmove_batch(issued))
+    metrics = Metrics()
+    mover = RecordingMover(SMALL)
+    return kvcore_handler(stock, mover=mover, metrics=metrics), mover, metrics, issued
+
+
 def make_job(groups, gpu_to_cpu):
     """(src_spec, dst_spec) for [(gpu_ids, cpu_ids, block_index), ...], one entry a group."""
     gpu = GPULoadStoreSpec(
@@ -339,12 +350,7 @@ def test_partial_pages_fall_back_to_the_stock_fill_and_copy_op_counted(gpu_to_cp
     # vLLM copies only a layer's unpadded bytes of each page; kvcore leaves that to stock.
     layout = Layout(page_bytes=512, tensors=2, blocks_per_chunk=2, ref_page_bytes=384)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(8))
-    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
-    issued: list[int] = []
-    stock._swap_blocks_batch = memmove_batch(issued)
-    metrics = Metrics()
-    mover = RecordingMover(SMALL)
-    handler = kvcore_handler(stock, mover=mover, metrics=metrics)
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
     groups = [([9, 10, 11], [4, 5], 1)]
     expected = reference(gpu, host, layout, groups, gpu_to_cpu)
     handler.transfer_async(4, *make_job(groups, gpu_to_cpu))
@@ -361,13 +367,10 @@ def test_partial_pages_fall_back_to_the_stock_fill_and_copy_op_counted(gpu_to_cp
 def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(gpu_to_cpu):
     layout = Layout(page_bytes=256, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(9))
-    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
-    issued: list[int] = []
     # What vLLM's selector returns for small pinned loads: its Triton kernel, partially applied.
-    stock._swap_blocks_batch = functools.partial(memmove_batch(issued))
-    metrics = Metrics()
-    mover = RecordingMover(SMALL)
-    handler = kvcore_handler(stock, mover=mover, metrics=metrics)
+    handler, mover, metrics, issued = logged_handler(
+        gpu, host, layout, gpu_to_cpu, wrap=functools.partial
+    )
     scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]  # the gather kernel's case
     one_run = [([4, 5, 6], [8, 9, 10], 0)]  # one copy: kvcore's either way
     expected = reference(gpu, host, layout, scattered, gpu_to_cpu)
@@ -394,12 +397,7 @@ def test_jobs_of_few_pages_a_copy_stay_stock(monkeypatch, gpu_to_cpu):
     monkeypatch.setattr(transfers, "MIN_PAGES_PER_COPY", 4)
     layout = Layout(page_bytes=256, tensors=2, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(10))
-    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
-    issued: list[int] = []
-    stock._swap_blocks_batch = memmove_batch(issued)
-    metrics = Metrics()
-    mover = RecordingMover(SMALL)
-    handler = kvcore_handler(stock, mover=mover, metrics=metrics)
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
     few = [([1, 2, 3], [4, 5, 6], 0)]  # 3 pages for each of 2 copies: under 4 a copy
     enough = [([7, 8, 9, 10], [0, 1, 2, 3], 0)]  # 4 pages a copy
     for job_id, groups in ((1, few), (2, enough)):
