@@ -145,14 +145,17 @@ class _Group:
     """Bytes a stock job counts per block of this group (every layer reference)."""
 
 
+_Descriptors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class _Job:
     job_id: int
     nbytes: int
     start: Any
     end: Any
-    # Held until the copies finish: descriptor buffers a stock copy may still read.
-    keep_alive: tuple[Any, ...] = ()
+    # Descriptor buffers a stock copy may still read: reused once the job has finished.
+    descriptors: _Descriptors | None = None
 
 
 class KVCoreOffloadingHandler:
@@ -188,6 +191,8 @@ class KVCoreOffloadingHandler:
         self._jobs: deque[_Job] = deque()
         self._events: dict[int, Any] = {}
         self._rows: dict[int, PageRows] = {}
+        # As stock does: pinned descriptor buffers are allocated once and reused.
+        self._descriptor_pool: list[_Descriptors] = []
         self._groups: list[_Group | str] = self._describe_groups()
         # vLLM picks its Triton swap kernel (a functools.partial) for small pinned loads.
         self._stock_loads_by_kernel = not self.gpu_to_cpu and isinstance(
@@ -334,7 +339,9 @@ class KVCoreOffloadingHandler:
         """Fill descriptors with the stock handler's code and issue its copy op."""
         stock = self._stock
         count = stock._estimate_max_copy_ops(_group_sizes(segments, len(self._groups)))
-        buffers = _descriptor_buffers(count)
+        buffers = self._descriptor_pool.pop() if self._descriptor_pool else None
+        if buffers is None or buffers[0].numel() < count:
+            buffers = _descriptor_buffers(count)
         views = [b[:count].numpy() for b in buffers]
         op_index = nbytes = 0
         for segment in segments:
@@ -364,10 +371,14 @@ class KVCoreOffloadingHandler:
                     src, dst, sizes, is_src_access_order_any=not self.gpu_to_cpu
                 )
 
-        self._submit(job_id, nbytes, copy, keep_alive=tuple(buffers))
+        self._submit(job_id, nbytes, copy, descriptors=buffers)
 
     def _submit(
-        self, job_id: int, nbytes: int, work: Callable[[], None], keep_alive: tuple[Any, ...] = ()
+        self,
+        job_id: int,
+        nbytes: int,
+        work: Callable[[], None],
+        descriptors: _Descriptors | None = None,
     ) -> None:
         streams = self._streams
         # Stores read KV the model is still writing; loads overwrite blocks whose earlier
@@ -377,7 +388,7 @@ class KVCoreOffloadingHandler:
         streams.run_on(self._stream, work)
         end = streams.record(self._stream)
         self._events[job_id] = end
-        self._jobs.append(_Job(job_id, nbytes, start, end, keep_alive))
+        self._jobs.append(_Job(job_id, nbytes, start, end, descriptors))
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs whose copies have finished, in submission order; each is reported once."""
@@ -385,6 +396,8 @@ class KVCoreOffloadingHandler:
         while self._jobs and self._streams.query(self._jobs[0].end):
             job = self._jobs.popleft()
             del self._events[job.job_id]
+            if job.descriptors is not None:
+                self._descriptor_pool.append(job.descriptors)
             results.append(
                 TransferResult(
                     job_id=job.job_id,
@@ -418,6 +431,7 @@ class KVCoreOffloadingHandler:
         self._jobs.clear()
         self._events.clear()
         self._rows.clear()
+        self._descriptor_pool.clear()
         self._stock.shutdown()
         if error is not None:
             raise error
@@ -434,10 +448,11 @@ def _group_sizes(segments: list[Segment], groups: int) -> list[int]:
     return sizes
 
 
-def _descriptor_buffers(count: int) -> list[torch.Tensor]:
+def _descriptor_buffers(count: int) -> _Descriptors:
     # vLLM's copy op reads the descriptors from pinned int64 buffers.
     pin = torch.cuda.is_available()
-    return [torch.empty(count, dtype=torch.int64, pin_memory=pin) for _ in range(3)]
+    src, dst, sizes = (torch.empty(count, dtype=torch.int64, pin_memory=pin) for _ in range(3))
+    return src, dst, sizes
 
 
 def _elapsed(start: Any, end: Any) -> float | None:

@@ -411,6 +411,38 @@ def test_jobs_of_few_pages_a_copy_stay_stock(monkeypatch, gpu_to_cpu):
     assert [op for op, *_ in mover.ops] == ["copy_runs", "copy_runs"]
 
 
+def test_stock_descriptor_buffers_are_reused_only_after_their_job_finished():
+    layout = Layout(page_bytes=512, tensors=2, blocks_per_chunk=2, ref_page_bytes=384)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(11))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=False)
+    read_from: list[int] = []
+
+    def swap(src, dst, sizes, is_src_access_order_any=False):
+        read_from.append(src.data_ptr())
+        memmove_batch([])(src, dst, sizes)
+
+    stock._swap_blocks_batch = swap
+    backend = ManualCpuBackend()
+    handler = kvcore_handler(stock, policy=SMALL, streams=backend)  # partial pages: stock
+    job = make_job([([1, 2], [3], 0)], False)
+    handler.transfer_async(1, *job)
+    handler.transfer_async(2, *job)
+    backend.complete_all()
+    assert read_from[0] != read_from[1]  # job 1 was in flight when job 2 filled its own
+    assert [r.job_id for r in handler.get_finished()] == [1, 2]
+    handler.transfer_async(3, *job)
+    backend.complete_all()
+    assert read_from[2] in read_from[:2]  # both had finished: a buffer is reused
+    larger = make_job([([4, 5, 6, 7, 8, 9], [0, 1, 2], 0)], False)
+    handler.transfer_async(4, *larger)  # more descriptors than a pooled buffer holds
+    backend.complete_all()
+    expected = reference(gpu, host, layout, [([4, 5, 6, 7, 8, 9], [0, 1, 2], 0)], False)
+    assert all(
+        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+    )
+    assert [r.job_id for r in handler.get_finished()] == [3, 4]
+
+
 def test_page_rows_refuses_what_it_cannot_express():
     gpu = torch.zeros(4, 256, dtype=torch.int8)
     assert page_rows(gpu, torch.zeros(4, 256, dtype=torch.uint8), 1) == "dtype_mismatch"
