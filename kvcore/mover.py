@@ -30,7 +30,15 @@ from kvcore.kernels.reference import (
     staging_words,
 )
 from kvcore.metrics import Metrics
-from kvcore.runs import PairedRuns, Runs, check_index, segment_transfer, slice_runs
+from kvcore.runs import (
+    PairedRuns,
+    Runs,
+    check_index,
+    find_runs,
+    has_duplicates,
+    segment_transfer,
+    slice_runs,
+)
 
 SUPPORTED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
 
@@ -116,6 +124,8 @@ class TransferPlan:
     staged_chunks: tuple[StagedChunk, ...] = ()
     """For STAGED plans: the pieces that fit the policy's staging buffer, with their host
     runs, segmented once here rather than on every layer."""
+    device_index_opaque: bool = False
+    """Planned by :func:`plan_device_indexed`: the device side's index was never read."""
 
     @property
     def device(self) -> torch.device:
@@ -141,7 +151,8 @@ class TransferPlan:
             and _fallback_reason(src, dst) is None
         )
         if not same_layout:
-            return plan(
+            replan = plan_device_indexed if self.device_index_opaque else plan
+            return replan(
                 src, dst, self.src_idx, self.dst_idx, direction=self.direction, policy=self.policy
             )
         return dataclasses.replace(self, src=src, dst=dst)
@@ -233,6 +244,101 @@ def plan(
     )
 
 
+def plan_device_indexed(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    *,
+    direction: Direction,
+    policy: PathPolicy = PathPolicy(),
+    force: TransferPath | None = None,
+) -> TransferPlan:
+    """:func:`plan` for a device-side index that stays on the device and is never read.
+
+    An engine may compute the device rows on the GPU (SGLang's ``kernel`` io backend
+    does): reading them back would synchronise the GPU, so only the host side's index,
+    on the CPU, is validated and segmented. Without the device side's runs the plan is
+    STAGED (the host side is a few long runs: DMA plus an on-device index_copy_ or
+    index_select) or GATHER; single and batched copies need both sides' runs. As in the
+    engines' own kernels, the device index is not bounds- or duplicate-checked.
+    """
+    direction = Direction(direction)
+    page_in = direction is Direction.H2D
+    host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
+    host, device = (src, dst) if page_in else (dst, src)
+    host_idx = check_index(host_idx, "host index")
+    if not isinstance(device_idx, torch.Tensor):
+        raise TypeError(f"the device index must be a torch.Tensor, got {type(device_idx).__name__}")
+    if device_idx.dim() != 1 or device_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"the device index must be a 1-D int32/int64 tensor, got {device_idx.dtype} "
+            f"of shape {tuple(device_idx.shape)}"
+        )
+    if device_idx.numel() != host_idx.numel():
+        raise ValueError(
+            f"the host index has {host_idx.numel()} entries but the device index "
+            f"{device_idx.numel()}"
+        )
+    for name, tensor in (("src", src), ("dst", dst)):
+        if tensor.dim() == 0:
+            raise ValueError(f"{name} is a scalar; rows are indexed along dim 0")
+    _resolve_direction(src.device, dst.device, direction)  # raises on a contradiction
+    # Kernels and index_copy_ take int64; a conversion on the device is queued, not waited.
+    device_idx = device_idx.to(torch.int64).contiguous()
+    host_span = int(host_idx.max()) + 1 if host_idx.numel() else 0
+    if host_idx.numel() and (int(host_idx.min()) < 0 or host_span > host.shape[0]):
+        raise ValueError(f"the host index holds rows outside [0, {host.shape[0]})")
+    if has_duplicates(host_idx) and not page_in:
+        raise ValueError("the host index holds duplicate destinations")
+    host_runs = find_runs(host_idx)
+    rows = int(host_idx.numel())
+    src_row_bytes = row_bytes(src)
+    nbytes = rows * src_row_bytes
+    reason = _fallback_reason(src, dst)
+    if reason is None and device_idx.device not in (device.device, torch.device("cpu")):
+        reason = "unsupported_device"
+    if reason is None and force is TransferPath.FALLBACK:
+        reason = "forced"
+    if reason is not None:
+        path = TransferPath.FALLBACK
+    elif force is not None:
+        if force not in (TransferPath.STAGED, TransferPath.GATHER):
+            raise ValueError(f"force={force.value} needs the device side's runs")
+        path = _check_forced(force, _NO_RUNS, src_row_bytes, policy)
+    elif _host_runs_long(host_runs, nbytes, policy) and src_row_bytes <= policy.staging_bytes:
+        path = TransferPath.STAGED
+    else:
+        path = TransferPath.GATHER
+    staged: tuple[StagedChunk, ...] = ()
+    if path is TransferPath.STAGED:
+        staged = staged_chunks(host_runs, policy.staging_bytes // src_row_bytes)
+    src_idx, dst_idx = (host_idx, device_idx) if page_in else (device_idx, host_idx)
+    return TransferPlan(
+        path=path,
+        direction=direction,
+        src=src,
+        dst=dst,
+        src_idx=src_idx,
+        dst_idx=dst_idx,
+        runs=_NO_RUNS,
+        host_runs=host_runs,
+        rows=rows,
+        row_bytes=src_row_bytes,
+        nbytes=nbytes,
+        reason=reason,
+        policy=policy,
+        src_span=host_span if page_in else 0,
+        dst_span=0 if page_in else host_span,
+        staged_chunks=staged,
+        device_index_opaque=True,
+    )
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+_NO_RUNS = PairedRuns(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+
+
 @dataclass(frozen=True)
 class StagedChunk:
     """Rows ``[begin, end)`` of a staged transfer and the host runs they read or write."""
@@ -311,16 +417,19 @@ def _choose_path(
         # Runs long enough that DMA engines reach line rate run by run, few enough that
         # the per-run submission cost (one batched submission on CUDA) stays small.
         return TransferPath.BATCHED_RUNS
-    host_runs_long = host_runs.count <= 1 or (
-        host_runs.count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * host_runs.count
-    )
-    if host_runs_long and row_size <= policy.staging_bytes:
+    if _host_runs_long(host_runs, nbytes, policy) and row_size <= policy.staging_bytes:
         # Only the host side crosses PCIe: a few long DMAs into device staging,
         # then a scatter at HBM bandwidth (>10x PCIe), which is nearly free.
         return TransferPath.STAGED
     # Short runs on the host: DMA would be bound by per-run submission cost,
     # while a gather kernel keeps many small UVA reads in flight.
     return TransferPath.GATHER
+
+
+def _host_runs_long(host_runs: Runs, nbytes: int, policy: PathPolicy) -> bool:
+    return host_runs.count <= 1 or (
+        host_runs.count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * host_runs.count
+    )
 
 
 def _check_forced(

@@ -7,7 +7,7 @@ import torch
 
 from kvcore.direction import Direction
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, PathPolicy, TransferPath, plan
+from kvcore.mover import Mover, PathPolicy, TransferPath, plan, plan_device_indexed
 from kvcore.pinned import PinnedArena, allocate_host_buffer
 from kvcore.streams import CopyStreams, CudaBackend
 
@@ -396,3 +396,42 @@ def test_staging_is_not_shared_by_two_streams_at_once() -> None:
     assert torch.equal(_as_bytes(host_out), expected_out)
     in_buffer.close()
     out_buffer.close()
+
+
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H], ids=lambda d: d.value)
+@pytest.mark.parametrize("name", ["host-run-device-scattered", "scattered"])
+def test_device_resident_device_index_is_used_without_a_host_sync(name, direction) -> None:
+    """SGLang's kernel io backend: the device rows are a CUDA tensor kvcore never reads."""
+    pool, n = 4096, 1024
+    gen = torch.Generator().manual_seed(13)
+    buffer, host = _pinned_rows(pool, (1, 576), torch.bfloat16)
+    host.copy_(_random((pool, 1, 576), torch.bfloat16, "cpu"))
+    device_rows = _random((pool, 1, 576), torch.bfloat16, "cuda")
+    host_idx, device_idx = _layout(name, n, pool, gen)
+    on_device = device_idx.to("cuda", torch.int32)
+    page_in = direction is Direction.H2D
+    src, dst = (host, device_rows) if page_in else (device_rows, host)
+    src_idx, dst_idx = (host_idx, on_device) if page_in else (on_device, host_idx)
+    chosen = plan_device_indexed(
+        src, dst, src_idx, dst_idx, direction=direction, policy=PathPolicy(staging_bytes=1 << 20)
+    )
+    mover = Mover(PathPolicy(staging_bytes=1 << 20))
+    mover.execute(chosen)  # warm up: kernels compile, staging is allocated
+    torch.cuda.synchronize()
+    rows_to_write = dst_idx.long().cpu()
+    poisoned = dst.cpu().clone()
+    poisoned[rows_to_write] = _random((n, 1, 576), torch.bfloat16, "cpu")
+    dst.copy_(poisoned)
+    expected = poisoned.clone()
+    expected[rows_to_write] = src.cpu()[src_idx.long().cpu()]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mover.execute(chosen)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert chosen.path is (
+        TransferPath.STAGED if name.startswith("host-run") else TransferPath.GATHER
+    )
+    assert torch.equal(dst.cpu().view(torch.int16), expected.view(torch.int16))
+    buffer.close()

@@ -22,6 +22,7 @@ from kvcore.mover import (
     StagingBuffers,
     TransferPath,
     plan,
+    plan_device_indexed,
 )
 
 H2D, D2H = Direction.H2D, Direction.D2H
@@ -655,3 +656,59 @@ def test_rebind_plans_again_when_the_layout_changes():
     assert first.rebind(strided, dst).reason == "strided_rows"
     with pytest.raises(ValueError, match="outside"):
         first.rebind(src[:15], dst)
+
+
+# plan_device_indexed: the device side's index is never read (SGLang's kernel io backend).
+
+
+def _device_indexed_case(direction: Direction, host_idx: torch.Tensor, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    host = torch.randint(0, 256, (64, *ROW), dtype=torch.uint8, generator=gen)
+    device = torch.randint(0, 256, (64, *ROW), dtype=torch.uint8, generator=gen)
+    device_idx = torch.randperm(64, generator=gen)[: host_idx.numel()].to(torch.int32)
+    if direction is H2D:
+        return host, device, host_idx, device_idx
+    return device, host, device_idx, host_idx
+
+
+@pytest.mark.parametrize("direction", [H2D, D2H], ids=ident)
+@pytest.mark.parametrize(
+    ("host_idx", "path"),
+    [
+        (torch.arange(8, 40), STAGED),  # one host run: DMA, then a scatter on the device
+        (torch.randperm(64, generator=torch.Generator().manual_seed(3))[:32], GATHER),
+    ],
+    ids=["host-run", "host-scattered"],
+)
+def test_device_indexed_plans_copy_exactly_without_device_runs(direction, host_idx, path):
+    src, dst, src_idx, dst_idx = _device_indexed_case(direction, host_idx, 21)
+    chosen = plan_device_indexed(src, dst, src_idx, dst_idx, direction=direction)
+    assert chosen.path is path and chosen.device_index_opaque and chosen.runs.count == 0
+    expected = dst.clone()
+    expected[dst_idx.long()] = src[src_idx.long()]
+    src_before = src.clone()
+    Mover(SMALL_POLICY).execute(chosen)
+    assert torch.equal(dst, expected)  # copied rows and untouched rows alike
+    assert torch.equal(src, src_before)
+    rebound = chosen.rebind(src.clone(), dst.clone())  # the next layer: same decision
+    assert rebound.path is path and rebound.device_index_opaque
+
+
+def test_device_indexed_plans_check_what_they_can_read():
+    host = torch.zeros(16, *ROW, dtype=torch.uint8)
+    device = torch.zeros(16, *ROW, dtype=torch.uint8)
+    idx = torch.arange(4)
+    with pytest.raises(ValueError, match="outside"):
+        plan_device_indexed(host, device, torch.tensor([0, 16]), idx[:2], direction=H2D)
+    with pytest.raises(ValueError, match="4 entries but the device index 3"):
+        plan_device_indexed(host, device, idx, idx[:3], direction=H2D)
+    with pytest.raises(TypeError, match="int32/int64"):
+        plan_device_indexed(host, device, idx, idx.float(), direction=H2D)
+    with pytest.raises(ValueError, match="duplicate destinations"):
+        plan_device_indexed(device, host, idx, torch.tensor([1, 2, 1, 3]), direction=D2H)
+    # Reading a host row twice is fine; single and batched copies need the device runs.
+    assert plan_device_indexed(host, device, torch.tensor([1, 1, 2, 3]), idx, direction=H2D)
+    with pytest.raises(ValueError, match="needs the device side's runs"):
+        plan_device_indexed(host, device, idx, idx, direction=H2D, force=SINGLE)
+    mismatched = plan_device_indexed(host.half(), device, idx, idx, direction=H2D)
+    assert mismatched.path is FALLBACK and mismatched.reason == "dtype_mismatch"
