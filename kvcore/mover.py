@@ -270,9 +270,10 @@ def plan_device_indexed(
     host_idx = check_index(host_idx, "host index")
     if not isinstance(device_idx, torch.Tensor):
         raise TypeError(f"the device index must be a torch.Tensor, got {type(device_idx).__name__}")
-    if device_idx.dim() != 1 or device_idx.dtype not in (torch.int32, torch.int64):
+    dtype = device_idx.dtype
+    if device_idx.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(
-            f"the device index must be a 1-D int32/int64 tensor, got {device_idx.dtype} "
+            f"the device index must be a 1-D integer tensor, got {device_idx.dtype} "
             f"of shape {tuple(device_idx.shape)}"
         )
     if device_idx.numel() != host_idx.numel():

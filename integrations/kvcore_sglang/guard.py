@@ -37,11 +37,19 @@ DSA_TRANSFER_TARGETS: tuple[str, ...] = tuple(
     f"{_POOL_HOST}.dsa.DSAIndexerPoolHost.{method}"
     for method in ("load_to_device_per_layer", "backup_from_device_all_layer")
 )
+# With the ``kernel`` io backend SGLang moves the host indices to the GPU here; the hook
+# keeps the CPU tensor it was given, so that the transfer hooks can plan from it.
+INDEX_MEMO_GROUP = "kernel io backend host indices"
+INDEX_MEMO_TARGETS: tuple[str, ...] = (
+    "sglang.srt.managers.cache_controller.HiCacheController.move_indices",
+)
 # Checked and registered only when the transfer hooks are asked for (see plugin). The
-# groups share no state, so a changed DSA method leaves the MHA and MLA hooks in place.
+# groups share no state, so a changed DSA method leaves the MHA and MLA hooks in place,
+# and without the index memo ``kernel`` calls simply run stock.
 TRANSFER_GROUPS: dict[str, tuple[str, ...]] = {
     TRANSFER_GROUP: TRANSFER_TARGETS,
     DSA_TRANSFER_GROUP: DSA_TRANSFER_TARGETS,
+    INDEX_MEMO_GROUP: INDEX_MEMO_TARGETS,
 }
 
 # Recorded from each release's wheel with ``python -m kvcore_sglang.guard ROOT``;
@@ -80,9 +88,18 @@ _DSA_TRANSFERS_0_5_22: dict[str, str] = {
         "ac81f2a3d3f4ec18f1dfdf1839d1f8419b88579a8e49eda2e5c639e6ff042c85"
     ),
 }
+# 0.5.22 and 0.5.23 define HiCacheController.move_indices identically.
+_INDEX_MEMO_0_5_22: dict[str, str] = {
+    INDEX_MEMO_TARGETS[0]: "c87b308f4104a118fdbf0ebc64dc6fc3c488683b9d950112444e43be9f1353a8",
+}
 FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.5.22": {**_HOST_SLOTS_0_5_22, **_DSA_TRANSFERS_0_5_22},
-    "0.5.23": {**_HOST_SLOTS_0_5_22, **_TRANSFERS_0_5_23, **_DSA_TRANSFERS_0_5_22},
+    "0.5.22": {**_HOST_SLOTS_0_5_22, **_DSA_TRANSFERS_0_5_22, **_INDEX_MEMO_0_5_22},
+    "0.5.23": {
+        **_HOST_SLOTS_0_5_22,
+        **_TRANSFERS_0_5_23,
+        **_DSA_TRANSFERS_0_5_22,
+        **_INDEX_MEMO_0_5_22,
+    },
 }
 
 

@@ -8,19 +8,23 @@ served only when every plan it needs is decided up front and none is a fallback;
 otherwise the stock method runs unchanged, once, and the reason is counted in
 ``METRICS.record_fallback``.
 
-Where the indices come from (SGLang 0.5.23, ``CacheController.move_indices``): with
-``direct`` both index tensors reach the pool on the CPU (SGLang brings the device
-indices back itself), so those calls are served. With ``kernel`` the host indices are
-moved to the GPU first and the device indices come from the device allocator, which
-computes them on the GPU: no CPU copy of the device side exists, so a ``kernel`` call
-whose indices are on the GPU runs stock (``sglang_indices_on_device``). kvcore never
-reads a device tensor back to plan.
+Where the indices come from (``HiCacheController.move_indices``): with ``direct`` both
+index tensors reach the pool on the CPU (SGLang brings the device indices back itself).
+With ``kernel`` (SGLang's default) the host indices are moved to the GPU there, and the
+device indices are computed on the GPU by the device allocator: no CPU copy of them
+exists. An AROUND hook on ``move_indices`` remembers the CPU host indices of each moved
+tensor (:class:`HostIndexMemo`); a ``kernel`` call is planned from those alone, the
+device indices staying on the GPU, unread (:func:`kvcore.mover.plan_device_indexed`:
+staged or gather). A ``kernel`` call whose host indices were not remembered runs stock
+(``sglang_indices_on_device``). kvcore never reads a device tensor back to plan.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +32,14 @@ import torch
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.metrics import METRICS
-from kvcore.mover import Mover, TransferPath, TransferPlan, plan, policy_from_config
+from kvcore.mover import (
+    Mover,
+    TransferPath,
+    TransferPlan,
+    plan,
+    plan_device_indexed,
+    policy_from_config,
+)
 
 from . import pool_jobs
 from .host_layouts import layout_reason
@@ -61,10 +72,77 @@ def _class_name(pool: Any) -> str:
     return f"{type(pool).__module__}.{type(pool).__qualname__}"
 
 
-def _call_reason(
+class HostIndexMemo:
+    """The CPU host indices of each host-index tensor ``move_indices`` moved to the GPU.
+
+    Held while the moved tensor lives (SGLang keeps it until the transfer is queued);
+    an entry is valid only while the CPU tensor is unmodified (its version counter).
+    Keyed by identity: tensors compare element-wise, so they cannot be dict keys.
+    """
+
+    def __init__(self) -> None:
+        self._moved: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int]] = {}
+        self._lock = threading.Lock()
+
+    def remember(self, moved: torch.Tensor, on_cpu: torch.Tensor) -> None:
+        key = id(moved)
+        alive = weakref.ref(moved, lambda _: self._forget(key))
+        with self._lock:
+            self._moved[key] = (alive, on_cpu, on_cpu._version)
+
+    def recall(self, moved: torch.Tensor) -> torch.Tensor | None:
+        with self._lock:
+            entry = self._moved.get(id(moved))
+        if entry is None or entry[0]() is not moved or entry[1]._version != entry[2]:
+            return None
+        return entry[1]
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._moved.get(key)
+            if entry is not None and entry[0]() is None:
+                del self._moved[key]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._moved)
+
+
+HOST_INDEX_MEMO = HostIndexMemo()
+
+
+def move_indices_hook(
+    original: Callable[..., Any], controller: Any, host_indices: Any, device_indices: Any
+) -> Any:
+    """AROUND ``HiCacheController.move_indices``: remember host indices moved to the GPU."""
+    moved = original(controller, host_indices, device_indices)
+    moved_host = moved[0] if isinstance(moved, tuple) and moved else None
+    if (
+        isinstance(host_indices, torch.Tensor)
+        and host_indices.device.type == "cpu"
+        and isinstance(moved_host, torch.Tensor)
+        and moved_host is not host_indices
+        and moved_host.device.type != "cpu"
+    ):
+        HOST_INDEX_MEMO.remember(moved_host, host_indices)
+    return moved
+
+
+@dataclass(frozen=True)
+class CallIndices:
+    """A call's indices as kvcore plans from them."""
+
+    host: torch.Tensor
+    """On the CPU: the call's own, or the ones ``move_indices`` was given."""
+    device: torch.Tensor
+    device_opaque: bool
+    """The device indices are on the device: planned around, never read."""
+
+
+def _call_indices(
     pool: Any, served_class: str, host_indices: Any, device_indices: Any, io_backend: str
-) -> str | None:
-    """Why a call must run stock before looking at its layers, or None."""
+) -> CallIndices | str:
+    """The indices to plan from, or why the call must run stock before looking at its layers."""
     if _class_name(pool) != served_class:
         # Subclasses (MXFP8, HiSparse...) reach here through super() with their own data.
         return "sglang_pool_class"
@@ -72,22 +150,35 @@ def _call_reason(
     if reason is not None:
         return reason
     for indices in (host_indices, device_indices):
-        if not isinstance(indices, torch.Tensor) or indices.device.type != "cpu":
+        if not isinstance(indices, torch.Tensor):
             return "sglang_indices_on_device"
         if indices.dim() != 1 or indices.dtype not in _INDEX_DTYPES:
             return "sglang_index_dtype"
-    return None
+    host = host_indices
+    if host.device.type != "cpu":
+        recalled = HOST_INDEX_MEMO.recall(host) if io_backend == "kernel" else None
+        if recalled is None or recalled.shape != host.shape or recalled.dtype != host.dtype:
+            return "sglang_indices_on_device"
+        host = recalled
+    opaque = device_indices.device.type != "cpu"
+    if opaque and (io_backend != "kernel" or pool.layout == "page_first_direct"):
+        # page_first_direct copies whole pages named by the device indices' values.
+        return "sglang_indices_on_device"
+    return CallIndices(host, device_indices, opaque)
 
 
-def _plans(job: Job, direction: Direction, chosen_mover: Mover) -> list[TransferPlan] | str:
+def _plans(
+    job: Job, direction: Direction, chosen_mover: Mover, device_opaque: bool
+) -> list[TransferPlan] | str:
     """One plan, rebound to every other layer pair; or the reason the call must run stock."""
     page_in = direction is Direction.H2D
     pairs = [(host, device) if page_in else (device, host) for host, device in job.pairs]
     src_idx, dst_idx = (
         (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
     )
+    planner = plan_device_indexed if device_opaque else plan
     try:
-        first = plan(
+        first = planner(
             pairs[0][0],
             pairs[0][1],
             src_idx,
@@ -106,9 +197,11 @@ def _plans(job: Job, direction: Direction, chosen_mover: Mover) -> list[Transfer
     return plans
 
 
-def _serve(stock: Callable[[], None], job: Job | str, direction: Direction) -> None:
+def _serve(
+    stock: Callable[[], None], job: Job | str, direction: Direction, device_opaque: bool
+) -> None:
     chosen_mover = mover()
-    decided = job if isinstance(job, str) else _plans(job, direction, chosen_mover)
+    decided = job if isinstance(job, str) else _plans(job, direction, chosen_mover, device_opaque)
     if isinstance(decided, str):
         if chosen_mover.metrics is not None:
             chosen_mover.metrics.record_fallback(decided)
@@ -143,14 +236,17 @@ def _make_load_hook(
                 is_draft=is_draft,
             )
 
-        reason = _call_reason(pool, pool_class, host_indices, device_indices, io_backend)
-        if reason is None and not is_draft and not holds_layer(pool, device_pool, layer_id):
+        indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
+        if isinstance(indices, str):
+            _serve(stock, indices, Direction.H2D, False)
+            return
+        if not is_draft and not holds_layer(pool, device_pool, layer_id):
             stock()  # a layer this pool does not hold: stock returns without copying
             return
-        job = reason or job_of(
-            pool, device_pool, layer_id, is_draft, host_indices, device_indices, io_backend
+        job = job_of(
+            pool, device_pool, layer_id, is_draft, indices.host, indices.device, io_backend
         )
-        _serve(stock, job, Direction.H2D)
+        _serve(stock, job, Direction.H2D, indices.device_opaque)
 
     return load_hook
 
@@ -167,9 +263,12 @@ def _make_backup_hook(pool_class: str, job_of: BackupJob) -> Callable[..., None]
         def stock() -> None:
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
-        reason = _call_reason(pool, pool_class, host_indices, device_indices, io_backend)
-        job = reason or job_of(pool, device_pool, host_indices, device_indices, io_backend)
-        _serve(stock, job, Direction.D2H)
+        indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
+        if isinstance(indices, str):
+            _serve(stock, indices, Direction.D2H, False)
+            return
+        job = job_of(pool, device_pool, indices.host, indices.device, io_backend)
+        _serve(stock, job, Direction.D2H, indices.device_opaque)
 
     return backup_hook
 
@@ -184,4 +283,5 @@ HOOKS: dict[str, Callable[..., Any]] = {
     f"{MLA_POOL}.{_BACKUP}": _make_backup_hook(MLA_POOL, pool_jobs.mla_backup),
     f"{DSA_POOL}.{_LOAD}": _make_load_hook(DSA_POOL, pool_jobs.dsa_holds_layer, pool_jobs.dsa_load),
     f"{DSA_POOL}.{_BACKUP}": _make_backup_hook(DSA_POOL, pool_jobs.dsa_backup),
+    "sglang.srt.managers.cache_controller.HiCacheController.move_indices": move_indices_hook,
 }

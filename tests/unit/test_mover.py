@@ -702,8 +702,12 @@ def test_device_indexed_plans_check_what_they_can_read():
         plan_device_indexed(host, device, torch.tensor([0, 16]), idx[:2], direction=H2D)
     with pytest.raises(ValueError, match="4 entries but the device index 3"):
         plan_device_indexed(host, device, idx, idx[:3], direction=H2D)
-    with pytest.raises(TypeError, match="int32/int64"):
+    with pytest.raises(TypeError, match="1-D integer tensor"):
         plan_device_indexed(host, device, idx, idx.float(), direction=H2D)
+    with pytest.raises(TypeError, match="1-D integer tensor"):
+        plan_device_indexed(host, device, idx, idx[None], direction=H2D)
+    narrow = plan_device_indexed(host, device, idx, idx.to(torch.int16), direction=H2D)
+    assert narrow.dst_idx.dtype == torch.int64
     with pytest.raises(ValueError, match="duplicate destinations"):
         plan_device_indexed(device, host, idx, torch.tensor([1, 2, 1, 3]), direction=D2H)
     # Reading a host row twice is fine; single and batched copies need the device runs.

@@ -8,6 +8,7 @@ unchanged, with their reason counted.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import logging
@@ -21,6 +22,7 @@ pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang insta
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -48,7 +50,10 @@ LAYERS = 3
 POOL_CLASSES = {"mha": MHATokenToKVPoolHost, "mla": MLATokenToKVPoolHost, "dsa": DSAIndexerPoolHost}
 METHODS = ("load_to_device_per_layer", "backup_from_device_all_layer")
 # Collected at import, before any test applies hooks.
-STOCK = {(cls, name): vars(cls)[name] for cls in POOL_CLASSES.values() for name in METHODS}
+STOCK = {
+    **{(cls, name): vars(cls)[name] for cls in POOL_CLASSES.values() for name in METHODS},
+    (HiCacheController, "move_indices"): vars(HiCacheController)["move_indices"],
+}
 # A small staging buffer and short "long" runs, so that every mover path is taken.
 SMALL_POLICY = PathPolicy(staging_bytes=2048, long_run_bytes=64, max_dma_runs=8, max_batched_runs=8)
 # Layout -> the io backends SGLang accepts for it.
@@ -272,6 +277,82 @@ def check_served_call(kind, layout, io_backend, direction, shape, n, seed) -> No
     for source, want in zip(sources, source_bytes, strict=True):
         assert torch.equal(source.view(torch.uint8), want), "a source was written"
     assert fallbacks() == before
+
+
+def test_kernel_backend_calls_plan_around_device_indices(transfer_hooks, monkeypatch):
+    """With SGLang's kernel io backend the device indices stay on the GPU: the call is
+    planned from the host indices alone (staged or gather) and copies what stock does.
+    On a CPU the device indices are CPU tensors, marked opaque as on a GPU."""
+    transfer_hooks()
+    monkeypatch.setattr(transfers, "_mover", Mover(SMALL_POLICY, metrics=METRICS))
+    real = transfers._call_indices
+
+    def as_on_device(*args: Any) -> Any:
+        found = real(*args)
+        if isinstance(found, str):
+            return found
+        return dataclasses.replace(found, device_opaque=True)
+
+    monkeypatch.setattr(transfers, "_call_indices", as_on_device)
+    before = paths_taken()
+    cases = [("contiguous", 100), ("scattered", 150), ("merged", 200)]
+    for kind, layout, io_backend in SERVED:
+        if io_backend != "kernel":
+            continue
+        for direction in ("load", "backup"):
+            for seed, (shape, n) in enumerate(cases):
+                check_served_call(kind, layout, io_backend, direction, shape, n, seed)
+    taken = {p: c - before.get(p, 0) for p, c in paths_taken().items() if c != before.get(p, 0)}
+    assert set(taken) == {"staged", "gather"}, taken
+
+
+def test_moved_host_indices_are_recalled_until_changed():
+    memo = transfers.HostIndexMemo()
+    host = torch.arange(10, 20)
+    moved = host.to("meta")  # where SGLang's kernel backend puts them: not the CPU
+    memo.remember(moved, host)
+    assert memo.recall(moved) is host
+    assert memo.recall(host.to("meta")) is None  # another tensor: nothing remembered
+    host[0] = 5  # changed in place after the move: the copy on the device is stale
+    assert memo.recall(moved) is None
+    del moved  # SGLang dropped it: so does the memo
+    assert len(memo) == 0
+
+
+def test_move_indices_hook_remembers_only_what_it_moved_off_the_cpu(monkeypatch):
+    memo = transfers.HostIndexMemo()
+    monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
+    host, device = torch.arange(8), torch.arange(8).to("meta")
+
+    def to_meta(controller, host_indices, device_indices):
+        return host_indices.to("meta"), device_indices
+
+    moved, same_device = transfers.move_indices_hook(to_meta, None, host, device)
+    assert same_device is device and memo.recall(moved) is host
+    kept, _ = transfers.move_indices_hook(lambda c, h, d: (h, d), None, host, device)
+    assert kept is host and memo.recall(kept) is None  # direct backend: nothing moved
+
+
+def test_device_resident_indices_are_served_only_where_they_need_not_be_read(monkeypatch):
+    memo = transfers.HostIndexMemo()
+    monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
+    host = torch.arange(64, 128)
+    moved, device = host.to("meta"), torch.arange(64).to("meta")
+    memo.remember(moved, host)
+    pool = pool_for("mha", "layer_first")
+    found = transfers._call_indices(pool, transfers.MHA_POOL, moved, device, "kernel")
+    assert isinstance(found, transfers.CallIndices)
+    assert found.host is host and found.device is device and found.device_opaque
+    unknown = torch.arange(64).to("meta")  # moved without the hook: no CPU copy to plan from
+    assert (
+        transfers._call_indices(pool, transfers.MHA_POOL, unknown, device, "kernel")
+        == "sglang_indices_on_device"
+    )
+    direct = pool_for("mha", "page_first_direct")  # copies pages named by the device values
+    assert (
+        transfers._call_indices(direct, transfers.MHA_POOL, host, device, "direct")
+        == "sglang_indices_on_device"
+    )
 
 
 def test_patched_methods_match_per_index_reference(transfer_hooks, small_mover):
@@ -626,8 +707,8 @@ def test_guard_covers_the_transfer_targets():
     assert result.skipped == ()
     assert set(result.patchable) == set(transfers.HOOKS) == ALL_TRANSFER_TARGETS
     older = guard.check_targets("0.5.22", guard.TRANSFER_GROUPS)
-    # 0.5.22's DSA transfers are 0.5.23's; its MHA and MLA transfers are not.
-    assert set(older.patchable) == set(guard.DSA_TRANSFER_TARGETS)
+    # 0.5.22's DSA transfers and move_indices are 0.5.23's; its MHA and MLA transfers are not.
+    assert set(older.patchable) == {*guard.DSA_TRANSFER_TARGETS, *guard.INDEX_MEMO_TARGETS}
     assert {s.target for s in older.skipped} == set(guard.TRANSFER_TARGETS)
     assert all("no fingerprint recorded" in s.reason for s in older.skipped)
 
