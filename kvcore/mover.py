@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -221,9 +222,41 @@ def plan(
         path = _check_forced(force, runs, src_row_bytes, policy)
     else:
         path = _choose_path(runs, host_runs, nbytes, src_row_bytes, policy)
+    return _decided(
+        path,
+        direction,
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        runs,
+        host_runs,
+        reason,
+        policy,
+        src_span=src_span,
+        dst_span=dst_span,
+    )
+
+
+def _decided(
+    path: TransferPath,
+    direction: Direction,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    runs: PairedRuns,
+    host_runs: Runs,
+    reason: str | None,
+    policy: PathPolicy,
+    **spans_and_flags: Any,
+) -> TransferPlan:
+    """The plan for a chosen path; a STAGED one gets its staging-sized chunks here."""
+    src_row_bytes = row_bytes(src)
     staged: tuple[StagedChunk, ...] = ()
     if path is TransferPath.STAGED:
         staged = staged_chunks(host_runs, policy.staging_bytes // src_row_bytes)
+    rows = int(src_idx.numel())
     return TransferPlan(
         path=path,
         direction=direction,
@@ -235,12 +268,11 @@ def plan(
         host_runs=host_runs,
         rows=rows,
         row_bytes=src_row_bytes,
-        nbytes=nbytes,
+        nbytes=rows * src_row_bytes,
         reason=reason,
         policy=policy,
-        src_span=src_span,
-        dst_span=dst_span,
         staged_chunks=staged,
+        **spans_and_flags,
     )
 
 
@@ -311,27 +343,20 @@ def plan_device_indexed(
         path = TransferPath.STAGED
     else:
         path = TransferPath.GATHER
-    staged: tuple[StagedChunk, ...] = ()
-    if path is TransferPath.STAGED:
-        staged = staged_chunks(host_runs, policy.staging_bytes // src_row_bytes)
     src_idx, dst_idx = (host_idx, device_idx) if page_in else (device_idx, host_idx)
-    return TransferPlan(
-        path=path,
-        direction=direction,
-        src=src,
-        dst=dst,
-        src_idx=src_idx,
-        dst_idx=dst_idx,
-        runs=_NO_RUNS,
-        host_runs=host_runs,
-        rows=rows,
-        row_bytes=src_row_bytes,
-        nbytes=nbytes,
-        reason=reason,
-        policy=policy,
+    return _decided(
+        path,
+        direction,
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        _NO_RUNS,
+        host_runs,
+        reason,
+        policy,
         src_span=host_span if page_in else 0,
         dst_span=0 if page_in else host_span,
-        staged_chunks=staged,
         device_index_opaque=True,
     )
 
