@@ -4,9 +4,11 @@ One SGLang host pool and device pool per (pool kind, layout, page size), built t
 SGLang builds them. For each host fragmentation level the same index pairs go to
 every path: the stock method, with the indices where SGLang's cache controller puts
 them (``move_indices``); the kvcore AROUND hook, called as SGLang's ``HookRegistry``
-calls it, with CPU indices; and a pinned contiguous copy of the same bytes (the
-ceiling). Every result is compared byte for byte with a copy computed from SGLang's
-layout definition, and rows outside the copy must keep their poison.
+calls it, with CPU indices and, on CUDA for the ``kernel`` backend, with the indices on
+the GPU as that backend hands them (``kvcore:kernel-gpu-indices``); and a pinned
+contiguous copy of the same bytes (the ceiling). Every result is compared byte for byte
+with a copy computed from SGLang's layout definition, and rows outside the copy must keep
+their poison.
 
 Without sgl-kernel (its 373 MB wheel cannot be carried to the GPU machine) SGLang's
 ``direct`` backend and its AOT ``kernel`` ops are absent: those paths report ``not
@@ -532,6 +534,23 @@ def kvcore_path(
     return run
 
 
+def kvcore_gpu_indices_path(
+    case: PoolCase, op: str, host_idx: torch.Tensor, dev_idx: torch.Tensor, mover: Mover
+) -> PathRun:
+    """The hook as a CUDA deployment with the ``kernel`` io backend calls it: the host
+    indices moved to the GPU through the ``move_indices`` hook (which remembers the CPU
+    ones), the device indices on the GPU, where kvcore plans around them unread."""
+    from kvcore_sglang import transfers
+
+    def to_device(controller: Any, h: torch.Tensor, d: torch.Tensor) -> Any:
+        return h.to(case.opts.device), d
+
+    moved, _ = transfers.move_indices_hook(to_device, None, host_idx, dev_idx)
+    run = kvcore_path(case, op, "kernel", moved, dev_idx.to(case.opts.device), mover)
+    run.name = "kvcore:kernel-gpu-indices"
+    return run
+
+
 def _kvcore_sms(mover: Mover, metrics_before: dict[str, Any]) -> tuple[str, list[str], dict]:
     """(SMs the copy held, the mover paths taken, new fallback reasons) since ``metrics_before``."""
     assert mover.metrics is not None
@@ -646,6 +665,8 @@ def run_case(case: PoolCase, mover: Mover, progress: Callable[[str], None]) -> l
             # The hook does the same work for either io backend of a layout.
             backend = LAYOUT_BACKENDS[case.layout][0]
             runs.append(kvcore_path(case, op, backend, host_idx, dev_idx, mover))
+            if backend == "kernel" and case.opts.device.type == "cuda":
+                runs.append(kvcore_gpu_indices_path(case, op, host_idx, dev_idx, mover))
             for run in runs:
                 is_kvcore = run.name.startswith("kvcore")
                 row = measure(
