@@ -34,6 +34,7 @@ from kvcore.metrics import Metrics
 from kvcore.runs import (
     PairedRuns,
     Runs,
+    check_bounds,
     check_index,
     find_runs,
     has_duplicates,
@@ -197,10 +198,7 @@ def plan(
     """
     src_idx = check_index(src_idx, "src_idx")
     dst_idx = check_index(dst_idx, "dst_idx")
-    for name, tensor in (("src", src), ("dst", dst)):
-        if tensor.dim() == 0:
-            raise ValueError(f"{name} is a scalar; rows are indexed along dim 0")
-    direction = _resolve_direction(src.device, dst.device, direction)
+    direction = _check_sides(src, dst, direction)
     found = segment_transfer(
         src_idx, dst_idx, src.shape[0], dst.shape[0], host_is_src=direction is Direction.H2D
     )
@@ -313,15 +311,10 @@ def plan_device_indexed(
             f"the host index has {host_idx.numel()} entries but the device index "
             f"{device_idx.numel()}"
         )
-    for name, tensor in (("src", src), ("dst", dst)):
-        if tensor.dim() == 0:
-            raise ValueError(f"{name} is a scalar; rows are indexed along dim 0")
-    _resolve_direction(src.device, dst.device, direction)  # raises on a contradiction
+    _check_sides(src, dst, direction)
     # Kernels and index_copy_ take int64; a conversion on the device is queued, not waited.
     device_idx = device_idx.to(torch.int64).contiguous()
-    host_span = int(host_idx.max()) + 1 if host_idx.numel() else 0
-    if host_idx.numel() and (int(host_idx.min()) < 0 or host_span > host.shape[0]):
-        raise ValueError(f"the host index holds rows outside [0, {host.shape[0]})")
+    host_span = check_bounds(host_idx, host.shape[0], "the host index")
     if has_duplicates(host_idx) and not page_in:
         raise ValueError("the host index holds duplicate destinations")
     host_runs = find_runs(host_idx)
@@ -381,6 +374,14 @@ def staged_chunks(host_runs: Runs, chunk_rows: int) -> tuple[StagedChunk, ...]:
         return (StagedChunk(0, rows, host_runs),)
     bounds = [(begin, min(begin + chunk_rows, rows)) for begin in range(0, rows, chunk_rows)]
     return tuple(StagedChunk(b, e, slice_runs(host_runs, b, e)) for b, e in bounds)
+
+
+def _check_sides(src: torch.Tensor, dst: torch.Tensor, direction: Direction | None) -> Direction:
+    """Both sides have rows, and the direction their devices imply (or the one given)."""
+    for name, tensor in (("src", src), ("dst", dst)):
+        if tensor.dim() == 0:
+            raise ValueError(f"{name} is a scalar; rows are indexed along dim 0")
+    return _resolve_direction(src.device, dst.device, direction)
 
 
 def _resolve_direction(
