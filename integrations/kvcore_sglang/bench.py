@@ -21,8 +21,6 @@ runnable`` with the reason, and ``model:direct`` issues the copies ``direct`` wo
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
 import sys
@@ -30,7 +28,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -40,6 +37,8 @@ from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, policy_from_config
 from kvcore.runs import find_paired_runs
+
+from .import_stubs import PackageStub, StubType
 
 KINDS = ("mha", "mla")
 LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
@@ -70,57 +69,21 @@ class StockNotRunnable(RuntimeError):
 # --- sgl_kernel stand-in ---------------------------------------------------------------------
 
 
-class _Missing(type):
-    """Stands for anything sgl_kernel exports: importable, subclassable, and usable in
-    annotations, but calling it raises :class:`StockNotRunnable`."""
+class _Missing(StubType):
+    """Anything sgl_kernel exports: calling it raises :class:`StockNotRunnable`."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         raise StockNotRunnable(f"{cls.__qualname__}: {SGL_KERNEL_MISSING}")
 
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _missing(f"{cls.__qualname__}.{name}")
 
-    def __getitem__(cls, key: Any) -> Any:
-        return cls
-
-    def __or__(cls, other: Any) -> Any:
-        return cls
-
-    __ror__ = __or__
-
-
-def _missing(qualified: str) -> Any:
-    return _Missing(qualified.rsplit(".", 1)[-1], (), {"__qualname__": qualified})
-
-
-def _module_attribute(module_name: str) -> Callable[[str], Any]:
-    def attribute(name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _missing(f"{module_name}.{name}")
-
-    return attribute
-
-
-class _SglKernelStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _SglKernelStub(PackageStub):
     """Serves ``sgl_kernel`` and its submodules; every name in them is a :class:`_Missing`.
 
     SGLang imports sgl_kernel names at module level on CUDA, some without a fallback.
     """
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname == "sgl_kernel" or fullname.startswith("sgl_kernel."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        return None
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__path__ = []
-        module.__getattr__ = _module_attribute(module.__name__)  # type: ignore[method-assign]
+    def __init__(self) -> None:
+        super().__init__("sgl_kernel", _Missing)
 
 
 def install_sgl_kernel_stub() -> bool:

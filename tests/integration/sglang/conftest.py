@@ -9,56 +9,21 @@ test module imports SGLang, and only in that case.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from kvcore_sglang.import_stubs import PackageStub, StubType
 
-class _Placeholder(type):
-    """A class whose attributes, calls and subscripts give more placeholders."""
 
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Placeholder(name, (), {})
+class _Placeholder(StubType):
+    """Anything torchvision exports: calling it gives another placeholder."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return _Placeholder(cls.__name__, (), {})
-
-    def __getitem__(cls, key: Any) -> Any:
-        return cls
-
-    def __or__(cls, other: Any) -> Any:
-        return cls
-
-    __ror__ = __or__
-
-
-def _placeholder_attribute(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return _Placeholder(name, (), {})
-
-
-class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        return None
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__path__ = []
-        module.__version__ = "0.0.0+kvcore.stub"  # type: ignore[attr-defined]
-        module.__getattr__ = _placeholder_attribute  # type: ignore[method-assign]
+        return cls.named(cls.__qualname__)
 
 
 def _install_torchvision_stub() -> None:
@@ -66,7 +31,8 @@ def _install_torchvision_stub() -> None:
         return
     if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
         return
-    sys.meta_path.insert(0, _TorchvisionStub())
+    stub = PackageStub("torchvision", _Placeholder, {"__version__": "0.0.0+kvcore.stub"})
+    sys.meta_path.insert(0, stub)
 
 
 _install_torchvision_stub()
