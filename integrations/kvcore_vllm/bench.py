@@ -333,6 +333,7 @@ def _emulated_swap_blocks_batch(
         sizes.numpy().view(np.uint64),
         torch.cuda.current_stream(),
         source_in_stream_order=not is_src_access_order_any,
+        max_copies_per_call=None,
     )
 
 

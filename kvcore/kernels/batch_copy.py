@@ -21,6 +21,11 @@ from kvcore.kernels.reference import check_word_views
 
 _MIN_CUDA_VERSION = 12080  # cudaMemcpyBatchAsync first shipped in CUDA 12.8
 _LEGACY_STREAM_HANDLES = (0, 1)  # NULL and cudaStreamLegacy: rejected by the batch API
+# Most copies handed to one cudaMemcpyBatchAsync call. On the H200 (driver 580.159.04, CUDA
+# 13.0) a host-to-device batch of 700 copies submitted to an idle stream wrote wrong rows,
+# left the context in "unspecified launch failure" or crashed the process inside the call;
+# batches of up to 256 copies were exact in every case tried, busy stream or idle.
+MAX_COPIES_PER_CALL = 256
 
 
 class BatchCopyError(RuntimeError):
@@ -208,18 +213,37 @@ def batch_copy_pointers(
     stream: torch.cuda.Stream,
     *,
     source_in_stream_order: bool,
+    max_copies_per_call: int | None = MAX_COPIES_PER_CALL,
 ) -> None:
-    """One cudaMemcpyBatchAsync of ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]``.
+    """Copy ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` with cudaMemcpyBatchAsync.
 
-    The arrays are contiguous 64-bit host arrays of equal length, read during the call;
+    The arrays are contiguous 64-bit host arrays of equal length, read during the calls;
     the current device must own ``stream``. ``source_in_stream_order=False`` lets the
-    copies read their sources in any order (only for sources no stream is writing).
-    Raises BatchCopyError with the CUDA error's name when the submission is refused.
+    copies read their sources in any order (only for sources no stream is writing). The
+    copies go in consecutive calls of at most ``max_copies_per_call`` copies each (None: one
+    call, as an engine's own batched op does). Raises BatchCopyError with the CUDA error's
+    name when a submission is refused; the calls before it stay submitted.
     """
     rt = _runtime()
     if rt is None:
         raise BatchCopyError("unavailable", "cuda-bindings missing")
+    if max_copies_per_call is not None and max_copies_per_call < 1:
+        raise ValueError(f"max_copies_per_call must be positive, got {max_copies_per_call}")
     attrs = _copy_attrs(rt, source_in_stream_order)
+    step = max_copies_per_call or max(len(sizes), 1)
+    for start in range(0, len(sizes), step):
+        end = start + step
+        _submit_batch(rt, attrs, dsts[start:end], srcs[start:end], sizes[start:end], stream)
+
+
+def _submit_batch(
+    rt: Any,
+    attrs: Any,
+    dsts: np.ndarray,
+    srcs: np.ndarray,
+    sizes: np.ndarray,
+    stream: torch.cuda.Stream,
+) -> None:
     direct = _direct_batch_call()
     count = len(sizes)
     if direct is not None:
