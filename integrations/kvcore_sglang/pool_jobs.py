@@ -8,6 +8,7 @@ stock. Builders only look: nothing is copied here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,8 +26,17 @@ class Job:
     indices (rows of the host views, rows of the device layers)."""
 
     pairs: LayerPairs
-    host_rows: torch.Tensor
+    rows: BlockRows
+    """The host views' geometry, which maps host slots to rows."""
+    host_slots: torch.Tensor
     device_rows: torch.Tensor
+
+    @functools.cached_property
+    def host_rows(self) -> torch.Tensor:
+        """Rows of the host slots in every host view; worked out only when a call is
+        planned (a load whose plan is kept for its indices does not need them).
+        ValueError if a slot lies outside the views."""
+        return self.rows.slot_rows(self.host_slots)
 
 
 class LoadJob(Protocol):
@@ -70,12 +80,8 @@ def _rows_of(
 
 def _job(
     rows: BlockRows, pairs: LayerPairs, host_slots: torch.Tensor, device_rows: torch.Tensor
-) -> Job | str:
-    try:
-        host_rows = rows.slot_rows(host_slots)
-    except ValueError:
-        return "sglang_invalid_indices"
-    return Job(pairs, host_rows, device_rows)
+) -> Job:
+    return Job(pairs, rows, host_slots, device_rows)
 
 
 def _paged_reason(pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor) -> str | None:

@@ -17,6 +17,10 @@ tensor (:class:`HostIndexMemo`); a ``kernel`` call is planned from those alone, 
 device indices staying on the GPU, unread (:func:`kvcore.mover.plan_device_indexed`:
 staged or gather). A ``kernel`` call whose host indices were not remembered runs stock
 (``sglang_indices_on_device``). kvcore never reads a device tensor back to plan.
+
+SGLang reloads layer by layer with the same two index tensors: the first layer's plan
+(bounds, runs, path) is kept (:class:`PlanMemo`) and rebound to every later layer's
+buffers, so a reload plans once, not once per layer.
 """
 
 from __future__ import annotations
@@ -128,6 +132,54 @@ def move_indices_hook(
     return moved
 
 
+@dataclass(frozen=True, eq=False)
+class _MemoEntry:
+    key: tuple[Any, ...]
+    plan: TransferPlan
+
+
+class PlanMemo:
+    """The plan of the last load served, for the next load with the same indices.
+
+    The entry holds the pools and index tensors it was made for, so none of them can be
+    freed and its id reused while it is kept: identity plus the tensors' version
+    counters (bumped by every in-place torch write) says the indices are unchanged.
+    A device index that stays on the device is never read, so its values do not
+    matter to the plan; only the CPU-side values the plan came from do.
+    """
+
+    def __init__(self) -> None:
+        self._entry: _MemoEntry | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(pool: Any, device_pool: Any, indices: CallIndices, io_backend: str) -> tuple[Any, ...]:
+        host, device = indices.host, indices.device
+        return (pool, device_pool, host, host._version, device, device._version, io_backend)
+
+    def recall(self, key: tuple[Any, ...]) -> TransferPlan | None:
+        with self._lock:
+            entry = self._entry
+        if entry is None or not all(map(_same, entry.key, key)):
+            return None
+        return entry.plan
+
+    def remember(self, key: tuple[Any, ...], plan: TransferPlan) -> None:
+        with self._lock:
+            self._entry = _MemoEntry(key, plan)
+
+    def forget(self) -> None:
+        with self._lock:
+            self._entry = None
+
+
+def _same(kept: Any, given: Any) -> bool:
+    return kept is given or (type(kept) in (int, str) and kept == given)
+
+
+LOAD_PLANS = PlanMemo()
+
+
 @dataclass(frozen=True)
 class CallIndices:
     """A call's indices as kvcore plans from them."""
@@ -168,25 +220,39 @@ def _call_indices(
 
 
 def _plans(
-    job: Job, direction: Direction, chosen_mover: Mover, device_opaque: bool
+    job: Job,
+    direction: Direction,
+    chosen_mover: Mover,
+    device_opaque: bool,
+    memo_key: tuple[Any, ...] | None = None,
 ) -> list[TransferPlan] | str:
-    """One plan, rebound to every other layer pair; or the reason the call must run stock."""
+    """One plan, rebound to every other layer pair; or the reason the call must run stock.
+
+    With ``memo_key``, a plan kept by :data:`LOAD_PLANS` for the same key is rebound
+    instead of planning again, and a new plan is kept for the next call.
+    """
     page_in = direction is Direction.H2D
     pairs = [(host, device) if page_in else (device, host) for host, device in job.pairs]
-    src_idx, dst_idx = (
-        (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
-    )
-    planner = plan_device_indexed if device_opaque else plan
+    if memo_key is not None:
+        memo_key = (*memo_key, chosen_mover.policy)
+    first = LOAD_PLANS.recall(memo_key) if memo_key is not None else None
     try:
-        first = planner(
-            pairs[0][0],
-            pairs[0][1],
-            src_idx,
-            dst_idx,
-            direction=direction,
-            policy=chosen_mover.policy,
-        )
-        plans = [first, *(first.rebind(src, dst) for src, dst in pairs[1:])]
+        if first is None:
+            src_idx, dst_idx = (
+                (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
+            )
+            planner = plan_device_indexed if device_opaque else plan
+            first = planner(
+                pairs[0][0],
+                pairs[0][1],
+                src_idx,
+                dst_idx,
+                direction=direction,
+                policy=chosen_mover.policy,
+            )
+            if memo_key is not None and first.path is not TransferPath.FALLBACK:
+                LOAD_PLANS.remember(memo_key, first)
+        plans = [first.rebind(src, dst) for src, dst in pairs]
     except ValueError:
         # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
         return "sglang_invalid_indices"
@@ -198,10 +264,18 @@ def _plans(
 
 
 def _serve(
-    stock: Callable[[], None], job: Job | str, direction: Direction, device_opaque: bool
+    stock: Callable[[], None],
+    job: Job | str,
+    direction: Direction,
+    device_opaque: bool,
+    memo_key: tuple[Any, ...] | None = None,
 ) -> None:
     chosen_mover = mover()
-    decided = job if isinstance(job, str) else _plans(job, direction, chosen_mover, device_opaque)
+    decided = (
+        job
+        if isinstance(job, str)
+        else _plans(job, direction, chosen_mover, device_opaque, memo_key)
+    )
     if isinstance(decided, str):
         if chosen_mover.metrics is not None:
             chosen_mover.metrics.record_fallback(decided)
@@ -246,7 +320,8 @@ def _make_load_hook(
         job = job_of(
             pool, device_pool, layer_id, is_draft, indices.host, indices.device, io_backend
         )
-        _serve(stock, job, Direction.H2D, indices.device_opaque)
+        memo_key = PlanMemo.key(pool, device_pool, indices, io_backend)
+        _serve(stock, job, Direction.H2D, indices.device_opaque, memo_key)
 
     return load_hook
 

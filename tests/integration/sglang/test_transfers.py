@@ -761,3 +761,81 @@ def test_transfers_setting_turns_the_hooks_on(sglang_hooks, monkeypatch):
     assert set(status.patched_targets) >= ALL_TRANSFER_TARGETS
     for (cls, name), function in STOCK.items():
         assert vars(cls)[name].__wrapped__ is function
+
+
+# --- one plan per reload ---------------------------------------------------------------------
+
+
+def _counting_planners(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    for name in ("plan", "plan_device_indexed"):
+        real = getattr(transfers, name)
+
+        def counted(*args: Any, _real=real, _name=name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(transfers, name, counted)
+    return calls
+
+
+def _load_every_layer_and_check(kind: str, pool: Any, host_idx, device_idx, io_backend) -> None:
+    parts = components(kind, pool)
+    randomise(all_tensors(parts), torch.Generator().manual_seed(int(host_idx[0])))
+    pairs = list(zip(*reference_slots(kind, pool, host_idx, device_idx), strict=True))
+    targets = [device for part in parts for device in part.devices]
+    expected = as_bytes(targets)
+    for p, part in enumerate(parts):
+        for layer in range(LAYERS):
+            for slot, row in pairs:
+                expected[p * LAYERS + layer][row] = part.row(
+                    part.host.view(torch.uint8), layer, slot
+                )
+    for layer in range(LAYERS):
+        pool.load_to_device_per_layer(
+            device_pool_of(kind, pool), host_idx, device_idx, layer, io_backend
+        )
+    for target, want in zip(targets, expected, strict=True):
+        assert torch.equal(target.view(torch.uint8), want)
+
+
+@pytest.mark.parametrize(("kind", "layout", "io_backend"), SERVED)
+def test_a_layer_by_layer_reload_plans_once_and_replans_when_the_indices_change(
+    transfer_hooks, small_mover, monkeypatch, kind, layout, io_backend
+):
+    transfer_hooks()
+    monkeypatch.setattr(transfers, "LOAD_PLANS", transfers.PlanMemo())
+    calls = _counting_planners(monkeypatch)
+    pool = pool_for(kind, layout)
+    host_idx, device_idx = make_indices(
+        kind, pool, "scattered", 150, torch.Generator().manual_seed(5)
+    )
+    before = fallbacks()
+
+    _load_every_layer_and_check(kind, pool, host_idx, device_idx, io_backend)
+    assert len(calls) == 1, calls
+
+    # Changed in place (same tensor, new version): planned again, and the new rows copied.
+    page = pool.page_size if kind == "dsa" or layout == "page_first_direct" else 1
+    host_idx.copy_(host_idx.roll(page))
+    _load_every_layer_and_check(kind, pool, host_idx, device_idx, io_backend)
+    assert len(calls) == 2, calls
+
+    # Other index tensors with equal values: planned again (the memo keys on identity).
+    _load_every_layer_and_check(kind, pool, host_idx.clone(), device_idx.clone(), io_backend)
+    assert len(calls) == 3, calls
+    assert fallbacks() == before
+
+
+def test_a_memoised_plan_follows_the_mover_policy(transfer_hooks, monkeypatch):
+    transfer_hooks()
+    monkeypatch.setattr(transfers, "LOAD_PLANS", transfers.PlanMemo())
+    calls = _counting_planners(monkeypatch)
+    pool = pool_for("mha", "layer_first")
+    host_idx, device_idx = make_indices(
+        "mha", pool, "scattered", 150, torch.Generator().manual_seed(6)
+    )
+    for policy in (SMALL_POLICY, PathPolicy()):
+        monkeypatch.setattr(transfers, "_mover", Mover(policy, metrics=METRICS))
+        _load_every_layer_and_check("mha", pool, host_idx, device_idx, "kernel")
+    assert len(calls) == 2, calls
