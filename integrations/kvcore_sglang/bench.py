@@ -203,9 +203,9 @@ def _device_pool(kind: str, opts: Options, page_size: int) -> Any:
 
 
 def _host_pool(kind: str, device_pool: Any, layout: str, page_size: int, opts: Options) -> Any:
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    from kvcore_sglang.host_pools import mha_host_pool, mla_host_pool
 
     args = dict(
         host_to_device_ratio=1.0,
@@ -217,18 +217,8 @@ def _host_pool(kind: str, device_pool: Any, layout: str, page_size: int, opts: O
     )
     # The budget check samples free memory, which a lent VM reports low until it is used.
     with host_memory_budget_scope(1 << 50):
-        if kind == "mha":
-            host_cls, info, kwargs = _mha_host_inputs(device_pool)
-            return host_cls(info, **kwargs, **args)
-        return MLATokenToKVPoolHost(
-            device_pool.get_device_pool_infos()[0].buffer_info,
-            device_capacity_tokens=device_pool.size,
-            start_layer=device_pool.start_layer,
-            end_layer=device_pool.end_layer,
-            target_layer_num=device_pool.layer_num,
-            override_kv_cache_dim=device_pool.kv_cache_dim,
-            **args,
-        )
+        build = mha_host_pool if kind == "mha" else mla_host_pool
+        return build(device_pool, **args)
 
 
 @contextmanager

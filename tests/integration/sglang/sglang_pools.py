@@ -9,7 +9,6 @@ so the transfer tests reach both sides through it.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -21,23 +20,11 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPool,
 )
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
-from sglang.srt.mem_cache.pool_host.mha import (
-    AsymmetricMHATokenToKVPoolHost,
-    MHATokenToKOnlyPoolHost,
-    MHATokenToKVPoolHost,
-)
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.runtime_context import get_parallel
 
-try:
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
-except ImportError:
-    # SGLang 0.5.22: host pools take their device pool itself, not its buffer description.
-    _mha_host_inputs = None
-# Whether MLATokenToKVPoolHost takes the device pool (0.5.22) or its buffer info (0.5.23).
-_MLA_HOST_TAKES_DEVICE_POOL = (
-    "device_pool" in inspect.signature(MLATokenToKVPoolHost.__init__).parameters
-)
+from kvcore_sglang.host_pools import mha_host_pool, mla_host_pool
 
 HOST_RATIO = 2.0
 LAYERS = 2
@@ -93,30 +80,13 @@ def asymmetric_mha_host(tokens: int, page_size: int) -> Any:
 
 
 def _mha_host_for(device: MHATokenToKVPool, page_size: int, layout: str) -> Any:
-    if _mha_host_inputs is None:
-        asymmetric = device.v_head_dim != device.head_dim
-        host_cls = AsymmetricMHATokenToKVPoolHost if asymmetric else MHATokenToKVPoolHost
-        return host_cls(device, **_host_args(page_size, layout))
-    host_cls, buffer_info, kwargs = _mha_host_inputs(device)
-    return host_cls(buffer_info, **kwargs, **_host_args(page_size, layout))
+    return mha_host_pool(device, **_host_args(page_size, layout))
 
 
 def _mla_host_for(
     device: MLATokenToKVPool, page_size: int, layout: str = "layer_first"
 ) -> MLATokenToKVPoolHost:
-    if _MLA_HOST_TAKES_DEVICE_POOL:
-        return MLATokenToKVPoolHost(
-            device, override_kv_cache_dim=device.kv_cache_dim, **_host_args(page_size, layout)
-        )
-    return MLATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
-        target_layer_num=device.layer_num,
-        override_kv_cache_dim=device.kv_cache_dim,
-        **_host_args(page_size, layout),
-    )
+    return mla_host_pool(device, **_host_args(page_size, layout))
 
 
 def mla_host(
