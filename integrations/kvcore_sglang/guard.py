@@ -62,8 +62,23 @@ _HOST_SLOTS_0_5_22: dict[str, str] = {
     f"{HOST_KV_CACHE}.alloc": "12afebe1815e6d36d7f16115ed89f39d976e95205e549e14ce9b3d218d287020",
     f"{HOST_KV_CACHE}.free": "b5651e29ed7e3b808d54222e22b7424c8266602beb9a8342da0333c7213f32c0",
 }
-# The MHA and MLA transfer hooks follow 0.5.23's code (0.5.22 maps layers through the
-# device pool's layer sharding), so 0.5.22 has none recorded and keeps them stock.
+# The MHA and MLA transfers differ between the releases (0.5.22 maps layers through the
+# device pool's layer sharding, 0.5.23 through its pools' slot maps); kvcore_sglang.pool_jobs
+# has builders for each, and the hooks use those of the release whose fingerprint matches.
+_TRANSFERS_0_5_22: dict[str, str] = {
+    f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.load_to_device_per_layer": (
+        "70c64fb27349702d4b290eb0f3091d9efd853fafbc08083a248ed32a909d7edd"
+    ),
+    f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.backup_from_device_all_layer": (
+        "6c89ab6f1a2a728c9fd9191cea93137bfdad78478a9ca995667bec9f993eb8d0"
+    ),
+    f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.load_to_device_per_layer": (
+        "65a71d6e51e328aab6dfe61f99446a5d27db5f7bf0dbffa44c4a264d1b44e9fa"
+    ),
+    f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.backup_from_device_all_layer": (
+        "2acbfcfaef39884e132e6b345c1683787dd8500abb08f0c49e523041edbfc046"
+    ),
+}
 _TRANSFERS_0_5_23: dict[str, str] = {
     f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.load_to_device_per_layer": (
         "9bd30c239ff84b6cdd08f8c9bf3c52b94c088c95d7387ef7b4b3026d689c421c"
@@ -93,7 +108,12 @@ _INDEX_MEMO_0_5_22: dict[str, str] = {
     INDEX_MEMO_TARGETS[0]: "c87b308f4104a118fdbf0ebc64dc6fc3c488683b9d950112444e43be9f1353a8",
 }
 FINGERPRINTS: dict[str, dict[str, str]] = {
-    "0.5.22": {**_HOST_SLOTS_0_5_22, **_DSA_TRANSFERS_0_5_22, **_INDEX_MEMO_0_5_22},
+    "0.5.22": {
+        **_HOST_SLOTS_0_5_22,
+        **_TRANSFERS_0_5_22,
+        **_DSA_TRANSFERS_0_5_22,
+        **_INDEX_MEMO_0_5_22,
+    },
     "0.5.23": {
         **_HOST_SLOTS_0_5_22,
         **_TRANSFERS_0_5_23,

@@ -1,15 +1,19 @@
-"""What one SGLang 0.5.23 host-pool transfer call copies, per pool class, as a :class:`Job`.
+"""What one SGLang host-pool transfer call copies, per pool class and release, as a :class:`Job`.
 
 Each builder reads the pool the way the stock method does (which host layer, which
 device buffer, which indices) and returns the copies as (host layer view, device
 layer) pairs sharing one pair of index tensors, or the reason the call must run
 stock. Builders only look: nothing is copied here.
+
+The builders follow SGLang 0.5.23's methods unless named for 0.5.22; :data:`MHA_JOBS`,
+:data:`MLA_JOBS` and :data:`DSA_JOBS` say which builders reproduce which release's
+source (:mod:`kvcore_sglang.transfers` picks them by the installed source's fingerprint).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,6 +65,19 @@ class BackupJob(Protocol):
         device_idx: torch.Tensor,
         io_backend: str,
     ) -> Job | str: ...
+
+
+HoldsLayer = Callable[[Any, Any, int], bool]
+"""(pool, device pool, layer id) -> whether stock copies anything for that target layer."""
+
+
+@dataclass(frozen=True)
+class PoolJobs:
+    """The builders that reproduce one release's transfer methods of one pool class."""
+
+    holds_layer: HoldsLayer
+    load: LoadJob
+    backup: BackupJob
 
 
 def _rows_of(
@@ -278,3 +295,130 @@ def dsa_backup(
 
 def dsa_holds_layer(pool: Any, device_pool: Any, layer_id: int) -> bool:
     return bool(pool._is_device_layer_owned(device_pool, layer_id))
+
+
+# --- SGLang 0.5.22: MHA and MLA ------------------------------------------------------------
+#
+# 0.5.22's MHA and MLA host pools keep their device pool and map layers through its layer
+# sharding (``HostKVCache._device_owned_layer_range``): a target layer is copied only when
+# ``_is_device_layer_owned(device_pool, layer)`` (the call's device pool), into or out of
+# host layer ``_host_layer_index(layer)`` (the layer less the first owned one, from the
+# pool's own device pool); an MTP draft layer skips the sharding (host layer = layer). The
+# device buffer is always ``device_*_buffers[layer]``: a layer-sharded device pool keeps
+# its per-layer list index-aligned (unowned layers hold empty placeholders). Without
+# sharding all of this is 0.5.23's identity mapping. The all-layer backups copy device
+# layer ``i`` to host layer ``i`` for every host layer, as 0.5.23's do; MLA's switches
+# to a per-layer loop on a layer-sharded device pool, which kvcore leaves to stock.
+
+
+def holds_layer_0_5_22(pool: Any, device_pool: Any, layer_id: int) -> bool:
+    return bool(pool._is_device_layer_owned(device_pool, layer_id))
+
+
+def _host_layer_0_5_22(pool: Any, layer_id: int, is_draft: bool) -> int:
+    return layer_id if is_draft else pool._host_layer_index(layer_id)
+
+
+def _layer_ids_0_5_22(
+    pool: Any, layer_id: int, is_draft: bool, devices: Sequence[torch.Tensor]
+) -> int | str:
+    """The host layer a load of ``layer_id`` copies from, or why the call runs stock."""
+    if not 0 <= layer_id < len(devices):
+        return "sglang_layer_id"
+    host_layer = _host_layer_0_5_22(pool, layer_id, is_draft)
+    if not 0 <= host_layer < pool.layer_num:
+        return "sglang_layer_id"
+    return host_layer
+
+
+def mha_load_0_5_22(
+    pool: Any,
+    device_pool: Any,
+    layer_id: int,
+    is_draft: bool,
+    host_idx: torch.Tensor,
+    device_idx: torch.Tensor,
+    io_backend: str,
+) -> Job | str:
+    if len(pool.device_k_buffers) != len(pool.device_v_buffers):
+        return "sglang_layer_count"
+    host_layer = _layer_ids_0_5_22(pool, layer_id, is_draft, pool.device_k_buffers)
+    if isinstance(host_layer, str):
+        return host_layer
+    device_k, device_v = pool.device_k_buffers[layer_id], pool.device_v_buffers[layer_id]
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        (pool.k_buffer, pool.v_buffer), pool, device_k, pool.page_size
+    )
+    if isinstance(views, str):
+        return views
+    pairs = [(views[0].layer(host_layer), device_k), (views[1].layer(host_layer), device_v)]
+    return _job(views[0], pairs, host_idx, device_idx)
+
+
+def _mla_reason_0_5_22(pool: Any) -> str | None:
+    if pool._is_dummy:
+        return "sglang_dummy_pool"
+    if pool.dcp_size != 1:
+        return "sglang_dcp"
+    return None
+
+
+def mla_load_0_5_22(
+    pool: Any,
+    device_pool: Any,
+    layer_id: int,
+    is_draft: bool,
+    host_idx: torch.Tensor,
+    device_idx: torch.Tensor,
+    io_backend: str,
+) -> Job | str:
+    reason = _mla_reason_0_5_22(pool)
+    if reason is not None:
+        return reason
+    host_layer = _layer_ids_0_5_22(pool, layer_id, is_draft, pool.device_kv_buffers)
+    if isinstance(host_layer, str):
+        return host_layer
+    device = pool.device_kv_buffers[layer_id]
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        (pool.kv_buffer,), pool, device, pool.page_size
+    )
+    if isinstance(views, str):
+        return views
+    return _job(views[0], [(views[0].layer(host_layer), device)], host_idx, device_idx)
+
+
+def mla_backup_0_5_22(
+    pool: Any, device_pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor, io_backend: str
+) -> Job | str:
+    reason = _mla_reason_0_5_22(pool)
+    if reason is not None:
+        return reason
+    if pool._is_device_layer_sharded(device_pool):
+        return "sglang_layer_shard"
+    devices = pool.device_kv_buffers
+    if not 0 < pool.layer_num == len(devices):
+        return "sglang_layer_count"
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        (pool.kv_buffer,), pool, devices[0], pool.page_size
+    )
+    if isinstance(views, str):
+        return views
+    pairs = [(views[0].layer(i), device) for i, device in enumerate(devices)]
+    return _job(views[0], pairs, host_idx, device_idx)
+
+
+# --- builders per release ------------------------------------------------------------------
+
+# Release -> the builders that reproduce its methods (0.5.22's MHA backup copies what
+# 0.5.23's does; both releases define the DSA indexer's transfers identically).
+MHA_JOBS: dict[str, PoolJobs] = {
+    "0.5.22": PoolJobs(holds_layer_0_5_22, mha_load_0_5_22, mha_backup),
+    "0.5.23": PoolJobs(mha_holds_layer, mha_load, mha_backup),
+}
+MLA_JOBS: dict[str, PoolJobs] = {
+    "0.5.22": PoolJobs(holds_layer_0_5_22, mla_load_0_5_22, mla_backup_0_5_22),
+    "0.5.23": PoolJobs(mla_holds_layer, mla_load, mla_backup),
+}
+DSA_JOBS: dict[str, PoolJobs] = {
+    release: PoolJobs(dsa_holds_layer, dsa_load, dsa_backup) for release in ("0.5.22", "0.5.23")
+}

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23 host-pool transfers through kvcore's mover: MHA, MLA and the DSA indexer.
+"""SGLang host-pool transfers through kvcore's mover: MHA, MLA and the DSA indexer.
 
 AROUND hooks on ``load_to_device_per_layer`` and ``backup_from_device_all_layer`` of
 ``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost`` and ``DSAIndexerPoolHost``, for the
@@ -18,6 +18,13 @@ device indices staying on the GPU, unread (:func:`kvcore.mover.plan_device_index
 staged or gather). A ``kernel`` call whose host indices were not remembered runs stock
 (``sglang_indices_on_device``). kvcore never reads a device tensor back to plan.
 
+Which host layer and device buffer a call copies differs between SGLang releases
+(0.5.22 maps layers through the device pool's layer sharding, 0.5.23 through the slot
+maps its pools keep): each hook plans with the builders of the release whose recorded
+fingerprint (:mod:`kvcore_sglang.guard`) the installed method's source has
+(:data:`kvcore_sglang.pool_jobs.MHA_JOBS` and the like); a source none was written for
+runs stock (``sglang_source_unknown``).
+
 SGLang reloads layer by layer with the same two index tensors: the first layer's plan
 (bounds, runs, path) is kept (:class:`PlanMemo`) and rebound to every later layer's
 buffers, so a reload plans once, not once per layer.
@@ -25,6 +32,7 @@ buffers, so a reload plans once, not once per layer.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -45,9 +53,9 @@ from kvcore.mover import (
     policy_from_config,
 )
 
-from . import pool_jobs
+from . import guard, pool_jobs
 from .host_layouts import layout_reason
-from .pool_jobs import BackupJob, Job, LoadJob
+from .pool_jobs import Job, PoolJobs
 
 _POOL_PACKAGE = "sglang.srt.mem_cache.pool_host"
 MHA_POOL = f"{_POOL_PACKAGE}.mha.MHATokenToKVPoolHost"
@@ -285,8 +293,32 @@ def _serve(
         chosen_mover.execute(each)
 
 
+@functools.cache
+def _installed_fingerprint(target: str) -> str | None:
+    """The fingerprint of ``target``'s installed source (read once), None if unreadable."""
+    try:
+        return guard.fingerprint_target(target)
+    except (ImportError, AttributeError, KeyError, OSError, SyntaxError):
+        return None
+
+
+def _jobs_for(target: str, by_release: dict[str, PoolJobs]) -> PoolJobs | None:
+    """The builders of the release whose recorded fingerprint of ``target`` the installed
+    source has; None when no release's does."""
+    installed = _installed_fingerprint(target)
+    if installed is None:
+        return None
+    for release, jobs in by_release.items():
+        if guard.FINGERPRINTS.get(release, {}).get(target) == installed:
+            return jobs
+    return None
+
+
+_SOURCE_UNKNOWN = "sglang_source_unknown"
+
+
 def _make_load_hook(
-    pool_class: str, holds_layer: Callable[[Any, Any, int], bool], job_of: LoadJob
+    pool_class: str, target: str, by_release: dict[str, PoolJobs]
 ) -> Callable[..., None]:
     def load_hook(
         original: Callable[..., Any],
@@ -310,14 +342,18 @@ def _make_load_hook(
                 is_draft=is_draft,
             )
 
+        jobs = _jobs_for(target, by_release)
         indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
+        if jobs is None:
+            _serve(stock, _SOURCE_UNKNOWN, Direction.H2D, False)
+            return
         if isinstance(indices, str):
             _serve(stock, indices, Direction.H2D, False)
             return
-        if not is_draft and not holds_layer(pool, device_pool, layer_id):
+        if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
             stock()  # a layer this pool does not hold: stock returns without copying
             return
-        job = job_of(
+        job = jobs.load(
             pool, device_pool, layer_id, is_draft, indices.host, indices.device, io_backend
         )
         memo_key = PlanMemo.key(pool, device_pool, indices, io_backend)
@@ -326,7 +362,9 @@ def _make_load_hook(
     return load_hook
 
 
-def _make_backup_hook(pool_class: str, job_of: BackupJob) -> Callable[..., None]:
+def _make_backup_hook(
+    pool_class: str, target: str, by_release: dict[str, PoolJobs]
+) -> Callable[..., None]:
     def backup_hook(
         original: Callable[..., Any],
         pool: Any,
@@ -338,11 +376,15 @@ def _make_backup_hook(pool_class: str, job_of: BackupJob) -> Callable[..., None]
         def stock() -> None:
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
+        jobs = _jobs_for(target, by_release)
         indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
+        if jobs is None:
+            _serve(stock, _SOURCE_UNKNOWN, Direction.D2H, False)
+            return
         if isinstance(indices, str):
             _serve(stock, indices, Direction.D2H, False)
             return
-        job = job_of(pool, device_pool, indices.host, indices.device, io_backend)
+        job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)
         _serve(stock, job, Direction.D2H, indices.device_opaque)
 
     return backup_hook
@@ -350,13 +392,20 @@ def _make_backup_hook(pool_class: str, job_of: BackupJob) -> Callable[..., None]
 
 _LOAD = "load_to_device_per_layer"
 _BACKUP = "backup_from_device_all_layer"
+
+
+def _pool_hooks(pool_class: str, by_release: dict[str, PoolJobs]) -> dict[str, Callable[..., None]]:
+    load, backup = f"{pool_class}.{_LOAD}", f"{pool_class}.{_BACKUP}"
+    return {
+        load: _make_load_hook(pool_class, load, by_release),
+        backup: _make_backup_hook(pool_class, backup, by_release),
+    }
+
+
 # Target (as the guard names it) -> hook.
 HOOKS: dict[str, Callable[..., Any]] = {
-    f"{MHA_POOL}.{_LOAD}": _make_load_hook(MHA_POOL, pool_jobs.mha_holds_layer, pool_jobs.mha_load),
-    f"{MHA_POOL}.{_BACKUP}": _make_backup_hook(MHA_POOL, pool_jobs.mha_backup),
-    f"{MLA_POOL}.{_LOAD}": _make_load_hook(MLA_POOL, pool_jobs.mla_holds_layer, pool_jobs.mla_load),
-    f"{MLA_POOL}.{_BACKUP}": _make_backup_hook(MLA_POOL, pool_jobs.mla_backup),
-    f"{DSA_POOL}.{_LOAD}": _make_load_hook(DSA_POOL, pool_jobs.dsa_holds_layer, pool_jobs.dsa_load),
-    f"{DSA_POOL}.{_BACKUP}": _make_backup_hook(DSA_POOL, pool_jobs.dsa_backup),
+    **_pool_hooks(MHA_POOL, pool_jobs.MHA_JOBS),
+    **_pool_hooks(MLA_POOL, pool_jobs.MLA_JOBS),
+    **_pool_hooks(DSA_POOL, pool_jobs.DSA_JOBS),
     "sglang.srt.managers.cache_controller.HiCacheController.move_indices": move_indices_hook,
 }

@@ -283,21 +283,26 @@ class KVCoreOffloadingHandler:
             gpu_idx = torch.from_numpy(np.concatenate(indices[key][0]))
             cpu_idx = torch.from_numpy(np.concatenate(indices[key][1]))
             src_idx, dst_idx = (gpu_idx, cpu_idx) if self.gpu_to_cpu else (cpu_idx, gpu_idx)
-            if has_duplicates(dst_idx):
-                # Which copy lands last is undefined; stock races the same way.
-                return [], "duplicate_destinations"
             first: TransferPlan | None = None
             for tensor in tensors:
                 src, dst = self._sides(self._rows[tensor])
                 if first is None:
-                    first = plan(
-                        src,
-                        dst,
-                        src_idx,
-                        dst_idx,
-                        direction=self.direction,
-                        policy=self._mover.policy,
-                    )
+                    try:
+                        first = plan(
+                            src,
+                            dst,
+                            src_idx,
+                            dst_idx,
+                            direction=self.direction,
+                            policy=self._mover.policy,
+                        )
+                    except ValueError:
+                        # plan() checks for duplicates in the same pass as the runs; only
+                        # a refused plan pays for telling them apart from other errors.
+                        if has_duplicates(dst_idx):
+                            # Which copy lands last is undefined; stock races the same way.
+                            return [], "duplicate_destinations"
+                        raise
                     current = first
                 else:
                     current = first.rebind(src, dst)

@@ -86,7 +86,7 @@ def _direct_batch_call() -> Callable[..., int] | None:
             return None
         call = lib.cudaMemcpyBatchAsync
         pointer, size = ctypes.c_void_p, ctypes.c_size_t
-        arrays = [pointer, pointer, pointer, size, pointer, pointer, size]
+        arrays: list[Any] = [pointer, pointer, pointer, size, pointer, pointer, size]
         # CUDA 12.8 and 12.9 report the failing copy through an extra out-parameter.
         call.argtypes = (
             [*arrays, pointer] if version.value >= _CUDA_13 else [*arrays, pointer, pointer]

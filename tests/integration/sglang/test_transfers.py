@@ -3,7 +3,9 @@
 SGLang's own transfer ops need CUDA, so the served calls are compared with a copy
 computed here row by row, addressing SGLang's buffers the way each layout defines
 them; calls that must stay stock are checked to reach the original method once,
-unchanged, with their reason counted.
+unchanged, with their reason counted. Runs on 0.5.22 and 0.5.23, whose pools the
+reference addresses alike (host layer ``L`` mirrors ``device_*_buffers[L]`` unless a
+test says otherwise); the release-specific cases are marked.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -32,17 +35,22 @@ from sglang_pools import dsa_host, mha_host, mla_host
 from kvcore.engine_status import release_of
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, PathPolicy
-from kvcore_sglang import guard, plugin, transfers
+from kvcore_sglang import guard, plugin, pool_jobs, transfers
+from kvcore_sglang.host_pools import mha_host_pool, mla_host_pool
 
+VERSION = release_of(importlib.metadata.version("sglang"))
+RELEASES = ("0.5.22", "0.5.23")
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.skipif(
-        importlib.metadata.version("sglang") != "0.5.23",
-        reason="kvcore's SGLang transfer hooks are tested on 0.5.23 only",
+        VERSION not in RELEASES,
+        reason="kvcore's SGLang transfer hooks are tested on 0.5.22 and 0.5.23",
     ),
 ]
-
-VERSION = release_of(importlib.metadata.version("sglang"))
+ONLY_0_5_22 = pytest.mark.skipif(
+    VERSION != "0.5.22", reason="0.5.22's pools: device pool and layer sharding"
+)
+ONLY_0_5_23 = pytest.mark.skipif(VERSION != "0.5.23", reason="0.5.23's pools: slot maps")
 PAGE = 16
 DSA_PAGE = 64  # DSA's index pages need page_size 64
 TOKENS = 512
@@ -233,7 +241,9 @@ def paths_taken() -> dict[str, int]:
 
 
 def device_pool_of(kind: str, pool: Any) -> Any:
-    return pool.device_pool if kind == "dsa" else None
+    # What SGLang passes: the device pool. 0.5.23's MHA and MLA host pools keep none (and
+    # read none); 0.5.22's read its layer sharding.
+    return getattr(pool, "device_pool", None)
 
 
 # --- served calls --------------------------------------------------------------------------
@@ -662,8 +672,8 @@ def test_dtype_mismatch_runs_stock(monkeypatch):
     ("attribute", "value", "reason"),
     [
         ("dcp_size", 2, "sglang_dcp"),
-        ("_native_buffers", object(), "sglang_split_buffers"),
-        ("_layer_shard_enabled", True, "sglang_layer_shard"),
+        pytest.param("_native_buffers", object(), "sglang_split_buffers", marks=ONLY_0_5_23),
+        pytest.param("_layer_shard_enabled", True, "sglang_layer_shard", marks=ONLY_0_5_23),
     ],
 )
 def test_mla_pools_kvcore_does_not_serve_run_stock(monkeypatch, attribute, value, reason):
@@ -673,6 +683,27 @@ def test_mla_pools_kvcore_does_not_serve_run_stock(monkeypatch, attribute, value
     directions = ["backup"] if attribute == "_layer_shard_enabled" else ["load", "backup"]
     for direction in directions:
         assert_stock_once("mla", direction, pool, reason)
+
+
+@ONLY_0_5_22
+def test_mla_layer_sharded_backup_runs_stock_on_0_5_22(monkeypatch):
+    # 0.5.22 backs a layer-sharded device pool up layer by layer (its own mapping of
+    # draft layers included): left to stock. Loads of a sharded pool are served (below).
+    pool = pool_for("mla", "layer_first")
+    monkeypatch.setattr(pool.device_pool, "layer_shard_enabled", True, raising=False)
+    assert_stock_once("mla", "backup", pool, "sglang_layer_shard")
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_source_no_release_was_written_for_runs_stock(monkeypatch, kind):
+    pool = pool_for(kind, "layer_first")
+    for direction, method in (("load", METHODS[0]), ("backup", METHODS[1])):
+        target = f"{POOL_CLASSES[kind].__module__}.{POOL_CLASSES[kind].__qualname__}.{method}"
+        recorded = guard.FINGERPRINTS
+        unknown = {r: {t: f for t, f in fps.items() if t != target} for r, fps in recorded.items()}
+        monkeypatch.setattr(guard, "FINGERPRINTS", unknown)
+        assert_stock_once(kind, direction, pool, "sglang_source_unknown")
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("kind", sorted(POOL_CLASSES))
@@ -706,11 +737,26 @@ def test_guard_covers_the_transfer_targets():
     result = guard.check_targets(VERSION, guard.TRANSFER_GROUPS)
     assert result.skipped == ()
     assert set(result.patchable) == set(transfers.HOOKS) == ALL_TRANSFER_TARGETS
-    older = guard.check_targets("0.5.22", guard.TRANSFER_GROUPS)
-    # 0.5.22's DSA transfers and move_indices are 0.5.23's; its MHA and MLA transfers are not.
-    assert set(older.patchable) == {*guard.DSA_TRANSFER_TARGETS, *guard.INDEX_MEMO_TARGETS}
-    assert {s.target for s in older.skipped} == set(guard.TRANSFER_TARGETS)
-    assert all("no fingerprint recorded" in s.reason for s in older.skipped)
+    (other,) = set(RELEASES) - {VERSION}
+    across = guard.check_targets(other, guard.TRANSFER_GROUPS)
+    # The releases share their DSA transfers and move_indices, not their MHA and MLA ones.
+    assert set(across.patchable) == {*guard.DSA_TRANSFER_TARGETS, *guard.INDEX_MEMO_TARGETS}
+    assert {s.target for s in across.skipped} == set(guard.TRANSFER_TARGETS)
+    assert all(s.reason.startswith("source changed") for s in across.skipped)
+
+
+@pytest.mark.parametrize(
+    ("pool_class", "by_release"),
+    [
+        (transfers.MHA_POOL, pool_jobs.MHA_JOBS),
+        (transfers.MLA_POOL, pool_jobs.MLA_JOBS),
+        (transfers.DSA_POOL, pool_jobs.DSA_JOBS),
+    ],
+)
+def test_hooks_plan_with_the_installed_release_builders(pool_class, by_release):
+    assert set(by_release) == set(RELEASES)
+    for method in METHODS:
+        assert transfers._jobs_for(f"{pool_class}.{method}", by_release) == by_release[VERSION]
 
 
 def test_plugin_registers_transfer_hooks_over_stock(transfer_hooks):
@@ -839,3 +885,144 @@ def test_a_memoised_plan_follows_the_mover_policy(transfer_hooks, monkeypatch):
         monkeypatch.setattr(transfers, "_mover", Mover(policy, metrics=METRICS))
         _load_every_layer_and_check("mha", pool, host_idx, device_idx, "kernel")
     assert len(calls) == 2, calls
+
+
+# --- 0.5.22's layer mapping: MTP draft layers and layer sharding ------------------------------
+
+
+def _device_0_5_22(kind: str, layers: int) -> Any:
+    if kind == "mha":
+        return MHATokenToKVPool(
+            size=TOKENS,
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            layer_num=layers,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+    return MLATokenToKVPool(
+        size=TOKENS,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+
+
+def _host_0_5_22(kind: str, device: Any, layout: str, **extra: Any) -> Any:
+    build = mha_host_pool if kind == "mha" else mla_host_pool
+    return build(
+        device,
+        host_to_device_ratio=2.0,
+        host_size=0,
+        page_size=PAGE,
+        layout=layout,
+        pin_memory=False,
+        **extra,
+    )
+
+
+def _check_load(kind, pool, device_pool, layer_id, host_layer, io_backend, seed, *, is_draft):
+    """One load through the hooks: device layer ``layer_id`` of each component (its index in
+    ``device_*_buffers``) receives host layer ``host_layer``; nothing else is written."""
+    parts = components(kind, pool)
+    generator = torch.Generator().manual_seed(seed)
+    randomise(all_tensors(parts), generator)
+    host_idx, device_idx = make_indices(kind, pool, "scattered", 150, generator)
+    expected = as_bytes(all_tensors(parts))
+    at = 0
+    for part in parts:
+        want = expected[at + 1 + layer_id]
+        for slot, row in zip(host_idx.tolist(), device_idx.tolist(), strict=True):
+            want[row] = part.row(part.host.view(torch.uint8), host_layer, slot)
+        at += 1 + len(part.devices)
+    before = (fallbacks(), paths_taken())
+    pool.load_to_device_per_layer(
+        device_pool, host_idx, device_idx, layer_id, io_backend, is_draft=is_draft
+    )
+    after = as_bytes(all_tensors(parts))
+    assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
+    assert fallbacks() == before[0]
+    assert sum(paths_taken().values()) > sum(before[1].values()), "not served"
+
+
+@ONLY_0_5_22
+@pytest.mark.parametrize(
+    ("layout", "io_backend"),
+    [(layout, backend) for layout, backends in LAYOUT_BACKENDS.items() for backend in backends],
+)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_0_5_22_draft_layers_follow_the_target_layers(
+    transfer_hooks, small_mover, kind, layout, io_backend
+):
+    """An MTP draft pool's layer sits after the target's, on the host and in
+    ``device_*_buffers``: SGLang loads it with ``is_draft`` and the draft's device pool,
+    and backs it up with the target layers."""
+    transfer_hooks()
+    target, draft = _device_0_5_22(kind, LAYERS), _device_0_5_22(kind, 1)
+    pool = _host_0_5_22(kind, target, layout, mtp_draft_device_pools=(draft,))
+    assert pool.layer_num == LAYERS + 1
+    for seed, layer in enumerate(range(LAYERS + 1)):
+        is_draft = layer == LAYERS
+        device_pool = draft if is_draft else target
+        _check_load(kind, pool, device_pool, layer, layer, io_backend, seed, is_draft=is_draft)
+    for seed in range(2):
+        before = fallbacks()
+        parts = components(kind, pool)
+        assert all(len(part.devices) == LAYERS + 1 for part in parts)
+        generator = torch.Generator().manual_seed(10 + seed)
+        randomise(all_tensors(parts), generator)
+        host_idx, device_idx = make_indices(kind, pool, "scattered", 150, generator)
+        expected = as_bytes([part.host for part in parts])
+        for want, part in zip(expected, parts, strict=True):
+            for layer, device in enumerate(part.devices):
+                for slot, row in zip(host_idx.tolist(), device_idx.tolist(), strict=True):
+                    part.row(want, layer, slot).copy_(device.view(torch.uint8)[row])
+        pool.backup_from_device_all_layer(target, host_idx, device_idx, io_backend)
+        got = [part.host.view(torch.uint8) for part in parts]
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert fallbacks() == before
+
+
+@ONLY_0_5_22
+@pytest.mark.parametrize(
+    ("layout", "io_backend"),
+    [(layout, backend) for layout, backends in LAYOUT_BACKENDS.items() for backend in backends],
+)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_0_5_22_layer_sharded_loads_map_owned_layers_to_host_layers(
+    transfer_hooks, small_mover, monkeypatch, rank, layout, io_backend
+):
+    """A layer-sharded MLA device pool (a CP rank of a layer-split DSA model) keeps its
+    ``kv_buffer`` list index-aligned; the host pool holds only the owned layers, first
+    owned layer first. Loads of owned layers are served; the others copy nothing."""
+    from sglang.srt.layers.cp.utils import get_layer_shard_range
+
+    transfer_hooks()
+    shards = 2
+    device = _device_0_5_22("mla", LAYERS)
+    owned = get_layer_shard_range(rank, shards, LAYERS)
+    monkeypatch.setattr(device, "layer_shard_enabled", True, raising=False)
+    monkeypatch.setattr(device, "layer_shard_size", shards, raising=False)
+    monkeypatch.setattr(device, "_owned_local_layer_range", lambda: owned, raising=False)
+    pool = _host_0_5_22("mla", device, layout)
+    assert pool.layer_num == -(-LAYERS // shards)
+    for layer in range(LAYERS):
+        if owned[0] <= layer < owned[1]:
+            _check_load(
+                "mla", pool, device, layer, layer - owned[0], io_backend, layer, is_draft=False
+            )
+            continue
+        parts = components("mla", pool)
+        snapshot = as_bytes(all_tensors(parts))
+        before = (fallbacks(), paths_taken())
+        host_idx, device_idx = torch.arange(64), torch.arange(64, 128)
+        pool.load_to_device_per_layer(device, host_idx, device_idx, layer, io_backend)
+        after = as_bytes(all_tensors(parts))
+        assert all(torch.equal(a, b) for a, b in zip(snapshot, after, strict=True))
+        assert (fallbacks(), paths_taken()) == before

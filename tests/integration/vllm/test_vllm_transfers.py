@@ -411,6 +411,19 @@ def test_jobs_of_few_pages_a_copy_stay_stock(monkeypatch, gpu_to_cpu):
     assert [op for op, *_ in mover.ops] == ["copy_runs", "copy_runs"]
 
 
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_jobs_that_write_one_page_twice_stay_stock(gpu_to_cpu):
+    layout = Layout(page_bytes=256, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(12))
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
+    # Two pages copied onto one destination page: which lands last is stock's business.
+    twice = [([3, 4, 9], [6, 6, 1], 0)] if gpu_to_cpu else [([3, 3, 9], [6, 7, 1], 0)]
+    handler.transfer_async(1, *make_job(twice, gpu_to_cpu))
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    assert issued == [3] and mover.ops == []
+    assert metrics.snapshot()["fallbacks"] == {"duplicate_destinations": 1}
+
+
 def test_stock_descriptor_buffers_are_reused_only_after_their_job_finished():
     layout = Layout(page_bytes=512, tensors=2, blocks_per_chunk=2, ref_page_bytes=384)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(11))
