@@ -32,6 +32,7 @@ buffers, so a reload plans once, not once per layer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import weakref
@@ -149,11 +150,12 @@ class _MemoEntry:
 class PlanMemo:
     """The plan of the last load served, for the next load with the same indices.
 
-    The entry holds the pools and index tensors it was made for, so none of them can be
-    freed and its id reused while it is kept: identity plus the tensors' version
-    counters (bumped by every in-place torch write) says the indices are unchanged.
-    A device index that stays on the device is never read, so its values do not
-    matter to the plan; only the CPU-side values the plan came from do.
+    The entry holds the index tensors it was made for, so none of them can be freed and
+    its id reused while it is kept: identity plus the tensors' version counters (bumped by
+    every in-place torch write) says the indices are unchanged. A device index that stays
+    on the device is never read, so its values do not matter to the plan; only the
+    CPU-side values the plan came from do. The pools are held weakly and the kept plan
+    without its buffers, so a pool SGLang drops (and its pinned memory) is not kept alive.
     """
 
     def __init__(self) -> None:
@@ -163,7 +165,8 @@ class PlanMemo:
     @staticmethod
     def key(pool: Any, device_pool: Any, indices: CallIndices, io_backend: str) -> tuple[Any, ...]:
         host, device = indices.host, indices.device
-        return (pool, device_pool, host, host._version, device, device._version, io_backend)
+        pools = (_weakly(pool), _weakly(device_pool))
+        return (*pools, host, host._version, device, device._version, io_backend)
 
     def recall(self, key: tuple[Any, ...]) -> TransferPlan | None:
         with self._lock:
@@ -173,16 +176,29 @@ class PlanMemo:
         return entry.plan
 
     def remember(self, key: tuple[Any, ...], plan: TransferPlan) -> None:
+        detached = dataclasses.replace(plan, src=_no_rows(plan.src), dst=_no_rows(plan.dst))
         with self._lock:
-            self._entry = _MemoEntry(key, plan)
+            self._entry = _MemoEntry(key, detached)
 
-    def forget(self) -> None:
-        with self._lock:
-            self._entry = None
+
+def _weakly(obj: Any) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # None, or a type without weak references: held as it is
+        return obj
 
 
 def _same(kept: Any, given: Any) -> bool:
+    if isinstance(kept, weakref.ref):
+        given = given() if isinstance(given, weakref.ref) else given
+        return given is not None and kept() is given
     return kept is given or (type(kept) in (int, str) and kept == given)
+
+
+def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``tensor`` (device, dtype, row shape) that holds no memory of it;
+    :meth:`TransferPlan.rebind` gives the plan real buffers again."""
+    return torch.empty((0, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
 
 LOAD_PLANS = PlanMemo()

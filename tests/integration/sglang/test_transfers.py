@@ -1026,3 +1026,31 @@ def test_0_5_22_layer_sharded_loads_map_owned_layers_to_host_layers(
         after = as_bytes(all_tensors(parts))
         assert all(torch.equal(a, b) for a, b in zip(snapshot, after, strict=True))
         assert (fallbacks(), paths_taken()) == before
+
+
+def test_the_kept_plan_holds_neither_the_pool_nor_its_buffers():
+    import gc
+    import weakref
+
+    from kvcore.mover import plan
+
+    class Pool:  # stands in for a host pool SGLang drops (pinned buffers and all)
+        pass
+
+    memo = transfers.PlanMemo()
+    pool, host, device = Pool(), torch.randn(64, 8), torch.randn(64, 8)
+    host_idx, device_idx = torch.arange(4, 20), torch.arange(30, 46)
+    indices = transfers.CallIndices(host_idx, device_idx, device_opaque=False)
+    key = transfers.PlanMemo.key(pool, None, indices, "direct")
+    memo.remember(key, plan(host, device, host_idx, device_idx, direction="h2d"))
+    kept = memo.recall(transfers.PlanMemo.key(pool, None, indices, "direct"))
+    assert kept is not None and kept.src.numel() == 0 and kept.dst.numel() == 0
+    rebound = kept.rebind(host, device)
+    assert rebound.src is host and rebound.dst is device and rebound.path is kept.path
+
+    alive = [weakref.ref(x) for x in (pool, host, device)]
+    del pool, host, device, kept, rebound
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None, None]
+    # The pool is gone, so its entry can no longer match a pool that reuses its address.
+    assert memo.recall(transfers.PlanMemo.key(Pool(), None, indices, "direct")) is None
