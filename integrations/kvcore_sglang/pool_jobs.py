@@ -108,6 +108,48 @@ def _paged_reason(pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor) -
     return None
 
 
+def _layer_job(
+    pool: Any,
+    host_buffers: tuple[torch.Tensor, ...],
+    devices: tuple[torch.Tensor, ...],
+    host_layer: int,
+    host_idx: torch.Tensor,
+    device_idx: torch.Tensor,
+) -> Job | str:
+    """One layer's copies: host layer ``host_layer`` of each host buffer with its device layer."""
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        host_buffers, pool, devices[0], pool.page_size
+    )
+    if isinstance(views, str):
+        return views
+    pairs = [(rows.layer(host_layer), device) for rows, device in zip(views, devices, strict=True)]
+    return _job(views[0], pairs, host_idx, device_idx)
+
+
+def _all_layers_job(
+    pool: Any,
+    host_buffers: tuple[torch.Tensor, ...],
+    device_layers: tuple[Sequence[torch.Tensor], ...],
+    host_idx: torch.Tensor,
+    device_idx: torch.Tensor,
+) -> Job | str:
+    """Every layer's copies, host layer ``i`` with device layer ``i``; buffer by buffer (K of
+    every layer, then V: the order of SGLang's own all-layer copies)."""
+    if not all(0 < pool.layer_num == len(layers) for layers in device_layers):
+        return "sglang_layer_count"
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        host_buffers, pool, device_layers[0][0], pool.page_size
+    )
+    if isinstance(views, str):
+        return views
+    pairs = [
+        (rows.layer(i), layers[i])
+        for rows, layers in zip(views, device_layers, strict=True)
+        for i in range(pool.layer_num)
+    ]
+    return _job(views[0], pairs, host_idx, device_idx)
+
+
 # --- MHA ---------------------------------------------------------------------------------
 
 
@@ -122,34 +164,15 @@ def mha_load(
 ) -> Job | str:
     if not 0 <= layer_id < min(len(pool.device_k_buffers), pool.layer_num):
         return "sglang_layer_id"
-    device_k, device_v = pool.device_k_buffers[layer_id], pool.device_v_buffers[layer_id]
-    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
-        (pool.k_buffer, pool.v_buffer), pool, device_k, pool.page_size
-    )
-    if isinstance(views, str):
-        return views
-    pairs = [(views[0].layer(layer_id), device_k), (views[1].layer(layer_id), device_v)]
-    return _job(views[0], pairs, host_idx, device_idx)
+    devices = (pool.device_k_buffers[layer_id], pool.device_v_buffers[layer_id])
+    return _layer_job(pool, (pool.k_buffer, pool.v_buffer), devices, layer_id, host_idx, device_idx)
 
 
 def mha_backup(
     pool: Any, device_pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor, io_backend: str
 ) -> Job | str:
     devices = (pool.device_k_buffers, pool.device_v_buffers)
-    if not 0 < pool.layer_num == len(devices[0]) == len(devices[1]):
-        return "sglang_layer_count"
-    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
-        (pool.k_buffer, pool.v_buffer), pool, devices[0][0], pool.page_size
-    )
-    if isinstance(views, str):
-        return views
-    # K of every layer, then V: the order of SGLang's own all-layer copy.
-    pairs = [
-        (rows.layer(i), device[i])
-        for rows, device in zip(views, devices, strict=True)
-        for i in range(pool.layer_num)
-    ]
-    return _job(views[0], pairs, host_idx, device_idx)
+    return _all_layers_job(pool, (pool.k_buffer, pool.v_buffer), devices, host_idx, device_idx)
 
 
 def mha_holds_layer(pool: Any, device_pool: Any, layer_id: int) -> bool:
@@ -187,12 +210,7 @@ def mla_load(
     if host_layer is None or device_layer is None or not 0 <= host_layer < pool.layer_num:
         return "sglang_layer_id"
     device = pool.device_kv_buffers[device_layer]
-    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
-        (pool.kv_buffer,), pool, device, pool.page_size
-    )
-    if isinstance(views, str):
-        return views
-    return _job(views[0], [(views[0].layer(host_layer), device)], host_idx, device_idx)
+    return _layer_job(pool, (pool.kv_buffer,), (device,), host_layer, host_idx, device_idx)
 
 
 def mla_backup(
@@ -203,16 +221,7 @@ def mla_backup(
         return reason
     if pool._layer_shard_enabled:
         return "sglang_layer_shard"
-    devices = pool.device_kv_buffers
-    if not 0 < pool.layer_num == len(devices):
-        return "sglang_layer_count"
-    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
-        (pool.kv_buffer,), pool, devices[0], pool.page_size
-    )
-    if isinstance(views, str):
-        return views
-    pairs = [(views[0].layer(i), device) for i, device in enumerate(devices)]
-    return _job(views[0], pairs, host_idx, device_idx)
+    return _all_layers_job(pool, (pool.kv_buffer,), (pool.device_kv_buffers,), host_idx, device_idx)
 
 
 def mla_holds_layer(pool: Any, device_pool: Any, layer_id: int) -> bool:
@@ -345,14 +354,9 @@ def mha_load_0_5_22(
     host_layer = _layer_ids_0_5_22(pool, layer_id, is_draft, pool.device_k_buffers)
     if isinstance(host_layer, str):
         return host_layer
-    device_k, device_v = pool.device_k_buffers[layer_id], pool.device_v_buffers[layer_id]
-    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
-        (pool.k_buffer, pool.v_buffer), pool, device_k, pool.page_size
-    )
-    if isinstance(views, str):
-        return views
-    pairs = [(views[0].layer(host_layer), device_k), (views[1].layer(host_layer), device_v)]
-    return _job(views[0], pairs, host_idx, device_idx)
+    devices = (pool.device_k_buffers[layer_id], pool.device_v_buffers[layer_id])
+    hosts = (pool.k_buffer, pool.v_buffer)
+    return _layer_job(pool, hosts, devices, host_layer, host_idx, device_idx)
 
 
 def _mla_reason_0_5_22(pool: Any) -> str | None:
@@ -379,12 +383,7 @@ def mla_load_0_5_22(
     if isinstance(host_layer, str):
         return host_layer
     device = pool.device_kv_buffers[layer_id]
-    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
-        (pool.kv_buffer,), pool, device, pool.page_size
-    )
-    if isinstance(views, str):
-        return views
-    return _job(views[0], [(views[0].layer(host_layer), device)], host_idx, device_idx)
+    return _layer_job(pool, (pool.kv_buffer,), (device,), host_layer, host_idx, device_idx)
 
 
 def mla_backup_0_5_22(
@@ -395,16 +394,7 @@ def mla_backup_0_5_22(
         return reason
     if pool._is_device_layer_sharded(device_pool):
         return "sglang_layer_shard"
-    devices = pool.device_kv_buffers
-    if not 0 < pool.layer_num == len(devices):
-        return "sglang_layer_count"
-    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
-        (pool.kv_buffer,), pool, devices[0], pool.page_size
-    )
-    if isinstance(views, str):
-        return views
-    pairs = [(views[0].layer(i), device) for i, device in enumerate(devices)]
-    return _job(views[0], pairs, host_idx, device_idx)
+    return _all_layers_job(pool, (pool.kv_buffer,), (pool.device_kv_buffers,), host_idx, device_idx)
 
 
 # --- builders per release ------------------------------------------------------------------

@@ -40,7 +40,7 @@ def _host_args(page_size: int, layout: str) -> dict[str, Any]:
     )
 
 
-def _mha_device(
+def mha_device(
     tokens: int,
     page_size: int,
     v_head_dim: int | None = None,
@@ -69,12 +69,12 @@ def mha_host(
     layers: int = LAYERS,
     heads: int = 1,
 ) -> Any:
-    device = _mha_device(tokens, page_size, layers=layers, heads=heads)
+    device = mha_device(tokens, page_size, layers=layers, heads=heads)
     return _mha_host_for(device, page_size, layout)
 
 
 def asymmetric_mha_host(tokens: int, page_size: int) -> Any:
-    device = _mha_device(tokens, page_size, v_head_dim=16)
+    device = mha_device(tokens, page_size, v_head_dim=16)
     # SGLang accepts only page-major layouts when K and V widths differ.
     return _mha_host_for(device, page_size, "page_first")
 
@@ -89,10 +89,8 @@ def _mla_host_for(
     return mla_host_pool(device, **_host_args(page_size, layout))
 
 
-def mla_host(
-    tokens: int, page_size: int, layout: str = "layer_first", *, layers: int = LAYERS
-) -> MLATokenToKVPoolHost:
-    device = MLATokenToKVPool(
+def mla_device(tokens: int, page_size: int, *, layers: int = LAYERS) -> MLATokenToKVPool:
+    return MLATokenToKVPool(
         size=tokens,
         page_size=page_size,
         dtype=torch.bfloat16,
@@ -102,7 +100,12 @@ def mla_host(
         device="cpu",
         enable_memory_saver=False,
     )
-    return _mla_host_for(device, page_size, layout)
+
+
+def mla_host(
+    tokens: int, page_size: int, layout: str = "layer_first", *, layers: int = LAYERS
+) -> MLATokenToKVPoolHost:
+    return _mla_host_for(mla_device(tokens, page_size, layers=layers), page_size, layout)
 
 
 def k_only_host(tokens: int, page_size: int) -> MHATokenToKOnlyPoolHost:

@@ -25,12 +25,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang.srt.managers.cache_controller import HiCacheController
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.plugins.hook_registry import HookRegistry
-from sglang_pools import dsa_host, mha_host, mla_host
+from sglang_pools import dsa_host, mha_device, mha_host, mla_device, mla_host
 
 from kvcore.engine_status import release_of
 from kvcore.metrics import METRICS
@@ -892,26 +891,8 @@ def test_a_memoised_plan_follows_the_mover_policy(transfer_hooks, monkeypatch):
 
 def _device_0_5_22(kind: str, layers: int) -> Any:
     if kind == "mha":
-        return MHATokenToKVPool(
-            size=TOKENS,
-            page_size=PAGE,
-            dtype=torch.bfloat16,
-            head_num=2,
-            head_dim=8,
-            layer_num=layers,
-            device="cpu",
-            enable_memory_saver=False,
-        )
-    return MLATokenToKVPool(
-        size=TOKENS,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        layer_num=layers,
-        device="cpu",
-        enable_memory_saver=False,
-    )
+        return mha_device(TOKENS, PAGE, layers=layers, heads=2)
+    return mla_device(TOKENS, PAGE, layers=layers)
 
 
 def _host_0_5_22(kind: str, device: Any, layout: str, **extra: Any) -> Any:
