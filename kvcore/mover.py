@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,10 @@ from kvcore.kernels.reference import (
     staging_words,
 )
 from kvcore.metrics import Metrics
+from kvcore.pair_checks import fallback_reason
+
+if TYPE_CHECKING:
+    from kvcore.layers import LayerPairs
 from kvcore.runs import (
     PairedRuns,
     Runs,
@@ -41,8 +45,6 @@ from kvcore.runs import (
     segment_transfer,
     slice_runs,
 )
-
-SUPPORTED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
 
 FALLBACK_REASONS = frozenset(
     {
@@ -150,7 +152,7 @@ class TransferPlan:
             and src.shape[0] >= self.src_span
             and dst.shape[0] >= self.dst_span
             and row_bytes(src) == self.row_bytes
-            and _fallback_reason(src, dst) is None
+            and fallback_reason(src, dst) is None
         )
         if not same_layout:
             replan = plan_device_indexed if self.device_index_opaque else plan
@@ -211,7 +213,7 @@ def plan(
     src_row_bytes = row_bytes(src)
     nbytes = rows * src_row_bytes
 
-    reason = _fallback_reason(src, dst)
+    reason = fallback_reason(src, dst)
     if reason is None and force is TransferPath.FALLBACK:
         reason = "forced"
     if reason is not None:
@@ -321,7 +323,7 @@ def plan_device_indexed(
     rows = int(host_idx.numel())
     src_row_bytes = row_bytes(src)
     nbytes = rows * src_row_bytes
-    reason = _fallback_reason(src, dst)
+    reason = fallback_reason(src, dst)
     if reason is None and device_idx.device not in (device.device, torch.device("cpu")):
         reason = "unsupported_device"
     if reason is None and force is TransferPath.FALLBACK:
@@ -402,36 +404,6 @@ def _resolve_direction(
             "side is the host"
         )
     return given
-
-
-def _fallback_reason(src: torch.Tensor, dst: torch.Tensor) -> str | None:
-    if not {src.device.type, dst.device.type} <= SUPPORTED_DEVICE_TYPES:
-        return "unsupported_device"
-    if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
-        # A peer copy between GPUs is not a host transfer.
-        return "unsupported_device"
-    if src.dtype != dst.dtype:
-        return "dtype_mismatch"
-    if src.shape[1:] != dst.shape[1:]:
-        return "row_shape_mismatch"
-    if row_word_bytes(src) is None or row_word_bytes(dst) is None:
-        return "strided_rows"
-    if _shares_bytes(src, dst):
-        # Stock indexing reads every source row before writing; run copies would not.
-        return "overlapping_buffers"
-    return None
-
-
-def _shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two dense tensors on one device overlap in memory."""
-    if a.device != b.device:
-        return False
-    a_size = a.numel() * a.element_size()
-    b_size = b.numel() * b.element_size()
-    if a_size == 0 or b_size == 0:
-        return False
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    return a_start < b_start + b_size and b_start < a_start + a_size
 
 
 def _choose_path(
@@ -582,10 +554,52 @@ class Mover:
                 if reason is not None:
                     self.metrics.record_fallback(reason)
 
+    def execute_layers(self, plan: TransferPlan, pairs: LayerPairs) -> None:
+        """Run ``plan``'s rows between every pair of ``pairs``: one submission for all of
+        them where the device's kernels have one, one per pair where not.
+
+        ``plan`` is made for one pair of the same layout (engines plan the first layer).
+        Raises ValueError when it does not fit the pairs, or when either says the copy must
+        take the engine's stock path: the caller runs that path instead.
+        """
+        problem = layers_mismatch(plan, pairs)
+        if problem is not None:
+            raise ValueError(problem)
+        started = time.perf_counter()
+        degraded = None
+        if plan.rows and plan.row_bytes:
+            degraded = self._copy_layers(plan, pairs)
+        seconds = time.perf_counter() - started
+        if self.metrics is not None:
+            nbytes = plan.nbytes * len(pairs)
+            self.metrics.record_transfer(plan.direction.value, plan.path.value, nbytes, seconds)
+            if degraded is not None:
+                self.metrics.record_fallback(degraded)
+
+    def _copy_layers(self, plan: TransferPlan, pairs: LayerPairs) -> str | None:
+        kernels = self.kernels(plan.device)
+        runs_path = plan.path in (TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS)
+        if runs_path and kernels.copy_runs_layers is not None:
+            return kernels.copy_runs_layers(pairs, plan.runs)
+        if plan.path is TransferPath.GATHER and kernels.gather_layers is not None:
+            return kernels.gather_layers(pairs, plan.src_idx, plan.dst_idx)
+        degraded = None
+        for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+            degraded = self._copy_words(plan, kernels, src_words, dst_words) or degraded
+        return degraded
+
     def _copy(self, plan: TransferPlan) -> str | None:
         """Issue the plan's copies; returns why a slower way was taken, if one was."""
         src_words, dst_words = _word_views(plan.src, plan.dst)
-        kernels = self.kernels(plan.device)
+        return self._copy_words(plan, self.kernels(plan.device), src_words, dst_words)
+
+    def _copy_words(
+        self,
+        plan: TransferPlan,
+        kernels: KernelSet,
+        src_words: torch.Tensor,
+        dst_words: torch.Tensor,
+    ) -> str | None:
         if plan.path in (TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS):
             return kernels.copy_runs(src_words, dst_words, plan.runs)
         if plan.path is TransferPath.GATHER:
@@ -623,6 +637,27 @@ class Mover:
                     kernels.stage_out(
                         src_words, plan.src_idx[begin:end], staging, dst_words, chunk.host_runs
                     )
+
+
+def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
+    """Why :meth:`Mover.execute_layers` would refuse ``plan`` for ``pairs``, or None."""
+    if plan.reason is not None:
+        return f"the plan falls back ({plan.reason}); run the stock path"
+    if pairs.reason is not None:
+        return f"the pairs fall back ({pairs.reason}); run the stock path"
+    if pairs.srcs[0].device != plan.src.device or pairs.dsts[0].device != plan.dst.device:
+        return (
+            f"the plan copies {plan.src.device} -> {plan.dst.device}, the pairs "
+            f"{pairs.srcs[0].device} -> {pairs.dsts[0].device}"
+        )
+    if pairs.row_bytes != plan.row_bytes:
+        return f"the plan copies rows of {plan.row_bytes} B, the pairs have {pairs.row_bytes} B"
+    if pairs.src_rows < plan.src_span or pairs.dst_rows < plan.dst_span:
+        return (
+            f"the plan needs {plan.src_span} source and {plan.dst_span} destination rows, the "
+            f"shortest pair has {pairs.src_rows} and {pairs.dst_rows}"
+        )
+    return None
 
 
 def _word_views(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,9 @@ submitted, jobs run one after another on the handler's own stream, and they are
 reported finished in submission order, each once. In between, the job is planned from
 the block-id arrays alone (never from device memory): per KV tensor, the pages become
 row indices (:mod:`kvcore_vllm.page_rows`), and the mover merges pages adjacent on both
-sides into one copy or picks its staged or gather paths.
+sides into one copy or picks its staged or gather paths. KV tensors whose pages give the
+same row indices (a model's layers) share one plan and move in one submission
+(:meth:`kvcore.mover.Mover.execute_layers`: one gather launch or one batched DMA call).
 
 A job kvcore cannot prove it copies exactly as stock does (a canonical host layout, a
 page only partly copied, a row layout it cannot express, duplicate destinations, a
@@ -31,17 +33,19 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferRes
 
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
+from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, TransferPlan, plan, policy_from_config
+from kvcore.mover import Mover, TransferPlan, layers_mismatch, plan, policy_from_config
 from kvcore.runs import has_duplicates
 from kvcore.streams import CudaEventOps
 from kvcore_vllm.page_rows import PageRows, page_rows
 
 logger = logging.getLogger("kvcore.vllm")
 
-# Pages a copy kvcore issues must cover, on average, before its host cost (a few hundred
-# microseconds a copy) undercuts stock's batched copy (~1 us a page in the driver). H200
-# A/B: kvcore lost at 32-256 pages a copy and won from 512 pages (4 KiB to 64 KiB).
+# Pages a submission kvcore issues must cover, on average, before its host cost (a few
+# hundred microseconds) undercuts stock's batched copy (~1 us a page in the driver). H200
+# A/B of 2026-11-29, one submission per KV tensor then: kvcore lost at 32-256 pages a
+# submission and won from 512 pages (4 KiB to 64 KiB).
 MIN_PAGES_PER_COPY = 512
 
 # The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
@@ -148,6 +152,14 @@ class _Group:
 _Descriptors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class _Work:
+    """One submission of a job: a plan for one KV tensor, or for every pair of ``pairs``."""
+
+    plan: TransferPlan
+    pairs: LayerPairs | None
+
+
 @dataclass
 class _Job:
     job_id: int
@@ -165,6 +177,9 @@ class KVCoreOffloadingHandler:
     references are read once, and its descriptor fill and copy op run the jobs that
     fall back. ``streams`` supplies the handler's stream (named ``name``) and events;
     ``compute_stream`` returns the stream whose queued work a job must wait for.
+    ``stock_rules=False`` turns off the rules that leave jobs to stock because stock's
+    copy would cost less (:meth:`_stock_is_cheaper`), so that benchmarks can measure
+    kvcore's own paths on those jobs; correctness fallbacks always apply.
     """
 
     def __init__(
@@ -176,6 +191,7 @@ class KVCoreOffloadingHandler:
         compute_stream: Callable[[], Any],
         name: str,
         metrics: Metrics | None = None,
+        stock_rules: bool = True,
     ) -> None:
         self._stock = stock
         self.gpu_to_cpu: bool = stock.gpu_to_cpu
@@ -191,6 +207,9 @@ class KVCoreOffloadingHandler:
         self._jobs: deque[_Job] = deque()
         self._events: dict[int, Any] = {}
         self._rows: dict[int, PageRows] = {}
+        self._pairs: dict[tuple[int, ...], LayerPairs] = {}
+        self._batches_by_groups: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
+        self._stock_rules = stock_rules
         # As stock does: pinned descriptor buffers are allocated once and reused.
         self._descriptor_pool: list[_Descriptors] = []
         self._groups: list[_Group | str] = self._describe_groups()
@@ -238,12 +257,12 @@ class KVCoreOffloadingHandler:
         reason = self._unsupported_group(segments)
         if reason is None:
             reason = self._stock_is_cheaper(segments)
-        plans: list[TransferPlan] = []
+        work: list[_Work] = []
         if reason is None:
-            plans, reason = self._plan(segments)
+            work, reason = self._plan(segments)
         if reason is None:
             nbytes = sum(len(s.gpu_blocks) * self._group(s).page_bytes for s in segments)
-            self._submit(job_id, nbytes, lambda: self._execute(plans))
+            self._submit(job_id, nbytes, lambda: self._execute(work))
         else:
             if self._metrics is not None:
                 self._metrics.record_fallback(reason)
@@ -262,83 +281,101 @@ class KVCoreOffloadingHandler:
                 return described
         return None
 
-    def _plan(self, segments: list[Segment]) -> tuple[list[TransferPlan], str | None]:
-        indices: dict[tuple[Any, ...], tuple[list[np.ndarray], list[np.ndarray]]] = {}
-        members: dict[tuple[Any, ...], list[int]] = {}
-        for tensor in dict.fromkeys(t for s in segments for t in self._group(s).tensors):
-            rows = self._rows[tensor]
-            used = tuple(s.group for s in segments if tensor in self._group(s).tensors)
-            key = (rows.geometry, used)
-            members.setdefault(key, []).append(tensor)
-            if key in indices:
-                continue
+    def _batches(self, segments: list[Segment]) -> dict[tuple[Any, ...], list[int]]:
+        """The job's KV tensors grouped by what their row indices depend on: the tensors of
+        one batch share one plan and move in one submission."""
+        groups = tuple(s.group for s in segments)
+        batches = self._batches_by_groups.get(groups)
+        if batches is None:
+            batches = {}
+            for tensor in dict.fromkeys(t for s in segments for t in self._group(s).tensors):
+                used = tuple(s.group for s in segments if tensor in self._group(s).tensors)
+                batches.setdefault((self._rows[tensor].geometry, used), []).append(tensor)
+            # Which groups a job copies decides its batches: a handful of combinations.
+            self._batches_by_groups[groups] = batches
+        return batches
+
+    def _plan(self, segments: list[Segment]) -> tuple[list[_Work], str | None]:
+        work: list[_Work] = []
+        for (_, used), tensors in self._batches(segments).items():
+            rows = self._rows[tensors[0]]
             gpu_rows, cpu_rows = [], []
             for segment in segments:
                 if segment.group in used:
                     gpu_rows.append(rows.gpu_rows(segment.gpu_blocks))
                     cpu_rows.append(rows.cpu_rows(segment.cpu_sub_blocks, self.blocks_per_chunk))
-            indices[key] = (gpu_rows, cpu_rows)
-        plans: list[TransferPlan] = []
-        for key, tensors in members.items():
-            gpu_idx = torch.from_numpy(np.concatenate(indices[key][0]))
-            cpu_idx = torch.from_numpy(np.concatenate(indices[key][1]))
+            gpu_idx = torch.from_numpy(np.concatenate(gpu_rows))
+            cpu_idx = torch.from_numpy(np.concatenate(cpu_rows))
             src_idx, dst_idx = (gpu_idx, cpu_idx) if self.gpu_to_cpu else (cpu_idx, gpu_idx)
-            first: TransferPlan | None = None
+            src, dst = self._sides(rows)
+            try:
+                first = plan(
+                    src, dst, src_idx, dst_idx, direction=self.direction, policy=self._mover.policy
+                )
+            except ValueError:
+                # plan() checks for duplicates in the same pass as the runs; only a refused
+                # plan pays for telling them apart from other errors.
+                if has_duplicates(dst_idx):
+                    # Which copy lands last is undefined; stock races the same way.
+                    return [], "duplicate_destinations"
+                raise
+            if first.reason is not None:
+                return [], first.reason
+            pairs = self._layer_pairs(tuple(tensors)) if len(tensors) > 1 else None
+            if pairs is not None and pairs.reason is not None:
+                return [], pairs.reason
+            if pairs is None or layers_mismatch(first, pairs) is None:
+                work.append(_Work(first, pairs))
+                continue
             for tensor in tensors:
-                src, dst = self._sides(self._rows[tensor])
-                if first is None:
-                    try:
-                        first = plan(
-                            src,
-                            dst,
-                            src_idx,
-                            dst_idx,
-                            direction=self.direction,
-                            policy=self._mover.policy,
-                        )
-                    except ValueError:
-                        # plan() checks for duplicates in the same pass as the runs; only
-                        # a refused plan pays for telling them apart from other errors.
-                        if has_duplicates(dst_idx):
-                            # Which copy lands last is undefined; stock races the same way.
-                            return [], "duplicate_destinations"
-                        raise
-                    current = first
-                else:
-                    current = first.rebind(src, dst)
+                current = first.rebind(*self._sides(self._rows[tensor]))
                 if current.reason is not None:
                     return [], current.reason
-                plans.append(current)
-        return plans, None
+                work.append(_Work(current, None))
+        return work, None
+
+    def _layer_pairs(self, tensors: tuple[int, ...]) -> LayerPairs:
+        pairs = self._pairs.get(tensors)
+        if pairs is None:
+            sides = [self._sides(self._rows[t]) for t in tensors]
+            pairs = self._pairs[tensors] = layer_pairs(
+                [src for src, _ in sides], [dst for _, dst in sides]
+            )
+        return pairs
 
     def _stock_is_cheaper(self, segments: list[Segment]) -> str | None:
         """Why stock's own copy costs less for this job, judged from the block ids alone.
 
-        kvcore's handler spends a few hundred microseconds of host time per copy it issues
-        (one per KV tensor, even a single DMA), stock's one batched copy about a microsecond
-        per page in the driver; so kvcore takes a job only where it saves the driver more
-        than it spends.
+        kvcore's handler spends a few hundred microseconds of host time per submission (one
+        per batch of KV tensors with one row geometry, even a single DMA), stock's one
+        batched copy about a microsecond per page in the driver; so kvcore takes a job only
+        where it saves the driver more than it spends.
         vLLM's Triton load kernel has no per-page cost: kvcore takes those loads only where
         they are one run per group (a single DMA).
         """
+        if not self._stock_rules:
+            return None
         segments = [s for s in segments if len(s.gpu_blocks)]
         if self._stock_loads_by_kernel and any(
             bool((np.diff(s.gpu_blocks) != 1).any() or (np.diff(s.cpu_sub_blocks) != 1).any())
             for s in segments
         ):
             return "stock_kernel_load"
-        copies = len({t for s in segments for t in self._group(s).tensors})
+        submissions = len(self._batches(segments))
         pages = sum(len(s.gpu_blocks) * len(self._group(s).tensors) for s in segments)
-        if pages < MIN_PAGES_PER_COPY * copies:
+        if pages < MIN_PAGES_PER_COPY * submissions:
             return "few_pages"
         return None
 
     def _sides(self, rows: PageRows) -> tuple[torch.Tensor, torch.Tensor]:
         return (rows.gpu, rows.cpu) if self.gpu_to_cpu else (rows.cpu, rows.gpu)
 
-    def _execute(self, plans: list[TransferPlan]) -> None:
-        for chosen in plans:
-            self._mover.execute(chosen)
+    def _execute(self, work: list[_Work]) -> None:
+        for each in work:
+            if each.pairs is None:
+                self._mover.execute(each.plan)
+            else:
+                self._mover.execute_layers(each.plan, each.pairs)
 
     def _submit_stock(self, job_id: int, segments: list[Segment]) -> None:
         """Fill descriptors with the stock handler's code and issue its copy op."""
@@ -436,6 +473,7 @@ class KVCoreOffloadingHandler:
         self._jobs.clear()
         self._events.clear()
         self._rows.clear()
+        self._pairs.clear()
         self._descriptor_pool.clear()
         self._stock.shutdown()
         if error is not None:

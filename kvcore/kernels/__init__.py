@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcore.kernels import reference
 from kvcore.runs import PairedRuns, Runs
+
+if TYPE_CHECKING:
+    from kvcore.layers import LayerPairs
 
 # copy_runs and gather_rows return None, or the reason they had to take a slower
 # way (a refused batch submission, a missing kernel), which the mover counts.
@@ -22,6 +26,9 @@ CopyRuns = Callable[[torch.Tensor, torch.Tensor, PairedRuns], str | None]
 GatherRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], str | None]
 StageIn = Callable[[torch.Tensor, Runs, torch.Tensor, torch.Tensor, torch.Tensor], None]
 StageOut = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Runs], None]
+# The same runs or rows of every pair of a LayerPairs, in one submission.
+CopyRunsLayers = Callable[["LayerPairs", PairedRuns], str | None]
+GatherLayers = Callable[["LayerPairs", torch.Tensor, torch.Tensor], str | None]
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,10 @@ class KernelSet:
     gather_rows: GatherRows
     stage_in: StageIn
     stage_out: StageOut
+    copy_runs_layers: CopyRunsLayers | None = None
+    """None: the mover calls ``copy_runs`` once per pair."""
+    gather_layers: GatherLayers | None = None
+    """None: the mover calls ``gather_rows`` once per pair."""
 
 
 REFERENCE = KernelSet(

@@ -178,30 +178,50 @@ def copy_runs_batched(
     before the driver sees them) and BatchCopyError when the batch path cannot take the copy.
     """
     src, dst, n = _check_runs(src_words, dst_words, src_starts, dst_starts, lengths)
-    rt = _runtime()
-    if rt is None or not batch_copy_available():
-        raise BatchCopyError("unavailable", "cuda-bindings or CUDA >= 12.8 missing")
     cuda_sides = {t.device for t in (src_words, dst_words) if t.device.type == "cuda"}
     if not cuda_sides:
         raise BatchCopyError("no device side", "both buffers are host memory")
     if len(cuda_sides) > 1:
         raise BatchCopyError("two devices", f"buffers on {sorted(map(str, cuda_sides))}")
-    for tensor, name in ((src_words, "src_words"), (dst_words, "dst_words")):
-        if _host_side(tensor) and not tensor.is_pinned():
-            raise BatchCopyError("pageable host memory", f"{name} is not pinned")
+    host_pinned = all(t.is_pinned() for t in (src_words, dst_words) if _host_side(t))
     if len(n) == 0:
         return
-    (device,) = cuda_sides
+    row_bytes = src_words.shape[1] * src_words.element_size()
+    copy_pointers_batched(
+        (dst * row_bytes + dst_words.data_ptr()).astype(np.uint64),
+        (src * row_bytes + src_words.data_ptr()).astype(np.uint64),
+        (n * row_bytes).astype(np.uint64),
+        cuda_sides.pop(),
+        host_pinned=host_pinned,
+        stream=stream,
+    )
+
+
+def copy_pointers_batched(
+    dsts: np.ndarray,
+    srcs: np.ndarray,
+    sizes: np.ndarray,
+    device: torch.device,
+    *,
+    host_pinned: bool,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """:func:`batch_copy_pointers` on ``stream`` (default: ``device``'s current one), read in
+    stream order, after the checks that turn what the driver would refuse or mishandle
+    (no batch API, pageable host memory, the legacy stream, a capture) into BatchCopyError.
+    """
+    rt = _runtime()
+    if rt is None or not batch_copy_available():
+        raise BatchCopyError("unavailable", "cuda-bindings or CUDA >= 12.8 missing")
+    if not host_pinned:
+        raise BatchCopyError("pageable host memory", "a host buffer is not pinned")
+    if len(sizes) == 0:
+        return
     stream = stream if stream is not None else torch.cuda.current_stream(device)
     if stream.cuda_stream in _LEGACY_STREAM_HANDLES:
         raise BatchCopyError("legacy default stream", "cudaMemcpyBatchAsync rejects it")
     if torch.cuda.is_current_stream_capturing():
         raise BatchCopyError("stream capture", "cudaMemcpyBatchAsync cannot be captured")
-
-    row_bytes = src_words.shape[1] * src_words.element_size()
-    srcs = (src * row_bytes + src_words.data_ptr()).astype(np.uint64)
-    dsts = (dst * row_bytes + dst_words.data_ptr()).astype(np.uint64)
-    sizes = (n * row_bytes).astype(np.uint64)
     with torch.cuda.device(device):
         batch_copy_pointers(dsts, srcs, sizes, stream, source_in_stream_order=True)
 

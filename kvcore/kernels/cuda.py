@@ -7,12 +7,27 @@ for the GPU.
 
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
 import torch
 
 from kvcore.kernels import KernelSet, reference
-from kvcore.kernels.batch_copy import BatchCopyError, copy_runs_batched, copy_runs_each
+from kvcore.kernels.batch_copy import (
+    BatchCopyError,
+    copy_pointers_batched,
+    copy_runs_batched,
+    copy_runs_each,
+)
 from kvcore.kernels.index_upload import IndexUploader
-from kvcore.kernels.triton_rows import gather_rows_uva, triton_available
+from kvcore.kernels.triton_rows import (
+    LayerTable,
+    gather_layers_uva,
+    gather_rows_uva,
+    layer_table,
+    triton_available,
+)
+from kvcore.layers import LayerPairs
 from kvcore.runs import PairedRuns, Runs, slice_runs
 
 # Below this many runs one copy_ per run costs less host time than building a batch.
@@ -45,6 +60,70 @@ def copy_runs(src_words: torch.Tensor, dst_words: torch.Tensor, runs: PairedRuns
     return None
 
 
+def copy_runs_layers(pairs: LayerPairs, runs: PairedRuns) -> str | None:
+    """Every pair's runs in one batched submission (a few calls of at most 256 copies).
+
+    The pairs were checked when ``pairs`` was made and the runs' bounds by the mover, so
+    only the addresses are computed here. Returns the reason when the batch was refused
+    and the runs went one copy per run.
+    """
+    if runs.count * len(pairs) <= _FEW_RUNS:
+        for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+            reference.copy_runs(src_words, dst_words, runs)
+        return None
+    row_bytes = pairs.row_bytes
+    bases = _bases(pairs)
+    src_offsets = (runs.src_starts.numpy() * row_bytes).astype(np.uint64)
+    dst_offsets = (runs.dst_starts.numpy() * row_bytes).astype(np.uint64)
+    sizes = np.tile((runs.lengths.numpy() * row_bytes).astype(np.uint64), len(pairs))
+    try:
+        copy_pointers_batched(
+            (bases[1][:, None] + dst_offsets[None, :]).ravel(),
+            (bases[0][:, None] + src_offsets[None, :]).ravel(),
+            sizes,
+            pairs.dsts[0].device if pairs.dsts[0].device.type == "cuda" else pairs.srcs[0].device,
+            host_pinned=_host_pinned(pairs),
+        )
+    except BatchCopyError as refused:
+        for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+            copy_runs_each(src_words, dst_words, runs.src_starts, runs.dst_starts, runs.lengths)
+        return f"batch_copy_refused:{refused.reason}"
+    return None
+
+
+# Facts about a LayerPairs that hold as long as it lives, computed on its first use.
+_BASES: weakref.WeakKeyDictionary[LayerPairs, tuple[np.ndarray, np.ndarray]] = (
+    weakref.WeakKeyDictionary()
+)
+_PINNED: weakref.WeakKeyDictionary[LayerPairs, bool] = weakref.WeakKeyDictionary()
+
+
+def _bases(pairs: LayerPairs) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs' source and destination addresses."""
+    bases = _BASES.get(pairs)
+    if bases is None:
+        src, dst = (
+            np.array([t.data_ptr() for t in side], dtype=np.uint64)
+            for side in (pairs.src_words, pairs.dst_words)
+        )
+        bases = _BASES[pairs] = (src, dst)
+    return bases
+
+
+def _host_pinned(pairs: LayerPairs) -> bool:
+    """Whether every host-side buffer of the pairs is pinned (checked once per storage)."""
+    pinned = _PINNED.get(pairs)
+    if pinned is None:
+        host = {
+            t.untyped_storage().data_ptr(): t
+            for t in (*pairs.srcs, *pairs.dsts)
+            if t.device.type == "cpu"
+        }
+        pinned = all(t.is_pinned() for t in host.values())
+        _PINNED[pairs] = pinned
+    return pinned
+
+
 class _CudaIndexedOps:
     """The ops that take index tensors, uploading them through one ring per device."""
 
@@ -52,6 +131,9 @@ class _CudaIndexedOps:
         self.gather_ctas = gather_ctas
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._tables: weakref.WeakKeyDictionary[LayerPairs, LayerTable | str] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _on(self, index: torch.Tensor, device: torch.device) -> torch.Tensor:
         if index.device == device:
@@ -90,6 +172,46 @@ class _CudaIndexedOps:
         src_on_device, dst_on_device = self._both_on(src_idx, dst_idx, device)
         gather_rows_uva(src_words, src_on_device, dst_words, dst_on_device, ctas=self.gather_ctas)
         return None
+
+    def gather_layers(
+        self, pairs: LayerPairs, src_idx: torch.Tensor, dst_idx: torch.Tensor
+    ) -> str | None:
+        """One launch for every pair; one gather per pair where the launch cannot serve them."""
+        table = self._table(pairs)
+        if isinstance(table, str):
+            degraded = None
+            for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+                degraded = self.gather_rows(src_words, src_idx, dst_words, dst_idx) or degraded
+            return degraded or table
+        if src_idx.is_cuda or dst_idx.is_cuda:
+            # A device-side index from the engine: only the other one and the table go up.
+            src_on, dst_on, offsets = (
+                self._on(i, table.device) for i in (src_idx, dst_idx, table.offsets)
+            )
+        else:
+            src_on, dst_on, offsets = self._uploader(table.device).upload_all(
+                (src_idx, dst_idx, table.offsets)
+            )
+        gather_layers_uva(table, src_on, dst_on, offsets, ctas=self.gather_ctas)
+        return None
+
+    def _table(self, pairs: LayerPairs) -> LayerTable | str:
+        """The pairs' launch table, or why one launch cannot serve them (kept per pairs)."""
+        table = self._tables.get(pairs)
+        if table is not None:
+            return table
+        if not triton_available():
+            table = "gather_kernel_unavailable:triton"
+        elif not _host_pinned(pairs):
+            table = "gather_kernel_unavailable:pageable_host"
+        else:
+            try:
+                table = layer_table(pairs.src_words, pairs.dst_words)
+            except ValueError:
+                # Pairs of different row pitches: one launch per pair serves them.
+                table = "gather_layers_unavailable:layout"
+        self._tables[pairs] = table
+        return table
 
     def _scatter_stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._scatter_streams.get(device)
@@ -164,4 +286,6 @@ def cuda_kernels(gather_ctas: int) -> KernelSet:
         gather_rows=ops.gather_rows,
         stage_in=ops.stage_in,
         stage_out=ops.stage_out,
+        copy_runs_layers=copy_runs_layers,
+        gather_layers=ops.gather_layers,
     )

@@ -9,6 +9,9 @@ this module freely and ask ``triton_available()`` before calling ``gather_rows_u
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -140,6 +143,35 @@ def _default_num_warps(rows: int, block_w: int, word_bytes: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _copy_tile(
+        src_ptr,
+        dst_ptr,
+        src_idx_ptr,
+        dst_idx_ptr,
+        tile,
+        n_rows,
+        src_pitch,
+        dst_pitch,
+        WORDS: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        ALIGN: tl.constexpr,
+    ):
+        row_lane = tl.arange(0, ROWS)
+        col_lane = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
+        k = tile * ROWS + row_lane
+        row_ok = k < n_rows
+        src_row = tl.load(src_idx_ptr + k, mask=row_ok, other=0)
+        dst_row = tl.load(dst_idx_ptr + k, mask=row_ok, other=0)
+        src_off = tl.multiple_of(src_row * src_pitch, ALIGN)
+        dst_off = tl.multiple_of(dst_row * dst_pitch, ALIGN)
+        for col in tl.range(0, WORDS, BLOCK_W):
+            cols = col + col_lane
+            mask = row_ok[:, None] & (cols < WORDS)[None, :]
+            values = tl.load(src_ptr + src_off[:, None] + cols[None, :], mask=mask)
+            tl.store(dst_ptr + dst_off[:, None] + cols[None, :], values, mask=mask)
+
+    @triton.jit
     def _gather_rows_kernel(
         src_ptr,
         dst_ptr,
@@ -153,27 +185,66 @@ if triton is not None:
         BLOCK_W: tl.constexpr,
         ALIGN: tl.constexpr,
     ):
-        pid = tl.program_id(0)
         n_programs = tl.num_programs(0)
         n_tiles = tl.cdiv(n_rows, ROWS)
-        row_lane = tl.arange(0, ROWS)
-        col_lane = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
         # A while loop, not range(pid, ...): Triton 3.6's interpreter cannot take a tensor as a
         # range bound under numpy >= 2.4 (triton-lang/triton#9171), and CI runs the interpreter.
-        tile = pid
+        tile = tl.program_id(0)
         while tile < n_tiles:
-            k = tile * ROWS + row_lane
-            row_ok = k < n_rows
-            src_row = tl.load(src_idx_ptr + k, mask=row_ok, other=0)
-            dst_row = tl.load(dst_idx_ptr + k, mask=row_ok, other=0)
-            src_off = tl.multiple_of(src_row * src_pitch, ALIGN)
-            dst_off = tl.multiple_of(dst_row * dst_pitch, ALIGN)
-            for col in tl.range(0, WORDS, BLOCK_W):
-                cols = col + col_lane
-                mask = row_ok[:, None] & (cols < WORDS)[None, :]
-                values = tl.load(src_ptr + src_off[:, None] + cols[None, :], mask=mask)
-                tl.store(dst_ptr + dst_off[:, None] + cols[None, :], values, mask=mask)
+            _copy_tile(
+                src_ptr,
+                dst_ptr,
+                src_idx_ptr,
+                dst_idx_ptr,
+                tile,
+                n_rows,
+                src_pitch,
+                dst_pitch,
+                WORDS,
+                ROWS,
+                BLOCK_W,
+                ALIGN,
+            )
             tile += n_programs
+
+    @triton.jit
+    def _gather_layers_kernel(
+        src_ptr,
+        dst_ptr,
+        table_ptr,
+        src_idx_ptr,
+        dst_idx_ptr,
+        n_rows,
+        n_layers,
+        src_pitch,
+        dst_pitch,
+        WORDS: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        ALIGN: tl.constexpr,
+    ):
+        n_programs = tl.num_programs(0)
+        n_tiles = tl.cdiv(n_rows, ROWS)
+        work = tl.program_id(0)
+        while work < n_tiles * n_layers:
+            layer = work // n_tiles
+            src_base = tl.multiple_of(tl.load(table_ptr + layer), ALIGN)
+            dst_base = tl.multiple_of(tl.load(table_ptr + n_layers + layer), ALIGN)
+            _copy_tile(
+                src_ptr + src_base,
+                dst_ptr + dst_base,
+                src_idx_ptr,
+                dst_idx_ptr,
+                work - layer * n_tiles,
+                n_rows,
+                src_pitch,
+                dst_pitch,
+                WORDS,
+                ROWS,
+                BLOCK_W,
+                ALIGN,
+            )
+            work += n_programs
 
 
 def gather_rows_uva(
@@ -203,10 +274,126 @@ def gather_rows_uva(
     _check_rows(src_words, "src_words")
     _check_rows(dst_words, "dst_words")
     device = _kernel_device(src_words, dst_words)
+    _check_indices(src_idx, dst_idx, device)
+    _check_tuning(ctas, rows_per_iter, num_warps, block_words)
+    n_rows = src_idx.numel()
+    if n_rows == 0 or src_words.shape[1] == 0:
+        return
+    word = _widest_word(src_words, dst_words)
+    src_view = src_words.view(word)
+    dst_view = dst_words.view(word)
+    align = math.gcd(src_view.stride(0), dst_view.stride(0), _VECTOR_BYTES // word.itemsize)
+    launch = _Launch(src_view.shape[1], word.itemsize, rows_per_iter, num_warps, block_words)
+    args = (src_view, dst_view, src_idx, dst_idx, n_rows, src_view.stride(0), dst_view.stride(0))
+    launch.run(_gather_rows_kernel, args, -(-n_rows // launch.rows), ctas, align, device)
+
+
+@dataclass(frozen=True, eq=False)
+class LayerTable:
+    """Pairs of row views that one layered gather launch copies, checked once.
+
+    The kernel addresses pair ``i`` as the first pair's buffers plus ``offsets[i]`` words
+    (sources) and ``offsets[layers + i]`` words (destinations).
+    """
+
+    src_words: tuple[torch.Tensor, ...]
+    """The sources as views of the kernel's word type (they keep the buffers alive)."""
+    dst_words: tuple[torch.Tensor, ...]
+    offsets: torch.Tensor
+    """CPU int64 ``[2 * layers]``: to upload before each launch's first use."""
+    align: int
+    """Words that every offset and both pitches are a multiple of (at most 16 bytes)."""
+    device: torch.device
+
+    @property
+    def layers(self) -> int:
+        return len(self.src_words)
+
+
+def layer_table(src_words: Sequence[torch.Tensor], dst_words: Sequence[torch.Tensor]) -> LayerTable:
+    """The table of :func:`gather_layers_uva` for these pairs of ``[rows, words]`` views.
+
+    Every pair is checked as :func:`gather_rows_uva` checks one (so each host buffer's
+    pinning once, here); all sources must share one row pitch, all destinations another.
+    """
+    if triton is None:
+        raise RuntimeError("layer_table needs Triton, which is not installed")
+    if not src_words or len(src_words) != len(dst_words):
+        raise ValueError(
+            f"need as many sources as destinations, at least one: {len(src_words)}, "
+            f"{len(dst_words)}"
+        )
+    devices = set()
+    for src, dst in zip(src_words, dst_words, strict=True):
+        check_word_views(src, dst)
+        _check_rows(src, "src_words")
+        _check_rows(dst, "dst_words")
+        devices.add(_kernel_device(src, dst))
+    if len(devices) > 1:
+        raise ValueError(f"the pairs run on different devices: {sorted(map(str, devices))}")
+    if len({t.dtype for t in src_words}) > 1 or len({t.shape[1] for t in src_words}) > 1:
+        raise ValueError("the pairs' rows differ in word type or width")
+    for side, name in ((src_words, "sources"), (dst_words, "destinations")):
+        if len({t.stride(0) for t in side}) > 1:
+            raise ValueError(f"the {name} differ in row pitch")
+    word = min(
+        (_widest_word(s, d) for s, d in zip(src_words, dst_words, strict=True)),
+        key=lambda dtype: dtype.itemsize,
+    )
+    srcs = tuple(t.view(word) for t in src_words)
+    dsts = tuple(t.view(word) for t in dst_words)
+    offsets = [(t.data_ptr() - srcs[0].data_ptr()) // word.itemsize for t in srcs]
+    offsets += [(t.data_ptr() - dsts[0].data_ptr()) // word.itemsize for t in dsts]
+    align = math.gcd(srcs[0].stride(0), dsts[0].stride(0), _VECTOR_BYTES // word.itemsize, *offsets)
+    return LayerTable(
+        src_words=srcs,
+        dst_words=dsts,
+        offsets=torch.tensor(offsets, dtype=torch.int64),
+        align=align,
+        device=devices.pop(),
+    )
+
+
+def gather_layers_uva(
+    table: LayerTable,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    ctas: int = 8,
+) -> None:
+    """:func:`gather_rows_uva` for every pair of ``table`` at once, in one launch.
+
+    ``offsets`` is ``table.offsets`` on the kernel's device (uploaded with the indices).
+    """
+    if triton is None:
+        raise RuntimeError("gather_layers_uva needs Triton, which is not installed")
+    device = table.device
+    _check_indices(src_idx, dst_idx, device)
+    _check_index(offsets, "offsets", device)
+    if offsets.numel() != table.offsets.numel():
+        raise ValueError(f"{offsets.numel()} offsets for {table.layers} pairs")
+    _check_tuning(ctas, None, None, None)
+    src, dst = table.src_words[0], table.dst_words[0]
+    n_rows = src_idx.numel()
+    if n_rows == 0 or src.shape[1] == 0:
+        return
+    launch = _Launch(src.shape[1], src.element_size(), None, None, None)
+    args = (src, dst, offsets, src_idx, dst_idx, n_rows, table.layers, src.stride(0), dst.stride(0))
+    tiles = -(-n_rows // launch.rows) * table.layers
+    launch.run(_gather_layers_kernel, args, tiles, ctas, table.align, device)
+
+
+def _check_indices(src_idx: torch.Tensor, dst_idx: torch.Tensor, device: torch.device) -> None:
     _check_index(src_idx, "src_idx", device)
     _check_index(dst_idx, "dst_idx", device)
     if src_idx.numel() != dst_idx.numel():
         raise ValueError(f"index lengths differ: {src_idx.numel()} vs {dst_idx.numel()}")
+
+
+def _check_tuning(
+    ctas: int, rows_per_iter: int | None, num_warps: int | None, block_words: int | None
+) -> None:
     if ctas < 1:
         raise ValueError(f"ctas must be >= 1, got {ctas}")
     for name, value in (
@@ -216,28 +403,43 @@ def gather_rows_uva(
     ):
         if value is not None and (value < 1 or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two, got {value}")
-    n_rows = src_idx.numel()
-    if n_rows == 0 or src_words.shape[1] == 0:
-        return
 
-    word = _widest_word(src_words, dst_words)
-    src_view = src_words.view(word)
-    dst_view = dst_words.view(word)
-    words = src_view.shape[1]
-    word_bytes = src_view.element_size()
-    rows, block_w = default_tile(words, word_bytes)
-    if block_words is not None:
-        block_w = block_words
-    if rows_per_iter is not None:
-        rows = rows_per_iter
-    warps = num_warps or _default_num_warps(rows, block_w, word_bytes)
-    align = math.gcd(src_view.stride(0), dst_view.stride(0), _VECTOR_BYTES // word_bytes)
-    n_tiles = -(-n_rows // rows)
-    grid = (min(ctas, n_tiles),)
-    args = (src_view, dst_view, src_idx, dst_idx, n_rows, src_view.stride(0), dst_view.stride(0))
-    constants = {"WORDS": words, "ROWS": rows, "BLOCK_W": block_w, "ALIGN": align}
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            _gather_rows_kernel[grid](*args, **constants, num_warps=warps)
-    else:
-        _gather_rows_kernel[grid](*args, **constants, num_warps=warps)
+
+class _Launch:
+    """The tile and warps for rows of ``words`` words, and the launch of a kernel with them."""
+
+    def __init__(
+        self,
+        words: int,
+        word_bytes: int,
+        rows_per_iter: int | None,
+        num_warps: int | None,
+        block_words: int | None,
+    ) -> None:
+        rows, block_w = default_tile(words, word_bytes)
+        self.words = words
+        self.rows = rows_per_iter or rows
+        self.block_w = block_words or block_w
+        self.warps = num_warps or _default_num_warps(self.rows, self.block_w, word_bytes)
+
+    def run(
+        self,
+        kernel: Any,
+        args: tuple[Any, ...],
+        tiles: int,
+        ctas: int,
+        align: int,
+        device: torch.device,
+    ) -> None:
+        grid = (min(ctas, tiles),)
+        constants = {
+            "WORDS": self.words,
+            "ROWS": self.rows,
+            "BLOCK_W": self.block_w,
+            "ALIGN": align,
+        }
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                kernel[grid](*args, **constants, num_warps=self.warps)
+        else:
+            kernel[grid](*args, **constants, num_warps=self.warps)

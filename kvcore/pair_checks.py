@@ -1,0 +1,41 @@
+"""Whether a source/destination pair of row tensors can move on kvcore's own paths."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.kernels.reference import row_word_bytes
+
+SUPPORTED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
+
+def fallback_reason(src: torch.Tensor, dst: torch.Tensor) -> str | None:
+    """Why copying rows of ``src`` into rows of ``dst`` must take the engine's stock path,
+    or None when kvcore's paths copy them exactly."""
+    if not {src.device.type, dst.device.type} <= SUPPORTED_DEVICE_TYPES:
+        return "unsupported_device"
+    if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
+        # A peer copy between GPUs is not a host transfer.
+        return "unsupported_device"
+    if src.dtype != dst.dtype:
+        return "dtype_mismatch"
+    if src.shape[1:] != dst.shape[1:]:
+        return "row_shape_mismatch"
+    if row_word_bytes(src) is None or row_word_bytes(dst) is None:
+        return "strided_rows"
+    if _shares_bytes(src, dst):
+        # Stock indexing reads every source row before writing; run copies would not.
+        return "overlapping_buffers"
+    return None
+
+
+def _shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two dense tensors on one device overlap in memory."""
+    if a.device != b.device:
+        return False
+    a_size = a.numel() * a.element_size()
+    b_size = b.numel() * b.element_size()
+    if a_size == 0 or b_size == 0:
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return a_start < b_start + b_size and b_start < a_start + a_size

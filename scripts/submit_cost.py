@@ -1,0 +1,184 @@
+"""Host time to submit kvcore's transfers, and of the CUDA calls they are made of (issue 3).
+
+Runs on a CUDA machine: ``python scripts/submit_cost.py [--rows N] [--json out.json]``.
+For each item it queues a long spin kernel first, so every call is measured while the GPU
+is busy (as when an engine queues layer after layer), then reports the median host
+microseconds of ``--repeats`` calls. Items: torch and ctypes copies, events, the index
+upload, the gather kernel's launch through Triton's JIT and through the compiled kernel,
+``index_copy_``, and ``Mover.execute`` for each path on an already made plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvcore.kernels import triton_rows
+from kvcore.kernels.index_upload import IndexUploader
+from kvcore.kernels.triton_rows import gather_rows_uva
+from kvcore.mover import Mover, TransferPath, plan
+from kvcore.pinned import allocate_host_buffer
+
+SPIN_CYCLES = 200_000_000
+
+
+def _cudart() -> ctypes.CDLL:
+    for name in ("libcudart.so.13", "libcudart.so.12"):
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+        except OSError:
+            continue
+    raise RuntimeError("torch has no libcudart loaded")
+
+
+def measure(fn: Callable[[], object], repeats: int) -> dict[str, float]:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    torch.cuda._sleep(SPIN_CYCLES)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    times.sort()
+    return {
+        "median_us": statistics.median(times) * 1e6,
+        "p10_us": times[len(times) // 10] * 1e6,
+        "p90_us": times[(9 * len(times)) // 10] * 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=131072)
+    parser.add_argument("--row-bytes", type=int, default=1152)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    torch.cuda.set_device(device)
+    rows, row_bytes = args.rows, args.row_bytes
+    words = row_bytes // 8
+    stream = torch.cuda.Stream()
+    torch.cuda.set_stream(stream)
+
+    host_buffer = allocate_host_buffer(2 * rows * row_bytes, pin=True)
+    host = host_buffer.tensor.view(torch.int64).view(2 * rows, words)
+    host.copy_(torch.randint(-(2**62), 2**62, host.shape, dtype=torch.int64))
+    dev = torch.empty(2 * rows, words, dtype=torch.int64, device=device)
+    nbytes = rows * row_bytes
+    cudart = _cudart()
+    cudart.cudaMemcpyAsync.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    cudart.cudaMemcpyAsync.restype = ctypes.c_int
+
+    gen = torch.Generator().manual_seed(7)
+    scattered = torch.randperm(2 * rows, generator=gen)[:rows]
+    contiguous = torch.arange(rows, dtype=torch.int64)
+    pages = (torch.randperm(2 * rows // 64, generator=gen)[: rows // 64] * 64)[:, None]
+    paged = (pages + torch.arange(64)).flatten()
+    scattered_dev = scattered.to(device)
+    contiguous_dev = contiguous.to(device)
+    uploader = IndexUploader(device)
+    fresh = [(scattered.clone(), contiguous.clone()) for _ in range(args.repeats + 2)]
+    fresh_iter = iter(fresh)
+
+    results: dict[str, dict[str, float]] = {}
+
+    def item(name: str, fn: Callable[[], object]) -> None:
+        results[name] = measure(fn, args.repeats)
+        print(f"{name:<44} {results[name]['median_us']:>9.1f} us", flush=True)
+
+    item("current_stream", lambda: torch.cuda.current_stream())
+    item("event_record", lambda: torch.cuda.Event().record())
+    event = torch.cuda.Event()
+    event.record()
+    item("wait_event", lambda: torch.cuda.current_stream().wait_event(event))
+    item("is_pinned", host.is_pinned)
+    item("torch_copy_1MiB", lambda: dev[:910].copy_(host[:910], non_blocking=True))
+    item("torch_copy_layer", lambda: dev[:rows].copy_(host[:rows], non_blocking=True))
+    item(
+        "ctypes_memcpy_layer",
+        lambda: cudart.cudaMemcpyAsync(
+            dev.data_ptr(), host.data_ptr(), nbytes, 4, torch.cuda.current_stream().cuda_stream
+        ),
+    )
+    item("upload_all_miss", lambda: uploader.upload_all(next(fresh_iter)))
+    hit = (scattered, contiguous)
+    uploader.upload_all(hit)
+    item("upload_all_hit", lambda: uploader.upload_all(hit))
+    item(
+        "gather_rows_uva",
+        lambda: gather_rows_uva(host, scattered_dev, dev, contiguous_dev, ctas=8),
+    )
+    grid = (8,)
+    launch_args = (host, dev, scattered_dev, contiguous_dev, rows, words, words)
+    rows_per_tile, block_w = triton_rows.default_tile(words, 8)
+    constants = {"WORDS": words, "ROWS": rows_per_tile, "BLOCK_W": block_w, "ALIGN": 2}
+    kernel = triton_rows._gather_rows_kernel
+    compiled = kernel[grid](*launch_args, **constants, num_warps=8)
+    item("triton_jit_launch", lambda: kernel[grid](*launch_args, **constants, num_warps=8))
+    pointers = tuple(t.data_ptr() for t in (host, dev, scattered_dev, contiguous_dev))
+    every_arg = (*pointers, rows, words, words, *constants.values())
+    item(
+        "triton_compiled_launch",
+        lambda: compiled[grid](*every_arg, stream=torch.cuda.current_stream().cuda_stream),
+    )
+    staging = torch.empty(rows, words, dtype=torch.int64, device=device)
+    item("index_copy_", lambda: dev.index_copy_(0, scattered_dev, staging))
+    item("index_select_out", lambda: torch.index_select(dev, 0, scattered_dev, out=staging))
+
+    mover = Mover()
+    cases = {
+        "h2d_single": (host, dev, contiguous, contiguous),
+        "d2h_single": (dev, host, contiguous, contiguous),
+        "h2d_staged_paged_dev": (host, dev, contiguous, paged),
+        "d2h_staged_paged_dev": (dev, host, paged, contiguous),
+        "h2d_gather_paged": (host, dev, paged, contiguous),
+        "d2h_gather_paged": (dev, host, contiguous, paged),
+        "h2d_gather_tokens": (host, dev, scattered, paged),
+        "d2h_gather_tokens": (dev, host, paged, scattered),
+    }
+    for name, (src, dst, src_idx, dst_idx) in cases.items():
+        chosen = plan(src, dst, src_idx, dst_idx, policy=mover.policy)
+        item(f"execute_{name}[{chosen.path.value}]", lambda chosen=chosen: mover.execute(chosen))
+        item(
+            f"rebind+execute_{name}",
+            lambda chosen=chosen, src=src, dst=dst: mover.execute(chosen.rebind(src, dst)),
+        )
+    forced = plan(
+        host, dev, paged, contiguous, policy=mover.policy, force=TransferPath.BATCHED_RUNS
+    )
+    item("execute_h2d_batched_paged", lambda: mover.execute(forced))
+    torch.cuda.synchronize()
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "rows": rows,
+        "row_bytes": row_bytes,
+        "repeats": args.repeats,
+        "items": results,
+    }
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=1)
+    host_buffer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

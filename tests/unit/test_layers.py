@@ -1,0 +1,301 @@
+"""LayerPairs and Mover.execute_layers: every pair of a transfer moved with one plan.
+
+On a CPU the reference kernels have no layered ops, so the mover issues each pair in
+turn; a kernel set with layered ops gets one call per transfer. The CUDA set's batched
+run copy is checked here for its address arithmetic, with the driver call replaced by
+memmoves on host memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from kvcore import kernels
+from kvcore.direction import Direction
+from kvcore.kernels import REFERENCE, KernelSet, cuda
+from kvcore.kernels.batch_copy import BatchCopyError
+from kvcore.layers import layer_pairs
+from kvcore.metrics import Metrics
+from kvcore.mover import Mover, PathPolicy, TransferPath, layers_mismatch, plan
+
+H2D, D2H = Direction.H2D, Direction.D2H
+PATHS = [
+    TransferPath.SINGLE_COPY,
+    TransferPath.BATCHED_RUNS,
+    TransferPath.STAGED,
+    TransferPath.GATHER,
+]
+POLICY = PathPolicy(staging_bytes=24 * 1152, long_run_bytes=4096)
+LAYERS, CHUNK_ROWS, CHUNKS, SHAPE = 3, 8, 6, (1, 576)
+# View l of a shared region starts l chunks in; its rows c * LAYERS * CHUNK_ROWS + j
+# (j < CHUNK_ROWS) are chunk c's rows of layer l, which no other view reaches.
+VIEW_ROWS = (CHUNKS - 1) * LAYERS * CHUNK_ROWS + CHUNK_ROWS
+SLOTS = torch.tensor(
+    [c * LAYERS * CHUNK_ROWS + j for c in range(CHUNKS) for j in range(CHUNK_ROWS)]
+)
+
+
+def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator):
+    count = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    return torch.randint(0, 256, (count,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
+
+
+def side(shared: bool, gen: torch.Generator) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The memory of one side and its ``LAYERS`` row views (see :func:`views_of`)."""
+    rows = CHUNKS * LAYERS * CHUNK_ROWS if shared else LAYERS * VIEW_ROWS
+    memory = random_bytes((rows, *SHAPE), torch.bfloat16, gen)
+    return memory, views_of(memory, shared)
+
+
+def views_of(memory: torch.Tensor, shared: bool) -> list[torch.Tensor]:
+    """Shared: views that interleave the layers chunk by chunk (vLLM's shared host region,
+    as kvcore_vllm's page rows see it). Otherwise each layer has rows of its own."""
+    step = CHUNK_ROWS if shared else VIEW_ROWS
+    return [memory[layer * step : layer * step + VIEW_ROWS] for layer in range(LAYERS)]
+
+
+def indices(
+    path: TransferPath, direction: Direction, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source and destination rows (among SLOTS) whose runs lead the planner to ``path``."""
+    if path is TransferPath.SINGLE_COPY:
+        return SLOTS[:4], SLOTS[8:12]
+    if path is TransferPath.BATCHED_RUNS:
+        return torch.cat([SLOTS[:8], SLOTS[16:24]]), torch.cat([SLOTS[8:16], SLOTS[32:40]])
+    shuffled = SLOTS[torch.randperm(len(SLOTS), generator=gen)][:16]
+    if path is TransferPath.STAGED:
+        # Two runs of 8 rows on the host side, scattered rows on the device side.
+        return (SLOTS[:16], shuffled) if direction is H2D else (shuffled, SLOTS[:16])
+    return shuffled, SLOTS[torch.randperm(len(SLOTS), generator=gen)][:16]
+
+
+def expected_after(
+    srcs: list[torch.Tensor],
+    dst_memory: torch.Tensor,
+    shared: bool,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+) -> torch.Tensor:
+    """The destination memory after a per-index copy of each pair in turn."""
+    expected = dst_memory.clone()
+    for src, dst in zip(srcs, views_of(expected, shared), strict=True):
+        for s, d in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
+            dst[d] = src[s]
+    return expected
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.value)
+@pytest.mark.parametrize("direction", [H2D, D2H], ids=lambda d: d.value)
+@pytest.mark.parametrize("shared_host", [False, True], ids=["own_tensors", "shared_host"])
+def test_every_pair_moves_like_a_per_index_copy(path, direction, shared_host):
+    gen = torch.Generator().manual_seed(3)
+    host_memory, host = side(shared_host, gen)
+    device_memory, device = side(False, gen)
+    srcs, dsts = (host, device) if direction is H2D else (device, host)
+    src_memory, dst_memory = (
+        (host_memory, device_memory) if direction is H2D else (device_memory, host_memory)
+    )
+    dst_shared = shared_host and direction is D2H
+    src_idx, dst_idx = indices(path, direction, gen)
+    src_before = src_memory.clone()
+    expected = expected_after(srcs, dst_memory, dst_shared, src_idx, dst_idx)
+    chosen = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=direction, policy=POLICY)
+    assert chosen.path is path
+    Mover(POLICY).execute_layers(chosen, layer_pairs(srcs, dsts))
+    # Untouched rows keep their random bytes; copied rows hold their source rows.
+    assert same_bytes(dst_memory, expected)
+    assert same_bytes(src_memory, src_before)
+
+
+def layered_kernels(calls: list[str]) -> KernelSet:
+    def copy_runs_layers(pairs, runs):
+        calls.append(f"copy_runs_layers x{len(pairs)}")
+        for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
+            REFERENCE.copy_runs(src, dst, runs)
+
+    def gather_layers(pairs, src_idx, dst_idx):
+        calls.append(f"gather_layers x{len(pairs)}")
+        for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
+            REFERENCE.gather_rows(src, src_idx, dst, dst_idx)
+
+    def stage_in(*args):
+        calls.append("stage_in")
+        REFERENCE.stage_in(*args)
+
+    return KernelSet(
+        "layered",
+        REFERENCE.copy_runs,
+        REFERENCE.gather_rows,
+        stage_in,
+        REFERENCE.stage_out,
+        copy_runs_layers=copy_runs_layers,
+        gather_layers=gather_layers,
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "calls"),
+    [
+        (TransferPath.SINGLE_COPY, ["copy_runs_layers x3"]),
+        (TransferPath.BATCHED_RUNS, ["copy_runs_layers x3"]),
+        (TransferPath.GATHER, ["gather_layers x3"]),
+        # No layered staging: each pair is staged in turn, in one piece of 12 rows.
+        (TransferPath.STAGED, ["stage_in"] * 3),
+    ],
+    ids=lambda v: v.value if isinstance(v, TransferPath) else None,
+)
+def test_layered_kernel_ops_take_every_pair_in_one_call(monkeypatch, path, calls):
+    issued: list[str] = []
+    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", layered_kernels(issued))
+    gen = torch.Generator().manual_seed(4)
+    _, host = side(True, gen)
+    device_memory, device = side(False, gen)
+    src_idx, dst_idx = indices(path, H2D, gen)
+    expected = expected_after(host, device_memory, False, src_idx, dst_idx)
+    chosen = plan(host[0], device[0], src_idx, dst_idx, direction=H2D, policy=POLICY)
+    Mover(POLICY).execute_layers(chosen, layer_pairs(host, device))
+    assert issued == calls
+    assert same_bytes(device_memory, expected)
+
+
+def test_pairs_kvcore_cannot_move_carry_the_stock_reason():
+    gen = torch.Generator().manual_seed(5)
+    rows = [random_bytes((8, 64), torch.float16, gen) for _ in range(4)]
+    assert layer_pairs(rows[:2], rows[2:]).reason is None
+    assert layer_pairs(rows[:2], [rows[2], rows[3].view(torch.int16)]).reason == "dtype_mismatch"
+    wider = random_bytes((8, 128), torch.float16, gen)
+    assert layer_pairs([rows[0], wider], [rows[2], wider.clone()]).reason == "row_shape_mismatch"
+    strided = random_bytes((8, 128), torch.float16, gen)[:, :64]
+    assert layer_pairs([rows[0], strided], rows[2:]).reason == "strided_rows"
+    assert layer_pairs([rows[0]], [rows[0]]).reason == "overlapping_buffers"
+
+
+def test_pairs_are_one_word_type_wide_enough_for_all():
+    gen = torch.Generator().manual_seed(6)
+    aligned = [random_bytes((8, 64), torch.int64, gen).view(torch.uint8) for _ in range(3)]
+    # A byte view one byte into its buffer: no word wider than a byte fits its address.
+    odd = random_bytes((8 * 512 + 1,), torch.uint8, gen)[1:].view(8, 512)
+    wide = layer_pairs(aligned[:2], [aligned[2], aligned[2].clone()])
+    assert wide.reason is None and wide.word_bytes == 8
+    narrow = layer_pairs([aligned[0], odd], [aligned[1], aligned[2]])
+    assert narrow.reason is None and narrow.word_bytes == 1
+    assert {t.dtype for t in (*narrow.src_words, *narrow.dst_words)} == {torch.uint8}
+
+
+def test_malformed_pairs_raise():
+    rows = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="as many sources"):
+        layer_pairs([], [])
+    with pytest.raises(ValueError, match="as many sources"):
+        layer_pairs([rows, rows.clone()], [rows.clone()])
+    with pytest.raises(ValueError, match="several devices"):
+        layer_pairs([rows, torch.zeros(4, 8, device="meta")], [rows.clone(), rows.clone()])
+    with pytest.raises(ValueError, match="scalar"):
+        layer_pairs([torch.tensor(1.0)], [torch.tensor(2.0)])
+
+
+def test_plans_that_do_not_fit_the_pairs_are_refused_before_any_copy():
+    gen = torch.Generator().manual_seed(7)
+    long_src = random_bytes((30, 16), torch.int32, gen)
+    short_src = random_bytes((10, 16), torch.int32, gen)
+    dsts = [random_bytes((30, 16), torch.int32, gen) for _ in range(2)]
+    before = [d.clone() for d in dsts]
+    reaching = plan(long_src, dsts[0], torch.tensor([25, 3]), torch.tensor([0, 1]), direction=H2D)
+    pairs = layer_pairs([long_src, short_src], dsts)
+    assert "shortest pair has 10" in layers_mismatch(reaching, pairs)
+    with pytest.raises(ValueError, match="shortest pair"):
+        Mover().execute_layers(reaching, pairs)
+    forced = plan(
+        long_src,
+        dsts[0],
+        torch.tensor([1]),
+        torch.tensor([0]),
+        direction=H2D,
+        force=TransferPath.FALLBACK,
+    )
+    with pytest.raises(ValueError, match="falls back"):
+        Mover().execute_layers(forced, pairs)
+    wide = plan(
+        random_bytes((30, 32), torch.int32, gen),
+        random_bytes((30, 32), torch.int32, gen),
+        torch.tensor([1]),
+        torch.tensor([0]),
+        direction=H2D,
+    )
+    with pytest.raises(ValueError, match="rows of 128 B"):
+        Mover().execute_layers(wide, pairs)
+    mixed = layer_pairs([long_src, long_src.view(torch.float32)], dsts)
+    with pytest.raises(ValueError, match="dtype_mismatch"):
+        Mover().execute_layers(wide, mixed)
+    for got, want in zip(dsts, before, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_metrics_count_the_bytes_of_every_pair():
+    gen = torch.Generator().manual_seed(8)
+    srcs = [random_bytes((20, 64), torch.uint8, gen) for _ in range(4)]
+    dsts = [random_bytes((20, 64), torch.uint8, gen) for _ in range(4)]
+    metrics = Metrics()
+    chosen = plan(srcs[0], dsts[0], torch.arange(5), torch.arange(5, 10), direction=D2H)
+    Mover(metrics=metrics).execute_layers(chosen, layer_pairs(srcs, dsts))
+    (recorded,) = metrics.snapshot()["transfers"]
+    assert (recorded["path"], recorded["count"], recorded["bytes"]) == (
+        "single_copy",
+        1,
+        4 * 5 * 64,
+    )
+
+
+def memmove_batches(log: list[tuple[int, bool]]):
+    def copy(dsts, srcs, sizes, device, *, host_pinned, stream=None):
+        log.append((len(sizes), host_pinned))
+        for target, source, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(target, source, size)
+
+    return copy
+
+
+@pytest.mark.parametrize("shared_host", [False, True], ids=["own_tensors", "shared_host"])
+def test_cuda_batched_runs_address_every_pair(monkeypatch, shared_host):
+    log: list[tuple[int, bool]] = []
+    monkeypatch.setattr(cuda, "copy_pointers_batched", memmove_batches(log))
+    gen = torch.Generator().manual_seed(9)
+    _, host = side(shared_host, gen)
+    device_memory, device = side(False, gen)
+    src_idx = torch.cat([SLOTS[0:4], SLOTS[9:15], SLOTS[30:33]])
+    dst_idx = torch.cat([SLOTS[40:44], SLOTS[0:6], SLOTS[20:23]])
+    chosen = plan(
+        host[0], device[0], src_idx, dst_idx, direction=H2D, force=TransferPath.BATCHED_RUNS
+    )
+    expected = expected_after(host, device_memory, False, src_idx, dst_idx)
+    assert cuda.copy_runs_layers(layer_pairs(host, device), chosen.runs) is None
+    assert same_bytes(device_memory, expected)
+    # One submission of every run of every pair; CPU memory is not pinned.
+    assert log == [(chosen.runs.count * LAYERS, False)]
+
+
+def test_cuda_batched_runs_refused_go_run_by_run(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise BatchCopyError("pageable host memory")
+
+    monkeypatch.setattr(cuda, "copy_pointers_batched", refuse)
+    gen = torch.Generator().manual_seed(10)
+    host_memory, host = side(True, gen)
+    _, device = side(False, gen)
+    src_idx = torch.cat([SLOTS[0:3], SLOTS[6:8], SLOTS[20:23]])
+    dst_idx = torch.cat([SLOTS[9:12], SLOTS[30:32], SLOTS[3:6]])
+    chosen = plan(
+        device[0], host[0], src_idx, dst_idx, direction=D2H, force=TransferPath.BATCHED_RUNS
+    )
+    expected = expected_after(device, host_memory, True, src_idx, dst_idx)
+    reason = cuda.copy_runs_layers(layer_pairs(device, host), chosen.runs)
+    assert reason == "batch_copy_refused:pageable host memory"
+    assert same_bytes(host_memory, expected)
