@@ -44,7 +44,7 @@ if ! python3 -c "import kvcore_vllm.bench" >"$OUT/preflight.log" 2>&1; then
     }
 fi
 
-timeout 230 python3 - "$OUT" "${1:-10}" 2>&1 <<'EOF' | tee "$OUT/vllm-ab.log"
+timeout 320 python3 - "$OUT" "${1:-10}" 2>&1 <<'EOF' | tee "$OUT/vllm-ab.log"
 import json
 import sys
 import time
@@ -88,6 +88,7 @@ PATHS = (
     "stock_triton",
     "per_block_copy",
     "kvcore",
+    "kvcore_own",
 )
 
 
@@ -136,19 +137,22 @@ def table(rows: list) -> list[str]:
     paths = [p for p in PATHS if any(r["path"] == p for r in rows)]
     lines = [
         "| dir | block | frag | descriptors | " + " | ".join(f"{p} GB/s" for p in paths)
-        + " | stock (vLLM's pick) | kvcore / stock | bytes ok |",
-        "|---|---|---|---|" + "---|" * len(paths) + "---|---|---|",
+        + " | stock (vLLM's pick) | kvcore / stock | kvcore_own / stock | bytes ok |",
+        "|---|---|---|---|" + "---|" * len(paths) + "---|---|---|---|",
     ]
     for (direction, block, frag), by_path in sorted(cells(rows).items()):
         stock = next((by_path[p] for p in STOCK if p in by_path), None)
-        kvcore = by_path.get("kvcore")
-        ratio = f"{kvcore['gbps'] / stock['gbps']:.2f}x" if kvcore and stock else "-"
+        ratios = [
+            f"{by_path[p]['gbps'] / stock['gbps']:.2f}x" if p in by_path and stock else "-"
+            for p in ("kvcore", "kvcore_own")
+        ]
         ok = all(r["bytes_ok"] for r in by_path.values())
         descriptors = next(iter(by_path.values()))["descriptors"]
         lines.append(
             f"| {direction} | {size_name(block)} | {frag:.0%} | {descriptors} | "
             + " | ".join(f"{by_path[p]['gbps']:.2f}" if p in by_path else "-" for p in paths)
-            + f" | {stock['path'] if stock else '-'} | {ratio} | {'yes' if ok else 'NO'} |"
+            + f" | {stock['path'] if stock else '-'} | {' | '.join(ratios)} | "
+            + f"{'yes' if ok else 'NO'} |"
         )
     return lines
 

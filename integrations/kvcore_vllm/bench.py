@@ -16,7 +16,12 @@ fragmentation, path). Stock paths, whichever can run where it runs:
   pages stock would give it: under 28 KiB, 8-byte multiples, 16 descriptors or more);
 * ``per_block_copy``: one ``copy_`` per descriptor, the Python-level floor.
 
-On a CPU ``device`` only ``per_block_copy`` and ``kvcore`` run (a tiny dry run).
+kvcore paths: ``kvcore`` is its handler as installed (jobs whose stock copy it judges
+cheaper stay stock); ``kvcore_own`` is the same handler with those rules off, so that
+every job it can copy exactly runs on its own paths (what the rules should be is read
+off the two).
+
+On a CPU ``device`` only ``per_block_copy`` and the kvcore paths run (a tiny dry run).
 """
 
 from __future__ import annotations
@@ -154,6 +159,7 @@ def kvcore_handler(
     metrics: Metrics | None = None,
     mover: Mover | None = None,
     streams: JobStreams | None = None,
+    stock_rules: bool = True,
 ) -> KVCoreOffloadingHandler:
     """kvcore's handler in place of ``stock``, on CUDA streams or, on a CPU, run at once;
     ``policy`` defaults to the one the environment (KVCORE_*) asks for."""
@@ -172,6 +178,7 @@ def kvcore_handler(
         compute_stream=compute,
         name="store" if stock.gpu_to_cpu else "load",
         metrics=metrics,
+        stock_rules=stock_rules,
     )
 
 
@@ -241,13 +248,16 @@ def ab(
         for gpu_to_cpu in directions:
             stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
             # The jobs kvcore leaves to stock need stock's copy op: emulated where it is absent.
-            kvcore = kvcore_handler(_runnable_stock(stock, device))
+            kvcore = [
+                kvcore_handler(_runnable_stock(stock, device), stock_rules=rules)
+                for rules in (True, False)
+            ]
             for frag in frag_levels:
                 gpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
                 cpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
                 specs = job_specs(gpu_ids, cpu_ids, gpu_to_cpu=gpu_to_cpu)
                 check = _Pages(gpu, host, gpu_ids, cpu_ids, gpu_to_cpu)
-                for path, run in _paths(stock, kvcore, specs, device):
+                for path, run in _paths(stock, *kvcore, specs, device):
                     check.poison()
                     seconds = _time(run, device, repeats)
                     nbytes = pages * block_bytes * tensors
@@ -264,13 +274,15 @@ def ab(
                             "bytes_ok": check.copied(),
                         }
                     )
-            kvcore.shutdown()
+            for handler in kvcore:
+                handler.shutdown()
     return rows
 
 
 def _paths(
     stock: SingleDirectionOffloadingHandler,
     kvcore: KVCoreOffloadingHandler,
+    kvcore_own: KVCoreOffloadingHandler,
     specs: tuple[Any, Any],
     device: torch.device,
 ) -> list[tuple[str, Callable[[], None]]]:
@@ -292,6 +304,7 @@ def _paths(
             paths.append(("stock_triton", lambda: _triton_swap(*_stock_descriptors(stock, specs))))
     paths.append(("per_block_copy", lambda: _per_block(stock, specs)))
     paths.append(("kvcore", lambda: _through_handler(kvcore, specs)))
+    paths.append(("kvcore_own", lambda: _through_handler(kvcore_own, specs)))
     return paths
 
 

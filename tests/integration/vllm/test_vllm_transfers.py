@@ -50,11 +50,13 @@ def every_job_to_kvcore(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class RecordingMover(Mover):
-    """A mover whose reference kernels log each op with the copies it issues."""
+    """A mover whose reference kernels log each op with the copies it issues; ``layered``
+    adds ops that take every pair of a transfer in one call (as CUDA's kernel set has)."""
 
-    def __init__(self, policy: PathPolicy) -> None:
+    def __init__(self, policy: PathPolicy, *, layered: bool = False) -> None:
         super().__init__(policy)
         self.ops: list[tuple[str, int]] = []
+        self.layered = layered
 
     def kernels(self, device: torch.device) -> KernelSet:
         base = kernels_for(device)
@@ -75,7 +77,28 @@ class RecordingMover(Mover):
             self.ops.append(("stage_out", host_runs.count))
             base.stage_out(src, src_idx, staging, dst, host_runs)
 
-        return KernelSet("recording", copy_runs, gather_rows, stage_in, stage_out)
+        if not self.layered:
+            return KernelSet("recording", copy_runs, gather_rows, stage_in, stage_out)
+
+        def copy_runs_layers(pairs, runs):
+            self.ops.append(("copy_runs_layers", runs.count * len(pairs)))
+            for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
+                base.copy_runs(src, dst, runs)
+
+        def gather_layers(pairs, src_idx, dst_idx):
+            self.ops.append(("gather_layers", int(src_idx.numel()) * len(pairs)))
+            for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
+                base.gather_rows(src, src_idx, dst, dst_idx)
+
+        return KernelSet(
+            "recording",
+            copy_runs,
+            gather_rows,
+            stage_in,
+            stage_out,
+            copy_runs_layers=copy_runs_layers,
+            gather_layers=gather_layers,
+        )
 
 
 def memmove_batch(log: list[int]):
@@ -280,6 +303,29 @@ def test_descriptors_merge_where_both_sides_are_consecutive(layout, ids, chunks,
         assert all(
             torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
         )
+
+
+@pytest.mark.parametrize("shared_region", [False, True], ids=["own_tensors", "shared_region"])
+@pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
+def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_cpu):
+    layout = Layout(
+        page_bytes=512, tensors=4, gpu_blocks=64, cpu_chunks=64, shared_region=shared_region
+    )
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(21))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+    mover = RecordingMover(SMALL, layered=True)
+    handler = kvcore_handler(stock, mover=mover)
+    scattered = [([9, 2, 14, 5, 40, 33], [3, 11, 0, 7, 50, 21], 0)]
+    one_page = [([17], [44], 0)]
+    for job_id, groups in ((1, scattered), (2, one_page)):
+        expected = reference(gpu, host, layout, groups, gpu_to_cpu)
+        handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
+        assert all(
+            torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+        )
+    assert [job.job_id for job in handler.get_finished()] == [1, 2]
+    # One call per job for all four tensors: a gather of 6 rows, then one copy, each tensor's.
+    assert mover.ops == [("gather_layers", 6 * 4), ("copy_runs_layers", 1 * 4)]
 
 
 def test_host_contiguous_gpu_scattered_load_is_staged():
@@ -505,6 +551,6 @@ def test_spec_installs_handlers_when_transfers_are_on(monkeypatch, transfers):
 def test_bench_ab_dry_run_on_cpu_checks_bytes():
     rows = bench.ab("cpu", [256], [0.5], job_bytes=8 << 10, repeats=1)
     assert {(r["direction"], r["path"]) for r in rows} == {
-        (d, p) for d in ("d2h", "h2d") for p in ("per_block_copy", "kvcore")
+        (d, p) for d in ("d2h", "h2d") for p in ("per_block_copy", "kvcore", "kvcore_own")
     }
     assert all(r["bytes_ok"] and r["pages"] == 32 and r["seconds"] > 0 for r in rows)
