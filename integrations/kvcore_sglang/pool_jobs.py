@@ -21,7 +21,7 @@ import torch
 
 from .host_layouts import BlockRows, block_rows, is_paged
 
-LayerPairs = list[tuple[torch.Tensor, torch.Tensor]]
+BufferPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Job:
     """The copies one call makes: every (host layer view, device layer) pair shares the
     indices (rows of the host views, rows of the device layers)."""
 
-    pairs: LayerPairs
+    pairs: BufferPairs
     rows: BlockRows
     """The host views' geometry, which maps host slots to rows."""
     host_slots: torch.Tensor
@@ -96,7 +96,7 @@ def _rows_of(
 
 
 def _job(
-    rows: BlockRows, pairs: LayerPairs, host_slots: torch.Tensor, device_rows: torch.Tensor
+    rows: BlockRows, pairs: BufferPairs, host_slots: torch.Tensor, device_rows: torch.Tensor
 ) -> Job:
     return Job(pairs, rows, host_slots, device_rows)
 

@@ -27,7 +27,10 @@ runs stock (``sglang_source_unknown``).
 
 SGLang reloads layer by layer with the same two index tensors: the first layer's plan
 (bounds, runs, path) is kept (:class:`PlanMemo`) and rebound to every later layer's
-buffers, so a reload plans once, not once per layer.
+buffers, so a reload plans once, not once per layer. The pairs of one call (a layer's K
+and V; every layer of a backup) move in one submission where they share a row size
+(:meth:`kvcore.mover.Mover.execute_layers`), their checks kept per pool
+(:class:`LayerPairsMemo`).
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ import torch
 
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
+from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import (
     Mover,
     TransferPath,
     TransferPlan,
+    layers_mismatch,
     plan,
     plan_device_indexed,
     policy_from_config,
@@ -243,14 +248,65 @@ def _call_indices(
     return CallIndices(host, device_indices, opaque)
 
 
+class LayerPairsMemo:
+    """The checked buffer pairs (:class:`kvcore.layers.LayerPairs`) of a pool's calls.
+
+    A backup copies every layer of the pool, a load one layer's K and V: the same buffers
+    call after call, so each set is checked once and its launch table built once (the
+    CUDA kernels keep it per LayerPairs). Entries are keyed by every view's device,
+    address, dtype, shape and strides, and kept per pool, weakly: they hold views of the
+    pool's buffers (so no address in a key can be reused while it is kept), never the pool,
+    and go when SGLang drops the pool.
+    """
+
+    def __init__(self, per_pool: int = 1024) -> None:
+        self._per_pool = per_pool
+        self._by_pool: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], LayerPairs]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def pairs(self, pool: Any, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> LayerPairs:
+        key = tuple(
+            (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in (*srcs, *dsts)
+        )
+        with self._lock:
+            try:
+                kept = self._by_pool.setdefault(pool, {})
+            except TypeError:  # a pool without weak references: checked every call
+                return layer_pairs(srcs, dsts)
+            found = kept.get(key)
+        if found is not None:
+            return found
+        found = layer_pairs(srcs, dsts)
+        with self._lock:
+            if len(kept) >= self._per_pool:
+                kept.clear()
+            kept[key] = found
+        return found
+
+
+LAYER_PAIRS = LayerPairsMemo()
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One submission: ``plan`` for its own buffers, or for every pair of ``pairs``."""
+
+    plan: TransferPlan
+    pairs: LayerPairs | None = None
+
+
 def _plans(
+    pool: Any,
     job: Job,
     direction: Direction,
     chosen_mover: Mover,
     device_opaque: bool,
     memo_key: tuple[Any, ...] | None = None,
-) -> list[TransferPlan] | str:
-    """One plan, rebound to every other layer pair; or the reason the call must run stock.
+) -> list[_Work] | str:
+    """One plan for every layer pair, moved in one submission where the pairs allow it, else
+    rebound to each pair; or the reason the call must run stock.
 
     With ``memo_key``, a plan kept by :data:`LOAD_PLANS` for the same key is rebound
     instead of planning again, and a new plan is kept for the next call.
@@ -276,6 +332,12 @@ def _plans(
             )
             if memo_key is not None and first.path is not TransferPath.FALLBACK:
                 LOAD_PLANS.remember(memo_key, first)
+        if len(pairs) > 1 and first.path is not TransferPath.FALLBACK:
+            srcs, dsts = [src for src, _ in pairs], [dst for _, dst in pairs]
+            layered = LAYER_PAIRS.pairs(pool, srcs, dsts)
+            # Pairs one submission cannot take (rows of other sizes) are rebound one by one.
+            if layered.reason is None and layers_mismatch(first, layered) is None:
+                return [_Work(first, layered)]
         plans = [first.rebind(src, dst) for src, dst in pairs]
     except ValueError:
         # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
@@ -284,11 +346,12 @@ def _plans(
         if each.path is TransferPath.FALLBACK:
             assert each.reason is not None
             return each.reason
-    return plans
+    return [_Work(each) for each in plans]
 
 
 def _serve(
     stock: Callable[[], None],
+    pool: Any,
     job: Job | str,
     direction: Direction,
     device_opaque: bool,
@@ -298,7 +361,7 @@ def _serve(
     decided = (
         job
         if isinstance(job, str)
-        else _plans(job, direction, chosen_mover, device_opaque, memo_key)
+        else _plans(pool, job, direction, chosen_mover, device_opaque, memo_key)
     )
     if isinstance(decided, str):
         if chosen_mover.metrics is not None:
@@ -306,7 +369,10 @@ def _serve(
         stock()
         return
     for each in decided:
-        chosen_mover.execute(each)
+        if each.pairs is None:
+            chosen_mover.execute(each.plan)
+        else:
+            chosen_mover.execute_layers(each.plan, each.pairs)
 
 
 @functools.cache
@@ -361,10 +427,10 @@ def _make_load_hook(
         jobs = _jobs_for(target, by_release)
         indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
         if jobs is None:
-            _serve(stock, _SOURCE_UNKNOWN, Direction.H2D, False)
+            _serve(stock, pool, _SOURCE_UNKNOWN, Direction.H2D, False)
             return
         if isinstance(indices, str):
-            _serve(stock, indices, Direction.H2D, False)
+            _serve(stock, pool, indices, Direction.H2D, False)
             return
         if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
             stock()  # a layer this pool does not hold: stock returns without copying
@@ -373,7 +439,7 @@ def _make_load_hook(
             pool, device_pool, layer_id, is_draft, indices.host, indices.device, io_backend
         )
         memo_key = PlanMemo.key(pool, device_pool, indices, io_backend)
-        _serve(stock, job, Direction.H2D, indices.device_opaque, memo_key)
+        _serve(stock, pool, job, Direction.H2D, indices.device_opaque, memo_key)
 
     return load_hook
 
@@ -395,13 +461,13 @@ def _make_backup_hook(
         jobs = _jobs_for(target, by_release)
         indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
         if jobs is None:
-            _serve(stock, _SOURCE_UNKNOWN, Direction.D2H, False)
+            _serve(stock, pool, _SOURCE_UNKNOWN, Direction.D2H, False)
             return
         if isinstance(indices, str):
-            _serve(stock, indices, Direction.D2H, False)
+            _serve(stock, pool, indices, Direction.D2H, False)
             return
         job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)
-        _serve(stock, job, Direction.D2H, indices.device_opaque)
+        _serve(stock, pool, job, Direction.D2H, indices.device_opaque)
 
     return backup_hook
 

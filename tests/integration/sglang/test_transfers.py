@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import importlib.metadata
 import logging
 from collections.abc import Callable, Iterator
@@ -31,7 +32,9 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_pools import dsa_host, mha_device, mha_host, mla_device, mla_host
 
+from kvcore import kernels
 from kvcore.engine_status import release_of
+from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, PathPolicy
 from kvcore_sglang import guard, plugin, pool_jobs, transfers
@@ -418,6 +421,60 @@ def test_all_paths_are_exercised(transfer_hooks, small_mover):
     taken = {p: c - before.get(p, 0) for p, c in paths_taken().items()}
     for path in ("single_copy", "batched_runs", "staged", "gather"):
         assert taken.get(path, 0) > 0, f"{path} not taken: {taken}"
+
+
+def layered_cpu_kernels(calls: list[tuple[str, int]]) -> KernelSet:
+    """The CPU kernels plus layered ops that log each call with its pair count."""
+
+    def copy_runs_layers(pairs, runs):
+        calls.append(("copy_runs_layers", len(pairs)))
+        for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
+            REFERENCE.copy_runs(src, dst, runs)
+
+    def gather_layers(pairs, src_idx, dst_idx):
+        calls.append(("gather_layers", len(pairs)))
+        for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
+            REFERENCE.gather_rows(src, src_idx, dst, dst_idx)
+
+    return dataclasses.replace(
+        REFERENCE, copy_runs_layers=copy_runs_layers, gather_layers=gather_layers
+    )
+
+
+@pytest.mark.parametrize(("kind", "pairs"), [("mha", 2), ("mla", 1)])
+def test_the_pairs_of_a_call_move_in_one_submission(
+    transfer_hooks, small_mover, monkeypatch, kind, pairs
+):
+    """A load's K and V, a backup's every layer: one layered gather, the same bytes."""
+    transfer_hooks()
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", layered_cpu_kernels(calls))
+    check_served_call(kind, "layer_first", "direct", "load", "scattered", 100, 5)
+    # One pair (an MLA layer) has nothing to batch: the mover gathers it on its own.
+    assert calls == ([("gather_layers", pairs)] if pairs > 1 else [])
+    calls.clear()
+    check_served_call(kind, "layer_first", "direct", "backup", "scattered", 100, 6)
+    assert calls == [("gather_layers", pairs * LAYERS)]
+
+
+def test_layer_pairs_are_checked_once_per_pool_and_dropped_with_it():
+    class Pool:
+        pass
+
+    memo = transfers.LayerPairsMemo(per_pool=3)
+    pool = Pool()
+    host = torch.randint(0, 100, (4, 16, 8), dtype=torch.int16)
+    device = [torch.zeros(16, 8, dtype=torch.int16) for _ in range(4)]
+    first = memo.pairs(pool, list(host), device)
+    assert memo.pairs(pool, list(host), device) is first  # fresh views, same buffers
+    assert memo.pairs(pool, list(host[:, :8]), [d[:8] for d in device]) is not first
+    assert memo.pairs(Pool(), list(host), device) is not first  # another pool
+    for offset in range(3):  # past per_pool entries the pool's entries start over
+        memo.pairs(pool, list(host[:, offset:]), [d[offset:] for d in device])
+    assert memo.pairs(pool, list(host), device) is not first
+    del pool
+    gc.collect()
+    assert len(memo._by_pool) == 0
 
 
 def test_merged_load_is_split_into_runs_within_fixed_staging(transfer_hooks, small_mover):
