@@ -1,5 +1,5 @@
 """The layered Triton gather (one launch for many buffer pairs), run on CPU by Triton's
-interpreter in a subprocess, as in test_triton_rows_interpret.py.
+interpreter in a subprocess (interpreted.py).
 
 Layouts: every pair in tensors of its own, and pairs that are interleaved views of one
 region (vLLM's shared host region), on the source or the destination side.
@@ -7,21 +7,13 @@ region (vLLM's shared host region), on the source or the destination side.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import needs_triton, run_interpreted
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs triton (optional dependency)"
-)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = needs_triton
 
 _RUNNER = """
 import sys
@@ -169,22 +161,7 @@ CASES = {**_named_cases(), **_random_cases(16), **_invalid_cases()}
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("triton_layers_interpret")
-    cases_path, results_path = work / "cases.pt", work / "results.pt"
-    torch.save(list(CASES.values()), cases_path)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", _RUNNER, str(cases_path), str(results_path)],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    results = torch.load(results_path)
-    return dict(zip(CASES, results, strict=True))
+    return run_interpreted(_RUNNER, CASES, tmp_path_factory.mktemp("triton_layers_interpret"))
 
 
 def _reference(case: dict) -> list[torch.Tensor]:

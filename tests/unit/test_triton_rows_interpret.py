@@ -1,27 +1,15 @@
-"""The Triton row gather's logic, run on CPU through Triton's interpreter.
-
-TRITON_INTERPRET must be set before Triton is first imported, and other tests may import it
-first, so the kernel runs in a subprocess: it loads the cases written here, runs every one and
-saves the outputs; the assertions run in this process against a plain per-index reference.
-"""
+"""The Triton row gather's logic, run on CPU through Triton's interpreter (in a subprocess:
+see interpreted.py); the assertions run here against a plain per-index reference."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import needs_triton, run_interpreted
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs triton (optional dependency)"
-)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = needs_triton
 
 _RUNNER = """
 import sys
@@ -182,22 +170,7 @@ CASES = {**_named_cases(), **_random_cases(40), **_invalid_cases()}
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("triton_interpret")
-    cases_path, results_path = work / "cases.pt", work / "results.pt"
-    torch.save(list(CASES.values()), cases_path)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", _RUNNER, str(cases_path), str(results_path)],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    results = torch.load(results_path)
-    return dict(zip(CASES, results, strict=True))
+    return run_interpreted(_RUNNER, CASES, tmp_path_factory.mktemp("triton_interpret"))
 
 
 def _reference(case: dict) -> torch.Tensor:
