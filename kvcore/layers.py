@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.kernels.reference import row_bytes, row_word_bytes, rows_as_words
-from kvcore.pair_checks import fallback_reason
+from kvcore.kernels.reference import row_bytes, rows_as_words
+from kvcore.pair_checks import check_pair
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,18 +62,18 @@ def layer_pairs(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> L
             )
         if any(t.dim() == 0 for t in side):
             raise ValueError(f"one of the {name} is a scalar; rows are indexed along dim 0")
-    sizes = {row_bytes(t) for t in (*srcs, *dsts)}
-    reason = next(
-        (r for r in (fallback_reason(s, d) for s, d in zip(srcs, dsts, strict=True)) if r),
-        None,
-    )
-    if reason is None and len(sizes) > 1:
+    reason, width = None, 8
+    for src, dst in zip(srcs, dsts, strict=True):
+        reason, pair_width = check_pair(src, dst)
+        if reason is not None:
+            break
+        width = min(width, pair_width)
+    if reason is None and len({row_bytes(t) for t in srcs}) > 1:
         reason = "row_shape_mismatch"
     src_words: tuple[torch.Tensor, ...] = ()
     dst_words: tuple[torch.Tensor, ...] = ()
     if reason is None:
         # One word type for every view, so that one kernel launch serves every pair.
-        width = min(row_word_bytes(t) or 1 for t in (*srcs, *dsts))
         src_words = tuple(rows_as_words(t, width) for t in srcs)
         dst_words = tuple(rows_as_words(t, width) for t in dsts)
     return LayerPairs(

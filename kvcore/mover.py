@@ -444,6 +444,15 @@ def _check_forced(
     return force
 
 
+@dataclass(frozen=True)
+class Submission:
+    """One submission of an engine's call: ``plan`` over its own buffers, or over every
+    pair of ``pairs`` (:meth:`Mover.execute_layers`)."""
+
+    plan: TransferPlan
+    pairs: LayerPairs | None = None
+
+
 class StagingBuffers:
     """One preallocated, never-grown byte buffer per device, allocated on first use.
 
@@ -553,6 +562,13 @@ class Mover:
             for reason in (plan.reason, degraded):
                 if reason is not None:
                     self.metrics.record_fallback(reason)
+
+    def submit(self, work: Submission) -> None:
+        """Run one :class:`Submission`."""
+        if work.pairs is None:
+            self.execute(work.plan)
+        else:
+            self.execute_layers(work.plan, work.pairs)
 
     def execute_layers(self, plan: TransferPlan, pairs: LayerPairs) -> None:
         """Run ``plan``'s rows between every pair of ``pairs``: one submission for all of

@@ -51,6 +51,7 @@ from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import (
     Mover,
+    Submission,
     TransferPath,
     TransferPlan,
     layers_mismatch,
@@ -289,14 +290,6 @@ class LayerPairsMemo:
 LAYER_PAIRS = LayerPairsMemo()
 
 
-@dataclass(frozen=True)
-class _Work:
-    """One submission: ``plan`` for its own buffers, or for every pair of ``pairs``."""
-
-    plan: TransferPlan
-    pairs: LayerPairs | None = None
-
-
 def _plans(
     pool: Any,
     job: Job,
@@ -304,7 +297,7 @@ def _plans(
     chosen_mover: Mover,
     device_opaque: bool,
     memo_key: tuple[Any, ...] | None = None,
-) -> list[_Work] | str:
+) -> list[Submission] | str:
     """One plan for every layer pair, moved in one submission where the pairs allow it, else
     rebound to each pair; or the reason the call must run stock.
 
@@ -337,7 +330,7 @@ def _plans(
             layered = LAYER_PAIRS.pairs(pool, srcs, dsts)
             # Pairs one submission cannot take (rows of other sizes) are rebound one by one.
             if layered.reason is None and layers_mismatch(first, layered) is None:
-                return [_Work(first, layered)]
+                return [Submission(first, layered)]
         plans = [first.rebind(src, dst) for src, dst in pairs]
     except ValueError:
         # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
@@ -346,7 +339,7 @@ def _plans(
         if each.path is TransferPath.FALLBACK:
             assert each.reason is not None
             return each.reason
-    return [_Work(each) for each in plans]
+    return [Submission(each) for each in plans]
 
 
 def _serve(
@@ -369,10 +362,7 @@ def _serve(
         stock()
         return
     for each in decided:
-        if each.pairs is None:
-            chosen_mover.execute(each.plan)
-        else:
-            chosen_mover.execute_layers(each.plan, each.pairs)
+        chosen_mover.submit(each)
 
 
 @functools.cache

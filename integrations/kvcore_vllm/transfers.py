@@ -35,7 +35,13 @@ from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, TransferPlan, layers_mismatch, plan, policy_from_config
+from kvcore.mover import (
+    Mover,
+    Submission,
+    layers_mismatch,
+    plan,
+    policy_from_config,
+)
 from kvcore.runs import has_duplicates
 from kvcore.streams import CudaEventOps
 from kvcore_vllm.page_rows import PageRows, page_rows
@@ -152,14 +158,6 @@ class _Group:
 _Descriptors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-@dataclass(frozen=True)
-class _Work:
-    """One submission of a job: a plan for one KV tensor, or for every pair of ``pairs``."""
-
-    plan: TransferPlan
-    pairs: LayerPairs | None
-
-
 @dataclass
 class _Job:
     job_id: int
@@ -257,7 +255,7 @@ class KVCoreOffloadingHandler:
         reason = self._unsupported_group(segments)
         if reason is None:
             reason = self._stock_is_cheaper(segments)
-        work: list[_Work] = []
+        work: list[Submission] = []
         if reason is None:
             work, reason = self._plan(segments)
         if reason is None:
@@ -295,8 +293,8 @@ class KVCoreOffloadingHandler:
             self._batches_by_groups[groups] = batches
         return batches
 
-    def _plan(self, segments: list[Segment]) -> tuple[list[_Work], str | None]:
-        work: list[_Work] = []
+    def _plan(self, segments: list[Segment]) -> tuple[list[Submission], str | None]:
+        work: list[Submission] = []
         for (_, used), tensors in self._batches(segments).items():
             rows = self._rows[tensors[0]]
             gpu_rows, cpu_rows = [], []
@@ -325,13 +323,13 @@ class KVCoreOffloadingHandler:
             if pairs is not None and pairs.reason is not None:
                 return [], pairs.reason
             if pairs is None or layers_mismatch(first, pairs) is None:
-                work.append(_Work(first, pairs))
+                work.append(Submission(first, pairs))
                 continue
             for tensor in tensors:
                 current = first.rebind(*self._sides(self._rows[tensor]))
                 if current.reason is not None:
                     return [], current.reason
-                work.append(_Work(current, None))
+                work.append(Submission(current, None))
         return work, None
 
     def _layer_pairs(self, tensors: tuple[int, ...]) -> LayerPairs:
@@ -370,12 +368,9 @@ class KVCoreOffloadingHandler:
     def _sides(self, rows: PageRows) -> tuple[torch.Tensor, torch.Tensor]:
         return (rows.gpu, rows.cpu) if self.gpu_to_cpu else (rows.cpu, rows.gpu)
 
-    def _execute(self, work: list[_Work]) -> None:
+    def _execute(self, work: list[Submission]) -> None:
         for each in work:
-            if each.pairs is None:
-                self._mover.execute(each.plan)
-            else:
-                self._mover.execute_layers(each.plan, each.pairs)
+            self._mover.submit(each)
 
     def _submit_stock(self, job_id: int, segments: list[Segment]) -> None:
         """Fill descriptors with the stock handler's code and issue its copy op."""
