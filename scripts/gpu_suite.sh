@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one device call: the gpu-marked tests, then `kvcore bench`.
+# The whole GPU suite in one device call: the gpu-marked tests, `kvcore bench`, then the host
+# time of each submission step (scripts/submit_cost.py).
 # Usage (on the GPU machine, from the repo root): scripts/gpu_suite.sh [bench args...]
-# Logs and the bench JSON/plot go to $OUT (default: ./out/gpu).
+# Logs, the bench JSON/plot and submit_cost.json go to $OUT (default: ./out/gpu).
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
@@ -20,5 +21,7 @@ tests_rc=${PIPESTATUS[0]}
 python3 -m kvcore bench --no-progress --json "$OUT/bench.json" --plot "$OUT/bench.png" "$@" \
     2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
-echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+python3 scripts/submit_cost.py --json "$OUT/submit_cost.json" 2>&1 | tee "$OUT/submit_cost.log"
+cost_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc bench rc=$bench_rc submit_cost rc=$cost_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$cost_rc" = 0 ]
