@@ -100,7 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, float]] = {}
 
     def item(name: str, fn: Callable[[], object]) -> None:
-        results[name] = measure(fn, args.repeats)
+        # One failing item must not cost the others in this single device call.
+        try:
+            results[name] = measure(fn, args.repeats)
+        except Exception as error:
+            torch.cuda.synchronize()
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"{name:<44} FAILED {results[name]['error']}", flush=True)
+            return
         print(f"{name:<44} {results[name]['median_us']:>9.1f} us", flush=True)
 
     item("current_stream", lambda: torch.cuda.current_stream())
@@ -109,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     event.record()
     item("wait_event", lambda: torch.cuda.current_stream().wait_event(event))
     item("is_pinned", host.is_pinned)
-    item("torch_copy_1MiB", lambda: dev[:910].copy_(host[:910], non_blocking=True))
+    mib = (1 << 20) // row_bytes
+    item("torch_copy_1MiB", lambda: dev[:mib].copy_(host[:mib], non_blocking=True))
     item("torch_copy_layer", lambda: dev[:rows].copy_(host[:rows], non_blocking=True))
     item(
         "ctypes_memcpy_layer",
