@@ -2,8 +2,8 @@
 
 Runs on a CUDA machine: ``python scripts/submit_cost.py [--rows N] [--json out.json]``.
 For each item it queues a long spin kernel first, so every call is measured while the GPU
-is busy (as when an engine queues layer after layer), then reports the median host
-microseconds of ``--repeats`` calls. Items: torch and ctypes copies, events, the index
+is busy (as when an engine queues layer after layer), and reports the median host
+microseconds of ``--repeats`` calls, then the median of a few calls on an idle GPU. Items: torch and ctypes copies, events, the index
 upload, the gather kernel's launch through Triton's JIT and through the compiled kernel,
 ``index_copy_``, and ``Mover.execute`` for each path on an already made plan.
 """
@@ -40,20 +40,30 @@ def _cudart() -> ctypes.CDLL:
 
 
 def measure(fn: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Median host time of ``fn`` with the GPU busy (a spin kernel queued first), and with
+    it idle (each call synchronised before the next): both, because a CUDA call's host cost
+    can depend on what is queued."""
     fn()
     torch.cuda.synchronize()
-    times = []
+    busy = []
     torch.cuda._sleep(SPIN_CYCLES)
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
+        busy.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    times.sort()
+    idle = []
+    for _ in range(max(3, repeats // 4)):
+        t0 = time.perf_counter()
+        fn()
+        idle.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    busy.sort()
     return {
-        "median_us": statistics.median(times) * 1e6,
-        "p10_us": times[len(times) // 10] * 1e6,
-        "p90_us": times[(9 * len(times)) // 10] * 1e6,
+        "median_us": statistics.median(busy) * 1e6,
+        "p10_us": busy[len(busy) // 10] * 1e6,
+        "p90_us": busy[(9 * len(busy)) // 10] * 1e6,
+        "idle_median_us": statistics.median(idle) * 1e6,
     }
 
 
@@ -94,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     scattered_dev = scattered.to(device)
     contiguous_dev = contiguous.to(device)
     uploader = IndexUploader(device)
-    fresh = [(scattered.clone(), contiguous.clone()) for _ in range(args.repeats + 2)]
+    fresh = [
+        (scattered.clone(), contiguous.clone()) for _ in range(args.repeats + args.repeats // 4 + 4)
+    ]
     fresh_iter = iter(fresh)
 
     results: dict[str, dict[str, float]] = {}
@@ -108,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             print(f"{name:<44} FAILED {results[name]['error']}", flush=True)
             return
-        print(f"{name:<44} {results[name]['median_us']:>9.1f} us", flush=True)
+        busy, idle = results[name]["median_us"], results[name]["idle_median_us"]
+        print(f"{name:<44} {busy:>9.1f} us busy {idle:>9.1f} us idle", flush=True)
 
     item("current_stream", lambda: torch.cuda.current_stream())
     item("event_record", lambda: torch.cuda.Event().record())
