@@ -592,9 +592,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--tokens", type=int, default=0, help="rows per transfer")
     parser.add_argument("--rows", help=f"comma list of row kinds: {', '.join(ROW_KINDS)}")
-    parser.add_argument(
-        "--host-levels", help=f"comma list of host layouts: {', '.join(HOST_FRAGMENTATION)}"
-    )
+    # argparse expands % in help strings: the levels' own % signs are doubled.
+    levels = ", ".join(HOST_FRAGMENTATION).replace("%", "%%")
+    parser.add_argument("--host-levels", help=f"comma list of host layouts: {levels}")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 

@@ -3,9 +3,10 @@
 Runs on a CUDA machine: ``python scripts/submit_cost.py [--rows N] [--json out.json]``.
 For each item it queues a long spin kernel first, so every call is measured while the GPU
 is busy (as when an engine queues layer after layer), and reports the median host
-microseconds of ``--repeats`` calls, then the median of a few calls on an idle GPU. Items: torch and ctypes copies, events, the index
-upload, the gather kernel's launch through Triton's JIT and through the compiled kernel,
-``index_copy_``, and ``Mover.execute`` for each path on an already made plan.
+microseconds of ``--repeats`` calls, then the median of a few calls on an idle GPU.
+Items: torch and ctypes copies, events, the index upload, the gather kernel's launch
+through Triton's JIT and through the compiled kernel, ``index_copy_``, and
+``Mover.execute`` for each path on an already made plan.
 """
 
 from __future__ import annotations

@@ -241,6 +241,17 @@ def test_main_usage_errors(capsys):
     assert capsys.readouterr().out.strip() == f"kvcore {__version__}"
 
 
+@pytest.mark.parametrize("command", [[], ["doctor"], ["bench"], ["launch"], ["patches"]])
+def test_every_help_prints(capsys, command):
+    assert main([*command, "--help"]) == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_bench_help_names_the_host_levels(capsys):
+    assert main(["bench", "--help"]) == 0
+    assert "0%, 50%, 100%" in capsys.readouterr().out
+
+
 def test_launch_help_lists_every_setting(capsys):
     assert main(["launch", "--help"]) == 0
     out = capsys.readouterr().out
