@@ -25,6 +25,7 @@ import torch
 from kvcore.kernels import triton_rows
 from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import gather_rows_uva
+from kvcore.layers import layer_pairs
 from kvcore.mover import Mover, TransferPath, plan
 from kvcore.pinned import allocate_host_buffer
 
@@ -66,6 +67,43 @@ def measure(fn: Callable[[], object], repeats: int) -> dict[str, float]:
         "p90_us": busy[(9 * len(busy)) // 10] * 1e6,
         "idle_median_us": statistics.median(idle) * 1e6,
     }
+
+
+def layered_items(
+    item: Callable[[str, Callable[[], object]], None],
+    mover: Mover,
+    host: torch.Tensor,
+    dev: torch.Tensor,
+    gen: torch.Generator,
+) -> None:
+    """A 32-layer job (vLLM's per-layer tensors; 4096 rows a layer at the default --rows): one
+    submission for every layer (Mover.execute_layers) against a rebound plan per layer."""
+    layers = 32
+    rows = host.shape[0] // (2 * layers)
+    host_views = list(host[: layers * 2 * rows].view(layers, 2 * rows, -1))
+    dev_views = list(dev[: layers * 2 * rows].view(layers, 2 * rows, -1))
+    scattered = torch.randperm(2 * rows, generator=gen)[:rows]
+    pages = (torch.randperm(2 * rows // 16, generator=gen)[: rows // 16] * 16)[:, None]
+    paged = (pages + torch.arange(16)).flatten()
+    cases = {
+        "h2d_gather": (host_views, dev_views, scattered, paged),
+        "d2h_gather": (dev_views, host_views, paged, scattered),
+        "h2d_batched_pages": (host_views, dev_views, paged, paged),
+    }
+    for name, (srcs, dsts, src_idx, dst_idx) in cases.items():
+        force = TransferPath.BATCHED_RUNS if "batched" in name else None
+        chosen = plan(srcs[0], dsts[0], src_idx, dst_idx, policy=mover.policy, force=force)
+        pairs = layer_pairs(srcs, dsts)
+        item(
+            f"32_layers_{name}[{chosen.path.value}]_one_submission",
+            lambda chosen=chosen, pairs=pairs: mover.execute_layers(chosen, pairs),
+        )
+        item(
+            f"32_layers_{name}_per_layer",
+            lambda chosen=chosen, srcs=srcs, dsts=dsts: [
+                mover.execute(chosen.rebind(s, d)) for s, d in zip(srcs, dsts, strict=True)
+            ],
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         host, dev, paged, contiguous, policy=mover.policy, force=TransferPath.BATCHED_RUNS
     )
     item("execute_h2d_batched_paged", lambda: mover.execute(forced))
+    layered_items(item, mover, host, dev, gen)
     torch.cuda.synchronize()
     report = {
         "device": torch.cuda.get_device_name(),
