@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvcore.direction import Direction
 from kvcore.kernels import triton_rows
 from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import gather_rows_uva
@@ -92,7 +93,16 @@ def layered_items(
     }
     for name, (srcs, dsts, src_idx, dst_idx) in cases.items():
         force = TransferPath.BATCHED_RUNS if "batched" in name else None
-        chosen = plan(srcs[0], dsts[0], src_idx, dst_idx, policy=mover.policy, force=force)
+        direction = Direction.H2D if name.startswith("h2d") else Direction.D2H
+        chosen = plan(
+            srcs[0],
+            dsts[0],
+            src_idx,
+            dst_idx,
+            direction=direction,
+            policy=mover.policy,
+            force=force,
+        )
         pairs = layer_pairs(srcs, dsts)
         item(
             f"32_layers_{name}[{chosen.path.value}]_one_submission",
