@@ -52,7 +52,7 @@ logger = logging.getLogger("kvcore.vllm")
 # hundred microseconds) undercuts stock's batched copy (~1 us a page in the driver). H200
 # A/B of 2026-11-29, one submission per KV tensor then: kvcore lost at 32-256 pages a
 # submission and won from 512 pages (4 KiB to 64 KiB).
-MIN_PAGES_PER_COPY = 512
+MIN_PAGES_PER_SUBMISSION = 512
 
 # The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
 HANDLER_ATTRIBUTES = ("_store_handler", "_load_handler", "_expedited_load_handler")
@@ -361,7 +361,7 @@ class KVCoreOffloadingHandler:
             return "stock_kernel_load"
         submissions = len(self._batches(segments))
         pages = sum(len(s.gpu_blocks) * len(self._group(s).tensors) for s in segments)
-        if pages < MIN_PAGES_PER_COPY * submissions:
+        if pages < MIN_PAGES_PER_SUBMISSION * submissions:
             return "few_pages"
         return None
 

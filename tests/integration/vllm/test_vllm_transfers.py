@@ -46,7 +46,7 @@ COUNTABLE = PathPolicy(staging_bytes=1 << 20, long_run_bytes=1)
 @pytest.fixture(autouse=True)
 def every_job_to_kvcore(monkeypatch: pytest.MonkeyPatch) -> None:
     """The jobs here are a few pages: let kvcore take them, as it does real-sized ones."""
-    monkeypatch.setattr(transfers, "MIN_PAGES_PER_COPY", 1)
+    monkeypatch.setattr(transfers, "MIN_PAGES_PER_SUBMISSION", 1)
 
 
 class RecordingMover(Mover):
@@ -439,8 +439,8 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(gpu_to_cp
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
-def test_jobs_of_few_pages_a_copy_stay_stock(monkeypatch, gpu_to_cpu):
-    monkeypatch.setattr(transfers, "MIN_PAGES_PER_COPY", 4)
+def test_jobs_of_few_pages_a_submission_stay_stock(monkeypatch, gpu_to_cpu):
+    monkeypatch.setattr(transfers, "MIN_PAGES_PER_SUBMISSION", 4)
     layout = Layout(page_bytes=256, tensors=2, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(10))
     handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
