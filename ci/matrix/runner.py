@@ -93,6 +93,7 @@ def ensure_venv(ws: Workspace, engine: Engine, version: str, name: str, log: Pat
     venv = ws.venvs / name
     marker = venv / VENV_MARKER
     if marker.is_file() and marker.read_text(encoding="utf-8").strip() == version:
+        point_kvcore_at(venv, ws.repo, log)
         return venv
     ws.venvs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, engine.version_env: version}
@@ -102,6 +103,22 @@ def ensure_venv(ws: Workspace, engine: Engine, version: str, name: str, log: Pat
         raise LaneError(f"installing {engine.name} {version} failed: {exc}") from None
     marker.write_text(version + "\n", encoding="utf-8")
     return venv
+
+
+_KVCORE_SOURCE = "import kvcore, pathlib; print(pathlib.Path(kvcore.__file__).parents[1])"
+
+
+def point_kvcore_at(venv: Path, repo: Path, log: Path | None) -> None:
+    """Make the venv's editable kvcore this checkout's.
+
+    A cached venv keeps the editable install of whichever checkout built it (another clone,
+    a CI copy): its lanes would import that checkout's kvcore while running this one's tests.
+    """
+    python = str(venv / "bin" / "python")
+    installed = _run([python, "-c", _KVCORE_SOURCE], log=log).strip()
+    if Path(installed).resolve() != repo.resolve():
+        pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps"]
+        _run([*pip, "-e", str(repo)], log=log)
 
 
 def apply_patches(venv: Path, engine: str, log: Path) -> None:

@@ -19,7 +19,13 @@ from ci.matrix.results import (
     parse_junit,
     save,
 )
-from ci.matrix.runner import LaneError, integration_env, lane_env, parse_index_versions
+from ci.matrix.runner import (
+    LaneError,
+    integration_env,
+    lane_env,
+    parse_index_versions,
+    point_kvcore_at,
+)
 from ci.vllm_upstream import stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,3 +282,32 @@ def test_kvcore_differences_and_deselections_name_staged_tests() -> None:
     assert len(differences) == 3 and len(deselected) == 5
     for node_id, reason in [*differences.items(), *deselected.items()]:
         assert node_id.startswith(stage.SELECTED) and "::test_" in node_id and reason
+
+
+def _fake_venv(tmp_path: Path, kvcore_checkout: Path) -> tuple[Path, Path]:
+    """A venv whose python says kvcore lives in ``kvcore_checkout`` and logs pip calls."""
+    venv, calls = tmp_path / "venv", tmp_path / "pip-calls.txt"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "-c" ]; then echo {kvcore_checkout}; exit 0; fi\n'
+        f'echo "$@" >> {calls}\n'
+    )
+    python.chmod(0o755)
+    return venv, calls
+
+
+def test_a_reused_venv_is_pointed_at_this_checkouts_kvcore(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "other-clone"
+    venv, calls = _fake_venv(tmp_path, elsewhere)
+    point_kvcore_at(venv, REPO, log=None)
+    assert calls.read_text().split() == [
+        "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps", "-e", str(REPO)
+    ]  # fmt: skip
+
+
+def test_a_venv_already_on_this_checkout_is_left_alone(tmp_path: Path) -> None:
+    venv, calls = _fake_venv(tmp_path, REPO)
+    point_kvcore_at(venv, REPO, log=None)
+    assert not calls.exists()
