@@ -13,6 +13,8 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcore import kernels
 from kvcore.direction import Direction
@@ -111,6 +113,39 @@ def test_every_pair_moves_like_a_per_index_copy(path, direction, shared_host):
     assert chosen.path is path
     Mover(POLICY).execute_layers(chosen, layer_pairs(srcs, dsts))
     # Untouched rows keep their random bytes; copied rows hold their source rows.
+    assert same_bytes(dst_memory, expected)
+    assert same_bytes(src_memory, src_before)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    direction=st.sampled_from([H2D, D2H]),
+    shared_host=st.booleans(),
+    count=st.integers(0, len(SLOTS)),
+    seed=st.integers(0, 2**31 - 1),
+    staging_rows=st.integers(1, 40),
+)
+def test_random_layered_transfers_match_per_pair_copies(
+    direction, shared_host, count, seed, staging_rows
+):
+    gen = torch.Generator().manual_seed(seed)
+    host_memory, host = side(shared_host, gen)
+    device_memory, device = side(False, gen)
+    srcs, dsts = (host, device) if direction is H2D else (device, host)
+    dst_memory = device_memory if direction is H2D else host_memory
+    src_memory = host_memory if direction is H2D else device_memory
+    # Sources may repeat, destinations may not; runs, scattered rows or a mix of both.
+    src_idx = SLOTS[torch.randint(0, len(SLOTS), (count,), generator=gen)]
+    if seed % 2:
+        src_idx = SLOTS[:count]
+    dst_idx = SLOTS[torch.randperm(len(SLOTS), generator=gen)[:count]]
+    if seed % 3 == 0:
+        dst_idx = SLOTS[len(SLOTS) - count :]
+    src_before = src_memory.clone()
+    expected = expected_after(srcs, dst_memory, shared_host and direction is D2H, src_idx, dst_idx)
+    policy = PathPolicy(staging_bytes=staging_rows * 1152, long_run_bytes=2048)
+    chosen = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=direction, policy=policy)
+    Mover(policy).execute_layers(chosen, layer_pairs(srcs, dsts))
     assert same_bytes(dst_memory, expected)
     assert same_bytes(src_memory, src_before)
 
