@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -181,3 +183,50 @@ def test_segment_transfer_checks_bounds_and_lengths() -> None:
         segment_transfer(torch.tensor([0]), torch.tensor([-1]), 8, 8, host_is_src=True)
     with pytest.raises(ValueError, match="2 entries but dst_idx has 1"):
         segment_transfer(torch.tensor([0, 1]), torch.tensor([0]), 8, 8, host_is_src=False)
+
+
+def test_scattered_rows_are_runs_of_one_that_stay_intact_after_larger_calls() -> None:
+    small = torch.tensor([5, 3, 9, 0])
+    found = segment_transfer(small, torch.tensor([7, 1, 2, 8]), 10, 10, host_is_src=True)
+    # Every row is a run of its own: the indices are the starts.
+    assert found.runs.src_starts.tolist() == [5, 3, 9, 0]
+    assert found.runs.lengths.tolist() == [1, 1, 1, 1]
+    assert found.runs.offsets.tolist() == [0, 1, 2, 3]
+    assert found.host_runs.as_list() == [(5, 1), (3, 1), (9, 1), (0, 1)]
+    generator = torch.Generator().manual_seed(1)
+    large = torch.randperm(50_000, generator=generator)
+    bigger = segment_transfer(large, large.flip(0), 50_000, 50_000, host_is_src=False)
+    assert bigger.runs.count == 50_000 and bigger.runs.total == 50_000
+    assert bigger.runs.offsets[-1].item() == 49_999
+    # The small transfer's runs did not change under the larger one.
+    assert found.runs.lengths.tolist() == [1, 1, 1, 1]
+    assert found.runs.offsets.tolist() == [0, 1, 2, 3]
+    assert found.host_runs.as_list() == [(5, 1), (3, 1), (9, 1), (0, 1)]
+
+
+def test_segmenting_on_several_threads_at_once_matches_one_at_a_time() -> None:
+    generator = torch.Generator().manual_seed(2)
+    cases = []
+    for size in (3_000, 40_000, 120_000, 7):
+        pages = torch.randperm(size // 8 + 1, generator=generator)[:, None] * 8
+        paged = (pages + torch.arange(8)).flatten()[:size]
+        scattered = torch.randperm(2 * size, generator=generator)[:size]
+        cases += [(paged, scattered), (scattered, paged), (paged, paged.sort().values)]
+
+    def segment(case: tuple[torch.Tensor, torch.Tensor]) -> tuple[object, ...]:
+        src, dst = case
+        found = segment_transfer(
+            src, dst, 2 * src.numel() + 16, 2 * src.numel() + 16, host_is_src=True
+        )
+        return (
+            found.runs.src_starts.tolist(),
+            found.runs.dst_starts.tolist(),
+            found.runs.lengths.tolist(),
+            found.host_runs.as_list(),
+            found.dst_has_duplicates,
+        )
+
+    expected = [segment(case) for case in cases]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(3):
+            assert list(pool.map(segment, cases)) == expected
