@@ -109,7 +109,9 @@ def has_duplicates(index: torch.Tensor) -> bool:
         return False
     if int(values.min()) < 0:
         return int(np.unique(values).size) != values.size
-    return _has_duplicates(values, np.diff(values), int(values.max()) + 1)
+    steps = _SCRATCH.arrays(values.size - 1)[0]
+    np.subtract(values[1:], values[:-1], out=steps)
+    return _has_duplicates(values, steps, int(values.max()) + 1)
 
 
 # A mask of the index's span is linear time; past this many slots per entry, sorting
