@@ -26,7 +26,8 @@ from kvcore.allocator import ContiguousSlotAllocator
 from kvcore.churn import make_trace, replay
 from kvcore.direction import Direction
 from kvcore.kernels.reference import as_row_words
-from kvcore.mover import Mover, PathPolicy, TransferPath, plan
+from kvcore.layers import layer_pairs
+from kvcore.mover import Mover, PathPolicy, TransferPath, TransferPlan, plan
 from kvcore.pinned import allocate_host_buffer
 from kvcore.stock_allocator import StockSlotAllocator
 from kvcore.streams import CopyStreams, CudaBackend
@@ -385,6 +386,7 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
     bar.close()
     results += _fallback_results(opts, mover)
     results += _duplex_results(opts, mover, statistics.median(ceilings))
+    results += _layers_results(opts, mover, statistics.median(ceilings))
     syncs = [n for n in page_out_syncs if n is not None]
     return TransferReport(statistics.median(ceilings), results, sum(syncs) if syncs else None)
 
@@ -449,6 +451,65 @@ def _duplex_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[di
     in_buffer.close()
     out_buffer.close()
     return [result]
+
+
+# A job over every layer at once, as vLLM's offload handler gives one: 32 KV tensors.
+_LAYERS = 32
+
+
+def _layers_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[dict[str, Any]]:
+    """One transfer over 32 layers (``tokens`` rows in all, 4 KiB each, host half scattered
+    by 16-row pages, device fully): one submission for every layer against a plan rebound
+    and executed per layer, both directions, beside the same run's ceiling."""
+    rows, row_shape, dtype = max(opts.tokens // _LAYERS, 16), (2, 8, 128), torch.bfloat16
+    pin = opts.device.type == "cuda"
+    host, host_buffer = _host_rows((_LAYERS, 2 * rows, *row_shape), dtype, pin)
+    host.copy_(_random_rows(tuple(host.shape), dtype, torch.device("cpu")))
+    device = _random_rows((_LAYERS, 2 * rows, *row_shape), dtype, opts.device)
+    generator = torch.Generator().manual_seed(11)
+    host_idx = scattered_layout(rows, 0.5, 16, generator)
+    device_idx = scattered_layout(rows, 1.0, 16, generator)
+    results = []
+    for direction in Direction:
+        page_in = direction is Direction.H2D
+        src, dst = (host, device) if page_in else (device, host)
+        src_idx, dst_idx = (host_idx, device_idx) if page_in else (device_idx, host_idx)
+        srcs, dsts = list(src), list(dst)
+        expected = dst.clone()
+        expected[:, dst_idx.to(dst.device)] = src[:, src_idx.to(src.device)].to(dst.device)
+        poison = dst.clone()
+        first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=direction)
+        pairs = layer_pairs(srcs, dsts)
+
+        def per_layer(first: TransferPlan = first, srcs=srcs, dsts=dsts) -> None:
+            for each_src, each_dst in zip(srcs, dsts, strict=True):
+                mover.execute(first.rebind(each_src, each_dst))
+
+        ways = {
+            f"kvcore:{first.path.value} x{_LAYERS} in one submission": functools.partial(
+                mover.execute_layers, first, pairs
+            ),
+            f"kvcore:{first.path.value} x{_LAYERS} one per layer": per_layer,
+        }
+        for label, fn in ways.items():
+            dst.copy_(poison)
+            seconds, host_seconds = _timed(fn, opts.device, opts.repeats)
+            if opts.device.type == "cuda":
+                torch.cuda.synchronize(opts.device)
+            results.append(
+                _result(
+                    f"mha-4KiB/{direction.value}/{_LAYERS}-layers-host-50%/device-100%",
+                    label,
+                    first.nbytes * _LAYERS,
+                    seconds,
+                    host_seconds,
+                    _identical(dst, expected),
+                    ceiling,
+                    "kvcore",
+                )
+            )
+    host_buffer.close()
+    return results
 
 
 def count_host_syncs(fn: Callable[[], object], device: torch.device) -> int | None:

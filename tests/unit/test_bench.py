@@ -22,6 +22,10 @@ def test_quick_report_has_every_path_identical_and_the_documented_shape(tmp_path
     assert set(report) >= {"device", "ceiling_gbps", "results", "allocator"}
     assert report["page_out_host_syncs"] is None  # only countable on CUDA
     assert any("both-directions-at-once" in r["scenario"] for r in report["results"])
+    layered = [r for r in report["results"] if "32-layers" in r["scenario"]]
+    # Each direction: every layer in one submission, and one submission per layer.
+    assert len(layered) == 4
+    assert {r["path"].split(" x32 ")[1] for r in layered} == {"in one submission", "one per layer"}
     assert report["device"] == "cpu"
     paths = {r["path"].split(" ")[0] for r in report["results"]}
     for path in TransferPath:
