@@ -4,6 +4,7 @@ One row per scenario: the same run's ceiling, the planner's path, its share of t
 host submit and plan time, and the best naive stock baseline beside it.
 
     python scripts/bench_table.py docs/bench/h200-full-2026-11-29.json [--rows mla-1152B]
+    python scripts/bench_table.py report.json --layers      # the 32-layer jobs
 """
 
 from __future__ import annotations
@@ -41,13 +42,31 @@ def table(report: dict, row_kind: str | None) -> str:
     return "\n".join(lines)
 
 
+def layers_table(report: dict) -> str:
+    """The 32-layer jobs: every layer in one submission against one submission per layer."""
+    lines = [
+        "| scenario | how | GB/s | of ceiling | submit µs | identical |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        if "-layers-" in r["scenario"]:
+            lines.append(
+                f"| {r['scenario']} | {r['path'].removeprefix('kvcore:')} | {r['gbps']:.1f}"
+                f" | {r['share_of_ceiling']:.0%} | {r['submit_us']:.0f}"
+                f" | {'yes' if r['identical'] else 'NO'} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report")
     parser.add_argument("--rows", help="only this row kind, e.g. mla-1152B")
+    parser.add_argument("--layers", action="store_true", help="the 32-layer jobs instead")
     args = parser.parse_args()
     with open(args.report) as fh:
-        print(table(json.load(fh), args.rows))
+        report = json.load(fh)
+    print(layers_table(report) if args.layers else table(report, args.rows))
 
 
 if __name__ == "__main__":
