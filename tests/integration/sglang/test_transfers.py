@@ -457,6 +457,19 @@ def test_the_pairs_of_a_call_move_in_one_submission(
     assert calls == [("gather_layers", pairs * LAYERS)]
 
 
+def test_pairs_one_submission_cannot_take_are_moved_one_by_one(
+    transfer_hooks, small_mover, monkeypatch
+):
+    transfer_hooks()
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", layered_cpu_kernels(calls))
+    monkeypatch.setattr(transfers, "layers_mismatch", lambda plan, pairs: "a test says so")
+    before = paths_taken().get("gather", 0)
+    check_served_call("mha", "layer_first", "direct", "backup", "scattered", 100, 7)
+    assert calls == []  # no layered call: a gather per (layer, K or V) pair
+    assert paths_taken()["gather"] - before == 2 * LAYERS
+
+
 def test_layer_pairs_are_checked_once_per_pool_and_dropped_with_it():
     class Pool:
         pass

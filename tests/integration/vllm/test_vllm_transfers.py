@@ -328,6 +328,25 @@ def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_
     assert mover.ops == [("gather_layers", 6 * 4), ("copy_runs_layers", 1 * 4)]
 
 
+def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
+    """Should a batch's plan not fit all its tensors, each tensor gets its own plan."""
+    monkeypatch.setattr(transfers, "layers_mismatch", lambda plan, pairs: "a test says so")
+    layout = Layout(page_bytes=512, tensors=3, gpu_blocks=64, cpu_chunks=64, shared_region=True)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(22))
+    for gpu_to_cpu in (True, False):
+        stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+        mover = RecordingMover(SMALL, layered=True)
+        handler = kvcore_handler(stock, mover=mover)
+        groups = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
+        expected = reference(gpu, host, layout, groups, gpu_to_cpu)
+        handler.transfer_async(1, *make_job(groups, gpu_to_cpu))
+        assert [job.job_id for job in handler.get_finished()] == [1]
+        assert [op for op, _ in mover.ops] == ["gather_rows"] * 3
+        assert all(
+            torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+        )
+
+
 def test_host_contiguous_gpu_scattered_load_is_staged():
     layout = Layout(page_bytes=512, tensors=2, gpu_blocks=256, cpu_chunks=64)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(5))
