@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvcore.kernels.cudart import loaded_cudart
 from kvcore.kernels.reference import check_word_views
 
 _MIN_CUDA_VERSION = 12080  # cudaMemcpyBatchAsync first shipped in CUDA 12.8
@@ -62,8 +62,6 @@ def batch_copy_available() -> bool:
     )
 
 
-# The shared-library names of the CUDA runtime that torch may have loaded, newest first.
-_CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12")
 _CUDA_13 = 13000
 
 
@@ -76,26 +74,21 @@ def _direct_batch_call() -> Callable[..., int] | None:
     the numpy arrays in place. None when no such runtime is loaded (cuda-bindings is then
     used as it is).
     """
-    for name in _CUDART_NAMES:
-        try:
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
-        except OSError:
-            continue
-        version = ctypes.c_int()
-        if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 12080:
-            return None
-        call = lib.cudaMemcpyBatchAsync
-        pointer, size = ctypes.c_void_p, ctypes.c_size_t
-        arrays: list[Any] = [pointer, pointer, pointer, size, pointer, pointer, size]
-        # CUDA 12.8 and 12.9 report the failing copy through an extra out-parameter.
-        call.argtypes = (
-            [*arrays, pointer] if version.value >= _CUDA_13 else [*arrays, pointer, pointer]
-        )
-        call.restype = ctypes.c_int
-        if version.value >= _CUDA_13:
-            return call
-        return lambda *args: call(*args[:-1], None, args[-1])
-    return None
+    lib = loaded_cudart()
+    if lib is None:
+        return None
+    version = ctypes.c_int()
+    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 12080:
+        return None
+    call = lib.cudaMemcpyBatchAsync
+    pointer, size = ctypes.c_void_p, ctypes.c_size_t
+    arrays: list[Any] = [pointer, pointer, pointer, size, pointer, pointer, size]
+    # CUDA 12.8 and 12.9 report the failing copy through an extra out-parameter.
+    call.argtypes = [*arrays, pointer] if version.value >= _CUDA_13 else [*arrays, pointer, pointer]
+    call.restype = ctypes.c_int
+    if version.value >= _CUDA_13:
+        return call
+    return lambda *args: call(*args[:-1], None, args[-1])
 
 
 @functools.cache

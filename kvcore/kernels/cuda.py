@@ -19,6 +19,7 @@ from kvcore.kernels.batch_copy import (
     copy_runs_batched,
     copy_runs_each,
 )
+from kvcore.kernels.cudart import device_address
 from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import (
     LayerTable,
@@ -108,6 +109,16 @@ def _bases(pairs: LayerPairs) -> tuple[np.ndarray, np.ndarray]:
         )
         bases = _BASES[pairs] = (src, dst)
     return bases
+
+
+def _gpu_addresses(pairs: LayerPairs) -> dict[int, int | None]:
+    """Where the GPU reaches each buffer of the pairs, by its address in this process: the
+    same for device memory, the runtime's mapping for pinned host memory (None where the
+    runtime has none)."""
+    return {
+        t.data_ptr(): t.data_ptr() if t.device.type != "cpu" else device_address(t.data_ptr())
+        for t in (*pairs.src_words, *pairs.dst_words)
+    }
 
 
 def _host_pinned(pairs: LayerPairs) -> bool:
@@ -204,9 +215,13 @@ class _CudaIndexedOps:
             table = "gather_kernel_unavailable:triton"
         elif not _host_pinned(pairs):
             table = "gather_kernel_unavailable:pageable_host"
+        elif None in (addresses := _gpu_addresses(pairs)).values():
+            table = "gather_layers_unavailable:host_pointer"
         else:
             try:
-                table = layer_table(pairs.src_words, pairs.dst_words)
+                table = layer_table(
+                    pairs.src_words, pairs.dst_words, lambda t: addresses[t.data_ptr()]
+                )
             except ValueError:
                 # Pairs of different row pitches: one launch per pair serves them.
                 table = "gather_layers_unavailable:layout"

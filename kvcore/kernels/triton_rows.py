@@ -9,7 +9,7 @@ this module freely and ask ``triton_available()`` before calling ``gather_rows_u
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,11 +310,18 @@ class LayerTable:
         return len(self.src_words)
 
 
-def layer_table(src_words: Sequence[torch.Tensor], dst_words: Sequence[torch.Tensor]) -> LayerTable:
+def layer_table(
+    src_words: Sequence[torch.Tensor],
+    dst_words: Sequence[torch.Tensor],
+    address: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr,
+) -> LayerTable:
     """The table of :func:`gather_layers_uva` for these pairs of ``[rows, words]`` views.
 
     Every pair is checked as :func:`gather_rows_uva` checks one (so each host buffer's
     pinning once, here); all sources must share one row pitch, all destinations another.
+    ``address(view)`` is where the kernel reaches a view's first row: the launch passes
+    the first pair's buffers, which Triton translates as the GPU sees them, and the others
+    are offsets from them, so on CUDA every address must be the GPU's.
     """
     if triton is None:
         raise RuntimeError("layer_table needs Triton, which is not installed")
@@ -342,8 +349,9 @@ def layer_table(src_words: Sequence[torch.Tensor], dst_words: Sequence[torch.Ten
     )
     srcs = tuple(t.view(word) for t in src_words)
     dsts = tuple(t.view(word) for t in dst_words)
-    offsets = [(t.data_ptr() - srcs[0].data_ptr()) // word.itemsize for t in srcs]
-    offsets += [(t.data_ptr() - dsts[0].data_ptr()) // word.itemsize for t in dsts]
+    src_base, dst_base = address(srcs[0]), address(dsts[0])
+    offsets = [(address(t) - src_base) // word.itemsize for t in srcs]
+    offsets += [(address(t) - dst_base) // word.itemsize for t in dsts]
     align = math.gcd(srcs[0].stride(0), dsts[0].stride(0), _VECTOR_BYTES // word.itemsize, *offsets)
     return LayerTable(
         src_words=srcs,

@@ -13,10 +13,12 @@ import torch
 
 from kvcore.direction import Direction
 from kvcore.kernels.batch_copy import batch_copy_available
+from kvcore.kernels.cudart import device_address
 from kvcore.kernels.triton_rows import triton_available
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, TransferPath, plan
+from kvcore.pinned import allocate_host_buffer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -157,3 +159,16 @@ def test_layered_gather_from_pageable_host_memory_goes_pair_by_pair():
     fallbacks = _run_layers(TransferPath.GATHER, Direction.H2D, host, device, src_idx, dst_idx)
     assert torch.equal(_bytes(device_memory), expected)
     assert fallbacks == {"gather_kernel_unavailable:pageable_host": 1}
+
+
+def test_pinned_and_registered_host_memory_have_gpu_addresses():
+    pinned = torch.empty(4096, dtype=torch.uint8).pin_memory()
+    registered = allocate_host_buffer(1 << 20, pin=True)
+    try:
+        for pointer in (pinned.data_ptr(), registered.tensor.data_ptr() + 4096):
+            assert device_address(pointer) is not None
+        assert device_address(torch.empty(4096, dtype=torch.uint8).data_ptr()) is None
+        device = torch.empty(4096, dtype=torch.uint8, device="cuda")
+        assert device_address(device.data_ptr()) == device.data_ptr()
+    finally:
+        registered.close()
