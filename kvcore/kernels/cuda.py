@@ -194,15 +194,11 @@ class _CudaIndexedOps:
             for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
                 degraded = self.gather_rows(src_words, src_idx, dst_words, dst_idx) or degraded
             return degraded or table
-        if src_idx.is_cuda or dst_idx.is_cuda:
-            # A device-side index from the engine: only the other one and the table go up.
-            src_on, dst_on, offsets = (
-                self._on(i, table.device) for i in (src_idx, dst_idx, table.offsets)
-            )
-        else:
-            src_on, dst_on, offsets = self._uploader(table.device).upload_all(
-                (src_idx, dst_idx, table.offsets)
-            )
+        # The table goes up on its own, so that the indices keep the slot size the one-pair
+        # gather has (a 128k-row transfer's two indices fill a slot); its upload is kept
+        # and reused while the table stays among the uploader's recent ones.
+        offsets = self._on(table.offsets, table.device)
+        src_on, dst_on = self._both_on(src_idx, dst_idx, table.device)
         gather_layers_uva(table, src_on, dst_on, offsets, ctas=self.gather_ctas)
         return None
 
