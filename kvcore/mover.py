@@ -32,9 +32,6 @@ from kvcore.kernels.reference import (
 )
 from kvcore.metrics import Metrics
 from kvcore.pair_checks import fallback_reason
-
-if TYPE_CHECKING:
-    from kvcore.layers import LayerPairs
 from kvcore.runs import (
     PairedRuns,
     Runs,
@@ -45,6 +42,9 @@ from kvcore.runs import (
     segment_transfer,
     slice_runs,
 )
+
+if TYPE_CHECKING:
+    from kvcore.layers import LayerPairs
 
 FALLBACK_REASONS = frozenset(
     {
