@@ -485,7 +485,7 @@ def _layers_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[di
             for each_src, each_dst in zip(srcs, dsts, strict=True):
                 mover.execute(first.rebind(each_src, each_dst))
 
-        ways = {
+        ways: dict[str, Callable[[], None]] = {
             f"kvcore:{first.path.value} x{_LAYERS} in one submission": functools.partial(
                 mover.execute_layers, first, pairs
             ),

@@ -248,16 +248,14 @@ def ab(
         for gpu_to_cpu in directions:
             stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
             # The jobs kvcore leaves to stock need stock's copy op: emulated where it is absent.
-            kvcore = [
-                kvcore_handler(_runnable_stock(stock, device), stock_rules=rules)
-                for rules in (True, False)
-            ]
+            kvcore = kvcore_handler(_runnable_stock(stock, device))
+            kvcore_own = kvcore_handler(_runnable_stock(stock, device), stock_rules=False)
             for frag in frag_levels:
                 gpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
                 cpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
                 specs = job_specs(gpu_ids, cpu_ids, gpu_to_cpu=gpu_to_cpu)
                 check = _Pages(gpu, host, gpu_ids, cpu_ids, gpu_to_cpu)
-                for path, run in _paths(stock, *kvcore, specs, device):
+                for path, run in _paths(stock, kvcore, kvcore_own, specs, device):
                     check.poison()
                     seconds = _time(run, device, repeats)
                     nbytes = pages * block_bytes * tensors
@@ -274,8 +272,8 @@ def ab(
                             "bytes_ok": check.copied(),
                         }
                     )
-            for handler in kvcore:
-                handler.shutdown()
+            kvcore.shutdown()
+            kvcore_own.shutdown()
     return rows
 
 

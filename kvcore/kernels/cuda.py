@@ -111,14 +111,18 @@ def _bases(pairs: LayerPairs) -> tuple[np.ndarray, np.ndarray]:
     return bases
 
 
-def _gpu_addresses(pairs: LayerPairs) -> dict[int, int | None]:
+def _gpu_addresses(pairs: LayerPairs) -> dict[int, int] | None:
     """Where the GPU reaches each buffer of the pairs, by its address in this process: the
-    same for device memory, the runtime's mapping for pinned host memory (None where the
-    runtime has none)."""
-    return {
-        t.data_ptr(): t.data_ptr() if t.device.type != "cpu" else device_address(t.data_ptr())
-        for t in (*pairs.src_words, *pairs.dst_words)
-    }
+    same for device memory, the runtime's mapping for pinned host memory; None where the
+    runtime has no mapping for one of them."""
+    addresses = {}
+    for view in (*pairs.src_words, *pairs.dst_words):
+        pointer = view.data_ptr()
+        address = pointer if view.device.type != "cpu" else device_address(pointer)
+        if address is None:
+            return None
+        addresses[pointer] = address
+    return addresses
 
 
 def _host_pinned(pairs: LayerPairs) -> bool:
@@ -211,7 +215,7 @@ class _CudaIndexedOps:
             table = "gather_kernel_unavailable:triton"
         elif not _host_pinned(pairs):
             table = "gather_kernel_unavailable:pageable_host"
-        elif None in (addresses := _gpu_addresses(pairs)).values():
+        elif (addresses := _gpu_addresses(pairs)) is None:
             table = "gather_layers_unavailable:host_pointer"
         else:
             try:

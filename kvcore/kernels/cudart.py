@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 # The shared-library names of the CUDA runtime that torch may have loaded, newest first.
 _NAMES = ("libcudart.so.13", "libcudart.so.12")
@@ -32,7 +34,7 @@ class _PointerAttributes(ctypes.Structure):
 
 
 @functools.cache
-def _pointer_attributes() -> ctypes._CFuncPtr | None:
+def _pointer_attributes() -> Callable[[Any, int], int] | None:
     lib = loaded_cudart()
     if lib is None:
         return None
@@ -46,12 +48,12 @@ def device_address(pointer: int) -> int | None:
     """The address at which the GPU reaches the memory at ``pointer`` (the same for device
     memory and, on most systems, for pinned host memory), or None when no CUDA runtime is
     loaded or the runtime does not know the pointer."""
-    call = _pointer_attributes()
-    if call is None:
+    call, lib = _pointer_attributes(), loaded_cudart()
+    if call is None or lib is None:
         return None
     attributes = _PointerAttributes()
     if call(ctypes.byref(attributes), pointer) != 0:
         # Taken back, so that torch's next launch check does not report it as its own.
-        loaded_cudart().cudaGetLastError()
+        lib.cudaGetLastError()
         return None
     return int(attributes.device_pointer) if attributes.device_pointer else None
