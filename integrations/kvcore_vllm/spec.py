@@ -25,6 +25,9 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
     """:class:`CPUOffloadingSpec` whose manager allocates host chunks contiguously and
     whose worker moves bytes through kvcore's mover."""
 
+    # Set by the stock constructor; declared for type checkers that cannot see vLLM.
+    _manager: OffloadingManager | None
+
     def get_manager(self) -> OffloadingManager:
         if not self._manager:
             extra = self.extra_config
