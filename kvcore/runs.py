@@ -216,8 +216,7 @@ def find_runs(index: torch.Tensor) -> Runs:
         return Runs(empty, empty.clone())
     values = index.numpy()
     steps, _, breaks, _, _ = _SCRATCH.arrays(values.size - 1)
-    np.subtract(values[1:], values[:-1], out=steps)
-    np.not_equal(steps, 1, out=breaks)
+    _steps_and_breaks(values, steps, breaks)
     (starts,), lengths, _ = _runs_at(breaks, values)
     return Runs(starts, lengths)
 
@@ -233,13 +232,30 @@ def find_paired_runs(src_index: torch.Tensor, dst_index: torch.Tensor) -> Paired
     if src_index.numel() == 0:
         empty = torch.empty(0, dtype=torch.int64)
         return PairedRuns(empty, empty.clone(), empty.clone(), empty.clone())
-    src, dst = src_index.numpy(), dst_index.numpy()
+    return _paired_runs(src_index.numpy(), dst_index.numpy()).runs
+
+
+@dataclass(frozen=True, slots=True)
+class _Paired:
+    """Paired runs and what finding them left in the per-thread scratch (valid until the
+    thread's next segmentation)."""
+
+    runs: PairedRuns
+    src_breaks: np.ndarray
+    dst_breaks: np.ndarray
+    dst_steps: np.ndarray
+
+
+def _paired_runs(src: np.ndarray, dst: np.ndarray) -> _Paired:
+    """Runs of two non-empty index arrays of one length, split where either side breaks."""
     src_steps, dst_steps, src_breaks, dst_breaks, either = _SCRATCH.arrays(src.size - 1)
     _steps_and_breaks(src, src_steps, src_breaks)
     _steps_and_breaks(dst, dst_steps, dst_breaks)
     np.logical_or(src_breaks, dst_breaks, out=either)
     (src_starts, dst_starts), lengths, offsets = _runs_at(either, src, dst)
-    return PairedRuns(src_starts, dst_starts, lengths, offsets)
+    return _Paired(
+        PairedRuns(src_starts, dst_starts, lengths, offsets), src_breaks, dst_breaks, dst_steps
+    )
 
 
 def _steps_and_breaks(values: np.ndarray, steps: np.ndarray, breaks: np.ndarray) -> None:
@@ -283,17 +299,16 @@ def segment_transfer(
         empty = torch.empty(0, dtype=torch.int64)
         runs = PairedRuns(empty, empty.clone(), empty.clone(), empty.clone())
         return TransferSegmentation(runs, Runs(empty.clone(), empty.clone()), 0, 0, False)
-    src_steps, dst_steps, src_breaks, dst_breaks, either = _SCRATCH.arrays(src.size - 1)
-    _steps_and_breaks(src, src_steps, src_breaks)
-    _steps_and_breaks(dst, dst_steps, dst_breaks)
-    np.logical_or(src_breaks, dst_breaks, out=either)
-    (src_starts, dst_starts), lengths, offsets = _runs_at(either, src, dst)
-    runs = PairedRuns(src_starts, dst_starts, lengths, offsets)
-    host, host_breaks = (src, src_breaks) if host_is_src else (dst, dst_breaks)
+    paired = _paired_runs(src, dst)
+    host, host_breaks = (src, paired.src_breaks) if host_is_src else (dst, paired.dst_breaks)
     (host_starts,), host_lengths, _ = _runs_at(host_breaks, host)
     host_runs = Runs(host_starts, host_lengths)
     return TransferSegmentation(
-        runs, host_runs, src_span, dst_span, _has_duplicates(dst, dst_steps, dst_span)
+        paired.runs,
+        host_runs,
+        src_span,
+        dst_span,
+        _has_duplicates(dst, paired.dst_steps, dst_span),
     )
 
 
