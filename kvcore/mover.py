@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -653,6 +653,25 @@ class Mover:
                     kernels.stage_out(
                         src_words, plan.src_idx[begin:end], staging, dst_words, chunk.host_runs
                     )
+
+
+def submissions(
+    first: TransferPlan,
+    buffers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    layered: LayerPairs | None,
+) -> list[Submission] | str:
+    """``first`` (planned for ``buffers[0]``) for every (src, dst) pair of ``buffers``.
+
+    One submission where ``layered`` (the same pairs, checked) takes them all, else the
+    plan rebound to each pair (pairs of other row sizes, or with no ``layered``); or the
+    fallback reason of the first pair that must take the engine's stock path. Rebinding
+    raises ValueError where a pair is too short for the indices.
+    """
+    if layered is not None and layered.reason is None and layers_mismatch(first, layered) is None:
+        return [Submission(first, layered)]
+    plans = [first.rebind(src, dst) for src, dst in buffers]
+    reason = next((each.reason for each in plans if each.reason is not None), None)
+    return reason if reason is not None else [Submission(each) for each in plans]
 
 
 def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:

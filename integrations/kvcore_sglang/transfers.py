@@ -54,10 +54,10 @@ from kvcore.mover import (
     Submission,
     TransferPath,
     TransferPlan,
-    layers_mismatch,
     plan,
     plan_device_indexed,
     policy_from_config,
+    submissions,
 )
 
 from . import guard, pool_jobs
@@ -325,21 +325,14 @@ def _plans(
             )
             if memo_key is not None and first.path is not TransferPath.FALLBACK:
                 LOAD_PLANS.remember(memo_key, first)
+        layered = None
         if len(pairs) > 1 and first.path is not TransferPath.FALLBACK:
             srcs, dsts = [src for src, _ in pairs], [dst for _, dst in pairs]
             layered = LAYER_PAIRS.pairs(pool, srcs, dsts)
-            # Pairs one submission cannot take (rows of other sizes) are rebound one by one.
-            if layered.reason is None and layers_mismatch(first, layered) is None:
-                return [Submission(first, layered)]
-        plans = [first.rebind(src, dst) for src, dst in pairs]
+        return submissions(first, pairs, layered)
     except ValueError:
         # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
         return "sglang_invalid_indices"
-    for each in plans:
-        if each.path is TransferPath.FALLBACK:
-            assert each.reason is not None
-            return each.reason
-    return [Submission(each) for each in plans]
 
 
 def _serve(

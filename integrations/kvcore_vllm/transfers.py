@@ -38,9 +38,9 @@ from kvcore.metrics import Metrics
 from kvcore.mover import (
     Mover,
     Submission,
-    layers_mismatch,
     plan,
     policy_from_config,
+    submissions,
 )
 from kvcore.runs import has_duplicates
 from kvcore.streams import CudaEventOps
@@ -319,17 +319,16 @@ class KVCoreOffloadingHandler:
                 raise
             if first.reason is not None:
                 return [], first.reason
-            pairs = self._layer_pairs(tuple(tensors)) if len(tensors) > 1 else None
-            if pairs is not None and pairs.reason is not None:
-                return [], pairs.reason
-            if pairs is None or layers_mismatch(first, pairs) is None:
-                work.append(Submission(first, pairs))
-                continue
-            for tensor in tensors:
-                current = first.rebind(*self._sides(self._rows[tensor]))
-                if current.reason is not None:
-                    return [], current.reason
-                work.append(Submission(current, None))
+            layered = self._layer_pairs(tuple(tensors)) if len(tensors) > 1 else None
+            buffers = (
+                [(src, dst)]
+                if layered is None
+                else list(zip(layered.srcs, layered.dsts, strict=True))
+            )
+            decided = submissions(first, buffers, layered)
+            if isinstance(decided, str):
+                return [], decided
+            work += decided
         return work, None
 
     def _layer_pairs(self, tensors: tuple[int, ...]) -> LayerPairs:

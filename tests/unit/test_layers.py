@@ -22,7 +22,7 @@ from kvcore.kernels import REFERENCE, KernelSet, cuda
 from kvcore.kernels.batch_copy import BatchCopyError
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, PathPolicy, TransferPath, layers_mismatch, plan
+from kvcore.mover import Mover, PathPolicy, TransferPath, layers_mismatch, plan, submissions
 
 H2D, D2H = Direction.H2D, Direction.D2H
 PATHS = [
@@ -334,3 +334,20 @@ def test_cuda_batched_runs_refused_go_run_by_run(monkeypatch):
     reason = cuda.copy_runs_layers(layer_pairs(device, host), chosen.runs)
     assert reason == "batch_copy_refused:pageable host memory"
     assert same_bytes(host_memory, expected)
+
+
+def test_submissions_take_every_pair_at_once_where_they_can():
+    gen = torch.Generator().manual_seed(12)
+    srcs = [random_bytes((20, 64), torch.uint8, gen) for _ in range(3)]
+    dsts = [random_bytes((20, 64), torch.uint8, gen) for _ in range(3)]
+    first = plan(srcs[0], dsts[0], torch.arange(4), torch.arange(4, 8), direction=H2D)
+    buffers = list(zip(srcs, dsts, strict=True))
+    (one,) = submissions(first, buffers, layer_pairs(srcs, dsts))
+    assert one.plan is first and one.pairs is not None and len(one.pairs) == 3
+    each = submissions(first, buffers, None)
+    assert len(each) == 3 and all(s.pairs is None for s in each)
+    assert all(
+        s.plan.src is src and s.plan.dst is dst for s, (src, dst) in zip(each, buffers, strict=True)
+    )
+    mixed = [*buffers[:2], (srcs[2].view(torch.int8), dsts[2])]
+    assert submissions(first, mixed, layer_pairs(*zip(*mixed, strict=True))) == "dtype_mismatch"

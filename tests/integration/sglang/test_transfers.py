@@ -463,7 +463,7 @@ def test_pairs_one_submission_cannot_take_are_moved_one_by_one(
     transfer_hooks()
     calls: list[tuple[str, int]] = []
     monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", layered_cpu_kernels(calls))
-    monkeypatch.setattr(transfers, "layers_mismatch", lambda plan, pairs: "a test says so")
+    monkeypatch.setattr("kvcore.mover.layers_mismatch", lambda plan, pairs: "a test says so")
     before = paths_taken().get("gather", 0)
     check_served_call("mha", "layer_first", "direct", "backup", "scattered", 100, 7)
     assert calls == []  # no layered call: a gather per (layer, K or V) pair

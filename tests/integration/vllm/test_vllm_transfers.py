@@ -330,7 +330,7 @@ def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_
 
 def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
     """Should a batch's plan not fit all its tensors, each tensor gets its own plan."""
-    monkeypatch.setattr(transfers, "layers_mismatch", lambda plan, pairs: "a test says so")
+    monkeypatch.setattr("kvcore.mover.layers_mismatch", lambda plan, pairs: "a test says so")
     layout = Layout(page_bytes=512, tensors=3, gpu_blocks=64, cpu_chunks=64, shared_region=True)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(22))
     for gpu_to_cpu in (True, False):
