@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     rows, row_bytes = args.rows, args.row_bytes
     words = row_bytes // 8

@@ -1,4 +1,4 @@
-"""kvcore.kernels.cudart on a machine without a CUDA runtime, and with a stand-in for one."""
+"""kvcore.kernels.cudart on a machine without a CUDA driver, and with a stand-in for one."""
 
 from __future__ import annotations
 
@@ -11,52 +11,47 @@ from kvcore.kernels import cuda, cudart
 from kvcore.layers import layer_pairs
 
 
-def test_without_a_loaded_runtime_there_is_no_device_address(monkeypatch):
-    monkeypatch.setattr(cudart, "loaded_cudart", lambda: None)
-    cudart._pointer_attributes.cache_clear()
+def test_without_a_loaded_driver_there_is_no_device_address(monkeypatch):
+    monkeypatch.setattr(cudart, "_loaded", lambda name: None)
+    cudart._pointer_attribute.cache_clear()
     try:
         assert cudart.device_address(4096) is None
     finally:
-        cudart._pointer_attributes.cache_clear()
+        cudart._pointer_attribute.cache_clear()
 
 
-class FakeRuntime:
-    """cudaPointerGetAttributes over a table of mapped ranges; counts cudaGetLastError."""
+class FakeDriver:
+    """cuPointerGetAttribute(DEVICE_POINTER) over a table of mapped ranges; records the
+    attributes asked for."""
 
     def __init__(self, mapped: dict[int, int]) -> None:
         self.mapped = mapped
-        self.errors_taken = 0
+        self.asked: list[int] = []
 
-    def get_attributes(self, attributes, pointer: int) -> int:
-        if pointer == 0:
-            return 1  # cudaErrorInvalidValue
-        target = ctypes.cast(attributes, ctypes.POINTER(cudart._PointerAttributes)).contents
-        target.device_pointer = self.mapped.get(pointer)
-        return 0
-
-    def cudaGetLastError(self) -> int:
-        self.errors_taken += 1
+    def __call__(self, out, attribute: int, pointer: int) -> int:
+        self.asked.append(attribute)
+        if pointer not in self.mapped:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_uint64)).contents.value = self.mapped[pointer]
         return 0
 
 
 @pytest.fixture
-def fake_runtime(monkeypatch):
-    runtime = FakeRuntime({4096: 1 << 40})
-    monkeypatch.setattr(cudart, "_pointer_attributes", lambda: runtime.get_attributes)
-    monkeypatch.setattr(cudart, "loaded_cudart", lambda: runtime)
-    return runtime
+def fake_driver(monkeypatch):
+    driver = FakeDriver({4096: 1 << 40})
+    monkeypatch.setattr(cudart, "_pointer_attribute", lambda: driver)
+    return driver
 
 
-def test_device_address_is_the_runtimes_mapping(fake_runtime):
+def test_device_address_is_the_drivers_mapping(fake_driver):
     assert cudart.device_address(4096) == 1 << 40
-    # Known to the runtime but not mapped (pageable): no address for the GPU.
+    assert fake_driver.asked == [cudart._DEVICE_POINTER_ATTRIBUTE]
+
+
+def test_an_unmapped_or_null_pointer_has_no_device_address(fake_driver):
     assert cudart.device_address(8192) is None
-    assert fake_runtime.errors_taken == 0
-
-
-def test_a_refused_query_is_taken_back_from_the_runtime(fake_runtime):
     assert cudart.device_address(0) is None
-    assert fake_runtime.errors_taken == 1
+    assert fake_driver.asked == [cudart._DEVICE_POINTER_ATTRIBUTE]
 
 
 def test_layers_whose_host_memory_the_gpu_cannot_reach_are_gathered_one_by_one(monkeypatch):
