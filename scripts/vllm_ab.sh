@@ -3,7 +3,9 @@
 # vLLM's cross-layer layout (one KV tensor) and for 32 per-layer tensors in vLLM's shared
 # host region, descriptors 4 KiB to 2 MiB at 0/50/100% fragmentation, both directions.
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried; .whl/ too when carried.
-# Usage (on the GPU machine, from the repo root): scripts/vllm_ab.sh [repeats]
+# Usage (on the GPU machine, from the repo root): scripts/vllm_ab.sh [repeats [jobs [KiB,...]]]
+#   jobs: copies of each job issued back to back before waiting (1: one job's latency;
+#   more: a busy worker's throughput, host time overlapping the copies); KiB: block sizes.
 # Writes to $OUT (default out/vllm-ab): env.txt, vllm-ab.json, vllm-ab.md, vllm-ab.log.
 set -uo pipefail
 OUT=${OUT:-out/vllm-ab}
@@ -44,7 +46,7 @@ if ! python3 -c "import kvcore_vllm.bench" >"$OUT/preflight.log" 2>&1; then
     }
 fi
 
-timeout 320 python3 - "$OUT" "${1:-10}" 2>&1 <<'EOF' | tee "$OUT/vllm-ab.log"
+timeout 440 python3 - "$OUT" "${1:-10}" "${2:-1}" "${3:-4,16,64,256,2048}" 2>&1 <<'EOF' | tee "$OUT/vllm-ab.log"
 import json
 import sys
 import time
@@ -59,7 +61,8 @@ import vllm.platforms
 from kvcore.kernels.batch_copy import batch_copy_available
 from kvcore_vllm import bench
 
-out, repeats = Path(sys.argv[1]), int(sys.argv[2])
+out, repeats, jobs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+SIZES = tuple(int(kib) << 10 for kib in sys.argv[4].split(","))
 env = {
     "torch": torch.__version__,
     "triton": triton.__version__,
@@ -69,6 +72,7 @@ env = {
     "vllm_compiled_ops": bench._compiled_ops_loaded(),
     "batch_copy_available": batch_copy_available(),
     "repeats": repeats,
+    "jobs": jobs,
 }
 with open(out / "env.txt", "a") as f:
     f.write(json.dumps(env) + "\n")
@@ -78,7 +82,6 @@ CONFIGS = {
     "cross-layer (1 tensor)": {},
     "32 tensors, shared region": {"tensors": 32, "shared_region": True},
 }
-SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 2 << 20)
 # What vLLM itself would run, best first; per_block_copy only where none of these can run.
 STOCK = ("stock_handler", "stock_handler_emul", "stock_triton", "stock_batch_dma", "per_block_copy")
 PATHS = (
@@ -105,18 +108,21 @@ failures: list[str] = []
 stock_paths = bench._paths
 
 
-def _guard(path, run):
+def _guard(path):
+    run = path.run
+
     def guarded():
         try:
             run()
         except Exception as error:
-            raise PathFailed(path) from error
+            raise PathFailed(path.name) from error
 
-    return guarded
+    path.run = guarded
+    return path
 
 
 def _paths(*args):
-    return [(p, _guard(p, run)) for p, run in stock_paths(*args) if p not in disabled]
+    return [_guard(p) for p in stock_paths(*args) if p.name not in disabled]
 
 
 bench._paths = _paths
@@ -137,8 +143,9 @@ def table(rows: list) -> list[str]:
     paths = [p for p in PATHS if any(r["path"] == p for r in rows)]
     lines = [
         "| dir | block | frag | descriptors | " + " | ".join(f"{p} GB/s" for p in paths)
-        + " | stock (vLLM's pick) | kvcore / stock | kvcore_own / stock | bytes ok |",
-        "|---|---|---|---|" + "---|" * len(paths) + "---|---|---|---|",
+        + " | stock (vLLM's pick) | kvcore / stock | kvcore_own / stock"
+        + " | submit us (stock handler / kvcore / kvcore_own) | bytes ok |",
+        "|---|---|---|---|" + "---|" * len(paths) + "---|---|---|---|---|",
     ]
     for (direction, block, frag), by_path in sorted(cells(rows).items()):
         stock = next((by_path[p] for p in STOCK if p in by_path), None)
@@ -148,10 +155,14 @@ def table(rows: list) -> list[str]:
         ]
         ok = all(r["bytes_ok"] for r in by_path.values())
         descriptors = next(iter(by_path.values()))["descriptors"]
+        submit = " / ".join(
+            f"{by_path[p]['submit_us']:.0f}" if by_path.get(p, {}).get("submit_us") else "-"
+            for p in (stock["path"] if stock else "-", "kvcore", "kvcore_own")
+        )
         lines.append(
             f"| {direction} | {size_name(block)} | {frag:.0%} | {descriptors} | "
             + " | ".join(f"{by_path[p]['gbps']:.2f}" if p in by_path else "-" for p in paths)
-            + f" | {stock['path'] if stock else '-'} | {' | '.join(ratios)} | "
+            + f" | {stock['path'] if stock else '-'} | {' | '.join(ratios)} | {submit} | "
             + f"{'yes' if ok else 'NO'} |"
         )
     return lines
@@ -194,7 +205,7 @@ for name, kwargs in CONFIGS.items():
     for size in SIZES:
         while True:
             try:
-                results[name] += bench.ab("cuda", [size], repeats=repeats, **kwargs)
+                results[name] += bench.ab("cuda", [size], repeats=repeats, jobs=jobs, **kwargs)
                 break
             except PathFailed as failed:
                 disabled.add(failed.path)

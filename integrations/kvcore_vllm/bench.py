@@ -32,7 +32,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -220,14 +220,20 @@ def ab(
     shared_region: bool = False,
     directions: Iterable[bool] = (True, False),
     repeats: int = 10,
+    passes: int = 2,
+    jobs: int = 1,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Time each stock path and kvcore's handler; one dict per (direction, size, frag, path).
 
     Each job moves about ``job_bytes`` in pages of ``block_bytes`` per KV tensor
     (``tensors`` of them: 1 is a cross-layer layout), with both sides' ids broken at
-    ``frag`` of the neighbour pairs. Keys: direction, block_bytes, frag, path, pages,
-    descriptors, seconds (median), gbps, bytes_ok.
+    ``frag`` of the neighbour pairs. Each path runs ``repeats`` timed copies in each of
+    ``passes`` passes; a timed copy is ``jobs`` copies of the job issued back to back,
+    so that with more than one, host time overlaps the copies as in a busy worker. Keys:
+    direction, block_bytes, frag, path, pages, descriptors, jobs, seconds (median, for
+    all ``jobs``), gbps, submit_us (median host time of a handler's ``transfer_async``;
+    None for paths that are no handler), bytes_ok (every pass's destination checked).
     """
     device = torch.device(device)
     rows: list[dict[str, Any]] = []
@@ -255,26 +261,50 @@ def ab(
                 cpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
                 specs = job_specs(gpu_ids, cpu_ids, gpu_to_cpu=gpu_to_cpu)
                 check = _Pages(gpu, host, gpu_ids, cpu_ids, gpu_to_cpu)
-                for path, run in _paths(stock, kvcore, kvcore_own, specs, device):
-                    check.poison()
-                    seconds = _time(run, device, repeats)
-                    nbytes = pages * block_bytes * tensors
+                paths = _paths(stock, kvcore, kvcore_own, specs, device, jobs)
+                samples: dict[str, list[float]] = {p.name: [] for p in paths}
+                copied = dict.fromkeys(samples, True)
+                # Passes in alternating order, so that drift of the link or the host over
+                # a cell's minutes is spread over every path instead of biasing one.
+                for round_index in range(passes):
+                    for path in paths if round_index % 2 == 0 else paths[::-1]:
+                        check.poison()
+                        samples[path.name] += _time(path.run, device, repeats)
+                        copied[path.name] = copied[path.name] and check.copied()
+                nbytes = pages * block_bytes * tensors * jobs
+                for path in paths:
+                    seconds = statistics.median(samples[path.name])
                     rows.append(
                         {
                             "direction": "d2h" if gpu_to_cpu else "h2d",
                             "block_bytes": block_bytes,
                             "frag": frag,
-                            "path": path,
+                            "path": path.name,
                             "pages": pages,
                             "descriptors": pages * tensors,
+                            "jobs": jobs,
                             "seconds": seconds,
                             "gbps": nbytes / seconds / 1e9,
-                            "bytes_ok": check.copied(),
+                            "submit_us": (
+                                statistics.median(path.submit_seconds) * 1e6
+                                if path.submit_seconds
+                                else None
+                            ),
+                            "bytes_ok": copied[path.name],
                         }
                     )
             kvcore.shutdown()
             kvcore_own.shutdown()
     return rows
+
+
+@dataclass
+class _Path:
+    """One way of running the job; handler paths record their ``transfer_async`` time."""
+
+    name: str
+    run: Callable[[], None]
+    submit_seconds: list[float] = field(default_factory=list)
 
 
 def _paths(
@@ -283,26 +313,38 @@ def _paths(
     kvcore_own: KVCoreOffloadingHandler,
     specs: tuple[Any, Any],
     device: torch.device,
-) -> list[tuple[str, Callable[[], None]]]:
-    """The paths that can run here; stock ones fill their descriptors per job, as stock does."""
-    paths: list[tuple[str, Callable[[], None]]] = []
+    jobs: int = 1,
+) -> list[_Path]:
+    """The paths that can run here; stock ones fill their descriptors per job, as stock does.
+    Each runs the job ``jobs`` times before it is waited for."""
+    paths: list[_Path] = []
+
+    def through(name: str, handler: Any) -> None:
+        path = _Path(name, lambda: None)
+        path.run = lambda: _through_handler(handler, specs, path.submit_seconds, jobs)
+        paths.append(path)
+
+    def repeated(name: str, run: Callable[[], None]) -> None:
+        def run_all() -> None:
+            for _ in range(jobs):
+                run()
+
+        paths.append(_Path(name, run_all))
+
     if device.type == "cuda":
         if _compiled_ops_loaded():
-            paths.append(("stock_handler", lambda: _through_handler(stock, specs)))
+            through("stock_handler", stock)
         elif batch_copy_available() and hasattr(stock, "_swap_blocks_batch"):
-            emulated = _with_emulated_copy_op(stock)
-            paths.append(("stock_handler_emul", lambda: _through_handler(emulated, specs)))
+            through("stock_handler_emul", _with_emulated_copy_op(stock))
         if batch_copy_available():
             # Stock copies on a stream of its own; the batch API rejects the legacy default one.
             side = torch.cuda.Stream(device)
-            paths.append(
-                ("stock_batch_dma", lambda: _batch_dma(*_stock_descriptors(stock, specs), side))
-            )
+            repeated("stock_batch_dma", lambda: _batch_dma(*_stock_descriptors(stock, specs), side))
         if _triton_applies(stock, specs):
-            paths.append(("stock_triton", lambda: _triton_swap(*_stock_descriptors(stock, specs))))
-    paths.append(("per_block_copy", lambda: _per_block(stock, specs)))
-    paths.append(("kvcore", lambda: _through_handler(kvcore, specs)))
-    paths.append(("kvcore_own", lambda: _through_handler(kvcore_own, specs)))
+            repeated("stock_triton", lambda: _triton_swap(*_stock_descriptors(stock, specs)))
+    repeated("per_block_copy", lambda: _per_block(stock, specs))
+    through("kvcore", kvcore)
+    through("kvcore_own", kvcore_own)
     return paths
 
 
@@ -348,11 +390,19 @@ def _emulated_swap_blocks_batch(
     )
 
 
-def _through_handler(handler: Any, specs: tuple[Any, Any]) -> None:
-    handler.transfer_async(0, *specs)
-    handler.wait({0})
-    while not handler.get_finished():
-        pass
+def _through_handler(
+    handler: Any, specs: tuple[Any, Any], submit_seconds: list[float], jobs: int = 1
+) -> None:
+    """``jobs`` copies of the job submitted back to back (as a worker does when several
+    are due), then waited for; each submission's host time is recorded."""
+    for job_id in range(jobs):
+        started = time.perf_counter()
+        handler.transfer_async(job_id, *specs)
+        submit_seconds.append(time.perf_counter() - started)
+    handler.wait(set(range(jobs)))
+    finished = 0
+    while finished < jobs:
+        finished += len(handler.get_finished())
 
 
 def _stock_descriptors(
@@ -468,7 +518,8 @@ class _Pages:
         return True
 
 
-def _time(run: Callable[[], None], device: torch.device, repeats: int) -> float:
+def _time(run: Callable[[], None], device: torch.device, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs, each to the device's end, after one warm-up."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     run()
     synchronize()
@@ -478,4 +529,4 @@ def _time(run: Callable[[], None], device: torch.device, repeats: int) -> float:
         run()
         synchronize()
         samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+    return samples

@@ -457,6 +457,25 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(gpu_to_cp
         assert [op for op, *_ in mover.ops] == ["copy_runs"]
 
 
+def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel(monkeypatch):
+    monkeypatch.setattr(transfers, "MIN_PAGES_PER_SUBMISSION", 1)
+    layout = Layout(page_bytes=256, tensors=3, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(19))
+    handler, mover, metrics, issued = logged_handler(
+        gpu, host, layout, False, wrap=functools.partial
+    )
+    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
+    expected = reference(gpu, host, layout, scattered, False)
+    handler.transfer_async(1, *make_job(scattered, False))
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    assert all(
+        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+    )
+    # One plan for the three layers, which the CPU kernels gather one by one.
+    assert issued == [] and metrics.snapshot()["fallbacks"] == {}
+    assert [op for op, *_ in mover.ops] == ["gather_rows"] * 3
+
+
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
 def test_jobs_of_few_pages_a_submission_stay_stock(monkeypatch, gpu_to_cpu):
     monkeypatch.setattr(transfers, "MIN_PAGES_PER_SUBMISSION", 4)
@@ -573,3 +592,5 @@ def test_bench_ab_dry_run_on_cpu_checks_bytes():
         (d, p) for d in ("d2h", "h2d") for p in ("per_block_copy", "kvcore", "kvcore_own")
     }
     assert all(r["bytes_ok"] and r["pages"] == 32 and r["seconds"] > 0 for r in rows)
+    # Handlers report their submission's host time; the per-descriptor loop has none.
+    assert all((r["submit_us"] is None) == (r["path"] == "per_block_copy") for r in rows)
