@@ -49,9 +49,10 @@ from kvcore_vllm.page_rows import PageRows, page_rows
 logger = logging.getLogger("kvcore.vllm")
 
 # Pages a submission kvcore issues must cover, on average, before its host cost (a few
-# hundred microseconds) undercuts stock's batched copy (~1 us a page in the driver). H200
-# A/B of 2026-11-29, one submission per KV tensor then: kvcore lost at 32-256 pages a
-# submission and won from 512 pages (4 KiB to 64 KiB).
+# hundred microseconds) undercuts stock's batched copy (~0.5-1 us a page in the driver).
+# H200 A/B of 2026-11-29 (one submission per KV tensor then): kvcore lost at 32-256 pages
+# a submission and won from 512 pages (4 KiB to 64 KiB); of 2026-12-01: jobs of 32 and
+# 256 pages ran at 0.88-0.96x of stock on kvcore's paths, 0.98-1.03x left to stock.
 MIN_PAGES_PER_SUBMISSION = 512
 
 # The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
