@@ -669,7 +669,11 @@ def submissions(
     """
     if layered is not None and layered.reason is None and layers_mismatch(first, layered) is None:
         return [Submission(first, layered)]
-    plans = [first.rebind(src, dst) for src, dst in buffers]
+    # The pair ``first`` was planned on needs no second look.
+    plans = [
+        first if src is first.src and dst is first.dst else first.rebind(src, dst)
+        for src, dst in buffers
+    ]
     reason = next((each.reason for each in plans if each.reason is not None), None)
     return reason if reason is not None else [Submission(each) for each in plans]
 

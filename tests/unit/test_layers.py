@@ -349,5 +349,7 @@ def test_submissions_take_every_pair_at_once_where_they_can():
     assert all(
         s.plan.src is src and s.plan.dst is dst for s, (src, dst) in zip(each, buffers, strict=True)
     )
+    # The pair the plan was made for keeps it; the others get it rebound.
+    assert each[0].plan is first and all(s.plan is not first for s in each[1:])
     mixed = [*buffers[:2], (srcs[2].view(torch.int8), dsts[2])]
     assert submissions(first, mixed, layer_pairs(*zip(*mixed, strict=True))) == "dtype_mismatch"
