@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -594,3 +596,16 @@ def test_bench_ab_dry_run_on_cpu_checks_bytes():
     assert all(r["bytes_ok"] and r["pages"] == 32 and r["seconds"] > 0 for r in rows)
     # Handlers report their submission's host time; the per-descriptor loop has none.
     assert all((r["submit_us"] is None) == (r["path"] == "per_block_copy") for r in rows)
+
+
+def test_host_profile_script_dry_run_on_cpu(capsys):
+    script = Path(__file__).parents[3] / "scripts" / "vllm_host_profile.py"
+    spec = importlib.util.spec_from_file_location("vllm_host_profile", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--page-kib", "1", "--job-mib", "1", "--tensors", "2", "--jobs", "3", "--profile", "5"]
+    assert module.main([*argv, "--load"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu: 512 pages of 1 KiB x 2 tensors, 50% fragmented, load" in out
+    assert "kvcore transfer_async:" in out and "_plan" in out and "Ordered by" in out
