@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     item(
         "triton_compiled_launch",
         lambda: (
-            compiled[0][(*grid, 1, 1)](*every_arg, stream=torch.cuda.current_stream().cuda_stream)
+            compiled[0][(grid[0], 1, 1)](*every_arg, stream=torch.cuda.current_stream().cuda_stream)
             if compiled
             else compiled.append(kernel[grid](*launch_args, **constants, num_warps=8))
         ),

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore_vllm import bench
+import kvcore_vllm.bench as bench
 
 
 def _timed_steps(handler: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
