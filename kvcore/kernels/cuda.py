@@ -113,8 +113,8 @@ def _bases(pairs: LayerPairs) -> tuple[np.ndarray, np.ndarray]:
 
 def _gpu_addresses(pairs: LayerPairs) -> dict[int, int] | None:
     """Where the GPU reaches each buffer of the pairs, by its address in this process: the
-    same for device memory, the runtime's mapping for pinned host memory; None where the
-    runtime has no mapping for one of them."""
+    same for device memory, the driver's mapping for pinned host memory; None where the
+    driver has no mapping for one of them."""
     addresses = {}
     for view in (*pairs.src_words, *pairs.dst_words):
         pointer = view.data_ptr()
