@@ -156,6 +156,13 @@ def reference(gpu, host, layout, groups, gpu_to_cpu):
     return gpu_out, host_out
 
 
+def assert_tensors_are(gpu, host, expected):
+    """Every GPU and host tensor holds exactly the bytes of ``reference``'s result."""
+    assert all(
+        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
+    )
+
+
 def run_stock_fill(stock, groups, gpu_to_cpu):
     """The job's stock descriptors (vLLM's fill code) executed by memmove."""
     bpc = stock.dst_blocks_per_chunk if gpu_to_cpu else stock.src_blocks_per_chunk
@@ -302,9 +309,7 @@ def test_descriptors_merge_where_both_sides_are_consecutive(layout, ids, chunks,
         assert [job.job_id for job in handler.get_finished()] == [1]
         assert mover.ops == [("copy_runs", n) for n in copies_per_tensor]
         assert sum(copies_per_tensor) < descriptors == len(ids) * layout.tensors
-        assert all(
-            torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
-        )
+        assert_tensors_are(gpu, host, expected)
 
 
 @pytest.mark.parametrize("shared_region", [False, True], ids=["own_tensors", "shared_region"])
@@ -322,9 +327,7 @@ def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_
     for job_id, groups in ((1, scattered), (2, one_page)):
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
         handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
-        assert all(
-            torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
-        )
+        assert_tensors_are(gpu, host, expected)
     assert [job.job_id for job in handler.get_finished()] == [1, 2]
     # One call per job for all four tensors: a gather of 6 rows, then one copy, each tensor's.
     assert mover.ops == [("gather_layers", 6 * 4), ("copy_runs_layers", 1 * 4)]
@@ -344,9 +347,7 @@ def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
         handler.transfer_async(1, *make_job(groups, gpu_to_cpu))
         assert [job.job_id for job in handler.get_finished()] == [1]
         assert [op for op, _ in mover.ops] == ["gather_rows"] * 3
-        assert all(
-            torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
-        )
+        assert_tensors_are(gpu, host, expected)
 
 
 def test_host_contiguous_gpu_scattered_load_is_staged():
@@ -425,9 +426,7 @@ def test_partial_pages_fall_back_to_the_stock_fill_and_copy_op_counted(gpu_to_cp
     assert (result.job_id, result.transfer_size) == (4, 3 * 384 * 2)
     assert metrics.snapshot()["fallbacks"] == {"partial_page": 1}
     assert issued == [3 * 2] and mover.ops == []
-    assert all(
-        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
-    )
+    assert_tensors_are(gpu, host, expected)
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
@@ -442,15 +441,11 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(gpu_to_cp
     one_run = [([4, 5, 6], [8, 9, 10], 0)]  # one copy: kvcore's either way
     expected = reference(gpu, host, layout, scattered, gpu_to_cpu)
     handler.transfer_async(1, *make_job(scattered, gpu_to_cpu))
-    assert all(
-        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
-    )
+    assert_tensors_are(gpu, host, expected)
     expected = reference(gpu, host, layout, one_run, gpu_to_cpu)
     handler.transfer_async(2, *make_job(one_run, gpu_to_cpu))
     assert [r.job_id for r in handler.get_finished()] == [1, 2]
-    assert all(
-        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
-    )
+    assert_tensors_are(gpu, host, expected)
     if gpu_to_cpu:  # vLLM never gives stores to its kernel: kvcore serves both
         assert issued == [] and metrics.snapshot()["fallbacks"] == {}
         assert [op for op, *_ in mover.ops] == ["gather_rows", "copy_runs"]
@@ -470,9 +465,7 @@ def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel
     expected = reference(gpu, host, layout, scattered, False)
     handler.transfer_async(1, *make_job(scattered, False))
     assert [r.job_id for r in handler.get_finished()] == [1]
-    assert all(
-        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
-    )
+    assert_tensors_are(gpu, host, expected)
     # One plan for the three layers, which the CPU kernels gather one by one.
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
     assert [op for op, *_ in mover.ops] == ["gather_rows"] * 3
@@ -490,9 +483,7 @@ def test_jobs_of_few_pages_a_submission_stay_stock(monkeypatch, gpu_to_cpu):
     for job_id, groups in ((1, few), (2, enough)):
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
         handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
-        assert all(
-            torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
-        )
+        assert_tensors_are(gpu, host, expected)
     assert [r.job_id for r in handler.get_finished()] == [1, 2]
     assert issued == [1 * 2] and metrics.snapshot()["fallbacks"] == {"few_pages": 1}
     # The CPU kernels have no layered ops: the mover issues the pairs one by one.
@@ -538,9 +529,7 @@ def test_stock_descriptor_buffers_are_reused_only_after_their_job_finished():
     handler.transfer_async(4, *larger)  # more descriptors than a pooled buffer holds
     backend.complete_all()
     expected = reference(gpu, host, layout, [([4, 5, 6, 7, 8, 9], [0, 1, 2], 0)], False)
-    assert all(
-        torch.equal(a, b) for a, b in zip(gpu + host, expected[0] + expected[1], strict=True)
-    )
+    assert_tensors_are(gpu, host, expected)
     assert [r.job_id for r in handler.get_finished()] == [3, 4]
 
 
