@@ -304,6 +304,8 @@ class LayerTable:
     align: int
     """Words that every offset and both pitches are a multiple of (at most 16 bytes)."""
     device: torch.device
+    launch: _Launch
+    """The tile and warps for the pairs' rows, fixed with the table."""
 
     @property
     def layers(self) -> int:
@@ -359,6 +361,7 @@ def layer_table(
         offsets=torch.tensor(offsets, dtype=torch.int64),
         align=align,
         device=devices.pop(),
+        launch=_Launch(srcs[0].shape[1], word.itemsize, None, None, None),
     )
 
 
@@ -386,7 +389,7 @@ def gather_layers_uva(
     n_rows = src_idx.numel()
     if n_rows == 0 or src.shape[1] == 0:
         return
-    launch = _Launch(src.shape[1], src.element_size(), None, None, None)
+    launch = table.launch
     args = (src, dst, offsets, src_idx, dst_idx, n_rows, table.layers, src.stride(0), dst.stride(0))
     tiles = -(-n_rows // launch.rows) * table.layers
     launch.run(_gather_layers_kernel, args, tiles, ctas, table.align, device)
