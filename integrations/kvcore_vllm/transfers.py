@@ -367,9 +367,8 @@ class KVCoreOffloadingHandler:
             )
         ):
             return "stock_kernel_load"
-        submissions = len(batches)
         pages = sum(len(s.gpu_blocks) * len(self._group(s).tensors) for s in segments)
-        if pages < MIN_PAGES_PER_SUBMISSION * submissions:
+        if pages < MIN_PAGES_PER_SUBMISSION * len(batches):
             return "few_pages"
         return None
 
