@@ -320,9 +320,9 @@ def _paths(
     paths: list[_Path] = []
 
     def through(name: str, handler: Any) -> None:
-        path = _Path(name, lambda: None)
-        path.run = lambda: _through_handler(handler, specs, path.submit_seconds, jobs)
-        paths.append(path)
+        submit_seconds: list[float] = []
+        run = functools.partial(_through_handler, handler, specs, submit_seconds, jobs)
+        paths.append(_Path(name, run, submit_seconds))
 
     def repeated(name: str, run: Callable[[], None]) -> None:
         def run_all() -> None:
