@@ -46,17 +46,11 @@ def _timed_steps(handler: Any, names: tuple[str, ...]) -> dict[str, list[float]]
     return seconds
 
 
-def _run_jobs(handler: Any, specs: tuple[Any, Any], jobs: int, device: torch.device) -> list[float]:
-    submit = []
+def _run_jobs(handler: Any, specs: tuple[Any, Any], jobs: int) -> list[float]:
+    """Seconds in ``transfer_async`` of ``jobs`` jobs, each waited for before the next."""
+    submit: list[float] = []
     for _ in range(jobs):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        handler.transfer_async(0, *specs)
-        submit.append(time.perf_counter() - started)
-        handler.wait({0})
-        while not handler.get_finished():
-            pass
+        bench._through_handler(handler, specs, submit)
     return submit
 
 
@@ -103,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.frag:.0%} fragmented, {'load' if args.load else 'page-out'}"
     )
     if device.type == "cuda":
-        stock_submit = _run_jobs(bench._runnable_stock(stock, device), specs, args.jobs, device)
+        stock_submit = _run_jobs(bench._runnable_stock(stock, device), specs, args.jobs)
         print(f"stock transfer_async: {_median_us(stock_submit, skip)} us")
     steps = _timed_steps(kvcore, ("_plan", "_execute", "_submit", "_submit_stock"))
-    submit = _run_jobs(kvcore, specs, args.jobs, device)
+    submit = _run_jobs(kvcore, specs, args.jobs)
     print(
         f"kvcore transfer_async: {_median_us(submit, skip)} us; "
         + ", ".join(f"{name} {_median_us(v, skip)} us" for name, v in steps.items() if v)
