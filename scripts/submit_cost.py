@@ -15,7 +15,6 @@ import argparse
 import ctypes
 import functools
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 
 from kvcore.direction import Direction
 from kvcore.kernels import triton_rows
+from kvcore.kernels.cudart import loaded_cudart
 from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import gather_rows_uva
 from kvcore.layers import layer_pairs
@@ -36,12 +36,10 @@ SPIN_CYCLES = 200_000_000
 
 
 def _cudart() -> ctypes.CDLL:
-    for name in ("libcudart.so.13", "libcudart.so.12"):
-        try:
-            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
-        except OSError:
-            continue
-    raise RuntimeError("torch has no libcudart loaded")
+    lib = loaded_cudart()
+    if lib is None:
+        raise RuntimeError("torch has no libcudart loaded")
+    return lib
 
 
 def measure(fn: Callable[[], object], repeats: int) -> dict[str, float]:
