@@ -11,40 +11,7 @@ set -uo pipefail
 OUT=${OUT:-out/vllm-ab}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-[ -d .vllm-tree/vllm ] || { echo "no .vllm-tree: run scripts/vllm_device_tree.sh, carry it"; exit 1; }
-
-# The image's psutil/regex win; a tree wheel goes in only where the image lacks the module.
-wheels=()
-[ -d .whl ] && wheels+=(.whl/*.whl)
-for wheel in .vllm-tree/wheels/*.whl; do
-    module=$(basename "$wheel" | cut -d- -f1)
-    [ "$module" = pyzmq ] && module=zmq
-    python3 -c "import $module" 2>/dev/null || wheels+=("$wheel")
-done
-if [ ${#wheels[@]} -gt 0 ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "${wheels[@]}" || exit 1
-fi
-tree=$PWD/.vllm-tree
-export PYTHONPATH="$tree:$PWD:$PWD/integrations:/tmp/site"
-
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/env.txt"
-echo "installed into /tmp/site: ${wheels[*]:-none}" | tee -a "$OUT/env.txt"
-
-# vllm/env_override.py patches torch.compile internals by torch version (vLLM 0.33 wants
-# torch 2.14); the A/B compiles nothing, so if the import fails, run once more without it.
-if ! python3 -c "import kvcore_vllm.bench" >"$OUT/preflight.log" 2>&1; then
-    tree=/tmp/vllm-tree
-    rm -rf "$tree" && cp -r .vllm-tree "$tree"
-    echo '"""Emptied by scripts/vllm_ab.sh: the real one failed to import here."""' \
-        >"$tree/vllm/env_override.py"
-    export PYTHONPATH="$tree:$PWD:$PWD/integrations:/tmp/site"
-    echo "import failed; retrying with vllm/env_override.py emptied" | tee -a "$OUT/env.txt"
-    python3 -c "import kvcore_vllm.bench" >>"$OUT/preflight.log" 2>&1 || {
-        cat "$OUT/preflight.log"
-        exit 1
-    }
-fi
+source scripts/vllm_device_env.sh || exit 1
 
 timeout 440 python3 - "$OUT" "${1:-10}" "${2:-1}" "${3:-4,16,64,256,2048}" 2>&1 <<'EOF' | tee "$OUT/vllm-ab.log"
 import json

@@ -3,8 +3,8 @@
     python scripts/vllm_host_profile.py [--page-kib 4] [--tensors 1] [--frag 0.5] [--load]
         [--own] [--job-mib 64] [--jobs 30] [--profile 25]
 
-Needs vLLM importable (on the GPU machine: ``.vllm-tree`` on PYTHONPATH, as
-scripts/vllm_ab.sh sets it up) and ``integrations`` on the path. Builds one job as the
+Needs vLLM importable and ``integrations`` on the path (on the GPU machine, carry
+``.vllm-tree`` and ``OUT=... source scripts/vllm_device_env.sh`` first). Builds one job as the
 A/B does (kvcore_vllm.bench), runs it ``--jobs`` times through each handler, each job
 waited for before the next, and prints the median host microseconds of
 ``transfer_async`` and of kvcore's steps in it (planning, the mover's submission,

@@ -1,0 +1,40 @@
+# Sourced by the vLLM device scripts (vllm_ab.sh; by hand before vllm_host_profile.py):
+# puts the carried vLLM tree and the wheels the image lacks on PYTHONPATH, on a GPU machine
+# without internet. Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried; .whl/ too
+# when carried. Writes what it installed to $OUT/env.txt; returns non-zero on failure.
+[ -d .vllm-tree/vllm ] || { echo "no .vllm-tree: run scripts/vllm_device_tree.sh, carry it"; return 1; }
+mkdir -p "$OUT"
+
+# The image's psutil/regex win; a tree wheel goes in only where the image lacks the module.
+wheels=()
+[ -d .whl ] && wheels+=(.whl/*.whl)
+for wheel in .vllm-tree/wheels/*.whl; do
+    module=$(basename "$wheel" | cut -d- -f1)
+    [ "$module" = pyzmq ] && module=zmq
+    python3 -c "import $module" 2>/dev/null || wheels+=("$wheel")
+done
+if [ ${#wheels[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "${wheels[@]}" || return 1
+fi
+tree=$PWD/.vllm-tree
+export PYTHONPATH="$tree:$PWD:$PWD/integrations:/tmp/site"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/env.txt"
+echo "installed into /tmp/site: ${wheels[*]:-none}" | tee -a "$OUT/env.txt"
+
+# vllm/env_override.py patches torch.compile internals by torch version (vLLM 0.33 wants
+# torch 2.14); the device scripts compile nothing, so if the import fails, use a copy of
+# the tree without it.
+if ! python3 -c "import kvcore_vllm.bench" >"$OUT/preflight.log" 2>&1; then
+    tree=/tmp/vllm-tree
+    rm -rf "$tree" && cp -r .vllm-tree "$tree"
+    echo '"""Emptied by scripts/vllm_device_env.sh: the real one failed to import here."""' \
+        >"$tree/vllm/env_override.py"
+    export PYTHONPATH="$tree:$PWD:$PWD/integrations:/tmp/site"
+    echo "import failed; retrying with vllm/env_override.py emptied" | tee -a "$OUT/env.txt"
+    python3 -c "import kvcore_vllm.bench" >>"$OUT/preflight.log" 2>&1 || {
+        cat "$OUT/preflight.log"
+        return 1
+    }
+fi
