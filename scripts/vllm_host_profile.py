@@ -36,9 +36,11 @@ def _timed_steps(handler: Any, names: tuple[str, ...]) -> dict[str, list[float]]
     for name in names:
         method: Callable[..., Any] = getattr(handler, name)
 
-        def timed(*args: Any, _method: Callable[..., Any] = method, _name: str = name) -> Any:
+        def timed(
+            *args: Any, _method: Callable[..., Any] = method, _name: str = name, **kwargs: Any
+        ) -> Any:
             started = time.perf_counter()
-            result = _method(*args)
+            result = _method(*args, **kwargs)
             seconds[_name].append(time.perf_counter() - started)
             return result
 
@@ -99,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         stock_submit = _run_jobs(bench._runnable_stock(stock, device), specs, args.jobs)
         print(f"stock transfer_async: {_median_us(stock_submit, skip)} us")
-    steps = _timed_steps(kvcore, ("_plan", "_execute", "_submit", "_submit_stock"))
+    steps = _timed_steps(
+        kvcore, ("_stock_is_cheaper", "_plan", "_execute", "_submit", "_submit_stock")
+    )
     submit = _run_jobs(kvcore, specs, args.jobs)
     print(
         f"kvcore transfer_async: {_median_us(submit, skip)} us; "

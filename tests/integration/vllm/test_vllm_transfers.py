@@ -587,14 +587,31 @@ def test_bench_ab_dry_run_on_cpu_checks_bytes():
     assert all((r["submit_us"] is None) == (r["path"] == "per_block_copy") for r in rows)
 
 
-def test_host_profile_script_dry_run_on_cpu(capsys):
+def _host_profile_script():
     script = Path(__file__).parents[3] / "scripts" / "vllm_host_profile.py"
     spec = importlib.util.spec_from_file_location("vllm_host_profile", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_host_profile_script_dry_run_on_cpu(capsys):
+    module = _host_profile_script()
     argv = ["--page-kib", "1", "--job-mib", "1", "--tensors", "2", "--jobs", "3", "--profile", "5"]
     assert module.main([*argv, "--load"]) == 0
     out = capsys.readouterr().out
     assert "cpu: 512 pages of 1 KiB x 2 tensors, 50% fragmented, load" in out
     assert "kvcore transfer_async:" in out and "_plan" in out and "Ordered by" in out
+
+
+def test_host_profile_timing_keeps_keyword_arguments():
+    # The handler passes some steps keywords (_submit's descriptors): timing must not drop them.
+    class Steps:
+        def step(self, value, *, scale=1):
+            return value * scale
+
+    steps = Steps()
+    seconds = _host_profile_script()._timed_steps(steps, ("step",))
+    assert steps.step(3, scale=7) == 21 and steps.step(2) == 2
+    assert len(seconds["step"]) == 2 and all(s >= 0 for s in seconds["step"])
