@@ -133,6 +133,9 @@ class CpuSyncBackend:
     def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
         fn()
 
+    def release(self, event: Any) -> None:
+        """Its events are one shared constant: nothing to reuse."""
+
 
 class ManualEvent:
     """Completes when its stream's queue reaches it."""
@@ -211,6 +214,9 @@ class ManualCpuBackend:
 
     def run_on(self, stream: ManualStream, fn: Callable[[], None]) -> None:
         stream.queue.append(_Op(next(self._seq), fn=fn))
+
+    def release(self, event: ManualEvent) -> None:
+        """Each record makes a new event here: nothing to reuse."""
 
     def pending(self, stream: ManualStream | None = None) -> int:
         """Work items queued on ``stream`` (all streams if None) that have not run."""

@@ -78,6 +78,10 @@ class JobStreams(Protocol):
 
     def run_on(self, stream: Any, fn: Callable[[], None]) -> None: ...
 
+    def release(self, event: Any) -> None:
+        """Nothing will query, wait on or time ``event`` again: it may be recorded anew."""
+        ...
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -90,10 +94,37 @@ class Segment:
     """The group's CPU chunk ids, as the job gave them."""
     skip: int
     """Sub-blocks of the first CPU chunk that come before the group's first block."""
-    gpu_blocks: np.ndarray
-    """int64 GPU block per copied page."""
-    cpu_sub_blocks: np.ndarray
-    """int64 CPU sub-block (chunk * blocks_per_chunk + j) per copied page."""
+    blocks_per_chunk: int
+
+    @property
+    def pages(self) -> int:
+        return len(self.gpu_ids)
+
+    @functools.cached_property
+    def gpu_blocks(self) -> np.ndarray:
+        """int64 GPU block per copied page."""
+        return self.gpu_ids.astype(np.int64)
+
+    @functools.cached_property
+    def cpu_sub_blocks(self) -> np.ndarray:
+        """int64 CPU sub-block (chunk * blocks_per_chunk + j) per copied page."""
+        chunk_starts = self.cpu_ids.astype(np.int64) * self.blocks_per_chunk
+        sub_blocks = (chunk_starts[:, None] + np.arange(self.blocks_per_chunk)).ravel()
+        return sub_blocks[self.skip : self.skip + self.pages]
+
+    def one_run(self) -> bool:
+        """Whether the pages are consecutive on both sides (one run, one DMA)."""
+        # Sub-blocks run on across chunks exactly when the chunk ids do.
+        return _consecutive(self.gpu_ids) and _consecutive(self.cpu_ids)
+
+
+def _consecutive(ids: np.ndarray) -> bool:
+    if len(ids) < 2:
+        return True
+    # The span alone rules out most scattered jobs without a pass over them.
+    if int(ids[-1]) - int(ids[0]) != len(ids) - 1:
+        return False
+    return bool((np.diff(ids) == 1).all())
 
 
 def split_groups(
@@ -125,18 +156,7 @@ def split_groups(
                 f"group {group} needs {size} GPU blocks and {chunks} CPU chunks; the job has "
                 f"{len(gpu_ids) - gpu_at} and {len(cpu_ids) - cpu_at} left"
             )
-        chunk_starts = cpu_part.astype(np.int64) * blocks_per_chunk
-        sub_blocks = (chunk_starts[:, None] + np.arange(blocks_per_chunk)).ravel()
-        segments.append(
-            Segment(
-                group=group,
-                gpu_ids=gpu_part,
-                cpu_ids=cpu_part,
-                skip=skip,
-                gpu_blocks=gpu_part.astype(np.int64),
-                cpu_sub_blocks=sub_blocks[skip : skip + size],
-            )
-        )
+        segments.append(Segment(group, gpu_part, cpu_part, skip, blocks_per_chunk))
         gpu_at += size
         cpu_at += chunks
     if gpu_at != len(gpu_ids) or cpu_at != len(cpu_ids):
@@ -260,7 +280,7 @@ class KVCoreOffloadingHandler:
         if reason is None:
             work, reason = self._plan(segments)
         if reason is None:
-            nbytes = sum(len(s.gpu_blocks) * self._group(s).page_bytes for s in segments)
+            nbytes = sum(s.pages * self._group(s).page_bytes for s in segments)
             self._submit(job_id, nbytes, lambda: self._execute(work))
         else:
             if self._metrics is not None:
@@ -356,18 +376,14 @@ class KVCoreOffloadingHandler:
         """
         if not self._stock_rules:
             return None
-        segments = [s for s in segments if len(s.gpu_blocks)]
         batches = self._batches(segments)
         if (
             self._stock_loads_by_kernel
             and all(len(tensors) == 1 for tensors in batches.values())
-            and any(
-                bool((np.diff(s.gpu_blocks) != 1).any() or (np.diff(s.cpu_sub_blocks) != 1).any())
-                for s in segments
-            )
+            and not all(s.one_run() for s in segments)
         ):
             return "stock_kernel_load"
-        pages = sum(len(s.gpu_blocks) * len(self._group(s).tensors) for s in segments)
+        pages = sum(s.pages * len(self._group(s).tensors) for s in segments)
         if pages < MIN_PAGES_PER_SUBMISSION * len(batches):
             return "few_pages"
         return None
@@ -398,7 +414,7 @@ class KVCoreOffloadingHandler:
                 segment.group,
                 group_src=src_ids,
                 group_dst=dst_ids,
-                group_size=len(segment.gpu_blocks),
+                group_size=segment.pages,
                 src_skip_count=0 if self.gpu_to_cpu else segment.skip,
                 dst_skip_count=segment.skip if self.gpu_to_cpu else 0,
                 all_src=views[0],
@@ -427,7 +443,10 @@ class KVCoreOffloadingHandler:
         streams = self._streams
         # Stores read KV the model is still writing; loads overwrite blocks whose earlier
         # writes (zeroing) may still be queued. Both wait for the compute stream as it is now.
-        streams.wait_event(self._stream, streams.record(self._compute_stream()))
+        ready = streams.record(self._compute_stream())
+        streams.wait_event(self._stream, ready)
+        # The wait holds the event's state as of now, so the event can be recorded again.
+        streams.release(ready)
         start = streams.record(self._stream)
         streams.run_on(self._stream, work)
         end = streams.record(self._stream)
@@ -450,6 +469,8 @@ class KVCoreOffloadingHandler:
                     transfer_time=_elapsed(job.start, job.end),
                 )
             )
+            self._streams.release(job.start)
+            self._streams.release(job.end)
         return results
 
     def wait(self, job_ids: set[int]) -> None:
@@ -489,7 +510,7 @@ def _page_bytes(t: torch.Tensor) -> int:
 def _group_sizes(segments: list[Segment], groups: int) -> list[int]:
     sizes = [0] * groups
     for segment in segments:
-        sizes[segment.group] = len(segment.gpu_blocks)
+        sizes[segment.group] = segment.pages
     return sizes
 
 
@@ -514,6 +535,20 @@ class CudaJobStreams(CudaEventOps):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._streams: dict[str, torch.cuda.Stream] = {}
+        # Released events, recorded again instead of creating (and later destroying) new
+        # ones: three per job otherwise, each a driver call both ways.
+        self._free: list[torch.cuda.Event] = []
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        try:
+            event = self._free.pop()
+        except IndexError:
+            event = torch.cuda.Event(enable_timing=self.timing_events)
+        event.record(stream)
+        return event
+
+    def release(self, event: torch.cuda.Event) -> None:
+        self._free.append(event)
 
     def stream(self, name: Hashable) -> torch.cuda.Stream:
         key = str(name)

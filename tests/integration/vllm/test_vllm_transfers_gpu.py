@@ -1,0 +1,74 @@
+"""kvcore's offload handler on a real GPU: its event reuse keeps vLLM's ordering."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
+
+import torch
+
+from kvcore_vllm.bench import Layout, fragmented_ids, job_specs, kvcore_handler, stock_handler
+from kvcore_vllm.transfers import CudaJobStreams
+
+pytestmark = [pytest.mark.vllm, pytest.mark.gpu]
+
+SPIN_CYCLES = 200_000_000
+
+
+def test_a_released_event_recorded_again_leaves_the_earlier_wait_in_place() -> None:
+    device = torch.device("cuda")
+    streams = CudaJobStreams(device)
+    producer, copies, elsewhere = (streams.stream(name) for name in ("compute", "copy", "idle"))
+    source = torch.zeros(1 << 20, dtype=torch.int32, device=device)
+    seen = torch.empty_like(source)
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(SPIN_CYCLES)
+        source.fill_(7)
+    ready = streams.record(producer)
+    streams.wait_event(copies, ready)
+    streams.release(ready)
+    # The same event, recorded again on an idle stream, completes at once.
+    again = streams.record(elsewhere)
+    assert again is ready
+    streams.run_on(copies, lambda: seen.copy_(source))
+    torch.cuda.synchronize()
+    assert bool((seen == 7).all())
+
+
+@pytest.mark.parametrize("stock_rules", [True, False], ids=["with-stock-rules", "kvcore-only"])
+@pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
+def test_jobs_copy_their_pages_and_reuse_three_events(gpu_to_cpu: bool, stock_rules: bool) -> None:
+    device = torch.device("cuda")
+    pages = 600
+    layout = Layout(page_bytes=4096, gpu_blocks=3 * pages, cpu_chunks=3 * pages)
+    gpu, host = layout.make_tensors(device, torch.Generator().manual_seed(1))
+    gpu_before, host_before = gpu[0].clone(), host[0].clone()
+    handler = kvcore_handler(
+        stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu), stock_rules=stock_rules
+    )
+    rng = np.random.default_rng(2)
+    copied_gpu: set[int] = set()
+    copied_cpu: set[int] = set()
+    for job_id in range(4):
+        gpu_ids = fragmented_ids(pages // 4, 0.5, rng) + job_id * (pages // 2)
+        cpu_ids = fragmented_ids(pages // 4, 0.5, rng) + job_id * (pages // 2) + 1
+        assert handler.transfer_async(job_id, *job_specs(gpu_ids, cpu_ids, gpu_to_cpu=gpu_to_cpu))
+        handler.wait({job_id})
+        assert [r.job_id for r in handler.get_finished()] == [job_id]
+        g, c = torch.from_numpy(gpu_ids).cuda(), torch.from_numpy(cpu_ids)
+        if gpu_to_cpu:
+            assert torch.equal(host[0][c], gpu_before[g].cpu())
+        else:
+            assert torch.equal(gpu[0][g].cpu(), host_before[c])
+        copied_gpu.update(gpu_ids.tolist())
+        copied_cpu.update(cpu_ids.tolist())
+    # Pages no job named are untouched.
+    untouched_gpu = torch.tensor(sorted(set(range(layout.gpu_blocks)) - copied_gpu)).cuda()
+    untouched_cpu = torch.tensor(sorted(set(range(layout.cpu_chunks)) - copied_cpu))
+    assert torch.equal(gpu[0][untouched_gpu], gpu_before[untouched_gpu])
+    assert torch.equal(host[0][untouched_cpu], host_before[untouched_cpu])
+    # Each job recorded three events; finished jobs gave theirs back for the next.
+    assert len(handler._streams._free) == 3
+    handler.shutdown()
