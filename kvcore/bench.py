@@ -9,6 +9,7 @@ Every result is checked byte for byte against a per-index reference.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -16,7 +17,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,10 +25,11 @@ from tqdm import tqdm
 
 from kvcore.allocator import ContiguousSlotAllocator
 from kvcore.churn import make_trace, replay
+from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.kernels.reference import as_row_words
 from kvcore.layers import layer_pairs
-from kvcore.mover import Mover, PathPolicy, TransferPath, TransferPlan, plan
+from kvcore.mover import Mover, PathPolicy, TransferPath, TransferPlan, plan, policy_from_config
 from kvcore.pinned import allocate_host_buffer
 from kvcore.stock_allocator import StockSlotAllocator
 from kvcore.streams import CopyStreams, CudaBackend
@@ -61,6 +63,8 @@ class BenchOptions:
     allocator_ops: int
     device: torch.device
     pin_measure_bytes: int = 8 << 30
+    policy: PathPolicy = field(default_factory=PathPolicy)
+    """kvcore's thresholds for every plan and the mover (the KVCORE_* settings in effect)."""
 
 
 def options_for(args: argparse.Namespace) -> BenchOptions:
@@ -78,6 +82,7 @@ def options_for(args: argparse.Namespace) -> BenchOptions:
         allocator_ops=10_000,
         device=device,
         pin_measure_bytes=(1 if quick else 8) << 30,
+        policy=policy_from_config(KVCoreConfig.from_env()),
     )
 
 
@@ -313,7 +318,8 @@ def run_transfers(opts: BenchOptions, progress: bool = True) -> TransferReport:
 
 
 def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
-    mover = Mover(PathPolicy())
+    mover = Mover(opts.policy)
+    policy = opts.policy
     pin = opts.device.type == "cuda"
     results: list[dict[str, Any]] = []
     page_out_syncs: list[int | None] = []
@@ -324,7 +330,7 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
     )
     for sc in _scenarios(opts, pin):
         plan_started = time.perf_counter()
-        auto = plan(sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction)
+        auto = plan(sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction, policy=policy)
         # Engines plan once per transfer and rebind the plan for every layer.
         plan_us = (time.perf_counter() - plan_started) * 1e6
         # The first call pays for first-touch allocations that an engine's later
@@ -332,7 +338,7 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
         warm_us = []
         for _ in range(3):
             plan_started = time.perf_counter()
-            plan(sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction)
+            plan(sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction, policy=policy)
             warm_us.append((time.perf_counter() - plan_started) * 1e6)
         nbytes = auto.nbytes
         ceiling = _ceiling(sc, nbytes, opts)
@@ -355,7 +361,13 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
                 continue
             try:
                 forced = plan(
-                    sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction, force=path
+                    sc.src,
+                    sc.dst,
+                    sc.src_idx,
+                    sc.dst_idx,
+                    direction=sc.direction,
+                    force=path,
+                    policy=policy,
                 )
             except ValueError:
                 continue
@@ -409,8 +421,10 @@ def _duplex_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[di
     device_in = _random_rows((rows, *row_shape), dtype, opts.device)
     device_out = _random_rows((rows, *row_shape), dtype, opts.device)
     every = torch.arange(rows)
-    reload = plan(host_in, device_in, every, every, direction=Direction.H2D)
-    page_out = plan(device_out, host_out, every, every, direction=Direction.D2H)
+    reload = plan(host_in, device_in, every, every, direction=Direction.H2D, policy=mover.policy)
+    page_out = plan(
+        device_out, host_out, every, every, direction=Direction.D2H, policy=mover.policy
+    )
     on_cuda = opts.device.type == "cuda"
     backend = None
     if on_cuda:
@@ -486,7 +500,7 @@ def _layers_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[di
         expected = dst.clone()
         expected[:, dst_idx.to(dst.device)] = src[:, src_idx.to(src.device)].to(dst.device)
         poison = dst.clone()
-        first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=direction)
+        first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=direction, policy=mover.policy)
         pairs = layer_pairs(srcs, dsts)
 
         def per_layer(first: TransferPlan = first, srcs=srcs, dsts=dsts) -> None:
@@ -552,7 +566,7 @@ def _fallback_results(opts: BenchOptions, mover: Mover) -> list[dict[str, Any]]:
     dst_idx = torch.randperm(rows, generator=generator)
     expected = dst.clone()
     expected[dst_idx.to(dst.device)] = src[src_idx].to(dst.device)
-    fallback = plan(src, dst, src_idx, dst_idx, direction=Direction.H2D)
+    fallback = plan(src, dst, src_idx, dst_idx, direction=Direction.H2D, policy=mover.policy)
     seconds, host_seconds = _timed(lambda: mover.execute(fallback), opts.device, 1)
     nbytes = fallback.nbytes
     return [
@@ -694,6 +708,7 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
         "page_out_host_syncs": transfers.page_out_host_syncs,
         "pinning": pinning,
         "tokens": opts.tokens,
+        "policy": dataclasses.asdict(opts.policy),
         "torch": torch.__version__,
         "results": transfers.results,
         "allocator": run_allocator(opts),

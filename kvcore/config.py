@@ -238,6 +238,12 @@ class KVCoreConfig:
         _integer(1, 1024),
         "thread blocks of the UVA gather/scatter kernel (SMs taken from the model)",
     )
+    staged_pieces: int = _setting(
+        2,
+        _integer(1, 16),
+        "pieces of a staged copy, each piece's scatter overlapping the next one's DMA; "
+        "1 issues it on one stream, for the least host time",
+    )
     max_inflight_bytes: int = _setting(
         0,
         _size(0),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import functools
 import json
 import statistics
@@ -239,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         host, dev, paged, contiguous, policy=mover.policy, force=TransferPath.BATCHED_RUNS
     )
     item("execute_h2d_batched_paged", lambda: mover.execute(forced))
+    one_piece = Mover(dataclasses.replace(mover.policy, staged_pieces=1))
+    for name in ("h2d_staged_paged_dev", "d2h_staged_paged_dev"):
+        src, dst, src_idx, dst_idx = cases[name]
+        chosen = plan(src, dst, src_idx, dst_idx, policy=one_piece.policy)
+        item(f"execute_{name}_one_piece", functools.partial(one_piece.execute, chosen))
     layered_items(item, mover, host, dev, gen)
     torch.cuda.synchronize()
     report = {

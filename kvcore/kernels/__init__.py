@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 # way (a refused batch submission, a missing kernel), which the mover counts.
 CopyRuns = Callable[[torch.Tensor, torch.Tensor, PairedRuns], str | None]
 GatherRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], str | None]
+# gather_rows between two fixed row views, set up once: called with (src_idx, dst_idx).
+PreparedGather = Callable[[torch.Tensor, torch.Tensor], str | None]
+PrepareGather = Callable[[torch.Tensor, torch.Tensor], PreparedGather]
 StageIn = Callable[[torch.Tensor, Runs, torch.Tensor, torch.Tensor, torch.Tensor], None]
 StageOut = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Runs], None]
 # The same runs or rows of every pair of a LayerPairs, in one submission.
@@ -44,6 +47,9 @@ class KernelSet:
     """None: the mover calls ``copy_runs`` once per pair."""
     gather_layers: GatherLayers | None = None
     """None: the mover calls ``gather_rows`` once per pair."""
+    prepare_gather: PrepareGather | None = None
+    """``gather_rows``'s checks and set-up for ``(src_words, dst_words)``, done once; the
+    mover keeps the result per plan. None: every gather is a ``gather_rows`` call."""
 
 
 REFERENCE = KernelSet(

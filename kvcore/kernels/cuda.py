@@ -7,12 +7,13 @@ for the GPU.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
 import torch
 
-from kvcore.kernels import KernelSet, reference
+from kvcore.kernels import KernelSet, PreparedGather, reference
 from kvcore.kernels.batch_copy import (
     BatchCopyError,
     copy_pointers_batched,
@@ -24,8 +25,8 @@ from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import (
     LayerTable,
     gather_layers_uva,
-    gather_rows_uva,
     layer_table,
+    row_gather,
     triton_available,
 )
 from kvcore.layers import LayerPairs
@@ -33,11 +34,9 @@ from kvcore.runs import PairedRuns, Runs, slice_runs
 
 # Below this many runs one copy_ per run costs less host time than building a batch.
 _FEW_RUNS = 4
-# A staged copy is cut into pieces so that the device-side scatter (or gather) of one
-# piece runs while the next crosses PCIe; only the last piece's scatter is exposed. Each
-# piece costs ~100 us of host time (H200 host): two pieces already hide most of the scatter,
-# which runs at HBM speed, >10x faster than the DMA it follows.
-_MAX_PIECES = 2
+# A staged copy is cut into pieces (PathPolicy.staged_pieces) so that the device-side
+# scatter (or gather) of one piece runs while the next crosses PCIe; only the last piece's
+# scatter is exposed. Pieces smaller than this gain less from overlap than they cost.
 _MIN_PIECE_BYTES = 8 << 20
 
 
@@ -142,8 +141,9 @@ def _host_pinned(pairs: LayerPairs) -> bool:
 class _CudaIndexedOps:
     """The ops that take index tensors, uploading them through one ring per device."""
 
-    def __init__(self, gather_ctas: int) -> None:
+    def __init__(self, gather_ctas: int, staged_pieces: int) -> None:
         self.gather_ctas = gather_ctas
+        self.staged_pieces = staged_pieces
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._tables: weakref.WeakKeyDictionary[LayerPairs, LayerTable | str] = (
@@ -176,17 +176,28 @@ class _CudaIndexedOps:
         dst_words: torch.Tensor,
         dst_idx: torch.Tensor,
     ) -> str | None:
-        device = dst_words.device if dst_words.device.type == "cuda" else src_words.device
+        return self.prepare_gather(src_words, dst_words)(src_idx, dst_idx)
+
+    def prepare_gather(self, src_words: torch.Tensor, dst_words: torch.Tensor) -> PreparedGather:
+        """The UVA gather between these views, checked once; the reference gather, with
+        the reason, where the kernel cannot run."""
         host = _host_side(src_words, dst_words)
+        reason = None
         if not triton_available():
-            reference.gather_rows(src_words, src_idx, dst_words, dst_idx)
-            return "gather_kernel_unavailable:triton"
-        if host.device.type == "cpu" and not host.is_pinned():
-            reference.gather_rows(src_words, src_idx, dst_words, dst_idx)
-            return "gather_kernel_unavailable:pageable_host"
-        src_on_device, dst_on_device = self._both_on(src_idx, dst_idx, device)
-        gather_rows_uva(src_words, src_on_device, dst_words, dst_on_device, ctas=self.gather_ctas)
-        return None
+            reason = "gather_kernel_unavailable:triton"
+        elif host.device.type == "cpu" and not host.is_pinned():
+            reason = "gather_kernel_unavailable:pageable_host"
+        if reason is not None:
+            return functools.partial(_reference_gather, src_words, dst_words, reason)
+        launch = row_gather(src_words, dst_words)
+        device = launch.device
+
+        def gather(src_idx: torch.Tensor, dst_idx: torch.Tensor) -> str | None:
+            src_on_device, dst_on_device = self._both_on(src_idx, dst_idx, device)
+            launch(src_on_device, dst_on_device, ctas=self.gather_ctas)
+            return None
+
+        return gather
 
     def gather_layers(
         self, pairs: LayerPairs, src_idx: torch.Tensor, dst_idx: torch.Tensor
@@ -244,13 +255,20 @@ class _CudaIndexedOps:
     ) -> None:
         """DMA piece by piece into staging; each piece's scatter overlaps the next DMA."""
         device = dst_words.device
+        pieces = staging_pieces(host_runs.total, staging, self.staged_pieces)
+        if len(pieces) == 1:
+            # All on the current stream: no second stream to order, so no events.
+            device_idx = self._on(dst_idx, device)
+            reference.runs_to_staging(src_words, host_runs, staging, into_staging=True)
+            dst_words.index_copy_(0, device_idx, staging)
+            return
         copies = torch.cuda.current_stream(device)
         scatter = self._scatter_stream(device)
         # The destination may still be in use by work queued before this transfer.
         scatter.wait_stream(copies)
         with torch.cuda.stream(scatter):
             device_idx = self._on(dst_idx, device)
-        for begin, end in staging_pieces(host_runs.total, staging):
+        for begin, end in pieces:
             piece = staging[begin:end]
             reference.runs_to_staging(
                 src_words, slice_runs(host_runs, begin, end), piece, into_staging=True
@@ -270,12 +288,18 @@ class _CudaIndexedOps:
     ) -> None:
         """Gather piece by piece into staging; each piece's DMA overlaps the next gather."""
         device = src_words.device
+        pieces = staging_pieces(host_runs.total, staging, self.staged_pieces)
+        if len(pieces) == 1:
+            device_idx = self._on(src_idx, device)
+            torch.index_select(src_words, 0, device_idx, out=staging)
+            reference.runs_to_staging(dst_words, host_runs, staging, into_staging=False)
+            return
         copies = torch.cuda.current_stream(device)
         gather = self._scatter_stream(device)
         gather.wait_stream(copies)
         with torch.cuda.stream(gather):
             device_idx = self._on(src_idx, device)
-        for begin, end in staging_pieces(host_runs.total, staging):
+        for begin, end in pieces:
             piece = staging[begin:end]
             with torch.cuda.stream(gather):
                 torch.index_select(src_words, 0, device_idx[begin:end], out=piece)
@@ -285,22 +309,34 @@ class _CudaIndexedOps:
             )
 
 
-def staging_pieces(rows: int, staging: torch.Tensor) -> list[tuple[int, int]]:
-    """Row ranges of a staged copy: up to ``_MAX_PIECES``, none under ``_MIN_PIECE_BYTES``."""
+def _reference_gather(
+    src_words: torch.Tensor,
+    dst_words: torch.Tensor,
+    reason: str,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+) -> str:
+    reference.gather_rows(src_words, src_idx, dst_words, dst_idx)
+    return reason
+
+
+def staging_pieces(rows: int, staging: torch.Tensor, most: int) -> list[tuple[int, int]]:
+    """Row ranges of a staged copy: up to ``most``, none under ``_MIN_PIECE_BYTES``."""
     row_size = staging.shape[1] * staging.element_size() if staging.dim() == 2 else 1
-    pieces = max(1, min(_MAX_PIECES, rows * row_size // _MIN_PIECE_BYTES))
+    pieces = max(1, min(most, rows * row_size // _MIN_PIECE_BYTES))
     step = -(-rows // pieces)
     return [(begin, min(begin + step, rows)) for begin in range(0, rows, step)]
 
 
-def cuda_kernels(gather_ctas: int) -> KernelSet:
-    ops = _CudaIndexedOps(gather_ctas)
+def cuda_kernels(gather_ctas: int, staged_pieces: int) -> KernelSet:
+    ops = _CudaIndexedOps(gather_ctas, staged_pieces)
     return KernelSet(
-        name=f"cuda(gather_ctas={gather_ctas})",
+        name=f"cuda(gather_ctas={gather_ctas}, staged_pieces={staged_pieces})",
         copy_runs=copy_runs,
         gather_rows=ops.gather_rows,
         stage_in=ops.stage_in,
         stage_out=ops.stage_out,
         copy_runs_layers=copy_runs_layers,
         gather_layers=ops.gather_layers,
+        prepare_gather=ops.prepare_gather,
     )

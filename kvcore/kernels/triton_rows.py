@@ -268,24 +268,66 @@ def gather_rows_uva(
     ``block_words`` counts words of the widest width both sides' alignment allows (8 B for
     rows of a multiple of 8 B at 8-B aligned addresses).
     """
+    _check_ctas(ctas)
+    gather = row_gather(
+        src_words,
+        dst_words,
+        rows_per_iter=rows_per_iter,
+        num_warps=num_warps,
+        block_words=block_words,
+    )
+    gather(src_idx, dst_idx, ctas=ctas)
+
+
+@dataclass(frozen=True, eq=False)
+class RowGather:
+    """:func:`gather_rows_uva` between two row views, their checks and tile done once: a
+    caller that gathers between the same buffers again (a plan executed layer after layer)
+    pays only for the indices' checks and the launch."""
+
+    src: torch.Tensor
+    """The source as a view of the kernel's word type."""
+    dst: torch.Tensor
+    align: int
+    device: torch.device
+    launch: _Launch
+
+    def __call__(self, src_idx: torch.Tensor, dst_idx: torch.Tensor, *, ctas: int = 8) -> None:
+        """The gather for these int64 indices on the kernel's device, on the current stream."""
+        _check_indices(src_idx, dst_idx, self.device)
+        _check_ctas(ctas)
+        n_rows = src_idx.numel()
+        if n_rows == 0 or self.src.shape[1] == 0:
+            return
+        src, dst = self.src, self.dst
+        args = (src, dst, src_idx, dst_idx, n_rows, src.stride(0), dst.stride(0))
+        tiles = -(-n_rows // self.launch.rows)
+        self.launch.run(_gather_rows_kernel, args, tiles, ctas, self.align, self.device)
+
+
+def row_gather(
+    src_words: torch.Tensor,
+    dst_words: torch.Tensor,
+    *,
+    rows_per_iter: int | None = None,
+    num_warps: int | None = None,
+    block_words: int | None = None,
+) -> RowGather:
+    """The :class:`RowGather` between ``src_words`` and ``dst_words`` (checked as
+    :func:`gather_rows_uva` checks them, host pinning included)."""
     if triton is None:
         raise RuntimeError("gather_rows_uva needs Triton, which is not installed")
     check_word_views(src_words, dst_words)
     _check_rows(src_words, "src_words")
     _check_rows(dst_words, "dst_words")
     device = _kernel_device(src_words, dst_words)
-    _check_indices(src_idx, dst_idx, device)
-    _check_tuning(ctas, rows_per_iter, num_warps, block_words)
-    n_rows = src_idx.numel()
-    if n_rows == 0 or src_words.shape[1] == 0:
-        return
+    _check_tile(rows_per_iter, num_warps, block_words)
     word = _widest_word(src_words, dst_words)
     src_view = src_words.view(word)
     dst_view = dst_words.view(word)
     align = math.gcd(src_view.stride(0), dst_view.stride(0), _VECTOR_BYTES // word.itemsize)
     launch = _Launch(src_view.shape[1], word.itemsize, rows_per_iter, num_warps, block_words)
-    args = (src_view, dst_view, src_idx, dst_idx, n_rows, src_view.stride(0), dst_view.stride(0))
-    launch.run(_gather_rows_kernel, args, -(-n_rows // launch.rows), ctas, align, device)
+    return RowGather(src_view, dst_view, align, device, launch)
 
 
 @dataclass(frozen=True, eq=False)
@@ -384,7 +426,7 @@ def gather_layers_uva(
     _check_index(offsets, "offsets", device)
     if offsets.numel() != table.offsets.numel():
         raise ValueError(f"{offsets.numel()} offsets for {table.layers} pairs")
-    _check_tuning(ctas, None, None, None)
+    _check_ctas(ctas)
     src, dst = table.src_words[0], table.dst_words[0]
     n_rows = src_idx.numel()
     if n_rows == 0 or src.shape[1] == 0:
@@ -402,11 +444,12 @@ def _check_indices(src_idx: torch.Tensor, dst_idx: torch.Tensor, device: torch.d
         raise ValueError(f"index lengths differ: {src_idx.numel()} vs {dst_idx.numel()}")
 
 
-def _check_tuning(
-    ctas: int, rows_per_iter: int | None, num_warps: int | None, block_words: int | None
-) -> None:
+def _check_ctas(ctas: int) -> None:
     if ctas < 1:
         raise ValueError(f"ctas must be >= 1, got {ctas}")
+
+
+def _check_tile(rows_per_iter: int | None, num_warps: int | None, block_words: int | None) -> None:
     for name, value in (
         ("rows_per_iter", rows_per_iter),
         ("num_warps", num_warps),

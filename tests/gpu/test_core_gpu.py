@@ -331,9 +331,11 @@ def test_rebound_plan_copies_every_layer_exactly() -> None:
     buffer.close()
 
 
+@pytest.mark.parametrize("pieces", [1, 2, 4])
 @pytest.mark.parametrize("direction", list(Direction))
-def test_staged_copy_in_pieces_is_exact(direction) -> None:
-    """64 MiB of 4 KiB rows: several pieces, each scatter overlapping the next DMA."""
+def test_staged_copy_in_pieces_is_exact(direction, pieces) -> None:
+    """64 MiB of 4 KiB rows: in one piece on one stream, or in pieces, each scatter
+    overlapping the next DMA."""
     pool, n = 40000, 16384
     gen = torch.Generator().manual_seed(13)
     buffer, host = _pinned_rows(pool, (2, 8, 128), torch.bfloat16)
@@ -349,14 +351,15 @@ def test_staged_copy_in_pieces_is_exact(direction) -> None:
     expected = _as_bytes(dst).clone()
     expected[dst_idx] = _as_bytes(src)[src_idx]
     with torch.cuda.stream(torch.cuda.Stream()):
-        Mover().execute(chosen)
+        Mover(PathPolicy(staged_pieces=pieces)).execute(chosen)
     torch.cuda.synchronize()
     assert torch.equal(_as_bytes(dst), expected)
     assert torch.equal(_as_bytes(src), src_before)
     buffer.close()
 
 
-def test_staging_is_not_shared_by_two_streams_at_once() -> None:
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_staging_is_not_shared_by_two_streams_at_once(pieces) -> None:
     """A load held back on one stream and a backup on another stage through one buffer in turn."""
     pool, n = 8192, 4096
     gen = torch.Generator().manual_seed(17)
@@ -382,7 +385,7 @@ def test_staging_is_not_shared_by_two_streams_at_once() -> None:
     expected_in[load.dst_idx] = _as_bytes(host_in)[load.src_idx]
     expected_out = _as_bytes(host_out).clone()
     expected_out[backup.dst_idx] = _as_bytes(device_out)[backup.src_idx]
-    mover = Mover()
+    mover = Mover(PathPolicy(staged_pieces=pieces))
     slow, other = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(slow):
         torch.cuda._sleep(100_000_000)

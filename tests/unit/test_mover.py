@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import math
 import random
 from collections.abc import Callable
@@ -716,3 +718,42 @@ def test_device_indexed_plans_check_what_they_can_read():
         plan_device_indexed(host, device, idx, idx, direction=H2D, force=SINGLE)
     mismatched = plan_device_indexed(host.half(), device, idx, idx, direction=H2D)
     assert mismatched.path is FALLBACK and mismatched.reason == "dtype_mismatch"
+
+
+def test_a_plan_executed_again_reuses_its_gather_set_up_until_the_plan_goes(monkeypatch):
+    prepared: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def prepare_gather(src_words: torch.Tensor, dst_words: torch.Tensor):
+        prepared.append((src_words, dst_words))
+        return lambda src_idx, dst_idx: REFERENCE.gather_rows(
+            src_words, src_idx, dst_words, dst_idx
+        )
+
+    with_prepare = dataclasses.replace(REFERENCE, prepare_gather=prepare_gather)
+    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", with_prepare)
+    gen = torch.Generator().manual_seed(11)
+    src = random_rows(SRC_ROWS, (2, 8, 128), torch.bfloat16, gen)
+    dst = poisoned_rows(DST_ROWS, (2, 8, 128), torch.bfloat16)
+    mover = Mover()
+    chosen = plan(
+        src,
+        dst,
+        torch.randperm(SRC_ROWS, generator=gen)[:40],
+        torch.randperm(DST_ROWS, generator=gen)[:40],
+        direction=H2D,
+        force=GATHER,
+    )
+    for _ in range(3):
+        dst.view(torch.uint8).fill_(POISON)
+        mover.execute(chosen)
+        expected = poisoned_rows(DST_ROWS, (2, 8, 128), torch.bfloat16)
+        expected[chosen.dst_idx] = src[chosen.src_idx]
+        assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+    assert len(prepared) == 1 and len(mover._prepared) == 1
+    # Another layer's plan sets up its own; a plan that is gone leaves nothing behind.
+    other = chosen.rebind(src.clone(), dst)
+    mover.execute(other)
+    assert len(prepared) == 2 and len(mover._prepared) == 2
+    del chosen, other
+    gc.collect()
+    assert len(mover._prepared) == 0

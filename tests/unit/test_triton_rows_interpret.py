@@ -213,3 +213,36 @@ def test_default_tile_sizes() -> None:
     assert triton_rows.default_tile(2048, 8) == (4, 2048)  # 16 KiB rows
     assert triton_rows.default_tile(5120, 8) == (2, 4096)  # 40 KiB rows: two column blocks
     assert triton_rows.default_tile(1, 8) == (1024, 1)  # tiny rows: row count capped
+
+
+_REUSE_RUNNER = """
+import sys
+import torch
+from kvcore.kernels.triton_rows import row_gather
+
+results = []
+for case in torch.load(sys.argv[1]):
+    gather = row_gather(case["src"], case["dst"])
+    outputs = []
+    for src_idx, dst_idx in case["indices"]:
+        gather(src_idx, dst_idx, ctas=3)
+        outputs.append(case["dst"].clone())
+    results.append({"outputs": outputs})
+torch.save(results, sys.argv[2])
+"""
+
+
+def test_a_row_gather_set_up_once_serves_each_new_pair_of_indices(tmp_path) -> None:
+    gen = torch.Generator().manual_seed(21)
+    src = _random_rows(90, 576, torch.int16, gen)
+    dst = _random_rows(70, 576, torch.int16, gen)
+    indices = [
+        (torch.randint(0, 90, (n,), generator=gen), torch.randperm(70, generator=gen)[:n])
+        for n in (50, 13, 0, 70)
+    ]
+    case = {"src": src, "dst": dst, "indices": indices}
+    outputs = run_interpreted(_REUSE_RUNNER, {"reuse": case}, tmp_path)["reuse"]["outputs"]
+    expected = dst.clone()
+    for (src_idx, dst_idx), output in zip(indices, outputs, strict=True):
+        expected[dst_idx] = src[src_idx]
+        assert torch.equal(output, expected)
