@@ -83,10 +83,10 @@ class PathPolicy:
     max_batched_runs: int = 256
     """Most runs one cudaMemcpyBatchAsync takes (H200: ~100 us for 16 runs, ~1.7 us a run
     at 256, ~0.8 us at thousands); past it the gather kernel costs less host time."""
-    staged_pieces: int = 2
-    """Pieces a staged copy is cut into (none under 8 MiB) so that the device-side scatter
-    of one overlaps the DMA of the next; each piece costs host time (events, a second
-    stream), so 1 is the cheapest to submit."""
+    staged_pieces: int = 1
+    """Pieces a staged copy is cut into (none under 8 MiB), the device-side scatter of one
+    overlapping the DMA of the next. One piece runs on one stream with no events: on the
+    H200, 97% of the ceiling for ~100 us of host time, against 98% for ~430 us in two."""
 
     def __post_init__(self) -> None:
         sizes = (

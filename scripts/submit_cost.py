@@ -240,11 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         host, dev, paged, contiguous, policy=mover.policy, force=TransferPath.BATCHED_RUNS
     )
     item("execute_h2d_batched_paged", lambda: mover.execute(forced))
-    one_piece = Mover(dataclasses.replace(mover.policy, staged_pieces=1))
+    two_pieces = Mover(dataclasses.replace(mover.policy, staged_pieces=2))
     for name in ("h2d_staged_paged_dev", "d2h_staged_paged_dev"):
         src, dst, src_idx, dst_idx = cases[name]
-        chosen = plan(src, dst, src_idx, dst_idx, policy=one_piece.policy)
-        item(f"execute_{name}_one_piece", functools.partial(one_piece.execute, chosen))
+        chosen = plan(src, dst, src_idx, dst_idx, policy=two_pieces.policy)
+        item(f"execute_{name}_two_pieces", functools.partial(two_pieces.execute, chosen))
     layered_items(item, mover, host, dev, gen)
     torch.cuda.synchronize()
     report = {
