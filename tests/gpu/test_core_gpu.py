@@ -416,9 +416,10 @@ def test_device_resident_device_index_is_used_without_a_host_sync(name, directio
     src, dst = (host, device_rows) if page_in else (device_rows, host)
     src_idx, dst_idx = (host_idx, on_device) if page_in else (on_device, host_idx)
     chosen = plan_device_indexed(
-        src, dst, src_idx, dst_idx, direction=direction, policy=PathPolicy(staging_bytes=1 << 20)
+        src, dst, src_idx, dst_idx, direction=direction, policy=PathPolicy(staging_bytes=2 << 20)
     )
-    mover = Mover(PathPolicy(staging_bytes=1 << 20))
+    # 1024 rows of 1152 B fit the staging buffer: a staged copy, not the gather.
+    mover = Mover(PathPolicy(staging_bytes=2 << 20))
     mover.execute(chosen)  # warm up: kernels compile, staging is allocated
     torch.cuda.synchronize()
     rows_to_write = dst_idx.long().cpu()

@@ -329,6 +329,18 @@ def test_path_choice(direction):
     assert chosen(scattered_idx(20, 3), scattered_idx(20, 4), direction) is GATHER
 
 
+@pytest.mark.parametrize("direction", [H2D, D2H], ids=ident)
+def test_a_staged_copy_larger_than_the_staging_buffer_goes_to_the_gather(direction):
+    run, shuffled = torch.arange(20), scattered_idx(20, 1)
+    host_first = (run, shuffled) if direction is H2D else (shuffled, run)
+    row_bytes = math.prod(ROW) * 2
+    fits = dataclasses.replace(CHOICE_POLICY, staging_bytes=20 * row_bytes)
+    assert chosen(*host_first, direction, fits) is STAGED
+    # One row more than the buffer holds: staging would take two DMAs and two scatters.
+    short = dataclasses.replace(CHOICE_POLICY, staging_bytes=20 * row_bytes - 1)
+    assert chosen(*host_first, direction, short) is GATHER
+
+
 def test_default_policy_thresholds():
     rows = 64  # 256 KiB of 4 KiB rows: the default long run
     src = torch.zeros(4 * rows, 2, 8, 128, dtype=torch.bfloat16)

@@ -36,7 +36,7 @@ from kvcore import kernels
 from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS
-from kvcore.mover import Mover, PathPolicy
+from kvcore.mover import Mover, PathPolicy, StagingBuffers
 from kvcore_sglang import guard, plugin, pool_jobs, transfers
 from kvcore_sglang.host_pools import mha_host_pool, mla_host_pool
 
@@ -64,8 +64,19 @@ STOCK = {
     **{(cls, name): vars(cls)[name] for cls in POOL_CLASSES.values() for name in METHODS},
     (HiCacheController, "move_indices"): vars(HiCacheController)["move_indices"],
 }
-# A small staging buffer and short "long" runs, so that every mover path is taken.
-SMALL_POLICY = PathPolicy(staging_bytes=2048, long_run_bytes=64, max_dma_runs=8, max_batched_runs=8)
+# Short "long" runs, so that every mover path is taken on small pools; plans take staging
+# for copies up to 1 MiB, which the small movers run through a buffer of 16 KiB (two DSA
+# pages), in chunks.
+SMALL_POLICY = PathPolicy(
+    staging_bytes=1 << 20, long_run_bytes=64, max_dma_runs=8, max_batched_runs=8
+)
+SMALL_STAGING = 16 << 10
+
+
+def small_policy_mover(staging_bytes: int = SMALL_STAGING) -> Mover:
+    return Mover(SMALL_POLICY, metrics=METRICS, staging=StagingBuffers(staging_bytes))
+
+
 # Layout -> the io backends SGLang accepts for it.
 LAYOUT_BACKENDS = {
     "layer_first": ("kernel", "direct"),
@@ -226,7 +237,7 @@ def transfer_hooks(sglang_hooks, monkeypatch) -> Iterator[Callable[..., Any]]:
 
 @pytest.fixture
 def small_mover(monkeypatch) -> Mover:
-    chosen = Mover(SMALL_POLICY, metrics=METRICS)
+    chosen = small_policy_mover()
     monkeypatch.setattr(transfers, "_mover", chosen)
     return chosen
 
@@ -296,7 +307,7 @@ def test_kernel_backend_calls_plan_around_device_indices(transfer_hooks, monkeyp
     planned from the host indices alone (staged or gather) and copies what stock does.
     On a CPU the device indices are CPU tensors, marked opaque as on a GPU."""
     transfer_hooks()
-    monkeypatch.setattr(transfers, "_mover", Mover(SMALL_POLICY, metrics=METRICS))
+    monkeypatch.setattr(transfers, "_mover", small_policy_mover())
     real = transfers._call_indices
 
     def as_on_device(*args: Any) -> Any:
@@ -399,7 +410,7 @@ def test_random_calls_match_reference_on_every_path(
 ):
     transfer_hooks()  # idempotent: registers and wraps once
     monkeypatch.setattr(
-        transfers, "_mover", Mover(SMALL_POLICY if small else PathPolicy(), metrics=METRICS)
+        transfers, "_mover", small_policy_mover() if small else Mover(metrics=METRICS)
     )
     kind, layout, io_backend = served
     check_served_call(kind, layout, io_backend, direction, shape, n, seed)
@@ -490,16 +501,19 @@ def test_layer_pairs_are_checked_once_per_pool_and_dropped_with_it():
     assert len(memo._by_pool) == 0
 
 
-def test_merged_load_is_split_into_runs_within_fixed_staging(transfer_hooks, small_mover):
+def test_merged_load_is_split_into_runs_within_fixed_staging(transfer_hooks, monkeypatch):
     """Several loads merged into one call go through as runs; the staging buffer is
     allocated once at its configured size and reused, never grown, across chunks."""
     transfer_hooks()
+    small_staging = 2048
+    small_mover = small_policy_mover(small_staging)
+    monkeypatch.setattr(transfers, "_mover", small_mover)
     pool = pool_for("mla", "layer_first")
     parts = components("mla", pool)
     generator = torch.Generator().manual_seed(8)
     runs = [(0, 96), (320, 64), (640, 128)]  # three merged loads: 288 rows x 48 B
     host_idx = torch.cat([torch.arange(start, start + length) for start, length in runs])
-    assert host_idx.numel() * 48 > 2 * SMALL_POLICY.staging_bytes  # several staging chunks
+    assert host_idx.numel() * 48 > 2 * small_staging  # several staging chunks
     device_sides = {
         "batched_runs": torch.cat([torch.arange(16, 112), torch.arange(160, 352)]),
         "staged": torch.randperm(500, generator=generator)[:288] + 1,
@@ -518,12 +532,12 @@ def test_merged_load_is_split_into_runs_within_fixed_staging(transfer_hooks, sma
         taken = {p: c - before.get(p, 0) for p, c in after.items() if c != before.get(p, 0)}
         assert taken == {path: LAYERS}
         # Allocated on first use (by the staged path), at its configured size.
-        reserved = SMALL_POLICY.staging_bytes if path == "staged" else 0
+        reserved = small_staging if path == "staged" else 0
         assert staging.bytes_reserved == reserved
     (buffer,) = staging._buffers.values()
     pool.load_to_device_per_layer(None, host_idx, device_sides["staged"], 0, "kernel")
     assert staging._buffers[torch.device("cpu")] is buffer
-    assert staging.bytes_reserved == SMALL_POLICY.staging_bytes
+    assert staging.bytes_reserved == small_staging
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
