@@ -228,7 +228,7 @@ def plan(
     elif force is not None:
         path = _check_forced(force, runs, src_row_bytes, policy)
     else:
-        path = _choose_path(runs, host_runs, nbytes, src_row_bytes, policy)
+        path = _choose_path(runs, host_runs, nbytes, policy)
     return _decided(
         path,
         direction,
@@ -414,7 +414,7 @@ def _resolve_direction(
 
 
 def _choose_path(
-    runs: PairedRuns, host_runs: Runs, nbytes: int, row_size: int, policy: PathPolicy
+    runs: PairedRuns, host_runs: Runs, nbytes: int, policy: PathPolicy
 ) -> TransferPath:
     if runs.count <= 1:
         # One run on both sides is one DMA at line rate; nothing can beat it.
