@@ -165,6 +165,26 @@ def _has_duplicates(values: np.ndarray, steps: np.ndarray, span: int) -> bool:
     return int(np.unique(values).size) != values.size
 
 
+# Rows per run from which duplicates are looked for between runs rather than row by row:
+# within a run the rows step by one, so two rows can only collide across runs, and
+# sorting the runs' intervals is cheaper than marking every row.
+_ROWS_PER_RUN_FOR_INTERVALS = 8
+
+
+def _duplicate_destinations(
+    values: np.ndarray, steps: np.ndarray, span: int, runs: PairedRuns
+) -> bool:
+    """Duplicates in ``values``, the destination side of ``runs``."""
+    if runs.count * _ROWS_PER_RUN_FOR_INTERVALS > values.size:
+        return _has_duplicates(values, steps, span)
+    starts = runs.dst_starts.numpy()
+    begins = np.sort(starts)
+    ends = np.sort(starts + runs.lengths.numpy())
+    # Some row lies in two runs iff, with starts and ends sorted apart, some run starts
+    # before the run ending next has ended: at that start two runs are open.
+    return bool((begins[1:] < ends[:-1]).any())
+
+
 class _Counting:
     """Read-only tensors of 1s and of 0, 1, 2, ... shared by every run set of single rows,
     grown as needed (a plan of scattered rows has a run per row)."""
@@ -308,7 +328,7 @@ def segment_transfer(
         host_runs,
         src_span,
         dst_span,
-        _has_duplicates(dst, paired.dst_steps, dst_span),
+        _duplicate_destinations(dst, paired.dst_steps, dst_span, paired.runs),
     )
 
 

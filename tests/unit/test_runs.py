@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -230,3 +231,34 @@ def test_segmenting_on_several_threads_at_once_matches_one_at_a_time() -> None:
     with ThreadPoolExecutor(max_workers=4) as pool:
         for _ in range(3):
             assert list(pool.map(segment, cases)) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-30, 4), st.integers(8, 24)), min_size=1, max_size=12),
+    st.randoms(use_true_random=False),
+    st.booleans(),
+)
+def test_duplicates_between_page_runs_are_found_by_their_intervals(
+    gaps: list[tuple[int, int]], rng: random.Random, reverse: bool
+) -> None:
+    # Pages of 8+ rows, each starting a gap after the previous one ends (a negative gap
+    # overlaps it, 0 abuts it), listed in a shuffled order: the check compares the runs'
+    # intervals, not the rows.
+    pages, end = [], 40
+    for gap, length in gaps:
+        pages.append((max(0, end + gap), length))
+        end = pages[-1][0] + length
+    rng.shuffle(pages)
+    dst_rows = [row for start, length in pages for row in range(start, start + length)]
+    # The source holds the pages back to back, in order or in reverse page order.
+    lengths = [length for _, length in pages]
+    at = [sum(lengths[:k]) for k in range(len(pages))]
+    if reverse:
+        at = [len(dst_rows) - a - n for a, n in zip(at, lengths, strict=True)]
+    src_rows = [row for a, n in zip(at, lengths, strict=True) for row in range(a, a + n)]
+    src = torch.tensor(src_rows, dtype=torch.int64)
+    dst = torch.tensor(dst_rows, dtype=torch.int64)
+    found = segment_transfer(src, dst, len(dst_rows), 400, host_is_src=True)
+    assert found.runs.count * 8 <= len(dst_rows)
+    assert found.dst_has_duplicates == (len(set(dst_rows)) != len(dst_rows))
