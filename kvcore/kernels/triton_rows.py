@@ -268,7 +268,6 @@ def gather_rows_uva(
     ``block_words`` counts words of the widest width both sides' alignment allows (8 B for
     rows of a multiple of 8 B at 8-B aligned addresses).
     """
-    _check_ctas(ctas)
     gather = row_gather(
         src_words,
         dst_words,
