@@ -503,15 +503,13 @@ def _layers_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[di
         first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=direction, policy=mover.policy)
         pairs = layer_pairs(srcs, dsts)
 
-        def per_layer(first: TransferPlan = first, srcs=srcs, dsts=dsts) -> None:
-            for each_src, each_dst in zip(srcs, dsts, strict=True):
-                mover.execute(first.rebind(each_src, each_dst))
-
         ways: dict[str, Callable[[], None]] = {
             f"kvcore:{first.path.value} x{_LAYERS} in one submission": functools.partial(
                 mover.execute_layers, first, pairs
             ),
-            f"kvcore:{first.path.value} x{_LAYERS} one per layer": per_layer,
+            f"kvcore:{first.path.value} x{_LAYERS} one per layer": functools.partial(
+                execute_per_layer, mover, first, srcs, dsts
+            ),
         }
         for label, fn in ways.items():
             dst.copy_(poison)
@@ -532,6 +530,14 @@ def _layers_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[di
             )
     host_buffer.close()
     return results
+
+
+def execute_per_layer(
+    mover: Mover, first: TransferPlan, srcs: list[torch.Tensor], dsts: list[torch.Tensor]
+) -> None:
+    """``first`` rebound to each (src, dst) layer and executed, one submission per layer."""
+    for src, dst in zip(srcs, dsts, strict=True):
+        mover.execute(first.rebind(src, dst))
 
 
 def count_host_syncs(fn: Callable[[], object], device: torch.device) -> int | None:

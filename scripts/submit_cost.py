@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 
+from kvcore.bench import execute_per_layer
 from kvcore.direction import Direction
 from kvcore.kernels import triton_rows
 from kvcore.kernels.cudart import loaded_cudart
 from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import gather_rows_uva
 from kvcore.layers import layer_pairs
-from kvcore.mover import Mover, TransferPath, TransferPlan, plan
+from kvcore.mover import Mover, TransferPath, plan
 from kvcore.pinned import allocate_host_buffer
 
 SPIN_CYCLES = 200_000_000
@@ -109,14 +110,10 @@ def layered_items(
             f"32_layers_{name}[{chosen.path.value}]_one_submission",
             functools.partial(mover.execute_layers, chosen, pairs),
         )
-        item(f"32_layers_{name}_per_layer", functools.partial(per_layer, mover, chosen, srcs, dsts))
-
-
-def per_layer(
-    mover: Mover, chosen: TransferPlan, srcs: list[torch.Tensor], dsts: list[torch.Tensor]
-) -> None:
-    for src, dst in zip(srcs, dsts, strict=True):
-        mover.execute(chosen.rebind(src, dst))
+        item(
+            f"32_layers_{name}_per_layer",
+            functools.partial(execute_per_layer, mover, chosen, srcs, dsts),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (src, dst, src_idx, dst_idx) in cases.items():
         chosen = plan(src, dst, src_idx, dst_idx, policy=mover.policy)
         item(f"execute_{name}[{chosen.path.value}]", functools.partial(mover.execute, chosen))
-        item(f"rebind+execute_{name}", functools.partial(per_layer, mover, chosen, [src], [dst]))
+        item(
+            f"rebind+execute_{name}",
+            functools.partial(execute_per_layer, mover, chosen, [src], [dst]),
+        )
     forced = plan(
         host, dev, paged, contiguous, policy=mover.policy, force=TransferPath.BATCHED_RUNS
     )

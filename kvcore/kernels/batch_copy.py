@@ -78,7 +78,7 @@ def _direct_batch_call() -> Callable[..., int] | None:
     if lib is None:
         return None
     version = ctypes.c_int()
-    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 12080:
+    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < _MIN_CUDA_VERSION:
         return None
     call = lib.cudaMemcpyBatchAsync
     pointer, size = ctypes.c_void_p, ctypes.c_size_t
