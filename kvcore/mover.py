@@ -479,6 +479,7 @@ class StagingBuffers:
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._locks: dict[torch.device, threading.Lock] = {}
         self._last_use: dict[torch.device, torch.cuda.Event] = {}
+        self._last_stream: dict[torch.device, int] = {}
         self._guard = threading.Lock()
 
     @property
@@ -501,14 +502,18 @@ class StagingBuffers:
                 return
             stream = torch.cuda.current_stream(device)
             last_use = self._last_use.get(device)
-            if last_use is not None:
+            if last_use is None:
+                last_use = self._last_use[device] = torch.cuda.Event()
+            elif self._last_stream[device] != stream.cuda_stream:
+                # The same stream is ordered already; another one waits on the GPU.
                 stream.wait_event(last_use)
             try:
                 yield buffer
             finally:
-                done = torch.cuda.Event()
-                done.record(stream)
-                self._last_use[device] = done
+                # One event per device serves every lease: a wait holds the record issued
+                # before it, and the device lock keeps each record after the previous wait.
+                last_use.record(stream)
+                self._last_stream[device] = stream.cuda_stream
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,32 @@ event.
 
 Engines copy layer by layer with the same indices, so the last few uploads are
 kept: the same CPU tensor, unmodified since (its version counter says so), is
-uploaded once per transfer, not once per layer.
+uploaded once per transfer, not once per layer. A stream that has waited for an upload
+once needs no second wait: the later layers it runs are queued after the first wait.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 _CacheKey = tuple[tuple[int, int, int, int], ...]
+
+
+@dataclass
+class _Upload:
+    """One cached upload."""
+
+    # Kept alive so that their addresses, part of the cache key, are not reused.
+    indices: tuple[torch.Tensor, ...]
+    # Views of one device block.
+    on_device: tuple[torch.Tensor, ...]
+    done: torch.cuda.Event
+    # Streams (raw handles) that already wait for ``done`` and hold the block.
+    ordered: set[int]
 
 
 class IndexUploader:
@@ -44,12 +59,7 @@ class IndexUploader:
         self._stream = torch.cuda.Stream(device=device)
         self._lock = threading.Lock()
         self._cached = cached
-        # key -> (the CPU tensors, kept alive so their addresses are not reused; their device
-        # copies, views of one block; its event)
-        self._recent: OrderedDict[
-            _CacheKey,
-            tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.cuda.Event],
-        ] = OrderedDict()
+        self._recent: OrderedDict[_CacheKey, _Upload] = OrderedDict()
 
     @property
     def pinned_bytes(self) -> int:
@@ -69,15 +79,18 @@ class IndexUploader:
             if hit is not None:
                 self._recent.move_to_end(key)
         if hit is not None:
-            _, on_device, done = hit
-            consumer.wait_event(done)
-            # The views share one block: recording one keeps all of them alive.
-            on_device[0].record_stream(consumer)
-            return on_device
+            handle = consumer.cuda_stream
+            if handle not in hit.ordered:
+                consumer.wait_event(hit.done)
+                # The views share one block: recording one keeps all of them alive.
+                hit.on_device[0].record_stream(consumer)
+                with self._lock:
+                    hit.ordered.add(handle)
+            return hit.on_device
         out, done = self._upload(indices, consumer)
         on_device = (out,) if len(indices) == 1 else out.split([i.numel() for i in indices])
         with self._lock:
-            self._recent[key] = (indices, on_device, done)
+            self._recent[key] = _Upload(indices, on_device, done, {consumer.cuda_stream})
             while len(self._recent) > self._cached:
                 self._recent.popitem(last=False)
         return on_device

@@ -295,6 +295,28 @@ def test_index_upload_is_reused_per_layer_until_the_index_changes() -> None:
     assert torch.equal(second.cpu(), index)
 
 
+def test_a_reused_upload_orders_every_stream_that_reads_it() -> None:
+    """The first stream to read a cached upload waits once; a second stream waits too."""
+    from kvcore.kernels.index_upload import IndexUploader
+
+    uploader = IndexUploader(torch.device("cuda"), slots=2, slot_entries=1 << 16)
+    index = torch.randperm(1 << 16, generator=torch.Generator().manual_seed(21))
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(uploader._stream):
+        torch.cuda._sleep(200_000_000)  # holds the upload back on the GPU
+    with torch.cuda.stream(first):
+        on_device = uploader.upload(index)
+        assert uploader.upload(index) is on_device  # the next layer on the same stream
+        first_copy = on_device.clone()
+    with torch.cuda.stream(second):
+        assert uploader.upload(index) is on_device
+        second_copy = on_device.clone()
+    assert not second.query()  # the second stream waits for the upload too
+    torch.cuda.synchronize()
+    assert torch.equal(first_copy.cpu(), index)
+    assert torch.equal(second_copy.cpu(), index)
+
+
 def test_index_pairs_upload_in_one_slot_and_are_reused() -> None:
     from kvcore.kernels.index_upload import IndexUploader
 
