@@ -157,6 +157,23 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tupl
     return statistics.median(device_times), statistics.median(host_times)
 
 
+def _queued_host_seconds(fn: Callable[[], object], device: torch.device, calls: int = 6) -> float:
+    """Median host seconds of ``fn`` issued again and again behind a spin kernel, as an
+    engine issues layer after layer; the first call, which pays for the pause before it,
+    is left out."""
+    if device.type != "cuda":
+        return _timed(fn, device, calls)[1]
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(_SUBMIT_COVER_CYCLES)
+    host_times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        host_times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(device)
+    return statistics.median(host_times[1:])
+
+
 def _random_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Random bytes (NaN patterns included), never zeros."""
     nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
@@ -398,10 +415,11 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
                     kind,
                 )
             )
-        for result in results[first_result:]:
+        for result, (_, _, fn) in zip(results[first_result:], candidates, strict=True):
             if result["path"].endswith("(auto)"):
                 result["plan_us"] = plan_us
                 result["plan_warm_us"] = statistics.median(warm_us)
+                result["submit_queued_us"] = _queued_host_seconds(fn, opts.device) * 1e6
         bar.update()
     bar.close()
     results += _fallback_results(opts, mover)
@@ -613,12 +631,15 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"device: {report['device']}   "
         f"pinned-copy ceiling (median): {report['ceiling_gbps']:.2f} GB/s",
-        f"{'scenario':<48} {'path':<30} {'MiB':>7} {'GB/s':>8} {'ceil%':>6} {'submit us':>10} ok",
+        f"{'scenario':<48} {'path':<30} {'MiB':>7} {'GB/s':>8} {'ceil%':>6} {'submit us':>10} "
+        f"{'queued us':>10} ok",
     ]
     for r in report["results"]:
+        queued = r.get("submit_queued_us")
         lines.append(
             f"{r['scenario']:<48} {r['path']:<30} {r['bytes'] / 2**20:>7.1f} {r['gbps']:>8.2f} "
             f"{100 * r['share_of_ceiling']:>5.0f}% {r['submit_us']:>10.1f} "
+            f"{'' if queued is None else f'{queued:.1f}':>10} "
             f"{'yes' if r['identical'] else 'NO'}"
         )
     syncs = report["page_out_host_syncs"]

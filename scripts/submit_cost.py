@@ -3,7 +3,9 @@
 Runs on a CUDA machine: ``python scripts/submit_cost.py [--rows N] [--json out.json]``.
 For each item it queues a long spin kernel first, so every call is measured while the GPU
 is busy (as when an engine queues layer after layer), and reports the median host
-microseconds of ``--repeats`` calls, then the median of a few calls on an idle GPU.
+microseconds of ``--repeats`` calls, then the median of a few calls on an idle GPU, then of
+a few calls each after a 10 ms pause of the host (what an isolated transfer pays: on the
+lent H200 the first CUDA call after a pause costs far more than the same call in a row).
 Items: torch and ctypes copies, events, the index upload, the gather kernel's launch
 through Triton's JIT and through the compiled kernel, ``index_copy_``, and
 ``Mover.execute`` for each path on an already made plan.
@@ -35,6 +37,7 @@ from kvcore.mover import Mover, TransferPath, plan
 from kvcore.pinned import allocate_host_buffer
 
 SPIN_CYCLES = 200_000_000
+PAUSE_SECONDS = 0.01
 
 
 def _cudart() -> ctypes.CDLL:
@@ -63,13 +66,28 @@ def measure(fn: Callable[[], object], repeats: int) -> dict[str, float]:
         fn()
         idle.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
+    paused = []
+    for _ in range(max(3, repeats // 4)):
+        _spin_host(PAUSE_SECONDS)
+        t0 = time.perf_counter()
+        fn()
+        paused.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
     busy.sort()
     return {
         "median_us": statistics.median(busy) * 1e6,
         "p10_us": busy[len(busy) // 10] * 1e6,
         "p90_us": busy[(9 * len(busy)) // 10] * 1e6,
         "idle_median_us": statistics.median(idle) * 1e6,
+        "paused_median_us": statistics.median(paused) * 1e6,
     }
+
+
+def _spin_host(seconds: float) -> None:
+    """Keep the host thread busy without a CUDA call, as an engine computing on the CPU."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
 
 
 def layered_items(
@@ -154,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     contiguous_dev = contiguous.to(device)
     uploader = IndexUploader(device)
     fresh = [
-        (scattered.clone(), contiguous.clone()) for _ in range(args.repeats + args.repeats // 4 + 4)
+        (scattered.clone(), contiguous.clone())
+        for _ in range(args.repeats + 2 * max(3, args.repeats // 4) + 4)
     ]
     fresh_iter = iter(fresh)
 
@@ -170,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<44} FAILED {results[name]['error']}", flush=True)
             return
         busy, idle = results[name]["median_us"], results[name]["idle_median_us"]
-        print(f"{name:<44} {busy:>9.1f} us busy {idle:>9.1f} us idle", flush=True)
+        paused = results[name]["paused_median_us"]
+        print(
+            f"{name:<44} {busy:>9.1f} us busy {idle:>9.1f} us idle {paused:>9.1f} us paused",
+            flush=True,
+        )
 
     item("current_stream", lambda: torch.cuda.current_stream())
     item("event_record", lambda: torch.cuda.Event().record())

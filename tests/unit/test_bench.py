@@ -36,6 +36,9 @@ def test_quick_report_has_every_path_identical_and_the_documented_shape(tmp_path
     auto = [r for r in report["results"] if r["path"].endswith("(auto)")]
     # The first plan and the same plan again are reported apart.
     assert auto and all(r["plan_us"] > 0 and r["plan_warm_us"] > 0 for r in auto)
+    # Queued host time only where it was measured: the auto paths.
+    assert all(("submit_queued_us" in r) == (r in auto) for r in report["results"])
+    assert all(r["submit_queued_us"] > 0 for r in auto)
     alloc = report["allocator"]
     assert alloc["kvcore"]["one_run_fraction"] >= alloc["stock"]["one_run_fraction"]
     assert alloc["same_outcomes"]["value"] == 1.0
