@@ -157,21 +157,22 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tupl
     return statistics.median(device_times), statistics.median(host_times)
 
 
-def _queued_host_seconds(fn: Callable[[], object], device: torch.device, calls: int = 6) -> float:
-    """Median host seconds of ``fn`` issued again and again behind a spin kernel, as an
-    engine issues layer after layer; the first call, which pays for the pause before it,
-    is left out."""
-    if device.type != "cuda":
-        return _timed(fn, device, calls)[1]
-    torch.cuda.synchronize(device)
-    torch.cuda._sleep(_SUBMIT_COVER_CYCLES)
+def _queued_host_seconds(
+    fn: Callable[[], object], device: torch.device, calls: int = 16
+) -> list[float]:
+    """Host seconds of each of ``calls`` calls of ``fn`` issued one after another behind a
+    spin kernel, as an engine issues layer after layer."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(_SUBMIT_COVER_CYCLES)
     host_times = []
     for _ in range(calls):
         t0 = time.perf_counter()
         fn()
         host_times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize(device)
-    return statistics.median(host_times[1:])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return host_times
 
 
 def _random_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -419,7 +420,10 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
             if result["path"].endswith("(auto)"):
                 result["plan_us"] = plan_us
                 result["plan_warm_us"] = statistics.median(warm_us)
-                result["submit_queued_us"] = _queued_host_seconds(fn, opts.device) * 1e6
+                queued_us = [t * 1e6 for t in _queued_host_seconds(fn, opts.device)]
+                # The first call pays for the pause before it, as a lone transfer does.
+                result["submit_queued_us"] = statistics.median(queued_us[1:])
+                result["submit_queued_calls_us"] = queued_us
         bar.update()
     bar.close()
     results += _fallback_results(opts, mover)
