@@ -157,14 +157,17 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tupl
     return statistics.median(device_times), statistics.median(host_times)
 
 
-def _queued_host_seconds(
-    fn: Callable[[], object], device: torch.device, calls: int = 16
+def queued_host_seconds(
+    fn: Callable[[], object],
+    device: torch.device,
+    calls: int = 16,
+    spin_cycles: int = _SUBMIT_COVER_CYCLES,
 ) -> list[float]:
     """Host seconds of each of ``calls`` calls of ``fn`` issued one after another behind a
-    spin kernel, as an engine issues layer after layer."""
+    spin kernel of ``spin_cycles``, as an engine issues layer after layer."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda._sleep(_SUBMIT_COVER_CYCLES)
+        torch.cuda._sleep(spin_cycles)
     host_times = []
     for _ in range(calls):
         t0 = time.perf_counter()
@@ -420,7 +423,7 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
             if result["path"].endswith("(auto)"):
                 result["plan_us"] = plan_us
                 result["plan_warm_us"] = statistics.median(warm_us)
-                queued_us = [t * 1e6 for t in _queued_host_seconds(fn, opts.device)]
+                queued_us = [t * 1e6 for t in queued_host_seconds(fn, opts.device)]
                 # The first call pays for the pause before it, as a lone transfer does.
                 result["submit_queued_us"] = statistics.median(queued_us[1:])
                 result["submit_queued_calls_us"] = queued_us

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvcore.bench import execute_per_layer
+from kvcore.bench import execute_per_layer, queued_host_seconds
 from kvcore.direction import Direction
 from kvcore.kernels import triton_rows
 from kvcore.kernels.cudart import loaded_cudart
@@ -47,19 +47,12 @@ def _cudart() -> ctypes.CDLL:
     return lib
 
 
-def measure(fn: Callable[[], object], repeats: int) -> dict[str, float]:
+def measure(fn: Callable[[], object], device: torch.device, repeats: int) -> dict[str, float]:
     """Median host time of ``fn`` with the GPU busy (a spin kernel queued first), and with
     it idle (each call synchronised before the next): both, because a CUDA call's host cost
     can depend on what is queued."""
     fn()
-    torch.cuda.synchronize()
-    busy = []
-    torch.cuda._sleep(SPIN_CYCLES)
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        busy.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
+    busy = queued_host_seconds(fn, device, repeats, spin_cycles=SPIN_CYCLES)
     idle = []
     for _ in range(max(3, repeats // 4)):
         t0 = time.perf_counter()
@@ -182,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     def item(name: str, fn: Callable[[], object]) -> None:
         # One failing item must not cost the others in this single device call.
         try:
-            results[name] = measure(fn, args.repeats)
+            results[name] = measure(fn, device, args.repeats)
         except Exception as error:
             torch.cuda.synchronize()
             results[name] = {"error": f"{type(error).__name__}: {error}"}
