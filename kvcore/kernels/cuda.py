@@ -255,7 +255,7 @@ class _CudaIndexedOps:
     ) -> None:
         """DMA piece by piece into staging; each piece's scatter overlaps the next DMA."""
         device = dst_words.device
-        pieces = staging_pieces(host_runs.total, staging, self.staged_pieces)
+        pieces = staging_pieces(staging.shape[0], staging, self.staged_pieces)
         if len(pieces) == 1:
             # All on the current stream: no second stream to order, so no events.
             device_idx = self._on(dst_idx, device)
@@ -288,7 +288,7 @@ class _CudaIndexedOps:
     ) -> None:
         """Gather piece by piece into staging; each piece's DMA overlaps the next gather."""
         device = src_words.device
-        pieces = staging_pieces(host_runs.total, staging, self.staged_pieces)
+        pieces = staging_pieces(staging.shape[0], staging, self.staged_pieces)
         if len(pieces) == 1:
             device_idx = self._on(src_idx, device)
             torch.index_select(src_words, 0, device_idx, out=staging)

@@ -24,6 +24,10 @@ import torch
 
 _CacheKey = tuple[tuple[int, int, int, int], ...]
 
+# Private but long-standing (Triton and inductor read streams through it); absent in CPU
+# builds, where nothing here runs.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 
 @dataclass
 class _Upload:
@@ -52,6 +56,7 @@ class IndexUploader:
         if slots < 1 or slot_entries < 1:
             raise ValueError(f"slots and slot_entries must be positive: {slots}, {slot_entries}")
         self.device = device
+        self._device_index = torch.cuda._get_device_index(device, optional=True)
         self.slot_entries = slot_entries
         self._host = torch.empty(slots, slot_entries, dtype=torch.int64).pin_memory()
         self._done: list[torch.cuda.Event | None] = [None] * slots
@@ -72,21 +77,22 @@ class IndexUploader:
     def upload_all(self, indices: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Several indices in one copy (a gather's source and destination rows): one slot,
         one transfer and one event instead of one each."""
-        consumer = torch.cuda.current_stream(self.device)
         key = tuple((i.data_ptr(), i._version, i.numel(), i.stride(0)) for i in indices)
         with self._lock:
             hit = self._recent.get(key)
             if hit is not None:
                 self._recent.move_to_end(key)
         if hit is not None:
-            handle = consumer.cuda_stream
+            handle = self._current_stream_handle()
             if handle not in hit.ordered:
+                consumer = torch.cuda.current_stream(self.device)
                 consumer.wait_event(hit.done)
                 # The views share one block: recording one keeps all of them alive.
                 hit.on_device[0].record_stream(consumer)
                 with self._lock:
                     hit.ordered.add(handle)
             return hit.on_device
+        consumer = torch.cuda.current_stream(self.device)
         out, done = self._upload(indices, consumer)
         on_device = (out,) if len(indices) == 1 else out.split([i.numel() for i in indices])
         with self._lock:
@@ -94,6 +100,13 @@ class IndexUploader:
             while len(self._recent) > self._cached:
                 self._recent.popitem(last=False)
         return on_device
+
+    def _current_stream_handle(self) -> int:
+        """The current stream's raw handle, without building a Stream object (a few µs a
+        call, on every layer of a transfer) where torch offers that."""
+        if _current_raw_stream is None:
+            return int(torch.cuda.current_stream(self.device).cuda_stream)
+        return int(_current_raw_stream(self._device_index))
 
     def _upload(
         self, indices: tuple[torch.Tensor, ...], consumer: torch.cuda.Stream
