@@ -172,14 +172,20 @@ _ROWS_PER_RUN_FOR_INTERVALS = 8
 
 
 def _duplicate_destinations(
-    values: np.ndarray, steps: np.ndarray, span: int, runs: PairedRuns
+    values: np.ndarray, steps: np.ndarray, breaks: np.ndarray, span: int, runs: PairedRuns
 ) -> bool:
-    """Duplicates in ``values``, the destination side of ``runs``."""
-    if runs.count * _ROWS_PER_RUN_FOR_INTERVALS > values.size:
+    """Duplicates in ``values``, the destination side of ``runs``; ``breaks`` are its own."""
+    if runs.count * _ROWS_PER_RUN_FOR_INTERVALS <= values.size:
+        starts, lengths = runs.dst_starts.numpy(), runs.lengths.numpy()
+    elif (int(np.count_nonzero(breaks)) + 1) * _ROWS_PER_RUN_FOR_INTERVALS <= values.size:
+        # Scattered source rows into whole destination pages: the paired runs are single
+        # rows, the destination's own runs are pages.
+        offsets, own_lengths = _segment(values.size, np.flatnonzero(breaks))
+        starts, lengths = values[offsets.numpy()], own_lengths.numpy()
+    else:
         return _has_duplicates(values, steps, span)
-    starts = runs.dst_starts.numpy()
     begins = np.sort(starts)
-    ends = np.sort(starts + runs.lengths.numpy())
+    ends = np.sort(starts + lengths)
     # Some row lies in two runs iff, with starts and ends sorted apart, some run starts
     # before the run ending next has ended: at that start two runs are open.
     return bool((begins[1:] < ends[:-1]).any())
@@ -207,9 +213,17 @@ _COUNTING = _Counting()
 
 # numpy does the segmentation: each torch op on a small CPU tensor costs several
 # microseconds of dispatch, numpy a fraction of that, and the views are zero-copy.
+# Each result array is written in place: a plan of scattered rows has a run per row, and
+# every fresh temporary of that size costs page faults on first touch.
 def _segment(n: int, breaks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = np.concatenate(([0], breaks)).astype(np.int64, copy=False)
-    lengths = np.diff(np.concatenate((offsets, [n]))).astype(np.int64, copy=False)
+    """Offsets and lengths of the runs for ``breaks``, the positions ``p - 1`` where a run
+    starts at ``p``."""
+    offsets = np.empty(breaks.size + 1, dtype=np.int64)
+    offsets[0] = 0
+    np.add(breaks, 1, out=offsets[1:])
+    lengths = np.empty_like(offsets)
+    np.subtract(offsets[1:], offsets[:-1], out=lengths[:-1])
+    lengths[-1] = n - offsets[-1]
     return torch.from_numpy(offsets), torch.from_numpy(lengths)
 
 
@@ -223,7 +237,7 @@ def _runs_at(
     if int(np.count_nonzero(breaks)) == n - 1:
         lengths, offsets = _COUNTING.ones_and_arange(n)
         return [torch.from_numpy(side) for side in sides], lengths, offsets
-    offsets, lengths = _segment(n, np.flatnonzero(breaks) + 1)
+    offsets, lengths = _segment(n, np.flatnonzero(breaks))
     at = offsets.numpy()
     return [torch.from_numpy(side[at]) for side in sides], lengths, offsets
 
@@ -321,14 +335,19 @@ def segment_transfer(
         return TransferSegmentation(runs, Runs(empty.clone(), empty.clone()), 0, 0, False)
     paired = _paired_runs(src, dst)
     host, host_breaks = (src, paired.src_breaks) if host_is_src else (dst, paired.dst_breaks)
-    (host_starts,), host_lengths, _ = _runs_at(host_breaks, host)
-    host_runs = Runs(host_starts, host_lengths)
+    if int(np.count_nonzero(host_breaks)) == paired.runs.count - 1:
+        # The host side breaks wherever either side does (a superset by construction):
+        # its runs are the paired runs, so scattered rows are not segmented twice.
+        host_runs = paired.runs.src_runs() if host_is_src else paired.runs.dst_runs()
+    else:
+        (host_starts,), host_lengths, _ = _runs_at(host_breaks, host)
+        host_runs = Runs(host_starts, host_lengths)
     return TransferSegmentation(
         paired.runs,
         host_runs,
         src_span,
         dst_span,
-        _duplicate_destinations(dst, paired.dst_steps, dst_span, paired.runs),
+        _duplicate_destinations(dst, paired.dst_steps, paired.dst_breaks, dst_span, paired.runs),
     )
 
 

@@ -237,10 +237,10 @@ def test_segmenting_on_several_threads_at_once_matches_one_at_a_time() -> None:
 @given(
     st.lists(st.tuples(st.integers(-30, 4), st.integers(8, 24)), min_size=1, max_size=12),
     st.randoms(use_true_random=False),
-    st.booleans(),
+    st.sampled_from(["in order", "reversed", "every other row, shuffled"]),
 )
 def test_duplicates_between_page_runs_are_found_by_their_intervals(
-    gaps: list[tuple[int, int]], rng: random.Random, reverse: bool
+    gaps: list[tuple[int, int]], rng: random.Random, source: str
 ) -> None:
     # Pages of 8+ rows, each starting a gap after the previous one ends (a negative gap
     # overlaps it, 0 abuts it), listed in a shuffled order: the check compares the runs'
@@ -251,14 +251,23 @@ def test_duplicates_between_page_runs_are_found_by_their_intervals(
         end = pages[-1][0] + length
     rng.shuffle(pages)
     dst_rows = [row for start, length in pages for row in range(start, start + length)]
-    # The source holds the pages back to back, in order or in reverse page order.
     lengths = [length for _, length in pages]
     at = [sum(lengths[:k]) for k in range(len(pages))]
-    if reverse:
-        at = [len(dst_rows) - a - n for a, n in zip(at, lengths, strict=True)]
-    src_rows = [row for a, n in zip(at, lengths, strict=True) for row in range(a, a + n)]
+    if source == "every other row, shuffled":
+        # No two source rows adjacent: every paired run is one row, and the destination's
+        # own runs (its pages) carry the check.
+        src_rows = [2 * row for row in range(len(dst_rows))]
+        rng.shuffle(src_rows)
+    else:
+        # The source holds the pages back to back, in order or in reverse page order.
+        if source == "reversed":
+            at = [len(dst_rows) - a - n for a, n in zip(at, lengths, strict=True)]
+        src_rows = [row for a, n in zip(at, lengths, strict=True) for row in range(a, a + n)]
     src = torch.tensor(src_rows, dtype=torch.int64)
     dst = torch.tensor(dst_rows, dtype=torch.int64)
-    found = segment_transfer(src, dst, len(dst_rows), 400, host_is_src=True)
-    assert found.runs.count * 8 <= len(dst_rows)
+    found = segment_transfer(src, dst, 2 * len(dst_rows), 400, host_is_src=True)
+    if source == "every other row, shuffled":
+        assert found.runs.count == len(dst_rows)
+    else:
+        assert found.runs.count * 8 <= len(dst_rows)
     assert found.dst_has_duplicates == (len(set(dst_rows)) != len(dst_rows))
