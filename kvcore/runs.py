@@ -172,20 +172,30 @@ _ROWS_PER_RUN_FOR_INTERVALS = 8
 
 
 def _duplicate_destinations(
-    values: np.ndarray, steps: np.ndarray, breaks: np.ndarray, span: int, runs: PairedRuns
+    values: np.ndarray,
+    steps: np.ndarray,
+    breaks: np.ndarray,
+    span: int,
+    paired: Runs,
+    own: Runs | None,
 ) -> bool:
-    """Duplicates in ``values``, the destination side of ``runs``; ``breaks`` are its own."""
-    if runs.count * _ROWS_PER_RUN_FOR_INTERVALS <= values.size:
-        starts, lengths = runs.dst_starts.numpy(), runs.lengths.numpy()
-    elif (int(np.count_nonzero(breaks)) + 1) * _ROWS_PER_RUN_FOR_INTERVALS <= values.size:
-        # Scattered source rows into whole destination pages: the paired runs are single
-        # rows, the destination's own runs are pages.
-        offsets, own_lengths = _segment(values.size, np.flatnonzero(breaks))
-        starts, lengths = values[offsets.numpy()], own_lengths.numpy()
-    else:
-        return _has_duplicates(values, steps, span)
+    """Duplicates in ``values``, the destination rows, looked for between runs where runs
+    are long: the paired runs' destination side (``paired``), else the destination's own
+    runs (``own`` where already found); row by row otherwise. ``steps`` and ``breaks`` are
+    the destination's own."""
+    most_runs = values.size // _ROWS_PER_RUN_FOR_INTERVALS
+    runs = paired
+    if runs.count > most_runs:
+        if own is None and int(np.count_nonzero(breaks)) + 1 <= most_runs:
+            # Scattered source rows into whole destination pages: the paired runs are
+            # single rows, the destination's own runs are pages.
+            own = _own_runs(values, breaks, paired)
+        if own is None or own.count > most_runs:
+            return _has_duplicates(values, steps, span)
+        runs = own
+    starts = runs.starts.numpy()
     begins = np.sort(starts)
-    ends = np.sort(starts + lengths)
+    ends = np.sort(starts + runs.lengths.numpy())
     # Some row lies in two runs iff, with starts and ends sorted apart, some run starts
     # before the run ending next has ended: at that start two runs are open.
     return bool((begins[1:] < ends[:-1]).any())
@@ -334,21 +344,35 @@ def segment_transfer(
         runs = PairedRuns(empty, empty.clone(), empty.clone(), empty.clone())
         return TransferSegmentation(runs, Runs(empty.clone(), empty.clone()), 0, 0, False)
     paired = _paired_runs(src, dst)
-    host, host_breaks = (src, paired.src_breaks) if host_is_src else (dst, paired.dst_breaks)
-    if int(np.count_nonzero(host_breaks)) == paired.runs.count - 1:
-        # The host side breaks wherever either side does (a superset by construction):
-        # its runs are the paired runs, so scattered rows are not segmented twice.
-        host_runs = paired.runs.src_runs() if host_is_src else paired.runs.dst_runs()
+    src_side, dst_side = paired.runs.src_runs(), paired.runs.dst_runs()
+    if host_is_src:
+        host_runs = _own_runs(src, paired.src_breaks, src_side)
     else:
-        (host_starts,), host_lengths, _ = _runs_at(host_breaks, host)
-        host_runs = Runs(host_starts, host_lengths)
+        host_runs = _own_runs(dst, paired.dst_breaks, dst_side)
     return TransferSegmentation(
         paired.runs,
         host_runs,
         src_span,
         dst_span,
-        _duplicate_destinations(dst, paired.dst_steps, paired.dst_breaks, dst_span, paired.runs),
+        _duplicate_destinations(
+            dst,
+            paired.dst_steps,
+            paired.dst_breaks,
+            dst_span,
+            dst_side,
+            None if host_is_src else host_runs,
+        ),
     )
+
+
+def _own_runs(values: np.ndarray, breaks: np.ndarray, paired: Runs) -> Runs:
+    """One side's own runs, from its ``breaks`` and its side of the paired runs: those
+    themselves where the side breaks wherever either side does (a superset by
+    construction), so scattered rows are not segmented twice."""
+    if int(np.count_nonzero(breaks)) == paired.count - 1:
+        return paired
+    (starts,), lengths, _ = _runs_at(breaks, values)
+    return Runs(starts, lengths)
 
 
 def slice_runs(runs: Runs, begin: int, end: int) -> Runs:

@@ -238,9 +238,10 @@ def test_segmenting_on_several_threads_at_once_matches_one_at_a_time() -> None:
     st.lists(st.tuples(st.integers(-30, 4), st.integers(8, 24)), min_size=1, max_size=12),
     st.randoms(use_true_random=False),
     st.sampled_from(["in order", "reversed", "every other row, shuffled"]),
+    st.booleans(),
 )
 def test_duplicates_between_page_runs_are_found_by_their_intervals(
-    gaps: list[tuple[int, int]], rng: random.Random, source: str
+    gaps: list[tuple[int, int]], rng: random.Random, source: str, host_is_src: bool
 ) -> None:
     # Pages of 8+ rows, each starting a gap after the previous one ends (a negative gap
     # overlaps it, 0 abuts it), listed in a shuffled order: the check compares the runs'
@@ -265,7 +266,7 @@ def test_duplicates_between_page_runs_are_found_by_their_intervals(
         src_rows = [row for a, n in zip(at, lengths, strict=True) for row in range(a, a + n)]
     src = torch.tensor(src_rows, dtype=torch.int64)
     dst = torch.tensor(dst_rows, dtype=torch.int64)
-    found = segment_transfer(src, dst, 2 * len(dst_rows), 400, host_is_src=True)
+    found = segment_transfer(src, dst, 2 * len(dst_rows), 400, host_is_src=host_is_src)
     if source == "every other row, shuffled":
         assert found.runs.count == len(dst_rows)
     else:
