@@ -53,19 +53,8 @@ def measure(fn: Callable[[], object], device: torch.device, repeats: int) -> dic
     can depend on what is queued."""
     fn()
     busy = queued_host_seconds(fn, device, repeats, spin_cycles=SPIN_CYCLES)
-    idle = []
-    for _ in range(max(3, repeats // 4)):
-        t0 = time.perf_counter()
-        fn()
-        idle.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    paused = []
-    for _ in range(max(3, repeats // 4)):
-        _spin_host(PAUSE_SECONDS)
-        t0 = time.perf_counter()
-        fn()
-        paused.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
+    idle = _each_after_sync(fn, max(3, repeats // 4))
+    paused = _each_after_sync(fn, max(3, repeats // 4), pause_seconds=PAUSE_SECONDS)
     busy.sort()
     return {
         "median_us": statistics.median(busy) * 1e6,
@@ -74,6 +63,22 @@ def measure(fn: Callable[[], object], device: torch.device, repeats: int) -> dic
         "idle_median_us": statistics.median(idle) * 1e6,
         "paused_median_us": statistics.median(paused) * 1e6,
     }
+
+
+def _each_after_sync(
+    fn: Callable[[], object], calls: int, pause_seconds: float = 0.0
+) -> list[float]:
+    """Host seconds of each of ``calls`` calls of ``fn``, each issued once the GPU is idle
+    and, with ``pause_seconds``, after the host thread has spun that long."""
+    seconds = []
+    for _ in range(calls):
+        if pause_seconds:
+            _spin_host(pause_seconds)
+        t0 = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return seconds
 
 
 def _spin_host(seconds: float) -> None:
