@@ -38,6 +38,9 @@ ENGINE_ENTRY_MODULES: dict[str, str] = {
 
 # `kvcore bench --engine NAME` -> the adapter module whose main(args) runs that A/B.
 BENCH_ENGINES: dict[str, str] = {"sglang": "kvcore_sglang.bench"}
+# `kvcore bench --engine NAME --sweep` -> the adapter module whose main(args) runs the
+# engine-shaped sweep (whole requests as the engine makes them, stock against kvcore).
+BENCH_SWEEPS: dict[str, str] = {"sglang": "kvcore_sglang.sweep", "vllm": "kvcore_vllm.sweep"}
 
 
 class UsageError(Exception):
@@ -89,8 +92,16 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
         bench_module.add_arguments(bench)
         bench.add_argument(
             "--engine",
-            choices=BENCH_ENGINES,
+            choices=sorted({*BENCH_ENGINES, *BENCH_SWEEPS}),
             help="A/B an engine's own transfer methods against kvcore's hooks instead",
+        )
+        bench.add_argument(
+            "--sweep",
+            action="store_true",
+            help=(
+                "with --engine: time whole requests as the engine makes them (every layer's "
+                "call, new indices per request), stock against kvcore, over request sizes"
+            ),
         )
     bench.set_defaults(handler=run_bench)
 
@@ -117,7 +128,13 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
 
 def run_bench(args: argparse.Namespace) -> int:
     engine = getattr(args, "engine", None)
+    if getattr(args, "sweep", False):
+        if engine is None:
+            raise UsageError("--sweep needs --engine (sglang or vllm)")
+        return int(importlib.import_module(BENCH_SWEEPS[engine]).main(args))
     if engine is not None:
+        if engine not in BENCH_ENGINES:
+            raise UsageError(f"--engine {engine} runs only with --sweep")
         return int(importlib.import_module(BENCH_ENGINES[engine]).main(args))
     from kvcore import bench
 
