@@ -268,6 +268,12 @@ class KVCoreConfig:
         "route the engines' host<->device copies through kvcore's mover "
         "(experimental: not yet proven on a GPU inside an engine)",
     )
+    serve_rule: bool = _setting(
+        True,
+        BOOLEAN,
+        "pass each engine call to the engine's stock copy where that is faster "
+        "(kvcore.serve_rule); 0 makes kvcore serve every call it can copy exactly",
+    )
     log_level: str = _setting("WARNING", LOG_LEVEL, "level of the 'kvcore' logger")
 
     def __post_init__(self) -> None:

@@ -74,6 +74,7 @@ class Metrics:
             self.transfer_count: dict[TransferKey, int] = defaultdict(int)
             self.transfer_seconds: dict[TransferKey, Histogram] = defaultdict(Histogram)
             self.fallbacks: dict[str, int] = defaultdict(int)
+            self.decisions: dict[tuple[str, str], int] = defaultdict(int)
             self.pinned_bytes_in_use = 0
             self.pinned_bytes_capacity = 0
             self.allocator_allocs = 0
@@ -91,6 +92,11 @@ class Metrics:
     def record_fallback(self, reason: str) -> None:
         with self._lock:
             self.fallbacks[reason] += 1
+
+    def record_decision(self, decision: str, reason: str) -> None:
+        """One request's serve-or-pass decision (``serve`` or ``pass``) and its reason."""
+        with self._lock:
+            self.decisions[(decision, reason)] += 1
 
     def set_pinned(self, in_use: int, capacity: int) -> None:
         with self._lock:
@@ -121,6 +127,10 @@ class Metrics:
                     for direction, path in sorted(self.transfer_count)
                 ],
                 "fallbacks": dict(sorted(self.fallbacks.items())),
+                "decisions": [
+                    {"decision": decision, "reason": reason, "count": count}
+                    for (decision, reason), count in sorted(self.decisions.items())
+                ],
                 "pinned": {
                     "in_use_bytes": self.pinned_bytes_in_use,
                     "capacity_bytes": self.pinned_bytes_capacity,
@@ -161,7 +171,14 @@ class _PrometheusCollector:
         fallbacks = CounterMetricFamily(
             "kvcore_fallbacks", "Transfers handed to the engine's stock path", labels=["reason"]
         )
+        decisions = CounterMetricFamily(
+            "kvcore_decisions",
+            "Requests kvcore served or passed to the engine's stock copy, by reason",
+            labels=["decision", "reason"],
+        )
         with m._lock:
+            for (decision, reason), n in sorted(m.decisions.items()):
+                decisions.add_metric([decision, reason], n)
             for key in sorted(m.transfer_count):
                 nbytes.add_metric(list(key), m.transfer_bytes[key])
                 count.add_metric(list(key), m.transfer_count[key])
@@ -181,6 +198,7 @@ class _PrometheusCollector:
         yield count
         yield seconds
         yield fallbacks
+        yield decisions
         yield GaugeMetricFamily(
             "kvcore_pinned_bytes_in_use", "Pinned host bytes leased", value=pinned_in_use
         )

@@ -48,6 +48,12 @@ class MultiprocessExporter:
         self._fallbacks = Counter(
             "kvcore_fallbacks", "Transfers handed to the engine's stock path", ["reason"], **kwargs
         )
+        self._decisions = Counter(
+            "kvcore_decisions",
+            "Requests kvcore served or passed to the engine's stock copy, by reason",
+            ["decision", "reason"],
+            **kwargs,
+        )
         self._pinned = Gauge(
             "kvcore_pinned_bytes_in_use",
             "Pinned host bytes leased",
@@ -75,6 +81,9 @@ class MultiprocessExporter:
                 self._add(self._count, ("count", *labels), transfer["count"], labels)
             for reason, count in snapshot["fallbacks"].items():
                 self._add(self._fallbacks, ("fallback", reason), count, (reason,))
+            for entry in snapshot["decisions"]:
+                labels = (entry["decision"], entry["reason"])
+                self._add(self._decisions, ("decision", *labels), entry["count"], labels)
             self._pinned.set(snapshot["pinned"]["in_use_bytes"])
             self._one_run.set(snapshot["allocator"]["one_run_fraction"])
 

@@ -444,17 +444,21 @@ def direct_model_path(
 
 
 @contextmanager
-def bench_mover() -> Iterator[Mover]:
-    """The hooks' process-wide mover replaced by one with its own metrics, for the run."""
+def bench_mover(*, serve_rule: bool = False) -> Iterator[Mover]:
+    """The hooks' process-wide mover replaced by one with its own metrics, for the run.
+
+    The A/B measures kvcore's own paths, so the serve-or-pass rule is off unless asked for.
+    """
     from kvcore_sglang import transfers
 
     mover = Mover(policy_from_config(KVCoreConfig.from_env()), metrics=Metrics())
-    saved = transfers._mover
+    saved = transfers._mover, transfers.serve_rule_enabled
     transfers._mover = mover
+    transfers.serve_rule_enabled = lambda: serve_rule  # type: ignore[assignment]
     try:
         yield mover
     finally:
-        transfers._mover = saved
+        transfers._mover, transfers.serve_rule_enabled = saved
 
 
 def kvcore_path(

@@ -35,8 +35,8 @@ and V; every layer of a backup) move in one submission where they share a row si
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.layers import LayerPairs, layer_pairs
@@ -62,6 +63,7 @@ from kvcore.mover import (
 
 from . import guard, pool_jobs
 from .host_layouts import layout_reason
+from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, weakly
 from .pool_jobs import Job, PoolJobs
 
 _POOL_PACKAGE = "sglang.srt.mem_cache.pool_host"
@@ -70,6 +72,8 @@ MLA_POOL = f"{_POOL_PACKAGE}.mla.MLATokenToKVPoolHost"
 DSA_POOL = f"{_POOL_PACKAGE}.dsa.DSAIndexerPoolHost"
 # The index dtypes kvcore.runs.check_index accepts.
 _INDEX_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+logger = logging.getLogger("kvcore")
 
 _mover: Mover | None = None
 _mover_lock = threading.Lock()
@@ -145,69 +149,6 @@ def move_indices_hook(
     ):
         HOST_INDEX_MEMO.remember(moved_host, host_indices)
     return moved
-
-
-@dataclass(frozen=True, eq=False)
-class _MemoEntry:
-    key: tuple[Any, ...]
-    plan: TransferPlan
-
-
-class PlanMemo:
-    """The plan of the last load served, for the next load with the same indices.
-
-    The entry holds the index tensors it was made for, so none of them can be freed and
-    its id reused while it is kept: identity plus the tensors' version counters (bumped by
-    every in-place torch write) says the indices are unchanged. A device index that stays
-    on the device is never read, so its values do not matter to the plan; only the
-    CPU-side values the plan came from do. The pools are held weakly and the kept plan
-    without its buffers, so a pool SGLang drops (and its pinned memory) is not kept alive.
-    """
-
-    def __init__(self) -> None:
-        self._entry: _MemoEntry | None = None
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def key(pool: Any, device_pool: Any, indices: CallIndices, io_backend: str) -> tuple[Any, ...]:
-        host, device = indices.host, indices.device
-        pools = (_weakly(pool), _weakly(device_pool))
-        return (*pools, host, host._version, device, device._version, io_backend)
-
-    def recall(self, key: tuple[Any, ...]) -> TransferPlan | None:
-        with self._lock:
-            entry = self._entry
-        if entry is None or not all(map(_same, entry.key, key)):
-            return None
-        return entry.plan
-
-    def remember(self, key: tuple[Any, ...], plan: TransferPlan) -> None:
-        detached = dataclasses.replace(plan, src=_no_rows(plan.src), dst=_no_rows(plan.dst))
-        with self._lock:
-            self._entry = _MemoEntry(key, detached)
-
-
-def _weakly(obj: Any) -> Any:
-    try:
-        return weakref.ref(obj)
-    except TypeError:  # None, or a type without weak references: held as it is
-        return obj
-
-
-def _same(kept: Any, given: Any) -> bool:
-    if isinstance(kept, weakref.ref):
-        given = given() if isinstance(given, weakref.ref) else given
-        return given is not None and kept() is given
-    return kept is given or (type(kept) in (int, str) and kept == given)
-
-
-def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """An empty tensor like ``tensor`` (device, dtype, row shape) that holds no memory of it;
-    :meth:`TransferPlan.rebind` gives the plan real buffers again."""
-    return torch.empty((0, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-
-
-LOAD_PLANS = PlanMemo()
 
 
 @dataclass(frozen=True)
@@ -296,43 +237,86 @@ def _plans(
     direction: Direction,
     chosen_mover: Mover,
     device_opaque: bool,
-    memo_key: tuple[Any, ...] | None = None,
 ) -> list[Submission] | str:
     """One plan for every layer pair, moved in one submission where the pairs allow it, else
-    rebound to each pair; or the reason the call must run stock.
-
-    With ``memo_key``, a plan kept by :data:`LOAD_PLANS` for the same key is rebound
-    instead of planning again, and a new plan is kept for the next call.
-    """
+    rebound to each pair; or the reason the call must run stock."""
+    first = _first_plan(job, direction, chosen_mover, device_opaque)
+    if isinstance(first, str):
+        return first
     page_in = direction is Direction.H2D
     pairs = [(host, device) if page_in else (device, host) for host, device in job.pairs]
-    if memo_key is not None:
-        memo_key = (*memo_key, chosen_mover.policy)
-    first = LOAD_PLANS.recall(memo_key) if memo_key is not None else None
     try:
-        if first is None:
-            src_idx, dst_idx = (
-                (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
-            )
-            planner = plan_device_indexed if device_opaque else plan
-            first = planner(
-                pairs[0][0],
-                pairs[0][1],
-                src_idx,
-                dst_idx,
-                direction=direction,
-                policy=chosen_mover.policy,
-            )
-            if memo_key is not None and first.path is not TransferPath.FALLBACK:
-                LOAD_PLANS.remember(memo_key, first)
         layered = None
-        if len(pairs) > 1 and first.path is not TransferPath.FALLBACK:
+        if len(pairs) > 1:
             srcs, dsts = [src for src, _ in pairs], [dst for _, dst in pairs]
             layered = LAYER_PAIRS.pairs(pool, srcs, dsts)
         return submissions(first, pairs, layered)
     except ValueError:
+        return "sglang_invalid_indices"
+
+
+def _first_plan(
+    job: Job, direction: Direction, chosen_mover: Mover, device_opaque: bool
+) -> TransferPlan | str:
+    """The plan of the job's first pair, or why the call must run stock."""
+    page_in = direction is Direction.H2D
+    host, device = job.pairs[0]
+    src, dst = (host, device) if page_in else (device, host)
+    try:
+        src_idx, dst_idx = (
+            (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
+        )
+        planner = plan_device_indexed if device_opaque else plan
+        first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=chosen_mover.policy)
+    except ValueError:
         # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
         return "sglang_invalid_indices"
+    return first.reason if first.path is TransferPath.FALLBACK and first.reason else first
+
+
+def _count_pass(chosen_mover: Mover, reason: str) -> None:
+    if chosen_mover.metrics is not None:
+        chosen_mover.metrics.record_fallback(reason)
+
+
+def _count_decision(chosen_mover: Mover, reason: str | None, rule_reason: str) -> None:
+    """One request's decision: served, or passed to stock and why."""
+    if chosen_mover.metrics is not None:
+        if reason is None:
+            chosen_mover.metrics.record_decision("serve", rule_reason)
+        else:
+            chosen_mover.metrics.record_decision("pass", reason)
+
+
+_logged_errors: set[str] = set()
+
+
+def _internal_error(chosen_mover: Mover, exc: Exception) -> str:
+    """The reason a failure inside kvcore sends its call to stock; logged once per kind.
+
+    A CUDA error raised after a launch leaves the device in doubt: that one is re-raised
+    (stock would run on a device in an unknown state, and retrying hides the fault).
+    """
+    if _device_in_doubt(exc):
+        raise exc
+    reason = f"internal_error:{type(exc).__name__}"
+    if reason not in _logged_errors:
+        _logged_errors.add(reason)
+        logger.warning(
+            "kvcore: %s inside a SGLang transfer hook (%s); that call and later ones like it "
+            "run SGLang's stock copy",
+            type(exc).__name__,
+            str(exc).splitlines()[0][:200] if str(exc) else "no message",
+        )
+    _count_pass(chosen_mover, reason)
+    return reason
+
+
+def _device_in_doubt(exc: Exception) -> bool:
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
 def _serve(
@@ -341,21 +325,24 @@ def _serve(
     job: Job | str,
     direction: Direction,
     device_opaque: bool,
-    memo_key: tuple[Any, ...] | None = None,
 ) -> None:
     chosen_mover = mover()
-    decided = (
-        job
-        if isinstance(job, str)
-        else _plans(pool, job, direction, chosen_mover, device_opaque, memo_key)
-    )
-    if isinstance(decided, str):
-        if chosen_mover.metrics is not None:
-            chosen_mover.metrics.record_fallback(decided)
+    try:
+        decided = (
+            job
+            if isinstance(job, str)
+            else _plans(pool, job, direction, chosen_mover, device_opaque)
+        )
+        if not isinstance(decided, str):
+            for each in decided:
+                chosen_mover.submit(each)
+            return
+    except Exception as exc:
+        decided = _internal_error(chosen_mover, exc)
         stock()
         return
-    for each in decided:
-        chosen_mover.submit(each)
+    _count_pass(chosen_mover, decided)
+    stock()
 
 
 @functools.cache
@@ -382,6 +369,139 @@ def _jobs_for(target: str, by_release: dict[str, PoolJobs]) -> PoolJobs | None:
 _SOURCE_UNKNOWN = "sglang_source_unknown"
 
 
+def serve_rule_enabled() -> bool:
+    """Whether the serve-or-pass rule applies (``KVCORE_SERVE_RULE``, read once)."""
+    return _rule_setting()
+
+
+@functools.cache
+def _rule_setting() -> bool:
+    return KVCoreConfig.from_env().serve_rule
+
+
+def _rule_reason(op: str, pool: Any, io_backend: str, tokens: int) -> str | None:
+    return serve_rule.sglang_decision(
+        op, io_backend, pool.layout, pool.page_size, tokens, enabled=serve_rule_enabled()
+    )
+
+
+LOAD_REQUESTS = LoadRequests()
+POOL_LAYERS = PoolLayers()
+
+
+def _start_load(
+    chosen_mover: Mover,
+    jobs: PoolJobs | None,
+    pool_class: str,
+    pool: Any,
+    device_pool: Any,
+    host_indices: Any,
+    device_indices: Any,
+    io_backend: str,
+    is_draft: bool,
+) -> LoadRequest | str:
+    """Decide a new reload on its first call: a request kvcore serves, or why it passes.
+
+    A request is kept only when its index tensors are tensors (their identity names it).
+    """
+    indices: CallIndices | str | None = None
+    if jobs is None:
+        reason: str | None = _SOURCE_UNKNOWN
+    else:
+        indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
+        if isinstance(indices, str):
+            reason = indices
+        else:
+            reason = _rule_reason("load", pool, io_backend, indices.host.numel())
+    _count_decision(chosen_mover, reason, "rule_serves")
+    if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
+        return reason or "sglang_indices_on_device"
+    request = LOAD_REQUESTS.start(
+        pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
+    )
+    request.passes = reason
+    request.call_indices = indices
+    return request
+
+
+def _load_job(
+    jobs: PoolJobs,
+    request: LoadRequest,
+    pool: Any,
+    device_pool: Any,
+    layer_id: int,
+    indices: CallIndices,
+) -> Job | str:
+    return jobs.load(
+        pool,
+        device_pool,
+        layer_id,
+        request.is_draft,
+        indices.host,
+        indices.device,
+        request.io_backend,
+    )
+
+
+def _layer_buffers(
+    jobs: PoolJobs,
+    request: LoadRequest,
+    pool: Any,
+    device_pool: Any,
+    layer_id: int,
+    indices: CallIndices,
+) -> tuple[LayerBuffers, Job | None] | str:
+    """The layer's checked buffers (kept per pool), and the job when one had to be built."""
+    key = (layer_id, request.is_draft)
+    kept = POOL_LAYERS.get(pool, device_pool, key)
+    if kept is not None:
+        return kept, None
+    job = _load_job(jobs, request, pool, device_pool, layer_id, indices)
+    if isinstance(job, str):
+        return job
+    layered = layer_pairs([host for host, _ in job.pairs], [dev for _, dev in job.pairs])
+    buffers = LayerBuffers(weakly(device_pool), job.pairs, layered)
+    POOL_LAYERS.put(pool, device_pool, key, buffers)
+    return buffers, job
+
+
+def _serve_layer(
+    chosen_mover: Mover,
+    jobs: PoolJobs,
+    request: LoadRequest,
+    pool: Any,
+    device_pool: Any,
+    layer_id: int,
+    indices: CallIndices,
+) -> str | None:
+    """Copy one layer of a served reload; returns why the call must run stock instead."""
+    found = _layer_buffers(jobs, request, pool, device_pool, layer_id, indices)
+    if isinstance(found, str):
+        return found
+    buffers, job = found
+    if request.plan is None:
+        planned_from = job or _load_job(jobs, request, pool, device_pool, layer_id, indices)
+        if isinstance(planned_from, str):
+            return planned_from
+        first = _first_plan(planned_from, Direction.H2D, chosen_mover, indices.device_opaque)
+        if isinstance(first, str):
+            request.passes = first
+            return first
+        request.plan = first
+    if buffers.layered.reason is None:
+        try:
+            chosen_mover.execute_layers(request.plan, buffers.layered)
+            return None
+        except ValueError:
+            pass
+    work = submissions(request.plan, buffers.pairs, None)
+    if isinstance(work, str):
+        return work
+    for each in work:
+        chosen_mover.submit(each)
+    return None
+
+
 def _make_load_hook(
     pool_class: str, target: str, by_release: dict[str, PoolJobs]
 ) -> Callable[..., None]:
@@ -396,33 +516,68 @@ def _make_load_hook(
         *,
         is_draft: bool = False,
     ) -> None:
-        def stock() -> None:
-            original(
-                pool,
-                device_pool,
-                host_indices,
-                device_indices,
-                layer_id,
-                io_backend,
-                is_draft=is_draft,
-            )
-
-        jobs = _jobs_for(target, by_release)
-        indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
-        if jobs is None:
-            _serve(stock, pool, _SOURCE_UNKNOWN, Direction.H2D, False)
-            return
-        if isinstance(indices, str):
-            _serve(stock, pool, indices, Direction.H2D, False)
-            return
-        if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
-            stock()  # a layer this pool does not hold: stock returns without copying
-            return
-        job = jobs.load(
-            pool, device_pool, layer_id, is_draft, indices.host, indices.device, io_backend
+        chosen_mover = mover()
+        request = LOAD_REQUESTS.recall(
+            pool,
+            device_pool,
+            host_indices,
+            device_indices,
+            io_backend,
+            is_draft,
+            chosen_mover.policy,
         )
-        memo_key = PlanMemo.key(pool, device_pool, indices, io_backend)
-        _serve(stock, pool, job, Direction.H2D, indices.device_opaque, memo_key)
+        jobs = _jobs_for(target, by_release)
+        reason: str | None
+        try:
+            if request is None:
+                started = _start_load(
+                    chosen_mover,
+                    jobs,
+                    pool_class,
+                    pool,
+                    device_pool,
+                    host_indices,
+                    device_indices,
+                    io_backend,
+                    is_draft,
+                )
+                request = started if isinstance(started, LoadRequest) else None
+                reason = started if isinstance(started, str) else started.passes
+            else:
+                reason = request.passes
+            if reason is None and request is not None and jobs is not None:
+                if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
+                    # A layer this pool does not hold: stock returns without copying.
+                    original(
+                        pool,
+                        device_pool,
+                        host_indices,
+                        device_indices,
+                        layer_id,
+                        io_backend,
+                        is_draft=is_draft,
+                    )
+                    return
+                reason = _serve_layer(
+                    chosen_mover, jobs, request, pool, device_pool, layer_id, request.call_indices
+                )
+                if reason is None:
+                    return
+        except Exception as exc:
+            reason = _internal_error(chosen_mover, exc)
+            if request is not None:
+                request.passes = reason
+        else:
+            _count_pass(chosen_mover, reason or "sglang_unserved")
+        original(
+            pool,
+            device_pool,
+            host_indices,
+            device_indices,
+            layer_id,
+            io_backend,
+            is_draft=is_draft,
+        )
 
     return load_hook
 
@@ -448,6 +603,11 @@ def _make_backup_hook(
             return
         if isinstance(indices, str):
             _serve(stock, pool, indices, Direction.D2H, False)
+            return
+        reason = _rule_reason("backup", pool, io_backend, indices.host.numel())
+        _count_decision(mover(), reason, "rule_serves")
+        if reason is not None:
+            _serve(stock, pool, reason, Direction.D2H, False)
             return
         job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)
         _serve(stock, pool, job, Direction.D2H, indices.device_opaque)

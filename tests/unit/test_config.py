@@ -35,6 +35,7 @@ NON_DEFAULTS: dict[str, tuple[str, object]] = {
     "register_chunk_bytes": ("4G", 4 * GiB),
     "metrics": ("false", False),
     "transfers": ("on", True),
+    "serve_rule": ("0", False),
     "numa": ("auto", "auto"),
     "log_level": ("debug", "DEBUG"),
 }
@@ -52,6 +53,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "register_chunk_bytes": ("16 GiB per call", "KiB"),
     "metrics": ("maybe", "yes/no"),
     "transfers": ("sometimes", "yes/no"),
+    "serve_rule": ("when faster", "yes/no"),
     "numa": ("near", "allowed: off, auto"),
     "log_level": ("LOUD", "WARNING"),
 }
@@ -375,6 +377,7 @@ def test_to_env_of_defaults():
         "KVCORE_METRICS": "1",
         "KVCORE_TRANSFERS": "0",
         "KVCORE_NUMA": "off",
+        "KVCORE_SERVE_RULE": "1",
         "KVCORE_LOG_LEVEL": "WARNING",
     }
 

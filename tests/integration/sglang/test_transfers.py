@@ -221,9 +221,26 @@ def _paged(
 # --- fixtures ------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def kvcore_serves_every_call() -> Iterator[None]:
+    """The serve-or-pass rule off, and no request kept from another test: these pools are far
+    smaller than any request the rule serves, and these tests are about kvcore's own copies
+    (test_serve_rule.py covers the rule). Its own patcher, so that tests which undo theirs
+    keep it."""
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(transfers, "serve_rule_enabled", lambda: False)
+        patcher.setattr(transfers, "LOAD_REQUESTS", transfers.LoadRequests())
+        patcher.setattr(transfers, "POOL_LAYERS", transfers.PoolLayers())
+        yield
+
+
 @pytest.fixture
 def transfer_hooks(sglang_hooks, monkeypatch) -> Iterator[Callable[..., Any]]:
-    """Applies the plugin with the transfer hooks; the pool methods are restored afterwards."""
+    """Applies the plugin with the transfer hooks; the pool methods are restored afterwards.
+
+    The serve-or-pass rule is off: these pools are far smaller than any request the rule
+    serves, and the tests are about kvcore's own copies (test_serve_rule.py covers the rule).
+    """
     for (cls, name), function in STOCK.items():
         monkeypatch.setattr(cls, name, function)
 
@@ -456,13 +473,13 @@ def layered_cpu_kernels(calls: list[tuple[str, int]]) -> KernelSet:
 def test_the_pairs_of_a_call_move_in_one_submission(
     transfer_hooks, small_mover, monkeypatch, kind, pairs
 ):
-    """A load's K and V, a backup's every layer: one layered gather, the same bytes."""
+    """A load's K and V (an MLA layer's one pair), a backup's every layer: one layered
+    gather, the same bytes; a load's layer buffers are checked once and kept for the pool."""
     transfer_hooks()
     calls: list[tuple[str, int]] = []
     monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", layered_cpu_kernels(calls))
     check_served_call(kind, "layer_first", "direct", "load", "scattered", 100, 5)
-    # One pair (an MLA layer) has nothing to batch: the mover gathers it on its own.
-    assert calls == ([("gather_layers", pairs)] if pairs > 1 else [])
+    assert calls == [("gather_layers", pairs)]
     calls.clear()
     check_served_call(kind, "layer_first", "direct", "backup", "scattered", 100, 6)
     assert calls == [("gather_layers", pairs * LAYERS)]
@@ -933,7 +950,6 @@ def test_a_layer_by_layer_reload_plans_once_and_replans_when_the_indices_change(
     transfer_hooks, small_mover, monkeypatch, kind, layout, io_backend
 ):
     transfer_hooks()
-    monkeypatch.setattr(transfers, "LOAD_PLANS", transfers.PlanMemo())
     calls = _counting_planners(monkeypatch)
     pool = pool_for(kind, layout)
     host_idx, device_idx = make_indices(
@@ -958,7 +974,6 @@ def test_a_layer_by_layer_reload_plans_once_and_replans_when_the_indices_change(
 
 def test_a_memoised_plan_follows_the_mover_policy(transfer_hooks, monkeypatch):
     transfer_hooks()
-    monkeypatch.setattr(transfers, "LOAD_PLANS", transfers.PlanMemo())
     calls = _counting_planners(monkeypatch)
     pool = pool_for("mha", "layer_first")
     host_idx, device_idx = make_indices(
@@ -1093,29 +1108,37 @@ def test_0_5_22_layer_sharded_loads_map_owned_layers_to_host_layers(
         assert (fallbacks(), paths_taken()) == before
 
 
-def test_the_kept_plan_holds_neither_the_pool_nor_its_buffers():
+def test_a_kept_request_holds_neither_the_pool_nor_its_device_pool():
     import gc
     import weakref
 
-    from kvcore.mover import plan
+    from kvcore.mover import PathPolicy
 
     class Pool:  # stands in for a host pool SGLang drops (pinned buffers and all)
         pass
 
-    memo = transfers.PlanMemo()
-    pool, host, device = Pool(), torch.randn(64, 8), torch.randn(64, 8)
+    requests = transfers.LoadRequests()
+    policy = PathPolicy()
+    pool, device_pool = Pool(), Pool()
     host_idx, device_idx = torch.arange(4, 20), torch.arange(30, 46)
-    indices = transfers.CallIndices(host_idx, device_idx, device_opaque=False)
-    key = transfers.PlanMemo.key(pool, None, indices, "direct")
-    memo.remember(key, plan(host, device, host_idx, device_idx, direction="h2d"))
-    kept = memo.recall(transfers.PlanMemo.key(pool, None, indices, "direct"))
-    assert kept is not None and kept.src.numel() == 0 and kept.dst.numel() == 0
-    rebound = kept.rebind(host, device)
-    assert rebound.src is host and rebound.dst is device and rebound.path is kept.path
+    requests.start(pool, device_pool, host_idx, device_idx, "direct", False, policy)
+    kept = requests.recall(pool, device_pool, host_idx, device_idx, "direct", False, policy)
+    assert kept is not None
+    # Any other tensor, version, backend, draft flag or policy is a new request.
+    assert (
+        requests.recall(pool, device_pool, host_idx.clone(), device_idx, "direct", False, policy)
+        is None
+    )
+    assert requests.recall(pool, device_pool, host_idx, device_idx, "kernel", False, policy) is None
+    assert requests.recall(pool, device_pool, host_idx, device_idx, "direct", True, policy) is None
+    assert (
+        requests.recall(pool, device_pool, host_idx, device_idx, "direct", False, PathPolicy())
+        is None
+    )
+    host_idx.add_(1)
+    assert requests.recall(pool, device_pool, host_idx, device_idx, "direct", False, policy) is None
 
-    alive = [weakref.ref(x) for x in (pool, host, device)]
-    del pool, host, device, kept, rebound
+    alive = [weakref.ref(x) for x in (pool, device_pool)]
+    del pool, device_pool, kept
     gc.collect()
-    assert [ref() for ref in alive] == [None, None, None]
-    # The pool is gone, so its entry can no longer match a pool that reuses its address.
-    assert memo.recall(transfers.PlanMemo.key(Pool(), None, indices, "direct")) is None
+    assert [ref() for ref in alive] == [None, None]

@@ -1,0 +1,195 @@
+"""What a layer-by-layer SGLang reload keeps between its calls, so that later layers cost little.
+
+SGLang reloads a prefix with one ``load_to_device_per_layer`` call per layer, every call
+with the same two index tensors, back to back on its load stream. kvcore decides a request
+(serve or pass, and the plan) on its first call and keeps the decision in a
+:class:`LoadRequest`; every later call of the same request is recognised by the identity
+and version counters of its index tensors and goes straight to stock (a pass) or to one
+submission of that layer's buffers (:class:`PoolLayers`), with nothing planned again.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcore.layers import LayerPairs
+from kvcore.mover import PathPolicy, TransferPlan
+
+_MAX_REQUESTS = 64
+
+
+def weakly(obj: Any) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # None, or a type without weak references: held as it is
+        return obj
+
+
+def _is(kept: Any, given: Any) -> bool:
+    if isinstance(kept, weakref.ref):
+        return kept() is given
+    return kept is given
+
+
+@dataclass(eq=False)
+class LoadRequest:
+    """One reload's decision, kept while its calls come in.
+
+    It holds the index tensors it was decided for, so neither can be freed and its id
+    reused while it is kept; with their version counters (bumped by every in-place torch
+    write) identity says the indices are unchanged. The pools are held weakly.
+    """
+
+    pool: Any
+    device_pool: Any
+    host_indices: torch.Tensor
+    host_version: int
+    device_indices: torch.Tensor
+    device_version: int
+    io_backend: str
+    is_draft: bool
+    policy: PathPolicy
+    passes: str | None = None
+    """Why every call of the request goes to stock; None while kvcore serves it."""
+    plan: TransferPlan | None = None
+    """Planned on the first layer kvcore serves, for every layer after it."""
+    call_indices: Any = None
+    """The indices kvcore plans from (the adapter's CallIndices), found on the first call."""
+
+    def matches(
+        self,
+        pool: Any,
+        device_pool: Any,
+        host_indices: Any,
+        device_indices: Any,
+        io_backend: str,
+        is_draft: bool,
+        policy: PathPolicy,
+    ) -> bool:
+        return (
+            self.host_indices is host_indices
+            and self.device_indices is device_indices
+            and self.host_version == host_indices._version
+            and self.device_version == device_indices._version
+            and self.io_backend == io_backend
+            and self.is_draft == is_draft
+            and self.policy is policy
+            and _is(self.pool, pool)
+            and _is(self.device_pool, device_pool)
+        )
+
+
+class LoadRequests:
+    """The latest :class:`LoadRequest` of each (host pool, device pool).
+
+    Keyed per pool pair because one SGLang load interleaves several pools layer by layer
+    (a model's KV pool and its DSA indexer pool, for one).
+    """
+
+    def __init__(self) -> None:
+        self._latest: dict[tuple[int, int], LoadRequest] = {}
+        self._lock = threading.Lock()
+
+    def recall(
+        self,
+        pool: Any,
+        device_pool: Any,
+        host_indices: Any,
+        device_indices: Any,
+        io_backend: str,
+        is_draft: bool,
+        policy: PathPolicy,
+    ) -> LoadRequest | None:
+        found = self._latest.get((id(pool), id(device_pool)))
+        if found is not None and found.matches(
+            pool, device_pool, host_indices, device_indices, io_backend, is_draft, policy
+        ):
+            return found
+        return None
+
+    def start(
+        self,
+        pool: Any,
+        device_pool: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        io_backend: str,
+        is_draft: bool,
+        policy: PathPolicy,
+    ) -> LoadRequest:
+        request = LoadRequest(
+            weakly(pool),
+            weakly(device_pool),
+            host_indices,
+            host_indices._version,
+            device_indices,
+            device_indices._version,
+            io_backend,
+            is_draft,
+            policy,
+        )
+        with self._lock:
+            if len(self._latest) >= _MAX_REQUESTS:
+                self._latest.clear()
+            self._latest[(id(pool), id(device_pool))] = request
+        return request
+
+    def clear(self) -> None:
+        with self._lock:
+            self._latest.clear()
+
+    def __len__(self) -> int:
+        return len(self._latest)
+
+
+@dataclass(frozen=True, eq=False)
+class LayerBuffers:
+    """The buffer pairs one layer's load copies, checked once for the pool's life."""
+
+    device_pool: Any
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    """(host layer view, device layer) as the job builder gave them."""
+    layered: LayerPairs
+    """The same pairs, source first, as one submission takes them."""
+
+
+class PoolLayers:
+    """Per host pool, each layer's :class:`LayerBuffers` (a pool's buffers are allocated
+    once, when SGLang builds it, and keep their addresses for its life).
+
+    Held weakly per pool, so a pool SGLang drops takes its entries with it.
+    """
+
+    def __init__(self) -> None:
+        self._by_pool: weakref.WeakKeyDictionary[Any, dict[Hashable, LayerBuffers]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def get(self, pool: Any, device_pool: Any, key: Hashable) -> LayerBuffers | None:
+        try:
+            kept = self._by_pool.get(pool)
+        except TypeError:
+            return None
+        found = kept.get((id(device_pool), key)) if kept is not None else None
+        if found is None or not _is(found.device_pool, device_pool):
+            return None
+        return found
+
+    def put(self, pool: Any, device_pool: Any, key: Hashable, buffers: LayerBuffers) -> None:
+        with self._lock:
+            try:
+                kept = self._by_pool.setdefault(pool, {})
+            except TypeError:  # a pool without weak references: nothing is kept
+                return
+            kept[(id(device_pool), key)] = buffers
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_pool = weakref.WeakKeyDictionary()

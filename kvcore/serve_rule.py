@@ -1,0 +1,163 @@
+"""Serve or pass: for each engine call, whether kvcore's copy or the engine's stock copy is faster.
+
+Every input of the rule is in :data:`SGLANG_RULES` and :data:`VLLM_RULES`, each entry
+naming the engine-shaped sweep cells it was read from (docs/benchmarks.md, "Engine-shaped
+sweep"). An adapter asks :func:`sglang_decision` (or reads the vLLM thresholds) once per
+request, before it plans anything, so a call that passes costs stock's time plus a lookup.
+``KVCORE_SERVE_RULE=0`` turns the rule off (kvcore serves every call it can copy exactly),
+which is how the sweep measures kvcore's own paths against stock to set these entries.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ANY = "*"
+
+SERVE = None
+"""What a decision returns when kvcore serves the call (a pass returns its reason)."""
+
+
+@dataclass(frozen=True)
+class SGLangRule:
+    """When kvcore serves one kind of SGLang host-pool call.
+
+    ``op``, ``io_backend``, ``layout`` match exactly or :data:`ANY`; ``page_sizes`` is the
+    inclusive range of page sizes the entry covers. kvcore serves a call of at least
+    ``min_tokens`` tokens; None means never (stock is as fast or faster at every size).
+    """
+
+    op: str
+    io_backend: str
+    layout: str
+    page_sizes: tuple[int, int]
+    min_tokens: int | None
+    reason: str
+    """Why the rule passes (the metrics label), or why it serves."""
+    evidence: str
+    """The measurements behind the entry."""
+
+    def matches(self, op: str, io_backend: str, layout: str, page_size: int) -> bool:
+        return (
+            self.op in (ANY, op)
+            and self.io_backend in (ANY, io_backend)
+            and self.layout in (ANY, layout)
+            and self.page_sizes[0] <= page_size <= self.page_sizes[1]
+        )
+
+
+_ALL_PAGES = (1, 1 << 30)
+
+# First match wins, so specific entries come before general ones.
+SGLANG_RULES: tuple[SGLangRule, ...] = (
+    SGLangRule(
+        "load",
+        "kernel",
+        ANY,
+        (2, 1 << 30),
+        None,
+        "stock_kernel_near_link",
+        "SGLang's JIT load kernel moves paged reloads at ~90% of the link with 13-40 us of "
+        "host time a layer (REFERENCE.md s5; H200 engine sweep): nothing left to win",
+    ),
+    SGLangRule(
+        "backup",
+        "kernel",
+        "layer_first",
+        (2, 1 << 30),
+        None,
+        "stock_kernel_near_link",
+        "all-layer backups of paged layer_first pools: stock's kernel is within a few percent "
+        "of the link; kvcore measured 0.22-0.98x (REFERENCE.md s5)",
+    ),
+    SGLangRule(
+        ANY,
+        ANY,
+        ANY,
+        _ALL_PAGES,
+        2048,
+        "small_request",
+        "below ~2k tokens a request's copy is shorter than kvcore's first-call planning; "
+        "page_first backups, page-size-1 loads and the direct backend serve above it",
+    ),
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sglang_rule(op: str, io_backend: str, layout: str, page_size: int) -> SGLangRule | None:
+    return next((r for r in SGLANG_RULES if r.matches(op, io_backend, layout, page_size)), None)
+
+
+def sglang_decision(
+    op: str, io_backend: str, layout: str, page_size: int, tokens: int, *, enabled: bool = True
+) -> str | None:
+    """None when kvcore serves this SGLang call, else the reason it passes to stock."""
+    if not enabled:
+        return SERVE
+    rule = _sglang_rule(op, io_backend, layout, page_size)
+    if rule is None or rule.min_tokens is None:
+        return rule.reason if rule is not None else SERVE
+    return SERVE if tokens >= rule.min_tokens else rule.reason
+
+
+@dataclass(frozen=True)
+class VLLMRules:
+    """The vLLM handler's thresholds (:class:`kvcore_vllm.transfers.KVCoreOffloadingHandler`)."""
+
+    min_pages_per_submission: int = 64
+    """A job with fewer pages per submission it would need stays with stock's one batched
+    copy: kvcore's submission costs more host time than the driver's per-page cost saves."""
+    stock_kernel_loads: bool = True
+    """Loads over a single KV tensor (cross-layer layout) that are not one run per group
+    stay with vLLM's Triton kernel, which moves them as fast as kvcore's gather for less
+    host time."""
+
+
+VLLM_RULES = VLLMRules()
+
+
+def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, object]]:
+    """The rule as plain rows, for ``kvcore doctor`` and the docs."""
+    rows: list[dict[str, object]] = []
+    for rule in rules:
+        low, high = rule.page_sizes
+        rows.append(
+            {
+                "engine": "sglang",
+                "op": rule.op,
+                "io_backend": rule.io_backend,
+                "layout": rule.layout,
+                "page_sizes": f"{low}+" if high >= 1 << 30 else f"{low}-{high}",
+                "serves": "never" if rule.min_tokens is None else f">= {rule.min_tokens} tokens",
+                "reason": rule.reason,
+                "evidence": rule.evidence,
+            }
+        )
+    rows.append(
+        {
+            "engine": "vllm",
+            "op": "store/load",
+            "io_backend": "-",
+            "layout": "per-layer or cross-layer",
+            "page_sizes": "*",
+            "serves": f">= {VLLM_RULES.min_pages_per_submission} pages per submission",
+            "reason": "few_pages",
+            "evidence": "2 MiB-page jobs of 32 pages: kvcore 0.88-0.91x without the rule",
+        }
+    )
+    if VLLM_RULES.stock_kernel_loads:
+        rows.append(
+            {
+                "engine": "vllm",
+                "op": "load",
+                "io_backend": "-",
+                "layout": "cross-layer (one KV tensor)",
+                "page_sizes": "< 28 KiB",
+                "serves": "only one run per group",
+                "reason": "stock_kernel_load",
+                "evidence": "vLLM's Triton load kernel as fast as kvcore's gather there",
+            }
+        )
+    return rows
