@@ -107,7 +107,10 @@ def fingerprint_target(target: str, root: Path | None = None) -> str:
     engine's package), by default the installed engine's."""
     tree = package_root(target.split(".", 1)[0]) if root is None else root
     path, qualname = locate(target, tree)
-    return fingerprint_source(path.read_text(encoding="utf-8"), qualname)
+    try:
+        return fingerprint_source(path.read_text(encoding="utf-8"), qualname)
+    except SourceNotFound as exc:
+        raise SourceNotFound(f"{exc} in {path}") from None
 
 
 def drift(
