@@ -279,14 +279,9 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
 SUPPORTED_VERSIONS: tuple[str, ...] = tuple(FINGERPRINTS)
 
 
-def fingerprint_of(target: Target, root: Path | None = None) -> str:
-    """``target``'s fingerprint in the source tree ``root`` (the installed vLLM's by default)."""
-    return fingerprint.fingerprint_target(target.name, root)
-
-
 def current_fingerprints(root: Path | None = None) -> dict[str, str]:
     """Target qualname -> fingerprint for the installed vLLM (or the tree at ``root``)."""
-    return {target.qualname: fingerprint_of(target, root) for target in TARGETS}
+    return {t.qualname: fingerprint.fingerprint_target(t.name, root) for t in TARGETS}
 
 
 def refusals(
