@@ -5,8 +5,8 @@ module finds the ones an adapter depends on, so that a test can require each of 
 the table. Nothing is imported: the adapter modules are read as text, the engine from
 its source tree. A use is found where the adapter
 
-- overrides a method: a method of a class whose bases are engine classes, where those
-  bases define it;
+- overrides a method: a method of a class whose bases are engine classes it imported
+  by name, where those bases define it;
 - calls a method through ``super()`` in such a class (constructors included);
 - calls an engine function or constructs an engine class it imported by name (the
   class's ``__init__``, where its source defines one);
