@@ -9,11 +9,9 @@ Sources are read from the installed files; the engine is not imported.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import re
 import sys
-from pathlib import Path
 
 from kvcore.engine_status import probe_engine, release_of
 
@@ -27,23 +25,7 @@ def _sglang() -> tuple[list[str], str, dict[str, str]]:
 
     tested = sorted(guard.FINGERPRINTS, key=_release_key)
     newest = tested[-1]
-    recorded = guard.FINGERPRINTS[newest]
-    dist = importlib.metadata.distribution("sglang")
-    changed: dict[str, str] = {}
-    groups = {**guard.TARGET_GROUPS, **guard.TRANSFER_GROUPS}
-    for target in (t for targets in groups.values() for t in targets if t in recorded):
-        module, qualname = guard.split_target(target)
-        path = Path(str(dist.locate_file(module.replace(".", "/") + ".py")))
-        try:
-            actual = guard.fingerprint_in_source(path.read_text(encoding="utf-8"), qualname)
-        except (OSError, KeyError, SyntaxError) as exc:
-            changed[target] = f"source not readable: {type(exc).__name__}: {exc}"
-            continue
-        if actual != recorded[target]:
-            changed[target] = (
-                f"source changed (fingerprint {actual[:12]}, tested {recorded[target][:12]})"
-            )
-    return tested, newest, changed
+    return tested, newest, guard.source_changes(newest)
 
 
 def _vllm() -> tuple[list[str], str, dict[str, str]]:

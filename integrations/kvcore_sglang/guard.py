@@ -1,21 +1,22 @@
-"""Version guard: which SGLang releases kvcore patches, and the source it expects to replace.
+"""Version guard: which SGLang releases kvcore patches, and the source it expects to find.
 
-Each replaced function is fingerprinted from its source text: the sha256 of its
-lines with indentation, blank lines and whole-line comments removed. Text, not an
-AST dump, so the fingerprint is the same under every Python version SGLang ships
-wheels for. Targets are patched in groups (a group's functions share state, so
-replacing part of it would split that state); a changed fingerprint skips its
-whole group.
+Every function kvcore hooks, and every SGLang function the hooks' code calls, is
+fingerprinted from its source (:mod:`kvcore.fingerprint`). Targets are patched in
+groups (a group's functions share state, so replacing part of it would split that
+state); a changed fingerprint of a group's target, or of a function the group depends
+on, skips the whole group.
+
+Only the standard library and kvcore's core are imported here.
 """
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import importlib
-import inspect
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+from kvcore import fingerprint
 
 HOST_KV_CACHE = "sglang.srt.mem_cache.pool_host.base.HostKVCache"
 
@@ -32,9 +33,10 @@ TRANSFER_TARGETS: tuple[str, ...] = tuple(
     for pool in ("mha.MHATokenToKVPoolHost", "mla.MLATokenToKVPoolHost")
     for method in ("load_to_device_per_layer", "backup_from_device_all_layer")
 )
+_DSA_POOL = f"{_POOL_HOST}.dsa.DSAIndexerPoolHost"
 DSA_TRANSFER_GROUP = "DSA indexer transfers"
 DSA_TRANSFER_TARGETS: tuple[str, ...] = tuple(
-    f"{_POOL_HOST}.dsa.DSAIndexerPoolHost.{method}"
+    f"{_DSA_POOL}.{method}"
     for method in ("load_to_device_per_layer", "backup_from_device_all_layer")
 )
 # With the ``kernel`` io backend SGLang moves the host indices to the GPU here; the hook
@@ -52,60 +54,107 @@ TRANSFER_GROUPS: dict[str, tuple[str, ...]] = {
     INDEX_MEMO_GROUP: INDEX_MEMO_TARGETS,
 }
 
-# Recorded from each release's wheel with ``python -m kvcore_sglang.guard ROOT``;
+_REGISTER = "sglang.srt.plugins.hook_registry.HookRegistry.register"
+# SGLang functions a group's hooks call (kvcore.stock_uses finds them; a test requires each
+# here): checked with the group, never hooked. The plugin registers every hook through
+# HookRegistry.register; the layer helpers are those kvcore_sglang.pool_jobs asks which
+# layer a pool holds and where (HostKVCache's for MHA and MLA, the DSA pool's own).
+DEPENDENCIES: dict[str, tuple[str, ...]] = {
+    ALLOCATOR_GROUP: (_REGISTER,),
+    TRANSFER_GROUP: (
+        _REGISTER,
+        *(
+            f"{HOST_KV_CACHE}.{name}"
+            for name in ("_host_layer_index", "_is_device_layer_owned", "_is_device_layer_sharded")
+        ),
+    ),
+    DSA_TRANSFER_GROUP: (
+        _REGISTER,
+        *(
+            f"{_DSA_POOL}.{name}"
+            for name in ("_draft_host_layer", "_host_layer_index", "_is_device_layer_owned")
+        ),
+        f"{HOST_KV_CACHE}._is_device_layer_sharded",
+    ),
+    INDEX_MEMO_GROUP: (_REGISTER,),
+}
+
+# Recorded from each release's files with ``python -m kvcore_sglang.guard [ROOT]``;
 # 0.5.22 and 0.5.23 define these functions identically.
 _HOST_SLOTS_0_5_22: dict[str, str] = {
-    f"{HOST_KV_CACHE}.clear": "77c229ee3f69285f93361bf214b45de28c2552347ae9d74048507d2172c3eb26",
+    f"{HOST_KV_CACHE}.clear": "645ec28ecee0ff6417687f9436565884d047cc17f2b77f4e8dcf458c70fd46ac",
     f"{HOST_KV_CACHE}.available_size": (
-        "72715d2073cb57bb9d3e4f1d5952f7412fa1dcdbcdeda3a689191dde0ec4499c"
+        "11e3e4640250bb955f035319adb0f19e7422a107c19f4161c5973b58445a520f"
     ),
-    f"{HOST_KV_CACHE}.alloc": "12afebe1815e6d36d7f16115ed89f39d976e95205e549e14ce9b3d218d287020",
-    f"{HOST_KV_CACHE}.free": "b5651e29ed7e3b808d54222e22b7424c8266602beb9a8342da0333c7213f32c0",
+    f"{HOST_KV_CACHE}.alloc": "62a204f7af352646535afdc1527c61e5b16565d616fb37fd7d6686f9c4314edb",
+    f"{HOST_KV_CACHE}.free": "36a58622f3462b1196886a44c5cf7d1625c9fce93d6ab0d50c543077ca1c1967",
 }
 # The MHA and MLA transfers differ between the releases (0.5.22 maps layers through the
 # device pool's layer sharding, 0.5.23 through its pools' slot maps); kvcore_sglang.pool_jobs
 # has builders for each, and the hooks use those of the release whose fingerprint matches.
 _TRANSFERS_0_5_22: dict[str, str] = {
     f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.load_to_device_per_layer": (
-        "70c64fb27349702d4b290eb0f3091d9efd853fafbc08083a248ed32a909d7edd"
+        "e3911f280ac28ad7fbc4896d10e7769147cac54af2be31f395da8181e5e2c143"
     ),
     f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.backup_from_device_all_layer": (
-        "6c89ab6f1a2a728c9fd9191cea93137bfdad78478a9ca995667bec9f993eb8d0"
+        "5de21c9b730afaa9e51a8a7818bd1732682493a64265f11407cdd5b49d87fef2"
     ),
     f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.load_to_device_per_layer": (
-        "65a71d6e51e328aab6dfe61f99446a5d27db5f7bf0dbffa44c4a264d1b44e9fa"
+        "80cb98b750f6ebb30cb74cbfeaaef7fb663d15a4501109e2f8eacb39c7d67b85"
     ),
     f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.backup_from_device_all_layer": (
-        "2acbfcfaef39884e132e6b345c1683787dd8500abb08f0c49e523041edbfc046"
+        "22bbc79d9405d5c0d5d0a803fc5ad0311a9698350002d564862ce6d222a4d8f9"
     ),
 }
 _TRANSFERS_0_5_23: dict[str, str] = {
     f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.load_to_device_per_layer": (
-        "9bd30c239ff84b6cdd08f8c9bf3c52b94c088c95d7387ef7b4b3026d689c421c"
+        "3f5280b6ec2342ea190bf91f712bef3437e290da467d10d2eb19cc4aabf1fa60"
     ),
     f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.backup_from_device_all_layer": (
-        "16ba921ce9ad0a399ea0ffd29661494fe68254b00554d0dffe5f623542dab451"
+        "98825fee47f310e39a389272274aff52baf79fca1d78270ac41cb093d20871dc"
     ),
     f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.load_to_device_per_layer": (
-        "fce382eecb032ba34d8bb561822c4708d6138cdb8cf4f86764a154fa6a9fb670"
+        "4437289ce26c07cdcc1dc9f5fc70a29ebdd7412a8f852ae2b8c863617d4c683f"
     ),
     f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.backup_from_device_all_layer": (
-        "5f35499e804eef01c4c2a44e84bc974ba0af10fea286834594297acd79489ef5"
+        "bac3c6ac78bf272f4180fc85554507cfa562644686443b21753b058e597951f0"
     ),
 }
 # 0.5.22 and 0.5.23 define the DSA indexer pool's transfers (and the helpers they use)
 # identically, apart from XPU-only code.
 _DSA_TRANSFERS_0_5_22: dict[str, str] = {
-    f"{_POOL_HOST}.dsa.DSAIndexerPoolHost.load_to_device_per_layer": (
-        "750fe765a274fb33260d63c98094c1f4a8984a01695dce79f20a067a73a24559"
+    f"{_DSA_POOL}.load_to_device_per_layer": (
+        "0b052fb3b16de7789049aeaade1ab122eb239db50ccbf20e7ed78ed9e22af869"
     ),
-    f"{_POOL_HOST}.dsa.DSAIndexerPoolHost.backup_from_device_all_layer": (
-        "ac81f2a3d3f4ec18f1dfdf1839d1f8419b88579a8e49eda2e5c639e6ff042c85"
+    f"{_DSA_POOL}.backup_from_device_all_layer": (
+        "75c6618281547e4a064b191c3fbd0b2ee235036d1baf815ceeb09051bfba8bd7"
     ),
 }
 # 0.5.22 and 0.5.23 define HiCacheController.move_indices identically.
 _INDEX_MEMO_0_5_22: dict[str, str] = {
-    INDEX_MEMO_TARGETS[0]: "c87b308f4104a118fdbf0ebc64dc6fc3c488683b9d950112444e43be9f1353a8",
+    INDEX_MEMO_TARGETS[0]: "febbd6c1c68ebfc3dda1829a6021fa639465da9ccb6b94ff2cff123377e1528b",
+}
+# The functions of DEPENDENCIES, the same in both releases.
+_DEPENDENCIES_0_5_22: dict[str, str] = {
+    _REGISTER: "d63b75e9c26f0c9e71a125acf6ea791a1231472737ce7639b4fa8d93c792bafe",
+    f"{HOST_KV_CACHE}._host_layer_index": (
+        "1d968730bf62265f7c444932dd6c829f0441ddda42eb4217f8ded4052f929eab"
+    ),
+    f"{HOST_KV_CACHE}._is_device_layer_owned": (
+        "6fd77015986332b463c9214815b24bdcee0514661b2a9a217778de39e1c9ff21"
+    ),
+    f"{HOST_KV_CACHE}._is_device_layer_sharded": (
+        "7586a5ce8e5aa144007da401d1aefe5e5061ad16900c342bd47acbc2b58e1ae3"
+    ),
+    f"{_DSA_POOL}._draft_host_layer": (
+        "9bda1862b625bf2be550dd61664c646d341b2a4d89e44f43a4d9ee24f3fbe8b3"
+    ),
+    f"{_DSA_POOL}._host_layer_index": (
+        "68f331ffcc63508e60117dffa0097449355cff16d1f9ca5081c18bae6666001d"
+    ),
+    f"{_DSA_POOL}._is_device_layer_owned": (
+        "6c997506e14b19652a8922718f59e8984aaddab5ebd576e01798ad428a146565"
+    ),
 }
 FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.5.22": {
@@ -113,12 +162,14 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         **_TRANSFERS_0_5_22,
         **_DSA_TRANSFERS_0_5_22,
         **_INDEX_MEMO_0_5_22,
+        **_DEPENDENCIES_0_5_22,
     },
     "0.5.23": {
         **_HOST_SLOTS_0_5_22,
         **_TRANSFERS_0_5_23,
         **_DSA_TRANSFERS_0_5_22,
         **_INDEX_MEMO_0_5_22,
+        **_DEPENDENCIES_0_5_22,
     },
 }
 
@@ -137,34 +188,13 @@ class GuardResult:
     skipped: tuple[Skipped, ...]
 
 
-def normalise_source(source: str) -> str:
-    lines = (line.strip() for line in source.splitlines())
-    return "\n".join(line for line in lines if line and not line.startswith("#"))
-
-
-def fingerprint_text(source: str) -> str:
-    return hashlib.sha256(normalise_source(source).encode()).hexdigest()
-
-
-def fingerprint_in_source(module_source: str, qualname: str) -> str:
-    """Fingerprint of ``qualname`` (e.g. ``HostKVCache.alloc``) defined in ``module_source``,
-    decorators included. KeyError when the module does not define it."""
-    lines = module_source.splitlines()
-    node = _find_definition(ast.parse(module_source), qualname.split("."))
-    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-    assert node.end_lineno is not None
-    return fingerprint_text("\n".join(lines[first - 1 : node.end_lineno]))
-
-
 def fingerprint_target(target: str) -> str:
     """Fingerprint of the installed source of ``target``, a dotted ``module.Class.function``.
 
-    The module is imported; the text comes from its file, so a target already
-    wrapped by a hook still reads as the engine's own source.
+    The text comes from the module's file, so a target already wrapped by a hook still
+    reads as the engine's own source.
     """
-    module_name, qualname = split_target(target)
-    module = importlib.import_module(module_name)
-    return fingerprint_in_source(inspect.getsource(module), qualname)
+    return fingerprint.fingerprint_target(target)
 
 
 def split_target(target: str) -> tuple[str, str]:
@@ -178,7 +208,7 @@ def split_target(target: str) -> tuple[str, str]:
 
 def check_targets(version: str, groups: dict[str, tuple[str, ...]] = TARGET_GROUPS) -> GuardResult:
     """Which targets of ``groups`` may be patched on SGLang ``version`` (a release string,
-    no local label)."""
+    no local label); a group's DEPENDENCIES are checked with it."""
     recorded = FINGERPRINTS.get(version)
     if recorded is None:
         tested = ", ".join(sorted(FINGERPRINTS))
@@ -188,7 +218,7 @@ def check_targets(version: str, groups: dict[str, tuple[str, ...]] = TARGET_GROU
     patchable: list[str] = []
     skipped: list[Skipped] = []
     for group, targets in groups.items():
-        changed = {t: why for t in targets if (why := _mismatch(t, recorded.get(t)))}
+        changed = fingerprint.drift(recorded, targets=(*targets, *DEPENDENCIES.get(group, ())))
         if not changed:
             patchable.extend(targets)
             continue
@@ -200,49 +230,28 @@ def check_targets(version: str, groups: dict[str, tuple[str, ...]] = TARGET_GROU
     return GuardResult(tuple(patchable), tuple(skipped))
 
 
-def _mismatch(target: str, expected: str | None) -> str | None:
-    if expected is None:
-        return "no fingerprint recorded for this version"
-    try:
-        actual = fingerprint_target(target)
-    except (ImportError, AttributeError, KeyError, OSError, SyntaxError) as exc:
-        return f"cannot read its source: {type(exc).__name__}: {exc}"
-    if actual != expected:
-        return f"source changed (fingerprint {actual[:12]}, recorded {expected[:12]})"
-    return None
+def source_changes(version: str, root: Path | None = None) -> dict[str, str]:
+    """Every target recorded for ``version`` -> why its source in ``root`` (the directory
+    holding the ``sglang`` package; the installed one by default) differs."""
+    return fingerprint.drift(FINGERPRINTS[version], root)
 
 
-_Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
-
-
-def _find_definition(tree: ast.Module, path: list[str]) -> _Definition:
-    body: list[ast.stmt] = tree.body
-    node: ast.stmt | None = None
-    for name in path:
-        node = next(
-            (n for n in body if isinstance(n, _Definition) and n.name == name),
-            None,
-        )
-        if node is None:
-            raise KeyError(".".join(path))
-        body = node.body
-    assert isinstance(node, _Definition)
-    return node
+def recorded_targets(groups: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The hooked targets of ``groups`` and the functions they depend on, each once."""
+    every = (t for group, hooked in groups.items() for t in (*hooked, *DEPENDENCIES[group]))
+    return tuple(dict.fromkeys(every))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Print the fingerprints of every target in a release's files: ``ROOT`` is the directory
-    that holds the unpacked ``sglang`` package (e.g. an unzipped wheel)."""
+    that holds the ``sglang`` package (e.g. an unzipped wheel); the installed one by default."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m kvcore_sglang.guard ROOT", file=sys.stderr)
+    if len(args) > 1:
+        print("usage: python -m kvcore_sglang.guard [ROOT]", file=sys.stderr)
         return 2
-    for targets in (*TARGET_GROUPS.values(), *TRANSFER_GROUPS.values()):
-        for target in targets:
-            module_name, qualname = split_target(target)
-            path = f"{args[0]}/{module_name.replace('.', '/')}.py"
-            with open(path, encoding="utf-8") as source:
-                print(f'"{target}": "{fingerprint_in_source(source.read(), qualname)}",')
+    root = Path(args[0]) if args else None
+    for target in recorded_targets({**TARGET_GROUPS, **TRANSFER_GROUPS}):
+        print(f'"{target}": "{fingerprint.fingerprint_target(target, root)}",')
     return 0
 
 

@@ -6,7 +6,8 @@ the stock method unchanged when patched mode is off, and otherwise a wrapper tha
 the plugin's own AROUND hook for that target (:data:`kvcore_sglang.host_slots.HOOKS`,
 :data:`kvcore_sglang.transfers.HOOKS`), gated as the plugin gates it: the targets of
 ``guard.TRANSFER_GROUPS`` only under ``KVCORE_TRANSFERS``. A release's patch set hooks
-every target the guard recorded a fingerprint for on that release.
+every target of the guard's groups recorded for that release (not the functions the
+groups merely depend on).
 
 Patched mode is on in a patched build unless ``KVCORE_ENABLE`` is set and leaves sglang
 out (``KVCORE_ENABLE=0`` turns it off). With the plugin enabled too, the plugin still
@@ -20,7 +21,6 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from kvcore.config import KVCoreConfig
@@ -110,23 +110,6 @@ def _targets(version: str) -> tuple[PatchTarget, ...]:
     return tuple(PatchTarget.from_dotted(t) for t in every if t in recorded)
 
 
-def _source_changes(version: str, root: Path) -> dict[str, str]:
-    changes: dict[str, str] = {}
-    for target, expected in guard.FINGERPRINTS[version].items():
-        module, qualname = guard.split_target(target)
-        path = root / (module.replace(".", "/") + ".py")
-        try:
-            actual = guard.fingerprint_in_source(path.read_text(encoding="utf-8"), qualname)
-        except (OSError, KeyError, SyntaxError) as exc:
-            changes[target] = f"cannot read its source: {type(exc).__name__}: {exc}"
-            continue
-        if actual != expected:
-            changes[target] = (
-                f"source changed (fingerprint {actual[:12]}, recorded {expected[:12]})"
-            )
-    return changes
-
-
 PATCH_SPEC = EngineSpec(
     engine=ENGINE,
     package="sglang",
@@ -134,5 +117,5 @@ PATCH_SPEC = EngineSpec(
     hook_module=__name__,
     versions=tuple(guard.FINGERPRINTS),
     targets=_targets,
-    source_changes=_source_changes,
+    source_changes=guard.source_changes,
 )

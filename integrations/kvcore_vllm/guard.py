@@ -5,28 +5,21 @@ and manager and puts the subclass where vLLM's spec factory looks for the defaul
 and swaps the worker's transfer handler objects for its own. The subclasses override some
 methods and rely on what others do with the state they share, and the handler reads the
 stock one's state and calls its descriptor fill, so each of those methods is a target.
-A fingerprint is the sha256 of a target's normalised source (comments, blank lines and
-indentation of the whole block removed), read from the installed files without importing
-vLLM: `kvcore doctor` and the plugin reach the same verdict, and the doctor stays fast.
+Fingerprints (:mod:`kvcore.fingerprint`) are read from the installed files without
+importing vLLM: `kvcore doctor` and the plugin reach the same verdict, and the doctor
+stays fast.
 
-Only the standard library and kvcore's engine_status are imported here.
+Only the standard library and kvcore's core are imported here.
 """
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import importlib.metadata
-import importlib.util
-import io
 import sys
-import textwrap
-import tokenize
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcore.engine_status import release_of
+from kvcore import fingerprint
 
 ENGINE = "vllm"
 DISTRIBUTION = "vllm"
@@ -49,6 +42,7 @@ _MANAGER = "vllm.v1.kv_offload.cpu.manager"
 _SPEC = "vllm.v1.kv_offload.cpu.spec"
 _FACTORY = "vllm.v1.kv_offload.factory"
 _WORKER = "vllm.v1.kv_offload.cpu.gpu_worker"
+_POLICIES = "vllm.v1.kv_offload.cpu.policies.base"
 
 # Overridden: the chunk pool methods and get_manager. Depended on: the manager's
 # constructor and the methods that call the chunk pool or read its counters, and the
@@ -62,6 +56,8 @@ TARGETS: tuple[Target, ...] = (
     Target(_MANAGER, "CPUOffloadingManager.complete_store"),
     Target(_MANAGER, "CPUOffloadingManager.reset_cache", overridden=True),
     Target(_MANAGER, "CPUOffloadingManager.get_stats"),
+    # kvcore's chunk pool builds the manager's chunk records itself.
+    Target(_POLICIES, "ChunkStatus.__init__"),
     Target(_SPEC, "CPUOffloadingSpec.get_manager", overridden=True),
     Target(_FACTORY, "OffloadingSpecFactory.register_spec"),
     Target(_FACTORY, "OffloadingSpecFactory.get_spec_cls"),
@@ -69,7 +65,9 @@ TARGETS: tuple[Target, ...] = (
     # The worker's transfer handlers are replaced after the stock create_worker built
     # them: kvcore's handler reads the stock one's state, keeps its contract, pairs pages
     # as its transfer_async and sub-block pointers do, and runs its descriptor fill and
-    # copy op for the jobs that fall back.
+    # copy op for the jobs that fall back: the fill is the method __init__ binds as
+    # _fill_group_ops, the copy op the function _select_swap_blocks_fn picks (a partial
+    # for the Triton load kernel, which the handler tells apart).
     Target(_SPEC, "CPUOffloadingSpec.create_worker", overridden=True),
     Target(_WORKER, "CPUOffloadingWorker.__init__"),
     Target(_WORKER, "CPUOffloadingWorker.submit_store"),
@@ -86,10 +84,11 @@ TARGETS: tuple[Target, ...] = (
     Target(_WORKER, "SingleDirectionOffloadingHandler.wait"),
     Target(_WORKER, "SingleDirectionOffloadingHandler.shutdown"),
     Target(_WORKER, "compute_sub_block_ptrs"),
+    Target(_WORKER, "_select_swap_blocks_fn"),
 )
 
-# Release -> target qualname -> fingerprint. Print the installed
-# release's with `python -c 'import kvcore_vllm.guard as g; g.main()'`.
+# Release -> target qualname -> fingerprint. Print a release's with
+# ``python -c 'import kvcore_vllm.guard as g; g.main()' [ROOT]`` (the installed by default).
 FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.32.0": {
         "CPUOffloadingManager.__init__": (
@@ -115,6 +114,9 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         ),
         "CPUOffloadingManager.get_stats": (
             "ac57f67a8be934fd5234062ca26ada612c6fddc3688032649c9e50fca9f513e3"
+        ),
+        "ChunkStatus.__init__": (
+            "a9ea94710746de291ad44a99da412676e3156be6f02fbc80582ad9f1312e1295"
         ),
         "CPUOffloadingSpec.get_manager": (
             "c1c63043f12c09d0fbc58d6333ceb9b18eb441777e0464c392e982440c98b004"
@@ -176,6 +178,9 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "compute_sub_block_ptrs": (
             "73aa8343f47860ad247b134a672ec67977895991bcc6c421298e7f397ebe6de9"
         ),
+        "_select_swap_blocks_fn": (
+            "4c75ad718cd29c2bac6546041681db82e5fdda38d5c22eda32ba2af2a8c75974"
+        ),
     },
     "0.33.0": {
         "CPUOffloadingManager.__init__": (
@@ -201,6 +206,9 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         ),
         "CPUOffloadingManager.get_stats": (
             "ac57f67a8be934fd5234062ca26ada612c6fddc3688032649c9e50fca9f513e3"
+        ),
+        "ChunkStatus.__init__": (
+            "a9ea94710746de291ad44a99da412676e3156be6f02fbc80582ad9f1312e1295"
         ),
         "CPUOffloadingSpec.get_manager": (
             "87ee981dcf7e3f996f0a4bcc88feb83a32b396f02668e822d6e8f74255ceb5e3"
@@ -262,116 +270,43 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "compute_sub_block_ptrs": (
             "73aa8343f47860ad247b134a672ec67977895991bcc6c421298e7f397ebe6de9"
         ),
+        "_select_swap_blocks_fn": (
+            "4c75ad718cd29c2bac6546041681db82e5fdda38d5c22eda32ba2af2a8c75974"
+        ),
     },
 }
 # The tested releases are exactly those with fingerprints.
 SUPPORTED_VERSIONS: tuple[str, ...] = tuple(FINGERPRINTS)
 
 
-class SourceNotFound(LookupError):
-    """A target's module file or definition is not where the installed vLLM should have it."""
-
-
-def source_path(module: str) -> Path:
-    """The file of ``module``; found without importing vLLM unless it is already imported."""
-    if module.split(".", 1)[0] in sys.modules:
-        spec = importlib.util.find_spec(module)
-        if spec is None or spec.origin is None:
-            raise SourceNotFound(f"module {module} not found")
-        return Path(spec.origin)
-    try:
-        dist = importlib.metadata.distribution(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise SourceNotFound(f"{DISTRIBUTION} is not installed") from None
-    path = Path(str(dist.locate_file(module.replace(".", "/") + ".py")))
-    if not path.is_file():
-        raise SourceNotFound(f"{path} does not exist")
-    return path
-
-
-def normalised_source(source: str, qualname: str) -> str:
-    """The definition of ``qualname`` (``Class.method`` or ``function``) in ``source``,
-    decorators included, dedented, without comments, blank lines or trailing spaces."""
-    tree = ast.parse(source)
-    node = _find(tree, qualname.split("."))
-    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-    lines = source.splitlines()[first - 1 : node.end_lineno]
-    block = textwrap.dedent("\n".join(lines)) + "\n"
-    return _without_comments(block)
-
-
-def fingerprint(target: Target) -> str:
-    """sha256 of ``target``'s normalised source in the installed vLLM."""
-    path = source_path(target.module)
-    text = normalised_source(path.read_text(encoding="utf-8"), target.qualname)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def current_fingerprints() -> dict[str, str]:
-    """Target qualname -> fingerprint for the installed vLLM."""
-    return {target.qualname: fingerprint(target) for target in TARGETS}
+def current_fingerprints(root: Path | None = None) -> dict[str, str]:
+    """Target qualname -> fingerprint for the installed vLLM (or the tree at ``root``)."""
+    return {t.qualname: fingerprint.fingerprint_target(t.name, root) for t in TARGETS}
 
 
 def refusals(
-    version: str, fingerprints: Mapping[str, Mapping[str, str]] = FINGERPRINTS
+    version: str,
+    fingerprints: Mapping[str, Mapping[str, str]] = FINGERPRINTS,
+    root: Path | None = None,
 ) -> dict[str, str]:
-    """Target name -> why it cannot be trusted on ``version`` (a release string);
-    empty when every target matches the fingerprint recorded for that release."""
+    """Target name -> why it cannot be trusted on ``version`` (a release string) in the
+    source tree ``root`` (the installed vLLM's by default); empty when every target
+    matches the fingerprint recorded for that release."""
     recorded = fingerprints.get(version)
     if recorded is None:
         return {target.name: f"no fingerprints recorded for vLLM {version}" for target in TARGETS}
-    reasons: dict[str, str] = {}
-    for target in TARGETS:
-        expected = recorded.get(target.qualname)
-        if expected is None:
-            reasons[target.name] = f"no fingerprint recorded for vLLM {version}"
-            continue
-        try:
-            actual = fingerprint(target)
-        except (SourceNotFound, SyntaxError, OSError) as exc:
-            reasons[target.name] = f"source not readable: {exc}"
-            continue
-        if actual != expected:
-            reasons[target.name] = f"fingerprint changed ({actual}, tested {expected})"
-    return reasons
+    by_name = {t.name: recorded[t.qualname] for t in TARGETS if t.qualname in recorded}
+    return fingerprint.drift(by_name, root, targets=(t.name for t in TARGETS))
 
 
-def _find(tree: ast.AST, parts: list[str]) -> ast.FunctionDef | ast.AsyncFunctionDef:
-    scope = tree
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        kinds = (ast.FunctionDef, ast.AsyncFunctionDef) if last else (ast.ClassDef,)
-        found = [
-            node
-            for node in getattr(scope, "body", [])
-            if isinstance(node, kinds) and node.name == part
-        ]
-        if not found:
-            raise SourceNotFound(f"{'.'.join(parts[: depth + 1])} is not defined")
-        # The last definition wins at run time, as it does in Python.
-        scope = found[-1]
-    assert isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef)
-    return scope
-
-
-def _without_comments(block: str) -> str:
-    comments: dict[int, int] = {}
-    for token in tokenize.generate_tokens(io.StringIO(block).readline):
-        if token.type == tokenize.COMMENT:
-            row, col = token.start
-            comments[row] = col
-    kept = []
-    for row, line in enumerate(block.splitlines(), start=1):
-        line = line[: comments.get(row, len(line))].rstrip()
-        if line:
-            kept.append(line)
-    return "\n".join(kept) + "\n"
-
-
-def main() -> None:
-    """Print the installed vLLM's fingerprints as a FINGERPRINTS entry."""
-    version = release_of(importlib.metadata.version(DISTRIBUTION))
-    print(f'    "{version}": {{')
-    for name, value in current_fingerprints().items():
+def main(argv: list[str] | None = None) -> None:
+    """Print the fingerprints of a release's files as the body of its FINGERPRINTS entry:
+    ``ROOT`` is the directory that holds the ``vllm`` package; the installed one by default."""
+    args = sys.argv[1:] if argv is None else argv
+    root = Path(args[0]) if args else None
+    for name, value in current_fingerprints(root).items():
         print(f'        "{name}": (\n            "{value}"\n        ),')
-    print("    },")
+
+
+if __name__ == "__main__":
+    main()

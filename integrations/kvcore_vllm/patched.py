@@ -14,7 +14,6 @@ changes nothing more.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Mapping
@@ -67,19 +66,7 @@ def _targets(version: str) -> tuple[PatchTarget, ...]:
 
 
 def _source_changes(version: str, root: Path) -> dict[str, str]:
-    recorded = guard.FINGERPRINTS[version]
-    changes: dict[str, str] = {}
-    for target in guard.TARGETS:
-        path = root / (target.module.replace(".", "/") + ".py")
-        try:
-            text = guard.normalised_source(path.read_text(encoding="utf-8"), target.qualname)
-        except (OSError, SyntaxError, guard.SourceNotFound) as exc:
-            changes[target.name] = f"cannot read its source: {type(exc).__name__}: {exc}"
-            continue
-        actual = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        if actual != recorded.get(target.qualname):
-            changes[target.name] = f"fingerprint changed ({actual[:12]})"
-    return changes
+    return guard.refusals(version, root=root)
 
 
 PATCH_SPEC = EngineSpec(

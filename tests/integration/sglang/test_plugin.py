@@ -17,6 +17,7 @@ from sglang_pools import mha_host
 
 import kvcore_sglang
 from kvcore.engine_status import release_of
+from kvcore.fingerprint import fingerprint_source
 from kvcore_sglang import guard, host_slots, plugin
 
 pytestmark = pytest.mark.sglang
@@ -119,18 +120,18 @@ def test_unknown_version_patches_nothing(sglang_hooks, monkeypatch, caplog):
 
 def test_fingerprint_ignores_layout_but_not_code():
     source = inspect.getsource(base)
-    original = guard.fingerprint_in_source(source, "HostKVCache.alloc")
+    original = fingerprint_source(source, "HostKVCache.alloc")
     assert original == guard.FINGERPRINTS[VERSION][ALLOC]
     reflowed = source.replace(
         "        if need_size > self.available_size():",
         "        # a comment\n\n        if need_size > self.available_size():   ",
     )
-    assert guard.fingerprint_in_source(reflowed, "HostKVCache.alloc") == original
+    assert fingerprint_source(reflowed, "HostKVCache.alloc") == original
     edited = source.replace("return select_index\n", "return select_index.clone()\n")
     assert edited != source
-    assert guard.fingerprint_in_source(edited, "HostKVCache.alloc") != original
+    assert fingerprint_source(edited, "HostKVCache.alloc") != original
     with pytest.raises(KeyError):
-        guard.fingerprint_in_source(source, "HostKVCache.no_such_method")
+        fingerprint_source(source, "HostKVCache.no_such_method")
 
 
 def test_sglang_load_plugins_runs_the_entry_point(sglang_hooks, monkeypatch):

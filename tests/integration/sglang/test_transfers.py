@@ -875,6 +875,35 @@ def test_entry_point_leaves_transfers_stock(sglang_hooks, monkeypatch):
     assert all(vars(cls)[name] is function for (cls, name), function in STOCK.items())
 
 
+# The functions only one transfer group depends on (the registry is every group's).
+OWN_DEPENDENCIES = {
+    group: [
+        t
+        for t in guard.DEPENDENCIES[group]
+        if not any(t in deps for other, deps in guard.DEPENDENCIES.items() if other != group)
+    ]
+    for group in guard.TRANSFER_GROUPS
+}
+
+
+@pytest.mark.parametrize(
+    ("group", "dependency"),
+    [(group, deps[0]) for group, deps in sorted(OWN_DEPENDENCIES.items()) if deps],
+)
+def test_changed_dependency_leaves_its_transfer_group_stock(
+    transfer_hooks, monkeypatch, group, dependency
+):
+    monkeypatch.setitem(
+        guard.FINGERPRINTS, VERSION, {**guard.FINGERPRINTS[VERSION], dependency: "0" * 64}
+    )
+    status = transfer_hooks()
+    targets = set(guard.TRANSFER_GROUPS[group])
+    assert not targets & set(status.patched_targets)
+    assert ALL_TRANSFER_TARGETS - targets <= set(status.patched_targets)
+    skipped = {s["target"]: s["reason"] for s in status.skipped_targets}
+    assert all(f"whose target {dependency} changed" in skipped[t] for t in targets)
+
+
 @pytest.mark.parametrize("group", sorted(guard.TRANSFER_GROUPS))
 def test_changed_fingerprint_leaves_its_transfer_group_stock(
     transfer_hooks, monkeypatch, caplog, group

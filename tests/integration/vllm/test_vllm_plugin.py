@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,7 @@ from vllm_support import offloading_config
 
 import kvcore_vllm
 from kvcore.config import KVCoreConfig
+from kvcore.fingerprint import package_root
 from kvcore_vllm import guard, plugin
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
@@ -115,7 +118,7 @@ def test_guard_refuses_a_changed_fingerprint_with_one_warning(caplog):
     assert status.patched_targets == []
     full_name = f"vllm.v1.kv_offload.cpu.manager.{target}"
     assert [s["target"] for s in status.skipped_targets] == [full_name]
-    assert status.skipped_targets[0]["reason"].startswith("fingerprint changed")
+    assert status.skipped_targets[0]["reason"].startswith("source changed")
     assert again == status
     assert kvcore_vllm.status(ENABLED).to_dict() == status.to_dict()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -133,38 +136,24 @@ def test_guard_refuses_a_release_without_fingerprints(caplog):
     assert len(caplog.records) == 1
 
 
-def test_guard_refuses_a_target_whose_source_changed(tmp_path, monkeypatch):
-    module = "vllm.v1.kv_offload.cpu.manager"
-    original = guard.source_path(module).read_text(encoding="utf-8")
+def test_guard_refuses_a_target_whose_source_changed(tmp_path):
+    installed = package_root("vllm")
+    for module in {t.module for t in guard.TARGETS}:
+        relative = Path(*module.split(".")).with_suffix(".py")
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(installed / relative, tmp_path / relative)
+    release = _installed_release()
+    assert guard.refusals(release, root=tmp_path) == {}
+    manager = tmp_path / "vllm/v1/kv_offload/cpu/manager.py"
+    original = manager.read_text(encoding="utf-8")
     edited = original.replace(
         "chunks.append(ChunkStatus(self._free_list.pop()))",
         "chunks.append(ChunkStatus(self._free_list.pop(0)))",
     )
     assert edited != original
-    copy = tmp_path / "manager.py"
-    copy.write_text(edited, encoding="utf-8")
-    real_source_path = guard.source_path
-    monkeypatch.setattr(
-        guard, "source_path", lambda name: copy if name == module else real_source_path(name)
-    )
-    reasons = guard.refusals(_installed_release())
-    assert list(reasons) == [f"{module}.CPUOffloadingManager._allocate_chunks"]
-
-
-def test_fingerprint_ignores_comments_blank_lines_and_indentation():
-    plain = "class A:\n    @staticmethod\n    def f(x):\n        return x + 1\n"
-    noisy = (
-        "class A:\n\n        # why\n        @staticmethod\n        def f(x):  # note\n\n"
-        "            return x + 1   \n"
-    )
-    changed = plain.replace("x + 1", "x + 2")
-    undecorated = plain.replace("    @staticmethod\n", "")
-    assert guard.normalised_source(plain, "A.f") == guard.normalised_source(noisy, "A.f")
-    assert guard.normalised_source(plain, "A.f") != guard.normalised_source(changed, "A.f")
-    assert guard.normalised_source(plain, "A.f") != guard.normalised_source(undecorated, "A.f")
-    assert guard.normalised_source(plain, "A.f").startswith("@staticmethod\ndef f(x):")
-    with pytest.raises(guard.SourceNotFound, match=r"A\.g is not defined"):
-        guard.normalised_source(plain, "A.g")
+    manager.write_text(edited, encoding="utf-8")
+    reasons = guard.refusals(release, root=tmp_path)
+    assert list(reasons) == ["vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager._allocate_chunks"]
 
 
 def test_vllm_plugin_loader_runs_the_entry_point(tmp_path, monkeypatch):

@@ -1,0 +1,57 @@
+"""The vLLM guard fingerprints every vLLM function the adapter calls or overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvcore_vllm
+from kvcore.fingerprint import package_root
+from kvcore.stock_uses import EngineSource, StockUse, stock_uses
+from kvcore_vllm import guard
+
+pytestmark = pytest.mark.vllm
+
+# Adapter modules that never run under the guard, with why.
+UNGUARDED = {"bench": "the benchmark harness, run by hand"}
+# Calls matched by name whose receiver is one of kvcore's objects, never vLLM's.
+NOT_STOCK = {
+    "vllm.v1.kv_offload.base.OffloadingManager.shutdown": (
+        "transfers' self._stock.shutdown() is the stock handler's, not a manager's"
+    ),
+}
+
+
+def adapter_uses() -> list[StockUse]:
+    package = Path(kvcore_vllm.__file__).parent
+    sources = {
+        f"kvcore_vllm.{path.stem}": path.read_text(encoding="utf-8")
+        for path in sorted(package.glob("*.py"))
+        if path.stem not in UNGUARDED
+    }
+    classes = {t.name.rpartition(".")[0] for t in guard.TARGETS if "." in t.qualname}
+    return stock_uses(sources, EngineSource(package_root("vllm"), "vllm"), classes)
+
+
+def test_every_vllm_function_the_adapter_uses_is_a_target():
+    uses = adapter_uses()
+    targets = {t.name for t in guard.TARGETS}
+    missing = sorted(
+        f"{u.target} ({u.site}: {u.how})"
+        for u in uses
+        if u.target not in targets and u.target not in NOT_STOCK
+    )
+    assert missing == []
+    # Each exclusion still matches a call, so none outlives the call it was written for.
+    assert set(NOT_STOCK) <= {u.target for u in uses}
+
+
+def test_overridden_targets_are_the_methods_kvcore_overrides():
+    # Constructors are extended through super(), not replaced.
+    overridden = {
+        u.target
+        for u in adapter_uses()
+        if u.how == "overrides" and not u.target.endswith("__init__")
+    }
+    assert overridden == {t.name for t in guard.TARGETS if t.overridden}

@@ -1,0 +1,74 @@
+"""The adapters' fingerprint tables: every recorded target is checked, every checked one recorded.
+
+The guards import no engine, so this runs without one; the engine lanes check the values
+(tests/integration/*/) and that the tables cover what the adapters call.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvcore_sglang import guard as sglang_guard
+from kvcore_vllm import guard as vllm_guard
+
+SGLANG_GROUPS = {**sglang_guard.TARGET_GROUPS, **sglang_guard.TRANSFER_GROUPS}
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@pytest.mark.parametrize("release", sorted(sglang_guard.FINGERPRINTS))
+def test_sglang_records_exactly_the_targets_and_dependencies_of_its_groups(release):
+    recorded = sglang_guard.FINGERPRINTS[release]
+    assert set(recorded) == set(sglang_guard.recorded_targets(SGLANG_GROUPS))
+    assert all(SHA256.fullmatch(value) for value in recorded.values())
+
+
+def test_sglang_dependencies_belong_to_groups_and_are_never_hooked():
+    assert set(sglang_guard.DEPENDENCIES) == set(SGLANG_GROUPS)
+    hooked = {t for targets in SGLANG_GROUPS.values() for t in targets}
+    depended_on = {t for targets in sglang_guard.DEPENDENCIES.values() for t in targets}
+    assert not hooked & depended_on
+
+
+@pytest.mark.parametrize("release", sorted(vllm_guard.FINGERPRINTS))
+def test_vllm_records_exactly_its_targets(release):
+    recorded = vllm_guard.FINGERPRINTS[release]
+    qualnames = [t.qualname for t in vllm_guard.TARGETS]
+    assert len(set(qualnames)) == len(qualnames)
+    assert set(recorded) == set(qualnames)
+    assert all(SHA256.fullmatch(value) for value in recorded.values())
+
+
+SLOT_METHODS = "".join(
+    f"    def {name}(self, *args):\n        return {i}\n\n"
+    for i, name in enumerate(("clear", "available_size", "alloc", "free"))
+)
+FAKE_SGLANG = {
+    "sglang/srt/mem_cache/pool_host/base.py": f"class HostKVCache:\n{SLOT_METHODS}",
+    "sglang/srt/plugins/hook_registry.py": (
+        "class HookRegistry:\n    def register(cls, target, hook):\n        pass\n"
+    ),
+}
+
+
+def test_sglang_a_changed_dependency_leaves_its_group_stock(monkeypatch, tmp_path):
+    for relative, text in FAKE_SGLANG.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text, encoding="utf-8")
+    monkeypatch.setattr(sglang_guard.fingerprint, "package_root", lambda package: tmp_path)
+    group = sglang_guard.ALLOCATOR_GROUP
+    checked = (*sglang_guard.ALLOCATOR_TARGETS, *sglang_guard.DEPENDENCIES[group])
+    tested = {t: sglang_guard.fingerprint.fingerprint_target(t, tmp_path) for t in checked}
+    monkeypatch.setattr(sglang_guard, "FINGERPRINTS", {"9.9.9": tested})
+    assert sglang_guard.check_targets("9.9.9").patchable == sglang_guard.ALLOCATOR_TARGETS
+
+    registry = tmp_path / "sglang/srt/plugins/hook_registry.py"
+    registry.write_text(registry.read_text().replace("pass", "return hook"), encoding="utf-8")
+    result = sglang_guard.check_targets("9.9.9")
+    assert result.patchable == ()
+    (register,) = sglang_guard.DEPENDENCIES[group]
+    assert {s.target: s.reason for s in result.skipped} == dict.fromkeys(
+        sglang_guard.ALLOCATOR_TARGETS,
+        f"part of the {group} group, whose target {register} changed",
+    )
