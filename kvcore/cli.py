@@ -103,6 +103,11 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
                 "call, new indices per request), stock against kvcore, over request sizes"
             ),
         )
+        bench.add_argument(
+            "--no-rule",
+            action="store_true",
+            help="with --sweep: kvcore serves every call it can (serve-or-pass rule off)",
+        )
     bench.set_defaults(handler=run_bench)
 
     launch = commands.add_parser(

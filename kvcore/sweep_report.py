@@ -42,8 +42,8 @@ class SweepRow:
     """Engine calls in one request."""
     kvcore_served: int
     """Of one kvcore request's calls, how many kvcore moved itself (the rest passed to stock)."""
-    pass_reasons: dict[str, int] = field(default_factory=dict)
-    """Why calls passed to stock, per request."""
+    pass_reasons: dict[str, float] = field(default_factory=dict)
+    """Why calls passed to stock: calls per request, by reason."""
     paths: list[str] = field(default_factory=list)
     ceiling_gbps: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)

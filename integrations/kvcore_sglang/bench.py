@@ -102,6 +102,11 @@ def install_sgl_kernel_stub() -> bool:
     return True
 
 
+def sgl_kernel_stubbed() -> bool:
+    """Whether kvcore's stand-in serves ``sgl_kernel`` here (its ops then raise)."""
+    return any(isinstance(finder, _SglKernelStub) for finder in sys.meta_path)
+
+
 # --- options ---------------------------------------------------------------------------------
 
 

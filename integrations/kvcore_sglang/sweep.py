@@ -1,0 +1,503 @@
+"""`kvcore bench --engine sglang --sweep`: whole SGLang requests, stock against kvcore's hooks.
+
+A request is what SGLang's transfer engine does for one prefix: a reload is one
+``load_to_device_per_layer`` call per layer, back to back on the load stream; a backup is
+one ``backup_from_device_all_layer`` call. Every request gets new index tensors (same
+values for both sides, never the same tensor objects), so nothing planned for one request
+serves the next. Each side is timed wall-clock from its first call until its copies are
+complete, host and device together, with the calls' host time alone beside it; the two
+sides alternate request by request in one process on the same pools. kvcore runs as
+SGLang's ``HookRegistry`` calls an AROUND hook, with the stock method as ``original``, and
+its serve-or-pass rule on (``--no-rule``: off, kvcore's own paths everywhere it can).
+
+Pools are built the way SGLang builds them (:mod:`kvcore_sglang.bench`), filled with random
+bytes; after timing, each side's result is checked byte for byte against SGLang's layout
+definition, rows outside the copy keeping their poison. Where stock's ``direct`` ops are
+absent (no sgl-kernel), the ``direct`` cells compare against the same copies issued one
+``copy_`` each from Python (``extra["stock"] == "model:direct"``), which bounds stock's host
+time from above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from kvcore import sweep_report
+from kvcore.bench import scattered_layout
+from kvcore.metrics import Metrics
+from kvcore.sweep_report import SweepRow
+
+from . import bench
+
+# Model-like layer counts: a Llama-8B-shaped MHA model, a DeepSeek-shaped MLA model.
+LAYERS = {"mha": 32, "mla": 61}
+# (layout, io backend, page sizes) as SGLang runs them.
+LAYOUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("layer_first", "kernel", (64, 1)),
+    ("layer_first", "direct", (64, 1)),
+    ("page_first", "kernel", (64, 1)),
+    ("page_first_direct", "direct", (64,)),
+)
+TOKENS = (256, 1024, 4096, 16384, 65536)
+HOST_LEVELS = ("0%", "100%")
+OPS = ("load", "backup")
+# The direct model issues one Python copy_ per page run, layer and buffer; past this many per
+# request it would measure Python alone.
+MAX_MODEL_COPIES = 20000
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    tokens: tuple[int, ...] = TOKENS
+    kinds: tuple[str, ...] = ("mha", "mla")
+    layers: dict[str, int] | None = None
+    layouts: tuple[tuple[str, str, tuple[int, ...]], ...] = LAYOUTS
+    host_levels: tuple[str, ...] = HOST_LEVELS
+    ops: tuple[str, ...] = OPS
+    repeats: int = 5
+    device: torch.device = field(default_factory=lambda: torch.device("cuda"))
+    serve_rule: bool = True
+    seed: int = 4321
+
+    def layer_count(self, kind: str) -> int:
+        return (self.layers or LAYERS)[kind]
+
+
+def options_for(args: argparse.Namespace) -> SweepOptions:
+    cuda = torch.cuda.is_available() and getattr(args, "device", "auto") != "cpu"
+    opts = SweepOptions(device=torch.device("cuda" if cuda else "cpu"))
+    if getattr(args, "quick", False) or not cuda:
+        opts = replace(
+            opts,
+            tokens=(256, 1024) if cuda else (128, 256),
+            layers={"mha": 4, "mla": 4},
+            repeats=2,
+        )
+    if getattr(args, "tokens", 0):
+        opts = replace(opts, tokens=(int(args.tokens),))
+    if getattr(args, "rows", None):
+        opts = replace(opts, kinds=tuple(args.rows.split(",")))
+    if getattr(args, "host_levels", None):
+        opts = replace(opts, host_levels=tuple(args.host_levels.split(",")))
+    if getattr(args, "no_rule", False):
+        opts = replace(opts, serve_rule=False)
+    return opts
+
+
+# --- one request per side --------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    """One way to make a request: ``call(indices)`` issues every call of it."""
+
+    name: str
+    call: Callable[[tuple[torch.Tensor, torch.Tensor]], None] | None
+    prepare: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    """The request's CPU indices as this side receives them (moved where SGLang moves them)."""
+    not_runnable: str | None = None
+    label: str = ""
+
+
+def _method(case: bench.PoolCase, op: str) -> Callable[..., Any]:
+    return vars(type(case.pool))[bench._METHOD[op]]
+
+
+def _hook(case: bench.PoolCase, op: str) -> Callable[..., Any]:
+    from kvcore_sglang import transfers
+
+    cls = type(case.pool)
+    return transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{bench._METHOD[op]}"]
+
+
+def _request(
+    case: bench.PoolCase, op: str, backend: str, layers: int, method: Callable[..., Any]
+) -> Callable[[tuple[torch.Tensor, torch.Tensor]], None]:
+    pool, device_pool = case.pool, case.device_pool
+    if op == "backup":
+
+        def backup(indices: tuple[torch.Tensor, torch.Tensor]) -> None:
+            method(pool, device_pool, indices[0], indices[1], backend)
+
+        return backup
+
+    def reload(indices: tuple[torch.Tensor, torch.Tensor]) -> None:
+        host, device = indices
+        for layer in range(layers):
+            method(pool, device_pool, host, device, layer, backend)
+
+    return reload
+
+
+def stock_side(case: bench.PoolCase, op: str, backend: str, layers: int) -> Side:
+    """SGLang's own method; where this machine lacks it (``direct`` without sgl-kernel, or
+    no CUDA at all), the copies ``direct`` makes, issued from Python (:func:`model_method`)."""
+    _, reason = bench.stock_kernel_sms(case, op, backend)
+    runnable = reason is None and not (backend == "direct" and bench.sgl_kernel_stubbed())
+    if not runnable:
+        if backend == "kernel" and case.opts.device.type == "cuda":
+            return Side("stock", None, _cpu, reason or "stock kernel not runnable")
+        model = model_method(case, op)
+        return Side("stock", _request(case, op, backend, layers, model), _cpu, label=MODEL)
+
+    def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return bench._stock_indices(case, op, backend, h, d)
+
+    method = _method(case, op)
+    return Side("stock", _request(case, op, backend, layers, method), prepare, label="stock")
+
+
+MODEL = "model:direct"
+
+
+def model_method(case: bench.PoolCase, op: str) -> Callable[..., None]:
+    """A stand-in for the pool method: the copies stock ``direct`` makes for one call (one
+    per page run, layer and buffer, :func:`kvcore_sglang.bench.direct_copies`), one
+    ``copy_`` each. Raises :class:`~kvcore_sglang.bench.StockNotRunnable` past
+    :data:`MAX_MODEL_COPIES` copies a call."""
+    page = case.page_size
+    last: list[Any] = [None, None, []]
+
+    def copies(host_idx: torch.Tensor, dev_idx: torch.Tensor) -> list[tuple[int, int, int]]:
+        if last[0] is not host_idx or last[1] is not dev_idx:
+            last[:] = [host_idx, dev_idx, bench.direct_copies(case, host_idx.cpu(), dev_idx.cpu())]
+        return last[2]
+
+    def host_block(c: bench.Component, layer: int, slot: int, rows: int) -> torch.Tensor:
+        if case.layout == "page_first_direct":
+            return c.host[slot // page, layer]
+        if case.layout == "page_first":
+            return c.host[slot : slot + rows, layer]
+        return c.host[layer, slot : slot + rows]
+
+    def move(host_idx: torch.Tensor, dev_idx: torch.Tensor, layer_ids: Sequence[int]) -> None:
+        runs = copies(host_idx, dev_idx)
+        if len(runs) * len(layer_ids) * len(case.components) > MAX_MODEL_COPIES:
+            raise bench.StockNotRunnable(f"{len(runs)} copies a layer: over the model's limit")
+        for layer in layer_ids:
+            for c in case.components:
+                for h, d, rows in runs:
+                    host, device = host_block(c, layer, h, rows), c.devices[layer][d : d + rows]
+                    if op == "load":
+                        device.copy_(host, non_blocking=True)
+                    else:
+                        host.copy_(device, non_blocking=True)
+
+    def load(
+        pool: Any,
+        device_pool: Any,
+        host_idx: Any,
+        dev_idx: Any,
+        layer_id: int,
+        io_backend: str,
+        *,
+        is_draft: bool = False,
+    ) -> None:
+        move(host_idx, dev_idx, [layer_id])
+
+    def backup(pool: Any, device_pool: Any, host_idx: Any, dev_idx: Any, io_backend: str) -> None:
+        move(host_idx, dev_idx, range(case.opts.layers))
+
+    return load if op == "load" else backup
+
+
+def _cpu(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return h, d
+
+
+def kvcore_side(case: bench.PoolCase, op: str, backend: str, layers: int) -> Side:
+    """The AROUND hook as SGLang's HookRegistry calls it, the stock method as ``original``;
+    with ``kernel`` on CUDA the host indices go through the ``move_indices`` hook, as SGLang
+    moves them (the move itself is not timed on either side)."""
+    from kvcore_sglang import transfers
+
+    hook = _hook(case, op)
+    stock_run = stock_side(case, op, backend, layers)
+    stock = _method(case, op) if stock_run.label == "stock" else model_method(case, op)
+
+    def original(*args: Any, **kwargs: Any) -> Any:
+        return stock(*args, **kwargs)
+
+    def around(*args: Any, **kwargs: Any) -> Any:
+        return hook(original, *args, **kwargs)
+
+    def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if backend != "kernel" or case.opts.device.type != "cuda":
+            return h, d
+
+        def to_device(controller: Any, host: torch.Tensor, device: torch.Tensor) -> Any:
+            return host.to(case.opts.device), device.to(case.opts.device)
+
+        moved = transfers.move_indices_hook(to_device, None, h, d)
+        return moved[0], moved[1]
+
+    return Side("kvcore", _request(case, op, backend, layers, around), prepare, label="kvcore")
+
+
+# --- timing ------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    # The whole device: whatever streams a side used, its copies are complete.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_request(
+    side: Side, indices: tuple[torch.Tensor, torch.Tensor], device: torch.device
+) -> tuple[float, float]:
+    """(wall seconds first call to copy complete, host seconds of the calls)."""
+    assert side.call is not None
+    _sync(device)
+    started = time.perf_counter()
+    side.call(indices)
+    issued = time.perf_counter()
+    _sync(device)
+    return time.perf_counter() - started, issued - started
+
+
+def _requests(
+    case: bench.PoolCase, tokens: int, level: str, count: int, gen: torch.Generator
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for _ in range(count):
+        host = scattered_layout(tokens, bench.HOST_LEVELS[level], case.page_size, gen)
+        device = scattered_layout(tokens, 1.0, case.page_size, gen)
+        out.append((host, device))
+    return out
+
+
+def _check(
+    case: bench.PoolCase, op: str, layers: int, host: torch.Tensor, dev: torch.Tensor
+) -> bool:
+    """Every layer of the request copied, every other row its poison (host rows their
+    intended bytes)."""
+    if op == "backup":
+        return bench.check_backup(case, host, dev)
+    h, d = host.to(case.opts.device), dev.to(case.opts.device)
+    for c in case.components:
+        for layer, (actual, poison) in enumerate(zip(c.devices, c.poison, strict=True)):
+            expected = poison.clone()
+            if layer < layers:
+                expected[d] = bench._get_rows(c.mirror, case.layout, case.page_size, layer, h)
+            if not bench._bytes_equal(actual, expected):
+                return False
+    return True
+
+
+def _checked_request(
+    case: bench.PoolCase, side: Side, op: str, layers: int, cpu: tuple[torch.Tensor, torch.Tensor]
+) -> bool:
+    _restore_rows(case, op, cpu[0], cpu[1])
+    side.call(side.prepare(cpu[0].clone(), cpu[1].clone()))  # type: ignore[misc]
+    _sync(case.opts.device)
+    return _check(case, op, layers, cpu[0], cpu[1])
+
+
+def _restore_rows(case: bench.PoolCase, op: str, host: torch.Tensor, dev: torch.Tensor) -> None:
+    """Put back what the request's copies write (the rows the timed requests wrote, and
+    the ones this one will): device rows their poison after loads, host rows their
+    intended bytes after backups. Restoring whole pools would cost more than the sweep."""
+    if op == "backup":
+        case.restore_host()
+        return
+    del host
+    d = dev.to(case.opts.device)
+    for c in case.components:
+        for layer, poison in zip(c.devices, c.poison, strict=True):
+            layer[d] = poison[d]
+    bench._sync(case.opts.device)
+
+
+def measure_cell(
+    case: bench.PoolCase,
+    op: str,
+    backend: str,
+    tokens: int,
+    level: str,
+    opts: SweepOptions,
+    mover_metrics: Metrics,
+) -> SweepRow | dict[str, Any]:
+    layers = case.opts.layers
+    stock, kvcore = stock_side(case, op, backend, layers), kvcore_side(case, op, backend, layers)
+    where = f"{case.kind}/{case.layout}/{backend}/p{case.page_size}/host-{level}/{op}"
+    if stock.call is None:
+        return {"case": where, "tokens": tokens, "not_runnable": stock.not_runnable}
+    gen = torch.Generator().manual_seed(opts.seed + tokens)
+    cpu = _requests(case, tokens, level, opts.repeats + 2, gen)
+    times: dict[str, list[tuple[float, float]]] = {"stock": [], "kvcore": []}
+    before = mover_metrics.snapshot()
+    try:
+        for i, indices in enumerate(cpu[:-1]):
+            # Both sides get their own tensors of the same values; the first is a warm-up
+            # (JIT builds, first-use set-up), the sides' order alternates.
+            order = (stock, kvcore) if i % 2 == 0 else (kvcore, stock)
+            for side in order:
+                given = side.prepare(indices[0].clone(), indices[1].clone())
+                timed = _timed_request(side, given, opts.device)
+                if i:
+                    times[side.name].append(timed)
+    except bench.StockNotRunnable as exc:
+        _sync(opts.device)
+        return {"case": where, "tokens": tokens, "not_runnable": str(exc)[:300]}
+    after = mover_metrics.snapshot()
+    kvcore_requests = len(cpu) - 1
+    identical = all(_checked_request(case, side, op, layers, cpu[-1]) for side in (stock, kvcore))
+    served, reasons = _served(before, after, kvcore_requests)
+    calls = layers if op == "load" else 1
+    return SweepRow(
+        engine="sglang",
+        case=where,
+        tokens=tokens,
+        layers=layers,
+        nbytes=tokens * case.row_bytes * layers,
+        stock_ms=statistics.median(t for t, _ in times["stock"]) * 1e3,
+        kvcore_ms=statistics.median(t for t, _ in times["kvcore"]) * 1e3,
+        stock_host_ms=statistics.median(h for _, h in times["stock"]) * 1e3,
+        kvcore_host_ms=statistics.median(h for _, h in times["kvcore"]) * 1e3,
+        identical=identical,
+        calls=calls,
+        kvcore_served=min(calls, round(served)),
+        pass_reasons=reasons,
+        paths=_paths(before, after),
+        extra={
+            "op": op,
+            "kind": case.kind,
+            "layout": case.layout,
+            "io_backend": backend,
+            "page_size": case.page_size,
+            "host_fragmentation": level,
+            "stock": stock.label,
+            "repeats": len(times["kvcore"]),
+        },
+    )
+
+
+def _served(
+    before: dict[str, Any], after: dict[str, Any], requests: int
+) -> tuple[float, dict[str, float]]:
+    """kvcore's own submissions and its passes per request, from its metrics."""
+    seen = {(t["direction"], t["path"]): t["count"] for t in before["transfers"]}
+    submissions = sum(
+        t["count"] - seen.get((t["direction"], t["path"]), 0) for t in after["transfers"]
+    )
+    passes = {
+        reason: (count - before["fallbacks"].get(reason, 0)) / requests
+        for reason, count in after["fallbacks"].items()
+        if count > before["fallbacks"].get(reason, 0)
+    }
+    return submissions / requests, passes
+
+
+def _paths(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    seen = {(t["direction"], t["path"]): t["count"] for t in before["transfers"]}
+    return sorted(
+        {
+            t["path"]
+            for t in after["transfers"]
+            if t["count"] > seen.get((t["direction"], t["path"]), 0)
+        }
+    )
+
+
+# --- the sweep ---------------------------------------------------------------------------
+
+
+@contextmanager
+def _pool(kind: str, layout: str, page: int, opts: SweepOptions) -> Iterator[bench.PoolCase]:
+    base = bench.Options(
+        tokens=max(opts.tokens),
+        layers=opts.layer_count(kind),
+        device=opts.device,
+        repeats=opts.repeats,
+        seed=opts.seed,
+    )
+    with bench.pool_case(kind, layout, page, base) as case:
+        yield case
+
+
+def run(opts: SweepOptions, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    stub = bench.install_sgl_kernel_stub()
+    import sglang
+
+    jit = bench.warm_jit(bench.Options(device=opts.device))
+    rows: list[SweepRow] = []
+    skipped: list[dict[str, Any]] = []
+    stream = torch.cuda.Stream(opts.device) if opts.device.type == "cuda" else None
+    with bench.bench_mover(serve_rule=opts.serve_rule) as mover, bench._on_stream(stream):
+        assert mover.metrics is not None
+        for kind in opts.kinds:
+            for layout, backend, pages in opts.layouts:
+                for page in pages:
+                    progress(f"-- {kind} {layout} {backend} page {page}")
+                    try:
+                        with _pool(kind, layout, page, opts) as case:
+                            for op in opts.ops:
+                                for level in opts.host_levels:
+                                    for tokens in opts.tokens:
+                                        if tokens % page:
+                                            continue
+                                        cell = measure_cell(
+                                            case, op, backend, tokens, level, opts, mover.metrics
+                                        )
+                                        if isinstance(cell, SweepRow):
+                                            rows.append(cell)
+                                            progress(
+                                                sweep_report.format_table([cell]).split("\n")[-1]
+                                            )
+                                        else:
+                                            skipped.append(cell)
+                                            progress(
+                                                f"{cell['case']} {tokens}: {cell['not_runnable']}"
+                                            )
+                    except Exception as exc:  # a pool SGLang cannot build here: say so, go on
+                        why = f"pool not built: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+                        progress(why)
+                        skipped.append(
+                            {"case": f"{kind}/{layout}/{backend}/p{page}", "not_runnable": why}
+                        )
+    device = torch.cuda.get_device_name(opts.device) if opts.device.type == "cuda" else "cpu"
+    return {
+        "document": sweep_report.report(
+            device,
+            rows,
+            engine="sglang",
+            version=getattr(sglang, "__version__", "unknown"),
+            torch=torch.__version__,
+            sgl_kernel="stub (not installed)" if stub else "installed",
+            jit_modules=jit,
+            serve_rule=opts.serve_rule,
+            repeats=opts.repeats,
+            not_runnable=skipped,
+        ),
+        "rows": rows,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    opts = options_for(args)
+    quiet = bool(getattr(args, "no_progress", False))
+    result = run(opts, progress=(lambda line: None) if quiet else _print_err)
+    rows: Sequence[SweepRow] = result["rows"]
+    print(sweep_report.format_table(rows))
+    print()
+    print(sweep_report.LEGEND)
+    print(sweep_report.summary(rows))
+    if getattr(args, "json", None):
+        sweep_report.write_json(args.json, result["document"])
+    if getattr(args, "plot", None):
+        sweep_report.plot(rows, args.plot, title="SGLang: kvcore / stock, whole requests")
+    return 1 if any(not row.identical for row in rows) else 0
+
+
+def _print_err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
