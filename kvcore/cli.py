@@ -11,40 +11,28 @@ import importlib
 import importlib.util
 import json
 import os
-import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
-from kvcore import __version__
+from kvcore import __version__, launch
 from kvcore.config import (
-    ENGINES,
     SETTINGS,
     ConfigError,
     KVCoreConfig,
     format_size,
-    settings_help,
 )
 from kvcore.engine_status import EngineStatus
 from kvcore.patching import cli as patching_cli
 from kvcore.patching.status import installed_patch_states
 
 ADAPTERS: tuple[str, ...] = ("kvcore_sglang", "kvcore_vllm")
-ENGINE_ENTRY_MODULES: dict[str, str] = {
-    "sglang": "sglang.launch_server",
-    "vllm": "vllm.entrypoints.cli.main",
-}
 
 # `kvcore bench --engine NAME` -> the adapter module whose main(args) runs that A/B.
 BENCH_ENGINES: dict[str, str] = {"sglang": "kvcore_sglang.bench"}
 # `kvcore bench --engine NAME --sweep` -> the adapter module whose main(args) runs the
 # engine-shaped sweep (whole requests as the engine makes them, stock against kvcore).
 BENCH_SWEEPS: dict[str, str] = {"sglang": "kvcore_sglang.sweep", "vllm": "kvcore_vllm.sweep"}
-
-
-class UsageError(Exception):
-    """The command line is wrong; the message says how."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         KVCoreConfig.from_env().configure_logging()
         return int(args.handler(args))
-    except (ConfigError, UsageError) as exc:
+    except ConfigError as exc:
         print(f"kvcore {args.command}: {exc}", file=sys.stderr)
         return 2
 
@@ -110,23 +98,7 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
         )
     bench.set_defaults(handler=run_bench)
 
-    launch = commands.add_parser(
-        "launch",
-        help="start an engine with kvcore enabled and configured",
-        usage="kvcore launch ENGINE [--kvcore-...] [--dry-run] -- ENGINE_ARGS...",
-        description=(
-            "Turn --kvcore-* flags (over KVCORE_* variables already set) into KVCORE_* "
-            "variables, enable kvcore for ENGINE, and replace this process with the engine's "
-            "own server."
-        ),
-        epilog="kvcore settings:\n" + settings_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    launch.add_argument("--dry-run", action="store_true", help="print what would run; run nothing")
-    launch.add_argument("engine", metavar="ENGINE", help=" or ".join(ENGINES))
-    launch.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    launch.set_defaults(handler=run_launch)
-
+    launch.add_parser(commands)
     patching_cli.add_parser(commands)
     return parser
 
@@ -135,72 +107,17 @@ def run_bench(args: argparse.Namespace) -> int:
     engine = getattr(args, "engine", None)
     if getattr(args, "sweep", False):
         if engine is None:
-            raise UsageError("--sweep needs --engine (sglang or vllm)")
+            print("kvcore bench: --sweep needs --engine (sglang or vllm)", file=sys.stderr)
+            return 2
         return int(importlib.import_module(BENCH_SWEEPS[engine]).main(args))
     if engine is not None:
         if engine not in BENCH_ENGINES:
-            raise UsageError(f"--engine {engine} runs only with --sweep")
+            print(f"kvcore bench: --engine {engine} runs only with --sweep", file=sys.stderr)
+            return 2
         return int(importlib.import_module(BENCH_ENGINES[engine]).main(args))
     from kvcore import bench
 
     return bench.main(args)
-
-
-def run_launch(args: argparse.Namespace) -> int:
-    engine = args.engine
-    if engine not in ENGINE_ENTRY_MODULES:
-        raise UsageError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
-    config, engine_args, dry_run = _split_launch_args(args.rest)
-    dry_run = dry_run or args.dry_run
-    config = replace(config, enable=config.enable | {engine})
-    command = [sys.executable, "-m", ENGINE_ENTRY_MODULES[engine], *engine_args]
-    variables = config.to_env()
-    installed = engine_installed(engine)
-    if dry_run:
-        _print_plan(variables, command)
-        if not installed:
-            print(f"kvcore launch: note: {engine} is not installed here", file=sys.stderr)
-        return 0
-    if not installed:
-        raise UsageError(f"{engine} is not installed for {sys.executable}; pip install {engine}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvpe(command[0], command, {**os.environ, **variables})
-
-
-def _split_launch_args(rest: list[str]) -> tuple[KVCoreConfig, list[str], bool]:
-    """(config, engine arguments, dry run) from what follows ENGINE.
-
-    Before ``--`` only kvcore's flags are allowed; with no ``--`` every other
-    argument goes to the engine.
-    """
-    has_separator = "--" in rest
-    cut = rest.index("--") if has_separator else len(rest)
-    config, leftover = KVCoreConfig.from_args(rest[:cut])
-    dry_run = "--dry-run" in leftover
-    leftover = [arg for arg in leftover if arg != "--dry-run"]
-    if has_separator and leftover:
-        raise UsageError(
-            f"unexpected {shlex.join(leftover)} before '--': only --kvcore-* flags and "
-            "--dry-run go there; engine arguments go after '--'"
-        )
-    return config, leftover + rest[cut + 1 :], dry_run
-
-
-def engine_installed(engine: str) -> bool:
-    # The top-level name only: finding a submodule would import the engine's package.
-    return importlib.util.find_spec(engine) is not None
-
-
-def _print_plan(variables: dict[str, str], command: list[str]) -> None:
-    changed = {k: v for k, v in variables.items() if os.environ.get(k) != v}
-    print("environment (set by kvcore launch):")
-    for name, value in changed.items():
-        print(f"  {name}={shlex.quote(value)}")
-    if not changed:
-        print("  (no change)")
-    print("command:")
-    print(f"  {shlex.join(command)}")
 
 
 def run_doctor(args: argparse.Namespace) -> int:

@@ -349,7 +349,13 @@ class Setting:
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"{source or self.name}={value!r}: {exc}; allowed: {self.kind.allowed}"
+                f"; {self._fix(source)}"
             ) from None
+
+    def _fix(self, source: str | None) -> str:
+        if source == self.env:
+            return f"set one, or unset {self.env} for the default ({self.default_text()})"
+        return f"the default is {self.default_text()}"
 
     def default_text(self) -> str:
         return self.kind.render(self.default)
@@ -405,11 +411,37 @@ def _unknown_message(what: str, name: str, known: list[str]) -> str:
     return f"unknown kvcore {what} {name}{hint}; known: {', '.join(known)}"
 
 
+# Messages already logged by this process: engines read the environment in every
+# process, some several times, and one line each says all there is to say.
+_reported: set[str] = set()
+
+
+def _report_once(level: int, message: str) -> None:
+    if message not in _reported:
+        _reported.add(message)
+        logger.log(level, message)
+
+
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:
     # A misspelt variable would otherwise be ignored without a word.
     for name in env:
         if name.startswith(ENV_PREFIX) and name not in _BY_ENV:
-            logger.warning("%s; it is ignored", _unknown_message("variable", name, list(_BY_ENV)))
+            unknown = _unknown_message("variable", name, list(_BY_ENV))
+            _report_once(logging.WARNING, f"{unknown}; it is ignored")
+
+
+def engine_config(engine: str, environ: Mapping[str, str] | None = None) -> KVCoreConfig | None:
+    """The configuration for code running inside ``engine`` (a name for people, e.g. "vLLM").
+
+    None when a variable is bad, after one logged line (once per process) that names it,
+    its value and the fix, and says the engine runs stock: inside an engine a traceback
+    would bury that among the engine's own logs, and the engine must carry on.
+    """
+    try:
+        return KVCoreConfig.from_env(environ)
+    except ConfigError as exc:
+        _report_once(logging.ERROR, f"kvcore: {exc}; {engine} runs stock")
+        return None
 
 
 SYNTAX_NOTES: tuple[str, ...] = (

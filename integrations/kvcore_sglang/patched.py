@@ -10,9 +10,10 @@ every target of the guard's groups recorded for that release (not the functions 
 groups merely depend on).
 
 Patched mode is on in a patched build unless ``KVCORE_ENABLE`` is set and leaves sglang
-out (``KVCORE_ENABLE=0`` turns it off). With the plugin enabled too, the plugin still
-registers its hooks, but every target the patch hooked is marked patched in SGLang's
-HookRegistry, whose ``apply_hooks`` then leaves it alone: each hook runs once per call.
+out (``KVCORE_ENABLE=0`` turns it off), or a ``KVCORE_*`` variable is bad (one logged line
+says which). With the plugin enabled too, the plugin still registers its hooks, but every
+target the patch hooked is marked patched in SGLang's HookRegistry, whose ``apply_hooks``
+then leaves it alone: each hook runs once per call.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvcore.config import KVCoreConfig
+from kvcore.config import engine_config
 from kvcore.patching.spec import EngineSpec, PatchTarget
 
 from . import DISTRIBUTION, ENGINE, guard
@@ -37,11 +38,12 @@ _hooked: list[str] = []
 
 
 def patched_mode_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """On unless ``KVCORE_ENABLE`` is set and does not name sglang."""
+    """On unless ``KVCORE_ENABLE`` is set and does not name sglang, or a variable is bad."""
     env = os.environ if environ is None else environ
     if not env.get("KVCORE_ENABLE", ""):
         return True
-    return KVCoreConfig.from_env(env).enabled_for(ENGINE)
+    config = engine_config("SGLang", env)
+    return config is not None and config.enabled_for(ENGINE)
 
 
 def hook(target: str, original: Any) -> Any:
@@ -75,9 +77,9 @@ def hooked_targets() -> tuple[str, ...]:
 
 
 def _implementation(target: str) -> Callable[..., Any] | None:
-    if not patched_mode_enabled():
+    config = engine_config("SGLang")
+    if config is None or not patched_mode_enabled():
         return None
-    config = KVCoreConfig.from_env()
     config.configure_logging()
     # Imported here: both import torch, and only a hooked target needs them.
     if target in _group_targets(guard.TRANSFER_GROUPS):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvcore.config import KVCoreConfig
+from kvcore.config import KVCoreConfig, engine_config
 from kvcore.engine_status import EngineStatus, probe_engine, release_of
 from kvcore.metrics_export import start_multiprocess_export
 
@@ -27,7 +27,9 @@ _applied: EngineStatus | None = None
 def load() -> None:
     """Entry point for SGLang's ``load_plugins()``."""
     try:
-        register_hooks()
+        config = engine_config("SGLang")
+        if config is not None:
+            register_hooks(config)
     except Exception:
         # A plugin failure must leave SGLang running stock, never stop it.
         logger.exception("kvcore: registering SGLang hooks failed; SGLang runs stock")

@@ -62,9 +62,9 @@ from kvcore.mover import (
 )
 
 from . import guard, pool_jobs
-from .host_layouts import layout_reason
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, weakly
 from .pool_jobs import Job, PoolJobs
+from .served_layouts import layout_reason
 
 _POOL_PACKAGE = "sglang.srt.mem_cache.pool_host"
 MHA_POOL = f"{_POOL_PACKAGE}.mha.MHATokenToKVPoolHost"

@@ -7,9 +7,9 @@ behind the default name, and registered as ``KVCoreCPUOffloadingSpec``) and retu
 kvcore's loader; otherwise it returns the stock loader unchanged.
 
 Patched mode is on in a patched build unless ``KVCORE_ENABLE`` is set and leaves vllm
-out (``KVCORE_ENABLE=0`` turns it off). The plugin's change is idempotent (the same
-loader, the explicit name registered once), so the plugin enabled on a patched tree
-changes nothing more.
+out (``KVCORE_ENABLE=0`` turns it off), or a ``KVCORE_*`` variable is bad (one logged line
+says which). The plugin's change is idempotent (the same loader, the explicit name
+registered once), so the plugin enabled on a patched tree changes nothing more.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcore.config import KVCoreConfig
+from kvcore.config import engine_config
 from kvcore.patching.spec import EngineSpec, PatchTarget
 from kvcore_vllm import guard, plugin
 
@@ -30,11 +30,12 @@ _hooked: list[str] = []
 
 
 def patched_mode_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """On unless ``KVCORE_ENABLE`` is set and does not name vllm."""
+    """On unless ``KVCORE_ENABLE`` is set and does not name vllm, or a variable is bad."""
     env = os.environ if environ is None else environ
     if not env.get("KVCORE_ENABLE", ""):
         return True
-    return KVCoreConfig.from_env(env).enabled_for(guard.ENGINE)
+    config = engine_config("vLLM", env)
+    return config is not None and config.enabled_for(guard.ENGINE)
 
 
 def hook(target: str, original: Any) -> Any:
@@ -42,9 +43,10 @@ def hook(target: str, original: Any) -> Any:
     try:
         if target != plugin.REGISTRY_TARGET:
             raise KeyError(f"kvcore's vLLM adapter has no hook for {target}")
-        if not patched_mode_enabled():
+        config = engine_config("vLLM")
+        if config is None or not patched_mode_enabled():
             return original
-        KVCoreConfig.from_env().configure_logging()
+        config.configure_logging()
         # The plugin's own change, made while vLLM's factory module is still executing
         # (its class and the stock entries exist by the time the patch line runs).
         plugin._install()

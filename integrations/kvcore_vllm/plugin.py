@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Mapping
 
-from kvcore.config import KVCoreConfig
+from kvcore.config import KVCoreConfig, engine_config
 from kvcore.engine_status import EngineStatus, probe_engine, release_of
 from kvcore.metrics_export import start_multiprocess_export
 from kvcore_vllm.guard import (
@@ -47,7 +47,9 @@ _decided: EngineStatus | None = None
 def register() -> None:
     """Entry point for ``vllm.general_plugins``; safe to call any number of times."""
     try:
-        activate(KVCoreConfig.from_env())
+        config = engine_config("vLLM")
+        if config is not None:
+            activate(config)
     except Exception:
         # vLLM does not catch errors raised by a general plugin: it would not start.
         logger.exception("kvcore: activating the vLLM adapter failed; vLLM runs stock")

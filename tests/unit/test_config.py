@@ -237,6 +237,11 @@ def test_bad_value_messages_name_variable_value_and_allowed(name):
         assert source in message
         assert repr(text) in message
         assert allowed in message
+    default = setting.default_text()
+    assert str(env_error.value).endswith(
+        f"; set one, or unset {setting.env} for the default ({default})"
+    )
+    assert str(flag_error.value).endswith(f"; the default is {default}")
 
 
 def test_empty_variable_counts_as_unset():
@@ -250,10 +255,14 @@ def test_from_env_reads_os_environ_by_default(monkeypatch):
     assert KVCoreConfig.from_args([])[0].gather_ctas == 12
 
 
-def test_unknown_variable_is_warned_about(caplog):
+def test_unknown_variable_is_warned_about_once_per_process(caplog):
+    # No other test may misspell this variable: the warning is given once per process.
+    env = {"KVCORE_STAGING_BYTE": "1GiB", "OTHER_THING": "1"}
     with caplog.at_level(logging.WARNING, logger="kvcore.config"):
-        config = KVCoreConfig.from_env({"KVCORE_STAGING_BYTE": "1GiB", "OTHER_THING": "1"})
+        config = KVCoreConfig.from_env(env)
+        assert KVCoreConfig.from_args([], environ=env)[0] == config
     assert config == KVCoreConfig()
+    assert len(caplog.records) == 1
     assert "KVCORE_STAGING_BYTE " in caplog.text
     assert "did you mean KVCORE_STAGING_BYTES" in caplog.text
     assert "OTHER_THING" not in caplog.text

@@ -147,3 +147,17 @@ def test_sglang_load_plugins_runs_the_entry_point(sglang_hooks, monkeypatch):
     assert set(kvcore_sglang.status().patched_targets) == set(guard.ALLOCATOR_TARGETS)
     assert all(not is_stock(name) for name in host_slots.HOOKS)
     assert host_slots.slots_of(mha_host(256, 16)) is not None
+
+
+def test_a_bad_kvcore_setting_leaves_sglang_stock_with_one_line(sglang_hooks, monkeypatch, caplog):
+    monkeypatch.setenv("KVCORE_PREFAULT_THREADS", "0")
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        assert sglang_hooks() is None
+        assert sglang_hooks() is None
+    assert our_hooks() == dict.fromkeys(guard.ALLOCATOR_TARGETS, 0)
+    assert all(is_stock(name) for name in host_slots.HOOKS)
+    [record] = caplog.records
+    assert record.exc_info is None  # no traceback
+    message = record.getMessage()
+    assert message.startswith("kvcore: KVCORE_PREFAULT_THREADS='0': out of range; ")
+    assert message.endswith("unset KVCORE_PREFAULT_THREADS for the default (8); SGLang runs stock")
