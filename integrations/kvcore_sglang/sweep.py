@@ -21,6 +21,7 @@ time from above.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -67,6 +68,8 @@ class SweepOptions:
     device: torch.device = field(default_factory=lambda: torch.device("cuda"))
     serve_rule: bool = True
     seed: int = 4321
+    partial_json: str | None = None
+    """Where to write the rows so far after every pool, so a run cut short keeps them."""
 
     def layer_count(self, kind: str) -> int:
         return (self.layers or LAYERS)[kind]
@@ -90,6 +93,8 @@ def options_for(args: argparse.Namespace) -> SweepOptions:
         opts = replace(opts, host_levels=tuple(args.host_levels.split(",")))
     if getattr(args, "no_rule", False):
         opts = replace(opts, serve_rule=False)
+    if getattr(args, "json", None):
+        opts = replace(opts, partial_json=args.json)
     return opts
 
 
@@ -304,12 +309,12 @@ def _checked_request(
 
 
 def _restore_rows(case: bench.PoolCase, op: str) -> None:
-    """Put back what the timed requests wrote: device layers their poison after loads
-    (on the device, cheap), host buffers their intended bytes after backups."""
+    """Put back what earlier requests wrote: device layers their poison (on the device,
+    cheap), and before a backup the host buffers their intended bytes (loads only read
+    them, and every load cell of a pool runs before its backups)."""
+    case.restore_device()
     if op == "backup":
         case.restore_host()
-    else:
-        case.restore_device()
 
 
 def measure_cell(
@@ -421,6 +426,31 @@ def _pool(kind: str, layout: str, page: int, opts: SweepOptions) -> Iterator[ben
         yield case
 
 
+def _pool_cells(
+    case: bench.PoolCase,
+    backend: str,
+    opts: SweepOptions,
+    metrics: Metrics,
+    progress: Callable[[str], None],
+) -> Iterator[SweepRow | dict[str, Any]]:
+    """Every cell of one pool: ops x host levels x request sizes."""
+    for op in opts.ops:
+        for level in opts.host_levels:
+            for tokens in (t for t in opts.tokens if t % case.page_size == 0):
+                try:
+                    cell = measure_cell(case, op, backend, tokens, level, opts, metrics)
+                except Exception as exc:  # one cell failing says why; the others still run
+                    _sync(opts.device)
+                    where = f"{case.kind}/{case.layout}/{backend}/p{case.page_size}/{level}/{op}"
+                    why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                    cell = {"case": where, "tokens": tokens, "not_runnable": why}
+                if isinstance(cell, SweepRow):
+                    progress(sweep_report.format_table([cell]).split("\n")[-1])
+                else:
+                    progress(f"{cell['case']} {tokens}: {cell['not_runnable']}")
+                yield cell
+
+
 def run(opts: SweepOptions, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     stub = bench.install_sgl_kernel_stub()
     import sglang
@@ -431,36 +461,36 @@ def run(opts: SweepOptions, progress: Callable[[str], None] = lambda line: None)
     stream = torch.cuda.Stream(opts.device) if opts.device.type == "cuda" else None
     with bench.bench_mover(serve_rule=opts.serve_rule) as mover, bench._on_stream(stream):
         assert mover.metrics is not None
-        for kind in opts.kinds:
-            for layout, backend, pages in opts.layouts:
-                for page in pages:
-                    progress(f"-- {kind} {layout} {backend} page {page}")
-                    try:
-                        with _pool(kind, layout, page, opts) as case:
-                            for op in opts.ops:
-                                for level in opts.host_levels:
-                                    for tokens in opts.tokens:
-                                        if tokens % page:
-                                            continue
-                                        cell = measure_cell(
-                                            case, op, backend, tokens, level, opts, mover.metrics
-                                        )
-                                        if isinstance(cell, SweepRow):
-                                            rows.append(cell)
-                                            progress(
-                                                sweep_report.format_table([cell]).split("\n")[-1]
-                                            )
-                                        else:
-                                            skipped.append(cell)
-                                            progress(
-                                                f"{cell['case']} {tokens}: {cell['not_runnable']}"
-                                            )
-                    except Exception as exc:  # a pool SGLang cannot build here: say so, go on
-                        why = f"pool not built: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-                        progress(why)
-                        skipped.append(
-                            {"case": f"{kind}/{layout}/{backend}/p{page}", "not_runnable": why}
-                        )
+        for kind, (layout, backend, pages) in itertools.product(opts.kinds, opts.layouts):
+            for page in pages:
+                progress(f"-- {kind} {layout} {backend} page {page}")
+                try:
+                    with _pool(kind, layout, page, opts) as case:
+                        for cell in _pool_cells(case, backend, opts, mover.metrics, progress):
+                            if isinstance(cell, SweepRow):
+                                rows.append(cell)
+                            else:
+                                skipped.append(cell)
+                except Exception as exc:  # a pool SGLang cannot build here: say so, go on
+                    why = f"pool not built: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+                    progress(why)
+                    skipped.append(
+                        {"case": f"{kind}/{layout}/{backend}/p{page}", "not_runnable": why}
+                    )
+                if opts.partial_json:
+                    partial = _result(opts, rows, skipped, sglang, stub, jit)
+                    sweep_report.write_json(opts.partial_json, partial["document"])
+    return _result(opts, rows, skipped, sglang, stub, jit)
+
+
+def _result(
+    opts: SweepOptions,
+    rows: list[SweepRow],
+    skipped: list[dict[str, Any]],
+    sglang: Any,
+    stub: bool,
+    jit: dict[str, str],
+) -> dict[str, Any]:
     device = torch.cuda.get_device_name(opts.device) if opts.device.type == "cuda" else "cpu"
     return {
         "document": sweep_report.report(
