@@ -262,7 +262,8 @@ def _decided(
     src_row_bytes = row_bytes(src)
     staged: tuple[StagedChunk, ...] = ()
     if path is TransferPath.STAGED:
-        staged = staged_chunks(host_runs, policy.staging_bytes // src_row_bytes)
+        # Rows of no bytes (a valid transfer that moves nothing) all fit one chunk.
+        staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1))
     rows = int(src_idx.numel())
     return TransferPlan(
         path=path,

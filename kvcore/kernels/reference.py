@@ -66,6 +66,10 @@ def row_word_bytes(t: torch.Tensor) -> int | None:
     if t.dim() == 0 or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     size = row_bytes(t)
+    if size == 0:
+        # Rows of no bytes: nothing to align, and a wider view of an empty row can trip
+        # torch's stride checks (a [n, 0, k] tensor keeps stride k along dim 0).
+        return 1
     # torch checks the storage offset when viewing as a wider dtype; the data
     # pointer is what the hardware sees. Both must be aligned.
     offset = t.storage_offset() * t.element_size()

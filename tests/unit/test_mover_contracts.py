@@ -1,0 +1,79 @@
+"""The mover's contract at its edges: a plan's indices written after planning, rows of no
+bytes, and fallbacks run without the engine's stock function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore.direction import Direction
+from kvcore.layers import layer_pairs
+from kvcore.metrics import Metrics
+from kvcore.mover import (
+    Mover,
+    PathPolicy,
+    TransferPath,
+    plan,
+    plan_device_indexed,
+)
+
+H2D, D2H = Direction.H2D, Direction.D2H
+POISON = 0x5A
+SRC_ROWS = DST_ROWS = 48
+ROW = (4, 24)
+# Small enough that the fixtures below reach every path.
+POLICY = PathPolicy(staging_bytes=64 << 10, long_run_bytes=1 << 10)
+
+
+def random_rows(rows: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16):
+    """Random bytes seen as ``dtype`` rows (bf16 ones include NaNs with payloads)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    count = rows * ROW[0] * ROW[1] * size
+    data = torch.randint(0, 256, (count,), dtype=torch.uint8, generator=gen)
+    return data.view(dtype).view(rows, *ROW)
+
+
+def poisoned(rows: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    data = torch.full((rows * ROW[0] * ROW[1] * size,), POISON, dtype=torch.uint8)
+    return data.view(dtype).view(rows, *ROW)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+# Rows of no bytes: a valid transfer that moves nothing, still bounds-checked.
+
+
+def no_bytes(rows: int) -> torch.Tensor:
+    return torch.empty(rows, 0, 8, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("direction", [H2D, D2H], ids=lambda d: d.value)
+@pytest.mark.parametrize(
+    "force",
+    [None, TransferPath.STAGED, TransferPath.BATCHED_RUNS, TransferPath.GATHER],
+    ids=lambda p: "chosen" if p is None else p.value,
+)
+def test_rows_of_no_bytes_plan_and_execute_as_a_no_op(direction, force):
+    # One host run and scattered device rows: the planner's choice is a staged copy.
+    host_idx, device_idx = torch.arange(4, 20), torch.randperm(24)[:16]
+    src_idx, dst_idx = (host_idx, device_idx) if direction is H2D else (device_idx, host_idx)
+    metrics = Metrics()
+    mover = Mover(POLICY, metrics=metrics)
+    planners = [plan] if force is TransferPath.BATCHED_RUNS else [plan, plan_device_indexed]
+    for planner in planners:
+        chosen = planner(
+            no_bytes(24), no_bytes(24), src_idx, dst_idx, direction=direction, force=force
+        )
+        assert chosen.path is (force or TransferPath.STAGED)
+        assert (chosen.rows, chosen.row_bytes, chosen.nbytes) == (16, 0, 0)
+        mover.execute(chosen)
+        pairs = layer_pairs([no_bytes(24), no_bytes(24)], [no_bytes(24), no_bytes(24)])
+        mover.execute_layers(chosen, pairs)
+        # Host rows past the end: the only index both planners read.
+        bad = (host_idx + 24, device_idx) if direction is H2D else (device_idx, host_idx + 24)
+        with pytest.raises(ValueError, match="outside"):
+            planner(no_bytes(24), no_bytes(24), *bad, direction=direction)
+    assert {t["bytes"] for t in metrics.snapshot()["transfers"]} == {0}
