@@ -576,7 +576,12 @@ class Mover:
         return chosen
 
     def execute(self, plan: TransferPlan, *, stock: Callable[[], None] | None = None) -> None:
-        """Run ``plan``; a FALLBACK runs ``stock`` (the engine's own path) or its equivalent."""
+        """Run ``plan``; a FALLBACK runs ``stock`` (the engine's own path) or, without one,
+        copies the rows unchanged by torch indexing.
+
+        Raises TypeError or ValueError where a FALLBACK without ``stock`` would need a
+        conversion or a broadcast.
+        """
         started = time.perf_counter()
         if plan.path is TransferPath.FALLBACK:
             if stock is not None:

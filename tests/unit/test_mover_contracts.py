@@ -77,3 +77,64 @@ def test_rows_of_no_bytes_plan_and_execute_as_a_no_op(direction, force):
         with pytest.raises(ValueError, match="outside"):
             planner(no_bytes(24), no_bytes(24), *bad, direction=direction)
     assert {t["bytes"] for t in metrics.snapshot()["transfers"]} == {0}
+
+
+# Fallbacks without the engine's stock function: bytes unchanged, or a clear refusal.
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "error", "message"),
+    [
+        (
+            random_rows(10, torch.Generator().manual_seed(7)),
+            poisoned(12, torch.float16),
+            TypeError,
+            r"torch\.bfloat16 cannot move into rows of torch\.float16",
+        ),
+        (
+            random_rows(10, torch.Generator().manual_seed(8))[:, :1],
+            poisoned(12),
+            ValueError,
+            r"shape \(1, 24\) cannot move into rows of shape \(4, 24\)",
+        ),
+    ],
+    ids=["conversion", "broadcast"],
+)
+def test_a_fallback_without_stock_never_converts_or_broadcasts(src, dst, error, message):
+    metrics = Metrics()
+    idx = torch.tensor([9, 0, 4])
+    with pytest.raises(error, match=message):
+        Mover(metrics=metrics).transfer(src, dst, idx, idx.flip(0), direction=H2D)
+    assert bool((as_bytes(dst) == POISON).all())
+    assert metrics.snapshot()["transfers"] == [] and metrics.snapshot()["fallbacks"] == {}
+
+
+def fallback_case(reason: str, gen: torch.Generator):
+    """A source, the memory a destination lies in, and the destination as a view of it:
+    one dtype and row shape, which kvcore's own paths cannot take for ``reason``."""
+    if reason == "strided_rows":
+        # Every other half-row of a wider buffer.
+        wide = poisoned(DST_ROWS).view(DST_ROWS, ROW[0], 2, ROW[1] // 2)
+        return random_rows(SRC_ROWS, gen)[:, :, :12], wide, lambda m: m[:, :, 0]
+    if reason == "overlapping_buffers":
+        shared = random_rows(SRC_ROWS, gen)
+        return shared[:40], shared, lambda m: m[16:]
+    return random_rows(SRC_ROWS, gen), poisoned(DST_ROWS), lambda m: m
+
+
+@pytest.mark.parametrize("reason", ["strided_rows", "overlapping_buffers", "forced"])
+def test_a_fallback_without_stock_copies_bytes_unchanged(reason):
+    gen = torch.Generator().manual_seed(9)
+    src, memory, view = fallback_case(reason, gen)
+    dst = view(memory)
+    src_idx = torch.randperm(src.shape[0], generator=gen)[:20]
+    dst_idx = torch.randperm(dst.shape[0], generator=gen)[:20]
+    # Every source row read before any is written, as stock indexing does; compared as
+    # integers, so that NaN payloads must come through.
+    expected = memory.view(torch.int16).clone()
+    view(expected)[dst_idx] = src[src_idx].view(torch.int16)
+    force = TransferPath.FALLBACK if reason == "forced" else None
+    done = Mover().transfer(src, dst, src_idx, dst_idx, direction=H2D, force=force)
+    assert done.reason == reason
+    # Copied rows, rows left out and the bytes between a strided view's rows alike.
+    assert torch.equal(memory.view(torch.int16), expected)
