@@ -12,6 +12,7 @@ from kvcore.metrics import Metrics
 from kvcore.mover import (
     Mover,
     PathPolicy,
+    StalePlanError,
     TransferPath,
     plan,
     plan_device_indexed,
@@ -41,6 +42,134 @@ def poisoned(rows: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def copied(src, dst, src_idx, dst_idx) -> torch.Tensor:
+    """``dst``'s bytes after a per-index copy."""
+    out = as_bytes(dst).clone()
+    for s, d in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
+        out[d] = as_bytes(src)[s]
+    return out
+
+
+def layouts(gen: torch.Generator) -> dict[TransferPath, tuple[torch.Tensor, torch.Tensor]]:
+    """Host and device rows that POLICY sends down each path, either direction."""
+    scattered_src = torch.randperm(SRC_ROWS, generator=gen)[:40]
+    scattered_dst = torch.randperm(DST_ROWS, generator=gen)[:40]
+    return {
+        TransferPath.SINGLE_COPY: (torch.arange(8, 40), torch.arange(16, 48)),
+        TransferPath.BATCHED_RUNS: (
+            torch.cat([torch.arange(0, 16), torch.arange(32, 48)]),
+            torch.cat([torch.arange(24, 40), torch.arange(0, 16)]),
+        ),
+        TransferPath.STAGED: (torch.arange(8, 48), scattered_dst),
+        # Every row its own run: the plan's runs are the index values themselves.
+        TransferPath.GATHER: (scattered_src, scattered_dst),
+        TransferPath.FALLBACK: (scattered_src, scattered_dst),
+    }
+
+
+def planned(path: TransferPath, direction: Direction, seed: int):
+    """A plan taking ``path``, its tensors and the bytes it must leave in ``dst``."""
+    gen = torch.Generator().manual_seed(seed)
+    host_idx, device_idx = layouts(gen)[path]
+    src, dst = random_rows(SRC_ROWS, gen), poisoned(DST_ROWS)
+    src_idx, dst_idx = (host_idx, device_idx) if direction is H2D else (device_idx, host_idx)
+    force = TransferPath.FALLBACK if path is TransferPath.FALLBACK else None
+    chosen = plan(src, dst, src_idx, dst_idx, direction=direction, policy=POLICY, force=force)
+    assert chosen.path is path
+    return chosen, src, dst, src_idx, dst_idx
+
+
+PATHS = list(TransferPath)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.value)
+@pytest.mark.parametrize("direction", [H2D, D2H], ids=lambda d: d.value)
+@pytest.mark.parametrize("written", ["dst_idx", "src_idx"])
+def test_an_index_written_after_planning_is_refused_before_any_copy(path, direction, written):
+    chosen, src, dst, src_idx, dst_idx = planned(path, direction, seed=1)
+    index, rows = (dst_idx, DST_ROWS) if written == "dst_idx" else (src_idx, SRC_ROWS)
+    # Past every row: a plan reading it would skip the rows, or write out of bounds.
+    index += rows
+    metrics = Metrics()
+    with pytest.raises(StalePlanError, match=f"{written} was written in place"):
+        Mover(POLICY, metrics=metrics).execute(chosen)
+    index -= rows
+    index.copy_(index.flip(0))  # in range, but other rows than planned
+    with pytest.raises(StalePlanError):
+        Mover(POLICY, metrics=metrics).execute(chosen)
+    with pytest.raises(StalePlanError):
+        chosen.rebind(src.clone(), dst.clone())
+    assert bool((as_bytes(dst) == POISON).all())
+    assert metrics.snapshot()["transfers"] == []
+
+
+def test_an_index_written_after_planning_is_refused_for_every_layer():
+    chosen, src, dst, _, dst_idx = planned(TransferPath.GATHER, H2D, seed=2)
+    pairs = layer_pairs([src, src.clone()], [dst, poisoned(DST_ROWS)])
+    dst_idx += DST_ROWS
+    with pytest.raises(StalePlanError):
+        Mover(POLICY).execute_layers(chosen, pairs)
+    assert all(bool((as_bytes(d) == POISON).all()) for d in pairs.dsts)
+
+
+def test_a_stock_fallback_reads_its_own_indices():
+    chosen, _, _, _, dst_idx = planned(TransferPath.FALLBACK, H2D, seed=3)
+    dst_idx += DST_ROWS
+    calls: list[int] = []
+    Mover(POLICY).execute(chosen, stock=lambda: calls.append(1))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.value)
+def test_indices_the_plan_converted_are_its_own(path):
+    chosen, src, dst, src_idx, dst_idx = planned(path, H2D, seed=4)
+    narrow_src, narrow_dst = src_idx.to(torch.int32), dst_idx.to(torch.int32)
+    own = plan(src, dst, narrow_src, narrow_dst, direction=H2D, policy=POLICY, force=chosen.path)
+    expected = copied(src, dst, src_idx, dst_idx)
+    # The caller's int32 tensors are not what the plan reads: changing them changes nothing.
+    narrow_dst.copy_(narrow_dst.flip(0))
+    narrow_src += 1
+    Mover(POLICY).execute(own)
+    assert torch.equal(as_bytes(dst), expected)
+
+
+def test_inference_tensors_are_copied_at_plan_time():
+    # Inference tensors have no version counter: the plan keeps a copy instead.
+    gen = torch.Generator().manual_seed(5)
+    src, dst = random_rows(SRC_ROWS, gen), poisoned(DST_ROWS)
+    with torch.inference_mode():
+        src_idx = torch.randperm(SRC_ROWS, generator=gen)[:40]
+        dst_idx = torch.randperm(DST_ROWS, generator=gen)[:40]
+        chosen = plan(src, dst, src_idx, dst_idx, direction=H2D, policy=POLICY)
+        expected = copied(src, dst, src_idx, dst_idx)
+        dst_idx += DST_ROWS
+    assert not chosen.src_idx.is_inference() and not chosen.dst_idx.is_inference()
+    Mover(POLICY).execute(chosen)
+    assert torch.equal(as_bytes(dst), expected)
+
+
+@pytest.mark.parametrize("direction", [H2D, D2H], ids=lambda d: d.value)
+def test_device_indexed_plans_watch_the_host_index_only(direction):
+    gen = torch.Generator().manual_seed(6)
+    host, device = random_rows(DST_ROWS, gen), random_rows(DST_ROWS, gen)
+    host_idx = torch.randperm(DST_ROWS, generator=gen)[:24]
+    device_idx = torch.randperm(DST_ROWS, generator=gen)[:24]
+    src, dst = (host, device) if direction is H2D else (device, host)
+    src_idx, dst_idx = (host_idx, device_idx) if direction is H2D else (device_idx, host_idx)
+    chosen = plan_device_indexed(src, dst, src_idx, dst_idx, direction=direction, policy=POLICY)
+    # The device index was never read: like the engine's kernels, the copy reads it when
+    # it runs, whatever it holds then.
+    device_idx.copy_(device_idx.roll(5))
+    expected = copied(src, dst, src_idx, dst_idx)
+    Mover(POLICY).execute(chosen)
+    assert torch.equal(as_bytes(dst), expected)
+    host_idx.copy_(host_idx.flip(0))
+    before = as_bytes(dst).clone()
+    with pytest.raises(StalePlanError, match="was written in place"):
+        Mover(POLICY).execute(chosen)
+    assert torch.equal(as_bytes(dst), before)
 
 
 # Rows of no bytes: a valid transfer that moves nothing, still bounds-checked.
