@@ -789,7 +789,7 @@ def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
     if plan.reason is not None:
         return f"the plan falls back ({plan.reason}); run the stock path"
     if pairs.reason is not None:
-        return f"the pairs fall back ({pairs.reason}); run the stock path"
+        return f"the pairs cannot move in one submission ({pairs.reason}); rebind the plan to each"
     if pairs.srcs[0].device != plan.src.device or pairs.dsts[0].device != plan.dst.device:
         return (
             f"the plan copies {plan.src.device} -> {plan.dst.device}, the pairs "
@@ -802,7 +802,26 @@ def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
             f"the plan needs {plan.src_span} source and {plan.dst_span} destination rows, the "
             f"shortest pair has {pairs.src_rows} and {pairs.dst_rows}"
         )
+    if pairs.shared_dsts:
+        written = _destination_runs(plan)
+        if written is None:
+            return (
+                "the pairs' destinations share memory and the plan's destination rows are "
+                "on the device, unread: one submission could write a byte twice"
+            )
+        if pairs.rows_collide(written):
+            return (
+                "the plan's destination rows meet in the memory the pairs' destinations "
+                "share: one submission would write a byte twice"
+            )
     return None
+
+
+def _destination_runs(plan: TransferPlan) -> Runs | None:
+    """The rows ``plan`` writes, as runs; None where they are a device index never read."""
+    if plan.direction is Direction.D2H:
+        return plan.host_runs
+    return None if plan.device_index_opaque else plan.runs.dst_runs()
 
 
 def _word_views(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
