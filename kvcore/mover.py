@@ -111,9 +111,27 @@ def policy_from_config(config: KVCoreConfig) -> PathPolicy:
     )
 
 
+class StalePlanError(ValueError):
+    """A plan's index tensor was written in place after planning: plan again."""
+
+
 @dataclass(frozen=True, eq=False)
 class TransferPlan:
-    """What :func:`plan` decided for one transfer; ``reason`` is set iff the path is FALLBACK."""
+    """What :func:`plan` decided for one transfer; ``reason`` is set iff the path is FALLBACK.
+
+    A plan keeps the caller's index tensors as ``src_idx`` and ``dst_idx`` (int64 ones
+    as they are), and its runs may be views of them: a copy of both at plan time would
+    add a pass over both and fresh memory their size to every plan, which engines make
+    on their submit path, and a copy at execute time would cost every layer that. So
+    that an index written in place after planning cannot send rows to the wrong places
+    (or past the end of a buffer), the plan records the indices' version counters, which
+    every in-place torch write bumps, and :meth:`check_indices` compares them: two
+    integer reads where execute, execute_layers and rebind start. Writes torch does not
+    count, through a NumPy array sharing the memory, are not seen. Inference tensors
+    have no counter: plans copy those. A device index of :func:`plan_device_indexed`
+    is not watched: the plan never read it, and the copy reads it when it runs, as the
+    engine's own kernels do.
+    """
 
     path: TransferPath
     direction: Direction
@@ -137,6 +155,17 @@ class TransferPlan:
     runs, segmented once here rather than on every layer."""
     device_index_opaque: bool = False
     """Planned by :func:`plan_device_indexed`: the device side's index was never read."""
+    index_versions: tuple[int | None, int | None] = (None, None)
+    """``src_idx._version`` and ``dst_idx._version`` when planned; None for one not watched."""
+
+    def check_indices(self) -> None:
+        """Raise :class:`StalePlanError` where ``src_idx`` or ``dst_idx`` was written in place
+        since planning: the runs, bounds and path were decided for other values."""
+        src_version, dst_version = self.index_versions
+        if src_version is not None and self.src_idx._version != src_version:
+            raise StalePlanError(_STALE.format(name="src_idx"))
+        if dst_version is not None and self.dst_idx._version != dst_version:
+            raise StalePlanError(_STALE.format(name="dst_idx"))
 
     @property
     def device(self) -> torch.device:
@@ -149,7 +178,9 @@ class TransferPlan:
         Engines copy layer by layer with the same indices; the segmentation and the
         path choice are reused, so only the buffers are checked. Anything that could
         change the decision (devices, row size, a fallback either side) plans again.
+        Raises :class:`StalePlanError` where an index was written since planning.
         """
+        self.check_indices()
         same_layout = (
             self.reason is None
             and src.device == self.src.device
@@ -179,6 +210,12 @@ class TransferPlan:
         )
 
 
+_STALE = (
+    "{name} was written in place after planning; the plan's runs, bounds and path were "
+    "decided for its old values: plan again"
+)
+
+
 def _format_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB"):
@@ -205,8 +242,8 @@ def plan(
     engine's stock path runs unchanged. ``force`` picks a path for benchmarks and
     tests; it never overrides a fallback reason.
     """
-    src_idx = check_index(src_idx, "src_idx")
-    dst_idx = check_index(dst_idx, "dst_idx")
+    src_idx = _watchable(check_index(src_idx, "src_idx"))
+    dst_idx = _watchable(check_index(dst_idx, "dst_idx"))
     direction = _check_sides(src, dst, direction)
     found = segment_transfer(
         src_idx, dst_idx, src.shape[0], dst.shape[0], host_is_src=direction is Direction.H2D
@@ -242,6 +279,7 @@ def plan(
         policy,
         src_span=src_span,
         dst_span=dst_span,
+        index_versions=(src_idx._version, dst_idx._version),
     )
 
 
@@ -262,7 +300,8 @@ def _decided(
     src_row_bytes = row_bytes(src)
     staged: tuple[StagedChunk, ...] = ()
     if path is TransferPath.STAGED:
-        staged = staged_chunks(host_runs, policy.staging_bytes // src_row_bytes)
+        # Rows of no bytes (a valid transfer that moves nothing) all fit one chunk.
+        staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1))
     rows = int(src_idx.numel())
     return TransferPlan(
         path=path,
@@ -306,7 +345,7 @@ def plan_device_indexed(
     page_in = direction is Direction.H2D
     host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
     host, device = (src, dst) if page_in else (dst, src)
-    host_idx = check_index(host_idx, "host index")
+    host_idx = _watchable(check_index(host_idx, "host index"))
     if not isinstance(device_idx, torch.Tensor):
         raise TypeError(f"the device index must be a torch.Tensor, got {type(device_idx).__name__}")
     dtype = device_idx.dtype
@@ -323,6 +362,9 @@ def plan_device_indexed(
     _check_sides(src, dst, direction)
     # Kernels and index_copy_ take int64; a conversion on the device is queued, not waited.
     device_idx = device_idx.to(torch.int64).contiguous()
+    if device_idx.device.type == "cpu":
+        # The CUDA kernels cache uploads of CPU indices by version counter.
+        device_idx = _watchable(device_idx)
     host_span = check_bounds(host_idx, host.shape[0], "the host index")
     if has_duplicates(host_idx) and not page_in:
         raise ValueError("the host index holds duplicate destinations")
@@ -360,7 +402,16 @@ def plan_device_indexed(
         src_span=host_span if page_in else 0,
         dst_span=0 if page_in else host_span,
         device_index_opaque=True,
+        index_versions=(host_idx._version, None) if page_in else (None, host_idx._version),
     )
+
+
+def _watchable(index: torch.Tensor) -> torch.Tensor:
+    """``index``, or a copy of it where it has no version counter (an inference tensor)."""
+    if not index.is_inference():
+        return index
+    with torch.inference_mode(False):
+        return index.clone()
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -575,12 +626,19 @@ class Mover:
         return chosen
 
     def execute(self, plan: TransferPlan, *, stock: Callable[[], None] | None = None) -> None:
-        """Run ``plan``; a FALLBACK runs ``stock`` (the engine's own path) or its equivalent."""
+        """Run ``plan``; a FALLBACK runs ``stock`` (the engine's own path) or, without one,
+        copies the rows unchanged by torch indexing.
+
+        Raises :class:`StalePlanError` where the plan's indices were written since planning
+        (unless ``stock`` runs: it reads the engine's own), TypeError or ValueError where a
+        FALLBACK without ``stock`` would need a conversion or a broadcast.
+        """
         started = time.perf_counter()
-        if plan.path is TransferPath.FALLBACK:
-            if stock is not None:
-                stock()
-            else:
+        if plan.path is TransferPath.FALLBACK and stock is not None:
+            stock()
+        else:
+            plan.check_indices()
+            if plan.path is TransferPath.FALLBACK:
                 index_copy_rows(plan.src, plan.dst, plan.src_idx, plan.dst_idx)
         degraded = None
         if plan.path is not TransferPath.FALLBACK and plan.rows and plan.row_bytes:
@@ -606,8 +664,10 @@ class Mover:
 
         ``plan`` is made for one pair of the same layout (engines plan the first layer).
         Raises ValueError when it does not fit the pairs, or when either says the copy must
-        take the engine's stock path: the caller runs that path instead.
+        take the engine's stock path: the caller runs that path instead;
+        :class:`StalePlanError` where the plan's indices were written since planning.
         """
+        plan.check_indices()
         problem = layers_mismatch(plan, pairs)
         if problem is not None:
             raise ValueError(problem)
@@ -729,7 +789,7 @@ def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
     if plan.reason is not None:
         return f"the plan falls back ({plan.reason}); run the stock path"
     if pairs.reason is not None:
-        return f"the pairs fall back ({pairs.reason}); run the stock path"
+        return f"the pairs cannot move in one submission ({pairs.reason}); rebind the plan to each"
     if pairs.srcs[0].device != plan.src.device or pairs.dsts[0].device != plan.dst.device:
         return (
             f"the plan copies {plan.src.device} -> {plan.dst.device}, the pairs "
@@ -742,7 +802,26 @@ def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
             f"the plan needs {plan.src_span} source and {plan.dst_span} destination rows, the "
             f"shortest pair has {pairs.src_rows} and {pairs.dst_rows}"
         )
+    if pairs.shared_dsts:
+        written = _destination_runs(plan)
+        if written is None:
+            return (
+                "the pairs' destinations share memory and the plan's destination rows are "
+                "on the device, unread: one submission could write a byte twice"
+            )
+        if pairs.rows_collide(written):
+            return (
+                "the plan's destination rows meet in the memory the pairs' destinations "
+                "share: one submission would write a byte twice"
+            )
     return None
+
+
+def _destination_runs(plan: TransferPlan) -> Runs | None:
+    """The rows ``plan`` writes, as runs; None where they are a device index never read."""
+    if plan.direction is Direction.D2H:
+        return plan.host_runs
+    return None if plan.device_index_opaque else plan.runs.dst_runs()
 
 
 def _word_views(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,6 +66,10 @@ def row_word_bytes(t: torch.Tensor) -> int | None:
     if t.dim() == 0 or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     size = row_bytes(t)
+    if size == 0:
+        # Rows of no bytes: nothing to align, and a wider view of an empty row can trip
+        # torch's stride checks (a [n, 0, k] tensor keeps stride k along dim 0).
+        return 1
     # torch checks the storage offset when viewing as a wider dtype; the data
     # pointer is what the hardware sees. Both must be aligned.
     offset = t.storage_offset() * t.element_size()
@@ -178,7 +182,23 @@ def stage_out(
 def index_copy_rows(
     src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
 ) -> None:
-    """``dst[dst_idx] = src[src_idx]``: the stock path, casting like ``copy_`` and broadcasting."""
+    """``dst[dst_idx] = src[src_idx]`` by torch indexing, for rows kvcore cannot view as
+    words (strided, overlapping, on other devices).
+
+    The rows must be of one dtype and one shape: the values then move unchanged (every
+    source row is read before any is written). A pair that would need a conversion or a
+    broadcast raises; only the engine's own stock path may do that.
+    """
+    if src.dtype != dst.dtype:
+        raise TypeError(
+            f"rows of {src.dtype} cannot move into rows of {dst.dtype} unchanged: that "
+            "takes a conversion, which only the engine's stock path may do"
+        )
+    if src.shape[1:] != dst.shape[1:]:
+        raise ValueError(
+            f"rows of shape {tuple(src.shape[1:])} cannot move into rows of shape "
+            f"{tuple(dst.shape[1:])} unchanged: that takes a broadcast or a reshape, which "
+            "only the engine's stock path may do"
+        )
     rows = src[src_idx.to(src.device)]
-    # Index assignment refuses a dtype change; copy_ semantics cast instead.
-    dst[dst_idx.to(dst.device)] = rows.to(device=dst.device, dtype=dst.dtype)
+    dst[dst_idx.to(dst.device)] = rows.to(dst.device)

@@ -192,17 +192,20 @@ def test_stage_out_matches_loop():
     assert torch.equal(dst, expected)
 
 
-def test_index_copy_rows_is_stock_indexing():
+def test_index_copy_rows_moves_values_unchanged_or_refuses():
     gen = torch.Generator().manual_seed(6)
-    src = torch.randn(12, 4, generator=gen)
-    dst = torch.full((10, 4), 7.0, dtype=torch.bfloat16)
+    src = random_words(12, 4, torch.int16, gen).view(torch.bfloat16)
+    dst = poisoned(10, 4, torch.int16).view(torch.bfloat16)
     src_idx = torch.tensor([3, 3, 0, 11])
     dst_idx = torch.tensor([9, 1, 4, 0])
-    expected = dst.clone()
-    for s, d in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
-        expected[d] = src[s].to(torch.bfloat16)
+    expected = loop_copy(src.view(torch.int16), dst.view(torch.int16), src_idx, dst_idx)
     index_copy_rows(src, dst, src_idx, dst_idx)
-    assert torch.equal(dst, expected)
+    assert torch.equal(dst.view(torch.int16), expected)
+    with pytest.raises(TypeError, match="conversion"):
+        index_copy_rows(src, dst.view(torch.float16), src_idx, dst_idx)
+    with pytest.raises(ValueError, match="broadcast"):
+        index_copy_rows(src[:, :1], dst, src_idx, dst_idx)
+    assert torch.equal(dst.view(torch.int16), expected)
 
 
 def test_reference_serves_unregistered_devices(monkeypatch):

@@ -22,7 +22,16 @@ from kvcore.kernels import REFERENCE, KernelSet, cuda
 from kvcore.kernels.batch_copy import BatchCopyError
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, PathPolicy, TransferPath, layers_mismatch, plan, submissions
+from kvcore.mover import (
+    Mover,
+    PathPolicy,
+    TransferPath,
+    layers_mismatch,
+    plan,
+    plan_device_indexed,
+    submissions,
+)
+from kvcore.runs import find_runs
 
 H2D, D2H = Direction.H2D, Direction.D2H
 PATHS = [
@@ -353,3 +362,87 @@ def test_submissions_take_every_pair_at_once_where_they_can():
     assert each[0].plan is first and all(s.plan is not first for s in each[1:])
     mixed = [*buffers[:2], (srcs[2].view(torch.int8), dsts[2])]
     assert submissions(first, mixed, layer_pairs(*zip(*mixed, strict=True))) == "dtype_mismatch"
+
+
+# Destinations that share memory: one submission must never write a byte twice.
+
+
+@pytest.mark.parametrize("direction", [H2D, D2H], ids=lambda d: d.value)
+def test_pairs_writing_one_destination_twice_are_refused(direction):
+    gen = torch.Generator().manual_seed(13)
+    srcs = [random_bytes((20, 64), torch.int16, gen) for _ in range(2)]
+    dst = random_bytes((20, 64), torch.int16, gen)
+    pairs = layer_pairs(srcs, [dst, dst])
+    assert pairs.reason == "overlapping_buffers"
+    src_idx, dst_idx = torch.tensor([3, 9, 4, 15]), torch.tensor([0, 7, 19, 2])
+    first = plan(srcs[0], dst, src_idx, dst_idx, direction=direction)
+    before = dst.clone()
+    with pytest.raises(ValueError, match="overlapping_buffers"):
+        Mover().execute_layers(first, pairs)
+    assert torch.equal(dst, before)
+    # Pair by pair instead, in order: the engine's own result.
+    work = submissions(first, [(srcs[0], dst), (srcs[1], dst)], pairs)
+    assert isinstance(work, list) and [s.pairs for s in work] == [None, None]
+    for each in work:
+        Mover().submit(each)
+    expected = before.clone()
+    expected[dst_idx] = srcs[1][src_idx]  # the last pair's write wins, as in stock's loop
+    assert torch.equal(dst, expected)
+
+
+def test_pairs_whose_memory_meets_whatever_the_rows_are_refused():
+    gen = torch.Generator().manual_seed(14)
+    own = [random_bytes((20, 64), torch.uint8, gen) for _ in range(2)]
+    memory = random_bytes((41 * 64,), torch.uint8, gen)
+    # Two destinations half a row apart: every row of one meets two rows of the other.
+    halfway = [memory[:1280].view(20, 64), memory[32 : 32 + 1280].view(20, 64)]
+    assert layer_pairs(own, halfway).reason == "overlapping_buffers"
+    # One pair's destination is another pair's source.
+    assert layer_pairs([own[0], own[1]], [own[1].clone(), own[0]]).reason == "overlapping_buffers"
+    # Sources may share memory: they are only read.
+    assert layer_pairs([own[0], own[0]], [halfway[0], own[1]]).reason is None
+    assert layer_pairs([own[0], own[0]], [own[1], own[1].clone()]).shared_dsts == ()
+
+
+def test_shared_destinations_take_plans_whose_rows_stay_apart():
+    gen = torch.Generator().manual_seed(15)
+    host_memory, host = side(True, gen)
+    _, device = side(False, gen)
+    pairs = layer_pairs(device, host)
+    (offsets,) = pairs.shared_dsts
+    assert offsets.tolist() == [0, CHUNK_ROWS, 2 * CHUNK_ROWS]
+    apart = plan(device[0], host[0], SLOTS[:12], SLOTS[12:24], direction=D2H)
+    assert layers_mismatch(apart, pairs) is None
+    # Row CHUNK_ROWS of the first view is row 0 of the second.
+    meeting = plan(device[0], host[0], SLOTS[:2], torch.tensor([0, CHUNK_ROWS]), direction=D2H)
+    before = host_memory.clone()
+    with pytest.raises(ValueError, match="write a byte twice"):
+        Mover().execute_layers(meeting, pairs)
+    assert same_bytes(host_memory, before)
+    work = submissions(meeting, list(zip(device, host, strict=True)), pairs)
+    assert isinstance(work, list) and len(work) == LAYERS
+    # Destination rows on the device, never read, cannot be checked against shared memory.
+    unread = plan_device_indexed(
+        host[0], host[1].clone(), SLOTS[:4], torch.arange(4), direction=H2D
+    )
+    shared_device = layer_pairs([h.clone() for h in host], host)
+    with pytest.raises(ValueError, match="unread"):
+        Mover().execute_layers(unread, shared_device)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gaps=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    rows=st.sets(st.integers(0, 59), max_size=24),
+)
+def test_rows_collide_exactly_where_two_destinations_write_one_row(gaps, rows):
+    memory = torch.zeros(200, 4, dtype=torch.int32)
+    offsets = np.cumsum([0, *gaps])
+    views = [memory[o : o + 60] for o in offsets.tolist()]
+    pairs = layer_pairs([torch.ones(60, 4, dtype=torch.int32)] * len(views), views)
+    assert pairs.reason is None and pairs.shared_dsts[0].tolist() == offsets.tolist()
+    written = torch.tensor(sorted(rows), dtype=torch.int64)
+    shuffled = written[torch.randperm(len(written), generator=torch.Generator().manual_seed(0))]
+    memory_rows = [o + r for o in offsets.tolist() for r in rows]
+    collide = len(set(memory_rows)) != len(memory_rows)
+    assert pairs.rows_collide(find_runs(shuffled)) is collide
