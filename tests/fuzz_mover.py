@@ -67,8 +67,17 @@ TAIL_ELEMENTS = 8
 # How the rows of one side are laid out in its index.
 PATTERNS = ("one_run", "few_runs", "pages", "scattered", "fragmented", "descending")
 # Which API a case drives.
-MODES = ("transfer", "execute", "submit", "layers", "submissions", "rebind")
-REBINDS = ("same", "longer", "retyped", "resized", "misaligned", "strided")
+MODES = ("transfer", "execute", "submit", "layers", "submissions", "rebind", "invalid")
+REBINDS = ("same", "longer", "retyped", "resized", "misaligned", "strided", "short")
+# Caller errors an "invalid" case makes in one index; each must raise ValueError.
+CORRUPTIONS = {
+    "src_out_of_range": "outside",
+    "dst_out_of_range": "outside",
+    "src_negative": "outside",
+    "dst_negative": "outside",
+    "dst_duplicate": "duplicate",
+    "length_mismatch": "entries",
+}
 TESTS = {
     "cpu": "tests/unit/test_mover_fuzz.py::test_mover_fuzz_case",
     "cuda": "tests/gpu/test_mover_fuzz_gpu.py::test_mover_fuzz_case_on_cuda",
@@ -126,8 +135,15 @@ class Case:
     """The (first) pair's host buffer has padded rows: a strided_rows fallback."""
     rebind: str
     rebound_dtype: torch.dtype
-    """The rebound pair's dtype and row shape (the planned pair's unless retyped or resized)."""
+    """The rebound pair's (with ``mixed_rows``, the last layer pair's) dtype and row shape:
+    the planned pair's unless retyped or resized."""
     rebound_shape: tuple[int, ...]
+    mixed_rows: bool
+    """layers / submissions: the last pair's rows are of another size."""
+    planned_pair: int
+    """layers: the pair the plan is made for (engines plan one layer; any fits)."""
+    corruption: str
+    """invalid: the caller error in the indices (a key of CORRUPTIONS), else "-"."""
     repeat: bool
     """execute: the plan runs again over fresh destination bytes; rebind: the planned
     pair is executed before the rebound one."""
@@ -159,7 +175,9 @@ class Case:
             f"pairs={self.pairs} layout={self.src_layout}->{self.dst_layout}",
             f"strided_rows={self.strided_rows} repeat={self.repeat}"
             f" layered={self.layered_submissions} rebind={self.rebind}"
-            f"({str(self.rebound_dtype).removeprefix('torch.')}{list(self.rebound_shape)})",
+            f"({str(self.rebound_dtype).removeprefix('torch.')}{list(self.rebound_shape)})"
+            f" mixed_rows={self.mixed_rows} planned_pair={self.planned_pair}"
+            f" corruption={self.corruption}",
             f"stock={self.with_stock} direction_given={self.direction_given}",
             f"staging={self.staging_capacity} pinned={self.host_pinned}",
             f"policy={self.policy}",
@@ -181,7 +199,8 @@ def generate_case(seed: int, device: str) -> Case:
     dtype = rnd.choice(DTYPES)
     row_shape = _row_shape(rnd, dtype, device)
     row_size = math.prod(row_shape) * _element_size(dtype)
-    mode = rnd.choice(MODES)
+    # Caller errors cost little and need few cases.
+    mode = rnd.choices(MODES, weights=[2 if m != "invalid" else 1 for m in MODES])[0]
     device_indexed = rnd.random() < 0.25
     pairs = {"rebind": 2}.get(mode, rnd.randint(1, 8) if mode in ("layers", "submissions") else 1)
     budget = (4 << 20 if device == "cuda" else 1 << 20) // (2 * pairs)
@@ -206,21 +225,27 @@ def generate_case(seed: int, device: str) -> Case:
         src = _with_repeats(rnd, src)
 
     layered = mode in ("layers", "submissions") and pairs > 1
-    layouts = ["separate", "stacked", "interleaved"] if layered else ["separate"]
+    mixed_rows = layered and rnd.random() < 0.1
+    layouts = ["separate", "stacked", "interleaved"] if layered and not mixed_rows else ["separate"]
     src_layout, dst_layout = rnd.choice(layouts), rnd.choice(layouts)
     chunk_rows = rnd.choice((1, 2, 4, 16, 64))
     largest = max(
         int(row_map(max(1, pool), layout, chunk_rows, pairs)[-1])
         for pool, layout in ((src_pool, src_layout), (dst_pool, dst_layout))
     )
-    index_dtype = _index_dtype(rnd, largest)
+    index_dtype = _index_dtype(rnd, largest) if mode != "invalid" else torch.int64
     force = _force(rnd)
     policy = _policy(rnd, row_size)
     staging_capacity = None
     if rnd.random() < 0.1:
         staging_capacity = max(1, rnd.choice((row_size - 1, row_size, 3 * row_size + 1)))
     rebind = rnd.choice(REBINDS) if mode == "rebind" else "-"
-    rebound_dtype, rebound_shape = _rebound_layout(rnd, rebind, dtype, row_shape, device)
+    rebound_dtype, rebound_shape = _rebound_layout(
+        rnd, "resized" if mixed_rows else rebind, dtype, row_shape, device
+    )
+    corruption = "-"
+    if mode == "invalid":
+        corruption = _corruption(rnd, direction, device_indexed, rows)
     host_memories = pairs if "separate" in (src_layout, dst_layout) else 1
     host_pinned: tuple[bool, ...] = ()
     if device == "cuda":
@@ -265,6 +290,9 @@ def generate_case(seed: int, device: str) -> Case:
         rebound_shape=rebound_shape,
         repeat=mode in ("execute", "rebind") and rnd.random() < 0.5,
         layered_submissions=rnd.random() < 0.7,
+        mixed_rows=mixed_rows,
+        planned_pair=rnd.randrange(pairs) if mode == "layers" else 0,
+        corruption=corruption,
         with_stock=mode in ("transfer", "execute") and rnd.random() < 0.5,
         direction_given=device == "cpu" or rnd.random() < 0.5,
         host_pinned=host_pinned,
@@ -321,6 +349,20 @@ def _rebound_layout(
             return dtype, (elements // 2,)
         return dtype, (*shape, 2)
     return dtype, shape
+
+
+def _corruption(rnd: random.Random, direction: Direction, device_indexed: bool, rows: int) -> str:
+    """A caller error for an "invalid" case: one the planner can see (a device-side index
+    of plan_device_indexed is never read, so only its host side is corrupted)."""
+    kinds = list(CORRUPTIONS)
+    if device_indexed:
+        host = "src" if direction is H2D else "dst"
+        kinds = [k for k in kinds if k.startswith(host) or k == "length_mismatch"]
+    if rows < 2:
+        kinds = [k for k in kinds if k != "dst_duplicate"]
+    if rows < 1:
+        kinds = ["length_mismatch"]
+    return rnd.choice(kinds)
 
 
 def _transfer_rows(rnd: random.Random, most: int) -> int:
@@ -539,23 +581,27 @@ def build_side(
     pool: int,
     layout: str,
     padded_first: bool,
+    short: int | None = None,
 ) -> Side:
-    """``case.pairs`` buffers of ``pool`` logical rows, laid out as ``layout``."""
+    """``case.pairs`` buffers of ``pool`` logical rows, laid out as ``layout``; ``short``:
+    the rows of the second buffer, fewer than the transfer needs."""
     case = world.case
     pairs = case.pairs
     shapes = [case.row_shape] * pairs
     dtypes = [case.dtype] * pairs
-    if case.mode == "rebind":
-        shapes[1], dtypes[1] = case.rebound_shape, case.rebound_dtype
+    if case.mode == "rebind" or case.mixed_rows:
+        shapes[-1], dtypes[-1] = case.rebound_shape, case.rebound_dtype
     offsets = case.offsets[:pairs] if role.endswith("src") else case.offsets[pairs : 2 * pairs]
     if layout == "separate":
-        extra = [0, *case.extra_rows[: pairs - 1]]
+        lengths = [pool, *(pool + extra for extra in case.extra_rows[: pairs - 1])]
+        if short is not None:
+            lengths[1] = short
         buffers = []
         for i in range(pairs):
             offset = offsets[i] + (1 + i if case.rebind == "misaligned" and i else 0)
             padded = (padded_first and i == 0) or (case.rebind == "strided" and i == 1 and host)
             buffers.append(
-                _own_buffer(world, role, dtypes[i], shapes[i], pool + extra[i], offset, padded)
+                _own_buffer(world, role, dtypes[i], shapes[i], lengths[i], offset, padded)
             )
         return Side(tuple(buffers), row_map(pool, layout, case.chunk_rows, pairs))
     elements = math.prod(case.row_shape)
@@ -634,6 +680,11 @@ class _Run:
         page_in = case.direction is H2D
         padded = case.strided_rows
         src_role, dst_role = ("host src", "device dst") if page_in else ("device src", "host dst")
+        # A rebound host buffer one row shorter than the transfer reaches.
+        host_positions = case.src_positions if page_in else case.dst_positions
+        short = None
+        if case.rebind == "short" and host_positions:
+            short = max(host_positions)
         self.src = build_side(
             self.world,
             src_role,
@@ -641,6 +692,7 @@ class _Run:
             pool=case.src_pool,
             layout=case.src_layout,
             padded_first=padded and page_in and case.src_layout == "separate",
+            short=short if page_in else None,
         )
         self.dst = build_side(
             self.world,
@@ -649,6 +701,7 @@ class _Run:
             pool=case.dst_pool,
             layout=case.dst_layout,
             padded_first=padded and not page_in and case.dst_layout == "separate",
+            short=None if page_in else short,
         )
         self.src_rows = self.src.row_map[np.array(case.src_positions, dtype=np.int64)]
         self.dst_rows = self.dst.row_map[np.array(case.dst_positions, dtype=np.int64)]
@@ -679,13 +732,17 @@ class _Run:
             return index
         return index.to(self.case.device)
 
-    def _indices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        case = self.case
-        if not case.device_indexed:
-            return self._host_style(self.src_rows), self._host_style(self.dst_rows)
-        if case.direction is H2D:
-            return self._host_style(self.src_rows), self._device_style(self.dst_rows)
-        return self._device_style(self.src_rows), self._host_style(self.dst_rows)
+    def _indices(
+        self, src_rows: np.ndarray | None = None, dst_rows: np.ndarray | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The case's indices (or others) as the caller passes them."""
+        src_rows = self.src_rows if src_rows is None else src_rows
+        dst_rows = self.dst_rows if dst_rows is None else dst_rows
+        if not self.case.device_indexed:
+            return self._host_style(src_rows), self._host_style(dst_rows)
+        if self.case.direction is H2D:
+            return self._host_style(src_rows), self._device_style(dst_rows)
+        return self._device_style(src_rows), self._host_style(dst_rows)
 
     # What the planner must do.
 
@@ -893,12 +950,14 @@ class _Run:
             self._execute(chosen, 0, submit=True)
 
     def _pairs_reason(self) -> str | None:
-        reasons = (self._fallback_reason(pair) for pair in range(self.case.pairs))
-        padded = next((r for r in reasons if r == "strided_rows"), None)
-        return padded
+        """What layer_pairs must say of the case's pairs."""
+        buffers = (*self.src.buffers, *self.dst.buffers)
+        if any(buffer.padded for buffer in buffers):
+            return "strided_rows"
+        return "row_shape_mismatch" if self.case.mixed_rows else None
 
     def _mode_layers(self) -> None:
-        chosen = self._plan(0)
+        chosen = self._plan(self.case.planned_pair)
         if chosen is None:
             return
         srcs = [buffer.tensor for buffer in self.src.buffers]
@@ -934,7 +993,9 @@ class _Run:
             return
         if isinstance(work, str):
             raise CaseFailure(_report(case, f"submissions fell back: {work}"))
-        expected_count = 1 if layered is not None else case.pairs
+        expected_count = case.pairs
+        if layered is not None and layered.reason is None:
+            expected_count = 1
         if len(work) != expected_count:
             raise CaseFailure(_report(case, f"{len(work)} submissions, not {expected_count}"))
         for each in work:
@@ -960,8 +1021,13 @@ class _Run:
             return
         if case.repeat:
             self._execute(chosen, 0)
-        rebound = chosen.rebind(self.src.buffers[1].tensor, self.dst.buffers[1].tensor)
-        kept = chosen.reason is None and case.rebind in ("same", "longer", "retyped", "misaligned")
+        src, dst = self.src.buffers[1].tensor, self.dst.buffers[1].tensor
+        if case.rebind == "short" and case.rows:
+            self._expect_refusal("outside", lambda: chosen.rebind(src, dst))
+            return
+        rebound = chosen.rebind(src, dst)
+        same_layout = ("same", "longer", "retyped", "misaligned", "short")
+        kept = chosen.reason is None and case.rebind in same_layout
         if kept and (rebound.path is not chosen.path or rebound.runs is not chosen.runs):
             raise CaseFailure(_report(case, f"rebind planned again: {rebound.describe()}"))
         reason = (
@@ -972,6 +1038,32 @@ class _Run:
         if rebound.row_bytes != self.src.buffers[1].row_bytes:
             raise CaseFailure(_report(case, f"rebound rows of {rebound.row_bytes} B"))
         self._execute(rebound, 1)
+
+    def _mode_invalid(self) -> None:
+        """A caller error in one index: planning raises ValueError, and nothing moves."""
+        case = self.case
+        pick = random.Random(f"{case.seed}/corruption")
+        src_rows, dst_rows = self.src_rows.copy(), self.dst_rows.copy()
+        kind = case.corruption
+        rows = src_rows if kind.startswith("src") else dst_rows
+        side = self.src if kind.startswith("src") else self.dst
+        at = pick.randrange(case.rows) if case.rows else 0
+        if kind.endswith("out_of_range"):
+            rows[at] = side.buffers[0].rows + pick.randint(0, 5)
+        elif kind.endswith("negative"):
+            rows[at] = -pick.randint(1, 5)
+        elif kind == "dst_duplicate":
+            rows[at] = rows[(at + pick.randint(1, case.rows - 1)) % case.rows]
+        else:
+            src_rows = np.append(src_rows, src_rows[:1] if case.rows else [0])
+        src_idx, dst_idx = self._indices(src_rows, dst_rows)
+        planner = plan_device_indexed if case.device_indexed else plan
+        src, dst = self.src.buffers[0].tensor, self.dst.buffers[0].tensor
+
+        def planned() -> TransferPlan:
+            return planner(src, dst, src_idx, dst_idx, direction=case.direction, force=case.force)
+
+        self._expect_refusal(CORRUPTIONS[kind], planned)
 
 
 def paired_run_count(src_rows: np.ndarray, dst_rows: np.ndarray) -> int:
