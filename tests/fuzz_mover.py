@@ -266,8 +266,8 @@ def generate_case(seed: int, device: str) -> Case:
         device_pattern=device_pattern,
         src_positions=tuple(src),
         dst_positions=tuple(dst),
-        src_pool=max(1, src_pool),
-        dst_pool=max(1, dst_pool),
+        src_pool=src_pool,
+        dst_pool=dst_pool,
         src_duplicates=src_duplicates,
         index_dtype=index_dtype,
         strided_index=rnd.random() < 0.1,
@@ -380,7 +380,7 @@ def _positions(rnd: random.Random, pattern: str, n: int, most: int) -> tuple[lis
     """``n`` distinct rows laid out as ``pattern``, and the rows the buffer needs."""
     slack = rnd.choice((0, 0, 1, 3, 17))
     if n == 0:
-        return [], 1 + slack
+        return [], slack  # an empty transfer may have empty buffers
     if pattern in ("one_run", "descending"):
         start = rnd.randint(0, 2 * slack + 4)
         rows = list(range(start, start + n))
@@ -569,7 +569,7 @@ def row_map(pool: int, layout: str, chunk_rows: int, pairs: int) -> np.ndarray:
     logical = np.arange(pool)
     if layout != "interleaved":
         return logical
-    chunk = min(chunk_rows, pool)
+    chunk = max(1, min(chunk_rows, pool))
     return logical // chunk * (pairs * chunk) + logical % chunk
 
 
@@ -608,9 +608,9 @@ def build_side(
     if layout == "stacked":
         view_rows, step, memory_rows = pool, pool, pool * pairs
     else:
-        chunk = min(case.chunk_rows, pool)
+        chunk = max(1, min(case.chunk_rows, pool))
         chunks = -(-pool // chunk)
-        view_rows, step = (chunks - 1) * pairs * chunk + chunk, chunk
+        view_rows, step = max(0, (chunks - 1) * pairs * chunk + chunk), chunk
         memory_rows = chunks * pairs * chunk
     offset = offsets[0]
     number = world.memory(role, case.dtype, offset + memory_rows * elements, host=host)
