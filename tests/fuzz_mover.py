@@ -195,17 +195,24 @@ def _element_size(dtype: torch.dtype) -> int:
 def generate_case(seed: int, device: str) -> Case:
     """The case for ``seed``: the same on every run and machine (``random.Random``)."""
     rnd = random.Random(seed)
+    # A few CUDA cases move tens of MiB: enough for a staged copy in pieces
+    # (PathPolicy.staged_pieces; no piece is under 8 MiB).
+    large = device == "cuda" and rnd.random() < 0.02
     direction = rnd.choice((H2D, D2H))
     dtype = rnd.choice(DTYPES)
-    row_shape = _row_shape(rnd, dtype, device)
+    row_shape = _row_shape(rnd, dtype, device, large)
     row_size = math.prod(row_shape) * _element_size(dtype)
     # Caller errors cost little and need few cases.
     mode = rnd.choices(MODES, weights=[2 if m != "invalid" else 1 for m in MODES])[0]
     device_indexed = rnd.random() < 0.25
     pairs = {"rebind": 2}.get(mode, rnd.randint(1, 8) if mode in ("layers", "submissions") else 1)
-    budget = (4 << 20 if device == "cuda" else 1 << 20) // (2 * pairs)
-    most_rows = max(1, min(1024 if device == "cuda" else 384, budget // (3 * row_size)))
-    rows = _transfer_rows(rnd, most_rows)
+    # Bytes a side's buffers may take in all.
+    budget, most_rows = 1 << 20, 384
+    if device == "cuda":
+        budget, most_rows = (192 << 20, 8192) if large else (4 << 20, 1024)
+    budget //= 2 * pairs
+    most_rows = max(1, min(most_rows, budget // (3 * row_size)))
+    rows = rnd.randint(most_rows // 2, most_rows) if large else _transfer_rows(rnd, most_rows)
 
     host_pattern = rnd.choice(PATTERNS)
     device_pattern = rnd.choice((*PATTERNS, "paired", "paired"))
@@ -299,9 +306,11 @@ def generate_case(seed: int, device: str) -> Case:
     )
 
 
-def _row_shape(rnd: random.Random, dtype: torch.dtype, device: str) -> tuple[int, ...]:
+def _row_shape(rnd: random.Random, dtype: torch.dtype, device: str, large: bool) -> tuple[int, ...]:
     size = _element_size(dtype)
-    if device == "cuda":
+    if large:
+        target = rnd.choice(CUDA_ROW_BYTES[-3:])
+    elif device == "cuda":
         target = rnd.choice(CUDA_ROW_BYTES)
     elif rnd.random() < 0.4:
         target = rnd.choice(ODD_ROW_BYTES)
