@@ -3,11 +3,19 @@
 A seed fixes everything about a case: the dtype and row shape, how the host and device
 indices are fragmented, the direction, which API is called (a single transfer, a plan
 executed twice, a submission, a model's layers at once, a plan rebound to other buffers,
-:func:`~kvcore.mover.plan_device_indexed`), a forced path, the path policy and the buffers'
-alignment. The data is random bytes; every buffer lives inside a larger memory with
-random guard bytes before and after it. After each call the whole of every memory must equal a
-reference made with plain indexing on byte views: the copied rows, the rows not written
-(their prior random bytes), the guards and the sources alike.
+:func:`~kvcore.mover.plan_device_indexed`, a caller error), a forced path, the path policy
+and the buffers' alignment. The data is random bytes; every buffer lives inside a larger
+memory, a few elements in (which sets its alignment) and before a trailing guard. After
+each call the whole of every memory must equal a reference made with plain indexing on
+byte views: the copied rows, the rows not written (their prior random bytes), the guards
+and the sources alike. A refusal is a pass only where it is documented (a forced path
+the case cannot take, a row larger than the staging buffer, a caller error), with
+nothing written.
+
+Not generated, as open bugs being fixed elsewhere: index tensors changed after planning,
+zero-byte rows, a fallback without ``stock=`` between dtypes or row shapes, layer pairs
+that share destination rows. Nor a device-side index out of its buffer, which
+plan_device_indexed documents it does not check.
 
 ``tests/unit/test_mover_fuzz.py`` runs it on the CPU (the "device" side another CPU
 tensor, ``direction=`` given), ``tests/gpu/test_mover_fuzz_gpu.py`` on CUDA.
