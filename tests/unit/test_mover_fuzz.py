@@ -1,0 +1,74 @@
+"""The mover fuzz (tests/fuzz_mover.py) on the CPU: the "device" side is another CPU
+tensor and the direction is given, so every path runs through the reference kernels.
+
+KVCORE_FUZZ_CASES=N runs N cases; KVCORE_FUZZ_SEED=S replays case S alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvcore import kernels
+from kvcore.kernels import REFERENCE
+from kvcore.runs import PairedRuns, Runs
+from tests.fuzz_mover import CaseFailure, fuzz_seeds, run_case
+
+# About 20 ms a case on one core: ~10 s in all.
+CASES = 500
+
+
+@pytest.mark.parametrize("seed", fuzz_seeds(CASES), ids=lambda seed: f"seed{seed}")
+def test_mover_fuzz_case(seed: int) -> None:
+    run_case(seed, "cpu")
+
+
+def _drops_the_last_row(
+    src_words: torch.Tensor, src_idx: torch.Tensor, dst_words: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    REFERENCE.gather_rows(src_words, src_idx[:-1], dst_words, dst_idx[:-1])
+
+
+def _writes_one_row_more(
+    src_words: torch.Tensor, dst_words: torch.Tensor, runs: PairedRuns
+) -> None:
+    REFERENCE.copy_runs(src_words, dst_words, runs)
+    if runs.count:
+        end = int(runs.dst_starts[-1] + runs.lengths[-1])
+        if end < dst_words.shape[0]:
+            dst_words[end] = src_words[int(runs.src_starts[-1])]
+
+
+def _touches_the_source(
+    src_words: torch.Tensor,
+    src_idx: torch.Tensor,
+    staging: torch.Tensor,
+    dst_words: torch.Tensor,
+    host_runs: Runs,
+) -> None:
+    REFERENCE.stage_out(src_words, src_idx, staging, dst_words, host_runs)
+    if src_idx.numel():
+        src_words[int(src_idx[0])] += 1
+
+
+BROKEN = {
+    "gather_drops_a_row": dataclasses.replace(REFERENCE, gather_rows=_drops_the_last_row),
+    "copy_runs_writes_past_a_run": dataclasses.replace(REFERENCE, copy_runs=_writes_one_row_more),
+    "stage_out_writes_the_source": dataclasses.replace(REFERENCE, stage_out=_touches_the_source),
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN.values(), ids=BROKEN.keys())
+def test_the_fuzz_notices_a_broken_kernel_and_names_its_seed(monkeypatch, broken):
+    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", broken)
+    for seed in range(100):
+        try:
+            run_case(seed, "cpu")
+        except CaseFailure as failure:
+            message = str(failure)
+            assert f"seed={seed} " in message and f"KVCORE_FUZZ_SEED={seed} " in message
+            assert "bytes differ" in message
+            return
+    pytest.fail("100 cases ran on a broken kernel set without noticing")
