@@ -92,6 +92,13 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
             ),
         )
         bench.add_argument(
+            "--repeats", type=int, default=0, help="with --sweep: timed requests per cell"
+        )
+        bench.add_argument(
+            "--layouts",
+            help="with --sweep: comma list of LAYOUT/IO_BACKEND (default: every one served)",
+        )
+        bench.add_argument(
             "--no-rule",
             action="store_true",
             help="with --sweep: kvcore serves every call it can (serve-or-pass rule off)",

@@ -50,27 +50,69 @@ class SGLangRule:
 
 _ALL_PAGES = (1, 1 << 30)
 
+_PAGED = (2, 1 << 30)
+_TOKEN_PAGES = (1, 1)
+
 # First match wins, so specific entries come before general ones.
 SGLANG_RULES: tuple[SGLangRule, ...] = (
     SGLangRule(
         "load",
         "kernel",
         ANY,
-        (2, 1 << 30),
+        _ALL_PAGES,
         None,
         "stock_kernel_near_link",
-        "SGLang's JIT load kernel moves paged reloads at ~90% of the link with 13-40 us of "
-        "host time a layer (REFERENCE.md s5; H200 engine sweep): nothing left to win",
+        "SGLang's JIT load kernel moves reloads at 50-51 GB/s from 4k tokens up, for 20-40 us "
+        "of host time a layer; kvcore's own loads were 0.17-0.94x below 16k tokens and "
+        "0.98-1.05x above (H200 engine sweep, MHA 32 layers)",
     ),
     SGLangRule(
         "backup",
         "kernel",
         "layer_first",
-        (2, 1 << 30),
+        _PAGED,
         None,
         "stock_kernel_near_link",
-        "all-layer backups of paged layer_first pools: stock's kernel is within a few percent "
-        "of the link; kvcore measured 0.22-0.98x (REFERENCE.md s5)",
+        "paged layer_first backups: stock's kernel at 51-53 GB/s; kvcore's own 0.15-0.87x "
+        "below 16k tokens, 0.97-1.01x above (H200 engine sweep)",
+    ),
+    SGLangRule(
+        "backup",
+        "kernel",
+        "layer_first",
+        _TOKEN_PAGES,
+        16384,
+        "stock_kernel_small_backup",
+        "token-granular layer_first backups: stock's kernel drops to 36-41 GB/s on scattered "
+        "host slots from 16k tokens (kvcore 1.22-1.44x); below, kvcore's host time loses",
+    ),
+    SGLangRule(
+        "backup",
+        "kernel",
+        "page_first",
+        _ALL_PAGES,
+        0,
+        "stock_page_first_backup_slow",
+        "stock backs page_first pools up at 1-2 GB/s (REFERENCE.md s5): kvcore serves all",
+    ),
+    SGLangRule(
+        ANY,
+        "direct",
+        ANY,
+        _TOKEN_PAGES,
+        0,
+        "stock_direct_per_token",
+        "the direct backend at page size 1 issues one copy per token run per layer",
+    ),
+    SGLangRule(
+        ANY,
+        "direct",
+        ANY,
+        _PAGED,
+        4096,
+        "stock_direct_small_request",
+        "the direct backend issues one copy per page run per layer: cheap for a few pages, "
+        "short of the link for many",
     ),
     SGLangRule(
         ANY,
@@ -79,8 +121,7 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         _ALL_PAGES,
         2048,
         "small_request",
-        "below ~2k tokens a request's copy is shorter than kvcore's first-call planning; "
-        "page_first backups, page-size-1 loads and the direct backend serve above it",
+        "below ~2k tokens a request's copy is shorter than kvcore's first-call planning",
     ),
 )
 

@@ -21,6 +21,7 @@ time from above.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import statistics
 import sys
@@ -68,6 +69,8 @@ class SweepOptions:
     device: torch.device = field(default_factory=lambda: torch.device("cuda"))
     serve_rule: bool = True
     seed: int = 4321
+    with_own: bool = True
+    """With the rule on, also time kvcore with it off (``extra["own_ms"]``)."""
     partial_json: str | None = None
     """Where to write the rows so far after every pool, so a run cut short keeps them."""
 
@@ -91,6 +94,11 @@ def options_for(args: argparse.Namespace) -> SweepOptions:
         opts = replace(opts, kinds=tuple(args.rows.split(",")))
     if getattr(args, "host_levels", None):
         opts = replace(opts, host_levels=tuple(args.host_levels.split(",")))
+    if getattr(args, "repeats", 0):
+        opts = replace(opts, repeats=int(args.repeats))
+    if getattr(args, "layouts", None):
+        wanted = set(args.layouts.split(","))
+        opts = replace(opts, layouts=tuple(x for x in LAYOUTS if f"{x[0]}/{x[1]}" in wanted))
     if getattr(args, "no_rule", False):
         opts = replace(opts, serve_rule=False)
     if getattr(args, "json", None):
@@ -257,6 +265,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def rule_off(side: Side) -> Side:
+    """``side`` (kvcore's) with the serve-or-pass rule off for its calls: kvcore's own paths
+    wherever it can copy exactly, to read off where the rule should serve."""
+    from kvcore_sglang import transfers
+
+    assert side.call is not None
+    call = side.call
+
+    def own(indices: tuple[torch.Tensor, torch.Tensor]) -> None:
+        saved = transfers.serve_rule_enabled
+        transfers.serve_rule_enabled = lambda: False  # type: ignore[assignment]
+        try:
+            call(indices)
+        finally:
+            transfers.serve_rule_enabled = saved
+
+    return Side("own", own, side.prepare, label="kvcore, rule off")
+
+
 def _timed_request(
     side: Side, indices: tuple[torch.Tensor, torch.Tensor], device: torch.device
 ) -> tuple[float, float]:
@@ -332,28 +359,47 @@ def measure_cell(
     if stock.call is None:
         return {"case": where, "tokens": tokens, "not_runnable": stock.not_runnable}
     gen = torch.Generator().manual_seed(opts.seed + tokens)
-    cpu = _requests(case, tokens, level, opts.repeats + 2, gen)
-    times: dict[str, list[tuple[float, float]]] = {"stock": [], "kvcore": []}
-    before = mover_metrics.snapshot()
+    # Requests past 32k tokens are long enough that fewer repeats settle the median.
+    repeats = opts.repeats if tokens < 32768 else max(2, opts.repeats - 2)
+    cpu = _requests(case, tokens, level, repeats + 2, gen)
+    times: dict[str, list[tuple[float, float]]] = {"stock": [], "kvcore": [], "own": []}
+    own = rule_off(kvcore) if opts.serve_rule and opts.with_own else None
+    kvcore_requests = 0
+    submissions = 0.0
+    passes: dict[str, float] = {}
+    paths: set[str] = set()
     try:
         for i, indices in enumerate(cpu[:-1]):
-            # Both sides get their own tensors of the same values; the first is a warm-up
+            # Every side gets its own tensors of the same values; the first is a warm-up
             # (JIT builds, first-use set-up), the sides' order alternates.
-            order = (stock, kvcore) if i % 2 == 0 else (kvcore, stock)
+            order = [stock, kvcore] if i % 2 == 0 else [kvcore, stock]
             for side in order:
                 given = side.prepare(indices[0].clone(), indices[1].clone())
+                before = mover_metrics.snapshot()
                 timed = _timed_request(side, given, opts.device)
+                if side is kvcore:
+                    after = mover_metrics.snapshot()
+                    kvcore_requests += 1
+                    served, reasons = _served(before, after, 1)
+                    submissions += served
+                    for reason, count in reasons.items():
+                        passes[reason] = passes.get(reason, 0.0) + count
+                    paths.update(_paths(before, after))
                 if i:
                     times[side.name].append(timed)
+            if own is not None:
+                given = own.prepare(indices[0].clone(), indices[1].clone())
+                timed = _timed_request(own, given, opts.device)
+                if i:
+                    times["own"].append(timed)
     except bench.StockNotRunnable as exc:
         _sync(opts.device)
         return {"case": where, "tokens": tokens, "not_runnable": str(exc)[:300]}
-    after = mover_metrics.snapshot()
-    kvcore_requests = len(cpu) - 1
     # kvcore's result is checked (stock's is the reference it must equal); restoring a whole
     # host pool between two checks would cost more than the cell.
     identical = _checked_request(case, kvcore, op, layers, cpu[-1])
-    served, reasons = _served(before, after, kvcore_requests)
+    served = submissions / kvcore_requests
+    reasons = {reason: count / kvcore_requests for reason, count in passes.items()}
     calls = layers if op == "load" else 1
     return SweepRow(
         engine="sglang",
@@ -369,7 +415,7 @@ def measure_cell(
         calls=calls,
         kvcore_served=min(calls, round(served)),
         pass_reasons=reasons,
-        paths=_paths(before, after),
+        paths=sorted(paths),
         extra={
             "op": op,
             "kind": case.kind,
@@ -379,8 +425,18 @@ def measure_cell(
             "host_fragmentation": level,
             "stock": stock.label,
             "repeats": len(times["kvcore"]),
+            **_own_times(times["own"]),
         },
     )
+
+
+def _own_times(own: list[tuple[float, float]]) -> dict[str, float]:
+    if not own:
+        return {}
+    return {
+        "own_ms": statistics.median(t for t, _ in own) * 1e3,
+        "own_host_ms": statistics.median(h for _, h in own) * 1e3,
+    }
 
 
 def _served(
@@ -451,6 +507,45 @@ def _pool_cells(
                 yield cell
 
 
+def _one_pool(
+    kind: str,
+    layout: str,
+    backend: str,
+    page: int,
+    opts: SweepOptions,
+    mover: Any,
+    progress: Callable[[str], None],
+) -> tuple[list[SweepRow], list[dict[str, Any]]]:
+    """Every cell of one pool; the pool (tens of GB on both sides) is gone on return."""
+    rows: list[SweepRow] = []
+    skipped: list[dict[str, Any]] = []
+    try:
+        with _pool(kind, layout, page, opts) as case:
+            for cell in _pool_cells(case, backend, opts, mover.metrics, progress):
+                if isinstance(cell, SweepRow):
+                    rows.append(cell)
+                else:
+                    skipped.append(cell)
+    except Exception as exc:  # a pool SGLang cannot build here: say so, go on
+        why = f"pool not built: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+        progress(why)
+        skipped.append({"case": f"{kind}/{layout}/{backend}/p{page}", "not_runnable": why})
+    finally:
+        _release_pools()
+    return rows, skipped
+
+
+def _release_pools() -> None:
+    """Drop what kvcore keeps of a pool's requests, then the memory itself."""
+    from kvcore_sglang import transfers
+
+    transfers.LOAD_REQUESTS.clear()
+    transfers.POOL_LAYERS.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run(opts: SweepOptions, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     stub = bench.install_sgl_kernel_stub()
     import sglang
@@ -464,19 +559,11 @@ def run(opts: SweepOptions, progress: Callable[[str], None] = lambda line: None)
         for kind, (layout, backend, pages) in itertools.product(opts.kinds, opts.layouts):
             for page in pages:
                 progress(f"-- {kind} {layout} {backend} page {page}")
-                try:
-                    with _pool(kind, layout, page, opts) as case:
-                        for cell in _pool_cells(case, backend, opts, mover.metrics, progress):
-                            if isinstance(cell, SweepRow):
-                                rows.append(cell)
-                            else:
-                                skipped.append(cell)
-                except Exception as exc:  # a pool SGLang cannot build here: say so, go on
-                    why = f"pool not built: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-                    progress(why)
-                    skipped.append(
-                        {"case": f"{kind}/{layout}/{backend}/p{page}", "not_runnable": why}
-                    )
+                pool_rows, pool_skipped = _one_pool(
+                    kind, layout, backend, page, opts, mover, progress
+                )
+                rows += pool_rows
+                skipped += pool_skipped
                 if opts.partial_json:
                     partial = _result(opts, rows, skipped, sglang, stub, jit)
                     sweep_report.write_json(opts.partial_json, partial["document"])

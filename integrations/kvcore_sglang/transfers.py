@@ -35,6 +35,7 @@ and V; every layer of a backup) move in one submission where they share a row si
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -424,6 +425,11 @@ def _start_load(
     return request
 
 
+def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``tensor`` (device, dtype, row shape) holding none of its memory."""
+    return torch.empty((0, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+
+
 def _load_job(
     jobs: PoolJobs,
     request: LoadRequest,
@@ -487,7 +493,9 @@ def _serve_layer(
         if isinstance(first, str):
             request.passes = first
             return first
-        request.plan = first
+        # Kept without its buffers (each layer brings its own), so that a request kept after
+        # SGLang drops a pool does not keep the pool's memory.
+        request.plan = dataclasses.replace(first, src=_no_rows(first.src), dst=_no_rows(first.dst))
     if buffers.layered.reason is None:
         try:
             chosen_mover.execute_layers(request.plan, buffers.layered)
