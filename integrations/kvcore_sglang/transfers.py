@@ -381,9 +381,12 @@ def _rule_setting() -> bool:
 
 
 def _rule_reason(op: str, pool: Any, io_backend: str, tokens: int) -> str | None:
-    return serve_rule.sglang_decision(
-        op, io_backend, pool.layout, pool.page_size, tokens, enabled=serve_rule_enabled()
-    )
+    if not serve_rule_enabled():
+        return None
+    layout, page_size = getattr(pool, "layout", None), getattr(pool, "page_size", None)
+    if not isinstance(layout, str) or not isinstance(page_size, int):
+        return None  # the checks that follow say why such a pool runs stock
+    return serve_rule.sglang_decision(op, io_backend, layout, page_size, tokens)
 
 
 LOAD_REQUESTS = LoadRequests()
@@ -403,18 +406,21 @@ def _start_load(
 ) -> LoadRequest | str:
     """Decide a new reload on its first call: a request kvcore serves, or why it passes.
 
-    A request is kept only when its index tensors are tensors (their identity names it).
+    The rule comes first (it reads the pool's layout and the request's size, nothing
+    else), so a request that passes costs a lookup. A request is kept only when its index
+    tensors are tensors (their identity names it); its pass is counted once, here.
     """
     indices: CallIndices | str | None = None
-    if jobs is None:
-        reason: str | None = _SOURCE_UNKNOWN
-    else:
-        indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
-        if isinstance(indices, str):
-            reason = indices
+    reason = _rule_reason("load", pool, io_backend, _count_of(host_indices))
+    if reason is None:
+        if jobs is None:
+            reason = _SOURCE_UNKNOWN
         else:
-            reason = _rule_reason("load", pool, io_backend, indices.host.numel())
+            indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
+            reason = indices if isinstance(indices, str) else None
     _count_decision(chosen_mover, reason, "rule_serves")
+    if reason is not None:
+        _count_pass(chosen_mover, reason)
     if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
         return reason or "sglang_indices_on_device"
     request = LOAD_REQUESTS.start(
@@ -423,6 +429,11 @@ def _start_load(
     request.passes = reason
     request.call_indices = indices
     return request
+
+
+def _count_of(indices: Any) -> int:
+    """Entries of an index tensor wherever it lives (no device read), 0 for anything else."""
+    return int(indices.numel()) if isinstance(indices, torch.Tensor) else 0
 
 
 def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -524,6 +535,21 @@ def _make_load_hook(
         *,
         is_draft: bool = False,
     ) -> None:
+        passing = LOAD_REQUESTS.passing(
+            pool, device_pool, host_indices, device_indices, io_backend, is_draft
+        )
+        if passing:
+            # A later layer of a request that passes: stock, with nothing else done.
+            original(
+                pool,
+                device_pool,
+                host_indices,
+                device_indices,
+                layer_id,
+                io_backend,
+                is_draft=is_draft,
+            )
+            return
         chosen_mover = mover()
         request = LOAD_REQUESTS.recall(
             pool,
@@ -535,7 +561,7 @@ def _make_load_hook(
             chosen_mover.policy,
         )
         jobs = _jobs_for(target, by_release)
-        reason: str | None
+        reason: str | None = None
         try:
             if request is None:
                 started = _start_load(
@@ -549,13 +575,7 @@ def _make_load_hook(
                     io_backend,
                     is_draft,
                 )
-                request = started if isinstance(started, LoadRequest) else None
-                reason = started if isinstance(started, str) else started.passes
-            else:
-                reason = request.passes
-            if reason is None and request is not None and jobs is not None:
-                if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
-                    # A layer this pool does not hold: stock returns without copying.
+                if isinstance(started, str):
                     original(
                         pool,
                         device_pool,
@@ -566,17 +586,28 @@ def _make_load_hook(
                         is_draft=is_draft,
                     )
                     return
-                reason = _serve_layer(
-                    chosen_mover, jobs, request, pool, device_pool, layer_id, request.call_indices
-                )
-                if reason is None:
-                    return
+                request = started
+            if request.passes is None and jobs is not None:
+                if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
+                    # A layer this pool does not hold: stock returns without copying.
+                    reason = None
+                else:
+                    reason = _serve_layer(
+                        chosen_mover,
+                        jobs,
+                        request,
+                        pool,
+                        device_pool,
+                        layer_id,
+                        request.call_indices,
+                    )
+                    if reason is None:
+                        return
+                    _count_pass(chosen_mover, reason)
         except Exception as exc:
             reason = _internal_error(chosen_mover, exc)
             if request is not None:
                 request.passes = reason
-        else:
-            _count_pass(chosen_mover, reason or "sglang_unserved")
         original(
             pool,
             device_pool,
@@ -604,6 +635,11 @@ def _make_backup_hook(
         def stock() -> None:
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
+        reason = _rule_reason("backup", pool, io_backend, _count_of(host_indices))
+        if reason is not None:
+            _count_decision(mover(), reason, "rule_serves")
+            _serve(stock, pool, reason, Direction.D2H, False)
+            return
         jobs = _jobs_for(target, by_release)
         indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
         if jobs is None:
@@ -612,11 +648,7 @@ def _make_backup_hook(
         if isinstance(indices, str):
             _serve(stock, pool, indices, Direction.D2H, False)
             return
-        reason = _rule_reason("backup", pool, io_backend, indices.host.numel())
-        _count_decision(mover(), reason, "rule_serves")
-        if reason is not None:
-            _serve(stock, pool, reason, Direction.D2H, False)
-            return
+        _count_decision(mover(), None, "rule_serves")
         job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)
         _serve(stock, pool, job, Direction.D2H, indices.device_opaque)
 

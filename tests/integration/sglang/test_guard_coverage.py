@@ -16,6 +16,7 @@ pytestmark = pytest.mark.sglang
 # Adapter modules that never run under the guard, with why.
 UNGUARDED = {
     "bench": "the benchmark harness, run by hand",
+    "sweep": "the engine-shaped sweep, run by hand",
     "host_pools": "builds pools for the benchmark and the tests",
     "import_stubs": "stands in for modules SGLang imports, outside SGLang's processes",
 }
