@@ -95,6 +95,9 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
             "--repeats", type=int, default=0, help="with --sweep: timed requests per cell"
         )
         bench.add_argument(
+            "--sizes", help="with --sweep: comma list of request sizes in tokens (vLLM: blocks)"
+        )
+        bench.add_argument(
             "--layouts",
             help="with --sweep: comma list of LAYOUT/IO_BACKEND (default: every one served)",
         )

@@ -38,6 +38,9 @@ class SGLangRule:
     """Why the rule passes (the metrics label), or why it serves."""
     evidence: str
     """The measurements behind the entry."""
+    dense_host: bool = True
+    """False: kvcore passes when the request's host slots are one dense span, where stock's
+    copy runs as well as kvcore's (the adapter checks it once it has the host slots)."""
 
     def matches(self, op: str, io_backend: str, layout: str, page_size: int) -> bool:
         return (
@@ -83,18 +86,20 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         _TOKEN_PAGES,
         16384,
         "stock_kernel_small_backup",
-        "token-granular layer_first backups: stock's kernel drops to 36-41 GB/s on scattered "
-        "host slots from 16k tokens (kvcore 1.22-1.44x); below, kvcore's host time loses",
+        "token-granular layer_first backups: stock's kernel drops to 26-42 GB/s on scattered "
+        "host slots from 16k tokens (kvcore 1.23-1.86x); below, and on one dense host span "
+        "(0.95-1.02x), stock is as fast",
+        dense_host=False,
     ),
     SGLangRule(
         "backup",
         "kernel",
         "page_first",
         _TOKEN_PAGES,
-        0,
+        1024,
         "stock_page_first_backup_slow",
-        "token-granular page_first backups: stock at 16-20 GB/s, kvcore 1.3-3.0x from 256 "
-        "tokens (H200 engine sweep, MHA 32 layers)",
+        "token-granular page_first backups: stock at 16-20 GB/s, kvcore 1.35-3.0x from 1k "
+        "tokens; at 256, MLA's short rows keep stock ahead (0.71-0.81x; H200 engine sweep)",
     ),
     SGLangRule(
         "backup",
@@ -154,6 +159,18 @@ def sglang_decision(
     if rule is None or rule.min_tokens is None:
         return rule.reason if rule is not None else SERVE
     return SERVE if tokens >= rule.min_tokens else rule.reason
+
+
+def sglang_dense_host_passes(op: str, io_backend: str, layout: str, page_size: int) -> bool:
+    """Whether a request whose host slots form one dense span goes to stock."""
+    rule = _sglang_rule(op, io_backend, layout, page_size)
+    return rule is not None and not rule.dense_host
+
+
+def sglang_never(op: str, io_backend: str, layout: str, page_size: int) -> str | None:
+    """The reason kvcore never serves this kind of SGLang call at any size, else None."""
+    rule = _sglang_rule(op, io_backend, layout, page_size)
+    return rule.reason if rule is not None and rule.min_tokens is None else None
 
 
 @dataclass(frozen=True)

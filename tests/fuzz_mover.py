@@ -983,7 +983,10 @@ class _Run:
         if pairs.reason != self._pairs_reason():
             raise CaseFailure(_report(self.case, f"layer_pairs reason {pairs.reason!r}"))
         if chosen.reason is not None or pairs.reason is not None:
-            self._expect_refusal("stock path", lambda: self.mover.execute_layers(chosen, pairs))
+            self._expect_refusal(
+                "stock path|rebind the plan to each",
+                lambda: self.mover.execute_layers(chosen, pairs),
+            )
             return
         if self._staging_refuses(chosen):
             self._expect_refusal(

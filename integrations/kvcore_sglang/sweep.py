@@ -94,6 +94,8 @@ def options_for(args: argparse.Namespace) -> SweepOptions:
         opts = replace(opts, kinds=tuple(args.rows.split(",")))
     if getattr(args, "host_levels", None):
         opts = replace(opts, host_levels=tuple(args.host_levels.split(",")))
+    if getattr(args, "sizes", None):
+        opts = replace(opts, tokens=tuple(int(size) for size in args.sizes.split(",")))
     if getattr(args, "repeats", 0):
         opts = replace(opts, repeats=int(args.repeats))
     if getattr(args, "layouts", None):
@@ -227,7 +229,9 @@ def _cpu(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return h, d
 
 
-def kvcore_side(case: bench.PoolCase, op: str, backend: str, layers: int) -> Side:
+def kvcore_side(
+    case: bench.PoolCase, op: str, backend: str, layers: int, *, direct: bool = False
+) -> Side:
     """The AROUND hook as SGLang's HookRegistry calls it, the stock method as ``original``;
     with ``kernel`` on CUDA the host indices go through the ``move_indices`` hook, as SGLang
     moves them (the move itself is not timed on either side)."""
@@ -236,12 +240,17 @@ def kvcore_side(case: bench.PoolCase, op: str, backend: str, layers: int) -> Sid
     hook = _hook(case, op)
     stock_run = stock_side(case, op, backend, layers)
     stock = _method(case, op) if stock_run.label == "stock" else model_method(case, op)
+    name = bench._METHOD[op]
 
     def original(*args: Any, **kwargs: Any) -> Any:
         return stock(*args, **kwargs)
 
-    def around(*args: Any, **kwargs: Any) -> Any:
-        return hook(original, *args, **kwargs)
+    def around(pool: Any, *args: Any, **kwargs: Any) -> Any:
+        # As Python looks a method up: a binding kvcore set on the pool comes first.
+        bound = pool.__dict__.get(name)
+        if bound is not None and not direct:
+            return bound(*args, **kwargs)
+        return hook(original, pool, *args, **kwargs)
 
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if backend != "kernel" or case.opts.device.type != "cuda":
@@ -265,11 +274,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rule_off(side: Side) -> Side:
-    """``side`` (kvcore's) with the serve-or-pass rule off for its calls: kvcore's own paths
+def rule_off(case: bench.PoolCase, op: str, backend: str, layers: int) -> Side:
+    """kvcore's hook called directly with the serve-or-pass rule off: its own paths
     wherever it can copy exactly, to read off where the rule should serve."""
     from kvcore_sglang import transfers
 
+    side = kvcore_side(case, op, backend, layers, direct=True)
     assert side.call is not None
     call = side.call
 
@@ -363,7 +373,7 @@ def measure_cell(
     repeats = opts.repeats if tokens < 32768 else max(2, opts.repeats - 2)
     cpu = _requests(case, tokens, level, repeats + 2, gen)
     times: dict[str, list[tuple[float, float]]] = {"stock": [], "kvcore": [], "own": []}
-    own = rule_off(kvcore) if opts.serve_rule and opts.with_own else None
+    own = rule_off(case, op, backend, layers) if opts.serve_rule and opts.with_own else None
     kvcore_requests = 0
     submissions = 0.0
     passes: dict[str, float] = {}
@@ -541,6 +551,7 @@ def _release_pools() -> None:
 
     transfers.LOAD_REQUESTS.clear()
     transfers.POOL_LAYERS.clear()
+    transfers.restore_bypassed()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

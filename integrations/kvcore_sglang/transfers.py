@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -389,6 +390,61 @@ def _rule_reason(op: str, pool: Any, io_backend: str, tokens: int) -> str | None
     return serve_rule.sglang_decision(op, io_backend, layout, page_size, tokens)
 
 
+# Pool -> the methods kvcore gave back to stock on that pool (instance attributes it set).
+BYPASSED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_bypass_lock = threading.Lock()
+
+
+def _bypass_if_never(
+    original: Callable[..., Any], pool: Any, method: str, op: str, io_backend: str
+) -> bool:
+    """Where the rule never serves this pool's ``op`` (whatever the size), bind stock's
+    method on the pool itself, so that SGLang's later calls reach stock with no kvcore
+    frame at all; True when the call should run stock now.
+
+    SGLang's cache controller calls a pool with one io backend for its life; a call with
+    another one also lands in stock, which is always exact. :func:`restore_bypassed`
+    takes the bindings back.
+    """
+    if not serve_rule_enabled():
+        return False
+    layout, page_size = getattr(pool, "layout", None), getattr(pool, "page_size", None)
+    if not isinstance(layout, str) or not isinstance(page_size, int):
+        return False
+    reason = serve_rule.sglang_never(op, io_backend, layout, page_size)
+    if reason is None:
+        return False
+    try:
+        setattr(pool, method, types.MethodType(original, pool))
+        with _bypass_lock:
+            BYPASSED.setdefault(pool, set()).add(method)
+    except (AttributeError, TypeError):  # a pool that takes no attributes: decided per call
+        pass
+    chosen_mover = mover()
+    _count_decision(chosen_mover, reason, "rule_serves")
+    _count_pass(chosen_mover, reason)
+    logger.info(
+        "kvcore: %s.%s with io backend %s, layout %s, page size %d runs SGLang's stock copy (%s)",
+        type(pool).__name__,
+        method,
+        io_backend,
+        layout,
+        page_size,
+        reason,
+    )
+    return True
+
+
+def restore_bypassed() -> None:
+    """Take back every stock binding :func:`_bypass_if_never` set on a pool."""
+    with _bypass_lock:
+        pools = list(BYPASSED.items())
+        BYPASSED.clear()
+    for pool, methods in pools:
+        for method in methods:
+            pool.__dict__.pop(method, None)
+
+
 LOAD_REQUESTS = LoadRequests()
 POOL_LAYERS = PoolLayers()
 
@@ -429,6 +485,16 @@ def _start_load(
     request.passes = reason
     request.call_indices = indices
     return request
+
+
+def _dense_host_passes(op: str, pool: Any, io_backend: str, host: torch.Tensor) -> bool:
+    """The rule passes requests whose host slots (on the CPU) are one dense span."""
+    if not serve_rule_enabled() or host.numel() == 0:
+        return False
+    if not serve_rule.sglang_dense_host_passes(op, io_backend, pool.layout, pool.page_size):
+        return False
+    low, high = torch.aminmax(host)
+    return int(high) - int(low) + 1 == host.numel()
 
 
 def _count_of(indices: Any) -> int:
@@ -535,11 +601,19 @@ def _make_load_hook(
         *,
         is_draft: bool = False,
     ) -> None:
-        passing = LOAD_REQUESTS.passing(
-            pool, device_pool, host_indices, device_indices, io_backend, is_draft
-        )
-        if passing:
+        if LOAD_REQUESTS.passing(pool, device_pool, host_indices, device_indices):
             # A later layer of a request that passes: stock, with nothing else done.
+            original(
+                pool,
+                device_pool,
+                host_indices,
+                device_indices,
+                layer_id,
+                io_backend,
+                is_draft=is_draft,
+            )
+            return
+        if _bypass_if_never(original, pool, _LOAD, "load", io_backend):
             original(
                 pool,
                 device_pool,
@@ -635,6 +709,9 @@ def _make_backup_hook(
         def stock() -> None:
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
+        if _bypass_if_never(original, pool, _BACKUP, "backup", io_backend):
+            stock()
+            return
         reason = _rule_reason("backup", pool, io_backend, _count_of(host_indices))
         if reason is not None:
             _count_decision(mover(), reason, "rule_serves")
@@ -647,6 +724,10 @@ def _make_backup_hook(
             return
         if isinstance(indices, str):
             _serve(stock, pool, indices, Direction.D2H, False)
+            return
+        if _dense_host_passes("backup", pool, io_backend, indices.host):
+            _count_decision(mover(), "stock_dense_host", "rule_serves")
+            _serve(stock, pool, "stock_dense_host", Direction.D2H, False)
             return
         _count_decision(mover(), None, "rule_serves")
         job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)

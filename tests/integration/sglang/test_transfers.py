@@ -232,6 +232,7 @@ def kvcore_serves_every_call() -> Iterator[None]:
         patcher.setattr(transfers, "LOAD_REQUESTS", transfers.LoadRequests())
         patcher.setattr(transfers, "POOL_LAYERS", transfers.PoolLayers())
         yield
+    transfers.restore_bypassed()
 
 
 @pytest.fixture
