@@ -98,6 +98,12 @@ class Metrics:
         with self._lock:
             self.decisions[(decision, reason)] += 1
 
+    def record_pass(self, reason: str) -> None:
+        """A request passed to the engine's stock copy: its decision and its fallback."""
+        with self._lock:
+            self.decisions[("pass", reason)] += 1
+            self.fallbacks[reason] += 1
+
     def set_pinned(self, in_use: int, capacity: int) -> None:
         with self._lock:
             self.pinned_bytes_in_use = in_use

@@ -239,18 +239,25 @@ def kvcore_side(
 
     hook = _hook(case, op)
     stock_run = stock_side(case, op, backend, layers)
-    stock = _method(case, op) if stock_run.label == "stock" else model_method(case, op)
+    original = _method(case, op) if stock_run.label == "stock" else model_method(case, op)
     name = bench._METHOD[op]
 
-    def original(*args: Any, **kwargs: Any) -> Any:
-        return stock(*args, **kwargs)
+    pool, device_pool = case.pool, case.device_pool
 
-    def around(pool: Any, *args: Any, **kwargs: Any) -> Any:
-        # As Python looks a method up: a binding kvcore set on the pool comes first.
-        bound = pool.__dict__.get(name)
-        if bound is not None and not direct:
-            return bound(*args, **kwargs)
-        return hook(original, pool, *args, **kwargs)
+    def method(*args: Any) -> Any:
+        # As Python looks the method up: a binding kvcore set on the pool comes first.
+        bound = None if direct else pool.__dict__.get(name)
+        if bound is not None:
+            return bound(*args)
+        return hook(original, pool, *args)
+
+    def request(indices: tuple[torch.Tensor, torch.Tensor]) -> None:
+        host, device = indices
+        if op == "backup":
+            method(device_pool, host, device, backend)
+            return
+        for layer in range(layers):
+            method(device_pool, host, device, layer, backend)
 
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if backend != "kernel" or case.opts.device.type != "cuda":
@@ -262,7 +269,7 @@ def kvcore_side(
         moved = transfers.move_indices_hook(to_device, None, h, d)
         return moved[0], moved[1]
 
-    return Side("kvcore", _request(case, op, backend, layers, around), prepare, label="kvcore")
+    return Side("kvcore", request, prepare, label="kvcore")
 
 
 # --- timing ------------------------------------------------------------------------------

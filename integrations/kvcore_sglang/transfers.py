@@ -281,6 +281,12 @@ def _count_pass(chosen_mover: Mover, reason: str) -> None:
         chosen_mover.metrics.record_fallback(reason)
 
 
+def _count_request_pass(chosen_mover: Mover, reason: str) -> None:
+    """A whole request passed to stock: its decision and its pass, in one count."""
+    if chosen_mover.metrics is not None:
+        chosen_mover.metrics.record_pass(reason)
+
+
 def _count_decision(chosen_mover: Mover, reason: str | None, rule_reason: str) -> None:
     """One request's decision: served, or passed to stock and why."""
     if chosen_mover.metrics is not None:
@@ -420,9 +426,7 @@ def _bypass_if_never(
             BYPASSED.setdefault(pool, set()).add(method)
     except (AttributeError, TypeError):  # a pool that takes no attributes: decided per call
         pass
-    chosen_mover = mover()
-    _count_decision(chosen_mover, reason, "rule_serves")
-    _count_pass(chosen_mover, reason)
+    _count_request_pass(mover(), reason)
     logger.info(
         "kvcore: %s.%s with io backend %s, layout %s, page size %d runs SGLang's stock copy (%s)",
         type(pool).__name__,
@@ -474,9 +478,10 @@ def _start_load(
         else:
             indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
             reason = indices if isinstance(indices, str) else None
-    _count_decision(chosen_mover, reason, "rule_serves")
-    if reason is not None:
-        _count_pass(chosen_mover, reason)
+    if reason is None:
+        _count_decision(chosen_mover, None, "rule_serves")
+    else:
+        _count_request_pass(chosen_mover, reason)
     if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
         return reason or "sglang_indices_on_device"
     request = LOAD_REQUESTS.start(
@@ -714,8 +719,8 @@ def _make_backup_hook(
             return
         reason = _rule_reason("backup", pool, io_backend, _count_of(host_indices))
         if reason is not None:
-            _count_decision(mover(), reason, "rule_serves")
-            _serve(stock, pool, reason, Direction.D2H, False)
+            _count_request_pass(mover(), reason)
+            stock()
             return
         jobs = _jobs_for(target, by_release)
         indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
@@ -726,8 +731,8 @@ def _make_backup_hook(
             _serve(stock, pool, indices, Direction.D2H, False)
             return
         if _dense_host_passes("backup", pool, io_backend, indices.host):
-            _count_decision(mover(), "stock_dense_host", "rule_serves")
-            _serve(stock, pool, "stock_dense_host", Direction.D2H, False)
+            _count_request_pass(mover(), "stock_dense_host")
+            stock()
             return
         _count_decision(mover(), None, "rule_serves")
         job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)
