@@ -28,6 +28,22 @@ _FEW_RUNS = 16
 _FEW_RUNS_TO_SORT = 256
 
 
+class DoubleAllocationError(RuntimeError):
+    """The free map handed out slots the used map holds as allocated.
+
+    Only a corrupted allocator gets here, never a caller's mistake. ``slots`` lists
+    those slots in the order they were handed out, so that an adapter can report them
+    in its engine's words; ``runs`` are the slot runs handed out, which stay out of
+    the free map and unmarked, as an engine's free list that handed out the same
+    slots would have left them.
+    """
+
+    def __init__(self, slots: list[int], runs: list[tuple[int, int]]) -> None:
+        super().__init__(f"allocator free map handed out allocated slots {slots}")
+        self.slots = slots
+        self.runs = runs
+
+
 @dataclass(frozen=True)
 class AllocatorStats:
     """Contiguity of the allocations made since construction or the last clear()."""
@@ -134,8 +150,7 @@ class ContiguousSlotAllocator:
         if pages == 0:
             return []
         runs = self._take(pages)
-        for first, count in runs:
-            self._mark_used(first, count)
+        self._mark_used(runs)
         self._record(len(runs))
         ps = self.page_size
         if ps == 1:
@@ -153,7 +168,7 @@ class ContiguousSlotAllocator:
         length, first = self._by_length[index]
         self._take_from(first, length, pages)
         self._free_pages -= pages
-        self._mark_used(first, pages)
+        self._mark_used([(first, pages)])
         self._record(1)
         return first * self.page_size
 
@@ -330,11 +345,23 @@ class ContiguousSlotAllocator:
         del self._length_at[first]
         del self._start_before[first + length]
 
-    def _mark_used(self, first: int, count: int) -> None:
-        used = self._used[first : first + count]
-        if used.any():
-            raise RuntimeError(f"allocator free map handed out allocated page {first}")
-        used.fill(True)
+    def _mark_used(self, runs: list[tuple[int, int]]) -> None:
+        """Mark page runs just taken from the free map allocated, all or none."""
+        used = self._used
+        if any(used[first : first + count].any() for first, count in runs):
+            ps = self.page_size
+            slot_runs = [(first * ps, count * ps) for first, count in runs]
+            raise DoubleAllocationError(self._allocated_slots(runs), slot_runs)
+        for first, count in runs:
+            used[first : first + count] = True
+
+    def _allocated_slots(self, runs: list[tuple[int, int]]) -> list[int]:
+        ps = self.page_size
+        offsets = np.arange(ps, dtype=np.int64)
+        pages = np.concatenate(
+            [first + np.flatnonzero(self._used[first : first + count]) for first, count in runs]
+        )
+        return (pages[:, None] * ps + offsets).ravel().tolist()
 
     def _record(self, runs: int) -> None:
         self._allocations += 1

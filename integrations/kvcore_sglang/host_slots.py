@@ -6,22 +6,35 @@ and a served pool built before the hooks were applied, keeps SGLang's own code.
 
 SGLang's contracts kept: the page-alignment AssertionError, None exactly when
 ``need_size > available_size()``, the double-alloc / double-free AssertionErrors
-with SGLang's messages, an exact ``available_size()``, ``free()`` returning the
-number of slots it was given, and the pool's lock held (an AROUND hook runs outside
-the ``@synchronized`` wrapper it replaces, so it takes ``self.lock`` itself).
+and the IndexError of a slot out of range, with SGLang's messages, an exact
+``available_size()``, ``free()`` returning the number of slots it was given, and
+the pool's lock held (an AROUND hook runs outside the ``@synchronized`` wrapper it
+replaces, so it takes ``self.lock`` itself).
+
+Stock's public slot state stays on the pool and true after every call: ``slot_used``
+(one flag per slot), ``free_slots`` (every free slot, in no set order: a view of a
+:class:`~kvcore.free_list.FreeSlotList`, so read it again after a call rather than
+keep an earlier one), ``release_slots`` / ``num_release_slots`` (always empty: a
+freed slot is in ``free_slots`` at once) and ``mem_state`` (zeros, which stock never
+changes either). Frees stock takes and corrupts its free list with (a slot twice in
+one call, part of a page, a negative slot) get the allocator's ValueError instead,
+with nothing changed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from kvcore.allocator import ContiguousSlotAllocator
+from kvcore.allocator import ContiguousSlotAllocator, DoubleAllocationError, expand_runs
+from kvcore.free_list import FreeSlotList
 from kvcore.metrics import METRICS
 
-# The per-pool allocator lives on the pool instance, created by the clear() hook:
+# The per-pool ServedSlots live on the pool instance, created by the clear() hook:
 # every host pool constructor (including the K-only and DSA pools, which skip
 # HostKVCache.__init__) ends by calling clear(), and clear() is also SGLang's reset,
 # so state is created and reset exactly where the stock code creates and resets it.
@@ -78,9 +91,27 @@ def _defining_class(pool_type: type, method: str) -> type:
     return next(klass for klass in pool_type.__mro__ if method in vars(klass))
 
 
+@dataclass(frozen=True)
+class ServedSlots:
+    """What a served pool's slot methods work on."""
+
+    allocator: ContiguousSlotAllocator
+    # Behind the pool's ``free_slots``.
+    free_list: FreeSlotList
+    # The pool's ``slot_used``, seen through numpy: torch's indexing of a CPU tensor
+    # costs far more per call, and turns parallel on large indices.
+    used: np.ndarray
+
+
+def served_slots(pool: Any) -> ServedSlots | None:
+    """The pool's kvcore state, or None when the pool runs SGLang's own allocator."""
+    return pool.__dict__.get(SLOTS_ATTR)
+
+
 def slots_of(pool: Any) -> ContiguousSlotAllocator | None:
     """The pool's kvcore allocator, or None when the pool runs SGLang's own."""
-    return pool.__dict__.get(SLOTS_ATTR)
+    served = served_slots(pool)
+    return None if served is None else served.allocator
 
 
 def clear_hook(original: Callable[..., Any], pool: Any) -> None:
@@ -88,47 +119,107 @@ def clear_hook(original: Callable[..., Any], pool: Any) -> None:
         original(pool)
         return
     with pool.lock:
-        pool.__dict__[SLOTS_ATTR] = ContiguousSlotAllocator(
-            pool.logical_size, pool.logical_page_size, metrics=METRICS
+        size, page_size = pool.logical_size, pool.logical_page_size
+        served = ServedSlots(
+            ContiguousSlotAllocator(size, page_size, metrics=METRICS),
+            FreeSlotList(size, page_size),
+            np.zeros(size, dtype=np.bool_),
         )
+        pool.__dict__[SLOTS_ATTR] = served
+        pool.mem_state = torch.zeros((size,), dtype=torch.uint8, device=pool.device)
+        pool.free_slots = served.free_list.slots
+        pool.release_slots = []
+        pool.num_release_slots = 0
+        pool.slot_used = torch.from_numpy(served.used)
 
 
 def available_size_hook(original: Callable[..., Any], pool: Any) -> int:
-    slots = slots_of(pool)
-    if slots is None:
+    served = served_slots(pool)
+    if served is None:
         return original(pool)
-    return slots.available_size()
+    return served.allocator.available_size()
 
 
 def alloc_hook(original: Callable[..., Any], pool: Any, need_size: int) -> torch.Tensor | None:
-    slots = slots_of(pool)
-    if slots is None:
+    served = served_slots(pool)
+    if served is None:
         return original(pool, need_size)
     with pool.lock:
         assert need_size % pool.logical_page_size == 0, (
             "The requested size should be a multiple of the page size."
         )
-        if need_size > slots.available_size():
+        allocator = served.allocator
+        if need_size > allocator.available_size():
             return None
-        # The allocator refuses to hand out a used page (RuntimeError), so SGLang's
-        # double-alloc assertion cannot fire here.
-        return slots.alloc(need_size)
+        # When either double-alloc assertion fires, the picked slots have left the free
+        # list and slot_used is unchanged, as stock leaves them.
+        try:
+            selected = allocator.alloc(need_size)
+        except DoubleAllocationError as error:
+            _take(pool, served, expand_runs(error.runs).numpy())
+            raise AssertionError(_double_alloc(error.slots)) from None
+        assert selected is not None
+        ids = selected.numpy()
+        _take(pool, served, ids)
+        taken = served.used[ids]
+        assert not taken.any(), _double_alloc(ids[taken].tolist())
+        served.used[ids] = True
+        return selected
 
 
 def free_hook(original: Callable[..., Any], pool: Any, indices: torch.Tensor) -> int:
-    slots = slots_of(pool)
-    if slots is None:
+    served = served_slots(pool)
+    if served is None:
         return original(pool, indices)
     with pool.lock:
         indices_cpu = indices.cpu()
         if indices_cpu.numel() == 0:
             return 0
-        used = slots.page_used[indices_cpu // slots.page_size]
-        assert used.all(), (
+        # Stock's check before the allocator's, so that its errors come out as they are.
+        used = _used_at(pool, served, indices_cpu)
+        assert used.numpy().all(), (
             f"Double-free detected: slots not currently allocated: {indices_cpu[~used].tolist()}."
         )
-        slots.free(indices_cpu)
+        allocator = served.allocator
+        allocator.free(indices_cpu)
+        ids = indices_cpu.to(torch.int64).numpy()
+        served.used[ids] = False
+        served.free_list.give_back(_freed_pages(ids, allocator.page_size))
+        pool.free_slots = served.free_list.slots
         return len(indices)
+
+
+def _take(pool: Any, served: ServedSlots, ids: np.ndarray) -> None:
+    """Drop ``ids`` (whole pages, as the allocator hands them out) from ``free_slots``."""
+    page_size = served.allocator.page_size
+    served.free_list.take(ids[::page_size] // page_size)
+    pool.free_slots = served.free_list.slots
+
+
+def _used_at(pool: Any, served: ServedSlots, indices: torch.Tensor) -> torch.Tensor:
+    """``pool.slot_used[indices]``, read through numpy where that reads the same."""
+    size = len(served.used)
+    if indices.dtype in _NUMPY_INDEX_DTYPES and indices.dim() == 1:
+        ids = indices.numpy()
+        if -size <= ids.min() and ids.max() < size:
+            return torch.from_numpy(served.used[ids])
+    # Anything else gets torch's own indexing, and so stock's result or error.
+    return pool.slot_used[indices]
+
+
+def _freed_pages(ids: np.ndarray, page_size: int) -> np.ndarray:
+    """Page ids of ``ids``, which the allocator has checked are whole, distinct pages
+    (a page's slots in any order)."""
+    if page_size == 1:
+        return ids
+    return ids[ids % page_size == 0] // page_size
+
+
+def _double_alloc(slots: list[int]) -> str:
+    return f"Double-alloc detected: slots already allocated: {slots}."
+
+
+_NUMPY_INDEX_DTYPES = frozenset({torch.int64, torch.int32})
 
 
 HOOKS: dict[str, Callable[..., Any]] = {

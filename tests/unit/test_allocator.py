@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.allocator import ContiguousSlotAllocator, expand_runs
+from kvcore.allocator import ContiguousSlotAllocator, DoubleAllocationError, expand_runs
 from kvcore.churn import make_trace, replay
 from kvcore.metrics import METRICS, Metrics
 from kvcore.runs import find_runs
@@ -449,3 +449,25 @@ def test_clear_frees_everything_and_resets_stats() -> None:
     with pytest.raises(ValueError, match="slot 0 is not allocated"):
         allocator.free(first)
     assert allocator.alloc(12).tolist() == list(range(12))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_corrupted_used_map_stops_the_hand_out_before_marking(page_size: int) -> None:
+    allocator = ContiguousSlotAllocator(16 * page_size, page_size)
+    allocator.alloc_runs(4 * page_size)
+    allocator.free_runs([(page_size, 2 * page_size)])
+    # Pages 1 and 9 marked used behind the free map's back.
+    allocator.page_used[[1, 9]] = True
+    with pytest.raises(DoubleAllocationError) as caught:
+        allocator.alloc(14 * page_size)
+    error = caught.value
+    assert isinstance(error, RuntimeError)
+    # Best fit takes the largest run (pages 4-15) whole, then pages 1-2.
+    assert error.runs == [(4 * page_size, 12 * page_size), (page_size, 2 * page_size)]
+    slots_of_page = [list(range(p * page_size, (p + 1) * page_size)) for p in (9, 1)]
+    assert error.slots == slots_of_page[0] + slots_of_page[1]
+    assert str(error) == f"allocator free map handed out allocated slots {error.slots}"
+    # Nothing else was marked, and the runs handed out are gone from the free map.
+    assert allocator.page_used.nonzero().flatten().tolist() == [0, 1, 3, 9]
+    assert allocator.available_size() == 0
+    assert allocator.free_runs_snapshot() == []

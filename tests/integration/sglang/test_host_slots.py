@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -24,6 +26,7 @@ from kvcore_sglang import host_slots
 pytestmark = pytest.mark.sglang
 
 PAGE = 16
+STATE_STEPS = 300
 
 
 def stock_and_patched(sglang_hooks, build):
@@ -161,3 +164,158 @@ def test_served_and_stock_pool_classes(monkeypatch):
     monkeypatch.setattr(host_slots, "SERVED_POOLS", host_slots.SERVED_POOLS | {name})
     assert not host_slots.is_served(OwnAlloc), "a class overriding alloc must stay stock"
     assert host_slots._defining_class(OwnAlloc, "free") is HostKVCache
+
+
+def assert_public_state(
+    stock: HostKVCache, served: HostKVCache, held: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Each pool's stock public state says exactly what it holds for the trace."""
+    size = stock.logical_size
+    assert served.logical_size == size
+    assert served.available_size() == stock.available_size()
+    for pool, slots in ((stock, [a for a, _ in held]), (served, [b for _, b in held])):
+        held_mask = torch.zeros(size, dtype=torch.bool)
+        if slots:
+            held_mask[torch.cat(slots)] = True
+        free = torch.cat([pool.free_slots, *pool.release_slots])
+        assert pool.free_slots.dtype == free.dtype == torch.int64
+        assert len(pool.free_slots) + pool.num_release_slots == len(free) == pool.available_size()
+        free_mask = torch.zeros(size, dtype=torch.bool)
+        free_mask[free] = True
+        assert int(free_mask.sum()) == len(free), "a slot is listed free twice"
+        assert torch.equal(free_mask, ~held_mask)
+        assert torch.equal(pool.slot_used, held_mask)
+    assert served.mem_state.device == stock.mem_state.device
+    assert served.mem_state.dtype == stock.mem_state.dtype
+    assert torch.equal(served.mem_state, stock.mem_state)
+
+
+@pytest.mark.parametrize(
+    ("kind", "page"),
+    [(kind, 64 if kind == "dsa" else PAGE) for kind in sorted(BUILDERS)] + [("mha", 1)],
+)
+def test_public_state_matches_stock_after_every_step(sglang_hooks, kind, page):
+    """One seeded trace of allocs (some refused), frees of random pages of live
+    allocations and clears, through a stock pool and a served one, checking
+    ``available_size``, ``free_slots`` + ``release_slots``, ``num_release_slots``,
+    ``slot_used`` and ``mem_state`` after every step.
+
+    The two pools hand out different slots in a different order on purpose (kvcore
+    contiguous runs, stock the head of its free list), so the free slots are compared
+    as sets: each pool's with the complement of the slots it holds for the trace,
+    and ``slot_used`` with those slots; across the pools the counts must be equal.
+    """
+    stock, served = stock_and_patched(sglang_hooks, lambda: BUILDERS[kind](1024, page))
+    pages = stock.logical_size // page
+    rng = random.Random(f"{kind}-{page}")
+    # Per live allocation: the stock pool's slots and the served pool's.
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+    cleared = refused = 0
+    for _ in range(STATE_STEPS):
+        roll = rng.random()
+        if roll < 0.03:
+            stock.clear()
+            served.clear()
+            held.clear()
+            cleared += 1
+        elif roll < 0.55 or not held:
+            need = page * rng.randint(0, pages // 3)
+            a, b = stock.alloc(need), served.alloc(need)
+            assert (a is None) == (b is None)
+            if a is None:
+                refused += 1
+            elif need:
+                assert len(a) == len(b) == need
+                held.append((a, b))
+        else:
+            a, b = held.pop(rng.randrange(len(held)))
+            order = list(range(len(a) // page))
+            rng.shuffle(order)
+            cut = rng.randint(1, len(order))
+
+            def pages_of(slots: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+                return torch.cat([slots[p * page : (p + 1) * page] for p in chosen])
+
+            freed = order[:cut]
+            assert stock.free(pages_of(a, freed)) == served.free(pages_of(b, freed)) == cut * page
+            if cut < len(order):
+                kept = order[cut:]
+                held.append((pages_of(a, kept), pages_of(b, kept)))
+        assert_public_state(stock, served, held)
+    assert cleared and refused, "the trace should clear the pools and refuse allocations"
+
+
+ERROR_CASES: dict[str, Callable[[HostKVCache, torch.Tensor], object]] = {
+    "unaligned alloc": lambda pool, slots: pool.alloc(PAGE + 1),
+    "double free": lambda pool, slots: pool.free(slots[: 2 * PAGE]),
+    "free never allocated": lambda pool, slots: pool.free(torch.tensor([pool.size - 1])),
+    "free past the end": lambda pool, slots: pool.free(torch.tensor([pool.size + 3])),
+    "free before the start": lambda pool, slots: pool.free(torch.tensor([-pool.size - 1])),
+    "free float slots": lambda pool, slots: pool.free(slots[PAGE:].float()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_errors_match_stock(sglang_hooks, case):
+    stock, served = stock_and_patched(sglang_hooks, lambda: mha_host(1024, PAGE))
+    errors = []
+    for pool in (stock, served):
+        slots = pool.alloc(4 * PAGE)
+        assert pool.free(slots[:PAGE]) == PAGE
+        used = pool.slot_used.clone()
+        with pytest.raises(Exception) as caught:
+            ERROR_CASES[case](pool, slots)
+        errors.append((type(caught.value), str(caught.value)))
+        # The refused call changed nothing.
+        assert pool.available_size() == pool.size - 3 * PAGE
+        assert torch.equal(pool.slot_used, used)
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("flagged_in", ["slot_used", "allocator"])
+def test_double_alloc_matches_stock(sglang_hooks, flagged_in):
+    """Pages 2 and 5 flagged allocated behind the free list's back: in ``slot_used``
+    on both pools, or in kvcore's own used map on the served one. Allocating the whole
+    pool hands them out again; both raise stock's assertion, naming the same slots."""
+    stock, served = stock_and_patched(sglang_hooks, lambda: mha_host(1024, PAGE))
+    flagged = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in (2, 5)])
+    stock.slot_used[flagged] = True
+    if flagged_in == "slot_used":
+        served.slot_used[flagged] = True
+    else:
+        host_slots.slots_of(served).page_used[[2, 5]] = True
+    errors = []
+    for pool in (stock, served):
+        used = pool.slot_used.clone()
+        with pytest.raises(AssertionError) as caught:
+            pool.alloc(pool.size)
+        errors.append(str(caught.value))
+        # As stock: the slots picked have left the free list, slot_used is unchanged.
+        assert pool.available_size() == 0
+        assert len(pool.free_slots) + pool.num_release_slots == 0
+        assert torch.equal(pool.slot_used, used)
+    assert errors[0] == errors[1]
+    assert errors[1] == f"Double-alloc detected: slots already allocated: {flagged.tolist()}."
+
+
+@pytest.mark.parametrize(
+    ("make_slots", "match"),
+    [
+        (lambda slots: torch.cat([slots[:PAGE], slots[:PAGE]]), "listed more than once"),
+        (lambda slots: slots[: PAGE // 2], "not whole pages"),
+    ],
+    ids=["a page twice", "half a page"],
+)
+def test_frees_stock_would_corrupt_its_free_list_with_are_refused(sglang_hooks, make_slots, match):
+    """Stock takes these and lists slots free twice, or splits a page; the served pool
+    refuses them with the allocator's ValueError and changes nothing."""
+    sglang_hooks()
+    pool = mha_host(1024, PAGE)
+    slots = pool.alloc(4 * PAGE)
+    used = pool.slot_used.clone()
+    free = set(pool.free_slots.tolist())
+    with pytest.raises(ValueError, match=match):
+        pool.free(make_slots(slots))
+    assert pool.available_size() == pool.size - 4 * PAGE
+    assert torch.equal(pool.slot_used, used)
+    assert set(pool.free_slots.tolist()) == free
