@@ -33,7 +33,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,14 +155,21 @@ class _Samples:
 
 
 class _Side:
-    """One handler with its job ids and, for kvcore's, the metrics it counts into."""
+    """One handler and, for kvcore's, the metrics its handler and its mover count into."""
 
-    def __init__(self, name: str, handler: Any, device: torch.device) -> None:
+    def __init__(
+        self,
+        name: str,
+        handler: Any,
+        device: torch.device,
+        handler_metrics: Metrics | None = None,
+        mover_metrics: Metrics | None = None,
+    ) -> None:
         self.name = name
         self.handler = handler
         self.device = device
-        self.handler_metrics: Metrics | None = None
-        self.mover_metrics: Metrics | None = None
+        self.handler_metrics = handler_metrics
+        self.mover_metrics = mover_metrics
 
     def run(self, specs: list[tuple[int, tuple[Any, Any]]]) -> tuple[float, float, list[Any]]:
         """Wall-clock and host seconds of one request's jobs, and the results reported."""
@@ -173,28 +180,30 @@ class _Side:
         return time.perf_counter() - started, sum(submit), results
 
     def fallbacks(self) -> Counter[str]:
+        """Jobs the handler left to stock so far, per reason."""
         if self.handler_metrics is None:
             return Counter()
         return Counter(self.handler_metrics.snapshot()["fallbacks"])
 
+    def mover_paths(self) -> Counter[str]:
+        """Submissions kvcore's mover made so far, per path."""
+        counts: Counter[str] = Counter()
+        if self.mover_metrics is not None:
+            for transfer in self.mover_metrics.snapshot()["transfers"]:
+                counts[transfer["path"]] += transfer["count"]
+        return counts
+
 
 @dataclass
 class SweepResult:
-    rows: list[SweepRow]
-    failures: list[str]
-    skipped: int
-    pool_checks: dict[str, bool]
-    ceiling_gbps: dict[str, float]
-
-
-class _JobIds:
-    def __init__(self) -> None:
-        self._next = 0
-
-    def take(self, count: int) -> list[int]:
-        ids = list(range(self._next, self._next + count))
-        self._next += count
-        return ids
+    rows: list[SweepRow] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    """Passes that raised, requests of a warm-up that went wrong."""
+    skipped: int = 0
+    """Cells left out when the time budget ran out."""
+    pool_checks: dict[str, bool] = field(default_factory=dict)
+    """Per pass, whether every row of both sides held its expected bytes at its end."""
+    ceiling_gbps: dict[str, float] = field(default_factory=dict)
 
 
 def run(
@@ -205,180 +214,176 @@ def run(
     budget_s: float | None = None,
 ) -> SweepResult:
     """Every cell of ``plan`` on ``device``; cells past ``budget_s`` are skipped (counted)."""
-    started = time.perf_counter()
-    generator = torch.Generator().manual_seed(plan.seed)
-    rng = np.random.default_rng(plan.seed)
-    blocks = plan.pool_blocks()
-    region_bytes = max(m.layout(blocks).host_row_bytes for m in plan.layouts) * blocks
-    host = _host_region(region_bytes, device)
-    region = host.tensor.view(torch.int8)
-    result = SweepResult([], [], 0, {}, {})
-    total = sum(1 for _ in plan.cells(plan.ops[0])) * len(plan.ops) * len(plan.layouts)
-    job_ids = _JobIds()
-    try:
-        for model in plan.layouts:
-            pools = Pools(model.layout(blocks), region, device, generator)
-            if device.type == "cuda" and not result.ceiling_gbps:
-                result.ceiling_gbps = _ceilings(pools)
-            for op in plan.ops:
-                if budget_s is not None and time.perf_counter() - started > budget_s:
-                    result.skipped += sum(1 for _ in plan.cells(op))
-                    continue
-                drawer = RequestDrawer(blocks, rng)
-                _run_pass(
-                    plan,
-                    model,
-                    op,
-                    pools,
-                    drawer,
-                    job_ids,
-                    result,
-                    started,
-                    budget_s,
-                    lambda: _progress(result, total, started) if progress else None,
+    return _Sweep(plan, device, progress, budget_s).run()
+
+
+class _Sweep:
+    def __init__(
+        self, plan: SweepPlan, device: torch.device, progress: bool, budget_s: float | None
+    ) -> None:
+        self.plan = plan
+        self.device = device
+        self.progress = progress
+        self.budget_s = budget_s
+        self.result = SweepResult()
+        self.started = time.perf_counter()
+        self.blocks = plan.pool_blocks()
+        self.cells_total = sum(1 for _ in plan.cells(plan.ops[0])) * len(plan.ops)
+        self.cells_total *= len(plan.layouts)
+        self._generator = torch.Generator().manual_seed(plan.seed)
+        self._rng = np.random.default_rng(plan.seed)
+        self._next_job_id = 0
+
+    def run(self) -> SweepResult:
+        rows = max(m.layout(self.blocks).host_row_bytes for m in self.plan.layouts)
+        host = _host_region(rows * self.blocks, self.device)
+        try:
+            for model in self.plan.layouts:
+                pools = Pools(
+                    model.layout(self.blocks),
+                    host.tensor.view(torch.int8),
+                    self.device,
+                    self._generator,
                 )
-            del pools
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        host.close()
-    return result
+                if self.device.type == "cuda" and not self.result.ceiling_gbps:
+                    self.result.ceiling_gbps = _ceilings(pools)
+                for op in self.plan.ops:
+                    self._pass(model, op, pools)
+                del pools
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            host.close()
+        return self.result
 
+    def _over_budget(self) -> bool:
+        return self.budget_s is not None and time.perf_counter() - self.started > self.budget_s
 
-def _run_pass(
-    plan: SweepPlan,
-    model: ModelLayout,
-    op: str,
-    pools: Pools,
-    drawer: RequestDrawer,
-    job_ids: _JobIds,
-    result: SweepResult,
-    started: float,
-    budget_s: float | None,
-    report_progress: Callable[[], None],
-) -> None:
-    """One layout and one direction: one pair of handlers for every cell, as in vLLM."""
-    gpu_to_cpu = op == "store"
-    device = pools.device
-    stock = bench.stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
-    stock_label, stock_side = _stock_side(stock, device)
-    kvcore = _kvcore_side(stock, device)
-    sides = [s for s in (stock_side, kvcore) if s is not None]
-    first_row = len(result.rows)
-    cells = list(plan.cells(op))
-    try:
-        # Untimed: the handlers' first job allocates their streams and buffers.
-        warm_up = {side.name: _Samples() for side in sides}
-        first = drawer.draw(min(plan.sizes), 0.0, 1, gpu_to_cpu=gpu_to_cpu)
-        _request(sides, pools, first, job_ids, warm_up)
-        result.failures += [e for s in warm_up.values() for e in s.errors]
-        for index, (frag, jobs, blocks) in enumerate(cells):
-            if budget_s is not None and time.perf_counter() - started > budget_s:
-                result.skipped += len(cells) - index
-                break
-            row = _cell(plan, model, op, frag, jobs, blocks, pools, drawer, job_ids, sides)
-            row.paths.insert(0, f"stock:{stock_label}")
-            row.ceiling_gbps = result.ceiling_gbps.get(op)
-            result.rows.append(row)
-            report_progress()
-    except Exception as error:
-        traceback.print_exc()
-        result.failures.append(f"{model.name}/{op}: {error!r}")
-    finally:
-        for side in sides:
-            side.handler.shutdown()
-    clean = pools.verify_all()
-    result.pool_checks[f"{model.name}/{op}"] = clean
-    if not clean:
-        for row in result.rows[first_row:]:
-            row.identical = False
-            row.extra["pool_check"] = "a row outside the requests' windows changed"
+    def _pass(self, model: ModelLayout, op: str, pools: Pools) -> None:
+        """One layout and one direction: one pair of handlers for every cell, as in vLLM."""
+        cells = list(self.plan.cells(op))
+        if self._over_budget():
+            self.result.skipped += len(cells)
+            return
+        gpu_to_cpu = op == "store"
+        stock = bench.stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
+        stock_label, stock_side = _stock_side(stock, self.device)
+        sides = [stock_side] if stock_side is not None else []
+        first_row = len(self.result.rows)
+        drawer = RequestDrawer(self.blocks, self._rng)
+        try:
+            sides.append(_kvcore_side(stock, self.device))
+            # Untimed: the handlers' first job allocates their streams and buffers.
+            warm_up = {side.name: _Samples() for side in sides}
+            first = drawer.draw(min(self.plan.sizes), 0.0, 1, gpu_to_cpu=gpu_to_cpu)
+            self._request(sides, pools, first, warm_up)
+            self.result.failures += [e for s in warm_up.values() for e in s.errors]
+            for index, (frag, jobs, blocks) in enumerate(cells):
+                if self._over_budget():
+                    self.result.skipped += len(cells) - index
+                    break
+                row = self._cell(model, op, (frag, jobs, blocks), pools, drawer, sides)
+                row.paths.insert(0, f"stock:{stock_label}")
+                row.ceiling_gbps = self.result.ceiling_gbps.get(op)
+                self.result.rows.append(row)
+                if self.progress:
+                    self._print_progress(row)
+        except Exception as error:
+            traceback.print_exc()
+            self.result.failures.append(f"{model.name}/{op}: {error!r}")
+        finally:
+            for side in sides:
+                side.handler.shutdown()
+        clean = pools.verify_all()
+        self.result.pool_checks[f"{model.name}/{op}"] = clean
+        if not clean:
+            for row in self.result.rows[first_row:]:
+                row.identical = False
+                row.extra["pool_check"] = "a row outside the requests' windows changed"
 
+    def _cell(
+        self,
+        model: ModelLayout,
+        op: str,
+        cell: tuple[float, int, int],
+        pools: Pools,
+        drawer: RequestDrawer,
+        sides: list[_Side],
+    ) -> SweepRow:
+        frag, jobs, blocks = cell
+        nbytes = jobs * blocks * model.block_bytes
+        repeats = self.plan.repeats(nbytes)
+        samples = {side.name: _Samples() for side in sides}
+        kvcore = sides[-1]
+        fallbacks_before, paths_before = kvcore.fallbacks(), kvcore.mover_paths()
+        for repeat in range(repeats):
+            request = drawer.draw(blocks, frag, jobs, gpu_to_cpu=op == "store")
+            self._request(sides if repeat % 2 == 0 else sides[::-1], pools, request, samples)
+        passed = kvcore.fallbacks() - fallbacks_before
+        stock_jobs = sum(passed.values())
+        served = repeats * jobs - stock_jobs
+        stock, mine = samples.get("stock", _Samples()), samples["kvcore"]
+        return SweepRow(
+            engine="vllm",
+            case=f"{model.name}/host-{frag:.0%}/{op}/{jobs}-job{'s' if jobs > 1 else ''}",
+            tokens=blocks * BLOCK_TOKENS,
+            layers=model.layers,
+            nbytes=nbytes,
+            stock_ms=stock.median_ms(stock.wall),
+            kvcore_ms=mine.median_ms(mine.wall),
+            stock_host_ms=stock.median_ms(stock.host),
+            kvcore_host_ms=mine.median_ms(mine.host),
+            identical=all(s.ok for s in samples.values()),
+            calls=jobs,
+            kvcore_served=round(served / repeats),
+            pass_reasons={reason: round(n / repeats) for reason, n in sorted(passed.items())},
+            paths=[f"kvcore:{path}" for path in sorted(kvcore.mover_paths() - paths_before)]
+            + (["kvcore:stock-fallback"] if stock_jobs else []),
+            extra={
+                "op": op,
+                "blocks": blocks,
+                "jobs_in_flight": jobs,
+                "frag": frag,
+                "repeats": repeats,
+                "tensors": pools.tensors,
+                "page_bytes": pools.page_bytes,
+                "kvcore_jobs": {"jobs": repeats * jobs, "served": served, "stock": dict(passed)},
+                "identical_by_side": {name: s.ok for name, s in samples.items()},
+                "errors": [e for s in samples.values() for e in s.errors][:5],
+            },
+        )
 
-def _cell(
-    plan: SweepPlan,
-    model: ModelLayout,
-    op: str,
-    frag: float,
-    jobs: int,
-    blocks: int,
-    pools: Pools,
-    drawer: RequestDrawer,
-    job_ids: _JobIds,
-    sides: list[_Side],
-) -> SweepRow:
-    gpu_to_cpu = op == "store"
-    nbytes = jobs * blocks * model.block_bytes
-    repeats = plan.repeats(nbytes)
-    samples = {side.name: _Samples() for side in sides}
-    kvcore = sides[-1]
-    fallbacks_before = kvcore.fallbacks()
-    paths_before = _mover_paths(kvcore)
-    for repeat in range(repeats):
-        request = drawer.draw(blocks, frag, jobs, gpu_to_cpu=gpu_to_cpu)
-        order = sides if repeat % 2 == 0 else sides[::-1]
-        _request(order, pools, request, job_ids, samples)
-    passed = kvcore.fallbacks() - fallbacks_before
-    stock_jobs = sum(passed.values())
-    served = repeats * jobs - stock_jobs
-    stock = samples.get("stock", _Samples())
-    mine = samples["kvcore"]
-    frag_name = f"host-{frag:.0%}"
-    return SweepRow(
-        engine="vllm",
-        case=f"{model.name}/{frag_name}/{op}/{jobs}-job{'s' if jobs > 1 else ''}",
-        tokens=blocks * BLOCK_TOKENS,
-        layers=model.layers,
-        nbytes=nbytes,
-        stock_ms=stock.median_ms(stock.wall),
-        kvcore_ms=mine.median_ms(mine.wall),
-        stock_host_ms=stock.median_ms(stock.host),
-        kvcore_host_ms=mine.median_ms(mine.host),
-        identical=all(s.ok for s in samples.values()),
-        calls=jobs,
-        kvcore_served=round(served / repeats),
-        pass_reasons={reason: round(n / repeats) for reason, n in sorted(passed.items())},
-        paths=[f"kvcore:{path}" for path in sorted(_mover_paths(kvcore) - paths_before)]
-        + (["kvcore:stock-fallback"] if stock_jobs else []),
-        extra={
-            "op": op,
-            "blocks": blocks,
-            "jobs_in_flight": jobs,
-            "frag": frag,
-            "repeats": repeats,
-            "tensors": pools.tensors,
-            "page_bytes": pools.page_bytes,
-            "kvcore_jobs": {"jobs": repeats * jobs, "served": served, "stock": dict(passed)},
-            "identical_by_side": {name: s.ok for name, s in samples.items()},
-            "errors": [e for s in samples.values() for e in s.errors][:5],
-        },
-    )
+    def _request(
+        self, order: Sequence[_Side], pools: Pools, request: Request, samples: dict[str, _Samples]
+    ) -> None:
+        """``request`` through each side in turn, each checked before the next runs."""
+        for side in order:
+            ids = list(range(self._next_job_id, self._next_job_id + len(request.jobs)))
+            self._next_job_id += len(ids)
+            specs = [
+                (job_id, bench.job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
+                for job_id, job in zip(ids, request.jobs, strict=True)
+            ]
+            pools.prepare(request)
+            wall, host, results = side.run(specs)
+            got = samples[side.name]
+            got.wall.append(wall)
+            got.host.append(host)
+            error = _results_error(results, ids, request, pools)
+            if error is not None:
+                got.errors.append(f"{side.name}: {error}")
+            if not pools.verify(request):
+                got.errors.append(f"{side.name}: wrong bytes")
 
-
-def _request(
-    order: Sequence[_Side],
-    pools: Pools,
-    request: Request,
-    job_ids: _JobIds,
-    samples: dict[str, _Samples],
-) -> None:
-    """``request`` through each side in turn, each checked before the next runs."""
-    for side in order:
-        ids = job_ids.take(len(request.jobs))
-        specs = [
-            (job_id, bench.job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
-            for job_id, job in zip(ids, request.jobs, strict=True)
-        ]
-        pools.prepare(request)
-        wall, host, results = side.run(specs)
-        got = samples[side.name]
-        got.wall.append(wall)
-        got.host.append(host)
-        error = _results_error(results, ids, request, pools)
-        if error is not None:
-            got.errors.append(f"{side.name}: {error}")
-        if not pools.verify(request):
-            got.errors.append(f"{side.name}: wrong bytes")
+    def _print_progress(self, row: SweepRow) -> None:
+        done = len(self.result.rows) + self.result.skipped
+        print(
+            f"[{done}/{self.cells_total} {time.perf_counter() - self.started:.0f}s] {row.case} "
+            f"{row.extra['blocks']} blocks: stock {row.stock_ms:.3f} ms, kvcore "
+            f"{row.kvcore_ms:.3f} ms ({row.ratio:.2f}x), served {row.kvcore_served}/{row.calls}"
+            f"{'' if row.identical else ', WRONG BYTES'}",
+            flush=True,
+        )
 
 
 def _results_error(
@@ -420,18 +425,7 @@ def _kvcore_side(stock: Any, device: torch.device) -> _Side:
         metrics=handler_metrics,
         mover=Mover(bench._env_policy(), metrics=mover_metrics),
     )
-    side = _Side("kvcore", handler, device)
-    side.handler_metrics, side.mover_metrics = handler_metrics, mover_metrics
-    return side
-
-
-def _mover_paths(side: _Side) -> Counter[str]:
-    """Submissions kvcore's mover made so far, per path."""
-    counts: Counter[str] = Counter()
-    if side.mover_metrics is not None:
-        for transfer in side.mover_metrics.snapshot()["transfers"]:
-            counts[transfer["path"]] += transfer["count"]
-    return counts
+    return _Side("kvcore", handler, device, handler_metrics, mover_metrics)
 
 
 def _host_region(nbytes: int, device: torch.device) -> HostBuffer:
@@ -460,18 +454,6 @@ def _ceilings(pools: Pools) -> dict[str, float]:
     return out
 
 
-def _progress(result: SweepResult, total: int, started: float) -> None:
-    row = result.rows[-1]
-    done = len(result.rows) + result.skipped
-    print(
-        f"[{done}/{total} {time.perf_counter() - started:.0f}s] {row.case} "
-        f"{row.extra['blocks']} blocks: stock {row.stock_ms:.3f} ms, kvcore "
-        f"{row.kvcore_ms:.3f} ms ({row.ratio:.2f}x), served {row.kvcore_served}/{row.calls}"
-        f"{'' if row.identical else ', WRONG BYTES'}",
-        flush=True,
-    )
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -481,11 +463,12 @@ def _size(nbytes: int) -> str:
     return f"{nbytes >> 10}KiB" if nbytes % 1024 == 0 else f"{nbytes}B"
 
 
-def _device(name: str) -> torch.device:
+def _device(name: str) -> torch.device | str:
+    """The device to sweep on, or why there is none."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("kvcore bench --sweep: --device cuda, but CUDA is not available")
+        return "--device cuda, but CUDA is not available"
     return torch.device(name)
 
 
@@ -495,6 +478,11 @@ def main(args: argparse.Namespace) -> int:
     import vllm
 
     device = _device(args.device)
+    if isinstance(device, torch.device) and device.type != "cuda" and not args.quick:
+        device = "the full sweep needs a GPU (its pools take about 50 GiB); add --quick"
+    if isinstance(device, str):
+        print(f"kvcore bench --sweep: {device}", file=sys.stderr)
+        return 2
     plan = QUICK if args.quick else FULL
     started = time.perf_counter()
     result = run(

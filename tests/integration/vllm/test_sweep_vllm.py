@@ -256,3 +256,16 @@ def test_every_request_gets_new_ids_in_disjoint_slices():
         one.draw(1, 0.0, 1, gpu_to_cpu=False)
     with pytest.raises(ValueError, match="pool"):
         one.draw(2, 0.0, 1, gpu_to_cpu=False)
+
+
+def test_cells_past_the_budget_are_skipped_and_counted(tmp_path):
+    assert sweep.main(_args(tmp_path, budget_s=0.0)) == 0
+    document = json.loads((tmp_path / "sweep.json").read_text())
+    assert document["rows"] == [] and document["pool_checks"] == {}
+    assert document["skipped_cells"] == 2 * 2 * (4 + 3)
+
+
+def test_the_full_sweep_is_refused_on_a_cpu(tmp_path, capsys):
+    assert sweep.main(_args(tmp_path, quick=False)) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+    assert not (tmp_path / "sweep.json").exists()
