@@ -5,7 +5,7 @@
 # fragmentation, one job or four in flight, stores and loads; every request byte-checked.
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried; .whl/ too when carried.
 # Usage (on the GPU machine, from the repo root): scripts/vllm_sweep.sh [budget seconds]
-#   budget: the sweep skips the cells left after it (counted in the report; default 300),
+#   budget: the sweep skips the cells left after it (counted in the report; default 270),
 #   so that the whole call, set-up included, stays near 6 minutes; `timeout 500` is the
 #   hard stop.
 # Writes to $OUT (default out/vllm_sweep): env.txt, vllm_sweep.json, vllm_sweep.png,
@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source scripts/vllm_device_env.sh || exit 1
 
-timeout 500 python3 -m kvcore_vllm.sweep --device cuda --budget-s "${1:-300}" \
+timeout 500 python3 -m kvcore_vllm.sweep --device cuda --budget-s "${1:-270}" \
     --json "$OUT/vllm_sweep.json" --plot "$OUT/vllm_sweep.png" 2>&1 | tee "$OUT/vllm_sweep.log"
 rc=${PIPESTATUS[0]}
 echo "vllm_sweep rc=$rc"

@@ -181,9 +181,11 @@ class _Side:
 
     def fallbacks(self) -> Counter[str]:
         """Jobs the handler left to stock so far, per reason."""
-        if self.handler_metrics is None:
-            return Counter()
-        return Counter(self.handler_metrics.snapshot()["fallbacks"])
+        return _fallbacks(self.handler_metrics)
+
+    def degraded(self) -> Counter[str]:
+        """Submissions kvcore's mover issued a slower way of its own than planned, per reason."""
+        return _fallbacks(self.mover_metrics)
 
     def mover_paths(self) -> Counter[str]:
         """Submissions kvcore's mover made so far, per path."""
@@ -316,6 +318,7 @@ class _Sweep:
         samples = {side.name: _Samples() for side in sides}
         kvcore = sides[-1]
         fallbacks_before, paths_before = kvcore.fallbacks(), kvcore.mover_paths()
+        degraded_before = kvcore.degraded()
         for repeat in range(repeats):
             request = drawer.draw(blocks, frag, jobs, gpu_to_cpu=op == "store")
             self._request(sides if repeat % 2 == 0 else sides[::-1], pools, request, samples)
@@ -348,6 +351,7 @@ class _Sweep:
                 "tensors": pools.tensors,
                 "page_bytes": pools.page_bytes,
                 "kvcore_jobs": {"jobs": repeats * jobs, "served": served, "stock": dict(passed)},
+                "kvcore_degraded": dict(kvcore.degraded() - degraded_before),
                 "identical_by_side": {name: s.ok for name, s in samples.items()},
                 "errors": [e for s in samples.values() for e in s.errors][:5],
             },
@@ -416,6 +420,10 @@ def _stock_side(stock: Any, device: torch.device) -> tuple[str, _Side | None]:
     else:
         return "not runnable (no compiled copy op, no cudaMemcpyBatchAsync)", None
     return label, _Side("stock", bench._runnable_stock(stock, device), device)
+
+
+def _fallbacks(metrics: Metrics | None) -> Counter[str]:
+    return Counter() if metrics is None else Counter(metrics.snapshot()["fallbacks"])
 
 
 def _kvcore_side(stock: Any, device: torch.device) -> _Side:
