@@ -75,8 +75,10 @@ def _gbps(nbytes: int, ms: float) -> float:
 
 
 def format_table(rows: Iterable[SweepRow]) -> str:
+    rows = list(rows)
+    width = max([46, *(len(row.case) for row in rows)])
     header = (
-        f"{'case':<46} {'tokens':>7} {'layers':>6} {'stock ms':>9} {'kvcore ms':>9} "
+        f"{'case':<{width}} {'tokens':>7} {'layers':>6} {'stock ms':>9} {'kvcore ms':>9} "
         f"{'x stock':>7} {'host ms s/k':>13} {'served':>7} {'GB/s s/k':>11} ok"
     )
     lines = [header, "-" * len(header)]
@@ -85,7 +87,7 @@ def format_table(rows: Iterable[SweepRow]) -> str:
         served = f"{row.kvcore_served}/{row.calls}"
         rates = f"{_gbps(row.nbytes, row.stock_ms):.1f}/{_gbps(row.nbytes, row.kvcore_ms):.1f}"
         lines.append(
-            f"{row.case[:46]:<46} {row.tokens:>7} {row.layers:>6} {row.stock_ms:>9.3f} "
+            f"{row.case:<{width}} {row.tokens:>7} {row.layers:>6} {row.stock_ms:>9.3f} "
             f"{row.kvcore_ms:>9.3f} {row.ratio:>6.2f}x {host:>13} {served:>7} {rates:>11} "
             f"{'yes' if row.identical else 'NO'}"
         )

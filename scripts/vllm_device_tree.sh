@@ -46,6 +46,7 @@ import vllm.platforms
 vllm.platforms.builtin_platform_plugins["cuda"] = lambda: "vllm.platforms.cuda.CudaPlatform"
 import kvcore_vllm.bench  # noqa: F401
 import kvcore_vllm.page_rows  # noqa: F401
+import kvcore_vllm.sweep  # noqa: F401
 import kvcore_vllm.transfers  # noqa: F401
 
 assert type(vllm.platforms.current_platform).__module__ == "vllm.platforms.cuda"

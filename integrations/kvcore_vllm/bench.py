@@ -27,6 +27,7 @@ On a CPU ``device`` only ``per_block_copy`` and the kvcore paths run (a tiny dry
 from __future__ import annotations
 
 import copy
+import ctypes
 import functools
 import statistics
 import time
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec, TransferResult
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 
@@ -73,6 +74,12 @@ class Layout:
         copied = self.page_bytes if self.ref_page_bytes is None else self.ref_page_bytes
         return [[CanonicalKVCacheRef(t, copied) for t in range(self.tensors)]] * groups
 
+    @property
+    def host_row_bytes(self) -> int:
+        """Bytes of one chunk row of the shared host region: every tensor's chunk, aligned."""
+        chunk_bytes = self.page_bytes * self.blocks_per_chunk
+        return -(-self.tensors * chunk_bytes // HOST_ROW_ALIGNMENT) * HOST_ROW_ALIGNMENT
+
     def make_tensors(
         self, device: torch.device, generator: torch.Generator
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -88,13 +95,23 @@ class Layout:
                 for _ in range(self.tensors)
             ]
             return gpu, host
-        row = -(-self.tensors * chunk_bytes // HOST_ROW_ALIGNMENT) * HOST_ROW_ALIGNMENT
-        region = _random_host((self.cpu_chunks * row,), generator, device)
-        views = [
-            region.as_strided((self.cpu_chunks, chunk_bytes), (row, 1), t * chunk_bytes)
+        region = _random_host((self.cpu_chunks * self.host_row_bytes,), generator, device)
+        return gpu, self.host_views(region)
+
+    def host_views(self, region: torch.Tensor) -> list[torch.Tensor]:
+        """The host tensors as strided views of ``region`` (int8, at least ``cpu_chunks`` rows
+        of :attr:`host_row_bytes`), chunk row by chunk row as vLLM's shared region has them."""
+        chunk_bytes = self.page_bytes * self.blocks_per_chunk
+        row = self.host_row_bytes
+        if region.dtype != torch.int8 or region.numel() < self.cpu_chunks * row:
+            raise ValueError(
+                f"the region must be int8 and hold {self.cpu_chunks} rows of {row} bytes"
+            )
+        base = region.storage_offset()
+        return [
+            region.as_strided((self.cpu_chunks, chunk_bytes), (row, 1), base + t * chunk_bytes)
             for t in range(self.tensors)
         ]
-        return gpu, views
 
 
 def _random(
@@ -351,7 +368,13 @@ def _paths(
 def _runnable_stock(
     stock: SingleDirectionOffloadingHandler, device: torch.device
 ) -> SingleDirectionOffloadingHandler:
-    if device.type != "cuda" or _compiled_ops_loaded() or not batch_copy_available():
+    """``stock`` where its copy op can run here, else a copy of it whose copy op is the same
+    copy done another way: on a GPU without vLLM's compiled ops, the same driver call; on a
+    CPU, where vLLM has no copy op, one memmove per descriptor (the jobs kvcore's handler
+    leaves to stock need one to run at all)."""
+    if device.type != "cuda":
+        return _with_copy_op(stock, _host_swap_blocks_batch)
+    if _compiled_ops_loaded() or not batch_copy_available():
         return stock
     return _with_emulated_copy_op(stock)
 
@@ -365,14 +388,30 @@ def _with_emulated_copy_op(
     Everything else (descriptor fill, streams, events, get_finished) is vLLM's own code, so
     the handler's host cost is measured too, as it is for kvcore's handler.
     """
+    triton_pick = isinstance(stock._swap_blocks_batch, functools.partial)
+    return _with_copy_op(stock, None if triton_pick else _emulated_swap_blocks_batch)
+
+
+def _with_copy_op(
+    stock: SingleDirectionOffloadingHandler, swap: Callable[..., None] | None
+) -> SingleDirectionOffloadingHandler:
+    """A copy of ``stock`` with its own queue of jobs, streams, events and descriptor
+    buffers, copying with ``swap`` (None keeps its own copy op)."""
     emulated = copy.copy(stock)
-    if not isinstance(stock._swap_blocks_batch, functools.partial):
-        emulated._swap_blocks_batch = _emulated_swap_blocks_batch
-    # Its own queue of jobs, streams, events and descriptor buffers.
+    if swap is not None:
+        emulated._swap_blocks_batch = swap
     emulated._transfers = deque()
     emulated._transfer_events = {}
     emulated._stream_pool, emulated._event_pool, emulated._buffer_pool = [], [], []
     return emulated
+
+
+def _host_swap_blocks_batch(
+    src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, is_src_access_order_any: bool
+) -> None:
+    """vLLM's swap_blocks_batch contract on host memory: one memmove per descriptor."""
+    for source, target, size in zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True):
+        ctypes.memmove(target, source, size)
 
 
 def _emulated_swap_blocks_batch(
@@ -395,14 +434,31 @@ def _through_handler(
 ) -> None:
     """``jobs`` copies of the job submitted back to back (as a worker does when several
     are due), then waited for; each submission's host time is recorded."""
-    for job_id in range(jobs):
+    submit_and_collect(handler, [(job_id, specs) for job_id in range(jobs)], submit_seconds)
+
+
+# A job not reported this long after wait() returned is lost: the handler is broken.
+COLLECT_TIMEOUT_S = 300.0
+
+
+def submit_and_collect(
+    handler: Any, jobs: Sequence[tuple[int, tuple[Any, Any]]], submit_seconds: list[float]
+) -> list[TransferResult]:
+    """What vLLM's offloading worker does with a step's jobs: ``transfer_async`` each
+    (its host time appended to ``submit_seconds``), ``wait`` for all of them, then
+    ``get_finished`` until every one is reported; returns the results as reported."""
+    for job_id, (src_spec, dst_spec) in jobs:
         started = time.perf_counter()
-        handler.transfer_async(job_id, *specs)
+        handler.transfer_async(job_id, src_spec, dst_spec)
         submit_seconds.append(time.perf_counter() - started)
-    handler.wait(set(range(jobs)))
-    finished = 0
-    while finished < jobs:
-        finished += len(handler.get_finished())
+    handler.wait({job_id for job_id, _ in jobs})
+    results: list[TransferResult] = []
+    deadline = time.perf_counter() + COLLECT_TIMEOUT_S
+    while len(results) < len(jobs):
+        results += handler.get_finished()
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{len(jobs) - len(results)} jobs were never reported finished")
+    return results
 
 
 def _stock_descriptors(
