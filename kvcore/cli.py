@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvcore import __version__, launch
+from kvcore import __version__, launch, serve_rule
 from kvcore.config import (
     SETTINGS,
     ConfigError,
@@ -156,6 +156,7 @@ def doctor_report(config: KVCoreConfig) -> dict[str, Any]:
         "patches": installed_patch_states(),
         "pinned": _pinned_limits(),
         "config": config.to_dict(),
+        "serve_rule": {"enabled": config.serve_rule, "rules": serve_rule.describe()},
     }
 
 
@@ -218,7 +219,21 @@ def format_doctor(report: dict[str, Any]) -> str:
     rows.append(("memlock", _describe_memlock(pinned)))
     rows.append(("config", _describe_config(report["config"])))
     width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {text}" for label, text in rows)
+    lines = [f"{label:<{width}}  {text}" for label, text in rows]
+    return "\n".join([*lines, "", *_describe_serve_rule(report["serve_rule"])])
+
+
+def _describe_serve_rule(rule: dict[str, Any]) -> list[str]:
+    """The table the serve-or-pass rule decides each call from (first match wins)."""
+    state = "on" if rule["enabled"] else "off (KVCORE_SERVE_RULE=0: kvcore serves what it can)"
+    lines = [f"serve-or-pass rule: {state}; first matching row decides"]
+    columns = ("engine", "op", "io_backend", "layout", "page_sizes", "serves", "reason")
+    table = [columns, *[tuple(str(row[c]) for c in columns) for row in rule["rules"]]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    for row in table:
+        cells = "  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths, strict=True))
+        lines.append(f"  {cells}".rstrip())
+    return lines
 
 
 def _describe_cuda(cuda: dict[str, Any]) -> str:

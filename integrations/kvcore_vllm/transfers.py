@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferResult
 
+from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.layers import LayerPairs, layer_pairs
@@ -48,12 +49,9 @@ from kvcore_vllm.page_rows import PageRows, page_rows
 
 logger = logging.getLogger("kvcore.vllm")
 
-# Pages a submission kvcore issues must cover, on average, before its host cost (a few
-# hundred microseconds) undercuts stock's batched copy (~0.5-1 us a page in the driver).
-# H200 A/B of 2026-11-29 (one submission per KV tensor then): kvcore lost at 32-256 pages
-# a submission and won from 512 pages (4 KiB to 64 KiB); of 2026-12-01: jobs of 32 and
-# 256 pages ran at 0.88-0.96x of stock on kvcore's paths, 0.98-1.03x left to stock.
-MIN_PAGES_PER_SUBMISSION = 512
+# Pages a submission kvcore issues must cover, on average, before its host cost undercuts
+# stock's batched copy (kvcore.serve_rule holds the measurements behind it).
+MIN_PAGES_PER_SUBMISSION = serve_rule.VLLM_RULES.min_pages_per_submission
 
 # The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
 HANDLER_ATTRIBUTES = ("_store_handler", "_load_handler", "_expedited_load_handler")
@@ -589,6 +587,7 @@ def install_handlers(
             compute_stream=streams.compute_stream,
             name=attribute,
             metrics=metrics,
+            stock_rules=config.serve_rule,
         )
         setattr(worker, attribute, handler)
         replaced.append(attribute)

@@ -18,7 +18,7 @@ from kvcore import __version__
 from kvcore.cli import main
 from kvcore.config import SETTINGS, KVCoreConfig
 
-DOCTOR_KEYS = {"kvcore", "torch", "cuda", "engines", "pinned", "config", "patches"}
+DOCTOR_KEYS = {"kvcore", "torch", "cuda", "engines", "pinned", "config", "patches", "serve_rule"}
 
 
 @pytest.fixture(autouse=True)
@@ -83,9 +83,11 @@ def test_doctor_json_pinned_limits(capsys):
 def test_doctor_human(capsys, monkeypatch):
     monkeypatch.setenv("KVCORE_GATHER_CTAS", "16")
     assert main(["doctor"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    summary, rule = capsys.readouterr().out.split("\n\n")
+    lines = summary.splitlines()
     labels = [line.split()[0] for line in lines]
     assert labels == ["kvcore", "torch", "CUDA", "sglang", "vllm", "patches", "memlock", "config"]
+    assert rule.startswith("serve-or-pass rule: on")
     # Aligned: every value starts in the same column.
     columns = {
         len(line) - len(line[len(label) :].lstrip())

@@ -1,0 +1,188 @@
+"""The serve-or-pass rule inside the SGLang hooks: what passes, what it costs, what serves.
+
+Pools are built the way SGLang builds them (sglang_pools.py); the stock methods are
+:class:`test_transfers.Recorder` stand-ins where a call must reach stock untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_transfers import (
+    LAYERS,
+    POOL_CLASSES,
+    Recorder,
+    _load_every_layer_and_check,
+    all_tensors,
+    as_bytes,
+    components,
+    device_pool_of,
+    make_indices,
+    pool_for,
+    randomise,
+    small_mover,  # noqa: F401  (a fixture)
+    transfer_hooks,  # noqa: F401  (a fixture)
+)
+
+from kvcore import serve_rule
+from kvcore.metrics import METRICS
+from kvcore_sglang import transfers
+
+pytestmark = pytest.mark.sglang
+
+MHA_LOAD = f"{POOL_CLASSES['mha'].__module__}.{POOL_CLASSES['mha'].__qualname__}"
+
+
+@pytest.fixture(autouse=True)
+def fresh_requests(monkeypatch) -> Iterator[None]:
+    """The rule on, as deployed; no request, layer or binding kept from another test."""
+    monkeypatch.setattr(transfers, "serve_rule_enabled", lambda: True)
+    monkeypatch.setattr(transfers, "LOAD_REQUESTS", transfers.LoadRequests())
+    monkeypatch.setattr(transfers, "POOL_LAYERS", transfers.PoolLayers())
+    yield
+    transfers.restore_bypassed()
+
+
+@pytest.fixture
+def direct_served_from(monkeypatch):
+    """A rule table that serves the direct backend from ``tokens`` (test pools are small)."""
+
+    def use(tokens: int) -> None:
+        rules = (serve_rule.SGLangRule("*", "direct", "*", (1, 1 << 30), tokens, "r", "test"),)
+        monkeypatch.setattr(serve_rule, "SGLANG_RULES", rules)
+        serve_rule._sglang_rule.cache_clear()
+
+    yield use
+    serve_rule._sglang_rule.cache_clear()
+
+
+def _load_hook() -> Any:
+    return transfers.HOOKS[f"{MHA_LOAD}.load_to_device_per_layer"]
+
+
+def _counts() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+    snapshot = METRICS.snapshot()
+    decisions = {(d["decision"], d["reason"]): d["count"] for d in snapshot["decisions"]}
+    return dict(snapshot["fallbacks"]), decisions
+
+
+def test_a_kernel_load_binds_stock_on_the_pool_and_later_calls_skip_kvcore():
+    pool = pool_for("mha", "layer_first")
+    device_pool = device_pool_of("mha", pool)
+    stock = Recorder()
+    host_idx, device_idx = torch.arange(32), torch.arange(1, 33)
+    fallbacks, decisions = _counts()
+
+    _load_hook()(stock, pool, device_pool, host_idx, device_idx, 0, "kernel")
+    assert "load_to_device_per_layer" in pool.__dict__
+    # Later calls go straight to stock through the binding, as SGLang's attribute lookup does.
+    for layer in range(1, LAYERS):
+        pool.load_to_device_per_layer(device_pool, host_idx, device_idx, layer, "kernel")
+    assert [call[0][0] for call in stock.calls] == [pool] * LAYERS
+    assert [call[0][4] for call in stock.calls] == list(range(LAYERS))
+    after_fallbacks, after_decisions = _counts()
+    reason = "stock_kernel_near_link"
+    assert after_fallbacks.get(reason, 0) == fallbacks.get(reason, 0) + 1
+    assert after_decisions.get(("pass", reason), 0) == decisions.get(("pass", reason), 0) + 1
+
+    transfers.restore_bypassed()
+    assert "load_to_device_per_layer" not in pool.__dict__
+
+
+def test_a_small_request_passes_once_and_every_layer_reaches_stock():
+    pool = pool_for("mha", "layer_first")
+    device_pool = device_pool_of("mha", pool)
+    reason = "stock_direct_small_request"
+    for request in range(2):
+        stock = Recorder()
+        host_idx, device_idx = torch.arange(64), torch.arange(1, 65)  # new tensors each time
+        fallbacks, decisions = _counts()
+        for layer in range(LAYERS):
+            _load_hook()(stock, pool, device_pool, host_idx, device_idx, layer, "direct")
+        assert len(stock.calls) == LAYERS, request
+        assert all(call[0][2] is host_idx and call[0][3] is device_idx for call in stock.calls)
+        after_fallbacks, after_decisions = _counts()
+        assert after_fallbacks.get(reason, 0) == fallbacks.get(reason, 0) + 1
+        assert after_decisions.get(("pass", reason), 0) == decisions.get(("pass", reason), 0) + 1
+    assert "load_to_device_per_layer" not in pool.__dict__  # sized decisions bind nothing
+
+
+def test_a_request_the_rule_serves_is_copied_exactly(
+    transfer_hooks,  # noqa: F811
+    small_mover,  # noqa: F811
+    direct_served_from,
+):
+    direct_served_from(16)
+    transfer_hooks()
+    pool = pool_for("mha", "layer_first")
+    host_idx, device_idx = make_indices(
+        "mha", pool, "scattered", 100, torch.Generator().manual_seed(3)
+    )
+    fallbacks, decisions = _counts()
+    _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
+    after_fallbacks, after_decisions = _counts()
+    assert after_fallbacks == fallbacks
+    assert after_decisions.get(("serve", "rule_serves"), 0) == (
+        decisions.get(("serve", "rule_serves"), 0) + 1
+    )
+
+
+def test_a_failure_inside_kvcore_sends_the_call_to_stock(
+    monkeypatch,
+    small_mover,  # noqa: F811
+    direct_served_from,
+    caplog,
+):
+    direct_served_from(16)
+    monkeypatch.setattr(transfers, "_logged_errors", set())
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("planner broke")
+
+    monkeypatch.setattr(transfers, "_serve_layer", broken)
+    pool = pool_for("mha", "layer_first")
+    parts = components("mha", pool)
+    randomise(all_tensors(parts), torch.Generator().manual_seed(9))
+    before = as_bytes(all_tensors(parts))
+    host_idx, device_idx = make_indices(
+        "mha", pool, "scattered", 100, torch.Generator().manual_seed(4)
+    )
+    fallbacks, _ = _counts()
+    stock = Recorder()
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        for layer in range(LAYERS):
+            _load_hook()(
+                stock, pool, device_pool_of("mha", pool), host_idx, device_idx, layer, "direct"
+            )
+    assert len(stock.calls) == LAYERS
+    assert all(torch.equal(a, b) for a, b in zip(before, as_bytes(all_tensors(parts)), strict=True))
+    after_fallbacks, _ = _counts()
+    reason = "internal_error:RuntimeError"
+    # The first call fails and marks the request; the later layers pass with it.
+    assert after_fallbacks.get(reason, 0) == fallbacks.get(reason, 0) + 1
+    assert len([r for r in caplog.records if "planner broke" in r.getMessage()]) == 1
+
+
+def test_a_cuda_error_after_a_launch_is_raised_not_retried(
+    monkeypatch,
+    small_mover,  # noqa: F811
+    direct_served_from,
+):
+    direct_served_from(16)
+
+    def device_fault(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(transfers, "_serve_layer", device_fault)
+    pool = pool_for("mha", "layer_first")
+    stock = Recorder()
+    host_idx, device_idx = make_indices(
+        "mha", pool, "scattered", 100, torch.Generator().manual_seed(5)
+    )
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        _load_hook()(stock, pool, device_pool_of("mha", pool), host_idx, device_idx, 0, "direct")
+    assert stock.calls == []

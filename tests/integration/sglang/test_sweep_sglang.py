@@ -1,0 +1,82 @@
+"""`kvcore bench --engine sglang --sweep` on the CPU: whole requests, checked bytes, its JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from kvcore_sglang import sweep, transfers
+
+pytestmark = pytest.mark.sglang
+
+SIZES = (128, 256)
+
+
+def _options(**changes: Any) -> sweep.SweepOptions:
+    base = sweep.SweepOptions(
+        tokens=SIZES,
+        kinds=("mla",),
+        layers={"mha": 2, "mla": 2},
+        layouts=(("layer_first", "direct", (64,)),),
+        host_levels=("100%",),
+        repeats=1,
+        device=torch.device("cpu"),
+        serve_rule=False,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_every_request_size_is_timed_and_checked():
+    result = sweep.run(_options())
+    rows = result["rows"]
+    assert sorted((row.extra["op"], row.tokens) for row in rows) == sorted(
+        (op, size) for op in ("load", "backup") for size in SIZES
+    )
+    assert all(row.identical for row in rows)
+    # With the rule off, kvcore moves every call of every request itself.
+    assert all(row.kvcore_served == row.calls for row in rows)
+    assert {row.calls for row in rows if row.extra["op"] == "load"} == {2}
+    document = result["document"]
+    assert document["device"] == "cpu" and document["engine"] == "sglang"
+    for row in document["rows"]:
+        for key in ("engine", "case", "tokens", "layers", "stock_ms", "kvcore_ms", "identical"):
+            assert key in row
+        assert row["ratio"] == pytest.approx(row["stock_ms"] / row["kvcore_ms"])
+
+
+def test_the_rule_passes_small_requests_to_stock():
+    rows = sweep.run(_options(serve_rule=True))["rows"]
+    assert rows and all(row.kvcore_served == 0 and row.identical for row in rows)
+    assert all(row.pass_reasons == {"stock_direct_small_request": 1.0} for row in rows)
+    assert all("own_ms" in row.extra for row in rows)
+
+
+def test_a_copy_that_leaves_rows_out_is_caught(monkeypatch, tmp_path):
+    def claims_served(*args: Any, **kwargs: Any) -> None:
+        return None  # says the layer was copied, copies nothing
+
+    monkeypatch.setattr(transfers, "_serve_layer", claims_served)
+    out = tmp_path / "sweep.json"
+    args = argparse.Namespace(
+        device="cpu",
+        quick=True,
+        json=str(out),
+        plot=None,
+        no_progress=True,
+        rows="mla",
+        layouts="layer_first/direct",
+        no_rule=True,
+        tokens=0,
+        sizes="128",
+        repeats=1,
+        host_levels="100%",
+    )
+    assert sweep.main(args) == 1
+    rows = json.loads(out.read_text())["rows"]
+    loads = [row for row in rows if row["extra"]["op"] == "load"]
+    assert loads and not any(row["identical"] for row in loads)

@@ -1,0 +1,105 @@
+"""The serve-or-pass rule: which SGLang calls kvcore serves, and what doctor shows of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvcore import serve_rule
+from kvcore.serve_rule import SERVE, SGLangRule, sglang_decision
+
+
+@pytest.mark.parametrize(
+    ("op", "backend", "layout", "page", "tokens", "expected"),
+    [
+        # Stock's load kernel is near the link at every size and page.
+        ("load", "kernel", "layer_first", 64, 1 << 20, "stock_kernel_near_link"),
+        ("load", "kernel", "page_first", 1, 256, "stock_kernel_near_link"),
+        # Paged layer_first backups stay stock; token-granular ones serve from 16k.
+        ("backup", "kernel", "layer_first", 64, 1 << 20, "stock_kernel_near_link"),
+        ("backup", "kernel", "layer_first", 1, 16383, "stock_kernel_small_backup"),
+        ("backup", "kernel", "layer_first", 1, 16384, SERVE),
+        ("backup", "kernel", "page_first", 1, 1023, "stock_page_first_backup_slow"),
+        ("backup", "kernel", "page_first", 1, 1024, SERVE),
+        ("backup", "kernel", "page_first", 64, 1 << 20, "stock_kernel_near_link"),
+        # The direct backend: per token always, per page from 4k tokens.
+        ("load", "direct", "layer_first", 1, 1, SERVE),
+        ("backup", "direct", "page_first_direct", 64, 4095, "stock_direct_small_request"),
+        ("backup", "direct", "page_first_direct", 64, 4096, SERVE),
+        # Anything else: served from 2k tokens.
+        ("load", "kernel_ascend", "layer_first", 64, 2047, "small_request"),
+        ("load", "kernel_ascend", "layer_first", 64, 2048, SERVE),
+    ],
+)
+def test_each_kind_of_call_is_decided_by_its_first_matching_rule(
+    op, backend, layout, page, tokens, expected
+):
+    assert sglang_decision(op, backend, layout, page, tokens) == expected
+
+
+def test_the_rule_off_serves_everything():
+    assert sglang_decision("load", "kernel", "layer_first", 64, 256, enabled=False) is SERVE
+
+
+def test_never_and_dense_host_say_what_the_table_says():
+    assert serve_rule.sglang_never("load", "kernel", "layer_first", 64) == "stock_kernel_near_link"
+    assert serve_rule.sglang_never("backup", "kernel", "layer_first", 1) is None
+    assert serve_rule.sglang_dense_host_passes("backup", "kernel", "layer_first", 1)
+    assert not serve_rule.sglang_dense_host_passes("backup", "kernel", "page_first", 1)
+
+
+def test_rules_match_on_every_field():
+    rule = SGLangRule("load", "direct", "page_first", (2, 8), 0, "r", "e")
+    assert rule.matches("load", "direct", "page_first", 8)
+    for args in [
+        ("backup", "direct", "page_first", 8),
+        ("load", "kernel", "page_first", 8),
+        ("load", "direct", "layer_first", 8),
+        ("load", "direct", "page_first", 1),
+        ("load", "direct", "page_first", 9),
+    ]:
+        assert not rule.matches(*args), args
+
+
+def test_describe_lists_every_rule_once_with_its_evidence():
+    rows = serve_rule.describe()
+    sglang = [row for row in rows if row["engine"] == "sglang"]
+    assert len(sglang) == len(serve_rule.SGLANG_RULES)
+    assert all(row["evidence"] and row["reason"] for row in rows)
+    assert {row["reason"] for row in rows if row["engine"] == "vllm"} == {
+        "few_pages",
+        "stock_kernel_load",
+    }
+
+
+def _doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvcore", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_doctor_prints_the_table_the_rule_uses():
+    result = _doctor()
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "serve-or-pass rule: on" in text
+    for rule in serve_rule.SGLANG_RULES:
+        assert rule.reason in text
+    report = json.loads(_doctor("--json").stdout)
+    assert report["serve_rule"]["enabled"] is True
+    assert report["serve_rule"]["rules"] == serve_rule.describe()
+
+
+def test_doctor_says_when_the_rule_is_off():
+    import os
+
+    env = {**os.environ, "KVCORE_SERVE_RULE": "0"}
+    result = _doctor(env=env)
+    assert "serve-or-pass rule: off" in result.stdout
