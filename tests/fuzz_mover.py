@@ -12,10 +12,16 @@ and the sources alike. A refusal is a pass only where it is documented (a forced
 the case cannot take, a row larger than the staging buffer, a caller error), with
 nothing written.
 
+Layer pairs whose destinations share memory (an interleaved layout) take one submission
+only where the plan's destination rows can be checked and do not meet there; else
+execute_layers refuses and submissions() gives one per pair, in order, the last write
+winning as in the engines' own loops. Some cases index such a destination directly, so
+that the pairs' writes meet.
+
 Not generated, as open bugs being fixed elsewhere: index tensors changed after planning,
-zero-byte rows, a fallback without ``stock=`` between dtypes or row shapes, layer pairs
-that share destination rows. Nor a device-side index out of its buffer, which
-plan_device_indexed documents it does not check.
+zero-byte rows, a fallback without ``stock=`` between dtypes or row shapes. Nor a
+device-side index out of its buffer, which plan_device_indexed documents it does not
+check.
 
 ``tests/unit/test_mover_fuzz.py`` runs it on the CPU (the "device" side another CPU
 tensor, ``direction=`` given), ``tests/gpu/test_mover_fuzz_gpu.py`` on CUDA.
@@ -24,6 +30,7 @@ tensor, ``direction=`` given), ``tests/gpu/test_mover_fuzz_gpu.py`` on CUDA.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import random
@@ -36,7 +43,7 @@ import torch
 from numpy.lib.stride_tricks import as_strided
 
 from kvcore.direction import Direction
-from kvcore.layers import layer_pairs
+from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import (
     FALLBACK_REASONS,
@@ -157,6 +164,9 @@ class Case:
     pair is executed before the rebound one."""
     layered_submissions: bool
     """submissions(): given the pairs' LayerPairs, or None."""
+    dst_rows_direct: bool
+    """An interleaved destination indexed by its views' own rows, the slots of the other
+    views included (not through :func:`row_map`): the pairs' writes may meet."""
     with_stock: bool
     direction_given: bool
     """transfer: ``direction=`` passed (always on the CPU; on CUDA the devices imply it)."""
@@ -182,7 +192,8 @@ class Case:
             f"{'/strided' if self.strided_index else ''}",
             f"pairs={self.pairs} layout={self.src_layout}->{self.dst_layout}",
             f"strided_rows={self.strided_rows} repeat={self.repeat}"
-            f" layered={self.layered_submissions} rebind={self.rebind}"
+            f" layered={self.layered_submissions} dst_direct={self.dst_rows_direct}"
+            f" rebind={self.rebind}"
             f"({str(self.rebound_dtype).removeprefix('torch.')}{list(self.rebound_shape)})"
             f" mixed_rows={self.mixed_rows} planned_pair={self.planned_pair}"
             f" corruption={self.corruption}",
@@ -305,6 +316,7 @@ def generate_case(seed: int, device: str) -> Case:
         rebound_shape=rebound_shape,
         repeat=mode in ("execute", "rebind") and rnd.random() < 0.5,
         layered_submissions=rnd.random() < 0.7,
+        dst_rows_direct=_dst_rows_direct(seed, mode, pairs, dst_layout),
         mixed_rows=mixed_rows,
         planned_pair=rnd.randrange(pairs) if mode == "layers" else 0,
         corruption=corruption,
@@ -312,6 +324,14 @@ def generate_case(seed: int, device: str) -> Case:
         direction_given=device == "cpu" or rnd.random() < 0.5,
         host_pinned=host_pinned,
     )
+
+
+def _dst_rows_direct(seed: int, mode: str, pairs: int, dst_layout: str) -> bool:
+    """Whether a layered case's interleaved destination is indexed directly. Drawn from a
+    generator of its own, so that every other choice of a seed stays as it was."""
+    if mode not in ("layers", "submissions") or pairs < 2 or dst_layout != "interleaved":
+        return False
+    return random.Random(f"{seed}/dst_rows_direct").random() < 0.5
 
 
 def _row_shape(rnd: random.Random, dtype: torch.dtype, device: str, large: bool) -> tuple[int, ...]:
@@ -721,7 +741,8 @@ class _Run:
             short=None if page_in else short,
         )
         self.src_rows = self.src.row_map[np.array(case.src_positions, dtype=np.int64)]
-        self.dst_rows = self.dst.row_map[np.array(case.dst_positions, dtype=np.int64)]
+        dst_positions = np.array(case.dst_positions, dtype=np.int64)
+        self.dst_rows = dst_positions if case.dst_rows_direct else self.dst.row_map[dst_positions]
         self.metrics = Metrics()
         staging = None
         if case.staging_capacity is not None:
@@ -973,6 +994,61 @@ class _Run:
             return "strided_rows"
         return "row_shape_mismatch" if self.case.mixed_rows else None
 
+    def _check_layer_pairs(self, pairs: LayerPairs) -> None:
+        """layer_pairs' verdict on the case's pairs: its reason, and whether it saw
+        destinations sharing memory."""
+        if pairs.reason != self._pairs_reason():
+            raise CaseFailure(_report(self.case, f"layer_pairs reason {pairs.reason!r}"))
+        if pairs.reason is None and bool(pairs.shared_dsts) != self._dsts_share_memory():
+            raise CaseFailure(_report(self.case, f"layer_pairs shared_dsts {pairs.shared_dsts!r}"))
+
+    def _dsts_share_memory(self) -> bool:
+        """Whether two destinations' bytes meet (the views of an interleaved layout)."""
+        extents = sorted(
+            (b.memory, b.byte_offset, b.byte_offset + (b.rows - 1) * b.pitch + b.row_bytes)
+            for b in self.dst.buffers
+            if b.rows and b.row_bytes
+        )
+        # Where two extents meet, one meets the extent that starts next after it.
+        return any(a[0] == b[0] and b[1] < a[2] for a, b in itertools.pairwise(extents))
+
+    def _writes_meet(self) -> bool:
+        """Whether the destination rows, written into every destination, write a byte twice."""
+        starts, ends = [], []
+        for buffer in self.dst.buffers:
+            # Memories apart by far more than any holds: one number line for all of them.
+            first = (buffer.memory << 40) + buffer.byte_offset + self.dst_rows * buffer.pitch
+            starts.append(first)
+            ends.append(first + buffer.row_bytes)
+        start, end = np.concatenate(starts), np.concatenate(ends)
+        order = np.argsort(start, kind="stable")
+        return bool((start[order][1:] < end[order][:-1]).any())
+
+    def _one_submission_refusal(self, chosen: TransferPlan, pairs: LayerPairs) -> str | None:
+        """The documented words of execute_layers' refusal of ``chosen`` over ``pairs``
+        (made for the case's pairs), or None where it must take them in one submission."""
+        if chosen.reason is not None:
+            return rf"the plan falls back \({chosen.reason}\); run the stock path"
+        if pairs.reason is not None:
+            return (
+                rf"the pairs cannot move in one submission \({pairs.reason}\); "
+                "rebind the plan to each"
+            )
+        if not self._dsts_share_memory():
+            return None
+        if self.case.device_indexed and self.case.direction is H2D:
+            # The destination rows are the opaque device index: nothing to check them by.
+            return (
+                "the pairs' destinations share memory and the plan's destination rows are "
+                "on the device, unread"
+            )
+        if self._writes_meet():
+            return (
+                "the plan's destination rows meet in the memory the pairs' destinations "
+                "share: one submission would write a byte twice"
+            )
+        return None
+
     def _mode_layers(self) -> None:
         chosen = self._plan(self.case.planned_pair)
         if chosen is None:
@@ -980,13 +1056,10 @@ class _Run:
         srcs = [buffer.tensor for buffer in self.src.buffers]
         dsts = [buffer.tensor for buffer in self.dst.buffers]
         pairs = layer_pairs(srcs, dsts)
-        if pairs.reason != self._pairs_reason():
-            raise CaseFailure(_report(self.case, f"layer_pairs reason {pairs.reason!r}"))
-        if chosen.reason is not None or pairs.reason is not None:
-            self._expect_refusal(
-                "stock path|rebind the plan to each",
-                lambda: self.mover.execute_layers(chosen, pairs),
-            )
+        self._check_layer_pairs(pairs)
+        refusal = self._one_submission_refusal(chosen, pairs)
+        if refusal is not None:
+            self._expect_refusal(refusal, lambda: self.mover.execute_layers(chosen, pairs))
             return
         if self._staging_refuses(chosen):
             self._expect_refusal(
@@ -1005,7 +1078,10 @@ class _Run:
         buffers = [
             (s.tensor, d.tensor) for s, d in zip(self.src.buffers, self.dst.buffers, strict=True)
         ]
-        layered = layer_pairs(*zip(*buffers, strict=True)) if case.layered_submissions else None
+        layered = None
+        if case.layered_submissions:
+            layered = layer_pairs(*zip(*buffers, strict=True))
+            self._check_layer_pairs(layered)
         work = submissions(chosen, buffers, layered)
         if chosen.reason is not None:
             if work != chosen.reason:
@@ -1013,11 +1089,16 @@ class _Run:
             return
         if isinstance(work, str):
             raise CaseFailure(_report(case, f"submissions fell back: {work}"))
-        expected_count = case.pairs
-        if layered is not None and layered.reason is None:
-            expected_count = 1
+        # One submission for all pairs where execute_layers takes them, else the pairs
+        # one by one in their order (where their writes meet, the last one wins).
+        one = layered is not None and self._one_submission_refusal(chosen, layered) is None
+        expected_count = 1 if one else case.pairs
         if len(work) != expected_count:
             raise CaseFailure(_report(case, f"{len(work)} submissions, not {expected_count}"))
+        if not one and [self._pair_of(each) for each in work] != list(range(case.pairs)):
+            raise CaseFailure(_report(case, "submissions not one per pair, in order"))
+        if one and work[0].pairs is not layered:
+            raise CaseFailure(_report(case, "one submission, not over the pairs given"))
         for each in work:
             pairs = list(range(case.pairs)) if each.pairs is not None else [self._pair_of(each)]
             if self._staging_refuses(each.plan):
