@@ -50,6 +50,7 @@ from kvcore.mover import (
     Mover,
     PathPolicy,
     StagingBuffers,
+    StalePlanError,
     Submission,
     TransferPath,
     TransferPlan,
@@ -164,6 +165,9 @@ class Case:
     pair is executed before the rebound one."""
     layered_submissions: bool
     """submissions(): given the pairs' LayerPairs, or None."""
+    stale_index: str
+    """execute / submit / layers / rebind: the caller's index (``src_idx`` or ``dst_idx``;
+    the host side's for plan_device_indexed) written in place after planning, or "-"."""
     dst_rows_direct: bool
     """An interleaved destination indexed by its views' own rows, the slots of the other
     views included (not through :func:`row_map`): the pairs' writes may meet."""
@@ -193,6 +197,7 @@ class Case:
             f"pairs={self.pairs} layout={self.src_layout}->{self.dst_layout}",
             f"strided_rows={self.strided_rows} repeat={self.repeat}"
             f" layered={self.layered_submissions} dst_direct={self.dst_rows_direct}"
+            f" stale={self.stale_index}"
             f" rebind={self.rebind}"
             f"({str(self.rebound_dtype).removeprefix('torch.')}{list(self.rebound_shape)})"
             f" mixed_rows={self.mixed_rows} planned_pair={self.planned_pair}"
@@ -316,6 +321,7 @@ def generate_case(seed: int, device: str) -> Case:
         rebound_shape=rebound_shape,
         repeat=mode in ("execute", "rebind") and rnd.random() < 0.5,
         layered_submissions=rnd.random() < 0.7,
+        stale_index=_stale_index(seed, mode, device_indexed and mode != "transfer", direction),
         dst_rows_direct=_dst_rows_direct(seed, mode, pairs, dst_layout),
         mixed_rows=mixed_rows,
         planned_pair=rnd.randrange(pairs) if mode == "layers" else 0,
@@ -324,6 +330,17 @@ def generate_case(seed: int, device: str) -> Case:
         direction_given=device == "cpu" or rnd.random() < 0.5,
         host_pinned=host_pinned,
     )
+
+
+def _stale_index(seed: int, mode: str, device_indexed: bool, direction: Direction) -> str:
+    """Which index of the case is written after planning, from a generator of its own."""
+    rnd = random.Random(f"{seed}/stale_index")
+    if mode not in ("execute", "submit", "layers", "rebind") or rnd.random() >= 0.15:
+        return "-"
+    if device_indexed:
+        # The device side's index is never read, so not watched: the copy reads it.
+        return "src_idx" if direction is H2D else "dst_idx"
+    return rnd.choice(("src_idx", "dst_idx"))
 
 
 def _dst_rows_direct(seed: int, mode: str, pairs: int, dst_layout: str) -> bool:
@@ -751,6 +768,7 @@ class _Run:
         self.transfers: dict[tuple[str, str], list[int]] = {}
         self.fallbacks: dict[str, int] = {}
         self.stock_calls = 0
+        self.planned_indices: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # Indices as the caller passes them.
 
@@ -808,6 +826,7 @@ class _Run:
         case = self.case
         src, dst = self.src.buffers[pair].tensor, self.dst.buffers[pair].tensor
         src_idx, dst_idx = self._indices()
+        self.planned_indices = (src_idx, dst_idx)
         planner = plan_device_indexed if case.device_indexed else plan
         refusal = self._refusal(pair)
         try:
@@ -859,8 +878,26 @@ class _Run:
             and capacity < chosen.row_bytes
         )
 
-    def _execute(self, chosen: TransferPlan, pair: int, *, submit: bool = False) -> None:
-        """Execute ``chosen`` over ``pair`` (through submit() or execute()) and check."""
+    def _write_index_after_planning(self) -> bool:
+        """Write the case's ``stale_index`` in place, reversed; whether the plan must refuse
+        to run now. A plan keeps int64 indices as the caller's tensors, and watches them;
+        others it converted, so it reads its own copy, which no caller write reaches."""
+        if self.case.stale_index == "-" or self.planned_indices is None:
+            return False
+        src_idx, dst_idx = self.planned_indices
+        index = src_idx if self.case.stale_index == "src_idx" else dst_idx
+        index.copy_(index.flip(0))
+        return self.case.index_dtype == torch.int64
+
+    def _expect_stale(self, call: Callable[[], object]) -> None:
+        message = rf"{self.case.stale_index} was written in place after planning"
+        self._expect_refusal(message, call, StalePlanError)
+
+    def _execute(
+        self, chosen: TransferPlan, pair: int, *, submit: bool = False, stale: bool = False
+    ) -> None:
+        """Execute ``chosen`` over ``pair`` (through submit() or execute()) and check;
+        ``stale``: the plan's index was written since planning."""
         stock = None
         if self.case.with_stock:
 
@@ -871,6 +908,13 @@ class _Run:
                 )
 
         calls_before = self.stock_calls
+        if stale and (stock is None or chosen.path is not FALLBACK):
+            # Only the engine's stock path may run: it reads the engine's own indices.
+            if submit:
+                self._expect_stale(functools.partial(self.mover.submit, Submission(chosen)))
+            else:
+                self._expect_stale(lambda: self.mover.execute(chosen, stock=stock))
+            return
         if self._staging_refuses(chosen):
             self._expect_refusal(
                 "does not fit the .* staging buffer",
@@ -898,14 +942,16 @@ class _Run:
             self.fallbacks[chosen.reason] = self.fallbacks.get(chosen.reason, 0) + 1
         self._check(f"after {chosen.describe()}")
 
-    def _expect_refusal(self, message: str, call: Callable[[], object]) -> None:
+    def _expect_refusal(
+        self, message: str, call: Callable[[], object], error: type[Exception] = ValueError
+    ) -> None:
         try:
             call()
-        except ValueError as error:
-            if not re.search(message, str(error)):
+        except error as raised:
+            if not re.search(message, str(raised)):
                 raise
         else:
-            raise CaseFailure(_report(self.case, f"no ValueError matching {message!r}"))
+            raise CaseFailure(_report(self.case, f"no {error.__name__} matching {message!r}"))
         self._check("after a refused call")
 
     def _check(self, when: str) -> None:
@@ -975,17 +1021,17 @@ class _Run:
         chosen = self._plan(0)
         if chosen is None:
             return
-        self._execute(chosen, 0)
         if self.case.repeat:
+            self._execute(chosen, 0)
             # The same plan again over fresh destination bytes: what it set up the first
             # time must still address the same buffers.
             self.world.refill(self.dst.buffers[0].memory)
-            self._execute(chosen, 0)
+        self._execute(chosen, 0, stale=self._write_index_after_planning())
 
     def _mode_submit(self) -> None:
         chosen = self._plan(0)
         if chosen is not None:
-            self._execute(chosen, 0, submit=True)
+            self._execute(chosen, 0, submit=True, stale=self._write_index_after_planning())
 
     def _pairs_reason(self) -> str | None:
         """What layer_pairs must say of the case's pairs."""
@@ -1057,6 +1103,9 @@ class _Run:
         dsts = [buffer.tensor for buffer in self.dst.buffers]
         pairs = layer_pairs(srcs, dsts)
         self._check_layer_pairs(pairs)
+        if self._write_index_after_planning():
+            self._expect_stale(lambda: self.mover.execute_layers(chosen, pairs))
+            return
         refusal = self._one_submission_refusal(chosen, pairs)
         if refusal is not None:
             self._expect_refusal(refusal, lambda: self.mover.execute_layers(chosen, pairs))
@@ -1123,6 +1172,9 @@ class _Run:
         if case.repeat:
             self._execute(chosen, 0)
         src, dst = self.src.buffers[1].tensor, self.dst.buffers[1].tensor
+        if self._write_index_after_planning():
+            self._expect_stale(lambda: chosen.rebind(src, dst))
+            return
         if case.rebind == "short" and case.rows:
             self._expect_refusal("outside", lambda: chosen.rebind(src, dst))
             return
