@@ -9,19 +9,27 @@ memory, a few elements in (which sets its alignment) and before a trailing guard
 each call the whole of every memory must equal a reference made with plain indexing on
 byte views: the copied rows, the rows not written (their prior random bytes), the guards
 and the sources alike. A refusal is a pass only where it is documented (a forced path
-the case cannot take, a row larger than the staging buffer, a caller error), with
-nothing written.
+the case cannot take, a row larger than the staging buffer, a caller error, the
+contracts below), in its documented words, with nothing written or counted.
 
-Layer pairs whose destinations share memory (an interleaved layout) take one submission
-only where the plan's destination rows can be checked and do not meet there; else
-execute_layers refuses and submissions() gives one per pair, in order, the last write
-winning as in the engines' own loops. Some cases index such a destination directly, so
-that the pairs' writes meet.
+Contracts at the edges, each in a few cases drawn from a generator of their own (so that
+adding one left every other seed's case as it was):
 
-Not generated, as open bugs being fixed elsewhere: index tensors changed after planning,
-zero-byte rows, a fallback without ``stock=`` between dtypes or row shapes. Nor a
-device-side index out of its buffer, which plan_device_indexed documents it does not
-check.
+* The caller's index written in place after planning: a plan keeps int64 indices as
+  they are and refuses (StalePlanError) to run or rebind, unless the engine's stock path
+  runs; others it converted, and runs its own copy unchanged. The device side's index of
+  plan_device_indexed is never written: the copy reads it when it runs, by design.
+* Rows of no bytes: every call a no-op, still index-checked and counted (0 B).
+* A destination of another dtype or row shape: a fallback the engine's stock path runs;
+  without ``stock=`` a TypeError (a conversion) or ValueError (a broadcast or reshape).
+* Layer pairs whose destinations share memory (an interleaved layout) take one submission
+  only where the plan's destination rows can be read and do not meet there; else
+  execute_layers refuses and submissions() gives one per pair, in order, the last write
+  winning as in the engines' own loops. Some cases index such a destination directly, so
+  that the pairs' writes meet.
+
+Not generated: a device-side index out of its buffer, which plan_device_indexed
+documents it does not check; pairs where one's destination is another's source.
 
 ``tests/unit/test_mover_fuzz.py`` runs it on the CPU (the "device" side another CPU
 tensor, ``direction=`` given), ``tests/gpu/test_mover_fuzz_gpu.py`` on CUDA.
@@ -29,6 +37,7 @@ tensor, ``direction=`` given), ``tests/gpu/test_mover_fuzz_gpu.py`` on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -165,6 +174,13 @@ class Case:
     pair is executed before the rebound one."""
     layered_submissions: bool
     """submissions(): given the pairs' LayerPairs, or None."""
+    dst_mismatch: str
+    """transfer / execute / submit: "dtype" or "shape" where the destination's rows are of
+    another dtype or row shape (a fallback that only the engine's stock path may run),
+    else "-"."""
+    dst_dtype: torch.dtype
+    dst_row_shape: tuple[int, ...]
+    """The destination's rows: the source's unless ``dst_mismatch``."""
     stale_index: str
     """execute / submit / layers / rebind: the caller's index (``src_idx`` or ``dst_idx``;
     the host side's for plan_device_indexed) written in place after planning, or "-"."""
@@ -197,7 +213,8 @@ class Case:
             f"pairs={self.pairs} layout={self.src_layout}->{self.dst_layout}",
             f"strided_rows={self.strided_rows} repeat={self.repeat}"
             f" layered={self.layered_submissions} dst_direct={self.dst_rows_direct}"
-            f" stale={self.stale_index}"
+            f" stale={self.stale_index} dst_mismatch={self.dst_mismatch}"
+            f"({str(self.dst_dtype).removeprefix('torch.')}{list(self.dst_row_shape)})"
             f" rebind={self.rebind}"
             f"({str(self.rebound_dtype).removeprefix('torch.')}{list(self.rebound_shape)})"
             f" mixed_rows={self.mixed_rows} planned_pair={self.planned_pair}"
@@ -285,7 +302,7 @@ def generate_case(seed: int, device: str) -> Case:
             pinning == "all" or (pinning == "mixed" and rnd.random() < 0.5)
             for _ in range(2 * host_memories)
         )
-    return Case(
+    case = Case(
         seed=seed,
         device=device,
         direction=direction,
@@ -321,6 +338,9 @@ def generate_case(seed: int, device: str) -> Case:
         rebound_shape=rebound_shape,
         repeat=mode in ("execute", "rebind") and rnd.random() < 0.5,
         layered_submissions=rnd.random() < 0.7,
+        dst_mismatch="-",
+        dst_dtype=dtype,
+        dst_row_shape=row_shape,
         stale_index=_stale_index(seed, mode, device_indexed and mode != "transfer", direction),
         dst_rows_direct=_dst_rows_direct(seed, mode, pairs, dst_layout),
         mixed_rows=mixed_rows,
@@ -330,6 +350,45 @@ def generate_case(seed: int, device: str) -> Case:
         direction_given=device == "cpu" or rnd.random() < 0.5,
         host_pinned=host_pinned,
     )
+    return _with_dst_mismatch(_with_rows_of_no_bytes(case))
+
+
+# Row shapes of no bytes: a transfer that moves nothing (and still checks its indices).
+NO_BYTES_SHAPES = ((0,), (0, 8), (4, 0), (2, 0, 3))
+
+
+def _with_rows_of_no_bytes(case: Case) -> Case:
+    """``case``, or in a few cases the same with rows of no bytes. Decided after the rest
+    (which sized the buffers for the row drawn) and by a generator of its own, so that
+    every other choice of a seed stays as it was."""
+    rnd = random.Random(f"{case.seed}/no_bytes")
+    # A rebind changes the row on purpose; padded rows of no bytes would be contiguous.
+    if case.mode == "rebind" or rnd.random() >= 0.04:
+        return case
+    shape = rnd.choice(NO_BYTES_SHAPES)
+    return dataclasses.replace(
+        case,
+        row_shape=shape,
+        dst_row_shape=shape,
+        rebound_dtype=case.dtype,
+        rebound_shape=shape,
+        mixed_rows=False,
+        strided_rows=False,
+    )
+
+
+def _with_dst_mismatch(case: Case) -> Case:
+    """``case``, or in a few single-pair cases the same with a destination of another
+    dtype (of as many elements a row) or row shape (one more dim: a reshape or a
+    broadcast). From a generator of its own, as :func:`_with_rows_of_no_bytes`."""
+    rnd = random.Random(f"{case.seed}/dst_mismatch")
+    if case.mode not in ("transfer", "execute", "submit") or rnd.random() >= 0.06:
+        return case
+    if rnd.random() < 0.5:
+        other = rnd.choice([d for d in DTYPES if d != case.dtype])
+        return dataclasses.replace(case, dst_mismatch="dtype", dst_dtype=other)
+    shape = (rnd.choice((1, 2)), *case.row_shape)
+    return dataclasses.replace(case, dst_mismatch="shape", dst_row_shape=shape)
 
 
 def _stale_index(seed: int, mode: str, device_indexed: bool, direction: Direction) -> str:
@@ -641,8 +700,8 @@ def build_side(
     the rows of the second buffer, fewer than the transfer needs."""
     case = world.case
     pairs = case.pairs
-    shapes = [case.row_shape] * pairs
-    dtypes = [case.dtype] * pairs
+    shapes = [case.dst_row_shape if role.endswith("dst") else case.row_shape] * pairs
+    dtypes = [case.dst_dtype if role.endswith("dst") else case.dtype] * pairs
     if case.mode == "rebind" or case.mixed_rows:
         shapes[-1], dtypes[-1] = case.rebound_shape, case.rebound_dtype
     offsets = case.offsets[:pairs] if role.endswith("src") else case.offsets[pairs : 2 * pairs]
@@ -817,6 +876,9 @@ class _Run:
         return None
 
     def _fallback_reason(self, pair: int) -> str | None:
+        mismatch = {"dtype": "dtype_mismatch", "shape": "row_shape_mismatch"}
+        if self.case.dst_mismatch in mismatch:
+            return mismatch[self.case.dst_mismatch]
         if self.src.buffers[pair].padded or self.dst.buffers[pair].padded:
             return "strided_rows"
         return "forced" if self.case.force is FALLBACK else None
@@ -893,20 +955,44 @@ class _Run:
         message = rf"{self.case.stale_index} was written in place after planning"
         self._expect_refusal(message, call, StalePlanError)
 
+    def _stock(self, pair: int) -> Callable[[], None] | None:
+        """The case's stand-in for the engine's stock path over ``pair``, or None. Between
+        rows of other dtypes or shapes it only counts: how an engine converts is no part
+        of the mover, and the mover itself must write nothing there."""
+        if not self.case.with_stock:
+            return None
+
+        def stock() -> None:
+            self.stock_calls += 1
+            if self.case.dst_mismatch == "-":
+                self.world.stock_copy(
+                    self.src.buffers[pair], self.dst.buffers[pair], self.src_rows, self.dst_rows
+                )
+
+        return stock
+
+    def _mismatch_refusal(self) -> tuple[type[Exception], str]:
+        """What a fallback between rows of other dtypes or shapes raises without stock=."""
+        src, dst = self.src.buffers[0].tensor, self.dst.buffers[0].tensor
+        if self.case.dst_mismatch == "dtype":
+            words = f"rows of {src.dtype} cannot move into rows of {dst.dtype} unchanged"
+            return TypeError, re.escape(words)
+        words = (
+            f"rows of shape {tuple(src.shape[1:])} cannot move into rows of shape "
+            f"{tuple(dst.shape[1:])} unchanged"
+        )
+        return ValueError, re.escape(words)
+
+    def _applied_pairs(self, pair: int) -> list[int]:
+        """The pairs whose copy the reference applies after ``pair`` was moved."""
+        return [] if self.case.dst_mismatch != "-" else [pair]
+
     def _execute(
         self, chosen: TransferPlan, pair: int, *, submit: bool = False, stale: bool = False
     ) -> None:
         """Execute ``chosen`` over ``pair`` (through submit() or execute()) and check;
         ``stale``: the plan's index was written since planning."""
-        stock = None
-        if self.case.with_stock:
-
-            def stock() -> None:
-                self.stock_calls += 1
-                self.world.stock_copy(
-                    self.src.buffers[pair], self.dst.buffers[pair], self.src_rows, self.dst_rows
-                )
-
+        stock = self._stock(pair)
         calls_before = self.stock_calls
         if stale and (stock is None or chosen.path is not FALLBACK):
             # Only the engine's stock path may run: it reads the engine's own indices.
@@ -914,6 +1000,14 @@ class _Run:
                 self._expect_stale(functools.partial(self.mover.submit, Submission(chosen)))
             else:
                 self._expect_stale(lambda: self.mover.execute(chosen, stock=stock))
+            return
+        if self.case.dst_mismatch != "-" and stock is None:
+            error, message = self._mismatch_refusal()
+            if submit:
+                call = functools.partial(self.mover.submit, Submission(chosen))
+                self._expect_refusal(message, call, error)
+            else:
+                self._expect_refusal(message, lambda: self.mover.execute(chosen), error)
             return
         if self._staging_refuses(chosen):
             self._expect_refusal(
@@ -928,7 +1022,7 @@ class _Run:
         ran_stock = self.stock_calls - calls_before
         if ran_stock != (1 if stock is not None and chosen.path is FALLBACK else 0):
             raise CaseFailure(_report(self.case, f"stock ran {ran_stock} times on {chosen.path}"))
-        self._expect_applied([pair], chosen, chosen.nbytes)
+        self._expect_applied(self._applied_pairs(pair), chosen, chosen.nbytes)
 
     def _expect_applied(self, pairs: list[int], chosen: TransferPlan, nbytes: int) -> None:
         for pair in pairs:
@@ -986,15 +1080,7 @@ class _Run:
         src, dst = self.src.buffers[0].tensor, self.dst.buffers[0].tensor
         src_idx, dst_idx = self._indices()
         refusal = self._refusal(0)
-        stock = None
-        if case.with_stock:
-
-            def stock() -> None:
-                self.stock_calls += 1
-                self.world.stock_copy(
-                    self.src.buffers[0], self.dst.buffers[0], self.src_rows, self.dst_rows
-                )
-
+        stock = self._stock(0)
         direction = case.direction if case.direction_given else None
 
         def transfer() -> TransferPlan:
@@ -1004,6 +1090,10 @@ class _Run:
 
         if refusal is not None:
             self._expect_refusal(refusal, transfer)
+            return
+        if case.dst_mismatch != "-" and stock is None:
+            error, message = self._mismatch_refusal()
+            self._expect_refusal(message, transfer, error)
             return
         probe = plan(src, dst, src_idx, dst_idx, direction=case.direction, policy=case.policy,
                      force=case.force)  # fmt: skip
@@ -1015,7 +1105,7 @@ class _Run:
         ran = self.stock_calls
         if ran != (1 if stock is not None and chosen.path is FALLBACK else 0):
             raise CaseFailure(_report(case, f"stock ran {ran} times on {chosen.path}"))
-        self._expect_applied([0], chosen, chosen.nbytes)
+        self._expect_applied(self._applied_pairs(0), chosen, chosen.nbytes)
 
     def _mode_execute(self) -> None:
         chosen = self._plan(0)
