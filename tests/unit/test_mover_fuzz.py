@@ -16,7 +16,7 @@ from kvcore.kernels import REFERENCE
 from kvcore.runs import PairedRuns, Runs
 from tests.fuzz_mover import CaseFailure, fuzz_seeds, run_case
 
-# About 20 ms a case on one core: ~10 s in all.
+# A few seconds in all on one CI core.
 CASES = 500
 
 
