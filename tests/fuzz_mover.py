@@ -9,13 +9,27 @@ memory, a few elements in (which sets its alignment) and before a trailing guard
 each call the whole of every memory must equal a reference made with plain indexing on
 byte views: the copied rows, the rows not written (their prior random bytes), the guards
 and the sources alike. A refusal is a pass only where it is documented (a forced path
-the case cannot take, a row larger than the staging buffer, a caller error), with
-nothing written.
+the case cannot take, a row larger than the staging buffer, a caller error, the
+contracts below), in its documented words, with nothing written or counted.
 
-Not generated, as open bugs being fixed elsewhere: index tensors changed after planning,
-zero-byte rows, a fallback without ``stock=`` between dtypes or row shapes, layer pairs
-that share destination rows. Nor a device-side index out of its buffer, which
-plan_device_indexed documents it does not check.
+Contracts at the edges, each in a few cases drawn from a generator of their own (so that
+adding one left every other seed's case as it was):
+
+* The caller's index written in place after planning: a plan keeps int64 indices as
+  they are and refuses (StalePlanError) to run or rebind, unless the engine's stock path
+  runs; others it converted, and runs its own copy unchanged. The device side's index of
+  plan_device_indexed is never written: the copy reads it when it runs, by design.
+* Rows of no bytes: every call a no-op, still index-checked and counted (0 B).
+* A destination of another dtype or row shape: a fallback the engine's stock path runs;
+  without ``stock=`` a TypeError (a conversion) or ValueError (a broadcast or reshape).
+* Layer pairs whose destinations share memory (an interleaved layout) take one submission
+  only where the plan's destination rows can be read and do not meet there; else
+  execute_layers refuses and submissions() gives one per pair, in order, the last write
+  winning as in the engines' own loops. Some cases index such a destination directly, so
+  that the pairs' writes meet.
+
+Not generated: a device-side index out of its buffer, which plan_device_indexed
+documents it does not check; pairs where one's destination is another's source.
 
 ``tests/unit/test_mover_fuzz.py`` runs it on the CPU (the "device" side another CPU
 tensor, ``direction=`` given), ``tests/gpu/test_mover_fuzz_gpu.py`` on CUDA.
@@ -23,7 +37,9 @@ tensor, ``direction=`` given), ``tests/gpu/test_mover_fuzz_gpu.py`` on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
 import os
 import random
@@ -36,13 +52,14 @@ import torch
 from numpy.lib.stride_tricks import as_strided
 
 from kvcore.direction import Direction
-from kvcore.layers import layer_pairs
+from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import (
     FALLBACK_REASONS,
     Mover,
     PathPolicy,
     StagingBuffers,
+    StalePlanError,
     Submission,
     TransferPath,
     TransferPlan,
@@ -157,6 +174,19 @@ class Case:
     pair is executed before the rebound one."""
     layered_submissions: bool
     """submissions(): given the pairs' LayerPairs, or None."""
+    dst_mismatch: str
+    """transfer / execute / submit: "dtype" or "shape" where the destination's rows are of
+    another dtype or row shape (a fallback that only the engine's stock path may run),
+    else "-"."""
+    dst_dtype: torch.dtype
+    dst_row_shape: tuple[int, ...]
+    """The destination's rows: the source's unless ``dst_mismatch``."""
+    stale_index: str
+    """execute / submit / layers / rebind: the caller's index (``src_idx`` or ``dst_idx``;
+    the host side's for plan_device_indexed) written in place after planning, or "-"."""
+    dst_rows_direct: bool
+    """An interleaved destination indexed by its views' own rows, the slots of the other
+    views included (not through :func:`row_map`): the pairs' writes may meet."""
     with_stock: bool
     direction_given: bool
     """transfer: ``direction=`` passed (always on the CPU; on CUDA the devices imply it)."""
@@ -182,7 +212,10 @@ class Case:
             f"{'/strided' if self.strided_index else ''}",
             f"pairs={self.pairs} layout={self.src_layout}->{self.dst_layout}",
             f"strided_rows={self.strided_rows} repeat={self.repeat}"
-            f" layered={self.layered_submissions} rebind={self.rebind}"
+            f" layered={self.layered_submissions} dst_direct={self.dst_rows_direct}"
+            f" stale={self.stale_index} dst_mismatch={self.dst_mismatch}"
+            f"({str(self.dst_dtype).removeprefix('torch.')}{list(self.dst_row_shape)})"
+            f" rebind={self.rebind}"
             f"({str(self.rebound_dtype).removeprefix('torch.')}{list(self.rebound_shape)})"
             f" mixed_rows={self.mixed_rows} planned_pair={self.planned_pair}"
             f" corruption={self.corruption}",
@@ -269,7 +302,7 @@ def generate_case(seed: int, device: str) -> Case:
             pinning == "all" or (pinning == "mixed" and rnd.random() < 0.5)
             for _ in range(2 * host_memories)
         )
-    return Case(
+    case = Case(
         seed=seed,
         device=device,
         direction=direction,
@@ -305,6 +338,11 @@ def generate_case(seed: int, device: str) -> Case:
         rebound_shape=rebound_shape,
         repeat=mode in ("execute", "rebind") and rnd.random() < 0.5,
         layered_submissions=rnd.random() < 0.7,
+        dst_mismatch="-",
+        dst_dtype=dtype,
+        dst_row_shape=row_shape,
+        stale_index=_stale_index(seed, mode, device_indexed and mode != "transfer", direction),
+        dst_rows_direct=_dst_rows_direct(seed, mode, pairs, dst_layout),
         mixed_rows=mixed_rows,
         planned_pair=rnd.randrange(pairs) if mode == "layers" else 0,
         corruption=corruption,
@@ -312,6 +350,64 @@ def generate_case(seed: int, device: str) -> Case:
         direction_given=device == "cpu" or rnd.random() < 0.5,
         host_pinned=host_pinned,
     )
+    return _with_dst_mismatch(_with_rows_of_no_bytes(case))
+
+
+# Row shapes of no bytes: a transfer that moves nothing (and still checks its indices).
+NO_BYTES_SHAPES = ((0,), (0, 8), (4, 0), (2, 0, 3))
+
+
+def _with_rows_of_no_bytes(case: Case) -> Case:
+    """``case``, or in a few cases the same with rows of no bytes. Decided after the rest
+    (which sized the buffers for the row drawn) and by a generator of its own, so that
+    every other choice of a seed stays as it was."""
+    rnd = random.Random(f"{case.seed}/no_bytes")
+    # A rebind changes the row on purpose; padded rows of no bytes would be contiguous.
+    if case.mode == "rebind" or rnd.random() >= 0.04:
+        return case
+    shape = rnd.choice(NO_BYTES_SHAPES)
+    return dataclasses.replace(
+        case,
+        row_shape=shape,
+        dst_row_shape=shape,
+        rebound_dtype=case.dtype,
+        rebound_shape=shape,
+        mixed_rows=False,
+        strided_rows=False,
+    )
+
+
+def _with_dst_mismatch(case: Case) -> Case:
+    """``case``, or in a few single-pair cases the same with a destination of another
+    dtype (of as many elements a row) or row shape (one more dim: a reshape or a
+    broadcast). From a generator of its own, as :func:`_with_rows_of_no_bytes`."""
+    rnd = random.Random(f"{case.seed}/dst_mismatch")
+    if case.mode not in ("transfer", "execute", "submit") or rnd.random() >= 0.06:
+        return case
+    if rnd.random() < 0.5:
+        other = rnd.choice([d for d in DTYPES if d != case.dtype])
+        return dataclasses.replace(case, dst_mismatch="dtype", dst_dtype=other)
+    shape = (rnd.choice((1, 2)), *case.row_shape)
+    return dataclasses.replace(case, dst_mismatch="shape", dst_row_shape=shape)
+
+
+def _stale_index(seed: int, mode: str, device_indexed: bool, direction: Direction) -> str:
+    """Which index of the case is written after planning, from a generator of its own."""
+    rnd = random.Random(f"{seed}/stale_index")
+    if mode not in ("execute", "submit", "layers", "rebind") or rnd.random() >= 0.15:
+        return "-"
+    if device_indexed:
+        # The device side's index is never read, so not watched: the copy reads it.
+        return "src_idx" if direction is H2D else "dst_idx"
+    return rnd.choice(("src_idx", "dst_idx"))
+
+
+def _dst_rows_direct(seed: int, mode: str, pairs: int, dst_layout: str) -> bool:
+    """Whether a layered case's interleaved destination is indexed directly. Drawn from a
+    generator of its own, so that every other choice of a seed stays as it was."""
+    if mode not in ("layers", "submissions") or pairs < 2 or dst_layout != "interleaved":
+        return False
+    return random.Random(f"{seed}/dst_rows_direct").random() < 0.5
 
 
 def _row_shape(rnd: random.Random, dtype: torch.dtype, device: str, large: bool) -> tuple[int, ...]:
@@ -604,8 +700,8 @@ def build_side(
     the rows of the second buffer, fewer than the transfer needs."""
     case = world.case
     pairs = case.pairs
-    shapes = [case.row_shape] * pairs
-    dtypes = [case.dtype] * pairs
+    shapes = [case.dst_row_shape if role.endswith("dst") else case.row_shape] * pairs
+    dtypes = [case.dst_dtype if role.endswith("dst") else case.dtype] * pairs
     if case.mode == "rebind" or case.mixed_rows:
         shapes[-1], dtypes[-1] = case.rebound_shape, case.rebound_dtype
     offsets = case.offsets[:pairs] if role.endswith("src") else case.offsets[pairs : 2 * pairs]
@@ -721,7 +817,8 @@ class _Run:
             short=None if page_in else short,
         )
         self.src_rows = self.src.row_map[np.array(case.src_positions, dtype=np.int64)]
-        self.dst_rows = self.dst.row_map[np.array(case.dst_positions, dtype=np.int64)]
+        dst_positions = np.array(case.dst_positions, dtype=np.int64)
+        self.dst_rows = dst_positions if case.dst_rows_direct else self.dst.row_map[dst_positions]
         self.metrics = Metrics()
         staging = None
         if case.staging_capacity is not None:
@@ -730,6 +827,7 @@ class _Run:
         self.transfers: dict[tuple[str, str], list[int]] = {}
         self.fallbacks: dict[str, int] = {}
         self.stock_calls = 0
+        self.planned_indices: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # Indices as the caller passes them.
 
@@ -778,6 +876,9 @@ class _Run:
         return None
 
     def _fallback_reason(self, pair: int) -> str | None:
+        mismatch = {"dtype": "dtype_mismatch", "shape": "row_shape_mismatch"}
+        if self.case.dst_mismatch in mismatch:
+            return mismatch[self.case.dst_mismatch]
         if self.src.buffers[pair].padded or self.dst.buffers[pair].padded:
             return "strided_rows"
         return "forced" if self.case.force is FALLBACK else None
@@ -787,6 +888,7 @@ class _Run:
         case = self.case
         src, dst = self.src.buffers[pair].tensor, self.dst.buffers[pair].tensor
         src_idx, dst_idx = self._indices()
+        self.planned_indices = (src_idx, dst_idx)
         planner = plan_device_indexed if case.device_indexed else plan
         refusal = self._refusal(pair)
         try:
@@ -838,18 +940,75 @@ class _Run:
             and capacity < chosen.row_bytes
         )
 
-    def _execute(self, chosen: TransferPlan, pair: int, *, submit: bool = False) -> None:
-        """Execute ``chosen`` over ``pair`` (through submit() or execute()) and check."""
-        stock = None
-        if self.case.with_stock:
+    def _write_index_after_planning(self) -> bool:
+        """Write the case's ``stale_index`` in place, reversed; whether the plan must refuse
+        to run now. A plan keeps int64 indices as the caller's tensors, and watches them;
+        others it converted, so it reads its own copy, which no caller write reaches."""
+        if self.case.stale_index == "-" or self.planned_indices is None:
+            return False
+        src_idx, dst_idx = self.planned_indices
+        index = src_idx if self.case.stale_index == "src_idx" else dst_idx
+        index.copy_(index.flip(0))
+        return self.case.index_dtype == torch.int64
 
-            def stock() -> None:
-                self.stock_calls += 1
+    def _expect_stale(self, call: Callable[[], object]) -> None:
+        message = rf"{self.case.stale_index} was written in place after planning"
+        self._expect_refusal(message, call, StalePlanError)
+
+    def _stock(self, pair: int) -> Callable[[], None] | None:
+        """The case's stand-in for the engine's stock path over ``pair``, or None. Between
+        rows of other dtypes or shapes it only counts: how an engine converts is no part
+        of the mover, and the mover itself must write nothing there."""
+        if not self.case.with_stock:
+            return None
+
+        def stock() -> None:
+            self.stock_calls += 1
+            if self.case.dst_mismatch == "-":
                 self.world.stock_copy(
                     self.src.buffers[pair], self.dst.buffers[pair], self.src_rows, self.dst_rows
                 )
 
+        return stock
+
+    def _mismatch_refusal(self) -> tuple[type[Exception], str]:
+        """What a fallback between rows of other dtypes or shapes raises without stock=."""
+        src, dst = self.src.buffers[0].tensor, self.dst.buffers[0].tensor
+        if self.case.dst_mismatch == "dtype":
+            words = f"rows of {src.dtype} cannot move into rows of {dst.dtype} unchanged"
+            return TypeError, re.escape(words)
+        words = (
+            f"rows of shape {tuple(src.shape[1:])} cannot move into rows of shape "
+            f"{tuple(dst.shape[1:])} unchanged"
+        )
+        return ValueError, re.escape(words)
+
+    def _applied_pairs(self, pair: int) -> list[int]:
+        """The pairs whose copy the reference applies after ``pair`` was moved."""
+        return [] if self.case.dst_mismatch != "-" else [pair]
+
+    def _execute(
+        self, chosen: TransferPlan, pair: int, *, submit: bool = False, stale: bool = False
+    ) -> None:
+        """Execute ``chosen`` over ``pair`` (through submit() or execute()) and check;
+        ``stale``: the plan's index was written since planning."""
+        stock = self._stock(pair)
         calls_before = self.stock_calls
+        if stale and (stock is None or chosen.path is not FALLBACK):
+            # Only the engine's stock path may run: it reads the engine's own indices.
+            if submit:
+                self._expect_stale(functools.partial(self.mover.submit, Submission(chosen)))
+            else:
+                self._expect_stale(lambda: self.mover.execute(chosen, stock=stock))
+            return
+        if self.case.dst_mismatch != "-" and stock is None:
+            error, message = self._mismatch_refusal()
+            if submit:
+                call = functools.partial(self.mover.submit, Submission(chosen))
+                self._expect_refusal(message, call, error)
+            else:
+                self._expect_refusal(message, lambda: self.mover.execute(chosen), error)
+            return
         if self._staging_refuses(chosen):
             self._expect_refusal(
                 "does not fit the .* staging buffer",
@@ -863,7 +1022,7 @@ class _Run:
         ran_stock = self.stock_calls - calls_before
         if ran_stock != (1 if stock is not None and chosen.path is FALLBACK else 0):
             raise CaseFailure(_report(self.case, f"stock ran {ran_stock} times on {chosen.path}"))
-        self._expect_applied([pair], chosen, chosen.nbytes)
+        self._expect_applied(self._applied_pairs(pair), chosen, chosen.nbytes)
 
     def _expect_applied(self, pairs: list[int], chosen: TransferPlan, nbytes: int) -> None:
         for pair in pairs:
@@ -877,14 +1036,16 @@ class _Run:
             self.fallbacks[chosen.reason] = self.fallbacks.get(chosen.reason, 0) + 1
         self._check(f"after {chosen.describe()}")
 
-    def _expect_refusal(self, message: str, call: Callable[[], object]) -> None:
+    def _expect_refusal(
+        self, message: str, call: Callable[[], object], error: type[Exception] = ValueError
+    ) -> None:
         try:
             call()
-        except ValueError as error:
-            if not re.search(message, str(error)):
+        except error as raised:
+            if not re.search(message, str(raised)):
                 raise
         else:
-            raise CaseFailure(_report(self.case, f"no ValueError matching {message!r}"))
+            raise CaseFailure(_report(self.case, f"no {error.__name__} matching {message!r}"))
         self._check("after a refused call")
 
     def _check(self, when: str) -> None:
@@ -919,15 +1080,7 @@ class _Run:
         src, dst = self.src.buffers[0].tensor, self.dst.buffers[0].tensor
         src_idx, dst_idx = self._indices()
         refusal = self._refusal(0)
-        stock = None
-        if case.with_stock:
-
-            def stock() -> None:
-                self.stock_calls += 1
-                self.world.stock_copy(
-                    self.src.buffers[0], self.dst.buffers[0], self.src_rows, self.dst_rows
-                )
-
+        stock = self._stock(0)
         direction = case.direction if case.direction_given else None
 
         def transfer() -> TransferPlan:
@@ -937,6 +1090,10 @@ class _Run:
 
         if refusal is not None:
             self._expect_refusal(refusal, transfer)
+            return
+        if case.dst_mismatch != "-" and stock is None:
+            error, message = self._mismatch_refusal()
+            self._expect_refusal(message, transfer, error)
             return
         probe = plan(src, dst, src_idx, dst_idx, direction=case.direction, policy=case.policy,
                      force=case.force)  # fmt: skip
@@ -948,23 +1105,23 @@ class _Run:
         ran = self.stock_calls
         if ran != (1 if stock is not None and chosen.path is FALLBACK else 0):
             raise CaseFailure(_report(case, f"stock ran {ran} times on {chosen.path}"))
-        self._expect_applied([0], chosen, chosen.nbytes)
+        self._expect_applied(self._applied_pairs(0), chosen, chosen.nbytes)
 
     def _mode_execute(self) -> None:
         chosen = self._plan(0)
         if chosen is None:
             return
-        self._execute(chosen, 0)
         if self.case.repeat:
+            self._execute(chosen, 0)
             # The same plan again over fresh destination bytes: what it set up the first
             # time must still address the same buffers.
             self.world.refill(self.dst.buffers[0].memory)
-            self._execute(chosen, 0)
+        self._execute(chosen, 0, stale=self._write_index_after_planning())
 
     def _mode_submit(self) -> None:
         chosen = self._plan(0)
         if chosen is not None:
-            self._execute(chosen, 0, submit=True)
+            self._execute(chosen, 0, submit=True, stale=self._write_index_after_planning())
 
     def _pairs_reason(self) -> str | None:
         """What layer_pairs must say of the case's pairs."""
@@ -973,6 +1130,61 @@ class _Run:
             return "strided_rows"
         return "row_shape_mismatch" if self.case.mixed_rows else None
 
+    def _check_layer_pairs(self, pairs: LayerPairs) -> None:
+        """layer_pairs' verdict on the case's pairs: its reason, and whether it saw
+        destinations sharing memory."""
+        if pairs.reason != self._pairs_reason():
+            raise CaseFailure(_report(self.case, f"layer_pairs reason {pairs.reason!r}"))
+        if pairs.reason is None and bool(pairs.shared_dsts) != self._dsts_share_memory():
+            raise CaseFailure(_report(self.case, f"layer_pairs shared_dsts {pairs.shared_dsts!r}"))
+
+    def _dsts_share_memory(self) -> bool:
+        """Whether two destinations' bytes meet (the views of an interleaved layout)."""
+        extents = sorted(
+            (b.memory, b.byte_offset, b.byte_offset + (b.rows - 1) * b.pitch + b.row_bytes)
+            for b in self.dst.buffers
+            if b.rows and b.row_bytes
+        )
+        # Where two extents meet, one meets the extent that starts next after it.
+        return any(a[0] == b[0] and b[1] < a[2] for a, b in itertools.pairwise(extents))
+
+    def _writes_meet(self) -> bool:
+        """Whether the destination rows, written into every destination, write a byte twice."""
+        starts, ends = [], []
+        for buffer in self.dst.buffers:
+            # Memories apart by far more than any holds: one number line for all of them.
+            first = (buffer.memory << 40) + buffer.byte_offset + self.dst_rows * buffer.pitch
+            starts.append(first)
+            ends.append(first + buffer.row_bytes)
+        start, end = np.concatenate(starts), np.concatenate(ends)
+        order = np.argsort(start, kind="stable")
+        return bool((start[order][1:] < end[order][:-1]).any())
+
+    def _one_submission_refusal(self, chosen: TransferPlan, pairs: LayerPairs) -> str | None:
+        """The documented words of execute_layers' refusal of ``chosen`` over ``pairs``
+        (made for the case's pairs), or None where it must take them in one submission."""
+        if chosen.reason is not None:
+            return rf"the plan falls back \({chosen.reason}\); run the stock path"
+        if pairs.reason is not None:
+            return (
+                rf"the pairs cannot move in one submission \({pairs.reason}\); "
+                "rebind the plan to each"
+            )
+        if not self._dsts_share_memory():
+            return None
+        if self.case.device_indexed and self.case.direction is H2D:
+            # The destination rows are the opaque device index: nothing to check them by.
+            return (
+                "the pairs' destinations share memory and the plan's destination rows are "
+                "on the device, unread"
+            )
+        if self._writes_meet():
+            return (
+                "the plan's destination rows meet in the memory the pairs' destinations "
+                "share: one submission would write a byte twice"
+            )
+        return None
+
     def _mode_layers(self) -> None:
         chosen = self._plan(self.case.planned_pair)
         if chosen is None:
@@ -980,13 +1192,13 @@ class _Run:
         srcs = [buffer.tensor for buffer in self.src.buffers]
         dsts = [buffer.tensor for buffer in self.dst.buffers]
         pairs = layer_pairs(srcs, dsts)
-        if pairs.reason != self._pairs_reason():
-            raise CaseFailure(_report(self.case, f"layer_pairs reason {pairs.reason!r}"))
-        if chosen.reason is not None or pairs.reason is not None:
-            self._expect_refusal(
-                "stock path|rebind the plan to each",
-                lambda: self.mover.execute_layers(chosen, pairs),
-            )
+        self._check_layer_pairs(pairs)
+        if self._write_index_after_planning():
+            self._expect_stale(lambda: self.mover.execute_layers(chosen, pairs))
+            return
+        refusal = self._one_submission_refusal(chosen, pairs)
+        if refusal is not None:
+            self._expect_refusal(refusal, lambda: self.mover.execute_layers(chosen, pairs))
             return
         if self._staging_refuses(chosen):
             self._expect_refusal(
@@ -1005,7 +1217,10 @@ class _Run:
         buffers = [
             (s.tensor, d.tensor) for s, d in zip(self.src.buffers, self.dst.buffers, strict=True)
         ]
-        layered = layer_pairs(*zip(*buffers, strict=True)) if case.layered_submissions else None
+        layered = None
+        if case.layered_submissions:
+            layered = layer_pairs(*zip(*buffers, strict=True))
+            self._check_layer_pairs(layered)
         work = submissions(chosen, buffers, layered)
         if chosen.reason is not None:
             if work != chosen.reason:
@@ -1013,11 +1228,16 @@ class _Run:
             return
         if isinstance(work, str):
             raise CaseFailure(_report(case, f"submissions fell back: {work}"))
-        expected_count = case.pairs
-        if layered is not None and layered.reason is None:
-            expected_count = 1
+        # One submission for all pairs where execute_layers takes them, else the pairs
+        # one by one in their order (where their writes meet, the last one wins).
+        one = layered is not None and self._one_submission_refusal(chosen, layered) is None
+        expected_count = 1 if one else case.pairs
         if len(work) != expected_count:
             raise CaseFailure(_report(case, f"{len(work)} submissions, not {expected_count}"))
+        if not one and [self._pair_of(each) for each in work] != list(range(case.pairs)):
+            raise CaseFailure(_report(case, "submissions not one per pair, in order"))
+        if one and work[0].pairs is not layered:
+            raise CaseFailure(_report(case, "one submission, not over the pairs given"))
         for each in work:
             pairs = list(range(case.pairs)) if each.pairs is not None else [self._pair_of(each)]
             if self._staging_refuses(each.plan):
@@ -1042,6 +1262,9 @@ class _Run:
         if case.repeat:
             self._execute(chosen, 0)
         src, dst = self.src.buffers[1].tensor, self.dst.buffers[1].tensor
+        if self._write_index_after_planning():
+            self._expect_stale(lambda: chosen.rebind(src, dst))
+            return
         if case.rebind == "short" and case.rows:
             self._expect_refusal("outside", lambda: chosen.rebind(src, dst))
             return
