@@ -260,11 +260,14 @@ def kvcore_side(
             method(device_pool, host, device, layer, backend)
 
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if backend != "kernel" or case.opts.device.type != "cuda":
-            return h, d
+        # Where SGLang's controller puts the indices (stock's side says), the host indices
+        # moved through kvcore's move_indices hook, which remembers the CPU ones.
+        stock_h, stock_d = bench._stock_indices(case, op, backend, h, d)
+        if stock_h is h:
+            return h, stock_d
 
         def to_device(controller: Any, host: torch.Tensor, device: torch.Tensor) -> Any:
-            return host.to(case.opts.device), device.to(case.opts.device)
+            return host.to(case.opts.device), stock_d
 
         moved = transfers.move_indices_hook(to_device, None, h, d)
         return moved[0], moved[1]

@@ -66,9 +66,10 @@ def row_word_bytes(t: torch.Tensor) -> int | None:
     if t.dim() == 0 or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     size = row_bytes(t)
-    if size == 0:
-        # Rows of no bytes: nothing to align, and a wider view of an empty row can trip
-        # torch's stride checks (a [n, 0, k] tensor keeps stride k along dim 0).
+    if size == 0 or t.shape[0] == 0:
+        # No bytes to move: nothing to align, and a wider view can trip torch's stride
+        # checks (a [n, 0, k] tensor keeps stride k along dim 0, and torch calls a tensor
+        # of no rows contiguous whatever its dim-0 stride).
         return 1
     # torch checks the storage offset when viewing as a wider dtype; the data
     # pointer is what the hardware sees. Both must be aligned.

@@ -7,7 +7,6 @@ KVCORE_FUZZ_CASES=N runs N cases; KVCORE_FUZZ_SEED=S replays case S alone.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 import torch
@@ -21,32 +20,18 @@ from tests.fuzz_mover import CaseFailure, fuzz_seeds, run_case
 CASES = 500
 
 
-# kvcore bugs that CPU seeds meet, not fixed yet: (what the failure says, why). Such a
-# seed is an expected failure only with those words; once it passes, its entry must go.
-EMPTY_STRIDED_BUFFER = (
-    r"RuntimeError: self\.stride\(0\) must be divisible by \d+ to view Byte as",
-    "kvcore bug: layer_pairs raises torch's RuntimeError for a buffer of no rows whose "
-    "dim-0 stride is not a multiple of the word that row_word_bytes picked (torch calls "
-    "such a tensor contiguous); kvcore/kernels/reference.py rows_as_words, called by "
-    "kvcore/layers.py layer_pairs",
+# Seeds that once found kvcore bugs, run on every CI run: 27483 and 36870 gave layer_pairs
+# a buffer of no rows whose dim-0 stride no word size divides (torch calls it contiguous).
+REGRESSION_SEEDS = (27483, 36870)
+
+
+@pytest.mark.parametrize(
+    "seed",
+    sorted({*fuzz_seeds(CASES), *REGRESSION_SEEDS}),
+    ids=lambda seed: f"seed{seed}",
 )
-KNOWN_BUGS = {27483: EMPTY_STRIDED_BUFFER, 36870: EMPTY_STRIDED_BUFFER}
-
-
-@pytest.mark.parametrize("seed", fuzz_seeds(CASES), ids=lambda seed: f"seed{seed}")
 def test_mover_fuzz_case(seed: int) -> None:
-    known = KNOWN_BUGS.get(seed)
-    if known is None:
-        run_case(seed, "cpu")
-        return
-    words, why = known
-    try:
-        run_case(seed, "cpu")
-    except CaseFailure as failure:
-        if not re.search(words, str(failure)):
-            raise
-        pytest.xfail(why)
-    pytest.fail(f"seed {seed} passes: the bug is fixed, drop the seed from KNOWN_BUGS ({why})")
+    run_case(seed, "cpu")
 
 
 def _drops_the_last_row(
