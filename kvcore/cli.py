@@ -102,6 +102,11 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
             help="with --sweep: comma list of LAYOUT/IO_BACKEND (default: every one served)",
         )
         bench.add_argument(
+            "--gemm",
+            action="store_true",
+            help="with --sweep: time a concurrent GEMM batch during each request (CUDA)",
+        )
+        bench.add_argument(
             "--no-rule",
             action="store_true",
             help="with --sweep: kvcore serves every call it can (serve-or-pass rule off)",

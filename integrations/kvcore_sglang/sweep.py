@@ -69,6 +69,9 @@ class SweepOptions:
     device: torch.device = field(default_factory=lambda: torch.device("cuda"))
     serve_rule: bool = True
     seed: int = 4321
+    gemm: bool = False
+    """Also time a batch of bf16 GEMMs on a compute stream while each side's request runs
+    (cells of 4096 tokens and more, CUDA only): what a reload costs the model."""
     with_own: bool = True
     """With the rule on, also time kvcore with it off (``extra["own_ms"]``)."""
     partial_json: str | None = None
@@ -103,6 +106,8 @@ def options_for(args: argparse.Namespace) -> SweepOptions:
         opts = replace(opts, layouts=tuple(x for x in LAYOUTS if f"{x[0]}/{x[1]}" in wanted))
     if getattr(args, "no_rule", False):
         opts = replace(opts, serve_rule=False)
+    if getattr(args, "gemm", False):
+        opts = replace(opts, gemm=True)
     if getattr(args, "json", None):
         opts = replace(opts, partial_json=args.json)
     return opts
@@ -418,6 +423,12 @@ def measure_cell(
     # kvcore's result is checked (stock's is the reference it must equal); restoring a whole
     # host pool between two checks would cost more than the cell.
     identical = _checked_request(case, kvcore, op, layers, cpu[-1])
+    stock_ms = statistics.median(t for t, _ in times["stock"]) * 1e3
+    gemm = (
+        gemm_interference((stock, kvcore), cpu[-1], opts.device, stock_ms)
+        if opts.gemm and tokens >= GEMM_MIN_TOKENS
+        else {}
+    )
     served = submissions / kvcore_requests
     reasons = {reason: count / kvcore_requests for reason, count in passes.items()}
     calls = layers if op == "load" else 1
@@ -446,8 +457,58 @@ def measure_cell(
             "stock": stock.label,
             "repeats": len(times["kvcore"]),
             **_own_times(times["own"]),
+            **gemm,
         },
     )
+
+
+GEMM_MIN_TOKENS = 4096
+_GEMM_SIZE = 4096
+
+
+def gemm_interference(
+    sides: Sequence[Side],
+    cpu: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    request_ms: float,
+) -> dict[str, float]:
+    """Milliseconds a batch of bf16 GEMMs takes on a stream of its own, alone and while
+    each side's request runs on the load stream, the batch sized to last about as long as
+    the request. A copy engine's DMA leaves the GEMMs' SMs alone; a copy kernel takes
+    some of them."""
+    if device.type != "cuda":
+        return {}
+    a = torch.randn(_GEMM_SIZE, _GEMM_SIZE, device=device, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    c = torch.empty_like(a)
+    compute = torch.cuda.Stream(device)
+
+    def batch(count: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(compute):
+            start.record()
+            for _ in range(count):
+                torch.mm(a, b, out=c)
+            end.record()
+        return start, end
+
+    start, end = batch(8)
+    _sync(device)
+    each_ms = start.elapsed_time(end) / 8
+    count = max(8, round(request_ms / each_ms))
+    start, end = batch(count)
+    _sync(device)
+    out = {"gemm_count": float(count), "gemm_alone_ms": start.elapsed_time(end)}
+    for side in sides:
+        assert side.call is not None
+        given = side.prepare(cpu[0].clone(), cpu[1].clone())
+        _sync(device)
+        start, end = batch(count)
+        side.call(given)
+        _sync(device)
+        out[f"gemm_with_{side.name}_ms"] = start.elapsed_time(end)
+    return out
 
 
 def _own_times(own: list[tuple[float, float]]) -> dict[str, float]:
@@ -626,11 +687,30 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(sweep_report.LEGEND)
     print(sweep_report.summary(rows))
+    for line in gemm_summary(rows):
+        print(line)
     if getattr(args, "json", None):
         sweep_report.write_json(args.json, result["document"])
     if getattr(args, "plot", None):
         sweep_report.plot(rows, args.plot, title="SGLang: kvcore / stock, whole requests")
     return 1 if any(not row.identical for row in rows) else 0
+
+
+def gemm_summary(rows: Sequence[SweepRow]) -> list[str]:
+    """A line per cell that timed GEMMs beside its request: their throughput kept."""
+    lines = []
+    for row in rows:
+        alone = row.extra.get("gemm_alone_ms")
+        if not alone:
+            continue
+        kept = {
+            side: alone / row.extra[f"gemm_with_{side}_ms"]
+            for side in ("stock", "kvcore")
+            if row.extra.get(f"gemm_with_{side}_ms")
+        }
+        shares = ", ".join(f"{side} {100 * share:.0f}%" for side, share in kept.items())
+        lines.append(f"GEMM throughput kept during {row.case} {row.tokens}: {shares}")
+    return lines
 
 
 def _print_err(line: str) -> None:

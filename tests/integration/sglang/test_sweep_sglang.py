@@ -80,3 +80,13 @@ def test_a_copy_that_leaves_rows_out_is_caught(monkeypatch, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     loads = [row for row in rows if row["extra"]["op"] == "load"]
     assert loads and not any(row["identical"] for row in loads)
+
+
+def test_gemm_interference_is_a_cuda_measurement_reported_per_cell():
+    rows = sweep.run(_options(gemm=True, tokens=(128,)))["rows"]
+    assert rows and not any("gemm_alone_ms" in row.extra for row in rows)
+    row = rows[0]
+    row.extra.update(gemm_alone_ms=10.0, gemm_with_stock_ms=12.5, gemm_with_kvcore_ms=10.0)
+    assert sweep.gemm_summary([row]) == [
+        f"GEMM throughput kept during {row.case} {row.tokens}: stock 80%, kvcore 100%"
+    ]
