@@ -420,6 +420,8 @@ def _bypass_if_never(
     reason = serve_rule.sglang_never(op, io_backend, layout, page_size)
     if reason is None:
         return False
+    if method in BYPASSED.get(pool, ()):
+        return True  # bound already, yet called through the class: decided, counted
     try:
         setattr(pool, method, types.MethodType(original, pool))
         with _bypass_lock:
@@ -592,6 +594,56 @@ def _serve_layer(
     return None
 
 
+def _load_layer(
+    jobs: PoolJobs | None,
+    pool_class: str,
+    pool: Any,
+    device_pool: Any,
+    host_indices: Any,
+    device_indices: Any,
+    layer_id: int,
+    io_backend: str,
+    is_draft: bool,
+) -> bool:
+    """Move one layer of a reload on kvcore's paths; False when the call must run stock
+    (the request passes, this layer cannot be served, or kvcore failed: counted)."""
+    chosen_mover = mover()
+    request = LOAD_REQUESTS.recall(
+        pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
+    )
+    try:
+        if request is None:
+            started = _start_load(
+                chosen_mover,
+                jobs,
+                pool_class,
+                pool,
+                device_pool,
+                host_indices,
+                device_indices,
+                io_backend,
+                is_draft,
+            )
+            if isinstance(started, str):
+                return False
+            request = started
+        if request.passes is not None or jobs is None:
+            return False
+        if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
+            return False  # a layer this pool does not hold: stock returns without copying
+        reason = _serve_layer(
+            chosen_mover, jobs, request, pool, device_pool, layer_id, request.call_indices
+        )
+    except Exception as exc:
+        reason = _internal_error(chosen_mover, exc)
+        if request is not None:
+            request.passes = reason
+        return False
+    if reason is not None:
+        _count_pass(chosen_mover, reason)
+    return reason is None
+
+
 def _make_load_hook(
     pool_class: str, target: str, by_release: dict[str, PoolJobs]
 ) -> Callable[..., None]:
@@ -606,87 +658,23 @@ def _make_load_hook(
         *,
         is_draft: bool = False,
     ) -> None:
-        if LOAD_REQUESTS.passing(pool, device_pool, host_indices, device_indices):
-            # A later layer of a request that passes: stock, with nothing else done.
-            original(
+        # A later layer of a request that passes costs the first check alone.
+        if (
+            not LOAD_REQUESTS.passing(pool, device_pool, host_indices, device_indices)
+            and not _bypass_if_never(original, pool, _LOAD, "load", io_backend)
+            and _load_layer(
+                _jobs_for(target, by_release),
+                pool_class,
                 pool,
                 device_pool,
                 host_indices,
                 device_indices,
                 layer_id,
                 io_backend,
-                is_draft=is_draft,
+                is_draft,
             )
+        ):
             return
-        if _bypass_if_never(original, pool, _LOAD, "load", io_backend):
-            original(
-                pool,
-                device_pool,
-                host_indices,
-                device_indices,
-                layer_id,
-                io_backend,
-                is_draft=is_draft,
-            )
-            return
-        chosen_mover = mover()
-        request = LOAD_REQUESTS.recall(
-            pool,
-            device_pool,
-            host_indices,
-            device_indices,
-            io_backend,
-            is_draft,
-            chosen_mover.policy,
-        )
-        jobs = _jobs_for(target, by_release)
-        reason: str | None = None
-        try:
-            if request is None:
-                started = _start_load(
-                    chosen_mover,
-                    jobs,
-                    pool_class,
-                    pool,
-                    device_pool,
-                    host_indices,
-                    device_indices,
-                    io_backend,
-                    is_draft,
-                )
-                if isinstance(started, str):
-                    original(
-                        pool,
-                        device_pool,
-                        host_indices,
-                        device_indices,
-                        layer_id,
-                        io_backend,
-                        is_draft=is_draft,
-                    )
-                    return
-                request = started
-            if request.passes is None and jobs is not None:
-                if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
-                    # A layer this pool does not hold: stock returns without copying.
-                    reason = None
-                else:
-                    reason = _serve_layer(
-                        chosen_mover,
-                        jobs,
-                        request,
-                        pool,
-                        device_pool,
-                        layer_id,
-                        request.call_indices,
-                    )
-                    if reason is None:
-                        return
-                    _count_pass(chosen_mover, reason)
-        except Exception as exc:
-            reason = _internal_error(chosen_mover, exc)
-            if request is not None:
-                request.passes = reason
         original(
             pool,
             device_pool,
