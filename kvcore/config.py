@@ -222,9 +222,6 @@ class KVCoreConfig:
     enable: frozenset[str] = _setting(
         frozenset(), ENGINE_SET, "engines kvcore patches; it patches nothing unless named here"
     )
-    pinned_bytes: int = _setting(
-        0, _size(0), "cap on pinned host memory; 0 sizes it from the engine's own host-pool setting"
-    )
     staging_bytes: int = _setting(
         256 * MiB, _size(1), "device staging buffer, per device, for scattered device-side rows"
     )
@@ -243,11 +240,6 @@ class KVCoreConfig:
         _integer(1, 16),
         "pieces of a staged copy; more than 1 overlaps each piece's scatter with the next "
         "one's DMA (~1% more throughput, ~4x the host time to submit)",
-    )
-    max_inflight_bytes: int = _setting(
-        0,
-        _size(0),
-        "bytes of copies in flight before new transfers get backpressure; 0 = unbounded",
     )
     prefault_threads: int = _setting(
         8, _integer(1, 256), "threads that pre-fault host memory before it is pinned"
@@ -422,10 +414,27 @@ def _report_once(level: int, message: str) -> None:
         logger.log(level, message)
 
 
+# Settings kvcore once accepted and never acted on, and why they went.
+RETIRED: dict[str, str] = {
+    "KVCORE_PINNED_BYTES": (
+        "kvcore copies through the engines' own host pools and keeps no pinned memory of "
+        "its own to cap"
+    ),
+    "KVCORE_MAX_INFLIGHT_BYTES": (
+        "the engines bound what they queue (SGLang one request's layers, vLLM its jobs); "
+        "kvcore adds no queue of its own"
+    ),
+}
+
+
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:
     # A misspelt variable would otherwise be ignored without a word.
     for name in env:
-        if name.startswith(ENV_PREFIX) and name not in _BY_ENV:
+        if name in RETIRED:
+            _report_once(
+                logging.WARNING, f"{name} is no longer a kvcore setting ({RETIRED[name]}); ignored"
+            )
+        elif name.startswith(ENV_PREFIX) and name not in _BY_ENV:
             unknown = _unknown_message("variable", name, list(_BY_ENV))
             _report_once(logging.WARNING, f"{unknown}; it is ignored")
 

@@ -25,12 +25,10 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 # One non-default value per field, as text and as the parsed value.
 NON_DEFAULTS: dict[str, tuple[str, object]] = {
     "enable": ("sglang", frozenset({"sglang"})),
-    "pinned_bytes": ("64GiB", 64 * GiB),
     "staging_bytes": ("512MiB", 512 * MiB),
     "long_run_bytes": ("1MiB", MiB),
     "gather_ctas": ("16", 16),
     "staged_pieces": ("2", 2),
-    "max_inflight_bytes": ("2GB", 2_000_000_000),
     "prefault_threads": ("32", 32),
     "register_chunk_bytes": ("4G", 4 * GiB),
     "metrics": ("false", False),
@@ -43,12 +41,10 @@ NON_DEFAULTS: dict[str, tuple[str, object]] = {
 # One value per field that must be refused, with a fragment of what is allowed.
 BAD_VALUES: dict[str, tuple[str, str]] = {
     "enable": ("sglang,tgi", "comma list of sglang, vllm"),
-    "pinned_bytes": ("lots", "KiB"),
     "staging_bytes": ("0", "at least 1"),
     "long_run_bytes": ("-4k", "KiB"),
     "gather_ctas": ("1025", "from 1 to 1024"),
     "staged_pieces": ("17", "from 1 to 16"),
-    "max_inflight_bytes": ("1.5", "KiB"),
     "prefault_threads": ("0", "from 1 to 256"),
     "register_chunk_bytes": ("16 GiB per call", "KiB"),
     "metrics": ("maybe", "yes/no"),
@@ -72,11 +68,9 @@ def test_defaults():
     config = KVCoreConfig()
     assert config == KVCoreConfig.from_env({})
     assert config.enable == frozenset()
-    assert config.pinned_bytes == 0
     assert config.staging_bytes == 256 * MiB
     assert config.long_run_bytes == 256 * KiB
     assert config.gather_ctas == 8
-    assert config.max_inflight_bytes == 0
     assert config.prefault_threads == 8
     assert config.register_chunk_bytes == 16 * GiB
     assert config.metrics is True
@@ -134,15 +128,16 @@ def test_every_field_from_flags(name, joined):
 )
 def test_size_units(text, expected):
     assert parse_size(text) == expected
-    assert KVCoreConfig.from_env({"KVCORE_PINNED_BYTES": text}).pinned_bytes == expected
+    if expected:  # the staging buffer takes a byte at least
+        assert KVCoreConfig.from_env({"KVCORE_STAGING_BYTES": text}).staging_bytes == expected
 
 
 @pytest.mark.parametrize(
     "text", ["1.5", "0.1k", "k", "12XB", "1e9", "1 2k", "-1", "1,024", "½k", "٣k"]
 )
 def test_bad_sizes(text):
-    with pytest.raises(ConfigError, match="KVCORE_PINNED_BYTES"):
-        KVCoreConfig.from_env({"KVCORE_PINNED_BYTES": text})
+    with pytest.raises(ConfigError, match="KVCORE_STAGING_BYTES"):
+        KVCoreConfig.from_env({"KVCORE_STAGING_BYTES": text})
 
 
 def test_sizes_accept_ints_and_strings_in_code():
@@ -199,7 +194,7 @@ def test_enabled_for_refuses_unknown_engines():
         ("prefault_threads", "1"),
         ("prefault_threads", "256"),
         ("staging_bytes", "1"),
-        ("max_inflight_bytes", "0"),
+        ("register_chunk_bytes", "1"),
     ],
 )
 def test_range_edges_accepted(name, text):
@@ -375,12 +370,10 @@ def test_config_is_frozen_and_checked():
 def test_to_env_of_defaults():
     assert KVCoreConfig().to_env() == {
         "KVCORE_ENABLE": "0",
-        "KVCORE_PINNED_BYTES": "0",
         "KVCORE_STAGING_BYTES": "256MiB",
         "KVCORE_LONG_RUN_BYTES": "256KiB",
         "KVCORE_GATHER_CTAS": "8",
         "KVCORE_STAGED_PIECES": "1",
-        "KVCORE_MAX_INFLIGHT_BYTES": "0",
         "KVCORE_PREFAULT_THREADS": "8",
         "KVCORE_REGISTER_CHUNK_BYTES": "16GiB",
         "KVCORE_METRICS": "1",
@@ -400,12 +393,10 @@ sizes = st.one_of(
 configs = st.builds(
     KVCoreConfig,
     enable=st.frozensets(st.sampled_from(ENGINES)),
-    pinned_bytes=sizes,
     staging_bytes=sizes.map(lambda n: n + 1),
     long_run_bytes=sizes.map(lambda n: n + 1),
     gather_ctas=st.integers(1, 1024),
     staged_pieces=st.integers(1, 16),
-    max_inflight_bytes=sizes,
     prefault_threads=st.integers(1, 256),
     register_chunk_bytes=sizes.map(lambda n: n + 1),
     metrics=st.booleans(),
@@ -465,3 +456,16 @@ def test_log_level_is_applied_to_the_kvcore_logger():
         assert logging.getLogger("kvcore.mover").getEffectiveLevel() == logging.DEBUG
     finally:
         logger.setLevel(before)
+
+
+@pytest.mark.parametrize("name", ["KVCORE_PINNED_BYTES", "KVCORE_MAX_INFLIGHT_BYTES"])
+def test_a_retired_setting_is_named_as_such_and_ignored(name, caplog, monkeypatch):
+    from kvcore import config as config_module
+
+    monkeypatch.setattr(config_module, "_reported", set())
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        config = KVCoreConfig.from_env({name: "1GiB"})
+    assert config == KVCoreConfig()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(f"{name} is no longer a kvcore setting" in m for m in messages), messages
+    assert not any("unknown kvcore variable" in m for m in messages)
