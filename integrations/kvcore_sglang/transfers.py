@@ -406,7 +406,8 @@ def _bypass_if_never(
 ) -> bool:
     """Where the rule never serves this pool's ``op`` (whatever the size), bind stock's
     method on the pool itself, so that SGLang's later calls reach stock with no kvcore
-    frame at all; True when the call should run stock now.
+    frame at all (only where kvcore's hook is the outermost layer of the method, so the
+    binding skips no other plugin's hook); True when the call should run stock now.
 
     SGLang's cache controller calls a pool with one io backend for its life; a call with
     another one also lands in stock, which is always exact. :func:`restore_bypassed`
@@ -422,12 +423,13 @@ def _bypass_if_never(
         return False
     if method in BYPASSED.get(pool, ()):
         return True  # bound already, yet called through the class: decided, counted
-    try:
-        setattr(pool, method, types.MethodType(original, pool))
-        with _bypass_lock:
-            BYPASSED.setdefault(pool, set()).add(method)
-    except (AttributeError, TypeError):  # a pool that takes no attributes: decided per call
-        pass
+    if _outermost(pool, method, original):
+        try:
+            setattr(pool, method, types.MethodType(original, pool))
+            with _bypass_lock:
+                BYPASSED.setdefault(pool, set()).add(method)
+        except (AttributeError, TypeError):  # a pool that takes no attributes: per call
+            pass
     _count_request_pass(mover(), reason)
     logger.info(
         "kvcore: %s.%s with io backend %s, layout %s, page size %d runs SGLang's stock copy (%s)",
@@ -439,6 +441,16 @@ def _bypass_if_never(
         reason,
     )
     return True
+
+
+def _outermost(pool: Any, method: str, original: Callable[..., Any]) -> bool:
+    """Whether kvcore's hook is the outermost layer of the pool class's method, so that
+    binding ``original`` on the pool skips nothing but kvcore: the class attribute is
+    ``original`` itself, or a wrapper of it (SGLang's HookRegistry and kvcore's patched
+    source both wrap with functools.wraps). Another plugin's hook around kvcore's would be
+    skipped by the binding, so then there is none."""
+    bound = getattr(type(pool), method, None)
+    return bound is original or getattr(bound, "__wrapped__", None) is original
 
 
 def restore_bypassed() -> None:

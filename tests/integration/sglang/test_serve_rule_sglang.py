@@ -70,14 +70,20 @@ def _counts() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     return dict(snapshot["fallbacks"]), decisions
 
 
-def test_a_kernel_load_binds_stock_on_the_pool_and_later_calls_skip_kvcore():
+def test_a_kernel_load_binds_stock_on_the_pool_and_later_calls_skip_kvcore(monkeypatch):
     pool = pool_for("mha", "layer_first")
     device_pool = device_pool_of("mha", pool)
     stock = Recorder()
+
+    def stock_method(*args: Any, **kwargs: Any) -> None:
+        stock(*args, **kwargs)
+
+    # kvcore's hook is the outermost layer: the class's method is the stock one it gets.
+    monkeypatch.setattr(type(pool), "load_to_device_per_layer", stock_method)
     host_idx, device_idx = torch.arange(32), torch.arange(1, 33)
     fallbacks, decisions = _counts()
 
-    _load_hook()(stock, pool, device_pool, host_idx, device_idx, 0, "kernel")
+    _load_hook()(stock_method, pool, device_pool, host_idx, device_idx, 0, "kernel")
     assert "load_to_device_per_layer" in pool.__dict__
     # Later calls go straight to stock through the binding, as SGLang's attribute lookup does.
     for layer in range(1, LAYERS):
@@ -91,6 +97,24 @@ def test_a_kernel_load_binds_stock_on_the_pool_and_later_calls_skip_kvcore():
 
     transfers.restore_bypassed()
     assert "load_to_device_per_layer" not in pool.__dict__
+
+
+def test_no_binding_skips_another_plugins_hook_around_kvcore(monkeypatch):
+    pool = pool_for("mha", "layer_first")
+    device_pool = device_pool_of("mha", pool)
+    stock = Recorder()
+    outer = Recorder()
+
+    def another_plugin(*args: Any, **kwargs: Any) -> None:
+        outer(*args, **kwargs)
+        _load_hook()(stock, *args, **kwargs)
+
+    monkeypatch.setattr(type(pool), "load_to_device_per_layer", another_plugin)
+    host_idx, device_idx = torch.arange(32), torch.arange(1, 33)
+    for layer in range(LAYERS):
+        pool.load_to_device_per_layer(device_pool, host_idx, device_idx, layer, "kernel")
+    assert "load_to_device_per_layer" not in pool.__dict__
+    assert len(outer.calls) == LAYERS and len(stock.calls) == LAYERS
 
 
 def test_a_small_request_passes_once_and_every_layer_reaches_stock():
