@@ -29,6 +29,10 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def parser() -> Iterator[FlexibleArgumentParser]:
     with pytest.MonkeyPatch.context() as patch:
+        # vLLM's parser loads the general plugins: kvcore's must stay inactive here (as in a
+        # lane that enables it for the whole run), or it would register its offloading spec
+        # for every later test of the process.
+        patch.delenv("KVCORE_ENABLE", raising=False)
         # Parsing builds device and transfer configs, which ask the platform for a device:
         # lend one where none was detected (no GPU here).
         if not vllm.platforms.current_platform.device_type:
