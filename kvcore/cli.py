@@ -71,6 +71,9 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
         "doctor", help="report versions, CUDA, engines and pinned-memory limits"
     )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument(
+        "--verbose", action="store_true", help="list every engine target, not only its group"
+    )
     doctor.set_defaults(handler=run_doctor)
 
     bench = commands.add_parser("bench", help="measure every transfer path against the link")
@@ -140,12 +143,19 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(format_doctor(report))
+        print(format_doctor(report, verbose=args.verbose))
     return 0
 
 
 def doctor_report(config: KVCoreConfig) -> dict[str, Any]:
-    """Everything ``kvcore doctor`` knows, JSON-ready."""
+    """Everything ``kvcore doctor`` knows, JSON-ready.
+
+    Each engine's entry has the adapter's version guard run against the installed
+    engine's source files (no engine module is imported): ``would_patch`` lists what its
+    hooks would patch under ``config``, ``skipped_targets`` what they would not and why;
+    ``patched_targets`` is what the plugin patched in this process, empty outside an
+    engine (``plugin_applied`` says which).
+    """
     torch_report, cuda_report = _torch_and_cuda()
     return {
         "kvcore": {
@@ -205,8 +215,9 @@ def _pinned_limits() -> dict[str, Any]:
     }
 
 
-def format_doctor(report: dict[str, Any]) -> str:
-    """The report as a short aligned table for people."""
+def format_doctor(report: dict[str, Any], *, verbose: bool = False) -> str:
+    """The report as a short aligned table for people: each engine's line is followed by
+    one indented line per target group (``verbose``: and one per target)."""
     kv, torch_report, cuda, pinned = (
         report["kvcore"],
         report["torch"],
@@ -218,13 +229,16 @@ def format_doctor(report: dict[str, Any]) -> str:
         ("torch", torch_report["version"] or f"not importable: {torch_report.get('error')}"),
         ("CUDA", _describe_cuda(cuda)),
     ]
-    rows += [(status["engine"], _describe_engine(status)) for status in report["engines"]]
+    rows += [(status["engine"], _describe_engine(status, verbose)) for status in report["engines"]]
     patches = [f"{engine} {state}" for engine, state in report["patches"].items() if state]
     rows.append(("patches", "; ".join(patches) or "no engine installed"))
     rows.append(("memlock", _describe_memlock(pinned)))
     rows.append(("config", _describe_config(report["config"])))
     width = max(len(label) for label, _ in rows)
-    lines = [f"{label:<{width}}  {text}" for label, text in rows]
+    # An engine's group lines sit under its text, two columns further in.
+    lines = [
+        f"{label:<{width}}  {text}".replace("\n", "\n" + " " * (width + 4)) for label, text in rows
+    ]
     return "\n".join([*lines, "", *_describe_serve_rule(report["serve_rule"])])
 
 
@@ -251,11 +265,81 @@ def _describe_cuda(cuda: dict[str, Any]) -> str:
     return f"CUDA {cuda['version']}, {cuda['device_count']} device(s): {names}"
 
 
-def _describe_engine(status: dict[str, Any]) -> str:
+def _describe_engine(status: dict[str, Any], verbose: bool) -> str:
+    """The summary line, then a line per target group and, ``verbose``, per target."""
     line = EngineStatus(**status).summary()
-    details = [f"patched {target}" for target in status["patched_targets"]]
-    details += [f"skipped {s['target']}: {s['reason']}" for s in status["skipped_targets"]]
-    return "; ".join([line, *details])
+    if status["settings"]:
+        line += "; " + ", ".join(
+            f"{name.replace('_', ' ')} {'on' if on else 'off'}"
+            for name, on in status["settings"].items()
+        )
+    skipped_by_group: dict[str, list[dict[str, str]]] = {}
+    for entry in status["skipped_targets"]:
+        skipped_by_group.setdefault(entry.get("group", "other"), []).append(entry)
+    lines = [line]
+    for group, targets in status["target_groups"].items():
+        skipped = skipped_by_group.pop(group, [])
+        lines.append(_describe_group(status, group, targets, skipped))
+        if verbose and group not in status["groups_off"]:
+            reasons = {entry["target"]: entry["reason"] for entry in skipped}
+            lines += [f"  {_target_state(status, target, reasons)}" for target in targets]
+            # vLLM's guard also reads functions it does not patch; a changed one is named.
+            lines += [
+                f"  not patched {target}: {reason}"
+                for target, reason in reasons.items()
+                if target not in targets
+            ]
+    for group, entries in skipped_by_group.items():
+        lines.append(f"{group} ({len(entries)}): {_distinct_reasons(entries, verbose)}")
+        if verbose:
+            lines += [f"  {entry['target']}" for entry in entries]
+    return "\n".join(lines)
+
+
+def _describe_group(
+    status: dict[str, Any], group: str, targets: list[str], skipped: list[dict[str, str]]
+) -> str:
+    head = f"{group} ({len(targets)} target{'' if len(targets) == 1 else 's'})"
+    if group in status["groups_off"]:
+        return f"{head}: off ({status['groups_off'][group]}), not checked"
+    parts = []
+    if status["plugin_applied"]:
+        patched = sum(target in status["patched_targets"] for target in targets)
+        parts.append(f"patched {patched} in this process")
+    would = sum(target in status["would_patch"] for target in targets)
+    parts.append(f"would patch {would}" + (", fingerprints match" if not skipped else ""))
+    if skipped:
+        parts.append(f"skipped {len(skipped)}: {_distinct_reasons(skipped, False)}")
+    return f"{head}: " + "; ".join(parts)
+
+
+def _target_state(status: dict[str, Any], target: str, reasons: dict[str, str]) -> str:
+    if target in status["patched_targets"]:
+        return f"patched {target}"
+    if target in status["would_patch"]:
+        return f"would patch {target}"
+    if target in reasons:
+        return f"skipped {target}: {reasons[target]}"
+    return f"not patched {target}"
+
+
+def _distinct_reasons(entries: list[dict[str, str]], every: bool, shown: int = 2) -> str:
+    """Each distinct reason once, after the function it was first given for."""
+    first: dict[str, str] = {}
+    for entry in entries:
+        first.setdefault(entry["reason"], _function_name(entry["target"]))
+    texts = [f"{name}: {reason}" for reason, name in first.items()]
+    if every or len(texts) <= shown:
+        return "; ".join(texts)
+    return "; ".join(texts[:shown]) + f"; and {len(texts) - shown} more reasons (--verbose)"
+
+
+def _function_name(target: str) -> str:
+    """``Class.method`` of a dotted target (from its first capitalised part), else its
+    last part."""
+    parts = target.split(".")
+    start = next((i for i, part in enumerate(parts) if part[:1].isupper()), len(parts) - 1)
+    return ".".join(parts[start:])
 
 
 def _describe_memlock(pinned: dict[str, Any]) -> str:

@@ -14,7 +14,14 @@ from typing import Any
 
 @dataclass
 class EngineStatus:
-    """One engine: installed or not, whether kvcore supports that version, and what it patched."""
+    """One engine: installed or not, whether kvcore supports that version, and what it patched.
+
+    ``patched_targets`` is what the adapter's plugin patched in this process
+    (``plugin_applied``); ``would_patch`` is what the version guard passes for the installed
+    source under these settings, found without starting the engine. ``target_groups`` maps
+    each group the adapter patches as one (name -> its targets) and ``groups_off`` each group
+    the settings leave stock (name -> which setting), so a report can group its targets.
+    """
 
     engine: str
     distribution: str
@@ -25,20 +32,31 @@ class EngineStatus:
     enabled: bool
     patched_targets: list[str] = field(default_factory=list)
     skipped_targets: list[dict[str, str]] = field(default_factory=list)
+    would_patch: list[str] = field(default_factory=list)
+    target_groups: dict[str, list[str]] = field(default_factory=dict)
+    groups_off: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, bool] = field(default_factory=dict)
+    plugin_applied: bool = False
+    # Wall time of the guard's check in this call; None where it did not run.
+    guard_seconds: float | None = None
 
     @property
     def active(self) -> bool:
         """Whether kvcore should patch this engine: installed, a tested version, and enabled."""
         return self.installed and self.supported and self.enabled
 
-    def skip(self, target: str, reason: str) -> None:
-        self.skipped_targets.append({"target": target, "reason": reason})
+    def skip(self, target: str, reason: str, group: str | None = None) -> None:
+        entry = {"target": target, "reason": reason}
+        if group is not None:
+            entry["group"] = group
+        self.skipped_targets.append(entry)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
-        """One line for people, e.g. ``0.5.22, supported, enabled: 3 patched, 0 skipped``."""
+        """One line for people, e.g. ``0.5.22, supported, enabled: 3 patched, 0 skipped``
+        in an engine process, ``... enabled: would patch 3, 0 skipped`` elsewhere."""
         if not self.installed:
             return "not installed"
         if not self.supported:
@@ -46,10 +64,12 @@ class EngineStatus:
             return f"{self.version}, not a tested version (tested: {tested}); runs stock"
         if not self.enabled:
             return f"{self.version}, supported, not enabled (KVCORE_ENABLE); runs stock"
-        return (
-            f"{self.version}, supported, enabled: {len(self.patched_targets)} patched, "
-            f"{len(self.skipped_targets)} skipped"
+        done = (
+            f"{len(self.patched_targets)} patched in this process"
+            if self.plugin_applied
+            else f"would patch {len(self.would_patch)}"
         )
+        return f"{self.version}, supported, enabled: {done}, {len(self.skipped_targets)} skipped"
 
 
 def release_of(version: str) -> str:

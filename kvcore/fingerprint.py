@@ -40,19 +40,20 @@ class SourceNotFound(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def normalised_source(source: str, qualname: str) -> str:
+def normalised_source(source: str, qualname: str, tree: ast.Module | None = None) -> str:
     """The definition of ``qualname`` (``Class.method``, ``function``...) in the module text
-    ``source``, decorators included, dedented, without comments, blank lines or trailing
-    spaces. SourceNotFound when the module does not define it."""
-    node = find_definition(ast.parse(source), qualname)
+    ``source`` (``tree``: its parse, where the caller has it), decorators included, dedented,
+    without comments, blank lines or trailing spaces. SourceNotFound when the module does
+    not define it."""
+    node = find_definition(ast.parse(source) if tree is None else tree, qualname)
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
     lines = source.splitlines()[first - 1 : node.end_lineno]
     return _without_comments(textwrap.dedent("\n".join(lines)) + "\n")
 
 
-def fingerprint_source(source: str, qualname: str) -> str:
+def fingerprint_source(source: str, qualname: str, tree: ast.Module | None = None) -> str:
     """The fingerprint of ``qualname`` defined in the module text ``source``."""
-    return hashlib.sha256(normalised_source(source, qualname).encode("utf-8")).hexdigest()
+    return hashlib.sha256(normalised_source(source, qualname, tree).encode("utf-8")).hexdigest()
 
 
 def find_definition(tree: ast.Module, qualname: str) -> _Definition:
@@ -102,13 +103,23 @@ def locate(target: str, root: Path) -> tuple[Path, str]:
     raise SourceNotFound(f"no module of {target} under {root}")
 
 
-def fingerprint_target(target: str, root: Path | None = None) -> str:
+def fingerprint_target(
+    target: str,
+    root: Path | None = None,
+    parsed: dict[Path, tuple[str, ast.Module]] | None = None,
+) -> str:
     """The fingerprint of ``target`` in the source tree ``root`` (the directory holding the
-    engine's package), by default the installed engine's."""
+    engine's package), by default the installed engine's. ``parsed`` (path -> text and
+    parse) is filled and reused, so that checking many targets parses each file once."""
     tree = package_root(target.split(".", 1)[0]) if root is None else root
     path, qualname = locate(target, tree)
+    parsed = {} if parsed is None else parsed
+    if path not in parsed:
+        source = path.read_text(encoding="utf-8")
+        parsed[path] = source, ast.parse(source)
     try:
-        return fingerprint_source(path.read_text(encoding="utf-8"), qualname)
+        source, module = parsed[path]
+        return fingerprint_source(source, qualname, module)
     except SourceNotFound as exc:
         raise SourceNotFound(f"{exc} in {path}") from None
 
@@ -125,13 +136,14 @@ def drift(
     is reported as such.
     """
     reasons: dict[str, str] = {}
+    parsed: dict[Path, tuple[str, ast.Module]] = {}
     for target in recorded if targets is None else targets:
         expected = recorded.get(target)
         if expected is None:
             reasons[target] = "no fingerprint recorded"
             continue
         try:
-            actual = fingerprint_target(target, root)
+            actual = fingerprint_target(target, root, parsed)
         except (SourceNotFound, OSError, SyntaxError, UnicodeDecodeError) as exc:
             reasons[target] = f"cannot read its source: {type(exc).__name__}: {exc}"
             continue

@@ -9,8 +9,11 @@ plugin entry point, before the engine is ready.
 
 from __future__ import annotations
 
+import copy
+import time
+
 from kvcore.config import KVCoreConfig
-from kvcore.engine_status import EngineStatus, probe_engine
+from kvcore.engine_status import EngineStatus, probe_engine, release_of
 
 ENGINE = "sglang"
 DISTRIBUTION = "sglang"
@@ -21,14 +24,43 @@ def status(config: KVCoreConfig | None = None) -> EngineStatus:
     """SGLang's status here; ``config`` defaults to the one in the environment.
 
     In a process where the plugin registered its hooks, the patched and skipped
-    targets are those; elsewhere they are empty (nothing was patched there).
+    targets are those (``plugin_applied``); elsewhere nothing was patched and the
+    skipped targets are the guard's verdict. Where SGLang is installed and enabled,
+    ``would_patch`` is what the guard passes for the installed source (read from its
+    files, SGLang is not imported) under ``config``'s KVCORE_TRANSFERS.
     """
     from kvcore_sglang.plugin import applied_status
 
+    config = KVCoreConfig.from_env() if config is None else config
     applied = applied_status()
     if applied is not None:
-        return applied
-    config = KVCoreConfig.from_env() if config is None else config
-    return probe_engine(
-        ENGINE, DISTRIBUTION, SUPPORTED_VERSIONS, enabled=config.enabled_for(ENGINE)
-    )
+        found = copy.deepcopy(applied)
+    else:
+        found = probe_engine(
+            ENGINE, DISTRIBUTION, SUPPORTED_VERSIONS, enabled=config.enabled_for(ENGINE)
+        )
+    if found.installed and found.enabled and found.version is not None:
+        _add_guard_verdict(found, config)
+    return found
+
+
+def _add_guard_verdict(found: EngineStatus, config: KVCoreConfig) -> None:
+    from kvcore_sglang import guard
+
+    found.settings = {"transfers": config.transfers, "serve_rule": config.serve_rule}
+    every = {**guard.TARGET_GROUPS, **guard.TRANSFER_GROUPS}
+    found.target_groups = {group: list(targets) for group, targets in every.items()}
+    checked = dict(guard.TARGET_GROUPS)
+    if config.transfers:
+        checked.update(guard.TRANSFER_GROUPS)
+    else:
+        found.groups_off = dict.fromkeys(guard.TRANSFER_GROUPS, "KVCORE_TRANSFERS=0")
+    started = time.perf_counter()
+    for group, targets in checked.items():
+        result = guard.check_targets(release_of(found.version or ""), {group: targets})
+        found.would_patch.extend(result.patchable)
+        if not found.plugin_applied:
+            # In the engine's process the plugin's own skips stand: they are what happened.
+            for skipped in result.skipped:
+                found.skip(skipped.target, skipped.reason, group)
+    found.guard_seconds = round(time.perf_counter() - started, 4)

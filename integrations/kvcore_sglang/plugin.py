@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 
 from kvcore.config import KVCoreConfig, engine_config
 from kvcore.engine_status import EngineStatus, probe_engine, release_of
@@ -19,6 +20,9 @@ from kvcore.metrics_export import start_multiprocess_export
 from . import DISTRIBUTION, ENGINE, SUPPORTED_VERSIONS
 
 logger = logging.getLogger("kvcore.sglang")
+
+# The group of the host pool classes whose allocator stays stock (host_slots.STOCK_POOLS).
+STOCK_POOLS_GROUP = "host pools left stock"
 
 _lock = threading.Lock()
 _applied: EngineStatus | None = None
@@ -66,6 +70,7 @@ def register_hooks(
             # Scheduler processes reach SGLang's /metrics (served by the HTTP process)
             # only through prometheus_client's multiprocess files (--enable-metrics).
             start_multiprocess_export()
+        status.plugin_applied = True
         _applied = status
         return status
 
@@ -83,8 +88,9 @@ def _register(status: EngineStatus, version: str) -> None:
     from . import guard, host_slots
 
     result = guard.check_targets(version)
+    groups = _group_of(guard.TARGET_GROUPS)
     for skipped in result.skipped:
-        status.skip(skipped.target, skipped.reason)
+        status.skip(skipped.target, skipped.reason, groups[skipped.target])
     if result.skipped:
         changed = "; ".join(f"{s.target}: {s.reason}" for s in result.skipped)
         logger.warning("kvcore: SGLang %s targets left stock: %s", version, changed)
@@ -94,7 +100,7 @@ def _register(status: EngineStatus, version: str) -> None:
         status.patched_targets.append(target)
     if set(guard.ALLOCATOR_TARGETS) <= set(result.patchable):
         for pool, reason in host_slots.STOCK_POOLS.items():
-            status.skip(pool, reason)
+            status.skip(pool, reason, STOCK_POOLS_GROUP)
 
 
 def _register_transfers(status: EngineStatus, version: str) -> None:
@@ -103,11 +109,16 @@ def _register_transfers(status: EngineStatus, version: str) -> None:
     from . import guard, transfers
 
     result = guard.check_targets(version, guard.TRANSFER_GROUPS)
+    groups = _group_of(guard.TRANSFER_GROUPS)
     for skipped in result.skipped:
-        status.skip(skipped.target, skipped.reason)
+        status.skip(skipped.target, skipped.reason, groups[skipped.target])
     if result.skipped:
         changed = "; ".join(f"{s.target}: {s.reason}" for s in result.skipped)
         logger.warning("kvcore: SGLang %s transfers left stock: %s", version, changed)
     for target in result.patchable:
         HookRegistry.register(target, transfers.HOOKS[target], HookType.AROUND)
         status.patched_targets.append(target)
+
+
+def _group_of(groups: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
+    return {target: group for group, targets in groups.items() for target in targets}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections.abc import Mapping
 
 from kvcore.config import KVCoreConfig, engine_config
@@ -36,6 +37,10 @@ SPEC_MODULE = "kvcore_vllm.spec"
 REGISTRY_TARGET = (
     f"vllm.v1.kv_offload.factory.OffloadingSpecFactory._registry[{DEFAULT_SPEC_NAME!r}]"
 )
+# The adapter changes vLLM as one: the factory entry, and the methods kvcore's spec and
+# manager override; every guarded function (TARGETS) is checked for it.
+SPEC_GROUP = "kvcore offloading spec"
+SPEC_TARGETS: tuple[str, ...] = (REGISTRY_TARGET, *(t.name for t in TARGETS if t.overridden))
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -94,11 +99,12 @@ def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]])
         )
     else:
         _install()
-        status.patched_targets = [REGISTRY_TARGET] + [t.name for t in TARGETS if t.overridden]
+        status.patched_targets = list(SPEC_TARGETS)
         if config.metrics:
             # vLLM's workers are processes of their own: their counts reach /metrics through
             # prometheus_client's multiprocess files, when vLLM turns that mode on.
             start_multiprocess_export()
+    status.plugin_applied = True
     _decided = status
     return status
 
@@ -106,21 +112,36 @@ def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]])
 def check(
     config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]] = FINGERPRINTS
 ) -> EngineStatus:
-    """vLLM's status with the guard's verdict as skipped targets; patches nothing."""
+    """vLLM's status with the guard's verdict as skipped targets (every target, with why,
+    on an untested release) and, where it passes, the targets as ``would_patch``; patches
+    nothing and imports no vLLM module."""
     status = probe_engine(
         ENGINE, DISTRIBUTION, SUPPORTED_VERSIONS, enabled=config.enabled_for(ENGINE)
     )
-    if status.active and status.version is not None:
-        for target, reason in refusals(release_of(status.version), fingerprints).items():
-            status.skip(target, reason)
+    if not (status.installed and status.enabled and status.version is not None):
+        return status
+    status.settings = {"transfers": config.transfers, "serve_rule": config.serve_rule}
+    status.target_groups = {SPEC_GROUP: list(SPEC_TARGETS)}
+    started = time.perf_counter()
+    refused = refusals(release_of(status.version), fingerprints)
+    status.guard_seconds = round(time.perf_counter() - started, 4)
+    for target, reason in refused.items():
+        status.skip(target, reason, SPEC_GROUP)
+    if not refused:
+        status.would_patch = list(SPEC_TARGETS)
     return status
 
 
 def status(config: KVCoreConfig) -> EngineStatus:
-    """What activation did in this process, or what it would decide."""
+    """What activation did in this process (``plugin_applied``) with what the guard would
+    decide now, or only the latter where the plugin did not run."""
+    verdict = check(config)
     if _decided is not None and config.enabled_for(ENGINE):
-        return copy.deepcopy(_decided)
-    return check(config)
+        applied = copy.deepcopy(_decided)
+        applied.would_patch = verdict.would_patch
+        applied.guard_seconds = verdict.guard_seconds
+        return applied
+    return verdict
 
 
 def _install() -> None:

@@ -84,7 +84,8 @@ def test_doctor_human(capsys, monkeypatch):
     monkeypatch.setenv("KVCORE_GATHER_CTAS", "16")
     assert main(["doctor"]) == 0
     summary, rule = capsys.readouterr().out.split("\n\n")
-    lines = summary.splitlines()
+    # An installed, enabled engine's target groups are indented lines under its own.
+    lines = [line for line in summary.splitlines() if not line.startswith(" ")]
     labels = [line.split()[0] for line in lines]
     assert labels == ["kvcore", "torch", "CUDA", "sglang", "vllm", "patches", "memlock", "config"]
     assert rule.startswith("serve-or-pass rule: on")

@@ -23,6 +23,12 @@ STATUS_KEYS = {
     "enabled",
     "patched_targets",
     "skipped_targets",
+    "would_patch",
+    "target_groups",
+    "groups_off",
+    "settings",
+    "plugin_applied",
+    "guard_seconds",
 }
 
 
@@ -64,6 +70,12 @@ def test_not_installed():
         "enabled": True,
         "patched_targets": [],
         "skipped_targets": [],
+        "would_patch": [],
+        "target_groups": {},
+        "groups_off": {},
+        "settings": {},
+        "plugin_applied": False,
+        "guard_seconds": None,
     }
     assert not status.active
     assert status.summary() == "not installed"
@@ -101,22 +113,29 @@ def test_summaries(fake_engine):
     assert not disabled.active
     assert disabled.summary() == "2.0, supported, not enabled (KVCORE_ENABLE); runs stock"
     active = probe_engine("fake", "fakeengine", ["2.0"], enabled=True)
-    active.patched_targets.append("Pool.load")
+    active.would_patch += ["Pool.load", "Pool.store"]
     active.skip("Pool.backup", "fingerprint changed")
-    assert active.summary() == "2.0, supported, enabled: 1 patched, 1 skipped"
+    assert active.summary() == "2.0, supported, enabled: would patch 2, 1 skipped"
+    active.plugin_applied = True
+    active.patched_targets.append("Pool.load")
+    assert active.summary() == "2.0, supported, enabled: 1 patched in this process, 1 skipped"
 
 
 def test_to_dict_is_a_json_ready_copy():
     status = EngineStatus("e", "d", True, "1.0", True, ["1.0"], True, ["a.b"])
     status.skip("c.d", "missing")
+    status.skip("e.f", "changed", "group")
     data = status.to_dict()
     assert set(data) == STATUS_KEYS
-    assert data["skipped_targets"] == [{"target": "c.d", "reason": "missing"}]
+    assert data["skipped_targets"] == [
+        {"target": "c.d", "reason": "missing"},
+        {"target": "e.f", "reason": "changed", "group": "group"},
+    ]
     assert json.loads(json.dumps(data)) == data
     data["patched_targets"].append("x")
     data["skipped_targets"][0]["reason"] = "changed"
     assert status.patched_targets == ["a.b"]
-    assert status.skipped_targets == [{"target": "c.d", "reason": "missing"}]
+    assert status.skipped_targets[0] == {"target": "c.d", "reason": "missing"}
 
 
 @pytest.mark.parametrize(
@@ -154,7 +173,10 @@ def test_adapters_and_cli_import_only_kvcore_and_the_standard_library():
         f"""
         import sys
         import kvcore_sglang, kvcore_vllm, kvcore.cli
+        from kvcore.config import KVCoreConfig
         kvcore_sglang.status(); kvcore_vllm.status()
+        enabled = KVCoreConfig(enable={{"sglang", "vllm"}}, transfers=True)
+        kvcore_sglang.status(enabled); kvcore_vllm.status(enabled)
         print([m for m in sys.modules if m.split(".")[0] in {heavy!r}])
         """
     )

@@ -68,7 +68,12 @@ def test_enabled_plugin_patches_and_reports(sglang_hooks):
     skipped = {s["target"]: s["reason"] for s in status.skipped_targets}
     assert set(skipped) == set(host_slots.STOCK_POOLS)
     assert "own slot allocator" in skipped["sglang.srt.mem_cache.pool_host.mamba.MambaPoolHost"]
-    assert kvcore_sglang.status() is status
+    # The adapter's status is the plugin's, with the guard's verdict now beside it.
+    reported = kvcore_sglang.status()
+    assert reported.plugin_applied and reported is not status
+    assert reported.patched_targets == status.patched_targets
+    assert reported.skipped_targets == status.skipped_targets
+    assert reported.would_patch == list(guard.ALLOCATOR_TARGETS)
     assert host_slots.slots_of(mha_host(256, 16)) is not None
 
 

@@ -87,13 +87,16 @@ def test_enabled_plugin_selects_kvcore_spec_and_is_idempotent(monkeypatch, caplo
     status = kvcore_vllm.status()
     assert status.active and status.skipped_targets == []
     assert status.patched_targets == [plugin.REGISTRY_TARGET, *OVERRIDDEN]
-    assert status.summary().endswith("7 patched, 0 skipped")
+    assert status.plugin_applied and status.would_patch == status.patched_targets
+    assert status.summary().endswith("7 patched in this process, 0 skipped")
 
 
 def test_status_before_loading_reports_nothing_patched_and_the_guard_passing():
     status = kvcore_vllm.status(ENABLED)
     assert status.active
     assert status.patched_targets == [] and status.skipped_targets == []
+    assert status.would_patch == [plugin.REGISTRY_TARGET, *OVERRIDDEN]
+    assert not status.plugin_applied
     assert _default_spec() is CPUOffloadingSpec
 
 
@@ -120,7 +123,15 @@ def test_guard_refuses_a_changed_fingerprint_with_one_warning(caplog):
     assert [s["target"] for s in status.skipped_targets] == [full_name]
     assert status.skipped_targets[0]["reason"].startswith("source changed")
     assert again == status
-    assert kvcore_vllm.status(ENABLED).to_dict() == status.to_dict()
+    # The status reports what activation decided, and beside it the guard's verdict on the
+    # recorded table, which the installed vLLM passes.
+    reported = kvcore_vllm.status(ENABLED).to_dict()
+    assert reported.pop("would_patch") == [plugin.REGISTRY_TARGET, *OVERRIDDEN]
+    expected = status.to_dict()
+    expected.pop("would_patch")
+    reported.pop("guard_seconds")
+    expected.pop("guard_seconds")
+    assert reported == expected
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "vLLM runs stock" in warnings[0].getMessage()

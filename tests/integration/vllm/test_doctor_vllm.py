@@ -1,0 +1,68 @@
+"""``kvcore doctor --json`` in its own process against the installed vLLM: what the
+adapter would patch is its spec group, found without importing vLLM, and a drifted
+fingerprint is reported by function name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvcore_vllm import guard, plugin
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[3]
+PREPARE_STORE = "CPUOffloadingManager.prepare_store"
+
+
+def run_doctor(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    variables = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
+    variables.update(env, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'integrations'}")
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=variables, timeout=120
+    )
+
+
+def vllm_entry(stdout: str) -> dict:
+    report = json.loads(stdout)
+    return next(e for e in report["engines"] if e["engine"] == "vllm")
+
+
+def test_doctor_would_patch_the_spec_group():
+    result = run_doctor(["-m", "kvcore", "doctor", "--json"], KVCORE_ENABLE="vllm")
+    assert result.returncode == 0, result.stderr
+    entry = vllm_entry(result.stdout)
+    overridden = [t.name for t in guard.TARGETS if t.overridden]
+    assert entry["would_patch"] == [plugin.REGISTRY_TARGET, *overridden]
+    assert entry["target_groups"] == {plugin.SPEC_GROUP: entry["would_patch"]}
+    assert entry["skipped_targets"] == []
+    assert entry["patched_targets"] == [] and entry["plugin_applied"] is False
+
+
+def test_doctor_names_a_drifted_function_and_imports_no_vllm():
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from kvcore.cli import main
+        from kvcore_vllm import guard
+        for table in guard.FINGERPRINTS.values():
+            table[{PREPARE_STORE!r}] = "0" * 64
+        code = main(["doctor"])
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "vllm"), file=sys.stderr)
+        sys.exit(code)
+        """
+    )
+    result = run_doctor(["-c", script], KVCORE_ENABLE="vllm")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "[]"
+    group_line = next(
+        line.strip() for line in result.stdout.splitlines() if plugin.SPEC_GROUP in line
+    )
+    assert group_line.startswith(f"{plugin.SPEC_GROUP} (7 targets): would patch 0; skipped 1: ")
+    assert f"{PREPARE_STORE}: source changed" in group_line
