@@ -114,7 +114,6 @@ def write(report: dict[str, Any], path: str) -> None:
         len(directions),
         figsize=(14, 2.9 * len(kinds) + 1.7),
         squeeze=False,
-        sharey="row",
     )
     for row, kind in enumerate(kinds):
         for col, direction in enumerate(directions):
