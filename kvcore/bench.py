@@ -710,7 +710,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--full", action="store_true", help="print every path of every scenario after the summary"
     )
-    parser.add_argument("--plot", metavar="PATH", help="write a bar chart (needs matplotlib)")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a chart, one panel per row kind and direction (needs matplotlib)",
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--tokens", type=int, default=0, help="rows per transfer")
     parser.add_argument("--rows", help=f"comma list of row kinds: {', '.join(ROW_KINDS)}")
