@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from kvcore import bench_report
 from kvcore.allocator import ContiguousSlotAllocator
 from kvcore.churn import make_trace, replay
 from kvcore.config import KVCoreConfig
@@ -78,8 +79,8 @@ def options_for(args: argparse.Namespace) -> BenchOptions:
         ),
         device_layouts=("contiguous", "scattered"),
         repeats=3 if quick else 5,
-        allocator_slots=1 << 20,
-        allocator_ops=10_000,
+        allocator_slots=args.allocator_slots,
+        allocator_ops=args.allocator_ops,
         device=device,
         pin_measure_bytes=(1 if quick else 8) << 30,
         policy=policy_from_config(KVCoreConfig.from_env()),
@@ -130,6 +131,14 @@ _SUBMIT_COVER_CYCLES = 20_000_000
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
     """Median device seconds and median host seconds to issue ``fn``."""
+    device_times, host_times = _timed_repeats(fn, device, repeats)
+    return statistics.median(device_times), statistics.median(host_times)
+
+
+def _timed_repeats(
+    fn: Callable[[], object], device: torch.device, repeats: int
+) -> tuple[list[float], list[float]]:
+    """Device seconds and host seconds to issue ``fn``, one of each per repeat."""
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -154,7 +163,7 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tupl
             elapsed = time.perf_counter() - t0
             host_times.append(elapsed)
             device_times.append(elapsed)
-    return statistics.median(device_times), statistics.median(host_times)
+    return device_times, host_times
 
 
 def queued_host_seconds(
@@ -282,13 +291,14 @@ def _result(
     }
 
 
-def _ceiling(sc: Scenario, nbytes: int, opts: BenchOptions) -> float:
+def _ceiling(sc: Scenario, nbytes: int, opts: BenchOptions) -> list[float]:
+    """GB/s of a plain contiguous copy of ``nbytes``, one figure per repeat."""
     flat_src = sc.src.reshape(-1).view(torch.uint8)[:nbytes]
     flat_dst = sc.dst.reshape(-1).view(torch.uint8)[:nbytes]
-    seconds, _ = _timed(
+    seconds, _ = _timed_repeats(
         lambda: flat_dst.copy_(flat_src, non_blocking=True), opts.device, opts.repeats
     )
-    return nbytes / seconds / 1e9
+    return [nbytes / s / 1e9 for s in seconds]
 
 
 def _stock_paths(sc: Scenario) -> dict[str, Callable[[], None]]:
@@ -362,20 +372,22 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
             plan(sc.src, sc.dst, sc.src_idx, sc.dst_idx, direction=sc.direction, policy=policy)
             warm_us.append((time.perf_counter() - plan_started) * 1e6)
         nbytes = auto.nbytes
-        ceiling = _ceiling(sc, nbytes, opts)
+        ceiling_repeats = _ceiling(sc, nbytes, opts)
+        ceiling = statistics.median(ceiling_repeats)
         ceilings.append(ceiling)
-        results.append(
-            _result(
-                sc.name,
-                "ceiling:contiguous_copy",
-                nbytes,
-                nbytes / ceiling / 1e9,
-                0.0,
-                True,
-                ceiling,
-                "ceiling",
-            )
+        ceiling_result = _result(
+            sc.name,
+            "ceiling:contiguous_copy",
+            nbytes,
+            nbytes / ceiling / 1e9,
+            0.0,
+            True,
+            ceiling,
+            "ceiling",
         )
+        # The spread of the ceiling's own repeats: how far any share of it can be trusted.
+        ceiling_result["repeats_gbps"] = ceiling_repeats
+        results.append(ceiling_result)
         candidates: list[tuple[str, str, Callable[[], None]]] = []
         for path in TransferPath:
             if path is TransferPath.FALLBACK:
@@ -629,26 +641,28 @@ def run_allocator(opts: BenchOptions) -> dict[str, dict[str, float]]:
             "ops_per_s": result.ops_per_s,
             "allocations": result.allocations,
             "operations": len(trace.ops),
+            "slots": opts.allocator_slots,
         }
     out["same_outcomes"] = {"value": float(outcomes["kvcore"] == outcomes["stock"])}
     return out
 
 
-def format_table(report: dict[str, Any]) -> str:
+def format_table(report: dict[str, Any], full: bool = False) -> str:
+    """What `kvcore bench` prints: the summary first, every row only when ``full``, the
+    legend last."""
+    tokens = report.get("tokens")
     lines = [
-        f"device: {report['device']}   "
-        f"pinned-copy ceiling (median): {report['ceiling_gbps']:.2f} GB/s",
-        f"{'scenario':<48} {'path':<30} {'MiB':>7} {'GB/s':>8} {'ceil%':>6} {'submit us':>10} "
-        f"{'queued us':>10} ok",
+        f"kvcore bench on {report['device']}"
+        + (f", {tokens} rows per transfer" if tokens else "")
+        + f"; median ceiling {report['ceiling_gbps']:.2f} GB/s",
+        *bench_report.format_noise(report),
+        "",
+        *bench_report.format_summary(report),
+        "",
+        *bench_report.format_other_jobs(report),
     ]
-    for r in report["results"]:
-        queued = r.get("submit_queued_us")
-        lines.append(
-            f"{r['scenario']:<48} {r['path']:<30} {r['bytes'] / 2**20:>7.1f} {r['gbps']:>8.2f} "
-            f"{100 * r['share_of_ceiling']:>5.0f}% {r['submit_us']:>10.1f} "
-            f"{'' if queued is None else f'{queued:.1f}':>10} "
-            f"{'yes' if r['identical'] else 'NO'}"
-        )
+    if full:
+        lines += ["", *bench_report.format_full_table(report)]
     syncs = report["page_out_host_syncs"]
     pinning = report.get("pinning")
     if pinning is not None:
@@ -665,8 +679,10 @@ def format_table(report: dict[str, Any]) -> str:
     )
     alloc = report["allocator"]
     lines.append("")
+    slots = alloc["kvcore"].get("slots", 1 << 20)
     lines.append(
-        f"allocator churn ({alloc['kvcore']['operations']:.0f} ops, 1M slots, <= 90% full):"
+        f"allocator churn ({alloc['kvcore']['operations']:.0f} ops, {slots:,.0f} slots, "
+        "<= 90% full):"
     )
     for name in ("kvcore", "stock"):
         a = alloc[name]
@@ -674,38 +690,31 @@ def format_table(report: dict[str, Any]) -> str:
             f"  {name:<7} one-run share {a['one_run_fraction']:.3f}   {a['ops_per_s']:,.0f} ops/s"
         )
     lines.append(f"  same success/failure sequence: {bool(alloc['same_outcomes']['value'])}")
+    lines += ["", *bench_report.format_legend(report, full)]
     return "\n".join(lines)
 
 
 def write_plot(report: dict[str, Any], path: str) -> bool:
+    """A chart of every row kind and direction (False where matplotlib is missing)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from kvcore import bench_plot
     except ImportError:
         return False
-    rows = [r for r in report["results"] if r["kind"] != "ceiling"]
-    labels = [f"{r['scenario']}\n{r['path']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(10, max(4, 0.22 * len(rows))))
-    colours = ["tab:blue" if r["kind"] == "kvcore" else "tab:grey" for r in rows]
-    ax.barh(range(len(rows)), [r["gbps"] for r in rows], color=colours)
-    ax.axvline(report["ceiling_gbps"], color="tab:red", linestyle="--", label="pinned-copy ceiling")
-    ax.set_yticks(range(len(rows)), labels, fontsize=5)
-    ax.invert_yaxis()
-    ax.set_xlabel("GB/s")
-    ax.set_title(f"kvcore bench on {report['device']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bench_plot.write(report, path)
     return True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, a few repeats")
     parser.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a bar chart (needs matplotlib)")
+    parser.add_argument(
+        "--full", action="store_true", help="print every path of every scenario after the summary"
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a chart, one panel per row kind and direction (needs matplotlib)",
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--tokens", type=int, default=0, help="rows per transfer")
     parser.add_argument("--rows", help=f"comma list of row kinds: {', '.join(ROW_KINDS)}")
@@ -713,6 +722,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     levels = ", ".join(HOST_FRAGMENTATION).replace("%", "%%")
     parser.add_argument("--host-levels", help=f"comma list of host layouts: {levels}")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--allocator-slots", type=int, default=1 << 20, help="slots of the allocator churn's pool"
+    )
+    parser.add_argument(
+        "--allocator-ops",
+        type=int,
+        default=10_000,
+        help="mixed operations of the allocator churn, after its fill",
+    )
+    parser.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="print (and with --plot, chart) a report saved by --json instead of measuring",
+    )
 
 
 def measure_pinning(nbytes: int) -> dict[str, float] | None:
@@ -736,7 +759,7 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
     transfers = run_transfers(opts, progress)
     pinning = measure_pinning(opts.pin_measure_bytes) if opts.device.type == "cuda" else None
     name = torch.cuda.get_device_name(opts.device) if opts.device.type == "cuda" else "cpu"
-    return {
+    report = {
         "device": name,
         "ceiling_gbps": transfers.ceiling_gbps,
         "page_out_host_syncs": transfers.page_out_host_syncs,
@@ -747,12 +770,18 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
         "results": transfers.results,
         "allocator": run_allocator(opts),
     }
+    report["summary"] = bench_report.summarize(report)
+    report["noise"] = bench_report.noise(report)
+    return report
 
 
 def main(args: argparse.Namespace) -> int:
-    opts = options_for(args)
-    report = run(opts, progress=not args.no_progress)
-    print(format_table(report))
+    if args.from_json:
+        with open(args.from_json) as fh:
+            report = json.load(fh)
+    else:
+        report = run(options_for(args), progress=not args.no_progress)
+    print(format_table(report, full=args.full))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
