@@ -100,7 +100,7 @@ def test_status_before_loading_reports_nothing_patched_and_the_guard_passing():
 def test_recorded_fingerprints_match_the_installed_vllm():
     release = _installed_release()
     assert release in guard.SUPPORTED_VERSIONS
-    assert guard.current_fingerprints() == guard.FINGERPRINTS[release]
+    assert guard.current_fingerprints(release) == guard.FINGERPRINTS[release]
     assert guard.refusals(release) == {}
 
 
