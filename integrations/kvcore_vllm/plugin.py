@@ -26,8 +26,8 @@ from kvcore_vllm.guard import (
     ENGINE,
     FINGERPRINTS,
     SUPPORTED_VERSIONS,
-    TARGETS,
     refusals,
+    targets_for,
 )
 
 DEFAULT_SPEC_NAME = "CPUOffloadingSpec"
@@ -87,14 +87,15 @@ def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]])
             "kvcore: %d of %d vLLM functions kvcore relies on differ from vLLM %s as tested "
             "(first: %s: %s); vLLM runs stock",
             len(status.skipped_targets),
-            len(TARGETS),
+            len(targets_for(release_of(status.version or ""))),
             status.version,
             first["target"],
             first["reason"],
         )
     else:
         _install()
-        status.patched_targets = [REGISTRY_TARGET] + [t.name for t in TARGETS if t.overridden]
+        targets = targets_for(release_of(status.version or ""))
+        status.patched_targets = [REGISTRY_TARGET] + [t.name for t in targets if t.overridden]
         if config.metrics:
             # vLLM's workers are processes of their own: their counts reach /metrics through
             # prometheus_client's multiprocess files, when vLLM turns that mode on.

@@ -44,9 +44,12 @@ class ReleaseShape:
 
 CURRENT = ReleaseShape()
 
-# 0.25's names for the chunk pool (manager), its status record and the spec's pool size.
+# 0.25's names for the chunk pool (manager), its status record and the spec's pool size;
+# tests read the pool size and the LRU policy's records too.
 BLOCK_NAMES = MappingProxyType(
     {
+        "_num_chunks": "_num_blocks",
+        "chunks": "blocks",
         "_get_num_free_chunks": "_get_num_free_blocks",
         "_allocate_chunks": "_allocate_blocks",
         "_free_chunk": "_free_block",
