@@ -37,11 +37,13 @@ work=""
 
 # The device's interpreter and the newest glibc tag a carried wheel may need (llguidance
 # ships manylinux_2_31); pip also accepts the older manylinux tags and pure wheels.
-target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
-    --platform manylinux_2_31_x86_64)
+target=(--only-binary=:all: --python-version 3.12 --implementation cp
+    --abi cp312 --abi abi3 --abi none
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64)
 # Carried with what they depend on.
 resolved=(
-    cachetools blake3 "fastapi[standard]" starlette openai pydantic
+    cachetools blake3 "fastapi[standard]>=0.133,<0.137" starlette openai pydantic
     prometheus-fastapi-instrumentator diskcache lark partial-json-parser jsonschema pyzmq
     msgspec watchfiles python-json-logger pybase64 cbor2 ijson setproctitle openai-harmony
 )
@@ -125,7 +127,10 @@ device() {
 }
 
 case "${1:-}" in
-    local) download && pack ;;
+    local)
+        download
+        pack
+        ;;
     download) download ;;
     pack) pack "${2:-}" ;;
     device) [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || usage; device "$2" ;;
