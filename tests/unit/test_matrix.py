@@ -45,12 +45,15 @@ def test_repo_matrix_expands_every_engine_version_and_mode_plus_drift() -> None:
     names = [lane.name for lane in matrix.lanes()]
     expected = [
         f"{engine}-{version}-{mode}"
-        for engine, versions in (("sglang", ("0.5.22", "0.5.23")), ("vllm", ("0.32.0", "0.33.0")))
+        for engine, versions in (
+            ("sglang", ("0.5.22", "0.5.23")),
+            ("vllm", ("0.25.1", "0.32.0", "0.33.0")),
+        )
         for version in versions
         for mode in ("stock", "plugin", "patched")
     ]
     assert sorted(names) == sorted([*expected, "sglang-drift", "vllm-drift"])
-    assert names.index("sglang-drift") < names.index("vllm-0.32.0-stock")
+    assert names.index("sglang-drift") < names.index("vllm-0.25.1-stock")
     assert matrix.engines["vllm"].upstream_tests == "ci/run_vllm_upstream.sh"
     assert matrix.engines["sglang"].upstream_tests == ""
     for engine in matrix.engines.values():
