@@ -48,9 +48,22 @@ if [[ ! -f "$sdist" ]]; then
     fetch_site="$("$fetch_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     echo "$lane_site" > "$fetch_site/kvcore-ci-lane.pth"
     mkdir -p "$sdist_dir"
-    VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 \
-        "$fetch_venv/bin/python" -m pip download --disable-pip-version-check -q \
-        --no-deps --no-binary :all: --no-build-isolation -d "$sdist_dir" "vllm==$version"
+    fetch=("$fetch_venv/bin/python" -m pip download --disable-pip-version-check
+        --no-deps --no-binary :all: --no-build-isolation -d "$sdist_dir")
+    export VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1
+    if ! fetched="$("${fetch[@]}" "vllm==$version" 2>&1)"; then
+        # Releases before VLLM_SKIP_VERSION_SUFFIX (0.25) label the built version
+        # (0.25.1+empty), which pip then finds inconsistent with the one requested and
+        # discards, naming the sdist's address: fetched by that address, it is not compared.
+        url="$(grep -oE "Discarding https://[^ ]+/vllm-$version\.tar\.gz" <<< "$fetched" \
+            | head -n 1 | cut -d' ' -f2)"
+        if [[ -z "$url" ]]; then
+            echo "$fetched" >&2
+            exit 1
+        fi
+        "${fetch[@]}" -q "$url"
+    fi
+    unset VLLM_TARGET_DEVICE VLLM_SKIP_VERSION_SUFFIX
 fi
 
 stage="$(mktemp -d "${TMPDIR:-/tmp}/kvcore-vllm-upstream.XXXXXX")"
