@@ -8,8 +8,8 @@
 # plugins and stops unless the spec vLLM builds is the one the mode implies.
 # The sdist is cached under $UPSTREAM_TESTS_CACHE (default ~/.cache/kvcore-ci); its tests are
 # staged into a fresh temporary directory, never into the repository. Tests listed in
-# ci/vllm_upstream/deselect.txt are deselected; pytest is stopped after
-# $UPSTREAM_TESTS_TIMEOUT seconds (default 1800). Exit status is pytest's.
+# ci/vllm_upstream/deselect.txt (and deselect-VERSION.txt, for one release) are
+# deselected; pytest is stopped after $UPSTREAM_TESTS_TIMEOUT seconds (default 1800). Exit status is pytest's.
 set -euo pipefail
 
 if [[ $# -lt 2 || ! "$2" =~ ^(stock|plugin|patched)$ ]]; then
@@ -72,10 +72,13 @@ tar -xzf "$sdist" -C "$stage" "vllm-$version/tests"
 "$python" "$here/stage.py" "$stage/vllm-$version" "$stage/run"
 
 deselect=()
-while read -r test_id _; do
-    [[ -z "$test_id" || "$test_id" == \#* ]] && continue
-    deselect+=("--deselect" "$test_id")
-done < "$here/deselect.txt"
+for list in "$here/deselect.txt" "$here/deselect-$version.txt"; do
+    [[ -f "$list" ]] || continue
+    while read -r test_id _; do
+        [[ -z "$test_id" || "$test_id" == \#* ]] && continue
+        deselect+=("--deselect" "$test_id")
+    done < "$list"
+done
 
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export HF_HOME="$stage/run/hf" HF_HUB_CACHE="$stage/run/hf/hub"
