@@ -282,8 +282,10 @@ def test_kvcore_differences_and_deselections_name_staged_tests() -> None:
     }
     differences = conftest.kvcore_differences(stage.KVCORE_DIFFERENCES.read_text())
     deselected = conftest.kvcore_differences((stage.HERE / "deselect.txt").read_text())
-    assert len(differences) == 3 and len(deselected) == 5
-    for node_id, reason in [*differences.items(), *deselected.items()]:
+    per_release = conftest.kvcore_differences((stage.HERE / "deselect-0.25.1.txt").read_text())
+    assert len(differences) == 4 and len(deselected) == 5 and len(per_release) == 37
+    assert not set(per_release) & set(deselected)
+    for node_id, reason in [*differences.items(), *deselected.items(), *per_release.items()]:
         assert node_id.startswith(stage.SELECTED) and "::test_" in node_id and reason
 
 
