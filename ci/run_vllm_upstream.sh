@@ -9,7 +9,8 @@
 # The sdist is cached under $UPSTREAM_TESTS_CACHE (default ~/.cache/kvcore-ci); its tests are
 # staged into a fresh temporary directory, never into the repository. Tests listed in
 # ci/vllm_upstream/deselect.txt (and deselect-VERSION.txt, for one release) are
-# deselected; pytest is stopped after $UPSTREAM_TESTS_TIMEOUT seconds (default 1800). Exit status is pytest's.
+# deselected; pytest is stopped after $UPSTREAM_TESTS_TIMEOUT seconds (default 1800).
+# Exit status is pytest's.
 set -euo pipefail
 
 if [[ $# -lt 2 || ! "$2" =~ ^(stock|plugin|patched)$ ]]; then
