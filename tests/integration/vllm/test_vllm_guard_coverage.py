@@ -12,7 +12,6 @@ from kvcore.engine_status import release_of
 from kvcore.fingerprint import package_root
 from kvcore.stock_uses import EngineSource, StockUse, stock_uses
 from kvcore_vllm import guard
-from kvcore_vllm.manager import POOL_METHODS, KVCoreCPUOffloadingManager
 from kvcore_vllm.releases import installed_shape
 
 pytestmark = pytest.mark.vllm
@@ -58,6 +57,8 @@ def test_overridden_targets_are_the_methods_kvcore_overrides():
         for u in adapter_uses()
         if u.how == "overrides" and not u.target.endswith("__init__")
     }
+    from kvcore_vllm.manager import POOL_METHODS, KVCoreCPUOffloadingManager
+
     release = release_of(importlib.metadata.version("vllm"))
     shape = installed_shape()
     # The pool methods are written under 0.33's names; a release that names them otherwise
