@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the vLLM CPU lane: a venv with torch 2.13.0 (CPU), kvcore editable, and vLLM
 # (0.33.0 unless VLLM_VERSION says otherwise) installed without its dependency tree, plus
-# the modules its offloading code imports. Import only: no transfers.
+# the modules its offloading code imports. Import only: no transfers. 0.25.1 pins torch
+# 2.11 but its offloading modules import against the CPU 2.13 all the same.
 #
 #   ci/install_vllm.sh [VENV]      VENV defaults to .venv-vllm in the repo
 set -euo pipefail

@@ -8,8 +8,9 @@
 # plugins and stops unless the spec vLLM builds is the one the mode implies.
 # The sdist is cached under $UPSTREAM_TESTS_CACHE (default ~/.cache/kvcore-ci); its tests are
 # staged into a fresh temporary directory, never into the repository. Tests listed in
-# ci/vllm_upstream/deselect.txt are deselected; pytest is stopped after
-# $UPSTREAM_TESTS_TIMEOUT seconds (default 1800). Exit status is pytest's.
+# ci/vllm_upstream/deselect.txt (and deselect-VERSION.txt, for one release) are
+# deselected; pytest is stopped after $UPSTREAM_TESTS_TIMEOUT seconds (default 1800).
+# Exit status is pytest's.
 set -euo pipefail
 
 if [[ $# -lt 2 || ! "$2" =~ ^(stock|plugin|patched)$ ]]; then
@@ -48,9 +49,22 @@ if [[ ! -f "$sdist" ]]; then
     fetch_site="$("$fetch_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     echo "$lane_site" > "$fetch_site/kvcore-ci-lane.pth"
     mkdir -p "$sdist_dir"
-    VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 \
-        "$fetch_venv/bin/python" -m pip download --disable-pip-version-check -q \
-        --no-deps --no-binary :all: --no-build-isolation -d "$sdist_dir" "vllm==$version"
+    fetch=("$fetch_venv/bin/python" -m pip download --disable-pip-version-check
+        --no-deps --no-binary :all: --no-build-isolation -d "$sdist_dir")
+    export VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1
+    if ! fetched="$("${fetch[@]}" "vllm==$version" 2>&1)"; then
+        # Releases before VLLM_SKIP_VERSION_SUFFIX (0.25) label the built version
+        # (0.25.1+empty), which pip then finds inconsistent with the one requested and
+        # discards, naming the sdist's address: fetched by that address, it is not compared.
+        url="$(grep -oE "Discarding https://[^ ]+/vllm-$version\.tar\.gz" <<< "$fetched" \
+            | head -n 1 | cut -d' ' -f2)"
+        if [[ -z "$url" ]]; then
+            echo "$fetched" >&2
+            exit 1
+        fi
+        "${fetch[@]}" -q "$url"
+    fi
+    unset VLLM_TARGET_DEVICE VLLM_SKIP_VERSION_SUFFIX
 fi
 
 stage="$(mktemp -d "${TMPDIR:-/tmp}/kvcore-vllm-upstream.XXXXXX")"
@@ -59,10 +73,13 @@ tar -xzf "$sdist" -C "$stage" "vllm-$version/tests"
 "$python" "$here/stage.py" "$stage/vllm-$version" "$stage/run"
 
 deselect=()
-while read -r test_id _; do
-    [[ -z "$test_id" || "$test_id" == \#* ]] && continue
-    deselect+=("--deselect" "$test_id")
-done < "$here/deselect.txt"
+for list in "$here/deselect.txt" "$here/deselect-$version.txt"; do
+    [[ -f "$list" ]] || continue
+    while read -r test_id _; do
+        [[ -z "$test_id" || "$test_id" == \#* ]] && continue
+        deselect+=("--deselect" "$test_id")
+    done < "$list"
+done
 
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export HF_HOME="$stage/run/hf" HF_HUB_CACHE="$stage/run/hf/hub"

@@ -9,6 +9,8 @@ Fingerprints (:mod:`kvcore.fingerprint`) are read from the installed files witho
 importing vLLM: `kvcore doctor` and the plugin reach the same verdict, and the doctor
 stays fast.
 
+Targets are named as vLLM 0.33 names them; :mod:`kvcore_vllm.releases` maps them to
+each release's names and leaves out the transfer targets where the handlers stay stock.
 Only the standard library and kvcore's core are imported here.
 """
 
@@ -16,10 +18,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvcore import fingerprint
+from kvcore_vllm.releases import shape_of
 
 ENGINE = "vllm"
 DISTRIBUTION = "vllm"
@@ -32,6 +35,8 @@ class Target:
     module: str
     qualname: str
     overridden: bool = False
+    transfers: bool = False
+    """Relied on only by kvcore's transfer handlers."""
 
     @property
     def name(self) -> str:
@@ -69,27 +74,72 @@ TARGETS: tuple[Target, ...] = (
     # _fill_group_ops, the copy op the function _select_swap_blocks_fn picks (a partial
     # for the Triton load kernel, which the handler tells apart).
     Target(_SPEC, "CPUOffloadingSpec.create_worker", overridden=True),
-    Target(_WORKER, "CPUOffloadingWorker.__init__"),
-    Target(_WORKER, "CPUOffloadingWorker.submit_store"),
-    Target(_WORKER, "CPUOffloadingWorker.submit_load"),
-    Target(_WORKER, "CPUOffloadingWorker.get_finished"),
-    Target(_WORKER, "CPUOffloadingWorker.wait"),
-    Target(_WORKER, "CPUOffloadingWorker.shutdown"),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.__init__"),
-    Target(_WORKER, "SingleDirectionOffloadingHandler._estimate_max_copy_ops"),
-    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_direct_ops"),
-    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_canonical_ops"),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.transfer_async"),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.get_finished"),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.wait"),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.shutdown"),
-    Target(_WORKER, "compute_sub_block_ptrs"),
-    Target(_WORKER, "_select_swap_blocks_fn"),
+    Target(_WORKER, "CPUOffloadingWorker.__init__", transfers=True),
+    Target(_WORKER, "CPUOffloadingWorker.submit_store", transfers=True),
+    Target(_WORKER, "CPUOffloadingWorker.submit_load", transfers=True),
+    Target(_WORKER, "CPUOffloadingWorker.get_finished", transfers=True),
+    Target(_WORKER, "CPUOffloadingWorker.wait", transfers=True),
+    Target(_WORKER, "CPUOffloadingWorker.shutdown", transfers=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.__init__", transfers=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler._estimate_max_copy_ops", transfers=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_direct_ops", transfers=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_canonical_ops", transfers=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.transfer_async", transfers=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.get_finished", transfers=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.wait", transfers=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.shutdown", transfers=True),
+    Target(_WORKER, "compute_sub_block_ptrs", transfers=True),
+    Target(_WORKER, "_select_swap_blocks_fn", transfers=True),
 )
 
-# Release -> target qualname -> fingerprint. Print a release's with
-# ``python -c 'import kvcore_vllm.guard as g; g.main()' [ROOT]`` (the installed by default).
+# Release -> target qualname (in the release's names) -> fingerprint. Print a release's
+# with ``python -c 'import kvcore_vllm.guard as g; g.main()' RELEASE [ROOT]`` (the
+# installed vLLM by default).
 FINGERPRINTS: dict[str, dict[str, str]] = {
+    "0.25.1": {
+        "CPUOffloadingManager.__init__": (
+            "9e897b812c23c878ecea651c81eda9e42d3b4d50e2e4512030d4f8134ac55a5b"
+        ),
+        "CPUOffloadingManager._get_num_free_blocks": (
+            "619526b9a69cede8131754a8fea55c197c9a710a1053a948495461ebf34bf3ec"
+        ),
+        "CPUOffloadingManager._allocate_blocks": (
+            "85f8d69d2b78418b26ffbda2fe52eb77604648b9380ae9143af77f355dbec748"
+        ),
+        "CPUOffloadingManager._free_block": (
+            "dd4ba397955819af29148e47c2a3974ac907e627a908b02de6a5a3f2a6cb1c0e"
+        ),
+        "CPUOffloadingManager.prepare_store": (
+            "838e8f6c4a5030aa7908e36752663fe35218c3081631e43fc33c427264e50123"
+        ),
+        "CPUOffloadingManager.complete_store": (
+            "69fb9c320f57ce16ef9f0de6de57361042b98602db9a09e8592be6beb40e114a"
+        ),
+        "CPUOffloadingManager.reset_cache": (
+            "315205727c39ab603d23c89cbb0ead93448d581825f5166fd2948980ab2663c2"
+        ),
+        "CPUOffloadingManager.get_stats": (
+            "a7adab731a6e6c50108a3cd1a8544ac74cc03e58939db0ce9f14783947a813fe"
+        ),
+        "BlockStatus.__init__": (
+            "ec7cc108ce2a55db9d2da7fc05fb947cef45d7023e1f271205e967caa5df57e1"
+        ),
+        "CPUOffloadingSpec.get_manager": (
+            "5518a399486c2e4fcca3b1e57a76f331c283e22af8f4dc0f99dc197d30516a3e"
+        ),
+        "OffloadingSpecFactory.register_spec": (
+            "642a5f8c7bdc13581886f8af0657236f692c560c1cc2b875c00f8514f6afed24"
+        ),
+        "OffloadingSpecFactory.get_spec_cls": (
+            "6d1300f0ee74f3e478516d7b954e95d6f7c03d382a3fc633d14b4bd1b941a49d"
+        ),
+        "OffloadingSpecFactory.create_spec": (
+            "907e37b7bbd67cd8d15c2517b5529bd88e7c0b05254198ca5bc53204aa080374"
+        ),
+        "CPUOffloadingSpec.create_worker": (
+            "7b5744c1cb8c9e938ccaf52c32ecf558efeed21ef3c23d3cca245eb7820bb310"
+        ),
+    },
     "0.32.0": {
         "CPUOffloadingManager.__init__": (
             "a3a22ab7b74be693ac3309c643eedc8fb760981c75540cf6c450d3f9f8f74143"
@@ -279,9 +329,20 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
 SUPPORTED_VERSIONS: tuple[str, ...] = tuple(FINGERPRINTS)
 
 
-def current_fingerprints(root: Path | None = None) -> dict[str, str]:
-    """Target qualname -> fingerprint for the installed vLLM (or the tree at ``root``)."""
-    return {t.qualname: fingerprint.fingerprint_target(t.name, root) for t in TARGETS}
+def targets_for(release: str) -> tuple[Target, ...]:
+    """The targets as ``release`` names them, without those it leaves stock."""
+    shape = shape_of(release)
+    return tuple(
+        replace(t, qualname=shape.qualname(t.qualname))
+        for t in TARGETS
+        if not (t.transfers and shape.stock_transfers)
+    )
+
+
+def current_fingerprints(release: str, root: Path | None = None) -> dict[str, str]:
+    """Target qualname -> fingerprint, as ``release`` names its targets, for the installed
+    vLLM (or the tree at ``root``)."""
+    return {t.qualname: fingerprint.fingerprint_target(t.name, root) for t in targets_for(release)}
 
 
 def refusals(
@@ -295,16 +356,20 @@ def refusals(
     recorded = fingerprints.get(version)
     if recorded is None:
         return {target.name: f"no fingerprints recorded for vLLM {version}" for target in TARGETS}
-    by_name = {t.name: recorded[t.qualname] for t in TARGETS if t.qualname in recorded}
-    return fingerprint.drift(by_name, root, targets=(t.name for t in TARGETS))
+    targets = targets_for(version)
+    by_name = {t.name: recorded[t.qualname] for t in targets if t.qualname in recorded}
+    return fingerprint.drift(by_name, root, targets=(t.name for t in targets))
 
 
 def main(argv: list[str] | None = None) -> None:
     """Print the fingerprints of a release's files as the body of its FINGERPRINTS entry:
-    ``ROOT`` is the directory that holds the ``vllm`` package; the installed one by default."""
+    ``RELEASE [ROOT]``, ``ROOT`` the directory that holds the ``vllm`` package (the
+    installed one by default); the release decides the targets' names."""
     args = sys.argv[1:] if argv is None else argv
-    root = Path(args[0]) if args else None
-    for name, value in current_fingerprints(root).items():
+    if not args:
+        raise SystemExit("usage: kvcore_vllm.guard.main RELEASE [ROOT]")
+    root = Path(args[1]) if len(args) > 1 else None
+    for name, value in current_fingerprints(args[0], root).items():
         print(f'        "{name}": (\n            "{value}"\n        ),')
 
 

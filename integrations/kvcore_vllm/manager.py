@@ -6,7 +6,8 @@ becomes its own copy descriptor. Here the ids of one ``prepare_store`` come from
 :class:`~kvcore.allocator.ContiguousSlotAllocator`: one ascending run whenever a free
 run is long enough. Only which ids are picked changes; capacity, eviction, events and
 statistics are the stock manager's, and the version guard checks the methods this
-relies on.
+relies on. The methods are written with vLLM 0.33's names; on a release that names the
+pool otherwise (:mod:`kvcore_vllm.releases`) they are bound under its names as well.
 """
 
 from __future__ import annotations
@@ -14,12 +15,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import vllm.v1.kv_offload.cpu.policies.base as policies
 from vllm.v1.kv_offload.base import OffloadKey
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
 from kvcore.allocator import AllocatorStats, ContiguousSlotAllocator
 from kvcore.metrics import Metrics
+from kvcore_vllm.releases import installed_shape
+
+_SHAPE = installed_shape()
+# The chunk record the stock policies keep, its id field and the manager's count of ids
+# handed out, as the installed release names them.
+_STATUS: Any = getattr(policies, _SHAPE.name("ChunkStatus"))
+_STATUS_ID = _SHAPE.name("chunk_id")
+_ALLOCATED = _SHAPE.name("_num_allocated_chunks")
+# The chunk pool methods the stock manager calls, which the subclass overrides.
+POOL_METHODS = ("_get_num_free_chunks", "_allocate_chunks", "_free_chunk")
 
 
 class KVCoreCPUOffloadingManager(CPUOffloadingManager):
@@ -40,27 +51,39 @@ class KVCoreCPUOffloadingManager(CPUOffloadingManager):
     def _get_num_free_chunks(self) -> int:
         return self._allocator.available_size() + len(self._released)
 
-    def _allocate_chunks(self, keys: list[OffloadKey]) -> list[ChunkStatus]:
+    def _allocate_chunks(self, keys: list[OffloadKey]) -> list[Any]:
         self._return_released()
         runs = self._allocator.alloc_runs(len(keys))
         # prepare_store evicts until enough chunks are free before it allocates.
         assert runs is not None, "chunk pool is short of what prepare_store freed"
         # Stock get_stats reads the chunks held as _num_allocated_chunks - len(_free_list);
         # _free_list stays empty here, so _num_allocated_chunks counts the chunks held.
-        self._num_allocated_chunks += len(keys)
-        return [ChunkStatus(chunk_id) for start, n in runs for chunk_id in range(start, start + n)]
+        self._count_allocated(len(keys))
+        return [_STATUS(chunk_id) for start, n in runs for chunk_id in range(start, start + n)]
 
-    def _free_chunk(self, chunk: ChunkStatus) -> None:
-        self._released.append(chunk.chunk_id)
-        self._num_allocated_chunks -= 1
+    def _free_chunk(self, chunk: Any) -> None:
+        self._released.append(getattr(chunk, _STATUS_ID))
+        self._count_allocated(-1)
 
     def reset_cache(self) -> None:
         super().reset_cache()
         self._released.clear()
         self._allocator.clear()
 
+    def _count_allocated(self, delta: int) -> None:
+        setattr(self, _ALLOCATED, getattr(self, _ALLOCATED) + delta)
+
     def _return_released(self) -> None:
         if self._released:
             released = torch.tensor(self._released, dtype=torch.int64)
             self._released.clear()
             self._allocator.free(released)
+
+
+for _method in POOL_METHODS:
+    # The stock manager calls the pool methods by its release's names.
+    setattr(
+        KVCoreCPUOffloadingManager,
+        _SHAPE.name(_method),
+        getattr(KVCoreCPUOffloadingManager, _method),
+    )

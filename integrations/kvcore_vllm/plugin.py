@@ -27,8 +27,8 @@ from kvcore_vllm.guard import (
     ENGINE,
     FINGERPRINTS,
     SUPPORTED_VERSIONS,
-    TARGETS,
     refusals,
+    targets_for,
 )
 
 DEFAULT_SPEC_NAME = "CPUOffloadingSpec"
@@ -40,7 +40,13 @@ REGISTRY_TARGET = (
 # The adapter changes vLLM as one: the factory entry, and the methods kvcore's spec and
 # manager override; every guarded function (TARGETS) is checked for it.
 SPEC_GROUP = "kvcore offloading spec"
-SPEC_TARGETS: tuple[str, ...] = (REGISTRY_TARGET, *(t.name for t in TARGETS if t.overridden))
+
+
+def spec_targets(version: str | None) -> list[str]:
+    """The factory entry and the methods kvcore overrides, in ``version``'s own names."""
+    targets = targets_for(release_of(version or ""))
+    return [REGISTRY_TARGET, *(t.name for t in targets if t.overridden)]
+
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -92,14 +98,14 @@ def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]])
             "kvcore: %d of %d vLLM functions kvcore relies on differ from vLLM %s as tested "
             "(first: %s: %s); vLLM runs stock",
             len(status.skipped_targets),
-            len(TARGETS),
+            len(targets_for(release_of(status.version or ""))),
             status.version,
             first["target"],
             first["reason"],
         )
     else:
         _install()
-        status.patched_targets = list(SPEC_TARGETS)
+        status.patched_targets = spec_targets(status.version)
         if config.metrics:
             # vLLM's workers are processes of their own: their counts reach /metrics through
             # prometheus_client's multiprocess files, when vLLM turns that mode on.
@@ -121,14 +127,14 @@ def check(
     if not (status.installed and status.enabled and status.version is not None):
         return status
     status.settings = {"transfers": config.transfers, "serve_rule": config.serve_rule}
-    status.target_groups = {SPEC_GROUP: list(SPEC_TARGETS)}
+    status.target_groups = {SPEC_GROUP: spec_targets(status.version)}
     started = time.perf_counter()
     refused = refusals(release_of(status.version), fingerprints)
     status.guard_seconds = round(time.perf_counter() - started, 4)
     for target, reason in refused.items():
         status.skip(target, reason, SPEC_GROUP)
     if not refused:
-        status.would_patch = list(SPEC_TARGETS)
+        status.would_patch = spec_targets(status.version)
     return status
 
 

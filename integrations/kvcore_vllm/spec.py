@@ -3,13 +3,16 @@
 The scheduler-side manager allocates host chunks contiguously; the worker is the
 stock one (its host memory included), with its transfer handlers replaced by
 :class:`~kvcore_vllm.transfers.KVCoreOffloadingHandler` when ``KVCORE_TRANSFERS`` is
-on. Everything else is stock.
+on and the release allows it (not 0.25: :mod:`kvcore_vllm.releases`). Everything else
+is stock.
 The plugin puts this class where vLLM's spec factory looks for its default spec
 (the one behind ``--kv-offloading-size``); it can also be named explicitly with
 ``kv_connector_extra_config={"spec_name": "KVCoreCPUOffloadingSpec"}``.
 """
 
 from __future__ import annotations
+
+import logging
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager
 from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
@@ -18,7 +21,15 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import METRICS
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
+from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.transfers import install_handlers
+
+logger = logging.getLogger("kvcore.vllm")
+
+_SHAPE = installed_shape()
+# Spec attributes -> the manager options they feed, where the spec holds them: 0.33 reports
+# the tier's facts through the manager (cpu_info), 0.25 loads no policy by module path.
+_OPTIONAL_OPTIONS = (("cache_policy_module_path", "cache_policy_module_path"), ("cpu_info", "info"))
 
 
 class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
@@ -34,17 +45,16 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             # The same keys and defaults as the stock get_manager (fingerprinted).
             options = {
                 "cache_policy": self.eviction_policy,
-                "cache_policy_module_path": self.cache_policy_module_path,
                 "enable_events": self.kv_events_config.enable_kv_cache_events,
                 "store_threshold": int(extra.get("store_threshold", 0)),
                 "max_tracker_size": int(extra.get("max_tracker_size", 64_000)),
             }
-            # vLLM 0.33 reports the tier's facts through the manager; 0.32 has no such info.
-            info = getattr(self, "cpu_info", None)
-            if info is not None:
-                options["info"] = info
+            for attribute, option in _OPTIONAL_OPTIONS:
+                if hasattr(self, attribute):
+                    options[option] = getattr(self, attribute)
             metrics = METRICS if KVCoreConfig.from_env().metrics else None
-            self._manager = KVCoreCPUOffloadingManager(self.num_chunks, metrics=metrics, **options)
+            num_chunks = getattr(self, _SHAPE.name("num_chunks"))
+            self._manager = KVCoreCPUOffloadingManager(num_chunks, metrics=metrics, **options)
         return self._manager
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
@@ -52,6 +62,8 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         # region); only the handlers that copy in and out of it are kvcore's.
         worker = super().create_worker(kv_caches)
         config = KVCoreConfig.from_env()
-        if config.transfers:
+        if config.transfers and _SHAPE.stock_transfers is not None:
+            logger.warning("kvcore: KVCORE_TRANSFERS is ignored: %s", _SHAPE.stock_transfers)
+        elif config.transfers:
             install_handlers(worker, config, METRICS if config.metrics else None)
         return worker

@@ -34,7 +34,7 @@ def test_sglang_dependencies_belong_to_groups_and_are_never_hooked():
 @pytest.mark.parametrize("release", sorted(vllm_guard.FINGERPRINTS))
 def test_vllm_records_exactly_its_targets(release):
     recorded = vllm_guard.FINGERPRINTS[release]
-    qualnames = [t.qualname for t in vllm_guard.TARGETS]
+    qualnames = [t.qualname for t in vllm_guard.targets_for(release)]
     assert len(set(qualnames)) == len(qualnames)
     assert set(recorded) == set(qualnames)
     assert all(SHA256.fullmatch(value) for value in recorded.values())
@@ -72,3 +72,22 @@ def test_sglang_a_changed_dependency_leaves_its_group_stock(monkeypatch, tmp_pat
         sglang_guard.ALLOCATOR_TARGETS,
         f"part of the {group} group, whose target {register} changed",
     )
+
+
+def test_vllm_release_names_rename_targets_and_drop_stock_transfers():
+    current = {t.qualname for t in vllm_guard.targets_for("0.33.0")}
+    assert current == {t.qualname for t in vllm_guard.TARGETS}
+    older = {t.qualname: t for t in vllm_guard.targets_for("0.25.1")}
+    assert "CPUOffloadingManager._allocate_blocks" in older
+    assert "BlockStatus.__init__" in older
+    assert not any("chunk" in name.lower() for name in older)
+    assert not any(t.transfers for t in older.values())
+    # Overriding is a fact of kvcore's classes, whatever the release calls the method.
+    assert older["CPUOffloadingManager._free_block"].overridden
+    kept = [t for t in vllm_guard.TARGETS if not t.transfers]
+    assert len(older) == len(kept)
+
+
+def test_vllm_unknown_release_refuses_every_target_by_its_current_name():
+    reasons = vllm_guard.refusals("0.1.0", fingerprints={})
+    assert set(reasons) == {t.name for t in vllm_guard.TARGETS}

@@ -45,12 +45,15 @@ def test_repo_matrix_expands_every_engine_version_and_mode_plus_drift() -> None:
     names = [lane.name for lane in matrix.lanes()]
     expected = [
         f"{engine}-{version}-{mode}"
-        for engine, versions in (("sglang", ("0.5.22", "0.5.23")), ("vllm", ("0.32.0", "0.33.0")))
+        for engine, versions in (
+            ("sglang", ("0.5.22", "0.5.23")),
+            ("vllm", ("0.25.1", "0.32.0", "0.33.0")),
+        )
         for version in versions
         for mode in ("stock", "plugin", "patched")
     ]
     assert sorted(names) == sorted([*expected, "sglang-drift", "vllm-drift"])
-    assert names.index("sglang-drift") < names.index("vllm-0.32.0-stock")
+    assert names.index("sglang-drift") < names.index("vllm-0.25.1-stock")
     assert matrix.engines["vllm"].upstream_tests == "ci/run_vllm_upstream.sh"
     assert matrix.engines["sglang"].upstream_tests == ""
     for engine in matrix.engines.values():
@@ -279,8 +282,10 @@ def test_kvcore_differences_and_deselections_name_staged_tests() -> None:
     }
     differences = conftest.kvcore_differences(stage.KVCORE_DIFFERENCES.read_text())
     deselected = conftest.kvcore_differences((stage.HERE / "deselect.txt").read_text())
-    assert len(differences) == 3 and len(deselected) == 5
-    for node_id, reason in [*differences.items(), *deselected.items()]:
+    per_release = conftest.kvcore_differences((stage.HERE / "deselect-0.25.1.txt").read_text())
+    assert len(differences) == 4 and len(deselected) == 5 and len(per_release) == 37
+    assert not set(per_release) & set(deselected)
+    for node_id, reason in [*differences.items(), *deselected.items(), *per_release.items()]:
         assert node_id.startswith(stage.SELECTED) and "::test_" in node_id and reason
 
 

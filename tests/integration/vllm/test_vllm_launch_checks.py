@@ -13,17 +13,30 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 import vllm.platforms
+import vllm.plugins
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms.cpu import CpuPlatform
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvcore.config import KVCoreConfig
 from kvcore.engine_args import EngineArgs
-from kvcore_vllm import launch_checks
+from kvcore_vllm import launch_checks, plugin
 from kvcore_vllm.plugin import DEFAULT_SPEC_NAME, SPEC_NAME
 
 pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins_stay_here() -> Iterator[None]:
+    """vLLM 0.25's argument parsing loads the general plugins, kvcore's among them (under
+    KVCORE_ENABLE=vllm in the plugin lane): what they change ends with this module."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plugin, "_decided", None)
+        patch.setattr(vllm.plugins, "plugins_loaded", vllm.plugins.plugins_loaded)
+        patch.setattr(OffloadingSpecFactory, "_registry", dict(OffloadingSpecFactory._registry))
+        yield
 
 
 @pytest.fixture(scope="module")

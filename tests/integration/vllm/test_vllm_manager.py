@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm_support import Contiguity, offloading_config, run_churn
+from vllm_support import SHAPE, Contiguity, run_churn, spec_args
 
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
@@ -123,7 +123,7 @@ def test_reset_cache_frees_every_chunk():
         output = manager.prepare_store(_keys("x", 9), ctx)
         manager.complete_store(output.keys_to_store[:4], ctx, success=False)
         manager.reset_cache()
-        assert manager._get_num_free_chunks() == 16
+        assert getattr(manager, SHAPE.name("_get_num_free_chunks"))() == 16
         output = manager.prepare_store(_keys("x", 16), ReqContext(req_id="s"))
         assert output.store_spec.block_ids.tolist() == list(range(16))
     stock, ours = managers
@@ -144,12 +144,13 @@ def test_reset_cache_frees_every_chunk():
     ],
 )
 def test_spec_builds_the_stock_manager_settings(extra):
-    ours = KVCoreCPUOffloadingSpec(offloading_config(extra)).get_manager()
-    stock = CPUOffloadingSpec(offloading_config(extra)).get_manager()
+    ours = KVCoreCPUOffloadingSpec(*spec_args(extra)).get_manager()
+    stock = CPUOffloadingSpec(*spec_args(extra)).get_manager()
     assert isinstance(ours, KVCoreCPUOffloadingManager)
     assert type(stock) is not type(ours)
-    assert ours._num_chunks == stock._num_chunks > 0
-    assert ours._allocator.size == stock._num_chunks
+    pool_size = getattr(stock, SHAPE.name("_num_chunks"))
+    assert getattr(ours, SHAPE.name("_num_chunks")) == pool_size > 0
+    assert ours._allocator.size == pool_size
     assert type(ours._policy) is type(stock._policy)
     assert ours.store_threshold == stock.store_threshold
     assert ours.max_tracker_size == stock.max_tracker_size
@@ -172,8 +173,8 @@ def test_allocation_is_exact_under_random_sizes():
         assert len(set(ids.tolist())) == size and ids.min() >= 0 and ids.max() < 50
         manager.complete_store(output.keys_to_store, ctx)
         manager.on_request_finished(ctx)
-        live = len(manager._policy.chunks)
+        live = len(getattr(manager._policy, SHAPE.name("chunks")))
         held = int(manager._allocator.page_used.numpy().sum())
         assert held == live + len(manager._released)
-        assert manager._num_allocated_chunks == live
-        assert manager._get_num_free_chunks() == 50 - live
+        assert getattr(manager, SHAPE.name("_num_allocated_chunks")) == live
+        assert getattr(manager, SHAPE.name("_get_num_free_chunks"))() == 50 - live

@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-from vllm_support import offloading_config
+from vllm_support import SHAPE, name, spec_args, spec_selection
 
 import kvcore_vllm
 from kvcore.config import KVCoreConfig
@@ -25,10 +25,14 @@ from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 pytestmark = pytest.mark.vllm
 
 OVERRIDDEN = [
-    "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager._get_num_free_chunks",
-    "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager._allocate_chunks",
-    "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager._free_chunk",
-    "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager.reset_cache",
+    f"vllm.v1.kv_offload.cpu.manager.{SHAPE.qualname(qualname)}"
+    for qualname in (
+        "CPUOffloadingManager._get_num_free_chunks",
+        "CPUOffloadingManager._allocate_chunks",
+        "CPUOffloadingManager._free_chunk",
+        "CPUOffloadingManager.reset_cache",
+    )
+] + [
     "vllm.v1.kv_offload.cpu.spec.CPUOffloadingSpec.get_manager",
     "vllm.v1.kv_offload.cpu.spec.CPUOffloadingSpec.create_worker",
 ]
@@ -44,7 +48,7 @@ def fresh_process_state(monkeypatch):
 
 
 def _default_spec() -> type:
-    return OffloadingSpecFactory.get_spec_cls({})
+    return OffloadingSpecFactory.get_spec_cls(spec_selection({}))
 
 
 def _installed_release() -> str:
@@ -78,11 +82,15 @@ def test_enabled_plugin_selects_kvcore_spec_and_is_idempotent(monkeypatch, caplo
     assert caplog.records == []
     assert _default_spec() is KVCoreCPUOffloadingSpec
     assert issubclass(KVCoreCPUOffloadingSpec, CPUOffloadingSpec)
-    explicit = OffloadingSpecFactory.get_spec_cls({"spec_name": "KVCoreCPUOffloadingSpec"})
+    explicit = OffloadingSpecFactory.get_spec_cls(
+        spec_selection({"spec_name": "KVCoreCPUOffloadingSpec"})
+    )
     assert explicit is KVCoreCPUOffloadingSpec
-    tiering = OffloadingSpecFactory.get_spec_cls({"spec_name": "TieringOffloadingSpec"})
+    tiering = OffloadingSpecFactory.get_spec_cls(
+        spec_selection({"spec_name": "TieringOffloadingSpec"})
+    )
     assert tiering is TieringOffloadingSpec
-    spec = OffloadingSpecFactory.create_spec(offloading_config({"cpu_bytes_to_use": 1 << 20}))
+    spec = OffloadingSpecFactory.create_spec(*spec_args({"cpu_bytes_to_use": 1 << 20}))
     assert isinstance(spec.get_manager(), KVCoreCPUOffloadingManager)
     status = kvcore_vllm.status()
     assert status.active and status.skipped_targets == []
@@ -103,14 +111,14 @@ def test_status_before_loading_reports_nothing_patched_and_the_guard_passing():
 def test_recorded_fingerprints_match_the_installed_vllm():
     release = _installed_release()
     assert release in guard.SUPPORTED_VERSIONS
-    assert guard.current_fingerprints() == guard.FINGERPRINTS[release]
+    assert guard.current_fingerprints(release) == guard.FINGERPRINTS[release]
     assert guard.refusals(release) == {}
 
 
 def test_guard_refuses_a_changed_fingerprint_with_one_warning(caplog):
     release = _installed_release()
     changed = {release: dict(guard.FINGERPRINTS[release])}
-    target = "CPUOffloadingManager._allocate_chunks"
+    target = SHAPE.qualname("CPUOffloadingManager._allocate_chunks")
     changed[release][target] = "0" * 64
     registry = dict(OffloadingSpecFactory._registry)
     with caplog.at_level(logging.WARNING, logger="kvcore"):
@@ -157,14 +165,13 @@ def test_guard_refuses_a_target_whose_source_changed(tmp_path):
     assert guard.refusals(release, root=tmp_path) == {}
     manager = tmp_path / "vllm/v1/kv_offload/cpu/manager.py"
     original = manager.read_text(encoding="utf-8")
-    edited = original.replace(
-        "chunks.append(ChunkStatus(self._free_list.pop()))",
-        "chunks.append(ChunkStatus(self._free_list.pop(0)))",
-    )
+    reused = f"{name('chunks')}.append({name('ChunkStatus')}(self._free_list.pop()))"
+    edited = original.replace(reused, reused.replace("pop()", "pop(0)"))
     assert edited != original
     manager.write_text(edited, encoding="utf-8")
     reasons = guard.refusals(release, root=tmp_path)
-    assert list(reasons) == ["vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager._allocate_chunks"]
+    allocate = SHAPE.qualname("CPUOffloadingManager._allocate_chunks")
+    assert list(reasons) == [f"vllm.v1.kv_offload.cpu.manager.{allocate}"]
 
 
 def test_vllm_plugin_loader_runs_the_entry_point(tmp_path, monkeypatch):

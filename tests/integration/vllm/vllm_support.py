@@ -12,24 +12,76 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
+from kvcore_vllm.releases import installed_shape
+
+SHAPE = installed_shape()
+"""The installed release's names (kvcore_vllm.releases): tests spell 0.33's through it."""
 
 
-def offloading_config(extra: dict[str, Any]) -> OffloadingConfig:
-    """One worker, one group of 16-token blocks, 2 blocks a chunk, 4 KiB a block."""
+def name(current: str) -> str:
+    """The installed release's name for what vLLM 0.33 calls ``current``."""
+    return SHAPE.name(current)
+
+
+def spec_args(extra: dict[str, Any]) -> tuple[Any, ...]:
+    """What a spec's constructor takes on the installed release, for the setup of
+    :func:`offloading_config`; vLLM 0.25 takes its engine and KV cache configs, of which
+    stand-ins carry only the fields its spec reads."""
+    try:
+        import vllm.v1.kv_offload.config  # noqa: F401
+    except ModuleNotFoundError:
+        return _engine_configs(extra)
+    return (offloading_config(extra),)
+
+
+def spec_selection(extra: dict[str, Any]) -> Any:
+    """What the spec factory's get_spec_cls reads ``extra`` from on the installed release:
+    the extra config itself, or (vLLM 0.25) an engine config that holds it."""
+    args = spec_args(extra)
+    return extra if len(args) == 1 else args[0]
+
+
+def _engine_configs(extra: dict[str, Any]) -> tuple[Any, Any]:
+    """vLLM 0.25's (VllmConfig, KVCacheConfig) for one worker, one group of 16-token
+    blocks, 2 blocks an offloaded block, 4 KiB a block (1 GiB of GPU blocks)."""
+    parallel = SimpleNamespace(
+        world_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1
+    )
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"block_size": 32, **extra}),
+        kv_events_config=SimpleNamespace(enable_kv_cache_events=True),
+        parallel_config=parallel,
+        cache_config=SimpleNamespace(block_size=16),
+    )
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))
+    num_blocks = 1 << 18
+    kv_cache_config = SimpleNamespace(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[SimpleNamespace(size=4096 * num_blocks, block_stride=0)],
+        kv_cache_groups=[group],
+    )
+    return vllm_config, kv_cache_config
+
+
+def offloading_config(extra: dict[str, Any]) -> Any:
+    """One worker, one group of 16-token blocks, 2 blocks a chunk, 4 KiB a block
+    (vLLM 0.32 on)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
         worker_kv_bytes_per_block=4096,
@@ -102,7 +154,7 @@ class _Side:
         for key in keys:
             chunk = self.manager._policy.get(key)
             assert chunk is not None, key
-            ids.append(chunk.chunk_id)
+            ids.append(getattr(chunk, name("chunk_id")))
         return ids
 
 
@@ -139,8 +191,10 @@ def run_churn(
         keys = [make_offload_key(f"d{doc}b{i}".encode(), 0) for i in range(length)]
         contexts = [ReqContext(req_id=f"r{number}") for _ in sides]
         for ctx in contexts:
+            # vLLM 0.25's contexts hold no key positions.
             for position, key in enumerate(keys):
-                ctx.set_offload_key_position(key, (position + 1) * 16)
+                if hasattr(ctx, "set_offload_key_position"):
+                    ctx.set_offload_key_position(key, (position + 1) * 16)
         for side, ctx in zip(sides, contexts, strict=True):
             side.manager.on_new_request(ctx)
 
@@ -232,11 +286,12 @@ def _compare_state(sides: tuple[_Side, _Side], live: set[bytes]) -> None:
     assert events[0] == events[1]
     stats = [side.manager.get_stats().data for side in sides]
     assert stats[0] == stats[1]
-    assert stock.manager._get_num_free_chunks() == ours.manager._get_num_free_chunks()
+    free = name("_get_num_free_chunks")
+    assert getattr(stock.manager, free)() == getattr(ours.manager, free)()
     for side in sides:
         ids = side.live_ids(live)
         assert len(set(ids)) == len(ids), "a chunk id is held by two keys"
-        assert all(0 <= i < side.manager._num_chunks for i in ids)
+        assert all(0 <= i < getattr(side.manager, name("_num_chunks")) for i in ids)
     # kvcore's allocator holds exactly the live chunks, and frees exactly the rest.
     allocator = ours.manager._allocator
     held = set(np.flatnonzero(allocator.page_used.numpy()).tolist())
@@ -245,4 +300,4 @@ def _compare_state(sides: tuple[_Side, _Side], live: set[bytes]) -> None:
     assert len(released) == len(ours.manager._released), "a chunk id was freed twice"
     assert live_ids.isdisjoint(released)
     assert held == live_ids | released
-    assert allocator.available_size() + len(held) == ours.manager._num_chunks
+    assert allocator.available_size() + len(held) == getattr(ours.manager, name("_num_chunks"))
