@@ -287,13 +287,10 @@ def _count_request_pass(chosen_mover: Mover, reason: str) -> None:
         chosen_mover.metrics.record_pass(reason)
 
 
-def _count_decision(chosen_mover: Mover, reason: str | None, rule_reason: str) -> None:
-    """One request's decision: served, or passed to stock and why."""
+def _count_serve(chosen_mover: Mover) -> None:
+    """A request kvcore serves (passes are counted by :func:`_count_request_pass`)."""
     if chosen_mover.metrics is not None:
-        if reason is None:
-            chosen_mover.metrics.record_decision("serve", rule_reason)
-        else:
-            chosen_mover.metrics.record_decision("pass", reason)
+        chosen_mover.metrics.record_decision("serve", "rule_serves")
 
 
 _logged_errors: set[str] = set()
@@ -346,7 +343,7 @@ def _serve(
                 chosen_mover.submit(each)
             return
     except Exception as exc:
-        decided = _internal_error(chosen_mover, exc)
+        _internal_error(chosen_mover, exc)
         stock()
         return
     _count_pass(chosen_mover, decided)
@@ -387,13 +384,22 @@ def _rule_setting() -> bool:
     return KVCoreConfig.from_env().serve_rule
 
 
-def _rule_reason(op: str, pool: Any, io_backend: str, tokens: int) -> str | None:
+def _ruled_shape(pool: Any) -> tuple[str, int] | None:
+    """The pool's (layout, page size) when the rule applies to it: the rule is on and the
+    pool has both (the checks that follow say why any other pool runs stock)."""
     if not serve_rule_enabled():
         return None
     layout, page_size = getattr(pool, "layout", None), getattr(pool, "page_size", None)
     if not isinstance(layout, str) or not isinstance(page_size, int):
-        return None  # the checks that follow say why such a pool runs stock
-    return serve_rule.sglang_decision(op, io_backend, layout, page_size, tokens)
+        return None
+    return layout, page_size
+
+
+def _rule_reason(op: str, pool: Any, io_backend: str, tokens: int) -> str | None:
+    shape = _ruled_shape(pool)
+    if shape is None:
+        return None
+    return serve_rule.sglang_decision(op, io_backend, *shape, tokens)
 
 
 # Pool -> the methods kvcore gave back to stock on that pool (instance attributes it set).
@@ -413,11 +419,10 @@ def _bypass_if_never(
     another one also lands in stock, which is always exact. :func:`restore_bypassed`
     takes the bindings back.
     """
-    if not serve_rule_enabled():
+    shape = _ruled_shape(pool)
+    if shape is None:
         return False
-    layout, page_size = getattr(pool, "layout", None), getattr(pool, "page_size", None)
-    if not isinstance(layout, str) or not isinstance(page_size, int):
-        return False
+    layout, page_size = shape
     reason = serve_rule.sglang_never(op, io_backend, layout, page_size)
     if reason is None:
         return False
@@ -493,7 +498,7 @@ def _start_load(
             indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
             reason = indices if isinstance(indices, str) else None
     if reason is None:
-        _count_decision(chosen_mover, None, "rule_serves")
+        _count_serve(chosen_mover)
     else:
         _count_request_pass(chosen_mover, reason)
     if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
@@ -508,9 +513,10 @@ def _start_load(
 
 def _dense_host_passes(op: str, pool: Any, io_backend: str, host: torch.Tensor) -> bool:
     """The rule passes requests whose host slots (on the CPU) are one dense span."""
-    if not serve_rule_enabled() or host.numel() == 0:
+    shape = _ruled_shape(pool)
+    if shape is None or host.numel() == 0:
         return False
-    if not serve_rule.sglang_dense_host_passes(op, io_backend, pool.layout, pool.page_size):
+    if not serve_rule.sglang_dense_host_passes(op, io_backend, *shape):
         return False
     low, high = torch.aminmax(host)
     return int(high) - int(low) + 1 == host.numel()
@@ -734,7 +740,7 @@ def _make_backup_hook(
             _count_request_pass(mover(), "stock_dense_host")
             stock()
             return
-        _count_decision(mover(), None, "rule_serves")
+        _count_serve(mover())
         job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)
         _serve(stock, pool, job, Direction.D2H, indices.device_opaque)
 
