@@ -17,12 +17,14 @@ import importlib.util
 import os
 import shlex
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kvcore.config import ENGINES, ConfigError, KVCoreConfig, settings_help
 from kvcore.engine_args import EngineArgs
+from kvcore.metrics_export import MULTIPROC_ENV, multiprocess_dir
 
 ENGINE_ENTRY_MODULES: dict[str, str] = {
     "sglang": "sglang.launch_server",
@@ -134,6 +136,11 @@ def _launch(engine: str | None, rest: list[str], dry_run: bool) -> int:
         return 0
     if not installed:
         raise LaunchError(f"{engine} is not installed for {sys.executable}; pip install {engine}")
+    if config.metrics and multiprocess_dir(os.environ) is None:
+        # kvcore counts in the engine's worker processes; the engine serves /metrics from
+        # another one, which reads them only in prometheus_client's multiprocess mode. A
+        # fresh directory per launch, so no earlier run's values are summed in.
+        variables[MULTIPROC_ENV[0]] = tempfile.mkdtemp(prefix="kvcore-metrics-")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(command[0], command, {**os.environ, **variables})

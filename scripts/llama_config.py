@@ -1,6 +1,6 @@
 """A model directory vLLM can serve without weights or a tokenizer: a Llama config.json.
 
-    python3 scripts/llama_config.py DIR [--layers 32] [--hidden 4096] [--kv-heads 8] ...
+    python3 scripts/llama_config.py DIR [--layers 32] [--hidden 4096] [--max-positions 8192] ...
 
 The defaults are Llama-3-8B's shape (32 layers, hidden 4096, 32 query heads, 8 KV heads of
 128, bf16), so the KV pages and the copies between the GPU and the CPU tier are a real
@@ -65,8 +65,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--max-positions", type=int, default=8192)
     args = parser.parse_args(argv)
-    config = llama_config(args.layers, args.hidden, args.kv_heads, args.intermediate)
+    config = llama_config(
+        args.layers, args.hidden, args.kv_heads, args.intermediate, max_positions=args.max_positions
+    )
     args.directory.mkdir(parents=True, exist_ok=True)
     path = args.directory / "config.json"
     path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import functools
+import inspect
 import statistics
 import time
 from collections import deque
@@ -47,6 +48,8 @@ from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, policy_from_config
 from kvcore.streams import CpuSyncBackend
+from kvcore_vllm.releases import installed_shape
+from kvcore_vllm.stock_copies import StockCopies
 from kvcore_vllm.transfers import CudaJobStreams, JobStreams, KVCoreOffloadingHandler
 
 # vLLM aligns each chunk row of its shared host region to the OS page size.
@@ -159,13 +162,15 @@ def stock_handler(
     """vLLM's own handler over the tensors (host stand-ins accepted on a CPU ``gpu``)."""
     if gpu[0].device.type == "cpu":
         gpu = [t.as_subclass(_HostAsDevice) for t in gpu]
+    shape = installed_shape()
+    options: dict[str, Any] = {
+        shape.name("blocks_per_chunk"): layout.blocks_per_chunk,
+        shape.name("layer_refs_per_group"): layout.refs(groups),
+    }
+    if "host_memory_is_pinned" in inspect.signature(SingleDirectionOffloadingHandler).parameters:
+        options["host_memory_is_pinned"] = gpu[0].device.type == "cuda"
     return SingleDirectionOffloadingHandler(
-        gpu_tensors=list(gpu),
-        cpu_tensors=list(host),
-        blocks_per_chunk=layout.blocks_per_chunk,
-        layer_refs_per_group=layout.refs(groups),
-        gpu_to_cpu=gpu_to_cpu,
-        host_memory_is_pinned=gpu[0].device.type == "cuda",
+        gpu_tensors=list(gpu), cpu_tensors=list(host), gpu_to_cpu=gpu_to_cpu, **options
     )
 
 
@@ -467,7 +472,8 @@ def _stock_descriptors(
     """The stock handler's descriptors for the job, filled by its own code."""
     gpu_spec, cpu_spec = specs if stock.gpu_to_cpu else specs[::-1]
     size = len(gpu_spec.block_ids)
-    count = stock._estimate_max_copy_ops([size])
+    copies = StockCopies(stock)
+    count = copies.max_copy_ops([size])
     # Pinned where stock pins them, so the Triton path uploads them as stock does.
     pin = torch.cuda.is_available()
     buffers = [torch.empty(count, dtype=torch.int64, pin_memory=pin) for _ in range(3)]
@@ -476,17 +482,15 @@ def _stock_descriptors(
         if stock.gpu_to_cpu
         else (cpu_spec.block_ids, gpu_spec.block_ids)
     )
-    filled, _ = stock._fill_group_ops(
+    filled, _ = copies.fill_group(
         0,
-        group_src=src_ids,
-        group_dst=dst_ids,
-        group_size=size,
-        src_skip_count=0,
-        dst_skip_count=0,
-        all_src=buffers[0].numpy(),
-        all_dst=buffers[1].numpy(),
-        all_sizes=buffers[2].numpy(),
-        op_idx=0,
+        src_ids=src_ids,
+        dst_ids=dst_ids,
+        pages=size,
+        src_skip=0,
+        dst_skip=0,
+        out=(buffers[0].numpy(), buffers[1].numpy(), buffers[2].numpy()),
+        op_index=0,
     )
     src, dst, sizes = (b[:filled] for b in buffers)
     return src, dst, sizes

@@ -10,7 +10,7 @@ importing vLLM: `kvcore doctor` and the plugin reach the same verdict, and the d
 stays fast.
 
 Targets are named as vLLM 0.33 names them; :mod:`kvcore_vllm.releases` maps them to
-each release's names and leaves out the transfer targets where the handlers stay stock.
+each release's names and leaves out the fill methods of a release that fills inline.
 Only the standard library and kvcore's core are imported here.
 """
 
@@ -35,8 +35,8 @@ class Target:
     module: str
     qualname: str
     overridden: bool = False
-    transfers: bool = False
-    """Relied on only by kvcore's transfer handlers."""
+    fill: bool = False
+    """A descriptor fill method: releases that fill inside transfer_async have none."""
 
     @property
     def name(self) -> str:
@@ -71,25 +71,26 @@ TARGETS: tuple[Target, ...] = (
     # them: kvcore's handler reads the stock one's state, keeps its contract, pairs pages
     # as its transfer_async and sub-block pointers do, and runs its descriptor fill and
     # copy op for the jobs that fall back: the fill is the method __init__ binds as
-    # _fill_group_ops, the copy op the function _select_swap_blocks_fn picks (a partial
-    # for the Triton load kernel, which the handler tells apart).
+    # _fill_group_ops (0.25 fills inline, through compute_sub_block_ptrs), the copy op the
+    # function _select_swap_blocks_fn picks (a partial for the Triton load kernel, which
+    # the handler tells apart).
     Target(_SPEC, "CPUOffloadingSpec.create_worker", overridden=True),
-    Target(_WORKER, "CPUOffloadingWorker.__init__", transfers=True),
-    Target(_WORKER, "CPUOffloadingWorker.submit_store", transfers=True),
-    Target(_WORKER, "CPUOffloadingWorker.submit_load", transfers=True),
-    Target(_WORKER, "CPUOffloadingWorker.get_finished", transfers=True),
-    Target(_WORKER, "CPUOffloadingWorker.wait", transfers=True),
-    Target(_WORKER, "CPUOffloadingWorker.shutdown", transfers=True),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.__init__", transfers=True),
-    Target(_WORKER, "SingleDirectionOffloadingHandler._estimate_max_copy_ops", transfers=True),
-    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_direct_ops", transfers=True),
-    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_canonical_ops", transfers=True),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.transfer_async", transfers=True),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.get_finished", transfers=True),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.wait", transfers=True),
-    Target(_WORKER, "SingleDirectionOffloadingHandler.shutdown", transfers=True),
-    Target(_WORKER, "compute_sub_block_ptrs", transfers=True),
-    Target(_WORKER, "_select_swap_blocks_fn", transfers=True),
+    Target(_WORKER, "CPUOffloadingWorker.__init__"),
+    Target(_WORKER, "CPUOffloadingWorker.submit_store"),
+    Target(_WORKER, "CPUOffloadingWorker.submit_load"),
+    Target(_WORKER, "CPUOffloadingWorker.get_finished"),
+    Target(_WORKER, "CPUOffloadingWorker.wait"),
+    Target(_WORKER, "CPUOffloadingWorker.shutdown"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.__init__"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler._estimate_max_copy_ops", fill=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_direct_ops", fill=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler._fill_canonical_ops", fill=True),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.transfer_async"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.get_finished"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.wait"),
+    Target(_WORKER, "SingleDirectionOffloadingHandler.shutdown"),
+    Target(_WORKER, "compute_sub_block_ptrs"),
+    Target(_WORKER, "_select_swap_blocks_fn"),
 )
 
 # Release -> target qualname (in the release's names) -> fingerprint. Print a release's
@@ -138,6 +139,45 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         ),
         "CPUOffloadingSpec.create_worker": (
             "7b5744c1cb8c9e938ccaf52c32ecf558efeed21ef3c23d3cca245eb7820bb310"
+        ),
+        "CPUOffloadingWorker.__init__": (
+            "f64f2775657b10422eba93bd4ddff27d4af49687260159426e5a1e135128d19e"
+        ),
+        "CPUOffloadingWorker.submit_store": (
+            "bca152246abc88b8c9929533bff23bc70a4c0c88718ac963d073ddc24ce39dc1"
+        ),
+        "CPUOffloadingWorker.submit_load": (
+            "91eb8d4890e4949ef434a58da4383096a42c3316102412d648d96aa916661ebd"
+        ),
+        "CPUOffloadingWorker.get_finished": (
+            "1015445ffd9699c1066c5cd266965553b25494277d4a379a134fb49a2925f29d"
+        ),
+        "CPUOffloadingWorker.wait": (
+            "d35d0b09e7bf1302d70b9689e2755decf47123c2163ba6e392dc8f15c181a367"
+        ),
+        "CPUOffloadingWorker.shutdown": (
+            "e81eb0550dea6ce95039c3b4df6fc5034bf8d06d4952f18f06d765f00e532b62"
+        ),
+        "SingleDirectionOffloadingHandler.__init__": (
+            "1c9661781cf2280ff513927f2c1f87a62ce242b6b581523dee497fd3eccd778c"
+        ),
+        "SingleDirectionOffloadingHandler.transfer_async": (
+            "bcee10009a87087b3905bfbc586649cedd760207b0f381a09afd0f3b51c66e02"
+        ),
+        "SingleDirectionOffloadingHandler.get_finished": (
+            "aef518bd77a2086b48145951a113ea6dda5ce9cacc46c04d5536f56aaea28c89"
+        ),
+        "SingleDirectionOffloadingHandler.wait": (
+            "eadca0aea61d8d9c1f618aafbda9ee5faf3ec39de99abfc8e206176bbe26d2f7"
+        ),
+        "SingleDirectionOffloadingHandler.shutdown": (
+            "b7123582eae6924e6c53eebb768a5e3e57852b9927507473b18ac76b69c0119f"
+        ),
+        "compute_sub_block_ptrs": (
+            "b9b4d457907c1f751b88ca732273754733e3baf02c47991dacea4cbbbb2ba003"
+        ),
+        "_select_swap_blocks_fn": (
+            "9254683c5f1e6f412eaa9d0931e72be3317427921d9f71e2f4038619fdf649f1"
         ),
     },
     "0.32.0": {
@@ -330,12 +370,12 @@ SUPPORTED_VERSIONS: tuple[str, ...] = tuple(FINGERPRINTS)
 
 
 def targets_for(release: str) -> tuple[Target, ...]:
-    """The targets as ``release`` names them, without those it leaves stock."""
+    """The targets as ``release`` names them, without the fill methods it lacks."""
     shape = shape_of(release)
     return tuple(
         replace(t, qualname=shape.qualname(t.qualname))
         for t in TARGETS
-        if not (t.transfers and shape.stock_transfers)
+        if not (t.fill and shape.fills_in_transfer_async)
     )
 
 

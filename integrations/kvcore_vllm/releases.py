@@ -6,10 +6,10 @@ status record under other names. The guard's targets, the manager's overrides an
 spec's reads are written with 0.33's names, and :class:`ReleaseShape` maps each to the
 name a release gives it.
 
-0.25's transfer handler fills its copy descriptors inside ``transfer_async``: there is
-no fill method kvcore's handler could run, on its own stream and in its own job order,
-for the jobs it leaves to stock. So on 0.25 the handlers stay stock and the guard does
-not ask for their code.
+0.25's transfer handler fills its copy descriptors inside ``transfer_async`` and has no
+fill method: for the jobs kvcore's handler leaves to stock it fills them with the
+module's own pointer function instead (:mod:`kvcore_vllm.stock_copies`), and the guard
+asks for that function and ``transfer_async`` rather than the fill methods.
 
 Only the standard library is imported here: the guard imports this module.
 """
@@ -26,12 +26,12 @@ from kvcore.engine_status import release_of
 
 @dataclass(frozen=True)
 class ReleaseShape:
-    """One release's names for what kvcore touches, and what it leaves stock."""
+    """One release's names for what kvcore touches, and how its handler fills descriptors."""
 
     renames: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """0.33's name -> this release's, for functions, classes and attributes."""
-    stock_transfers: str | None = None
-    """Why the worker's transfer handlers stay stock on this release; None: kvcore's."""
+    fills_in_transfer_async: bool = False
+    """The transfer handler fills its copy descriptors inline, with no fill method."""
 
     def name(self, current: str) -> str:
         """This release's name for what 0.33 calls ``current``."""
@@ -44,8 +44,9 @@ class ReleaseShape:
 
 CURRENT = ReleaseShape()
 
-# 0.25's names for the chunk pool (manager), its status record and the spec's pool size;
-# tests read the pool size and the LRU policy's records too.
+# 0.25's names for the chunk pool (manager), its status record, the spec's pool size and
+# the transfer handler's block geometry; tests read the pool size and the LRU policy's
+# records too.
 BLOCK_NAMES = MappingProxyType(
     {
         "_num_chunks": "_num_blocks",
@@ -57,6 +58,10 @@ BLOCK_NAMES = MappingProxyType(
         "ChunkStatus": "BlockStatus",
         "chunk_id": "block_id",
         "num_chunks": "num_blocks",
+        "blocks_per_chunk": "block_size_factor",
+        "src_blocks_per_chunk": "src_block_size_factor",
+        "dst_blocks_per_chunk": "dst_block_size_factor",
+        "layer_refs_per_group": "kv_cache_groups_data_refs",
     }
 )
 
@@ -64,11 +69,7 @@ SHAPES: Mapping[str, ReleaseShape] = MappingProxyType(
     {
         "0.25.1": ReleaseShape(
             renames=BLOCK_NAMES,
-            stock_transfers=(
-                "vLLM 0.25's handler fills its copy descriptors inside transfer_async, so "
-                "the jobs kvcore leaves to stock could not run stock's code in kvcore's "
-                "job order"
-            ),
+            fills_in_transfer_async=True,
         ),
     }
 )

@@ -3,8 +3,7 @@
 The scheduler-side manager allocates host chunks contiguously; the worker is the
 stock one (its host memory included), with its transfer handlers replaced by
 :class:`~kvcore_vllm.transfers.KVCoreOffloadingHandler` when ``KVCORE_TRANSFERS`` is
-on and the release allows it (not 0.25: :mod:`kvcore_vllm.releases`). Everything else
-is stock.
+on. Everything else is stock.
 The plugin puts this class where vLLM's spec factory looks for its default spec
 (the one behind ``--kv-offloading-size``); it can also be named explicitly with
 ``kv_connector_extra_config={"spec_name": "KVCoreCPUOffloadingSpec"}``.
@@ -62,8 +61,6 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         # region); only the handlers that copy in and out of it are kvcore's.
         worker = super().create_worker(kv_caches)
         config = KVCoreConfig.from_env()
-        if config.transfers and _SHAPE.stock_transfers is not None:
-            logger.warning("kvcore: KVCORE_TRANSFERS is ignored: %s", _SHAPE.stock_transfers)
-        elif config.transfers:
+        if config.transfers:
             install_handlers(worker, config, METRICS if config.metrics else None)
         return worker

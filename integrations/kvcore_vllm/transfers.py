@@ -46,6 +46,7 @@ from kvcore.mover import (
 from kvcore.runs import has_duplicates
 from kvcore.streams import CudaEventOps
 from kvcore_vllm.page_rows import PageRows, page_rows
+from kvcore_vllm.stock_copies import StockCopies
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -210,12 +211,10 @@ class KVCoreOffloadingHandler:
         metrics: Metrics | None = None,
         stock_rules: bool = True,
     ) -> None:
-        self._stock = stock
-        self.gpu_to_cpu: bool = stock.gpu_to_cpu
+        self._stock = StockCopies(stock)
+        self.gpu_to_cpu: bool = self._stock.gpu_to_cpu
         self.direction = Direction.D2H if self.gpu_to_cpu else Direction.H2D
-        self.blocks_per_chunk: int = (
-            stock.dst_blocks_per_chunk if self.gpu_to_cpu else stock.src_blocks_per_chunk
-        )
+        self.blocks_per_chunk: int = self._stock.blocks_per_chunk
         self._mover = mover
         self._streams = streams
         self._compute_stream = compute_stream
@@ -232,14 +231,13 @@ class KVCoreOffloadingHandler:
         self._groups: list[_Group | str] = self._describe_groups()
         # vLLM picks its Triton swap kernel (a functools.partial) for small pinned loads.
         self._stock_loads_by_kernel = not self.gpu_to_cpu and isinstance(
-            getattr(stock, "_swap_blocks_batch", None), functools.partial
+            self._stock.copy_op, functools.partial
         )
 
     def _describe_groups(self) -> list[_Group | str]:
-        if getattr(self._stock, "_canonical_copy_plans", None) is not None:
+        if self._stock.canonical_layout:
             return ["canonical_layout"] * len(self._stock.layer_refs_per_group)
-        gpu_tensors = self._stock.src_tensors if self.gpu_to_cpu else self._stock.dst_tensors
-        cpu_tensors = self._stock.dst_tensors if self.gpu_to_cpu else self._stock.src_tensors
+        gpu_tensors, cpu_tensors = self._stock.gpu_tensors, self._stock.cpu_tensors
         reasons: dict[int, str] = {}
         for index, (gpu, cpu) in enumerate(zip(gpu_tensors, cpu_tensors, strict=True)):
             rows = page_rows(gpu, cpu, self.blocks_per_chunk)
@@ -396,7 +394,7 @@ class KVCoreOffloadingHandler:
     def _submit_stock(self, job_id: int, segments: list[Segment]) -> None:
         """Fill descriptors with the stock handler's code and issue its copy op."""
         stock = self._stock
-        count = stock._estimate_max_copy_ops(_group_sizes(segments, len(self._groups)))
+        count = stock.max_copy_ops(_group_sizes(segments, len(self._groups)))
         buffers = self._descriptor_pool.pop() if self._descriptor_pool else None
         if buffers is None or buffers[0].numel() < count:
             buffers = _descriptor_buffers(count)
@@ -408,26 +406,22 @@ class KVCoreOffloadingHandler:
                 if self.gpu_to_cpu
                 else (segment.cpu_ids, segment.gpu_ids)
             )
-            op_index, group_bytes = stock._fill_group_ops(
+            op_index, group_bytes = stock.fill_group(
                 segment.group,
-                group_src=src_ids,
-                group_dst=dst_ids,
-                group_size=segment.pages,
-                src_skip_count=0 if self.gpu_to_cpu else segment.skip,
-                dst_skip_count=segment.skip if self.gpu_to_cpu else 0,
-                all_src=views[0],
-                all_dst=views[1],
-                all_sizes=views[2],
-                op_idx=op_index,
+                src_ids=src_ids,
+                dst_ids=dst_ids,
+                pages=segment.pages,
+                src_skip=0 if self.gpu_to_cpu else segment.skip,
+                dst_skip=segment.skip if self.gpu_to_cpu else 0,
+                out=(views[0], views[1], views[2]),
+                op_index=op_index,
             )
             nbytes += group_bytes
         src, dst, sizes = (b[:op_index] for b in buffers)
 
         def copy() -> None:
             if op_index > 0:
-                stock._swap_blocks_batch(
-                    src, dst, sizes, is_src_access_order_any=not self.gpu_to_cpu
-                )
+                stock.copy(src, dst, sizes)
 
         self._submit(job_id, nbytes, copy, descriptors=buffers)
 

@@ -74,18 +74,22 @@ def test_sglang_a_changed_dependency_leaves_its_group_stock(monkeypatch, tmp_pat
     )
 
 
-def test_vllm_release_names_rename_targets_and_drop_stock_transfers():
+def test_vllm_release_names_rename_targets_and_drop_fill_methods_it_lacks():
     current = {t.qualname for t in vllm_guard.targets_for("0.33.0")}
     assert current == {t.qualname for t in vllm_guard.TARGETS}
     older = {t.qualname: t for t in vllm_guard.targets_for("0.25.1")}
     assert "CPUOffloadingManager._allocate_blocks" in older
     assert "BlockStatus.__init__" in older
     assert not any("chunk" in name.lower() for name in older)
-    assert not any(t.transfers for t in older.values())
+    # 0.25 fills descriptors inside transfer_async, through the pointer function.
+    assert not any(t.fill for t in older.values())
+    assert {"SingleDirectionOffloadingHandler.transfer_async", "compute_sub_block_ptrs"} <= set(
+        older
+    )
     # Overriding is a fact of kvcore's classes, whatever the release calls the method.
     assert older["CPUOffloadingManager._free_block"].overridden
-    kept = [t for t in vllm_guard.TARGETS if not t.transfers]
-    assert len(older) == len(kept)
+    fills = [t for t in vllm_guard.TARGETS if t.fill]
+    assert len(fills) == 3 and len(older) == len(vllm_guard.TARGETS) - len(fills)
 
 
 def test_vllm_unknown_release_refuses_every_target_by_its_current_name():

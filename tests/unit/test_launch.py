@@ -29,11 +29,19 @@ FAKE_ENGINE = textwrap.dedent(
     import json, os, sys
     print("fake engine started", file=sys.stderr)
     env = {k: v for k, v in os.environ.items() if k.startswith("KVCORE_")}
-    print(json.dumps({"argv": sys.argv[1:], "env": env}))
+    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    print(json.dumps({"argv": sys.argv[1:], "env": env, "metrics_dir": metrics_dir}))
     """
 )
 # Variables that change what kvcore says; the tests set the ones they mean to.
-OWN_VARIABLES = ("KVCORE_", "SGLANG_PLUGINS", "VLLM_PLUGINS", "VLLM_USE_SIMPLE_KV_OFFLOAD")
+OWN_VARIABLES = (
+    "KVCORE_",
+    "SGLANG_PLUGINS",
+    "VLLM_PLUGINS",
+    "VLLM_USE_SIMPLE_KV_OFFLOAD",
+    "PROMETHEUS_MULTIPROC_DIR",
+    "prometheus_multiproc_dir",
+)
 
 
 def run_python(
@@ -268,3 +276,21 @@ def test_plugin_entry_points_with_a_bad_value_log_one_line_and_leave_the_engine_
 def test_plugin_entry_points_with_good_values_activate():
     result = call_entry_points({"KVCORE_ENABLE": "sglang,vllm"})
     assert (result.stdout, result.stderr) == ("[2, 2]\n", "")
+
+
+def test_metrics_get_a_fresh_multiprocess_directory_unless_one_is_set_or_metrics_are_off(
+    engines, tmp_path
+):
+    """The engine serves /metrics from another process than the one kvcore counts in:
+    launch turns on prometheus_client's multiprocess mode, in a new empty directory."""
+    argv = ("launch", "vllm", "--", "serve", "m", "--kv-offloading-size", "8")
+    first, second = (engine_saw(kvcore(*argv, path=(engines,)))["metrics_dir"] for _ in "12")
+    for made in (first, second):
+        assert Path(made).is_dir() and Path(made).name.startswith("kvcore-metrics-")
+        assert list(Path(made).iterdir()) == []
+    assert first != second
+    own = str(tmp_path)
+    seen = engine_saw(kvcore(*argv, env={"PROMETHEUS_MULTIPROC_DIR": own}, path=(engines,)))
+    assert seen["metrics_dir"] == own
+    off = engine_saw(kvcore(*argv, env={"KVCORE_METRICS": "0"}, path=(engines,)))
+    assert off["metrics_dir"] is None

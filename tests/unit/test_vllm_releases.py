@@ -13,7 +13,7 @@ def test_current_names_are_kept():
     assert shape.qualname("CPUOffloadingManager._allocate_chunks") == (
         "CPUOffloadingManager._allocate_chunks"
     )
-    assert shape.stock_transfers is None
+    assert not shape.fills_in_transfer_async
 
 
 def test_025_renames_each_part_of_a_qualname():
@@ -24,7 +24,9 @@ def test_025_renames_each_part_of_a_qualname():
     assert shape.qualname("ChunkStatus.__init__") == "BlockStatus.__init__"
     assert shape.name("chunk_id") == "block_id"
     assert shape.name("CPUOffloadingSpec") == "CPUOffloadingSpec"
-    assert shape.stock_transfers is not None and "transfer_async" in shape.stock_transfers
+    assert shape.name("src_blocks_per_chunk") == "src_block_size_factor"
+    assert shape.name("layer_refs_per_group") == "kv_cache_groups_data_refs"
+    assert shape.fills_in_transfer_async
 
 
 def test_installed_shape_follows_the_installed_release(monkeypatch):

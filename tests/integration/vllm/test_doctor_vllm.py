@@ -4,6 +4,7 @@ fingerprint is reported by function name."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.engine_status import release_of
 from kvcore_vllm import guard, plugin
 
 pytestmark = pytest.mark.vllm
@@ -38,7 +40,8 @@ def test_doctor_would_patch_the_spec_group():
     result = run_doctor(["-m", "kvcore", "doctor", "--json"], KVCORE_ENABLE="vllm")
     assert result.returncode == 0, result.stderr
     entry = vllm_entry(result.stdout)
-    overridden = [t.name for t in guard.TARGETS if t.overridden]
+    release = release_of(importlib.metadata.version("vllm"))
+    overridden = [t.name for t in guard.targets_for(release) if t.overridden]
     assert entry["would_patch"] == [plugin.REGISTRY_TARGET, *overridden]
     assert entry["target_groups"] == {plugin.SPEC_GROUP: entry["would_patch"]}
     assert entry["skipped_targets"] == []

@@ -8,6 +8,7 @@ layout, and check that reference against the stock descriptors executed by memmo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
@@ -17,19 +18,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
-from kvcore_vllm.releases import installed_shape
-
-if installed_shape().stock_transfers:
-    pytest.skip(installed_shape().stock_transfers, allow_module_level=True)
-
 import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm_support import offloading_config
+from vllm_support import spec_args
 
 from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
@@ -40,6 +37,7 @@ from kvcore_vllm import bench, transfers
 from kvcore_vllm.bench import Layout, fragmented_ids, kvcore_handler, stock_handler
 from kvcore_vllm.page_rows import page_rows
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
+from kvcore_vllm.stock_copies import StockCopies
 from kvcore_vllm.transfers import install_handlers
 
 pytestmark = pytest.mark.vllm
@@ -170,23 +168,22 @@ def assert_tensors_are(gpu, host, expected):
 
 def run_stock_fill(stock, groups, gpu_to_cpu):
     """The job's stock descriptors (vLLM's fill code) executed by memmove."""
-    bpc = stock.dst_blocks_per_chunk if gpu_to_cpu else stock.src_blocks_per_chunk
-    count = stock._estimate_max_copy_ops([len(ids) for ids, _, _ in groups])
+    copies = StockCopies(stock)
+    bpc = copies.blocks_per_chunk
+    count = copies.max_copy_ops([len(ids) for ids, _, _ in groups])
     buffers = [np.empty(count, dtype=np.int64) for _ in range(3)]
     op = 0
     for g, (ids, chunks, first) in enumerate(groups):
         gpu_ids, cpu_ids = np.array(ids, dtype=np.int32), np.array(chunks, dtype=np.int32)
-        op, _ = stock._fill_group_ops(
+        op, _ = copies.fill_group(
             g,
-            group_src=gpu_ids if gpu_to_cpu else cpu_ids,
-            group_dst=cpu_ids if gpu_to_cpu else gpu_ids,
-            group_size=len(ids),
-            src_skip_count=0 if gpu_to_cpu else first % bpc,
-            dst_skip_count=first % bpc if gpu_to_cpu else 0,
-            all_src=buffers[0],
-            all_dst=buffers[1],
-            all_sizes=buffers[2],
-            op_idx=op,
+            src_ids=gpu_ids if gpu_to_cpu else cpu_ids,
+            dst_ids=cpu_ids if gpu_to_cpu else gpu_ids,
+            pages=len(ids),
+            src_skip=0 if gpu_to_cpu else first % bpc,
+            dst_skip=first % bpc if gpu_to_cpu else 0,
+            out=(buffers[0], buffers[1], buffers[2]),
+            op_index=op,
         )
     memmove_batch([])(*(torch.from_numpy(b[:op]) for b in buffers))
 
@@ -305,7 +302,7 @@ def test_descriptors_merge_where_both_sides_are_consecutive(layout, ids, chunks,
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(3))
     for gpu_to_cpu in (True, False):
         stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
-        descriptors = stock._estimate_max_copy_ops([len(ids)])
+        descriptors = StockCopies(stock).max_copy_ops([len(ids)])
         mover = RecordingMover(COUNTABLE)
         handler = kvcore_handler(stock, mover=mover)
         groups = [(ids, chunks, 0)]
@@ -416,6 +413,81 @@ def test_shutdown_drains_queued_jobs_and_releases_tensors():
     assert torch.equal(gpu[0][3], host[0][5]) and torch.equal(gpu[0][4], host[0][6])
     assert handler.get_finished() == []
     assert stock.src_tensors == [] and stock.dst_tensors == []
+
+
+class _HostStream:
+    """What stock's transfer_async asks of a stream and an event, on a host."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        del enable_timing
+
+    def wait_stream(self, stream: object) -> None:
+        del stream
+
+    def wait_event(self, event: object) -> None:
+        del event
+
+    def record(self, stream: object = None) -> None:
+        del stream
+
+
+class _HostPlatform:
+    Stream = _HostStream
+
+    @staticmethod
+    def is_xpu() -> bool:
+        return False
+
+    @staticmethod
+    def current_stream() -> _HostStream:
+        return _HostStream()
+
+    @staticmethod
+    def stream(stream: object) -> contextlib.nullcontext[None]:
+        del stream
+        return contextlib.nullcontext()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    layout=st.sampled_from([*LAYOUTS, Layout(page_bytes=512, tensors=2, ref_page_bytes=384)]),
+    gpu_to_cpu=st.booleans(),
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=2),
+    seed=st.integers(0, 2**31),
+)
+def test_stock_copies_fill_what_stocks_own_transfer_async_issues(
+    monkeypatch, layout, gpu_to_cpu, sizes, seed
+):
+    """The descriptors kvcore issues for a job it leaves to stock are stock's own, on every
+    release (0.25 fills them inside transfer_async, with no fill method to call)."""
+    layout = sized(layout)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(seed))
+    groups = draw_groups(np.random.default_rng(seed), layout, sizes, 0.5)
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu, groups=len(groups))
+    issued: list[tuple[list[int], list[int], list[int], bool]] = []
+
+    def record(src, dst, sizes, is_src_access_order_any=False):
+        issued.append((src.tolist(), dst.tolist(), sizes.tolist(), is_src_access_order_any))
+
+    stock._swap_blocks_batch = record
+    monkeypatch.setattr(gpu_worker, "current_platform", _HostPlatform)
+    monkeypatch.setattr(torch, "Event", _HostStream)
+    monkeypatch.setattr(gpu_worker, "PIN_MEMORY", False)
+    stock.transfer_async(1, *make_job(groups, gpu_to_cpu))
+
+    handler = kvcore_handler(stock, policy=SMALL)
+    segments = transfers.split_groups(
+        *(np.array([b for g in groups for b in g[k]], dtype=np.int64) for k in (0, 1)),
+        [len(ids) for ids, _, _ in groups],
+        [first for _, _, first in groups],
+        layout.blocks_per_chunk,
+    )
+    handler._submit_stock(2, segments)
+    [result] = handler.get_finished()
+    assert len(issued) == 2 and issued[0] == issued[1]
+    assert result.transfer_size == stock._transfers[0].num_bytes
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
@@ -574,7 +646,7 @@ def test_spec_installs_handlers_when_transfers_are_on(monkeypatch, transfers):
     monkeypatch.setattr(CPUOffloadingSpec, "create_worker", lambda self, kv_caches: worker)
     monkeypatch.delenv("KVCORE_METRICS", raising=False)
     monkeypatch.setenv("KVCORE_TRANSFERS", transfers)
-    spec = KVCoreCPUOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}))
+    spec = KVCoreCPUOffloadingSpec(*spec_args({"cpu_bytes_to_use": 1 << 20}))
     before = METRICS.snapshot()["fallbacks"].get("unsupported_device", 0)
     assert spec.create_worker(None) is worker
     # Host tensors here: an install declines both handlers, and says so.

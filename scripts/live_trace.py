@@ -1,0 +1,431 @@
+"""A multi-turn request trace against a live OpenAI-compatible server, timed as users see it.
+
+    python3 scripts/live_trace.py run --url http://127.0.0.1:8000 --model DIR --mode NAME \\
+        --out FILE.json [--conversations 14] [--turns 3] [--concurrency 8] [--seed 0]
+    python3 scripts/live_trace.py combine FILE.json... --out SUMMARY.json [--device TEXT]
+
+``run`` sends prompts as token ids (the server runs with ``--skip-tokenizer-init``) over
+HTTP, streamed, so the time to the first token is seen. Conversations open with one of a
+few shared system prompts and a first turn of 512 to 32000 tokens; each later turn is the
+whole conversation so far (prompt and the tokens the model answered) plus a short new
+user message. Every conversation's first turn goes out before any second turn, in a
+shuffled order, so that by its next turn a conversation's KV has left the GPU's small
+cache and comes back from the CPU tier.
+
+Two passes over one trace shape, each with its own token ids:
+- ``sequential``: one request at a time, greedy, a fixed number of output tokens. The
+  server's ``/metrics`` is read before and after each request, so each request carries
+  what the offload tier moved for it (``vllm:kv_offload_*``) and kvcore's counters. Its
+  output tokens are what ``combine`` compares across modes.
+- ``concurrent``: the same shape, ``--concurrency`` requests in flight per turn, for
+  throughput.
+
+A request counts as a CPU-tier hit when the offload tier loaded bytes for it (where the
+server's counters are not read, when it is a later turn). ``combine``
+writes the summary (per mode: TTFT of CPU-tier hits, median and p99, tokens per second,
+whether the sequential outputs equal the first mode's) as docs/bench/h200-live-*.json.
+Only the standard library is used: the client runs beside the server on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import random
+import re
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+FIRST_TURN_TOKENS = (512, 1024, 2048, 4096, 8192, 16384, 32000)
+SYSTEM_PROMPT_TOKENS = (256, 384, 512)
+NEW_USER_TOKENS = 64
+# Token ids drawn below Llama 3's special tokens (128000 on).
+TOKEN_RANGE = (1000, 120000)
+# Counters read from /metrics around each sequential request; a name matches by prefix.
+COUNTED_PREFIXES = ("vllm:kv_offload_", "kvcore_", "vllm:prefix_cache_", "vllm:prompt_tokens")
+LOAD_BYTES = "vllm:kv_offload_load_bytes"
+LOAD_TIME = "vllm:kv_offload_load_time"
+SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+@dataclass
+class Conversation:
+    index: int
+    system: list[int]
+    first_user: list[int]
+    later_users: list[list[int]]
+    history: list[int] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        """Tokens of the first turn."""
+        return len(self.system) + len(self.first_user)
+
+    def prompt(self, turn: int) -> list[int]:
+        """Turn 0: system prompt and first message; later: all so far and a new message."""
+        if turn == 0:
+            return self.system + self.first_user
+        return self.history + self.later_users[turn - 1]
+
+
+@dataclass
+class Result:
+    conversation: int
+    first_turn_tokens: int
+    turn: int
+    prompt_tokens: int
+    ttft_s: float
+    total_s: float
+    output: list[int]
+    counted: dict[str, float] = field(default_factory=dict)
+    """Change of each counted /metrics series over the request (sequential pass only)."""
+
+    @property
+    def cpu_tier_hit(self) -> bool:
+        return self.counted.get(LOAD_BYTES, 0.0) > 0
+
+
+def tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(count)]
+
+
+def make_conversations(count: int, turns: int, seed: int) -> list[Conversation]:
+    """``count`` conversations whose first turns cycle through FIRST_TURN_TOKENS."""
+    rng = random.Random(seed)
+    systems = [tokens(rng, n) for n in SYSTEM_PROMPT_TOKENS]
+    conversations = []
+    for index in range(count):
+        system = systems[index % len(systems)]
+        first = FIRST_TURN_TOKENS[index % len(FIRST_TURN_TOKENS)]
+        conversations.append(
+            Conversation(
+                index,
+                system,
+                tokens(rng, first - len(system)),
+                [tokens(rng, NEW_USER_TOKENS) for _ in range(turns - 1)],
+            )
+        )
+    return conversations
+
+
+def turn_orders(count: int, turns: int, seed: int) -> list[list[int]]:
+    """Per turn, the order the conversations are sent in (each turn its own shuffle)."""
+    rng = random.Random(seed + 1)
+    orders = []
+    for _ in range(turns):
+        order = list(range(count))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Counted series of a Prometheus text page, summed over label sets, by name."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        match = SAMPLE_LINE.match(line)
+        if match is None or not match.group(1).startswith(COUNTED_PREFIXES):
+            continue
+        name = match.group(1)
+        if name.endswith(("_bucket", "_created")):
+            continue
+        for suffix in ("_total", "_sum"):
+            name = name.removesuffix(suffix)
+        try:
+            totals[name] = totals.get(name, 0.0) + float(match.group(3))
+        except ValueError:
+            continue
+    return totals
+
+
+def difference(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+class Server:
+    """The server's HTTP endpoints, one connection per call (threads share nothing)."""
+
+    def __init__(self, url: str, model: str, max_tokens: int, timeout_s: float = 600.0) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.model, self.max_tokens, self.timeout_s = model, max_tokens, timeout_s
+
+    def _connection(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+
+    def get(self, path: str) -> str:
+        connection = self._connection()
+        try:
+            connection.request("GET", path)
+            response = connection.getresponse()
+            body = response.read().decode()
+            if response.status != 200:
+                raise RuntimeError(f"GET {path}: HTTP {response.status}: {body[:200]}")
+            return body
+        finally:
+            connection.close()
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(self.get("/metrics"))
+
+    def complete(self, prompt: list[int]) -> tuple[float, float, list[int]]:
+        """(seconds to the first token, seconds to the last, the output token ids)."""
+        body = json.dumps(
+            {
+                "model": self.model,
+                "prompt": prompt,
+                "max_tokens": self.max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
+        )
+        connection = self._connection()
+        started = time.perf_counter()
+        first: float | None = None
+        output: list[int] = []
+        try:
+            connection.request(
+                "POST", "/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            response = connection.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {response.read().decode()[:300]}")
+            for event in server_sent_events(response):
+                for choice in event.get("choices", ()):
+                    ids = choice.get("token_ids") or []
+                    if ids and first is None:
+                        first = time.perf_counter() - started
+                    output += ids
+        finally:
+            connection.close()
+        total = time.perf_counter() - started
+        if first is None:
+            raise RuntimeError("the stream carried no token ids (is return_token_ids served?)")
+        return first, total, output
+
+
+def server_sent_events(stream: Any) -> Iterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style stream, up to ``[DONE]``."""
+    for raw in stream:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line.removeprefix("data:").strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def run_sequential(server: Server, conversations: list[Conversation], seed: int) -> list[Result]:
+    results = []
+    for turn, order in enumerate(turn_orders(len(conversations), _turns(conversations), seed)):
+        for index in order:
+            conversation = conversations[index]
+            prompt = conversation.prompt(turn)
+            before = server.metrics()
+            ttft, total, output = server.complete(prompt)
+            counted = difference(server.metrics(), before)
+            conversation.history = prompt + output
+            results.append(
+                Result(index, conversation.size, turn, len(prompt), ttft, total, output, counted)
+            )
+    return results
+
+
+def run_concurrent(
+    server: Server, conversations: list[Conversation], seed: int, concurrency: int
+) -> tuple[list[Result], float]:
+    """Each turn's requests with ``concurrency`` in flight; (results, wall seconds)."""
+    results: list[Result] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    started = time.perf_counter()
+    for turn, order in enumerate(turn_orders(len(conversations), _turns(conversations), seed)):
+        queue = list(order)
+
+        def worker(turn: int = turn, queue: list[int] = queue) -> None:
+            while True:
+                with lock:
+                    if not queue or errors:
+                        return
+                    index = queue.pop(0)
+                conversation = conversations[index]
+                prompt = conversation.prompt(turn)
+                try:
+                    ttft, total, output = server.complete(prompt)
+                except BaseException as exc:
+                    with lock:
+                        errors.append(exc)
+                    return
+                conversation.history = prompt + output
+                with lock:
+                    results.append(
+                        Result(index, conversation.size, turn, len(prompt), ttft, total, output)
+                    )
+
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+    return results, time.perf_counter() - started
+
+
+def _turns(conversations: list[Conversation]) -> int:
+    return 1 + len(conversations[0].later_users)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile by the nearest rank; None for no values."""
+    if not values:
+        return None
+    ranked = sorted(values)
+    return ranked[min(len(ranked), max(1, math.ceil(q * len(ranked)))) - 1]
+
+
+def summarize(results: list[Result], wall_s: float | None = None) -> dict[str, Any]:
+    """TTFT of CPU-tier hits and of cold first turns, the reload time the tier reported
+    for the hits, and (given the pass's wall time) tokens per second."""
+    # Without the tier's counters (the concurrent pass reads none), later turns count.
+    metered = any(LOAD_BYTES in r.counted for r in results)
+    hits = [r for r in results if (r.cpu_tier_hit if metered else r.turn > 0)]
+    cold = [r for r in results if r.turn == 0]
+    summary: dict[str, Any] = {
+        "requests": len(results),
+        "cpu_tier_hits": len(hits),
+        "hits_counted_by": LOAD_BYTES if metered else "turn",
+        "ttft_ms_p50": _ms(statistics.median([r.ttft_s for r in hits]) if hits else None),
+        "ttft_ms_p99": _ms(percentile([r.ttft_s for r in hits], 0.99)),
+        "cold_ttft_ms_p50": _ms(statistics.median([r.ttft_s for r in cold]) if cold else None),
+        "reload_ms_p50": _ms(
+            statistics.median([r.counted.get(LOAD_TIME, 0.0) for r in hits]) if hits else None
+        ),
+        "reload_bytes": sum(r.counted.get(LOAD_BYTES, 0.0) for r in hits),
+        "by_size": _by_size(hits),
+    }
+    if wall_s is not None:
+        produced = sum(r.prompt_tokens + len(r.output) for r in results)
+        summary.update(wall_s=round(wall_s, 3), tokens_per_s=round(produced / wall_s, 1))
+    return summary
+
+
+def _by_size(hits: list[Result]) -> list[dict[str, Any]]:
+    """Per first-turn size: hit TTFT and reload time medians, the reload's GB/s."""
+    rows = []
+    for size in FIRST_TURN_TOKENS:
+        group = [r for r in hits if r.first_turn_tokens == size]
+        if not group:
+            continue
+        reload_s = statistics.median([r.counted.get(LOAD_TIME, 0.0) for r in group])
+        loaded = statistics.median([r.counted.get(LOAD_BYTES, 0.0) for r in group])
+        rows.append(
+            {
+                "first_turn_tokens": size,
+                "hits": len(group),
+                "ttft_ms_p50": _ms(statistics.median([r.ttft_s for r in group])),
+                "reload_ms_p50": _ms(reload_s),
+                "reload_bytes_p50": loaded,
+                "reload_gb_per_s": round(loaded / reload_s / 1e9, 2) if reload_s else None,
+            }
+        )
+    return rows
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    server = Server(args.url, args.model, args.max_tokens)
+    settings = ("conversations", "turns", "max_tokens", "concurrency", "seed")
+    report: dict[str, Any] = {
+        "mode": args.mode,
+        "settings": {name: getattr(args, name) for name in settings},
+    }
+    sequential = make_conversations(args.conversations, args.turns, args.seed)
+    started = time.perf_counter()
+    results = run_sequential(server, sequential, args.seed)
+    report["sequential"] = summarize(results, time.perf_counter() - started)
+    report["sequential_requests"] = [asdict(r) for r in results]
+    if args.concurrency > 1:
+        concurrent = make_conversations(args.conversations, args.turns, args.seed + 1000)
+        results, wall = run_concurrent(server, concurrent, args.seed + 1000, args.concurrency)
+        report["concurrent"] = summarize(results, wall)
+    report["metrics_end"] = server.metrics()
+    return report
+
+
+def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[str, Any]:
+    """The summary across modes; outputs are compared with the first report's."""
+    reference = [r["output"] for r in reports[0]["sequential_requests"]]
+    modes = {}
+    for report in reports:
+        outputs = [r["output"] for r in report["sequential_requests"]]
+        sequential = report["sequential"]
+        concurrent = report.get("concurrent", {})
+        modes[report["mode"]] = {
+            "ttft_ms_p50": sequential["ttft_ms_p50"],
+            "ttft_ms_p99": sequential["ttft_ms_p99"],
+            "tokens_per_s": concurrent.get("tokens_per_s", sequential.get("tokens_per_s")),
+            "outputs_identical": outputs == reference,
+            "sequential": sequential,
+            "concurrent": concurrent,
+            "kvcore_counters": {
+                k: v for k, v in report["metrics_end"].items() if k.startswith("kvcore_")
+            },
+        }
+    return {"device": device, "engine": "vllm", "version": version, "modes": modes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    one = commands.add_parser("run", help="send the trace to a server and write its report")
+    one.add_argument("--url", default="http://127.0.0.1:8000")
+    one.add_argument("--model", required=True, help="the served model's name (its path)")
+    one.add_argument("--mode", required=True, help="what the server runs, e.g. stock")
+    one.add_argument("--out", type=Path, required=True)
+    one.add_argument("--conversations", type=int, default=14)
+    one.add_argument("--turns", type=int, default=3)
+    one.add_argument("--max-tokens", type=int, default=16)
+    one.add_argument("--concurrency", type=int, default=8)
+    one.add_argument("--seed", type=int, default=0)
+    both = commands.add_parser("combine", help="one summary of several modes' reports")
+    both.add_argument("reports", type=Path, nargs="+")
+    both.add_argument("--out", type=Path, required=True)
+    both.add_argument("--device", default="unknown")
+    both.add_argument("--version", default="unknown")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        if args.turns < 2:
+            parser.error("--turns must be at least 2: hits come from later turns")
+        report = run(args)
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        print(json.dumps({"mode": args.mode, **report["sequential"]}, indent=1))
+        return 0
+    reports = [json.loads(path.read_text(encoding="utf-8")) for path in args.reports]
+    summary = combine(reports, args.device, args.version)
+    args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    for mode, row in summary["modes"].items():
+        print(
+            f"{mode:>18}: hit TTFT p50 {row['ttft_ms_p50']} ms p99 {row['ttft_ms_p99']} ms, "
+            f"{row['tokens_per_s']} tok/s, outputs identical: {row['outputs_identical']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

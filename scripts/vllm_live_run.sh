@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# vLLM served on the GPU machine with its CPU offloading tier, three ways, one trace each
+# (scripts/live_trace.py), after scripts/vllm_live_setup.sh installed vLLM and kvcore:
+#   stock             python -m vllm.entrypoints.cli.main serve ...
+#   kvcore            kvcore launch vllm --kvcore-transfers 0 -- serve ...   (manager, spec)
+#   kvcore-transfers  kvcore launch vllm --kvcore-transfers 1 -- serve ...   (and the copies)
+# Each server is started, its trace sent, its /metrics and log kept, and stopped before the
+# next starts. Writes under $OUT: live-MODE.json, server-MODE.log, doctor.txt and the
+# summary h200-live-vllm.json (live_trace.py combine).
+#
+#   bash scripts/vllm_live_run.sh [MODE...]     (default: all three)
+# Settings: VSITE, KSITE (as vllm_live_setup.sh), MODEL_DIR (/tmp/llama-8b), PORT (8000),
+# CONVERSATIONS (14), TURNS (3), CONCURRENCY (8), GPU_BLOCKS (2560: 40960 tokens of GPU KV
+# cache, so conversations leave it between turns), CPU_GIB (48), MAX_LEN (33792),
+# START_TIMEOUT_S (300), PYTHON (python3).
+set -euo pipefail
+
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+out="${OUT:?set OUT to the folder for the results}"
+python="${PYTHON:-python3}"
+model="${MODEL_DIR:-/tmp/llama-8b}"
+port="${PORT:-8000}"
+url="http://127.0.0.1:$port"
+export PYTHONPATH="${VSITE:-/tmp/vsite}:${KSITE:-/tmp/ksite}"
+# flashinfer is not carried; vLLM's sampler would import it.
+export VLLM_USE_FLASHINFER_SAMPLER=0
+modes=("$@")
+[[ ${#modes[@]} -gt 0 ]] || modes=(stock kvcore kvcore-transfers)
+
+serve_args=(
+    serve "$model" --load-format dummy --skip-tokenizer-init --enforce-eager --seed 0
+    --max-model-len "${MAX_LEN:-33792}" --num-gpu-blocks-override "${GPU_BLOCKS:-2560}"
+    --kv-offloading-size "${CPU_GIB:-48}" --gpu-memory-utilization 0.85
+    --host 127.0.0.1 --port "$port"
+)
+
+mkdir -p "$out"
+"$python" "$repo/scripts/llama_config.py" "$model" --max-positions 40960
+KVCORE_ENABLE=vllm "$python" -m kvcore doctor --verbose > "$out/doctor.txt" 2>&1 || true
+
+server_pid=""
+stop_server() {
+    [[ -n "$server_pid" ]] || return 0
+    kill -INT "$server_pid" 2> /dev/null || true
+    for _ in $(seq 60); do
+        kill -0 "$server_pid" 2> /dev/null || break
+        sleep 1
+    done
+    kill -KILL "$server_pid" 2> /dev/null || true
+    wait "$server_pid" 2> /dev/null || true
+    # An engine core left behind would hold the GPU memory the next server needs.
+    pkill -KILL -f "EngineCore" 2> /dev/null || true
+    sleep 2
+    server_pid=""
+}
+trap stop_server EXIT
+
+start_server() {
+    local mode="$1" log="$out/server-$1.log"
+    case "$mode" in
+        stock)
+            # The same metrics set-up kvcore launch makes, so the modes differ only in kvcore.
+            PROMETHEUS_MULTIPROC_DIR="$(mktemp -d)" \
+                "$python" -m vllm.entrypoints.cli.main "${serve_args[@]}" > "$log" 2>&1 &
+            ;;
+        kvcore)
+            "$python" -m kvcore launch vllm --kvcore-transfers 0 -- "${serve_args[@]}" \
+                > "$log" 2>&1 &
+            ;;
+        kvcore-transfers)
+            "$python" -m kvcore launch vllm --kvcore-transfers 1 -- "${serve_args[@]}" \
+                > "$log" 2>&1 &
+            ;;
+        *)
+            echo "unknown mode $mode" >&2
+            return 2
+            ;;
+    esac
+    server_pid=$!
+    local started=$SECONDS
+    until "$python" -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" \
+        2> /dev/null; do
+        if ! kill -0 "$server_pid" 2> /dev/null; then
+            echo "$mode: the server exited while starting; its log's end:" >&2
+            tail -40 "$log" >&2
+            server_pid=""
+            return 1
+        fi
+        if ((SECONDS - started > ${START_TIMEOUT_S:-300})); then
+            echo "$mode: not up after ${START_TIMEOUT_S:-300} s" >&2
+            tail -40 "$log" >&2
+            return 1
+        fi
+        sleep 2
+    done
+    echo "$mode: up after $((SECONDS - started)) s"
+}
+
+reports=()
+for mode in "${modes[@]}"; do
+    if start_server "$mode"; then
+        started=$SECONDS
+        if "$python" "$repo/scripts/live_trace.py" run --url "$url" --model "$model" \
+            --mode "$mode" --out "$out/live-$mode.json" \
+            --conversations "${CONVERSATIONS:-14}" --turns "${TURNS:-3}" \
+            --concurrency "${CONCURRENCY:-8}" > "$out/trace-$mode.txt" 2>&1; then
+            reports+=("$out/live-$mode.json")
+        else
+            echo "$mode: the trace failed:" >&2
+            tail -20 "$out/trace-$mode.txt" >&2
+        fi
+        echo "$mode: trace took $((SECONDS - started)) s"
+        "$python" -c "import urllib.request as u; print(u.urlopen('$url/metrics').read().decode())" \
+            > "$out/metrics-$mode.txt" 2>&1 || true
+    fi
+    stop_server
+    grep -i "kvcore" "$out/server-$mode.log" | head -40 > "$out/kvcore-lines-$mode.txt" || true
+done
+
+if [[ ${#reports[@]} -gt 0 ]]; then
+    device="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+    version="$("$python" -c 'import vllm; print(vllm.__version__)' 2> /dev/null || echo unknown)"
+    "$python" "$repo/scripts/live_trace.py" combine "${reports[@]}" \
+        --out "$out/h200-live-vllm.json" --device "$device" --version "$version"
+fi

@@ -1,0 +1,180 @@
+"""scripts/live_trace.py against a stand-in server: the trace's shape, its streamed timing,
+its per-request /metrics differences and the summary across modes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "live_trace.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("live_trace", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Dataclasses look their module up while the class is made.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+live_trace = load_script()
+
+
+class StandIn:
+    """A server that answers each prompt with tokens derived from it (``shift`` changes
+    them) and counts a CPU-tier load for every prompt that extends an earlier answer."""
+
+    def __init__(self, shift: int = 0) -> None:
+        self.shift = shift
+        self.seen: list[tuple[int, ...]] = []
+        self.load_bytes = 0.0
+        self.load_time = 0.0
+        self.lock = threading.Lock()
+
+    def answer(self, prompt: list[int], count: int) -> list[int]:
+        with self.lock:
+            if any(len(p) < len(prompt) and tuple(prompt[: len(p)]) == p for p in self.seen):
+                self.load_bytes += 1000.0 * len(prompt)
+                self.load_time += 0.002
+            start = sum(prompt) % 5000 + self.shift
+            output = [start + i for i in range(count)]
+            self.seen.append(tuple(prompt + output))
+        return output
+
+    def metrics(self) -> str:
+        return "\n".join(
+            [
+                "# HELP vllm:kv_offload_load_bytes_total bytes",
+                f'vllm:kv_offload_load_bytes_total{{engine="0"}} {self.load_bytes}',
+                f"vllm:kv_offload_load_time_total {self.load_time}",
+                'vllm:kv_offload_load_size_bucket{le="1e6"} 3.0',
+                f'kvcore_transfers_total{{direction="h2d",path="gather"}} {len(self.seen)}',
+                "vllm:unrelated_total 7.0",
+            ]
+        )
+
+
+@pytest.fixture
+def serve() -> Iterator:
+    servers = []
+
+    def start(stand_in: StandIn) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                del args
+
+            def do_GET(self) -> None:
+                body = stand_in.metrics().encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                assert request["stream"] and request["return_token_ids"]
+                assert request["temperature"] == 0.0 and request["ignore_eos"]
+                output = stand_in.answer(request["prompt"], request["max_tokens"])
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                first = {"choices": [{"text": "", "token_ids": []}]}
+                self.wfile.write(f"data: {json.dumps(first)}\n\n".encode())
+                for token in output:
+                    event = {"choices": [{"text": "", "token_ids": [token]}]}
+                    self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+def test_trace_shape_sizes_shared_system_prompts_and_turn_orders():
+    conversations = live_trace.make_conversations(14, 3, seed=5)
+    assert [c.size for c in conversations] == list(live_trace.FIRST_TURN_TOKENS) * 2
+    assert len({tuple(c.system) for c in conversations}) == len(live_trace.SYSTEM_PROMPT_TOKENS)
+    low, high = live_trace.TOKEN_RANGE
+    assert all(low <= t < high for c in conversations for t in c.prompt(0))
+    orders = live_trace.turn_orders(14, 3, seed=5)
+    assert all(sorted(order) == list(range(14)) for order in orders)
+    assert orders[0] != orders[1]
+    # The same seed, the same trace: modes compare like with like.
+    again = live_trace.make_conversations(14, 3, seed=5)
+    assert [c.prompt(0) for c in again] == [c.prompt(0) for c in conversations]
+
+
+def test_metrics_page_sums_label_sets_and_drops_buckets_and_other_series():
+    page = StandIn().metrics()
+    assert live_trace.parse_metrics(page) == {
+        "vllm:kv_offload_load_bytes": 0.0,
+        "vllm:kv_offload_load_time": 0.0,
+        "kvcore_transfers": 0.0,
+    }
+
+
+def test_sequential_pass_times_streams_and_marks_cpu_tier_hits(serve, tmp_path):
+    stand_in = StandIn()
+    url = serve(stand_in)
+    out = tmp_path / "stock.json"
+    argv = ["run", "--url", url, "--model", "m", "--mode", "stock", "--out", str(out)]
+    assert live_trace.main([*argv, "--conversations", "7", "--concurrency", "3"]) == 0
+    report = json.loads(out.read_text())
+    requests = report["sequential_requests"]
+    assert len(requests) == 7 * 3
+    # Every later turn extends its conversation's last answer: a hit; first turns are not.
+    hits = [r for r in requests if r["counted"].get(live_trace.LOAD_BYTES, 0) > 0]
+    assert sorted((r["conversation"], r["turn"]) for r in hits) == sorted(
+        (c, t) for c in range(7) for t in (1, 2)
+    )
+    assert all(r["counted"][live_trace.LOAD_BYTES] == 1000.0 * r["prompt_tokens"] for r in hits)
+    assert all(len(r["output"]) == 16 and 0 < r["ttft_s"] <= r["total_s"] for r in requests)
+    summary = report["sequential"]
+    assert summary["cpu_tier_hits"] == 14 and summary["requests"] == 21
+    assert summary["reload_ms_p50"] == 2.0
+    assert [row["first_turn_tokens"] for row in summary["by_size"]] == list(
+        live_trace.FIRST_TURN_TOKENS
+    )
+    assert report["concurrent"]["requests"] == 21 and report["concurrent"]["tokens_per_s"] > 0
+
+
+def test_combine_compares_outputs_with_the_first_mode(serve, tmp_path):
+    paths = []
+    for mode, shift in (("stock", 0), ("kvcore", 0), ("broken", 1)):
+        out = tmp_path / f"{mode}.json"
+        url = serve(StandIn(shift))
+        argv = ["run", "--url", url, "--model", "m", "--mode", mode, "--out", str(out)]
+        live_trace.main([*argv, "--conversations", "3", "--concurrency", "1"])
+        paths.append(str(out))
+    summary_path = tmp_path / "summary.json"
+    assert live_trace.main(["combine", *paths, "--out", str(summary_path), "--device", "d"]) == 0
+    summary = json.loads(summary_path.read_text())
+    assert summary["device"] == "d" and summary["engine"] == "vllm"
+    modes = summary["modes"]
+    assert [modes[m]["outputs_identical"] for m in ("stock", "kvcore", "broken")] == [
+        True,
+        True,
+        False,
+    ]
+    assert modes["kvcore"]["kvcore_counters"] == {"kvcore_transfers": 9.0}
+    assert modes["stock"]["ttft_ms_p50"] is not None and modes["stock"]["tokens_per_s"] > 0
+
+
+def test_percentile_is_nearest_rank():
+    assert live_trace.percentile([], 0.99) is None
+    assert live_trace.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert live_trace.percentile(list(range(100)), 0.99) == 98
