@@ -183,10 +183,33 @@ class VLLMRules:
     ~0.5-1 us a page. H200 A/Bs: kvcore lost at 32-256 pages a submission and won from
     512 (4 KiB to 64 KiB pages); jobs of 32 and 256 pages ran at 0.88-0.96x of stock on
     kvcore's paths, 0.98-1.03x left to stock."""
+    large_page_bytes: int = 64 << 10
+    """Pages from this size on take the two rules below."""
+    min_large_pages_per_submission: int = 2048
+    """The same threshold for large pages, where stock's batched DMA is near the link: in
+    vLLM 0.25.1 serving an 8B-shaped model on the H200 (64 KiB pages, 32 layers), reloads of
+    512 tokens (1024 pages) took 1.10x stock's device time through kvcore, 1024 tokens
+    (2048 pages) 0.85x, 2048 and more 0.73-0.85x."""
+    stock_stores_from_page_bytes: int | None = 64 << 10
+    """Stores of pages this large stay stock (None: kvcore may take any store). Stock's
+    batched DMA holds no SMs; in the same live run its stores moved 52 GB/s of device time
+    beside the model's compute, kvcore's 24 GB/s, and on an idle GPU at 64 KiB pages
+    (50-100% fragmented) stock moved 32-37 GB/s, kvcore 27-29."""
     stock_kernel_loads: bool = True
     """Loads over a single KV tensor (cross-layer layout) that are not one run per group
     stay with vLLM's Triton kernel, which moves them as fast as kvcore's gather for less
     host time."""
+
+    def min_pages(self, page_bytes: int) -> int:
+        """Pages a submission must cover, on average, for pages of ``page_bytes``."""
+        if page_bytes >= self.large_page_bytes:
+            return self.min_large_pages_per_submission
+        return self.min_pages_per_submission
+
+    def store_passes(self, page_bytes: int) -> bool:
+        """Whether stores of pages of ``page_bytes`` stay with stock at any size."""
+        limit = self.stock_stores_from_page_bytes
+        return limit is not None and page_bytes >= limit
 
 
 VLLM_RULES = VLLMRules()
@@ -222,18 +245,43 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
                 "evidence": rule.evidence,
             }
         )
-    rows.append(
+    large = f"{VLLM_RULES.large_page_bytes >> 10} KiB"
+    stores_from = VLLM_RULES.stock_stores_from_page_bytes
+    if stores_from is not None:
+        rows.append(
+            {
+                "engine": "vllm",
+                "op": "store",
+                "io_backend": "-",
+                "layout": "per-layer or cross-layer",
+                "page_sizes": f">= {stores_from >> 10} KiB",
+                "serves": "never",
+                "reason": "stock_store_large_pages",
+                "evidence": "live vLLM 0.25.1, 8B shape: stock's stores 52 GB/s, kvcore's 24",
+            }
+        )
+    rows += [
         {
             "engine": "vllm",
             "op": "store/load",
             "io_backend": "-",
             "layout": "per-layer or cross-layer",
-            "page_sizes": "*",
+            "page_sizes": f"< {large}",
             "serves": f">= {VLLM_RULES.min_pages_per_submission} pages per submission",
             "reason": "few_pages",
             "evidence": "jobs of 32-256 pages: kvcore 0.88-0.96x on its own paths (H200 A/B)",
-        }
-    )
+        },
+        {
+            "engine": "vllm",
+            "op": "store/load",
+            "io_backend": "-",
+            "layout": "per-layer or cross-layer",
+            "page_sizes": f">= {large}",
+            "serves": f">= {VLLM_RULES.min_large_pages_per_submission} pages per submission",
+            "reason": "few_pages",
+            "evidence": "live vLLM 0.25.1, 8B shape: 1024-page reloads 1.10x stock's time",
+        },
+    ]
     if VLLM_RULES.stock_kernel_loads:
         rows.append(
             {

@@ -5,12 +5,13 @@
 #   kvcore            kvcore launch vllm --kvcore-transfers 0 -- serve ...   (manager, spec)
 #   kvcore-transfers  kvcore launch vllm --kvcore-transfers 1 -- serve ...   (and the copies)
 # Each server is started, its trace sent, its /metrics and log kept, and stopped before the
-# next starts. Writes under $OUT: live-MODE.json, server-MODE.log, doctor.txt and the
-# summary h200-live-vllm.json (live_trace.py combine).
+# next starts. Writes under $OUT: live-MODE.json, doctor.txt, the summary h200-live-vllm.json
+# (live_trace.py combine) and logs.tar.gz (each mode's server log, trace output, /metrics
+# page and kvcore log lines).
 #
 #   bash scripts/vllm_live_run.sh [MODE...]     (default: all three)
 # Settings: VSITE, KSITE (as vllm_live_setup.sh), MODEL_DIR (/tmp/llama-8b), PORT (8000),
-# CONVERSATIONS (14), TURNS (3), CONCURRENCY (8), GPU_BLOCKS (2560: 40960 tokens of GPU KV
+# CONVERSATIONS (28), TURNS (3), CONCURRENCY (8), GPU_BLOCKS (2560: 40960 tokens of GPU KV
 # cache, so conversations leave it between turns), CPU_GIB (48), MAX_LEN (33792),
 # START_TIMEOUT_S (300), PYTHON (python3).
 set -euo pipefail
@@ -35,6 +36,7 @@ serve_args=(
 )
 
 mkdir -p "$out"
+logs="$(mktemp -d)"
 "$python" "$repo/scripts/llama_config.py" "$model" --max-positions 40960
 KVCORE_ENABLE=vllm "$python" -m kvcore doctor --verbose > "$out/doctor.txt" 2>&1 || true
 
@@ -56,7 +58,7 @@ stop_server() {
 trap stop_server EXIT
 
 start_server() {
-    local mode="$1" log="$out/server-$1.log"
+    local mode="$1" log="$logs/server-$1.log"
     case "$mode" in
         stock)
             # The same metrics set-up kvcore launch makes, so the modes differ only in kvcore.
@@ -102,20 +104,22 @@ for mode in "${modes[@]}"; do
         started=$SECONDS
         if "$python" "$repo/scripts/live_trace.py" run --url "$url" --model "$model" \
             --mode "$mode" --out "$out/live-$mode.json" \
-            --conversations "${CONVERSATIONS:-14}" --turns "${TURNS:-3}" \
-            --concurrency "${CONCURRENCY:-8}" > "$out/trace-$mode.txt" 2>&1; then
+            --conversations "${CONVERSATIONS:-28}" --turns "${TURNS:-3}" \
+            --concurrency "${CONCURRENCY:-8}" > "$logs/trace-$mode.txt" 2>&1; then
             reports+=("$out/live-$mode.json")
         else
             echo "$mode: the trace failed:" >&2
-            tail -20 "$out/trace-$mode.txt" >&2
+            tail -20 "$logs/trace-$mode.txt" >&2
         fi
         echo "$mode: trace took $((SECONDS - started)) s"
         "$python" -c "import urllib.request as u; print(u.urlopen('$url/metrics').read().decode())" \
-            > "$out/metrics-$mode.txt" 2>&1 || true
+            > "$logs/metrics-$mode.txt" 2>&1 || true
     fi
     stop_server
-    grep -i "kvcore" "$out/server-$mode.log" | head -40 > "$out/kvcore-lines-$mode.txt" || true
+    grep -i "kvcore" "$logs/server-$mode.log" | head -40 > "$logs/kvcore-lines-$mode.txt" || true
 done
+
+tar -czf "$out/logs.tar.gz" -C "$logs" .
 
 if [[ ${#reports[@]} -gt 0 ]]; then
     device="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"

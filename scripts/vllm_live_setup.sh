@@ -51,6 +51,8 @@ resolved=(
 alone=(
     compressed-tensors==0.17.0 depyf==0.20.0 lm-format-enforcer==0.11.3 astor dill
     "llguidance>=1.7,<1.8" xgrammar==0.2.8 outlines_core==0.2.14 apache-tvm-ffi==0.1.11
+    # The OpenAI server's SageMaker routes import it (the offline LLM class does not).
+    model-hosting-container-standards==0.1.16 jmespath supervisor opentelemetry-api
 )
 
 usage() {

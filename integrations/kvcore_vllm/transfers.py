@@ -50,9 +50,8 @@ from kvcore_vllm.stock_copies import StockCopies
 
 logger = logging.getLogger("kvcore.vllm")
 
-# Pages a submission kvcore issues must cover, on average, before its host cost undercuts
-# stock's batched copy (kvcore.serve_rule holds the measurements behind it).
-MIN_PAGES_PER_SUBMISSION = serve_rule.VLLM_RULES.min_pages_per_submission
+# When stock's batched copy costs less than kvcore's (the measurements are in kvcore.serve_rule).
+RULES = serve_rule.VLLM_RULES
 
 # The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
 HANDLER_ATTRIBUTES = ("_store_handler", "_load_handler", "_expedited_load_handler")
@@ -229,6 +228,7 @@ class KVCoreOffloadingHandler:
         # As stock does: pinned descriptor buffers are allocated once and reused.
         self._descriptor_pool: list[_Descriptors] = []
         self._groups: list[_Group | str] = self._describe_groups()
+        self._page_bytes = max(_page_bytes(t) for t in self._stock.gpu_tensors)
         # vLLM picks its Triton swap kernel (a functools.partial) for small pinned loads.
         self._stock_loads_by_kernel = not self.gpu_to_cpu and isinstance(
             self._stock.copy_op, functools.partial
@@ -372,6 +372,8 @@ class KVCoreOffloadingHandler:
         """
         if not self._stock_rules:
             return None
+        if self.gpu_to_cpu and RULES.store_passes(self._page_bytes):
+            return "stock_store_large_pages"
         batches = self._batches(segments)
         if (
             self._stock_loads_by_kernel
@@ -380,7 +382,7 @@ class KVCoreOffloadingHandler:
         ):
             return "stock_kernel_load"
         pages = sum(s.pages * len(self._group(s).tensors) for s in segments)
-        if pages < MIN_PAGES_PER_SUBMISSION * len(batches):
+        if pages < RULES.min_pages(self._page_bytes) * len(batches):
             return "few_pages"
         return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -69,10 +70,21 @@ def test_describe_lists_every_rule_once_with_its_evidence():
     sglang = [row for row in rows if row["engine"] == "sglang"]
     assert len(sglang) == len(serve_rule.SGLANG_RULES)
     assert all(row["evidence"] and row["reason"] for row in rows)
-    assert {row["reason"] for row in rows if row["engine"] == "vllm"} == {
+    assert [row["reason"] for row in rows if row["engine"] == "vllm"] == [
+        "stock_store_large_pages",
+        "few_pages",
         "few_pages",
         "stock_kernel_load",
-    }
+    ]
+
+
+def test_vllm_large_pages_take_their_own_thresholds():
+    rules = serve_rule.VLLM_RULES
+    small, large = rules.large_page_bytes // 2, rules.large_page_bytes
+    assert rules.min_pages(small) == rules.min_pages_per_submission
+    assert rules.min_pages(large) == rules.min_large_pages_per_submission
+    assert rules.store_passes(large) and not rules.store_passes(small)
+    assert not replace(rules, stock_stores_from_page_bytes=None).store_passes(large)
 
 
 def _doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import functools
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,8 @@ COUNTABLE = PathPolicy(staging_bytes=1 << 20, long_run_bytes=1)
 @pytest.fixture(autouse=True)
 def every_job_to_kvcore(monkeypatch: pytest.MonkeyPatch) -> None:
     """The jobs here are a few pages: let kvcore take them, as it does real-sized ones."""
-    monkeypatch.setattr(transfers, "MIN_PAGES_PER_SUBMISSION", 1)
+    take_all = {"min_pages_per_submission": 1, "min_large_pages_per_submission": 1}
+    monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, **take_all))
 
 
 class RecordingMover(Mover):
@@ -531,8 +533,7 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(gpu_to_cp
         assert [op for op, *_ in mover.ops] == ["copy_runs"]
 
 
-def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel(monkeypatch):
-    monkeypatch.setattr(transfers, "MIN_PAGES_PER_SUBMISSION", 1)
+def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel():
     layout = Layout(page_bytes=256, tensors=3, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(19))
     handler, mover, metrics, issued = logged_handler(
@@ -550,7 +551,8 @@ def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
 def test_jobs_of_few_pages_a_submission_stay_stock(monkeypatch, gpu_to_cpu):
-    monkeypatch.setattr(transfers, "MIN_PAGES_PER_SUBMISSION", 4)
+    few_pages = replace(transfers.RULES, min_pages_per_submission=4)
+    monkeypatch.setattr(transfers, "RULES", few_pages)
     layout = Layout(page_bytes=256, tensors=2, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(10))
     handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
@@ -565,6 +567,36 @@ def test_jobs_of_few_pages_a_submission_stay_stock(monkeypatch, gpu_to_cpu):
     assert issued == [1 * 2] and metrics.snapshot()["fallbacks"] == {"few_pages": 1}
     # The CPU kernels have no layered ops: the mover issues the pairs one by one.
     assert [op for op, *_ in mover.ops] == ["copy_runs", "copy_runs"]
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_large_pages_need_more_pages_a_submission_and_their_stores_stay_stock(
+    monkeypatch, gpu_to_cpu
+):
+    rules = replace(
+        transfers.RULES,
+        min_pages_per_submission=1,
+        large_page_bytes=1024,
+        min_large_pages_per_submission=6,
+        stock_stores_from_page_bytes=1024,
+    )
+    monkeypatch.setattr(transfers, "RULES", rules)
+    layout = Layout(page_bytes=1024, tensors=2, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(12))
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
+    few = [([1, 2], [4, 5], 0)]  # 4 pages in one submission: under 6
+    enough = [([7, 8, 9], [0, 1, 2], 0)]  # 6 pages
+    for job_id, groups in ((1, few), (2, enough)):
+        expected = reference(gpu, host, layout, groups, gpu_to_cpu)
+        handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
+        assert_tensors_are(gpu, host, expected)
+    assert [r.job_id for r in handler.get_finished()] == [1, 2]
+    if gpu_to_cpu:
+        assert issued == [4, 6] and mover.ops == []
+        assert metrics.snapshot()["fallbacks"] == {"stock_store_large_pages": 2}
+    else:
+        assert issued == [4] and metrics.snapshot()["fallbacks"] == {"few_pages": 1}
+        assert [op for op, *_ in mover.ops] == ["copy_runs", "copy_runs"]
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
