@@ -130,9 +130,10 @@ def gather_rows(
 ) -> None:
     """``dst_words[dst_idx[k]] = src_words[src_idx[k]]`` as one gather and one scatter."""
     rows = src_words.index_select(0, index_on(src_idx, src_words.device))
-    dst_words.index_copy_(
-        0, index_on(dst_idx, dst_words.device), rows.to(dst_words.device, non_blocking=True)
-    )
+    # A device destination's scatter is queued behind the copy; a host one runs at once,
+    # so its rows must have arrived (a non-blocking copy to the host returns before).
+    arrived = rows.to(dst_words.device, non_blocking=dst_words.device.type != "cpu")
+    dst_words.index_copy_(0, index_on(dst_idx, dst_words.device), arrived)
 
 
 def runs_to_staging(

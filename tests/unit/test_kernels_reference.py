@@ -216,3 +216,31 @@ def test_reference_serves_unregistered_devices(monkeypatch):
     register_kernels("meta", custom)
     assert kernels_for(torch.device("meta")) is custom
     assert kernels_for(torch.device("cpu")) is REFERENCE
+
+
+class _LateRows(torch.Tensor):
+    """Rows whose move to another device, when asked not to block, hands back poison: what
+    a host reader sees of a device-to-host copy still in flight."""
+
+    def to(self, *args, **kwargs):
+        moved = torch.Tensor.to(self.as_subclass(torch.Tensor), *args, **kwargs)
+        return torch.full_like(moved, POISON) if kwargs.get("non_blocking") else moved
+
+
+def test_gather_into_host_rows_waits_for_the_rows(monkeypatch):
+    """The host-side scatter reads the gathered rows at once: the copy that brings them
+    must have finished (a non-blocking one to the host returns before it has)."""
+    gen = torch.Generator().manual_seed(31)
+    src = random_words(16, 4, torch.int32, gen)
+    dst = random_words(16, 4, torch.int32, gen)
+    expected = dst.clone()
+    src_idx, dst_idx = torch.tensor([3, 9, 0]), torch.tensor([5, 1, 12])
+    expected[dst_idx] = src[src_idx]
+    monkeypatch.setattr(torch.Tensor, "index_select", _late_index_select)
+    gather_rows(src, src_idx, dst, dst_idx)
+    assert torch.equal(dst, expected)
+
+
+def _late_index_select(self, dim, index, **kwargs):
+    rows = torch.index_select(self.as_subclass(torch.Tensor), dim, index, **kwargs)
+    return rows.as_subclass(_LateRows)
