@@ -266,7 +266,7 @@ class KVCoreConfig:
         "pass each engine call to the engine's stock copy where that is faster "
         "(kvcore.serve_rule); 0 makes kvcore serve every call it can copy exactly",
     )
-    log_level: str = _setting("WARNING", LOG_LEVEL, "level of the 'kvcore' logger")
+    log_level: str = _setting("INFO", LOG_LEVEL, "level of the 'kvcore' logger")
 
     def __post_init__(self) -> None:
         for setting in SETTINGS:
@@ -308,8 +308,18 @@ class KVCoreConfig:
         return engine in self.enable
 
     def configure_logging(self) -> None:
-        """Apply ``log_level`` to the 'kvcore' logger (and so to every kvcore module)."""
-        logging.getLogger("kvcore").setLevel(self.log_level)
+        """Apply ``log_level`` to the 'kvcore' logger (and so to every kvcore module), and
+        give it a handler where nothing would print its records below warnings."""
+        log = logging.getLogger("kvcore")
+        log.setLevel(self.log_level)
+        if not log.handlers and not logging.getLogger().handlers:
+            # Engines configure their own loggers, not the root: without a handler Python
+            # prints warnings and errors only, and kvcore's activation line would be lost.
+            handler = logging.StreamHandler()
+            handler.setFormatter(
+                logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S")
+            )
+            log.addHandler(handler)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ read from the distribution's metadata instead.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -70,6 +72,23 @@ class EngineStatus:
             else f"would patch {len(self.would_patch)}"
         )
         return f"{self.version}, supported, enabled: {done}, {len(self.skipped_targets)} skipped"
+
+
+def announce_activation(
+    logger: logging.Logger, engine: str, status: EngineStatus, transfers: bool, serve_rule: bool
+) -> None:
+    """The one line an engine's log gets where kvcore took effect in this process."""
+    skipped = f", {len(status.skipped_targets)} left stock" if status.skipped_targets else ""
+    logger.info(
+        "kvcore: active in %s %s (pid %d): %d targets patched%s; transfers %s, serve rule %s",
+        engine,
+        status.version,
+        os.getpid(),
+        len(status.patched_targets),
+        skipped,
+        "on" if transfers else "off",
+        "on" if serve_rule else "off",
+    )
 
 
 def release_of(version: str) -> str:

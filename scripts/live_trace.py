@@ -20,8 +20,9 @@ Two passes over one trace shape, each with its own token ids:
 - ``concurrent``: the same shape, ``--concurrency`` requests in flight per turn, for
   throughput.
 
-A request counts as a CPU-tier hit when the offload tier loaded bytes for it (where the
-server's counters are not read, when it is a later turn). ``combine``
+A request counts as a CPU-tier hit when it is a later turn and the offload tier loaded
+bytes for it (where the server's counters are not read, when it is a later turn).
+``combine`` recomputes each mode's sequential summary from its requests, and
 writes the summary (per mode: TTFT of CPU-tier hits, median and p99, tokens per second,
 whether the sequential outputs equal the first mode's) as docs/bench/h200-live-*.json.
 Only the standard library is used: the client runs beside the server on the GPU machine.
@@ -91,7 +92,9 @@ class Result:
 
     @property
     def cpu_tier_hit(self) -> bool:
-        return self.counted.get(LOAD_BYTES, 0.0) > 0
+        """A later turn whose conversation came back from the CPU tier (a first turn may
+        load only a shared system prompt from there: that is not its conversation's)."""
+        return self.turn > 0 and self.counted.get(LOAD_BYTES, 0.0) > 0
 
 
 def tokens(rng: random.Random, count: int) -> list[int]:
@@ -374,7 +377,8 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
     modes = {}
     for report in reports:
         outputs = [r["output"] for r in report["sequential_requests"]]
-        sequential = report["sequential"]
+        requests = [Result(**r) for r in report["sequential_requests"]]
+        sequential = summarize(requests, report["sequential"].get("wall_s"))
         concurrent = report.get("concurrent", {})
         modes[report["mode"]] = {
             "ttft_ms_p50": sequential["ttft_ms_p50"],

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping
 
 from kvcore.config import KVCoreConfig, engine_config
-from kvcore.engine_status import EngineStatus, probe_engine, release_of
+from kvcore.engine_status import EngineStatus, announce_activation, probe_engine, release_of
 from kvcore.metrics_export import start_multiprocess_export
 
 from . import DISTRIBUTION, ENGINE, SUPPORTED_VERSIONS
@@ -64,8 +64,10 @@ def register_hooks(
             return status
         config.configure_logging()
         _register(status, release_of(status.version or ""))
-        if config.transfers if with_transfers is None else with_transfers:
+        transfers = config.transfers if with_transfers is None else with_transfers
+        if transfers:
             _register_transfers(status, release_of(status.version or ""))
+        announce_activation(logger, "SGLang", status, transfers, config.serve_rule)
         if config.metrics:
             # Scheduler processes reach SGLang's /metrics (served by the HTTP process)
             # only through prometheus_client's multiprocess files (--enable-metrics).

@@ -20,7 +20,12 @@ import time
 from collections.abc import Mapping
 
 from kvcore.config import KVCoreConfig, engine_config
-from kvcore.engine_status import EngineStatus, probe_engine, release_of
+from kvcore.engine_status import (
+    EngineStatus,
+    announce_activation,
+    probe_engine,
+    release_of,
+)
 from kvcore.metrics_export import start_multiprocess_export
 from kvcore_vllm.guard import (
     DISTRIBUTION,
@@ -106,6 +111,7 @@ def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]])
     else:
         _install()
         status.patched_targets = spec_targets(status.version)
+        announce_activation(logger, "vLLM", status, config.transfers, config.serve_rule)
         if config.metrics:
             # vLLM's workers are processes of their own: their counts reach /metrics through
             # prometheus_client's multiprocess files, when vLLM turns that mode on.

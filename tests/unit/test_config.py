@@ -4,6 +4,8 @@ import dataclasses
 import json
 import logging
 import re
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -74,7 +76,7 @@ def test_defaults():
     assert config.prefault_threads == 8
     assert config.register_chunk_bytes == 16 * GiB
     assert config.metrics is True
-    assert config.log_level == "WARNING"
+    assert config.log_level == "INFO"
 
 
 def test_names_follow_the_field():
@@ -380,7 +382,7 @@ def test_to_env_of_defaults():
         "KVCORE_TRANSFERS": "0",
         "KVCORE_NUMA": "off",
         "KVCORE_SERVE_RULE": "1",
-        "KVCORE_LOG_LEVEL": "WARNING",
+        "KVCORE_LOG_LEVEL": "INFO",
     }
 
 
@@ -469,3 +471,27 @@ def test_a_retired_setting_is_named_as_such_and_ignored(name, caplog, monkeypatc
     messages = [r.getMessage() for r in caplog.records]
     assert any(f"{name} is no longer a kvcore setting" in m for m in messages), messages
     assert not any("unknown kvcore variable" in m for m in messages)
+
+
+def test_logging_gets_a_handler_only_where_nothing_would_print_info():
+    """In an engine process nothing configures the root logger, and Python alone prints
+    only warnings: kvcore's own handler shows its info lines, once each, however often
+    logging is configured; where the root has a handler, kvcore adds none."""
+    script = (
+        "import logging, sys\n"
+        "from kvcore.config import KVCoreConfig\n"
+        "if sys.argv[1] == 'rooted': logging.basicConfig(format='root %(message)s')\n"
+        "for _ in range(3): KVCoreConfig().configure_logging()\n"
+        "logging.getLogger('kvcore.x').info('kvcore: hello')\n"
+        "print(len(logging.getLogger('kvcore').handlers))\n"
+    )
+    lone, rooted = (
+        subprocess.run(
+            [sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60
+        )
+        for mode in ("lone", "rooted")
+    )
+    assert lone.stdout == "1\n" and lone.stderr.count("kvcore: hello") == 1
+    assert lone.stderr.startswith("INFO ")
+    # The engine's root handler prints it, once.
+    assert rooted.stdout == "0\n" and rooted.stderr == "root kvcore: hello\n"

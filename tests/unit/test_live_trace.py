@@ -178,3 +178,16 @@ def test_percentile_is_nearest_rank():
     assert live_trace.percentile([], 0.99) is None
     assert live_trace.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert live_trace.percentile(list(range(100)), 0.99) == 98
+
+
+def test_a_first_turn_that_loads_only_a_shared_system_prompt_is_not_a_hit():
+    def result(turn: int, loaded: float, ttft_s: float):
+        counted = {live_trace.LOAD_BYTES: loaded, live_trace.LOAD_TIME: loaded / 1e10}
+        return live_trace.Result(0, 512, turn, 512, ttft_s, ttft_s, [1], counted)
+
+    cold_with_system_prompt = result(0, 4096.0, 0.9)
+    hit, miss = result(1, 1e6, 0.05), result(2, 0.0, 0.2)
+    assert [r.cpu_tier_hit for r in (cold_with_system_prompt, hit, miss)] == [False, True, False]
+    summary = live_trace.summarize([cold_with_system_prompt, hit, miss])
+    assert summary["cpu_tier_hits"] == 1 and summary["ttft_ms_p50"] == 50.0
+    assert summary["reload_bytes"] == 1e6 and summary["cold_ttft_ms_p50"] == 900.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import logging
+import os
 
 import pytest
 
@@ -75,6 +76,18 @@ def test_enabled_plugin_patches_and_reports(sglang_hooks):
     assert reported.skipped_targets == status.skipped_targets
     assert reported.would_patch == list(guard.ALLOCATOR_TARGETS)
     assert host_slots.slots_of(mha_host(256, 16)) is not None
+
+
+def test_activation_is_one_info_line_naming_what_is_active(sglang_hooks, caplog):
+    caplog.set_level(logging.INFO, logger="kvcore")
+    status = sglang_hooks()
+    sglang_hooks()
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("kvcore")]
+    assert lines == [
+        f"kvcore: active in SGLang {status.version} (pid {os.getpid()}): "
+        f"{len(guard.ALLOCATOR_TARGETS)} targets patched, {len(host_slots.STOCK_POOLS)} left "
+        "stock; transfers off, serve rule on"
+    ]
 
 
 def test_loading_twice_registers_and_wraps_once(sglang_hooks):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,21 @@ def test_enabled_plugin_selects_kvcore_spec_and_is_idempotent(monkeypatch, caplo
     assert status.patched_targets == [plugin.REGISTRY_TARGET, *OVERRIDDEN]
     assert status.plugin_applied and status.would_patch == status.patched_targets
     assert status.summary().endswith("7 patched in this process, 0 skipped")
+
+
+@pytest.mark.parametrize(("transfers", "said"), [("0", "off"), ("1", "on")])
+def test_activation_is_one_info_line_naming_what_is_active(monkeypatch, caplog, transfers, said):
+    monkeypatch.setenv("KVCORE_ENABLE", "vllm")
+    monkeypatch.setenv("KVCORE_TRANSFERS", transfers)
+    caplog.set_level(logging.INFO, logger="kvcore")
+    for _ in range(3):
+        plugin.register()
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("kvcore")]
+    version = kvcore_vllm.status().version
+    assert lines == [
+        f"kvcore: active in vLLM {version} (pid {os.getpid()}): {1 + len(OVERRIDDEN)} targets "
+        f"patched; transfers {said}, serve rule on"
+    ]
 
 
 def test_status_before_loading_reports_nothing_patched_and_the_guard_passing():
