@@ -28,12 +28,6 @@ from kvcore.patching.status import installed_patch_states
 
 ADAPTERS: tuple[str, ...] = ("kvcore_sglang", "kvcore_vllm")
 
-# `kvcore bench --engine NAME` -> the adapter module whose main(args) runs that A/B.
-BENCH_ENGINES: dict[str, str] = {"sglang": "kvcore_sglang.bench"}
-# `kvcore bench --engine NAME --sweep` -> the adapter module whose main(args) runs the
-# engine-shaped sweep (whole requests as the engine makes them, stock against kvcore).
-BENCH_SWEEPS: dict[str, str] = {"sglang": "kvcore_sglang.sweep", "vllm": "kvcore_vllm.sweep"}
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``kvcore`` command; returns the exit status (2 for a usage or config error)."""
@@ -78,42 +72,9 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
 
     bench = commands.add_parser("bench", help="measure every transfer path against the link")
     if with_bench_options:
-        from kvcore import bench as bench_module
+        from kvcore.bench import cli as bench_cli
 
-        bench_module.add_arguments(bench)
-        bench.add_argument(
-            "--engine",
-            choices=sorted({*BENCH_ENGINES, *BENCH_SWEEPS}),
-            help="A/B an engine's own transfer methods against kvcore's hooks instead",
-        )
-        bench.add_argument(
-            "--sweep",
-            action="store_true",
-            help=(
-                "with --engine: time whole requests as the engine makes them (every layer's "
-                "call, new indices per request), stock against kvcore, over request sizes"
-            ),
-        )
-        bench.add_argument(
-            "--repeats", type=int, default=0, help="with --sweep: timed requests per cell"
-        )
-        bench.add_argument(
-            "--sizes", help="with --sweep: comma list of request sizes in tokens (vLLM: blocks)"
-        )
-        bench.add_argument(
-            "--layouts",
-            help="with --sweep: comma list of LAYOUT/IO_BACKEND (default: every one served)",
-        )
-        bench.add_argument(
-            "--gemm",
-            action="store_true",
-            help="with --sweep: time a concurrent GEMM batch during each request (CUDA)",
-        )
-        bench.add_argument(
-            "--no-rule",
-            action="store_true",
-            help="with --sweep: kvcore serves every call it can (serve-or-pass rule off)",
-        )
+        bench_cli.add_arguments(bench)
     bench.set_defaults(handler=run_bench)
 
     launch.add_parser(commands)
@@ -122,20 +83,9 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    engine = getattr(args, "engine", None)
-    if getattr(args, "sweep", False):
-        if engine is None:
-            print("kvcore bench: --sweep needs --engine (sglang or vllm)", file=sys.stderr)
-            return 2
-        return int(importlib.import_module(BENCH_SWEEPS[engine]).main(args))
-    if engine is not None:
-        if engine not in BENCH_ENGINES:
-            print(f"kvcore bench: --engine {engine} runs only with --sweep", file=sys.stderr)
-            return 2
-        return int(importlib.import_module(BENCH_ENGINES[engine]).main(args))
-    from kvcore import bench
+    from kvcore.bench import cli as bench_cli
 
-    return bench.main(args)
+    return bench_cli.run(args)
 
 
 def run_doctor(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvcore.bench import execute_per_layer, queued_host_seconds
+from kvcore.bench.suite import execute_per_layer, queued_host_seconds
 from kvcore.direction import Direction
 from kvcore.kernels import triton_rows
 from kvcore.kernels.cudart import loaded_cudart

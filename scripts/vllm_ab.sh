@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM offload A/B (issue 5 item 7) in one device call: kvcore_vllm.bench.ab for
+# The vLLM offload A/B (issue 5 item 7) in one device call: kvcore.bench.vllm.ab.ab for
 # vLLM's cross-layer layout (one KV tensor) and for 32 per-layer tensors in vLLM's shared
 # host region, descriptors 4 KiB to 2 MiB at 0/50/100% fragmentation, both directions.
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried; .whl/ too when carried.
@@ -26,7 +26,7 @@ import triton
 
 import vllm.platforms
 from kvcore.kernels.batch_copy import batch_copy_available
-from kvcore_vllm import bench
+from kvcore.bench.vllm import ab as bench
 
 out, repeats, jobs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 SIZES = tuple(int(kib) << 10 for kib in sys.argv[4].split(","))
@@ -36,7 +36,7 @@ env = {
     "cuda": torch.version.cuda,
     "gpu": torch.cuda.get_device_name(0),
     "vllm_platform": type(vllm.platforms.current_platform).__name__,
-    "vllm_compiled_ops": bench._compiled_ops_loaded(),
+    "vllm_compiled_ops": bench.compiled_ops_loaded(),
     "batch_copy_available": batch_copy_available(),
     "repeats": repeats,
     "jobs": jobs,
@@ -72,7 +72,7 @@ class PathFailed(Exception):
 # its own rows in this single device call.
 disabled: set[str] = set()
 failures: list[str] = []
-stock_paths = bench._paths
+stock_paths = bench.runnable_paths
 
 
 def _guard(path):
@@ -92,7 +92,7 @@ def _paths(*args):
     return [_guard(p) for p in stock_paths(*args) if p.name not in disabled]
 
 
-bench._paths = _paths
+bench.runnable_paths = _paths
 
 
 def cells(rows: list) -> dict:

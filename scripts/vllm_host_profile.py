@@ -5,7 +5,7 @@
 
 Needs vLLM importable and ``integrations`` on the path (on the GPU machine, carry
 ``.vllm-tree`` and ``OUT=... source scripts/vllm_device_env.sh`` first). Builds one job as the
-A/B does (kvcore_vllm.bench), runs it ``--jobs`` times through each handler, each job
+A/B does (kvcore.bench.vllm.ab), runs it ``--jobs`` times through each handler, each job
 waited for before the next, and prints the median host microseconds of
 ``transfer_async`` and of kvcore's steps in it (planning, the mover's submission,
 the stream and event calls around it), then the top of a cProfile of kvcore's
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-import kvcore_vllm.bench as bench
+from kvcore.bench.vllm import ab as bench
 
 
 def _timed_steps(handler: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
@@ -52,7 +52,7 @@ def _run_jobs(handler: Any, specs: tuple[Any, Any], jobs: int) -> list[float]:
     """Seconds in ``transfer_async`` of ``jobs`` jobs, each waited for before the next."""
     submit: list[float] = []
     for _ in range(jobs):
-        bench._through_handler(handler, specs, submit)
+        bench.through_handler(handler, specs, submit)
     return submit
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     gpu_to_cpu = not args.load
     stock = bench.stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
-    kvcore = bench.kvcore_handler(bench._runnable_stock(stock, device), stock_rules=not args.own)
+    kvcore = bench.kvcore_handler(bench.runnable_stock(stock, device), stock_rules=not args.own)
     specs = bench.job_specs(
         bench.fragmented_ids(pages, args.frag, rng) + 3,
         bench.fragmented_ids(pages, args.frag, rng) + 5,
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.frag:.0%} fragmented, {'load' if args.load else 'page-out'}"
     )
     if device.type == "cuda":
-        stock_submit = _run_jobs(bench._runnable_stock(stock, device), specs, args.jobs)
+        stock_submit = _run_jobs(bench.runnable_stock(stock, device), specs, args.jobs)
         print(f"stock transfer_async: {_median_us(stock_submit, skip)} us")
     steps = _timed_steps(
         kvcore, ("_stock_is_cheaper", "_plan", "_execute", "_submit", "_submit_stock")

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.allocator import ContiguousSlotAllocator, DoubleAllocationError, expand_runs
-from kvcore.churn import make_trace, replay
+from kvcore.bench.churn import make_trace, replay
+from kvcore.bench.stock_allocator import StockSlotAllocator
 from kvcore.metrics import METRICS, Metrics
 from kvcore.runs import find_runs
-from kvcore.stock_allocator import StockSlotAllocator
 
 
 def runs_of(slots: set[int] | list[int]) -> list[tuple[int, int]]:

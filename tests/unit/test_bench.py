@@ -5,20 +5,20 @@ import json
 
 import torch
 
-from kvcore import bench
+from kvcore.bench import suite
 from kvcore.mover import TransferPath
 
 
 def test_quick_report_has_every_path_identical_and_the_documented_shape(tmp_path) -> None:
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    suite.add_arguments(parser)
     out = tmp_path / "report.json"
     args = parser.parse_args(
         ["--quick", "--tokens", "512", "--rows", "mla-1152B", "--no-progress", "--json", str(out)]
     )
-    opts = bench.options_for(args)
-    opts = bench.BenchOptions(**{**opts.__dict__, "allocator_slots": 1 << 14, "allocator_ops": 300})
-    report = bench.run(opts, progress=False)
+    opts = suite.options_for(args)
+    opts = suite.BenchOptions(**{**opts.__dict__, "allocator_slots": 1 << 14, "allocator_ops": 300})
+    report = suite.run(opts, progress=False)
     assert set(report) >= {"device", "ceiling_gbps", "results", "allocator"}
     assert report["page_out_host_syncs"] is None  # only countable on CUDA
     assert any("both-directions-at-once" in r["scenario"] for r in report["results"])
@@ -42,7 +42,7 @@ def test_quick_report_has_every_path_identical_and_the_documented_shape(tmp_path
     alloc = report["allocator"]
     assert alloc["kvcore"]["one_run_fraction"] >= alloc["stock"]["one_run_fraction"]
     assert alloc["same_outcomes"]["value"] == 1.0
-    assert "kvcore" in bench.format_table(report)
+    assert "kvcore" in suite.format_table(report)
     json.dumps(report)
 
 
@@ -50,7 +50,7 @@ def test_scattered_layout_moves_the_asked_share_of_chunks() -> None:
     gen = torch.Generator().manual_seed(0)
     rows, unit = 64 * 32, 64
     for share in (0.0, 0.5, 1.0):
-        slots = bench.scattered_layout(rows, share, unit, gen)
+        slots = suite.scattered_layout(rows, share, unit, gen)
         assert slots.numel() == rows and torch.unique(slots).numel() == rows
         pages = slots.view(-1, unit)[:, 0] // unit
         moved = int((pages != torch.arange(rows // unit)).sum())

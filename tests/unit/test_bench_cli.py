@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvcore import bench, bench_report
+from kvcore.bench import report as bench_report
+from kvcore.bench import suite
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -170,7 +171,7 @@ def test_an_old_report_without_the_new_keys_still_prints(measured: Run) -> None:
     old["results"] = [
         {k: v for k, v in r.items() if k != "repeats_gbps"} for r in measured.report["results"]
     ]
-    printed = bench.format_table(old)
+    printed = suite.format_table(old)
     assert "summary:" in printed and "legend:" in printed
     # Without the repeats, the ceiling's spread is over the layouts' medians.
     first = old["results"][0]

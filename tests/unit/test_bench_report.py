@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvcore import bench_report
+from kvcore.bench import report as bench_report
 
 
 def row(scenario: str, path: str, kind: str, gbps: float, ceiling: float) -> dict[str, Any]:

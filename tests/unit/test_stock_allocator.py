@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcore.bench.stock_allocator import StockSlotAllocator
 from kvcore.runs import find_runs
-from kvcore.stock_allocator import StockSlotAllocator
 
 
 class ListModel:

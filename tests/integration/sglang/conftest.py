@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvcore_sglang.import_stubs import PackageStub, StubType
+from kvcore.bench.sglang.import_stubs import PackageStub, StubType
 
 
 class _Placeholder(StubType):

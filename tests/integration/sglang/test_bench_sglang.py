@@ -14,7 +14,7 @@ pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang insta
 import torch
 
 from kvcore import cli
-from kvcore_sglang import bench
+from kvcore.bench.sglang import ab
 
 pytestmark = [
     pytest.mark.sglang,
@@ -33,24 +33,24 @@ PAGE = 16
 def no_stub_left() -> Iterator[None]:
     """The sgl_kernel stand-in is process-wide: take it out again after each test."""
     yield
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, bench._SglKernelStub)]
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, ab._SglKernelStub)]
     for name in ("sgl_kernel.kvcacheio", "sgl_kernel"):
         module = sys.modules.get(name)
         spec = getattr(module, "__spec__", None)
-        if spec is not None and isinstance(spec.loader, bench._SglKernelStub):
+        if spec is not None and isinstance(spec.loader, ab._SglKernelStub):
             del sys.modules[name]
 
 
-def tiny(**overrides: Any) -> bench.Options:
+def tiny(**overrides: Any) -> ab.Options:
     base = dict(tokens=TOKENS, layers=2, device=CPU, repeats=1, host_levels=("0%", "100%"))
-    return bench.Options(**{**base, **overrides})
+    return ab.Options(**{**base, **overrides})
 
 
 # --- the full A/B at tiny sizes --------------------------------------------------------------
 
 
 def test_every_kvcore_result_is_identical_and_stock_is_reported_not_runnable() -> None:
-    report = bench.run(tiny(page_sizes=(64,)))
+    report = ab.run(tiny(page_sizes=(64,)))
     rows = report["results"]
     # 2 kinds x 3 layouts x 2 levels x 2 ops, each with its stock backends and kvcore.
     kvcore = [r for r in rows if r["path"].startswith("kvcore")]
@@ -68,13 +68,13 @@ def test_every_kvcore_result_is_identical_and_stock_is_reported_not_runnable() -
     assert len(model) == 2 * 2 * 2 * 2
     assert all(r["identical"] is True and "copy_ calls" in r["sms"] for r in model)
     assert {r["layout"] for r in model} == {"layer_first", "page_first_direct"}
-    assert bench.failures(report) == []
-    ratios = bench.speedups(rows)
+    assert ab.failures(report) == []
+    ratios = ab.speedups(rows)
     assert len(ratios) == len(model) and {s["vs"] for s in ratios} == {"model:direct"}
     prefix = [r for r in report["prefix_reload"] if r["path"].startswith("kvcore")]
     assert len(prefix) == 2 * 2 * 2  # kinds x (layer_first, page_first) x levels
     assert all(r["identical"] is True for r in prefix)
-    table = bench.format_table(report)
+    table = ab.format_table(report)
     assert "not runnable: stock transfers need CUDA" in table
     assert "evicted-prefix round trip" in table
 
@@ -82,7 +82,7 @@ def test_every_kvcore_result_is_identical_and_stock_is_reported_not_runnable() -
 # --- the byte checks -------------------------------------------------------------------------
 
 
-def reference_row(case: bench.PoolCase, buffer: torch.Tensor, layer: int, slot: int):
+def reference_row(case: ab.PoolCase, buffer: torch.Tensor, layer: int, slot: int):
     """One host slot's row of ``layer``, addressed as SGLang's layout defines it."""
     if case.layout == "layer_first":
         return buffer[layer, slot]
@@ -92,17 +92,17 @@ def reference_row(case: bench.PoolCase, buffer: torch.Tensor, layer: int, slot: 
 
 
 def per_index_path(
-    case: bench.PoolCase,
+    case: ab.PoolCase,
     op: str,
     host_idx: torch.Tensor,
     dev_idx: torch.Tensor,
     damage: Callable[[], None] = lambda: None,
-) -> bench.PathRun:
+) -> ab.PathRun:
     """A plain per-index copy (the right answer), then ``damage``."""
 
     def copy() -> None:
         for c in case.components:
-            layers = [bench.LOAD_LAYER] if op == "load" else range(case.opts.layers)
+            layers = [ab.LOAD_LAYER] if op == "load" else range(case.opts.layers)
             for layer in layers:
                 for h, d in zip(host_idx.tolist(), dev_idx.tolist(), strict=True):
                     row = reference_row(case, c.host, layer, h)
@@ -112,22 +112,22 @@ def per_index_path(
                         row.copy_(c.devices[layer][d])
         damage()
 
-    return bench.PathRun("reference", copy, "")
+    return ab.PathRun("reference", copy, "")
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-@pytest.mark.parametrize("op", bench.OPS)
+@pytest.mark.parametrize("op", ab.OPS)
 def test_byte_checks_pass_a_right_copy_and_fire_on_a_corrupted_one(layout: str, op: str) -> None:
-    with bench.pool_case("mha", layout, PAGE, tiny()) as case:
+    with ab.pool_case("mha", layout, PAGE, tiny()) as case:
         gen = torch.Generator().manual_seed(5)
-        host_idx, dev_idx = bench.index_pairs(TOKENS, "100%", PAGE, gen)
+        host_idx, dev_idx = ab.index_pairs(TOKENS, "100%", PAGE, gen)
         untouched = sorted(set(range(2 * TOKENS)) - set(dev_idx.tolist()))[0]
         spare_host = sorted(set(range(2 * TOKENS)) - set(host_idx.tolist()))[0]
         c = case.components[1]  # V: damage away from the first component
 
         def flip_written() -> None:
             if op == "load":
-                c.devices[bench.LOAD_LAYER][int(dev_idx[-1])].view(torch.uint8)[0] ^= 1
+                c.devices[ab.LOAD_LAYER][int(dev_idx[-1])].view(torch.uint8)[0] ^= 1
             else:
                 reference_row(case, c.host, 1, int(host_idx[-1])).view(torch.uint8)[0] ^= 1
 
@@ -137,7 +137,7 @@ def test_byte_checks_pass_a_right_copy_and_fire_on_a_corrupted_one(layout: str, 
 
         def write_untouched() -> None:
             if op == "load":
-                layer = bench.LOAD_LAYER
+                layer = ab.LOAD_LAYER
                 spoil(c.devices[layer][untouched], c.poison[layer][untouched])
             else:
                 spoil(
@@ -157,7 +157,7 @@ def test_byte_checks_pass_a_right_copy_and_fire_on_a_corrupted_one(layout: str, 
             ("other_layer", other_layer),
         ):
             run = per_index_path(case, op, host_idx, dev_idx, damage)
-            result = bench.measure(case, op, run, host_idx, dev_idx, ceiling=1.0)
+            result = ab.measure(case, op, run, host_idx, dev_idx, ceiling=1.0)
             verdicts[name] = result["identical"]
     # A backup's repeat copies the spoiled device row to the host: caught there too.
     expected = {"right": True, "flip_written": False, "write_untouched": False}
@@ -165,17 +165,15 @@ def test_byte_checks_pass_a_right_copy_and_fire_on_a_corrupted_one(layout: str, 
 
 
 def test_a_path_that_raises_is_reported_not_runnable_and_a_missing_one_is_kept() -> None:
-    with bench.pool_case("mla", "layer_first", PAGE, tiny()) as case:
-        host_idx, dev_idx = bench.index_pairs(TOKENS, "0%", PAGE, torch.Generator())
+    with ab.pool_case("mla", "layer_first", PAGE, tiny()) as case:
+        host_idx, dev_idx = ab.index_pairs(TOKENS, "0%", PAGE, torch.Generator())
 
         def raises() -> None:
-            raise bench.StockNotRunnable("no op here")
+            raise ab.StockNotRunnable("no op here")
 
-        broken = bench.measure(
-            case, "load", bench.PathRun("stock:x", raises, ""), host_idx, dev_idx, 1.0
-        )
-        absent = bench.measure(
-            case, "load", bench.PathRun("stock:y", None, "", "why"), host_idx, dev_idx, 1.0
+        broken = ab.measure(case, "load", ab.PathRun("stock:x", raises, ""), host_idx, dev_idx, 1.0)
+        absent = ab.measure(
+            case, "load", ab.PathRun("stock:y", None, "", "why"), host_idx, dev_idx, 1.0
         )
     assert broken["not_runnable"] == "StockNotRunnable: no op here"
     assert broken["identical"] is None
@@ -183,13 +181,13 @@ def test_a_path_that_raises_is_reported_not_runnable_and_a_missing_one_is_kept()
 
 
 def test_kvcore_fallback_is_caught_by_the_byte_check_with_its_reason() -> None:
-    with bench.pool_case("mha", "page_first_direct", PAGE, tiny()) as case:
-        host_idx, dev_idx = bench.index_pairs(TOKENS, "0%", PAGE, torch.Generator())
+    with ab.pool_case("mha", "page_first_direct", PAGE, tiny()) as case:
+        host_idx, dev_idx = ab.index_pairs(TOKENS, "0%", PAGE, torch.Generator())
         # Half-page groups: page_first_direct's stock copy would move whole pages.
         host_idx = host_idx + PAGE // 2
-        with bench.bench_mover() as mover:
-            run = bench.kvcore_path(case, "load", "direct", host_idx, dev_idx, mover)
-            result = bench.measure(case, "load", run, host_idx, dev_idx, 1.0, mover)
+        with ab.bench_mover() as mover:
+            run = ab.kvcore_path(case, "load", "direct", host_idx, dev_idx, mover)
+            result = ab.measure(case, "load", run, host_idx, dev_idx, 1.0, mover)
     assert result["stock_calls"] == 1 + case.opts.repeats  # the warm-up call, then each timed
     assert result["fallbacks"] == {"sglang_unpaged_indices": result["stock_calls"]}
     assert result["identical"] is False
@@ -211,34 +209,34 @@ def test_speedups_pair_kvcore_with_stock_on_the_same_data_and_failures_skip_unru
         row("kvcore:kernel", 30.0, host_fragmentation="100%"),
         row("kvcore:kernel", 9.0, False, page_size=1),
     ]
-    [ratio] = bench.speedups(rows)
+    [ratio] = ab.speedups(rows)
     assert ratio["x"] == pytest.approx(1.25) and ratio["vs"] == "stock:kernel"
     report = {"results": rows, "prefix_reload": [row("stock:kernel", 1.0, False)]}
-    assert [r["page_size"] for r in bench.failures(report)] == [1, 64]
+    assert [r["page_size"] for r in ab.failures(report)] == [1, 64]
 
 
 def test_stub_serves_every_sgl_kernel_name_and_calling_one_raises(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real_find_spec = bench.importlib.util.find_spec
+    real_find_spec = ab.importlib.util.find_spec
     monkeypatch.setattr(
-        bench.importlib.util,
+        ab.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "sgl_kernel" else real_find_spec(name, *a),
     )
-    assert bench.install_sgl_kernel_stub()
-    assert bench.install_sgl_kernel_stub()  # once only
-    assert sum(isinstance(f, bench._SglKernelStub) for f in sys.meta_path) == 1
+    assert ab.install_sgl_kernel_stub()
+    assert ab.install_sgl_kernel_stub()  # once only
+    assert sum(isinstance(f, ab._SglKernelStub) for f in sys.meta_path) == 1
     # What SGLang imports at module level on CUDA, some of it without a fallback.
     from sgl_kernel import int8_scaled_mm
     from sgl_kernel.kvcacheio import transfer_kv_direct
     from sgl_kernel.scalar_type import ScalarType, scalar_types
 
-    with pytest.raises(bench.StockNotRunnable, match="transfer_kv_direct: sgl_kernel is not"):
+    with pytest.raises(ab.StockNotRunnable, match="transfer_kv_direct: sgl_kernel is not"):
         transfer_kv_direct([], [], None, None, 1)
-    with pytest.raises(bench.StockNotRunnable, match=r"sgl_kernel\.int8_scaled_mm"):
+    with pytest.raises(ab.StockNotRunnable, match=r"sgl_kernel\.int8_scaled_mm"):
         int8_scaled_mm()
-    with pytest.raises(bench.StockNotRunnable, match=r"scalar_types\.uint4b8"):
+    with pytest.raises(ab.StockNotRunnable, match=r"scalar_types\.uint4b8"):
         scalar_types.uint4b8()
 
     class Derived(ScalarType):  # subclassable, as type annotations and subclasses need
@@ -258,11 +256,11 @@ def test_cli_dispatches_engine_sglang_with_the_bench_options(
         seen.append(args)
         return 0
 
-    monkeypatch.setattr(bench, "main", fake_main)
+    monkeypatch.setattr(ab, "main", fake_main)
     argv = ["bench", "--engine", "sglang", "--tokens", "4096", "--json", "x.json"]
     assert cli.main(argv) == 0
     [args] = seen
     assert (args.engine, args.tokens, args.json) == ("sglang", 4096, "x.json")
-    opts = bench.options_for(args)
+    opts = ab.options_for(args)
     assert opts.tokens == 4096
     assert cli.main(["bench", "--engine", "vllm"]) == 2

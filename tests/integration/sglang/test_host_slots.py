@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.pool_host.mha import (
 )
 from sglang_pools import BUILDERS, mha_host
 
-from kvcore.churn import make_trace, replay
+from kvcore.bench.churn import make_trace, replay
 from kvcore.runs import find_runs
 from kvcore_sglang import host_slots
 

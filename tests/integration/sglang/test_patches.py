@@ -23,10 +23,10 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 from kvcore.patching import apply as apply_module
 from kvcore.patching.apply import FileState
 from kvcore.patching.generate import drift, generate
-from kvcore.patching.mirror import patched_file_hashes, released_mirror
 from kvcore.patching.patchset import DEFAULT_PATCHES_DIR, load_set
 from kvcore.patching.tree import EngineTree, find_tree
 from kvcore_sglang import guard, host_slots, patched
+from tests.support.patch_mirror import patched_file_hashes, released_mirror
 
 pytestmark = pytest.mark.sglang
 

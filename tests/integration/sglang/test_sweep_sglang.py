@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvcore_sglang import sweep, transfers
+from kvcore.bench.sglang import sweep
+from kvcore_sglang import transfers
 
 pytestmark = pytest.mark.sglang
 

@@ -33,12 +33,12 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_pools import dsa_host, mha_device, mha_host, mla_device, mla_host
 
 from kvcore import kernels
+from kvcore.bench.sglang.host_pools import mha_host_pool, mla_host_pool
 from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, PathPolicy, StagingBuffers
 from kvcore_sglang import guard, plugin, pool_jobs, transfers
-from kvcore_sglang.host_pools import mha_host_pool, mla_host_pool
 
 VERSION = release_of(importlib.metadata.version("sglang"))
 RELEASES = ("0.5.22", "0.5.23")

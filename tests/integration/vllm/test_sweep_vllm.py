@@ -22,9 +22,10 @@ import numpy as np
 import torch
 import vllm
 
-from kvcore import cli, sweep_report
-from kvcore_vllm import bench, sweep
-from kvcore_vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
+from kvcore import cli
+from kvcore.bench import sweep_report
+from kvcore.bench.vllm import ab, sweep
+from kvcore.bench.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
 from kvcore_vllm.transfers import KVCoreOffloadingHandler
 
 pytestmark = pytest.mark.vllm
@@ -128,7 +129,7 @@ def _drop_last_page(monkeypatch: pytest.MonkeyPatch) -> None:
         if len(gpu_spec.block_ids) < 2:
             return original(self, job_id, src, dst)
         gpu_ids, cpu_ids = (np.asarray(s.block_ids)[:-1] for s in (gpu_spec, cpu_spec))
-        specs = bench.job_specs(gpu_ids, cpu_ids, gpu_to_cpu=self.gpu_to_cpu)
+        specs = ab.job_specs(gpu_ids, cpu_ids, gpu_to_cpu=self.gpu_to_cpu)
         return original(self, job_id, *specs)
 
     monkeypatch.setattr(KVCoreOffloadingHandler, "transfer_async", lossy)
@@ -150,7 +151,7 @@ def test_a_lost_page_fails_its_cells_and_the_exit_status(monkeypatch, tmp_path):
 
 def _stock_stand_in(stock: Any, device: torch.device) -> tuple[str, Any]:
     """kvcore's handler with every job left to vLLM's descriptor fill and a memmove each."""
-    handler = bench.kvcore_handler(bench._runnable_stock(stock, device))
+    handler = ab.kvcore_handler(ab.runnable_stock(stock, device))
     handler._stock_is_cheaper = lambda segments: "stand_in"  # type: ignore[method-assign]
     return "stand-in", sweep._Side("stock", handler, device)
 

@@ -22,10 +22,10 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 from kvcore.patching import apply as apply_module
 from kvcore.patching.apply import FileState
 from kvcore.patching.generate import drift, generate
-from kvcore.patching.mirror import patched_file_hashes, released_mirror
 from kvcore.patching.patchset import DEFAULT_PATCHES_DIR, load_set
 from kvcore.patching.tree import EngineTree, find_tree
 from kvcore_vllm import patched, plugin
+from tests.support.patch_mirror import patched_file_hashes, released_mirror
 
 pytestmark = pytest.mark.vllm
 

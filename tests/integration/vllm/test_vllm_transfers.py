@@ -29,13 +29,14 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_support import spec_args
 
+from kvcore.bench.vllm import ab
+from kvcore.bench.vllm.ab import Layout, fragmented_ids, kvcore_handler, stock_handler
 from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover, PathPolicy
 from kvcore.streams import ManualCpuBackend
-from kvcore_vllm import bench, transfers
-from kvcore_vllm.bench import Layout, fragmented_ids, kvcore_handler, stock_handler
+from kvcore_vllm import transfers
 from kvcore_vllm.page_rows import page_rows
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 from kvcore_vllm.stock_copies import StockCopies
@@ -687,7 +688,7 @@ def test_spec_installs_handlers_when_transfers_are_on(monkeypatch, transfers):
 
 
 def test_bench_ab_dry_run_on_cpu_checks_bytes():
-    rows = bench.ab("cpu", [256], [0.5], job_bytes=8 << 10, repeats=1)
+    rows = ab.ab("cpu", [256], [0.5], job_bytes=8 << 10, repeats=1)
     assert {(r["direction"], r["path"]) for r in rows} == {
         (d, p) for d in ("d2h", "h2d") for p in ("per_block_copy", "kvcore", "kvcore_own")
     }

@@ -9,12 +9,12 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 import torch
 
-from kvcore_vllm.bench import (
+from kvcore.bench.vllm.ab import (
     Layout,
-    _runnable_stock,
     fragmented_ids,
     job_specs,
     kvcore_handler,
+    runnable_stock,
     stock_handler,
 )
 from kvcore_vllm.transfers import CudaJobStreams
@@ -53,7 +53,7 @@ def test_jobs_copy_their_pages_and_reuse_three_events(gpu_to_cpu: bool, stock_ru
     gpu, host = layout.make_tensors(device, torch.Generator().manual_seed(1))
     gpu_before, host_before = gpu[0].clone(), host[0].clone()
     # Jobs left to stock run vLLM's compiled copy op, or the same driver call where it is absent.
-    stock = _runnable_stock(stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu), device)
+    stock = runnable_stock(stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu), device)
     handler = kvcore_handler(stock, stock_rules=stock_rules)
     rng = np.random.default_rng(2)
     copied_gpu: set[int] = set()

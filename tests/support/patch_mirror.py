@@ -1,6 +1,6 @@
 """A writable stand-in for an installed engine, as released, without writing to the engine.
 
-The drift check and the apply/revert tests need the release's own bytes in a tree they may
+The apply/revert tests of both engines need the release's own bytes in a tree they may
 change: the files a patch set touches (and the directories on their way) are copied,
 everything else is symlinked; where the installed engine is itself patched (a patched
 build), the copies are reverted.

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from kvcore import bench_report
+from kvcore.bench import report as bench_report
 
 # kvcore's paths in colour, the stock baselines in greys, in the order bars stand in a group.
 PATH_COLOURS = {

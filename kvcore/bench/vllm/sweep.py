@@ -11,13 +11,13 @@ in flight, stores (GPU to host) and loads, host ids broken at 0/50/100% of neigh
 pairs, over vLLM's layouts: one KV tensor per layer (a 32-layer model with MHA pages, a
 61-layer one with MLA pages) and cross-layer (one tensor, each page every layer's). Each
 request gets block ids no earlier request had; stock and kvcore run it in turn, the
-order alternating, in one process on one set of tensors (:mod:`kvcore_vllm.sweep_pools`
+order alternating, in one process on one set of tensors (:mod:`kvcore.bench.vllm.sweep_pools`
 checks every byte of every request). kvcore's handler counts the jobs it left to stock,
 with the reason (its stock-is-cheaper rules, planner fallbacks).
 
 Stock is vLLM's ``SingleDirectionOffloadingHandler`` end to end where its copy op can
 run: its compiled op, or where the compiled ops are absent the same driver call over its
-descriptors (:func:`kvcore_vllm.bench._runnable_stock`), or its Triton kernel where vLLM
+descriptors (:func:`kvcore.bench.vllm.ab.runnable_stock`), or its Triton kernel where vLLM
 picks it. On a CPU vLLM's handler cannot run (it pins its descriptor buffers and records
 device events): stock is reported not runnable (NaN times) and kvcore's handler runs
 alone on host tensors, its stock fallbacks copying with a memmove per descriptor.
@@ -40,13 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore import sweep_report
+from kvcore.bench import sweep_report
+from kvcore.bench.sweep_report import SweepRow
+from kvcore.bench.vllm import ab
+from kvcore.bench.vllm.sweep_pools import Pools, Request, RequestDrawer, slice_blocks
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.pinned import HostBuffer, allocate_host_buffer
-from kvcore.sweep_report import SweepRow
-from kvcore_vllm import bench
-from kvcore_vllm.sweep_pools import Pools, Request, RequestDrawer, slice_blocks
 
 BLOCK_TOKENS = 16
 # 16 tokens x (K, V) x 4 KV heads x head dim 128 x bf16 (an 8-KV-head model at TP 2).
@@ -75,8 +75,8 @@ class ModelLayout:
         """Bytes of one block, every layer."""
         return self.layers * self.layer_page_bytes
 
-    def layout(self, blocks: int) -> bench.Layout:
-        return bench.Layout(
+    def layout(self, blocks: int) -> ab.Layout:
+        return ab.Layout(
             page_bytes=self.block_bytes if self.cross_layer else self.layer_page_bytes,
             tensors=1 if self.cross_layer else self.layers,
             gpu_blocks=blocks,
@@ -176,7 +176,7 @@ class _Side:
         _synchronize(self.device)
         submit: list[float] = []
         started = time.perf_counter()
-        results = bench.submit_and_collect(self.handler, specs, submit)
+        results = ab.submit_and_collect(self.handler, specs, submit)
         return time.perf_counter() - started, sum(submit), results
 
     def fallbacks(self) -> Counter[str]:
@@ -268,7 +268,7 @@ class _Sweep:
             self.result.skipped += len(cells)
             return
         gpu_to_cpu = op == "store"
-        stock = bench.stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
+        stock = ab.stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
         stock_label, stock_side = _stock_side(stock, self.device)
         sides = [stock_side] if stock_side is not None else []
         first_row = len(self.result.rows)
@@ -365,7 +365,7 @@ class _Sweep:
             ids = list(range(self._next_job_id, self._next_job_id + len(request.jobs)))
             self._next_job_id += len(ids)
             specs = [
-                (job_id, bench.job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
+                (job_id, ab.job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
                 for job_id, job in zip(ids, request.jobs, strict=True)
             ]
             pools.prepare(request)
@@ -413,13 +413,13 @@ def _stock_side(stock: Any, device: torch.device) -> tuple[str, _Side | None]:
         return "not runnable on cpu (vLLM's handler pins descriptors, records device events)", None
     if isinstance(stock._swap_blocks_batch, functools.partial):
         label = "handler/triton-kernel"
-    elif bench._compiled_ops_loaded():
+    elif ab.compiled_ops_loaded():
         label = "handler/compiled-op"
-    elif bench.batch_copy_available():
+    elif ab.batch_copy_available():
         label = "handler/copy-op-emulated(cudaMemcpyBatchAsync)"
     else:
         return "not runnable (no compiled copy op, no cudaMemcpyBatchAsync)", None
-    return label, _Side("stock", bench._runnable_stock(stock, device), device)
+    return label, _Side("stock", ab.runnable_stock(stock, device), device)
 
 
 def _fallbacks(metrics: Metrics | None) -> Counter[str]:
@@ -428,10 +428,10 @@ def _fallbacks(metrics: Metrics | None) -> Counter[str]:
 
 def _kvcore_side(stock: Any, device: torch.device) -> _Side:
     handler_metrics, mover_metrics = Metrics(), Metrics()
-    handler = bench.kvcore_handler(
-        bench._runnable_stock(stock, device),
+    handler = ab.kvcore_handler(
+        ab.runnable_stock(stock, device),
         metrics=handler_metrics,
-        mover=Mover(bench._env_policy(), metrics=mover_metrics),
+        mover=Mover(ab.env_policy(), metrics=mover_metrics),
     )
     return _Side("kvcore", handler, device, handler_metrics, mover_metrics)
 
@@ -515,8 +515,8 @@ def main(args: argparse.Namespace) -> int:
             version=vllm.__version__,
             torch=torch.__version__,
             plan="quick" if args.quick else "full",
-            vllm_compiled_ops=bench._compiled_ops_loaded(),
-            batch_copy_available=bench.batch_copy_available(),
+            vllm_compiled_ops=ab.compiled_ops_loaded(),
+            batch_copy_available=ab.batch_copy_available(),
             ceiling_gbps=result.ceiling_gbps,
             pool_checks=result.pool_checks,
             failures=result.failures,
@@ -541,7 +541,7 @@ def _plot(rows: list[SweepRow], path: str, title: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvcore_vllm.sweep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvcore.bench.vllm.sweep", description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plot", metavar="PATH")

@@ -32,13 +32,12 @@ from typing import Any
 
 import torch
 
-from kvcore.bench import _timed, scattered_layout
+from kvcore.bench.sglang.import_stubs import PackageStub, StubType
+from kvcore.bench.suite import scattered_layout, timed
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, policy_from_config
 from kvcore.runs import find_paired_runs
-
-from .import_stubs import PackageStub, StubType
 
 KINDS = ("mha", "mla")
 LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
@@ -210,7 +209,7 @@ def _device_pool(kind: str, opts: Options, page_size: int) -> Any:
 def _host_pool(kind: str, device_pool: Any, layout: str, page_size: int, opts: Options) -> Any:
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
-    from kvcore_sglang.host_pools import mha_host_pool, mla_host_pool
+    from kvcore.bench.sglang.host_pools import mha_host_pool, mla_host_pool
 
     args = dict(
         host_to_device_ratio=1.0,
@@ -280,7 +279,7 @@ def host_rows(buffer: torch.Tensor, layout: str, page: int, layer: int, slots: t
     return buffer[:, layer], (slots // page, slots % page)
 
 
-def _get_rows(buffer: torch.Tensor, layout: str, page: int, layer: int, slots: torch.Tensor):
+def get_rows(buffer: torch.Tensor, layout: str, page: int, layer: int, slots: torch.Tensor):
     view, index = host_rows(buffer, layout, page, layer, slots)
     return view[index]
 
@@ -292,7 +291,7 @@ def _set_rows(
     view[index] = rows
 
 
-def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
@@ -304,8 +303,8 @@ def check_load(case: PoolCase, layer: int, host_idx: torch.Tensor, dev_idx: torc
             expected = poison
             if i == layer:
                 expected = poison.clone()
-                expected[d] = _get_rows(c.mirror, case.layout, case.page_size, layer, h)
-            if not _bytes_equal(actual, expected):
+                expected[d] = get_rows(c.mirror, case.layout, case.page_size, layer, h)
+            if not bytes_equal(actual, expected):
                 return False
     return True
 
@@ -317,7 +316,7 @@ def check_backup(case: PoolCase, host_idx: torch.Tensor, dev_idx: torch.Tensor) 
         expected = c.mirror.clone()
         for layer, poison in enumerate(c.poison):
             _set_rows(expected, case.layout, case.page_size, layer, h, poison[d])
-        if not _bytes_equal(c.host.to(case.opts.device), expected):
+        if not bytes_equal(c.host.to(case.opts.device), expected):
             return False
     return True
 
@@ -346,7 +345,7 @@ def _call(case: PoolCase, op: str, method: Callable[..., Any], h: Any, d: Any, b
     return lambda: method(case.pool, case.device_pool, h, d, backend)
 
 
-def _stock_indices(
+def stock_indices(
     case: PoolCase, op: str, backend: str, host_idx: torch.Tensor, dev_idx: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Where SGLang 0.5.23's cache controller puts the indices before the pool sees them."""
@@ -392,7 +391,7 @@ def stock_path(
     if reason is not None:
         return PathRun(name, None, "", reason)
     method = vars(_pool_class(case))[_METHOD[op]]
-    h, d = _stock_indices(case, op, backend, host_idx, dev_idx)
+    h, d = stock_indices(case, op, backend, host_idx, dev_idx)
     return PathRun(name, _call(case, op, method, h, d, backend), sms)
 
 
@@ -419,7 +418,7 @@ def direct_model_path(
     """The copies stock ``direct`` makes, one ``copy_`` each, issued from Python.
 
     sgl_kernel issues the same copies from C++; only the host time per copy differs
-    (~13 us here against a few us there), so this bounds stock ``direct`` from below.
+    (Python's is the larger), so this bounds stock ``direct`` from below.
     """
     name = "model:direct"
     copies = direct_copies(case, host_idx, dev_idx)
@@ -550,7 +549,7 @@ def _ceiling(case: PoolCase, nbytes: int, op: str) -> float:
     nbytes = min(nbytes, host.numel())
     scratch = torch.empty(nbytes, dtype=torch.uint8, device=case.opts.device)
     src, dst = (host[:nbytes], scratch) if op == "load" else (scratch, host[:nbytes])
-    seconds, _ = _timed(lambda: dst.copy_(src, non_blocking=True), case.opts.device, 3)
+    seconds, _ = timed(lambda: dst.copy_(src, non_blocking=True), case.opts.device, 3)
     case.restore_host()
     return nbytes / seconds / 1e9
 
@@ -586,7 +585,7 @@ def measure(
     case.restore_device()
     before = mover.metrics.snapshot() if mover is not None and mover.metrics else None
     try:
-        seconds, host_seconds = _timed(run.fn, case.opts.device, case.opts.repeats)
+        seconds, host_seconds = timed(run.fn, case.opts.device, case.opts.repeats)
         _sync(case.opts.device)
     except Exception as exc:  # a stock op this machine lacks, or a JIT build that failed
         _sync(case.opts.device)
@@ -682,7 +681,7 @@ def prefix_round_trip(case: PoolCase, mover: Mover, level: str) -> list[dict[str
 
             h, dd = host_idx, dev_idx
         else:
-            h, dd = _stock_indices(case, "load", backend, host_idx, dev_idx)
+            h, dd = stock_indices(case, "load", backend, host_idx, dev_idx)
 
         def reload_all(method: Any = method, h: Any = h, dd: Any = dd) -> None:
             for layer in layers:
@@ -691,18 +690,18 @@ def prefix_round_trip(case: PoolCase, mover: Mover, level: str) -> list[dict[str
         case.restore_host()
         case.restore_device()
         try:
-            evict_s, _ = _timed(backup.fn, case.opts.device, case.opts.repeats)
+            evict_s, _ = timed(backup.fn, case.opts.device, case.opts.repeats)
             for c in case.components:
                 for layer in c.devices:
                     layer[d] = torch.bitwise_not(layer[d].view(torch.uint8)).view(layer.dtype)
-            reload_s, _ = _timed(reload_all, case.opts.device, case.opts.repeats)
+            reload_s, _ = timed(reload_all, case.opts.device, case.opts.repeats)
             _sync(case.opts.device)
         except Exception as exc:
             _sync(case.opts.device)
             results.append({**row, "not_runnable": f"{type(exc).__name__}: {exc}"[:300]})
             continue
         restored = all(
-            _bytes_equal(layer, poison)
+            bytes_equal(layer, poison)
             for c in case.components
             for layer, poison in zip(c.devices, c.poison, strict=True)
         )
@@ -759,7 +758,7 @@ def run(opts: Options, progress: Callable[[str], None] = lambda line: None) -> d
     results: list[dict[str, Any]] = []
     prefix: list[dict[str, Any]] = []
     stream = torch.cuda.Stream(opts.device) if opts.device.type == "cuda" else None
-    with bench_mover() as mover, _on_stream(stream):
+    with bench_mover() as mover, on_stream(stream):
         for kind in opts.kinds:
             for layout in opts.layouts:
                 for page_size in opts.page_sizes:
@@ -801,7 +800,7 @@ def run(opts: Options, progress: Callable[[str], None] = lambda line: None) -> d
 
 
 @contextmanager
-def _on_stream(stream: Any) -> Iterator[None]:
+def on_stream(stream: Any) -> Iterator[None]:
     """A stream of our own, as SGLang's transfer engine uses (the batched copy API refuses
     the legacy default stream); SGLang's JIT kernels launch through tvm-ffi, told to use it."""
     if stream is None:

@@ -23,16 +23,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvcore import bench_report
 from kvcore.allocator import ContiguousSlotAllocator
-from kvcore.churn import make_trace, replay
+from kvcore.bench import report as bench_report
+from kvcore.bench.churn import make_trace, replay
+from kvcore.bench.stock_allocator import StockSlotAllocator
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.kernels.reference import as_row_words
 from kvcore.layers import layer_pairs
 from kvcore.mover import Mover, PathPolicy, TransferPath, TransferPlan, plan, policy_from_config
 from kvcore.pinned import allocate_host_buffer
-from kvcore.stock_allocator import StockSlotAllocator
 from kvcore.streams import CopyStreams, CudaBackend
 
 PAGE = 64
@@ -129,7 +129,7 @@ def scattered_layout(
 _SUBMIT_COVER_CYCLES = 20_000_000
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
     """Median device seconds and median host seconds to issue ``fn``."""
     device_times, host_times = _timed_repeats(fn, device, repeats)
     return statistics.median(device_times), statistics.median(host_times)
@@ -416,7 +416,7 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
             sc.dst.copy_(sc.poison)
             # The naive baselines are slow by two orders of magnitude: fewer repeats suffice.
             repeats = opts.repeats if kind == "kvcore" else 2
-            seconds, host_seconds = _timed(fn, opts.device, repeats)
+            seconds, host_seconds = timed(fn, opts.device, repeats)
             if opts.device.type == "cuda":
                 torch.cuda.synchronize(opts.device)
             results.append(
@@ -550,7 +550,7 @@ def _layers_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[di
         }
         for label, fn in ways.items():
             dst.copy_(poison)
-            seconds, host_seconds = _timed(fn, opts.device, opts.repeats)
+            seconds, host_seconds = timed(fn, opts.device, opts.repeats)
             if opts.device.type == "cuda":
                 torch.cuda.synchronize(opts.device)
             results.append(
@@ -610,7 +610,7 @@ def _fallback_results(opts: BenchOptions, mover: Mover) -> list[dict[str, Any]]:
     expected = dst.clone()
     expected[dst_idx.to(dst.device)] = src[src_idx].to(dst.device)
     fallback = plan(src, dst, src_idx, dst_idx, direction=Direction.H2D, policy=mover.policy)
-    seconds, host_seconds = _timed(lambda: mover.execute(fallback), opts.device, 1)
+    seconds, host_seconds = timed(lambda: mover.execute(fallback), opts.device, 1)
     nbytes = fallback.nbytes
     return [
         _result(
@@ -697,7 +697,7 @@ def format_table(report: dict[str, Any], full: bool = False) -> str:
 def write_plot(report: dict[str, Any], path: str) -> bool:
     """A chart of every row kind and direction (False where matplotlib is missing)."""
     try:
-        from kvcore import bench_plot
+        from kvcore.bench import plot as bench_plot
     except ImportError:
         return False
     bench_plot.write(report, path)

@@ -1,4 +1,4 @@
-"""The block pools of the vLLM sweep (:mod:`kvcore_vllm.sweep`), its requests, and its checks.
+"""The block pools of the vLLM sweep (:mod:`kvcore.bench.vllm.sweep`), its requests, and its checks.
 
 A :class:`Pools` holds one model's offload layout: one GPU tensor per KV tensor (each
 its own allocation, as vLLM allocates them) and the host tensors as views of one host
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore_vllm.bench import Layout, fragmented_ids
+from kvcore.bench.vllm.ab import Layout, fragmented_ids
 
 # Rows either side of a job's ids that its window check covers; a stray write further
 # away is caught by the pass's whole-pool check.

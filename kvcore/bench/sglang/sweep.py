@@ -10,7 +10,7 @@ sides alternate request by request in one process on the same pools. kvcore runs
 SGLang's ``HookRegistry`` calls an AROUND hook, with the stock method as ``original``, and
 its serve-or-pass rule on (``--no-rule``: off, kvcore's own paths everywhere it can).
 
-Pools are built the way SGLang builds them (:mod:`kvcore_sglang.bench`), filled with random
+Pools are built the way SGLang builds them (:mod:`kvcore.bench.sglang.ab`), filled with random
 bytes; after timing, each side's result is checked byte for byte against SGLang's layout
 definition, rows outside the copy keeping their poison. Where stock's ``direct`` ops are
 absent (no sgl-kernel), the ``direct`` cells compare against the same copies issued one
@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 
-from kvcore import sweep_report
-from kvcore.bench import scattered_layout
+from kvcore.bench import sweep_report
+from kvcore.bench.sglang import ab
+from kvcore.bench.suite import scattered_layout
+from kvcore.bench.sweep_report import SweepRow
 from kvcore.metrics import Metrics
-from kvcore.sweep_report import SweepRow
-
-from . import bench
 
 # Model-like layer counts: a Llama-8B-shaped MHA model, a DeepSeek-shaped MLA model.
 LAYERS = {"mha": 32, "mla": 61}
@@ -128,19 +127,19 @@ class Side:
     label: str = ""
 
 
-def _method(case: bench.PoolCase, op: str) -> Callable[..., Any]:
-    return vars(type(case.pool))[bench._METHOD[op]]
+def _method(case: ab.PoolCase, op: str) -> Callable[..., Any]:
+    return vars(type(case.pool))[ab._METHOD[op]]
 
 
-def _hook(case: bench.PoolCase, op: str) -> Callable[..., Any]:
+def _hook(case: ab.PoolCase, op: str) -> Callable[..., Any]:
     from kvcore_sglang import transfers
 
     cls = type(case.pool)
-    return transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{bench._METHOD[op]}"]
+    return transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{ab._METHOD[op]}"]
 
 
 def _request(
-    case: bench.PoolCase, op: str, backend: str, layers: int, method: Callable[..., Any]
+    case: ab.PoolCase, op: str, backend: str, layers: int, method: Callable[..., Any]
 ) -> Callable[[tuple[torch.Tensor, torch.Tensor]], None]:
     pool, device_pool = case.pool, case.device_pool
     if op == "backup":
@@ -158,11 +157,11 @@ def _request(
     return reload
 
 
-def stock_side(case: bench.PoolCase, op: str, backend: str, layers: int) -> Side:
+def stock_side(case: ab.PoolCase, op: str, backend: str, layers: int) -> Side:
     """SGLang's own method; where this machine lacks it (``direct`` without sgl-kernel, or
     no CUDA at all), the copies ``direct`` makes, issued from Python (:func:`model_method`)."""
-    _, reason = bench.stock_kernel_sms(case, op, backend)
-    runnable = reason is None and not (backend == "direct" and bench.sgl_kernel_stubbed())
+    _, reason = ab.stock_kernel_sms(case, op, backend)
+    runnable = reason is None and not (backend == "direct" and ab.sgl_kernel_stubbed())
     if not runnable:
         if backend == "kernel" and case.opts.device.type == "cuda":
             return Side("stock", None, _cpu, reason or "stock kernel not runnable")
@@ -170,7 +169,7 @@ def stock_side(case: bench.PoolCase, op: str, backend: str, layers: int) -> Side
         return Side("stock", _request(case, op, backend, layers, model), _cpu, label=MODEL)
 
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return bench._stock_indices(case, op, backend, h, d)
+        return ab.stock_indices(case, op, backend, h, d)
 
     method = _method(case, op)
     return Side("stock", _request(case, op, backend, layers, method), prepare, label="stock")
@@ -179,20 +178,20 @@ def stock_side(case: bench.PoolCase, op: str, backend: str, layers: int) -> Side
 MODEL = "model:direct"
 
 
-def model_method(case: bench.PoolCase, op: str) -> Callable[..., None]:
+def model_method(case: ab.PoolCase, op: str) -> Callable[..., None]:
     """A stand-in for the pool method: the copies stock ``direct`` makes for one call (one
-    per page run, layer and buffer, :func:`kvcore_sglang.bench.direct_copies`), one
-    ``copy_`` each. Raises :class:`~kvcore_sglang.bench.StockNotRunnable` past
+    per page run, layer and buffer, :func:`kvcore.bench.sglang.ab.direct_copies`), one
+    ``copy_`` each. Raises :class:`~kvcore.bench.sglang.ab.StockNotRunnable` past
     :data:`MAX_MODEL_COPIES` copies a call."""
     page = case.page_size
     last: list[Any] = [None, None, []]
 
     def copies(host_idx: torch.Tensor, dev_idx: torch.Tensor) -> list[tuple[int, int, int]]:
         if last[0] is not host_idx or last[1] is not dev_idx:
-            last[:] = [host_idx, dev_idx, bench.direct_copies(case, host_idx.cpu(), dev_idx.cpu())]
+            last[:] = [host_idx, dev_idx, ab.direct_copies(case, host_idx.cpu(), dev_idx.cpu())]
         return last[2]
 
-    def host_block(c: bench.Component, layer: int, slot: int, rows: int) -> torch.Tensor:
+    def host_block(c: ab.Component, layer: int, slot: int, rows: int) -> torch.Tensor:
         if case.layout == "page_first_direct":
             return c.host[slot // page, layer]
         if case.layout == "page_first":
@@ -202,7 +201,7 @@ def model_method(case: bench.PoolCase, op: str) -> Callable[..., None]:
     def move(host_idx: torch.Tensor, dev_idx: torch.Tensor, layer_ids: Sequence[int]) -> None:
         runs = copies(host_idx, dev_idx)
         if len(runs) * len(layer_ids) * len(case.components) > MAX_MODEL_COPIES:
-            raise bench.StockNotRunnable(f"{len(runs)} copies a layer: over the model's limit")
+            raise ab.StockNotRunnable(f"{len(runs)} copies a layer: over the model's limit")
         for layer in layer_ids:
             for c in case.components:
                 for h, d, rows in runs:
@@ -235,7 +234,7 @@ def _cpu(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kvcore_side(
-    case: bench.PoolCase, op: str, backend: str, layers: int, *, direct: bool = False
+    case: ab.PoolCase, op: str, backend: str, layers: int, *, direct: bool = False
 ) -> Side:
     """The AROUND hook as SGLang's HookRegistry calls it, the stock method as ``original``;
     with ``kernel`` on CUDA the host indices go through the ``move_indices`` hook, as SGLang
@@ -245,7 +244,7 @@ def kvcore_side(
     hook = _hook(case, op)
     stock_run = stock_side(case, op, backend, layers)
     original = _method(case, op) if stock_run.label == "stock" else model_method(case, op)
-    name = bench._METHOD[op]
+    name = ab._METHOD[op]
 
     pool, device_pool = case.pool, case.device_pool
 
@@ -267,7 +266,7 @@ def kvcore_side(
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Where SGLang's controller puts the indices (stock's side says), the host indices
         # moved through kvcore's move_indices hook, which remembers the CPU ones.
-        stock_h, stock_d = bench._stock_indices(case, op, backend, h, d)
+        stock_h, stock_d = ab.stock_indices(case, op, backend, h, d)
         if stock_h is h:
             return h, stock_d
 
@@ -289,7 +288,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rule_off(case: bench.PoolCase, op: str, backend: str, layers: int) -> Side:
+def rule_off(case: ab.PoolCase, op: str, backend: str, layers: int) -> Side:
     """kvcore's hook called directly with the serve-or-pass rule off: its own paths
     wherever it can copy exactly, to read off where the rule should serve."""
     from kvcore_sglang import transfers
@@ -323,36 +322,34 @@ def _timed_request(
 
 
 def _requests(
-    case: bench.PoolCase, tokens: int, level: str, count: int, gen: torch.Generator
+    case: ab.PoolCase, tokens: int, level: str, count: int, gen: torch.Generator
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for _ in range(count):
-        host = scattered_layout(tokens, bench.HOST_LEVELS[level], case.page_size, gen)
+        host = scattered_layout(tokens, ab.HOST_LEVELS[level], case.page_size, gen)
         device = scattered_layout(tokens, 1.0, case.page_size, gen)
         out.append((host, device))
     return out
 
 
-def _check(
-    case: bench.PoolCase, op: str, layers: int, host: torch.Tensor, dev: torch.Tensor
-) -> bool:
+def _check(case: ab.PoolCase, op: str, layers: int, host: torch.Tensor, dev: torch.Tensor) -> bool:
     """Every layer of the request copied, every other row its poison (host rows their
     intended bytes)."""
     if op == "backup":
-        return bench.check_backup(case, host, dev)
+        return ab.check_backup(case, host, dev)
     h, d = host.to(case.opts.device), dev.to(case.opts.device)
     for c in case.components:
         for layer, (actual, poison) in enumerate(zip(c.devices, c.poison, strict=True)):
             expected = poison.clone()
             if layer < layers:
-                expected[d] = bench._get_rows(c.mirror, case.layout, case.page_size, layer, h)
-            if not bench._bytes_equal(actual, expected):
+                expected[d] = ab.get_rows(c.mirror, case.layout, case.page_size, layer, h)
+            if not ab.bytes_equal(actual, expected):
                 return False
     return True
 
 
 def _checked_request(
-    case: bench.PoolCase, side: Side, op: str, layers: int, cpu: tuple[torch.Tensor, torch.Tensor]
+    case: ab.PoolCase, side: Side, op: str, layers: int, cpu: tuple[torch.Tensor, torch.Tensor]
 ) -> bool:
     _restore_rows(case, op)
     side.call(side.prepare(cpu[0].clone(), cpu[1].clone()))  # type: ignore[misc]
@@ -360,7 +357,7 @@ def _checked_request(
     return _check(case, op, layers, cpu[0], cpu[1])
 
 
-def _restore_rows(case: bench.PoolCase, op: str) -> None:
+def _restore_rows(case: ab.PoolCase, op: str) -> None:
     """Put back what earlier requests wrote: device layers their poison (on the device,
     cheap), and before a backup the host buffers their intended bytes (loads only read
     them, and every load cell of a pool runs before its backups)."""
@@ -370,7 +367,7 @@ def _restore_rows(case: bench.PoolCase, op: str) -> None:
 
 
 def measure_cell(
-    case: bench.PoolCase,
+    case: ab.PoolCase,
     op: str,
     backend: str,
     tokens: int,
@@ -417,7 +414,7 @@ def measure_cell(
                 timed = _timed_request(own, given, opts.device)
                 if i:
                     times["own"].append(timed)
-    except bench.StockNotRunnable as exc:
+    except ab.StockNotRunnable as exc:
         _sync(opts.device)
         return {"case": where, "tokens": tokens, "not_runnable": str(exc)[:300]}
     # kvcore's result is checked (stock's is the reference it must equal); restoring a whole
@@ -551,20 +548,20 @@ def _paths(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 
 @contextmanager
-def _pool(kind: str, layout: str, page: int, opts: SweepOptions) -> Iterator[bench.PoolCase]:
-    base = bench.Options(
+def _pool(kind: str, layout: str, page: int, opts: SweepOptions) -> Iterator[ab.PoolCase]:
+    base = ab.Options(
         tokens=max(opts.tokens),
         layers=opts.layer_count(kind),
         device=opts.device,
         repeats=opts.repeats,
         seed=opts.seed,
     )
-    with bench.pool_case(kind, layout, page, base) as case:
+    with ab.pool_case(kind, layout, page, base) as case:
         yield case
 
 
 def _pool_cells(
-    case: bench.PoolCase,
+    case: ab.PoolCase,
     backend: str,
     opts: SweepOptions,
     metrics: Metrics,
@@ -629,14 +626,14 @@ def _release_pools() -> None:
 
 
 def run(opts: SweepOptions, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    stub = bench.install_sgl_kernel_stub()
+    stub = ab.install_sgl_kernel_stub()
     import sglang
 
-    jit = bench.warm_jit(bench.Options(device=opts.device))
+    jit = ab.warm_jit(ab.Options(device=opts.device))
     rows: list[SweepRow] = []
     skipped: list[dict[str, Any]] = []
     stream = torch.cuda.Stream(opts.device) if opts.device.type == "cuda" else None
-    with bench.bench_mover(serve_rule=opts.serve_rule) as mover, bench._on_stream(stream):
+    with ab.bench_mover(serve_rule=opts.serve_rule) as mover, ab.on_stream(stream):
         assert mover.metrics is not None
         for kind, (layout, backend, pages) in itertools.product(opts.kinds, opts.layouts):
             for page in pages:

@@ -195,7 +195,7 @@ def kvcore_handler(
         compute = _named(streams, "compute")
     return KVCoreOffloadingHandler(
         stock,
-        mover=Mover(policy or _env_policy(), metrics=metrics) if mover is None else mover,
+        mover=Mover(policy or env_policy(), metrics=metrics) if mover is None else mover,
         streams=streams,
         compute_stream=compute,
         name="store" if stock.gpu_to_cpu else "load",
@@ -204,7 +204,7 @@ def kvcore_handler(
     )
 
 
-def _env_policy() -> PathPolicy:
+def env_policy() -> PathPolicy:
     return policy_from_config(KVCoreConfig.from_env())
 
 
@@ -276,14 +276,14 @@ def ab(
         for gpu_to_cpu in directions:
             stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
             # The jobs kvcore leaves to stock need stock's copy op: emulated where it is absent.
-            kvcore = kvcore_handler(_runnable_stock(stock, device))
-            kvcore_own = kvcore_handler(_runnable_stock(stock, device), stock_rules=False)
+            kvcore = kvcore_handler(runnable_stock(stock, device))
+            kvcore_own = kvcore_handler(runnable_stock(stock, device), stock_rules=False)
             for frag in frag_levels:
                 gpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
                 cpu_ids = fragmented_ids(pages, frag, rng) + int(rng.integers(0, pages))
                 specs = job_specs(gpu_ids, cpu_ids, gpu_to_cpu=gpu_to_cpu)
                 check = _Pages(gpu, host, gpu_ids, cpu_ids, gpu_to_cpu)
-                paths = _paths(stock, kvcore, kvcore_own, specs, device, jobs)
+                paths = runnable_paths(stock, kvcore, kvcore_own, specs, device, jobs)
                 samples: dict[str, list[float]] = {p.name: [] for p in paths}
                 copied = dict.fromkeys(samples, True)
                 # Passes in alternating order, so that drift of the link or the host over
@@ -329,7 +329,7 @@ class _Path:
     submit_seconds: list[float] = field(default_factory=list)
 
 
-def _paths(
+def runnable_paths(
     stock: SingleDirectionOffloadingHandler,
     kvcore: KVCoreOffloadingHandler,
     kvcore_own: KVCoreOffloadingHandler,
@@ -343,7 +343,7 @@ def _paths(
 
     def through(name: str, handler: Any) -> None:
         submit_seconds: list[float] = []
-        run = functools.partial(_through_handler, handler, specs, submit_seconds, jobs)
+        run = functools.partial(through_handler, handler, specs, submit_seconds, jobs)
         paths.append(_Path(name, run, submit_seconds))
 
     def repeated(name: str, run: Callable[[], None]) -> None:
@@ -354,7 +354,7 @@ def _paths(
         paths.append(_Path(name, run_all))
 
     if device.type == "cuda":
-        if _compiled_ops_loaded():
+        if compiled_ops_loaded():
             through("stock_handler", stock)
         elif batch_copy_available() and hasattr(stock, "_swap_blocks_batch"):
             through("stock_handler_emul", _with_emulated_copy_op(stock))
@@ -370,7 +370,7 @@ def _paths(
     return paths
 
 
-def _runnable_stock(
+def runnable_stock(
     stock: SingleDirectionOffloadingHandler, device: torch.device
 ) -> SingleDirectionOffloadingHandler:
     """``stock`` where its copy op can run here, else a copy of it whose copy op is the same
@@ -379,7 +379,7 @@ def _runnable_stock(
     leaves to stock need one to run at all)."""
     if device.type != "cuda":
         return _with_copy_op(stock, _host_swap_blocks_batch)
-    if _compiled_ops_loaded() or not batch_copy_available():
+    if compiled_ops_loaded() or not batch_copy_available():
         return stock
     return _with_emulated_copy_op(stock)
 
@@ -434,7 +434,7 @@ def _emulated_swap_blocks_batch(
     )
 
 
-def _through_handler(
+def through_handler(
     handler: Any, specs: tuple[Any, Any], submit_seconds: list[float], jobs: int = 1
 ) -> None:
     """``jobs`` copies of the job submitted back to back (as a worker does when several
@@ -496,7 +496,7 @@ def _stock_descriptors(
     return src, dst, sizes
 
 
-def _compiled_ops_loaded() -> bool:
+def compiled_ops_loaded() -> bool:
     return hasattr(torch.ops, "_C_cache_ops") and hasattr(
         torch.ops._C_cache_ops, "swap_blocks_batch"
     )

@@ -1,0 +1,137 @@
+"""Measuring code stays apart from product code: no product module imports kvcore.bench.
+
+Product modules are kvcore's outside kvcore/bench and both adapters'. The one way in is
+``kvcore.cli`` reaching ``kvcore.bench.cli`` from inside a function, when ``bench`` is
+the command. Imports are read from the source (ast), so a module that is never imported in
+a test is checked too; a module name in a string (``importlib.import_module``) counts.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = "kvcore.bench"
+# (importing module, imported module) -> why it may; each must stay inside a function.
+LAZY_ENTRY = {("kvcore.cli", "kvcore.bench.cli"): "`kvcore bench` dispatches to it"}
+
+
+def product_modules() -> dict[str, Path]:
+    """Dotted name -> file of every product module."""
+    roots = [
+        (ROOT, ROOT / "kvcore"),
+        (ROOT / "integrations", ROOT / "integrations" / "kvcore_sglang"),
+        (ROOT / "integrations", ROOT / "integrations" / "kvcore_vllm"),
+    ]
+    modules = {}
+    for base, package in roots:
+        for path in sorted(package.rglob("*.py")):
+            parts = path.relative_to(base).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if not _is_bench(name):
+                modules[name] = path
+    return modules
+
+
+def _is_bench(name: str) -> bool:
+    return name == BENCH or name.startswith(BENCH + ".")
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def bench_imports(module: str, source: str, *, is_package: bool = False) -> list[tuple[str, bool]]:
+    """(kvcore.bench module named, whether inside a function) for each import of one, and
+    each string constant naming one, in ``source`` of ``module``."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # `from kvcore import bench` names the package through its parent, and
+            # `from kvcore.bench import cli` a submodule; `from M import name` names M.
+            names = [
+                f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base
+                for alias in node.names
+            ]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value]
+        found.extend((name, in_function) for name in dict.fromkeys(names) if _is_bench(name))
+        inside = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def test_no_product_module_imports_the_bench_package() -> None:
+    modules = product_modules()
+    # The walk covers the core and both adapters, and leaves the bench package out.
+    assert {"kvcore.mover", "kvcore.cli", "kvcore_sglang.transfers", "kvcore_vllm.transfers"} <= (
+        set(modules)
+    )
+    offences = []
+    entries_seen = set()
+    for name, path in modules.items():
+        source = path.read_text(encoding="utf-8")
+        for imported, in_function in bench_imports(
+            name, source, is_package=path.name == "__init__.py"
+        ):
+            if (name, imported) in LAZY_ENTRY and in_function:
+                entries_seen.add((name, imported))
+            else:
+                offences.append(f"{name} imports {imported}")
+    assert offences == []
+    # The allowed entry is still how `kvcore bench` is reached, so it outlives no caller.
+    assert entries_seen == set(LAZY_ENTRY)
+
+
+def test_the_walk_finds_every_kind_of_bench_import() -> None:
+    source = """
+import kvcore.bench.suite
+from kvcore import bench
+from kvcore.bench.report import summarize
+from ..bench import churn
+import importlib
+importlib.import_module("kvcore.bench.vllm.sweep")
+import kvcore.benchmarks_elsewhere
+from kvcore import mover
+def run():
+    from kvcore.bench import cli
+"""
+    found = bench_imports("kvcore.patching.cli", source)
+    assert found == [
+        ("kvcore.bench.suite", False),
+        ("kvcore.bench", False),
+        ("kvcore.bench.report", False),
+        ("kvcore.bench.churn", False),
+        ("kvcore.bench.vllm.sweep", False),
+        ("kvcore.bench.cli", True),
+    ]
+
+
+def test_the_bench_imports_no_engine_until_one_is_asked_for() -> None:
+    # The suite and the dispatcher load without SGLang, vLLM or their adapters.
+    code = (
+        "import sys\n"
+        "import kvcore.bench.cli, kvcore.bench.suite, kvcore.bench.sglang, kvcore.bench.vllm\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'sglang', 'vllm', 'kvcore_sglang', 'kvcore_vllm'}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert result.stdout.strip() == "[]"
