@@ -3,9 +3,11 @@
 #
 #   ci/run_vllm_upstream.sh VENV MODE [JUNIT_XML] [PYTEST_ARGS...]
 #
-# MODE is stock (kvcore off), plugin (KVCORE_ENABLE=vllm) or patched (the venv's vLLM
-# carries kvcore's patches; KVCORE_ENABLE unset). The staged conftest loads vLLM's general
-# plugins and stops unless the spec vLLM builds is the one the mode implies.
+# MODE is stock (kvcore off), plugin (KVCORE_ENABLE=vllm), patched (the venv's vLLM
+# carries kvcore's patches; KVCORE_ENABLE unset) or classes (as plugin, with kvcore's
+# manager under the name of vLLM's, so that vLLM's manager tests run against it). The
+# staged conftest loads vLLM's general plugins and stops unless the spec vLLM builds is the
+# one the mode implies.
 # The sdist is cached under $UPSTREAM_TESTS_CACHE (default ~/.cache/kvcore-ci); its tests are
 # staged into a fresh temporary directory, never into the repository. Tests listed in
 # ci/vllm_upstream/deselect.txt (and deselect-VERSION.txt, for one release) are
@@ -13,8 +15,8 @@
 # Exit status is pytest's.
 set -euo pipefail
 
-if [[ $# -lt 2 || ! "$2" =~ ^(stock|plugin|patched)$ ]]; then
-    echo "usage: $0 VENV stock|plugin|patched [JUNIT_XML] [PYTEST_ARGS...]" >&2
+if [[ $# -lt 2 || ! "$2" =~ ^(stock|plugin|patched|classes)$ ]]; then
+    echo "usage: $0 VENV stock|plugin|patched|classes [JUNIT_XML] [PYTEST_ARGS...]" >&2
     exit 2
 fi
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -84,7 +86,7 @@ done
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export HF_HOME="$stage/run/hf" HF_HUB_CACHE="$stage/run/hf/hub"
 export UPSTREAM_TESTS_MODE="$mode"
-if [[ "$mode" == plugin ]]; then
+if [[ "$mode" == plugin || "$mode" == classes ]]; then
     export KVCORE_ENABLE=vllm
 else
     unset KVCORE_ENABLE

@@ -14,7 +14,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-MODES = ("stock", "plugin", "patched")
+MODES = ("stock", "plugin", "patched", "classes")
+# The modes of an engine whose table names none (classes needs an engine's own tests).
+DEFAULT_MODES = MODES[:3]
 DRIFT = "drift"
 
 
@@ -32,6 +34,7 @@ class Engine:
     version_env: str  # the variable that tells the install script which release
     integration_tests: str  # our tests for this engine, relative to the repo
     upstream_tests: str  # script running the engine's own shipped tests; "" if none
+    modes: tuple[str, ...] | None = None  # this engine's modes; None: the matrix's
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class Matrix:
             lanes.extend(
                 Lane(engine.name, mode, version)
                 for version in engine.versions
-                for mode in self.modes
+                for mode in engine.modes or self.modes
             )
             lanes.append(Lane(engine.name, DRIFT))
         return lanes
@@ -94,10 +97,7 @@ class Matrix:
 
 def parse_matrix(data: Mapping[str, Any]) -> Matrix:
     """A Matrix from ci/matrix.toml's parsed contents; MatrixError says what is wrong."""
-    modes = tuple(data.get("modes", MODES))
-    unknown = [mode for mode in modes if mode not in MODES]
-    if unknown or not modes:
-        raise MatrixError(f"modes must be among {', '.join(MODES)}; got {list(modes)}")
+    modes = _modes(data.get("modes", DEFAULT_MODES), "modes")
     engines_table = data.get("engines")
     if not isinstance(engines_table, Mapping) or not engines_table:
         raise MatrixError("the matrix names no [engines.NAME] table")
@@ -112,6 +112,9 @@ def parse_matrix(data: Mapping[str, Any]) -> Matrix:
                 version_env=str(table["version_env"]),
                 integration_tests=str(table["integration_tests"]),
                 upstream_tests=str(table.get("upstream_tests", "")),
+                modes=_modes(table["modes"], f"[engines.{name}] modes")
+                if "modes" in table
+                else None,
             )
         except (KeyError, TypeError) as exc:
             raise MatrixError(f"[engines.{name}] lacks or misspells {exc}") from None
@@ -120,6 +123,14 @@ def parse_matrix(data: Mapping[str, Any]) -> Matrix:
         engines[name] = engine
     cache_dir = Path(str(data.get("cache_dir", "~/.cache/kvcore-ci/matrix"))).expanduser()
     return Matrix(modes=modes, cache_dir=cache_dir, engines=engines)
+
+
+def _modes(value: Any, where: str) -> tuple[str, ...]:
+    modes = tuple(value)
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or not modes:
+        raise MatrixError(f"{where} must be among {', '.join(MODES)}; got {list(modes)}")
+    return modes
 
 
 def load_matrix(path: Path) -> Matrix:

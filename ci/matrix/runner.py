@@ -47,10 +47,11 @@ class Workspace:
 
 
 def lane_env(engine: str, mode: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The lane's test environment: kvcore enabled, for ``engine`` only, in plugin mode."""
+    """The lane's test environment: kvcore enabled, for ``engine`` only, in plugin mode and
+    in classes mode (the engine's own tests with kvcore's classes under stock's names)."""
     env = dict(os.environ if base is None else base)
     env.pop("KVCORE_ENABLE", None)
-    if mode == "plugin":
+    if mode in ("plugin", "classes"):
         env["KVCORE_ENABLE"] = engine
     return env
 

@@ -4,9 +4,15 @@ It stands in for the sdist's own root conftest, which imports vLLM's whole model
 it provides only the fixtures the offload tests use, registers their markers, and
 loads vLLM's general plugins the way every vLLM process does. ``UPSTREAM_TESTS_MODE``
 says which spec vLLM's default offloading name must resolve to: vLLM's own in stock
-mode, kvcore's in plugin and patched mode; any other state stops the run before a test.
-With kvcore's spec, the tests in ``kvcore_differences.txt`` (beside this file) are
+mode, kvcore's in plugin, patched and classes mode; any other state stops the run before a
+test. With kvcore's spec, the tests in ``kvcore_differences.txt`` (beside this file) are
 strict xfails: they check vLLM's own class by identity.
+
+In classes mode, vLLM's tests also meet kvcore's classes under stock's names: the CPU
+manager module's ``CPUOffloadingManager`` is kvcore's manager before any test module
+imports it, so vLLM's manager tests drive kvcore's chunk pool. What kvcore does
+differently by design is listed, with why, in ``kvcore_class_differences.txt``; those
+tests are strict xfails there.
 """
 
 from __future__ import annotations
@@ -21,9 +27,15 @@ from pathlib import Path
 
 import pytest
 
-EXPECTED_SPEC = {"stock": "vllm.", "plugin": "kvcore_vllm.spec.", "patched": "kvcore_vllm.spec."}
+EXPECTED_SPEC = {
+    "stock": "vllm.",
+    "plugin": "kvcore_vllm.spec.",
+    "patched": "kvcore_vllm.spec.",
+    "classes": "kvcore_vllm.spec.",
+}
 DEFAULT_SPEC_NAME = "CPUOffloadingSpec"
 DIFFERENCES = Path(__file__).with_name("kvcore_differences.txt")
+CLASS_DIFFERENCES = Path(__file__).with_name("kvcore_class_differences.txt")
 MARKERS = (
     "cpu_test: runs on CPU (vLLM's own marker)",
     "skip_global_cleanup: vLLM's marker for tests that need no distributed cleanup",
@@ -31,6 +43,7 @@ MARKERS = (
 
 _SPEC_KEY = pytest.StashKey[str]()
 _KVCORE_KEY = pytest.StashKey[bool]()
+_CLASSES_KEY = pytest.StashKey[bool]()
 # How many times vLLM's factory resolved the default spec name during the run.
 _resolutions = {"count": 0}
 
@@ -51,6 +64,19 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     config.stash[_SPEC_KEY] = f"{mode} mode: {DEFAULT_SPEC_NAME} -> {spec_name}"
     config.stash[_KVCORE_KEY] = mode != "stock"
+    config.stash[_CLASSES_KEY] = mode == "classes"
+    if mode == "classes":
+        config.stash[_SPEC_KEY] += f"; {_put_kvcore_classes_in_place()}"
+
+
+def _put_kvcore_classes_in_place() -> str:
+    """kvcore's manager under the name of vLLM's, before test modules import it."""
+    from vllm.v1.kv_offload.cpu import manager
+
+    from kvcore_vllm.manager import KVCoreCPUOffloadingManager
+
+    manager.CPUOffloadingManager = KVCoreCPUOffloadingManager  # type: ignore[misc]
+    return "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager -> kvcore's manager"
 
 
 def _load_plugins() -> type:
@@ -83,6 +109,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not config.stash[_KVCORE_KEY]:
         return
     differences = kvcore_differences(DIFFERENCES.read_text(encoding="utf-8"))
+    if config.stash[_CLASSES_KEY]:
+        differences |= kvcore_differences(CLASS_DIFFERENCES.read_text(encoding="utf-8"))
     for item in items:
         for prefix, reason in differences.items():
             if item.nodeid == prefix or item.nodeid.startswith(prefix + "["):

@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 OUR_CONFTEST = HERE / "conftest.py"
 # Read by our conftest from beside itself.
 KVCORE_DIFFERENCES = HERE / "kvcore_differences.txt"
+CLASS_DIFFERENCES = HERE / "kvcore_class_differences.txt"
 OPT_CONFIG = HERE / "opt-125m" / "config.json"
 HF_MODEL = "facebook/opt-125m"
 # Any fixed 40-hex name: the offline cache only needs refs/main to point at it.
@@ -108,7 +109,8 @@ def stage(sdist_root: Path, dest: Path) -> list[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(sdist_root / relative, target)
     shutil.copyfile(OUR_CONFTEST, dest / "conftest.py")
-    shutil.copyfile(KVCORE_DIFFERENCES, dest / KVCORE_DIFFERENCES.name)
+    for differences in (KVCORE_DIFFERENCES, CLASS_DIFFERENCES):
+        shutil.copyfile(differences, dest / differences.name)
     install_hf_cache(dest / "hf" / "hub")
     return files
 

@@ -29,6 +29,7 @@ _SHAPE = installed_shape()
 _STATUS: Any = getattr(policies, _SHAPE.name("ChunkStatus"))
 _STATUS_ID = _SHAPE.name("chunk_id")
 _ALLOCATED = _SHAPE.name("_num_allocated_chunks")
+_POOL_SIZE = _SHAPE.name("_num_chunks")
 # The chunk pool methods the stock manager calls, which the subclass overrides.
 POOL_METHODS = ("_get_num_free_chunks", "_allocate_chunks", "_free_chunk")
 
@@ -36,9 +37,11 @@ POOL_METHODS = ("_get_num_free_chunks", "_allocate_chunks", "_free_chunk")
 class KVCoreCPUOffloadingManager(CPUOffloadingManager):
     """A :class:`CPUOffloadingManager` whose chunk pool is a ContiguousSlotAllocator."""
 
-    def __init__(self, num_chunks: int, *args: Any, metrics: Metrics | None = None, **kwargs: Any):
-        super().__init__(num_chunks, *args, **kwargs)
-        self._allocator = ContiguousSlotAllocator(num_chunks, metrics=metrics)
+    def __init__(self, *args: Any, metrics: Metrics | None = None, **kwargs: Any):
+        # Stock's own arguments, under the installed release's names (0.25's pool size is
+        # num_blocks), so the class stands wherever stock's is built.
+        super().__init__(*args, **kwargs)
+        self._allocator = ContiguousSlotAllocator(_pool_size(self), metrics=metrics)
         # Freed ids are handed back in one batch before the next allocation: evictions
         # arrive one chunk at a time, and one free call merges neighbouring runs once.
         self._released: list[int] = []
@@ -87,3 +90,9 @@ for _method in POOL_METHODS:
         _SHAPE.name(_method),
         getattr(KVCoreCPUOffloadingManager, _method),
     )
+
+
+def _pool_size(manager: CPUOffloadingManager) -> int:
+    """The pool size stock's constructor recorded."""
+    size: int = getattr(manager, _POOL_SIZE)
+    return size

@@ -43,14 +43,15 @@ def _engine(versions: list[str]) -> dict[str, object]:
 def test_repo_matrix_expands_every_engine_version_and_mode_plus_drift() -> None:
     matrix = load_matrix(REPO / "ci" / "matrix.toml")
     names = [lane.name for lane in matrix.lanes()]
+    # vLLM ships tests its classes mode runs against kvcore's classes; SGLang ships none.
     expected = [
         f"{engine}-{version}-{mode}"
-        for engine, versions in (
-            ("sglang", ("0.5.22", "0.5.23")),
-            ("vllm", ("0.25.1", "0.32.0", "0.33.0")),
+        for engine, versions, modes in (
+            ("sglang", ("0.5.22", "0.5.23"), ("stock", "plugin", "patched")),
+            ("vllm", ("0.25.1", "0.32.0", "0.33.0"), ("stock", "plugin", "patched", "classes")),
         )
         for version in versions
-        for mode in ("stock", "plugin", "patched")
+        for mode in modes
     ]
     assert sorted(names) == sorted([*expected, "sglang-drift", "vllm-drift"])
     assert names.index("sglang-drift") < names.index("vllm-0.25.1-stock")
@@ -92,6 +93,8 @@ def test_select_by_name_glob_and_all() -> None:
     ("data", "message"),
     [
         ({"modes": ["stock", "turbo"], "engines": {"a": _engine(["1"])}}, "modes"),
+        ({"engines": {"a": {**_engine(["1"]), "modes": ["fast"]}}}, "engines.a\\] modes"),
+        ({"engines": {"a": {**_engine(["1"]), "modes": []}}}, "engines.a\\] modes"),
         ({"engines": {}}, "no \\[engines"),
         ({"engines": {"a": {"versions": ["1"]}}}, "engines.a"),
         ({"engines": {"a": _engine(["1", "1"])}}, "distinct"),
@@ -316,3 +319,27 @@ def test_a_venv_already_on_this_checkout_is_left_alone(tmp_path: Path) -> None:
     venv, calls = _fake_venv(tmp_path, REPO)
     point_kvcore_at(venv, REPO, log=None)
     assert not calls.exists()
+
+
+def test_an_engines_own_modes_replace_the_matrix_modes_for_its_lanes() -> None:
+    matrix = parse_matrix(
+        {
+            "engines": {
+                "a": {**_engine(["1"]), "modes": ["stock", "classes"]},
+                "b": _engine(["2"]),
+            }
+        }
+    )
+    assert [lane.name for lane in matrix.lanes()] == [
+        "a-1-stock",
+        "a-1-classes",
+        "a-drift",
+        "b-2-stock",
+        "b-2-plugin",
+        "b-2-patched",
+        "b-drift",
+    ]
+    # Classes lanes enable kvcore as plugin lanes do, and share their venv.
+    assert lane_env("a", "classes", {})["KVCORE_ENABLE"] == "a"
+    assert integration_env("a", "classes", {})["KVCORE_ENABLE"] == "a"
+    assert Lane("a", "classes", "1").venv_name("1") == "a-1"
