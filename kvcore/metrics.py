@@ -66,10 +66,13 @@ class Metrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.resets = -1
         self.reset()
 
     def reset(self) -> None:
         with self._lock:
+            # Exporters that add what is new since their last look start again from zero.
+            self.resets += 1
             self.transfer_bytes: dict[TransferKey, int] = defaultdict(int)
             self.transfer_count: dict[TransferKey, int] = defaultdict(int)
             self.transfer_seconds: dict[TransferKey, Histogram] = defaultdict(Histogram)
@@ -122,6 +125,7 @@ class Metrics:
         with self._lock:
             allocs = self.allocator_allocs
             return {
+                "resets": self.resets,
                 "transfers": [
                     {
                         "direction": direction,
@@ -129,6 +133,7 @@ class Metrics:
                         "count": self.transfer_count[(direction, path)],
                         "bytes": self.transfer_bytes[(direction, path)],
                         "seconds": self.transfer_seconds[(direction, path)].total,
+                        "seconds_buckets": list(self.transfer_seconds[(direction, path)].counts),
                     }
                     for direction, path in sorted(self.transfer_count)
                 ],

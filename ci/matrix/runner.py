@@ -106,18 +106,26 @@ def ensure_venv(ws: Workspace, engine: Engine, version: str, name: str, log: Pat
     return venv
 
 
-_KVCORE_SOURCE = "import kvcore, pathlib; print(pathlib.Path(kvcore.__file__).parents[1])"
+# Where the venv finds kvcore and its adapters: one folder a line, the package's parent.
+_KVCORE_SOURCE = (
+    "import importlib, pathlib\n"
+    "for name in ('kvcore', 'kvcore_sglang', 'kvcore_vllm'):\n"
+    "    print(pathlib.Path(importlib.import_module(name).__file__).parents[1])"
+)
 
 
 def point_kvcore_at(venv: Path, repo: Path, log: Path | None) -> None:
-    """Make the venv's editable kvcore this checkout's.
+    """Make the venv's editable kvcore (the core and both adapters) this checkout's.
 
     A cached venv keeps the editable install of whichever checkout built it (another clone,
     a CI copy): its lanes would import that checkout's kvcore while running this one's tests.
+    The check runs outside the checkout, where the working directory cannot hide a stale
+    install of the core, and looks at the adapters too.
     """
     python = str(venv / "bin" / "python")
-    installed = _run([python, "-c", _KVCORE_SOURCE], log=log).strip()
-    if Path(installed).resolve() != repo.resolve():
+    installed = _run([python, "-c", _KVCORE_SOURCE], log=log, cwd=venv).split()
+    expected = [repo, repo / "integrations", repo / "integrations"]
+    if [Path(p).resolve() for p in installed] != [p.resolve() for p in expected]:
         pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps"]
         _run([*pip, "-e", str(repo)], log=log)
 

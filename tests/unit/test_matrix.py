@@ -292,14 +292,19 @@ def test_kvcore_differences_and_deselections_name_staged_tests() -> None:
         assert node_id.startswith(stage.SELECTED) and "::test_" in node_id and reason
 
 
-def _fake_venv(tmp_path: Path, kvcore_checkout: Path) -> tuple[Path, Path]:
-    """A venv whose python says kvcore lives in ``kvcore_checkout`` and logs pip calls."""
+def _fake_venv(
+    tmp_path: Path, kvcore_checkout: Path, adapters_checkout: Path | None = None
+) -> tuple[Path, Path]:
+    """A venv whose python says kvcore lives in ``kvcore_checkout`` (its adapters in
+    ``adapters_checkout``, the same by default) and logs pip calls."""
     venv, calls = tmp_path / "venv", tmp_path / "pip-calls.txt"
     (venv / "bin").mkdir(parents=True)
     python = venv / "bin" / "python"
+    adapters = adapters_checkout or kvcore_checkout
     python.write_text(
         "#!/bin/sh\n"
-        f'if [ "$1" = "-c" ]; then echo {kvcore_checkout}; exit 0; fi\n'
+        f'if [ "$1" = "-c" ]; then echo {kvcore_checkout}; '
+        f"echo {adapters}/integrations; echo {adapters}/integrations; exit 0; fi\n"
         f'echo "$@" >> {calls}\n'
     )
     python.chmod(0o755)
@@ -313,6 +318,14 @@ def test_a_reused_venv_is_pointed_at_this_checkouts_kvcore(tmp_path: Path) -> No
     assert calls.read_text().split() == [
         "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps", "-e", str(REPO)
     ]  # fmt: skip
+
+
+def test_a_venv_whose_adapters_come_from_another_checkout_is_pointed_here(
+    tmp_path: Path,
+) -> None:
+    venv, calls = _fake_venv(tmp_path, REPO, tmp_path / "old-worktree")
+    point_kvcore_at(venv, REPO, log=None)
+    assert calls.read_text().split()[-2:] == ["-e", str(REPO)]
 
 
 def test_a_venv_already_on_this_checkout_is_left_alone(tmp_path: Path) -> None:

@@ -27,9 +27,25 @@ def test_snapshot_counts_transfers_fallbacks_pinned_and_allocator() -> None:
     for runs in (1, 1, 3):
         m.record_allocation(runs)
     snap = m.snapshot()
+    # Buckets end at 1e-3 (the 5th), 3e-3 (the 6th) and 1.0 (the 11th), as Prometheus's do.
+    buckets = {0.5: [0] * 10 + [1, 0, 0], 0.003: [0] * 4 + [1, 1] + [0] * 7}
     assert snap["transfers"] == [
-        {"direction": "d2h", "path": "staged", "count": 1, "bytes": 7, "seconds": 0.5},
-        {"direction": "h2d", "path": "gather", "count": 2, "bytes": 150, "seconds": 0.003},
+        {
+            "direction": "d2h",
+            "path": "staged",
+            "count": 1,
+            "bytes": 7,
+            "seconds": 0.5,
+            "seconds_buckets": buckets[0.5],
+        },
+        {
+            "direction": "h2d",
+            "path": "gather",
+            "count": 2,
+            "bytes": 150,
+            "seconds": 0.003,
+            "seconds_buckets": buckets[0.003],
+        },
     ]
     assert snap["fallbacks"] == {"strided_rows": 2}
     assert snap["pinned"] == {"in_use_bytes": 10, "capacity_bytes": 64}

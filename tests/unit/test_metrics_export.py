@@ -25,13 +25,13 @@ _WORKER = textwrap.dedent(
     from kvcore.metrics_export import start_multiprocess_export
 
     scale = int(sys.argv[1])
-    METRICS.record_transfer("h2d", "gather", 1000 * scale, 1e-4)
+    METRICS.record_transfer("h2d", "gather", 1000 * scale, 2e-5 * scale)
     METRICS.record_fallback("strided_rows")
     exporter = start_multiprocess_export(interval_s=3600)
     assert exporter is not None
     assert start_multiprocess_export() is exporter
     exporter.export_once()
-    METRICS.record_transfer("h2d", "gather", 24 * scale, 1e-4)
+    METRICS.record_transfer("h2d", "gather", 24 * scale, 2e-3)
     METRICS.record_transfer("d2h", "staged", 7, 1e-4)
     METRICS.set_pinned(100 * scale, 1000)
     exporter.stop()
@@ -53,17 +53,31 @@ def _scrape(directory: Path) -> dict[str, float]:
     return values
 
 
-def test_two_processes_sum_on_the_scraping_side(tmp_path: Path) -> None:
+def test_two_ranks_are_scraped_apart_with_their_issue_time_histogram(tmp_path: Path) -> None:
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     for scale in (1, 2):
-        subprocess.run([sys.executable, "-c", _WORKER, str(scale)], env=env, check=True)
+        # The second worker is rank 1 of its launcher's group, the first has no rank.
+        rank = {"RANK": "1"} if scale == 2 else {}
+        subprocess.run([sys.executable, "-c", _WORKER, str(scale)], env={**env, **rank}, check=True)
     values = _scrape(tmp_path)
     # Worker processes have exited: live gauges are gone, counters stay.
-    assert values['kvcore_transfer_bytes_total{direction="h2d",path="gather"}'] == 3072
-    assert values['kvcore_transfers_total{direction="h2d",path="gather"}'] == 4
-    assert values['kvcore_transfer_bytes_total{direction="d2h",path="staged"}'] == 14
-    assert values['kvcore_fallbacks_total{reason="strided_rows"}'] == 2
+    gather = 'direction="h2d",path="gather",rank='
+    assert values[f'kvcore_transfer_bytes_total{{{gather}""}}'] == 1024
+    assert values[f'kvcore_transfer_bytes_total{{{gather}"1"}}'] == 2048
+    assert values[f'kvcore_transfers_total{{{gather}"1"}}'] == 2
+    assert values['kvcore_transfer_bytes_total{direction="d2h",path="staged",rank="1"}'] == 7
+    assert values['kvcore_fallbacks_total{rank="",reason="strided_rows"}'] == 1
+
+    # Rank 1 issued in 4e-5 s (under the 1e-4 bound) and 2e-3 s (under 3e-3); the sum is
+    # exact, not re-estimated from the buckets.
+    def bucket(bound: str) -> float:
+        name = "kvcore_transfer_issue_seconds_bucket"
+        return values[f'{name}{{direction="h2d",le="{bound}",path="gather",rank="1"}}']
+
+    assert [bucket(b) for b in ("3e-05", "0.0001", "0.001", "0.003", "+Inf")] == [0, 1, 1, 2, 2]
+    assert values[f'kvcore_transfer_issue_seconds_sum{{{gather}"1"}}'] == pytest.approx(2.04e-3)
+    assert values[f'kvcore_transfer_issue_seconds_count{{{gather}"1"}}'] == 2
 
 
 def test_exporter_adds_only_what_is_new_and_survives_a_reset() -> None:
@@ -73,16 +87,19 @@ def test_exporter_adds_only_what_is_new_and_survives_a_reset() -> None:
 
     registry = CollectorRegistry()
     metrics = Metrics()
-    exporter = MultiprocessExporter(metrics, registry=registry)
+    exporter = MultiprocessExporter(metrics, registry=registry, rank="3")
     metrics.record_transfer("h2d", "single_copy", 10, 1e-5)
     exporter.export_once()
     exporter.export_once()
-    labels = {"direction": "h2d", "path": "single_copy"}
+    labels = {"rank": "3", "direction": "h2d", "path": "single_copy"}
     assert registry.get_sample_value("kvcore_transfer_bytes_total", labels) == 10
+    assert registry.get_sample_value("kvcore_transfer_issue_seconds_count", labels) == 1
     metrics.reset()
     metrics.record_transfer("h2d", "single_copy", 3, 1e-5)
     exporter.export_once()
     assert registry.get_sample_value("kvcore_transfer_bytes_total", labels) == 13
+    assert registry.get_sample_value("kvcore_transfer_issue_seconds_count", labels) == 2
+    assert registry.get_sample_value("kvcore_transfer_issue_seconds_sum", labels) == 2e-5
     metrics.set_pinned(5, 10)
     exporter.export_once()
     assert registry.get_sample_value("kvcore_pinned_bytes_in_use") == 5
@@ -94,3 +111,29 @@ def test_nothing_starts_without_multiprocess_mode(monkeypatch: pytest.MonkeyPatc
     assert multiprocess_dir() is None
     assert start_multiprocess_export() is None
     assert multiprocess_dir({"prometheus_multiproc_dir": "/x"}) == "/x"
+
+
+def test_rank_comes_from_the_process_group_else_the_launcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcore import metrics_export
+
+    class Group:
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+        @staticmethod
+        def is_initialized() -> bool:
+            return True
+
+        @staticmethod
+        def get_rank() -> int:
+            return 5
+
+    monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
+    assert metrics_export.process_rank({}) is None
+    assert metrics_export.process_rank({"LOCAL_RANK": "2"}) == "2"
+    assert metrics_export.process_rank({"RANK": "7", "LOCAL_RANK": "2"}) == "7"
+    monkeypatch.setitem(sys.modules, "torch.distributed", Group)
+    assert metrics_export.process_rank({"RANK": "7"}) == "5"
