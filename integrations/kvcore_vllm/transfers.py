@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,6 +45,7 @@ from kvcore.mover import (
 )
 from kvcore.runs import has_duplicates
 from kvcore.streams import CudaEventOps
+from kvcore.warm_up import warm_up
 from kvcore_vllm.page_rows import PageRows, page_rows
 from kvcore_vllm.stock_copies import StockCopies
 
@@ -561,21 +562,28 @@ def install_handlers(
 
     Handlers whose GPU tensors are not CUDA tensors stay stock (counted). The handlers
     share one mover, so one staging buffer per GPU: its leases order the streams that
-    use it on the GPU.
+    use it on the GPU. Before any is replaced, every path of the mover runs once on
+    scratch rows of the KV pages' sizes (:func:`kvcore.warm_up.warm_up`): first-use costs
+    land here rather than on the first cache hits, and a path that moves a wrong byte
+    leaves every handler stock (counted ``warm_up_wrong_bytes``).
     """
-    replaced = []
     mover = Mover(policy_from_config(config), metrics=metrics)
+    stocks: dict[str, Any] = {}
     for attribute in HANDLER_ATTRIBUTES:
         stock = getattr(worker, attribute, None)
         if stock is None:
             continue
         gpu_tensors = stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors
-        device = gpu_tensors[0].device
-        if device.type != "cuda":
+        if gpu_tensors[0].device.type != "cuda":
             if metrics is not None:
                 metrics.record_fallback("unsupported_device")
             continue
-        streams = CudaJobStreams(device)
+        stocks[attribute] = stock
+    if not stocks or not _warmed_up(mover, stocks.values(), metrics):
+        return []
+    for attribute, stock in stocks.items():
+        gpu_tensors = stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors
+        streams = CudaJobStreams(gpu_tensors[0].device)
         handler = KVCoreOffloadingHandler(
             stock,
             mover=mover,
@@ -586,5 +594,23 @@ def install_handlers(
             stock_rules=config.serve_rule,
         )
         setattr(worker, attribute, handler)
-        replaced.append(attribute)
-    return replaced
+    return list(stocks)
+
+
+def _warmed_up(mover: Mover, stocks: Iterable[Any], metrics: Metrics | None) -> bool:
+    """Warm the mover up for the handlers' devices and page sizes; False where it is not to
+    be trusted (wrong bytes, or the warm-up itself broke)."""
+    sizes: dict[torch.device, set[int]] = {}
+    for stock in stocks:
+        for tensor in stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors:
+            sizes.setdefault(tensor.device, set()).add(_page_bytes(tensor))
+    try:
+        results = [warm_up(mover, device, pages) for device, pages in sizes.items()]
+    except Exception:
+        logger.exception("kvcore: warming up the transfer paths failed; vLLM's copies stay stock")
+        results = []
+    if results and all(result.trustworthy for result in results):
+        return True
+    if metrics is not None:
+        metrics.record_fallback("warm_up_wrong_bytes" if results else "warm_up_failed")
+    return False

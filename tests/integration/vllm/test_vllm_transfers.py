@@ -36,6 +36,7 @@ from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover, PathPolicy
 from kvcore.streams import ManualCpuBackend
+from kvcore.warm_up import WarmUp
 from kvcore_vllm import transfers
 from kvcore_vllm.page_rows import page_rows
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
@@ -725,3 +726,25 @@ def test_host_profile_timing_keeps_keyword_arguments():
     seconds = _host_profile_script()._timed_steps(steps, ("step",))
     assert steps.step(3, scale=7) == 21 and steps.step(2) == 2
     assert len(seconds["step"]) == 2 and all(s >= 0 for s in seconds["step"])
+
+
+def test_handlers_are_installed_only_after_a_warm_up_that_moved_every_byte_right(monkeypatch):
+    worker = host_worker()
+    stocks = [worker._store_handler, worker._load_handler]
+    metrics = Metrics()
+    assert transfers._warmed_up(Mover(SMALL, metrics=metrics), stocks, metrics)
+    assert metrics.snapshot()["fallbacks"] == {} and metrics.snapshot()["transfers"] == []
+
+    def wrong(mover, device, pages):
+        assert (device.type, set(pages)) == ("cpu", {256})
+        return WarmUp(warmed=["h2d/staged/256B"], wrong=["d2h/gather/256B"])
+
+    monkeypatch.setattr(transfers, "warm_up", wrong)
+    assert not transfers._warmed_up(Mover(SMALL), stocks, metrics)
+
+    def broken(mover, device, pages):
+        raise RuntimeError("no staging buffer")
+
+    monkeypatch.setattr(transfers, "warm_up", broken)
+    assert not transfers._warmed_up(Mover(SMALL), stocks, metrics)
+    assert metrics.snapshot()["fallbacks"] == {"warm_up_wrong_bytes": 1, "warm_up_failed": 1}
