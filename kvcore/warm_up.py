@@ -1,9 +1,10 @@
 """Every copy path run once on scratch rows when an adapter is installed, bytes checked.
 
 An engine's first cache hits should not pay kvcore's first-use costs: allocating the
-device staging buffer and the pinned index buffers, loading or compiling kernels. In the
-first live vLLM run, kvcore's first reloads took up to 12x their later time. So an adapter
-calls :func:`warm_up` while the engine sets up, with the row sizes its KV pages have.
+device staging buffer and the pinned index buffers, loading or compiling kernels (in a
+live engine they made the first reloads many times slower than later ones;
+docs/benchmarks.md). So an adapter calls :func:`warm_up` while the engine sets up, with
+the row sizes its KV pages have.
 
 The same calls check kvcore's paths on this machine: every warm-up copy is compared with
 its source, and a path that moves a wrong byte makes :func:`warm_up` report it, so that
