@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -40,13 +41,23 @@ _WORKER = textwrap.dedent(
 
 
 def _scrape(directory: Path) -> dict[str, float]:
-    from prometheus_client import CollectorRegistry, generate_latest
+    """GET /metrics from an HTTP endpoint that serves ``directory`` as an engine's HTTP
+    process does in multiprocess mode; the kvcore samples, by name and labels."""
+    from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(directory))
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            page = response.read().decode()
+    finally:
+        server.shutdown()
+        thread.join()
     values = {}
-    for line in generate_latest(registry).decode().splitlines():
+    for line in page.splitlines():
         if line.startswith("kvcore_"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
