@@ -115,11 +115,11 @@ class MultiprocessExporter:
                 self._add(self._count, ("count", *labels), transfer["count"], labels)
                 self._add_histogram(labels, transfer["seconds_buckets"], transfer["seconds"])
             for reason, count in snapshot["fallbacks"].items():
-                labels = (rank, reason)
-                self._add(self._fallbacks, ("fallback", *labels), count, labels)
+                why = (rank, reason)
+                self._add(self._fallbacks, ("fallback", *why), count, why)
             for entry in snapshot["decisions"]:
-                labels = (rank, entry["decision"], entry["reason"])
-                self._add(self._decisions, ("decision", *labels), entry["count"], labels)
+                decided = (rank, entry["decision"], entry["reason"])
+                self._add(self._decisions, ("decision", *decided), entry["count"], decided)
             self._pinned.set(snapshot["pinned"]["in_use_bytes"])
             self._one_run.set(snapshot["allocator"]["one_run_fraction"])
 

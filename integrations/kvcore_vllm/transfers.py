@@ -377,7 +377,8 @@ class KVCoreOffloadingHandler:
             return "stock_store_large_pages"
         batches = self._batches(segments)
         if (
-            self._stock_loads_by_kernel
+            RULES.stock_kernel_loads
+            and self._stock_loads_by_kernel
             and all(len(tensors) == 1 for tensors in batches.values())
             and not all(s.one_run() for s in segments)
         ):

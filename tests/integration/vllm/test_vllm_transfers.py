@@ -53,8 +53,14 @@ COUNTABLE = PathPolicy(staging_bytes=1 << 20, long_run_bytes=1)
 
 @pytest.fixture(autouse=True)
 def every_job_to_kvcore(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The jobs here are a few pages: let kvcore take them, as it does real-sized ones."""
-    take_all = {"min_pages_per_submission": 1, "min_large_pages_per_submission": 1}
+    """The jobs here are a few pages: let kvcore take them, as it does real-sized ones; and
+    where vLLM picks its Triton load kernel (a machine with a GPU), let kvcore take those
+    too, unless a test turns that rule back on."""
+    take_all = {
+        "min_pages_per_submission": 1,
+        "min_large_pages_per_submission": 1,
+        "stock_kernel_loads": False,
+    }
     monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, **take_all))
 
 
@@ -511,7 +517,8 @@ def test_partial_pages_fall_back_to_the_stock_fill_and_copy_op_counted(gpu_to_cp
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
-def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(gpu_to_cpu):
+def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(monkeypatch, gpu_to_cpu):
+    monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, stock_kernel_loads=True))
     layout = Layout(page_bytes=256, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(9))
     # What vLLM's selector returns for small pinned loads: its Triton kernel, partially applied.
@@ -535,7 +542,8 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(gpu_to_cp
         assert [op for op, *_ in mover.ops] == ["copy_runs"]
 
 
-def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel():
+def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel(monkeypatch):
+    monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, stock_kernel_loads=True))
     layout = Layout(page_bytes=256, tensors=3, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(19))
     handler, mover, metrics, issued = logged_handler(
@@ -748,3 +756,18 @@ def test_handlers_are_installed_only_after_a_warm_up_that_moved_every_byte_right
     monkeypatch.setattr(transfers, "warm_up", broken)
     assert not transfers._warmed_up(Mover(SMALL), stocks, metrics)
     assert metrics.snapshot()["fallbacks"] == {"warm_up_wrong_bytes": 1, "warm_up_failed": 1}
+
+
+def test_the_kernel_load_rule_switch_hands_those_loads_to_kvcore(monkeypatch):
+    layout = Layout(page_bytes=256, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(23))
+    handler, mover, metrics, issued = logged_handler(
+        gpu, host, layout, False, wrap=functools.partial
+    )
+    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
+    expected = reference(gpu, host, layout, scattered, False)
+    handler.transfer_async(1, *make_job(scattered, False))
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    assert_tensors_are(gpu, host, expected)
+    assert issued == [] and metrics.snapshot()["fallbacks"] == {}
+    assert [op for op, *_ in mover.ops] == ["gather_rows"]
