@@ -71,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own", action="store_true", help="kvcore's paths for every job")
     parser.add_argument("--jobs", type=int, default=30)
     parser.add_argument("--profile", type=int, default=25, help="cProfile lines (0: none)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where present")
     args = parser.parse_args(argv)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     page_bytes = args.page_kib << 10
     pages = max(16, min(4096, (args.job_mib << 20) // (page_bytes * args.tensors)))
     layout = bench.Layout(

@@ -718,7 +718,7 @@ def _host_profile_script():
 def test_host_profile_script_dry_run_on_cpu(capsys):
     module = _host_profile_script()
     argv = ["--page-kib", "1", "--job-mib", "1", "--tensors", "2", "--jobs", "3", "--profile", "5"]
-    assert module.main([*argv, "--load"]) == 0
+    assert module.main([*argv, "--load", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "cpu: 512 pages of 1 KiB x 2 tensors, 50% fragmented, load" in out
     assert "kvcore transfer_async:" in out and "_plan" in out and "Ordered by" in out
