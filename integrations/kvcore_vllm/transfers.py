@@ -368,8 +368,10 @@ class KVCoreOffloadingHandler:
         vLLM's Triton load kernel has no per-page host cost, and over one KV tensor (a
         cross-layer layout) it moves pages as fast as kvcore's gather: there kvcore takes
         those loads only where they are one run per group (a single DMA). Over a model's
-        per-layer tensors kvcore's one launch for every layer wins (H200 A/B of 2026-12-01:
-        1.8-1.9x at 4 KiB pages, 1.1-1.2x at 16 KiB), so it keeps them.
+        per-layer tensors kvcore's one launch for every layer wins (the vLLM A/B in
+        docs/benchmarks.md), so it keeps them. Large pages: stock's batched DMA is near the
+        link, so stores of them stay stock and loads need more pages a submission
+        (:class:`kvcore.serve_rule.VLLMRules` holds the thresholds and their evidence).
         """
         if not self._stock_rules:
             return None
