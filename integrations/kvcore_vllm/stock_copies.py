@@ -21,6 +21,12 @@ from vllm.v1.kv_offload.cpu import gpu_worker
 from kvcore_vllm.releases import ReleaseShape, installed_shape
 
 
+def gpu_tensors_of(handler: Any) -> list[torch.Tensor]:
+    """The GPU side's KV tensors of a handler of either direction (stock's or this view)."""
+    tensors: list[torch.Tensor] = handler.src_tensors if handler.gpu_to_cpu else handler.dst_tensors
+    return tensors
+
+
 class StockCopies:
     """One stock ``SingleDirectionOffloadingHandler``, as 0.33 names what kvcore uses."""
 
@@ -40,7 +46,7 @@ class StockCopies:
 
     @property
     def gpu_tensors(self) -> list[torch.Tensor]:
-        return self.src_tensors if self.gpu_to_cpu else self.dst_tensors
+        return gpu_tensors_of(self)
 
     @property
     def cpu_tensors(self) -> list[torch.Tensor]:

@@ -47,7 +47,7 @@ from kvcore.runs import has_duplicates
 from kvcore.streams import CudaEventOps
 from kvcore.warm_up import warm_up
 from kvcore_vllm.page_rows import PageRows, page_rows
-from kvcore_vllm.stock_copies import StockCopies
+from kvcore_vllm.stock_copies import StockCopies, gpu_tensors_of
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -576,8 +576,7 @@ def install_handlers(
         stock = getattr(worker, attribute, None)
         if stock is None:
             continue
-        gpu_tensors = stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors
-        if gpu_tensors[0].device.type != "cuda":
+        if gpu_tensors_of(stock)[0].device.type != "cuda":
             if metrics is not None:
                 metrics.record_fallback("unsupported_device")
             continue
@@ -585,8 +584,7 @@ def install_handlers(
     if not stocks or not _warmed_up(mover, stocks.values(), metrics):
         return []
     for attribute, stock in stocks.items():
-        gpu_tensors = stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors
-        streams = CudaJobStreams(gpu_tensors[0].device)
+        streams = CudaJobStreams(gpu_tensors_of(stock)[0].device)
         handler = KVCoreOffloadingHandler(
             stock,
             mover=mover,
@@ -605,7 +603,7 @@ def _warmed_up(mover: Mover, stocks: Iterable[Any], metrics: Metrics | None) -> 
     be trusted (wrong bytes, or the warm-up itself broke)."""
     sizes: dict[torch.device, set[int]] = {}
     for stock in stocks:
-        for tensor in stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors:
+        for tensor in gpu_tensors_of(stock):
             sizes.setdefault(tensor.device, set()).add(_page_bytes(tensor))
     try:
         results = [warm_up(mover, device, pages) for device, pages in sizes.items()]

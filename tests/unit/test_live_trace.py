@@ -3,30 +3,16 @@ its per-request /metrics differences and the summary across modes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "live_trace.py"
+from tests.support.scripts import load_script
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("live_trace", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # Dataclasses look their module up while the class is made.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-live_trace = load_script()
+live_trace = load_script("live_trace")
 
 
 class StandIn:

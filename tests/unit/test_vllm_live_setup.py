@@ -4,7 +4,6 @@ on two small wheels made here (no network, no GPU)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -15,6 +14,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.support.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_live_setup.sh"
 PART_BYTES = 4096
@@ -120,18 +121,8 @@ def test_device_refuses_a_part_that_is_not_there(tmp_path, packed):
     assert run(tmp_path, "device", "x", check=False).returncode == 2
 
 
-def load_llama_config():
-    spec = importlib.util.spec_from_file_location(
-        "llama_config", SCRIPT.with_name("llama_config.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_llama_config_has_the_8b_shape_and_its_kv_size(tmp_path):
-    module = load_llama_config()
+    module = load_script("llama_config")
     path = module.main([str(tmp_path / "model")])
     config = json.loads(path.read_text())
     assert config["num_hidden_layers"] == 32 and config["hidden_size"] == 4096
@@ -146,4 +137,4 @@ def test_llama_config_has_the_8b_shape_and_its_kv_size(tmp_path):
 @pytest.mark.parametrize(("hidden", "kv_heads"), [(4000, 8), (4096, 5), (4096, 0)])
 def test_llama_config_refuses_shapes_llama_cannot_have(hidden, kv_heads):
     with pytest.raises(ValueError):
-        load_llama_config().llama_config(hidden=hidden, kv_heads=kv_heads)
+        load_script("llama_config").llama_config(hidden=hidden, kv_heads=kv_heads)

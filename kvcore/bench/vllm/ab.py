@@ -49,7 +49,7 @@ from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, policy_from_config
 from kvcore.streams import CpuSyncBackend
 from kvcore_vllm.releases import installed_shape
-from kvcore_vllm.stock_copies import StockCopies
+from kvcore_vllm.stock_copies import StockCopies, gpu_tensors_of
 from kvcore_vllm.transfers import CudaJobStreams, JobStreams, KVCoreOffloadingHandler
 
 # vLLM aligns each chunk row of its shared host region to the OS page size.
@@ -185,7 +185,7 @@ def kvcore_handler(
 ) -> KVCoreOffloadingHandler:
     """kvcore's handler in place of ``stock``, on CUDA streams or, on a CPU, run at once;
     ``policy`` defaults to the one the environment (KVCORE_*) asks for."""
-    device = (stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors)[0].device
+    device = gpu_tensors_of(stock)[0].device
     compute: Callable[[], Any]
     if streams is None and device.type == "cuda":
         cuda = CudaJobStreams(device)
@@ -533,7 +533,7 @@ def _triton_swap(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) -> N
 
 def _per_block(stock: SingleDirectionOffloadingHandler, specs: tuple[Any, Any]) -> None:
     gpu_spec, cpu_spec = specs if stock.gpu_to_cpu else specs[::-1]
-    gpu_tensors = stock.src_tensors if stock.gpu_to_cpu else stock.dst_tensors
+    gpu_tensors = gpu_tensors_of(stock)
     cpu_tensors = stock.dst_tensors if stock.gpu_to_cpu else stock.src_tensors
     for gpu, cpu in zip(gpu_tensors, cpu_tensors, strict=True):
         for block, chunk in zip(

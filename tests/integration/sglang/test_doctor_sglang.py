@@ -4,34 +4,16 @@ and a drifted fingerprint is reported by function name."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from kvcore_sglang import guard
+from tests.support.doctor import engine_entry, run_doctor
 
 pytestmark = pytest.mark.sglang
 
-ROOT = Path(__file__).resolve().parents[3]
 ALLOC = f"{guard.HOST_KV_CACHE}.alloc"
-
-
-def run_doctor(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    variables = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
-    variables.update(env, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'integrations'}")
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=variables, timeout=120
-    )
-
-
-def sglang_entry(stdout: str) -> dict:
-    report = json.loads(stdout)
-    return next(e for e in report["engines"] if e["engine"] == "sglang")
 
 
 @pytest.mark.parametrize("transfers", ["0", "1"])
@@ -40,7 +22,7 @@ def test_doctor_would_patch_the_guard_table(transfers):
         ["-m", "kvcore", "doctor", "--json"], KVCORE_ENABLE="sglang", KVCORE_TRANSFERS=transfers
     )
     assert result.returncode == 0, result.stderr
-    entry = sglang_entry(result.stdout)
+    entry = engine_entry(result.stdout, "sglang")
     groups = dict(guard.TARGET_GROUPS)
     if transfers == "1":
         groups.update(guard.TRANSFER_GROUPS)
@@ -68,7 +50,7 @@ def test_doctor_names_a_drifted_function_and_imports_no_sglang():
     result = run_doctor(["-c", script], KVCORE_ENABLE="sglang")
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "[]"
-    entry = sglang_entry(result.stdout)
+    entry = engine_entry(result.stdout, "sglang")
     skipped = {s["target"]: s for s in entry["skipped_targets"]}
     assert set(skipped) == set(guard.ALLOCATOR_TARGETS)
     assert skipped[ALLOC]["reason"].startswith("source changed")

@@ -5,41 +5,23 @@ fingerprint is reported by function name."""
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from kvcore.engine_status import release_of
 from kvcore_vllm import guard, plugin
+from tests.support.doctor import engine_entry, run_doctor
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[3]
 PREPARE_STORE = "CPUOffloadingManager.prepare_store"
-
-
-def run_doctor(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    variables = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
-    variables.update(env, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'integrations'}")
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=variables, timeout=120
-    )
-
-
-def vllm_entry(stdout: str) -> dict:
-    report = json.loads(stdout)
-    return next(e for e in report["engines"] if e["engine"] == "vllm")
 
 
 def test_doctor_would_patch_the_spec_group():
     result = run_doctor(["-m", "kvcore", "doctor", "--json"], KVCORE_ENABLE="vllm")
     assert result.returncode == 0, result.stderr
-    entry = vllm_entry(result.stdout)
+    entry = engine_entry(result.stdout, "vllm")
     release = release_of(importlib.metadata.version("vllm"))
     overridden = [t.name for t in guard.targets_for(release) if t.overridden]
     assert entry["would_patch"] == [plugin.REGISTRY_TARGET, *overridden]

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -42,6 +40,7 @@ from kvcore_vllm.page_rows import page_rows
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 from kvcore_vllm.stock_copies import StockCopies
 from kvcore_vllm.transfers import install_handlers
+from tests.support.scripts import load_script
 
 pytestmark = pytest.mark.vllm
 
@@ -542,10 +541,11 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(monkeypat
         assert [op for op, *_ in mover.ops] == ["copy_runs"]
 
 
-def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel(monkeypatch):
-    monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, stock_kernel_loads=True))
-    layout = Layout(page_bytes=256, tensors=3, gpu_blocks=16, cpu_chunks=16)
-    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(19))
+def scattered_load_past_vllms_kernel(tensors: int, seed: int):
+    """One scattered load through kvcore's handler over a stock one whose copy op is vLLM's
+    Triton kernel (a partial), bytes checked; the mover, metrics and stock's batches."""
+    layout = Layout(page_bytes=256, tensors=tensors, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(seed))
     handler, mover, metrics, issued = logged_handler(
         gpu, host, layout, False, wrap=functools.partial
     )
@@ -554,6 +554,12 @@ def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel
     handler.transfer_async(1, *make_job(scattered, False))
     assert [r.job_id for r in handler.get_finished()] == [1]
     assert_tensors_are(gpu, host, expected)
+    return mover, metrics, issued
+
+
+def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel(monkeypatch):
+    monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, stock_kernel_loads=True))
+    mover, metrics, issued = scattered_load_past_vllms_kernel(tensors=3, seed=19)
     # One plan for the three layers, which the CPU kernels gather one by one.
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
     assert [op for op, *_ in mover.ops] == ["gather_rows"] * 3
@@ -706,17 +712,8 @@ def test_bench_ab_dry_run_on_cpu_checks_bytes():
     assert all((r["submit_us"] is None) == (r["path"] == "per_block_copy") for r in rows)
 
 
-def _host_profile_script():
-    script = Path(__file__).parents[3] / "scripts" / "vllm_host_profile.py"
-    spec = importlib.util.spec_from_file_location("vllm_host_profile", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_host_profile_script_dry_run_on_cpu(capsys):
-    module = _host_profile_script()
+    module = load_script("vllm_host_profile")
     argv = ["--page-kib", "1", "--job-mib", "1", "--tensors", "2", "--jobs", "3", "--profile", "5"]
     assert module.main([*argv, "--load", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -731,7 +728,7 @@ def test_host_profile_timing_keeps_keyword_arguments():
             return value * scale
 
     steps = Steps()
-    seconds = _host_profile_script()._timed_steps(steps, ("step",))
+    seconds = load_script("vllm_host_profile")._timed_steps(steps, ("step",))
     assert steps.step(3, scale=7) == 21 and steps.step(2) == 2
     assert len(seconds["step"]) == 2 and all(s >= 0 for s in seconds["step"])
 
@@ -758,16 +755,8 @@ def test_handlers_are_installed_only_after_a_warm_up_that_moved_every_byte_right
     assert metrics.snapshot()["fallbacks"] == {"warm_up_wrong_bytes": 1, "warm_up_failed": 1}
 
 
-def test_the_kernel_load_rule_switch_hands_those_loads_to_kvcore(monkeypatch):
-    layout = Layout(page_bytes=256, gpu_blocks=16, cpu_chunks=16)
-    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(23))
-    handler, mover, metrics, issued = logged_handler(
-        gpu, host, layout, False, wrap=functools.partial
-    )
-    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
-    expected = reference(gpu, host, layout, scattered, False)
-    handler.transfer_async(1, *make_job(scattered, False))
-    assert [r.job_id for r in handler.get_finished()] == [1]
-    assert_tensors_are(gpu, host, expected)
+def test_the_kernel_load_rule_switch_hands_those_loads_to_kvcore():
+    # The autouse fixture turned the rule off: one KV tensor, yet kvcore's gather.
+    mover, metrics, issued = scattered_load_past_vllms_kernel(tensors=1, seed=23)
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
     assert [op for op, *_ in mover.ops] == ["gather_rows"]
