@@ -65,13 +65,11 @@ start_server() {
             PROMETHEUS_MULTIPROC_DIR="$(mktemp -d)" \
                 "$python" -m vllm.entrypoints.cli.main "${serve_args[@]}" > "$log" 2>&1 &
             ;;
-        kvcore)
-            "$python" -m kvcore launch vllm --kvcore-transfers 0 -- "${serve_args[@]}" \
-                > "$log" 2>&1 &
-            ;;
-        kvcore-transfers)
-            "$python" -m kvcore launch vllm --kvcore-transfers 1 -- "${serve_args[@]}" \
-                > "$log" 2>&1 &
+        kvcore | kvcore-transfers)
+            local transfers=0
+            [[ "$mode" == kvcore-transfers ]] && transfers=1
+            "$python" -m kvcore launch vllm --kvcore-transfers "$transfers" \
+                -- "${serve_args[@]}" > "$log" 2>&1 &
             ;;
         *)
             echo "unknown mode $mode" >&2
