@@ -50,6 +50,7 @@ import torch
 from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
+from kvcore.internal_errors import InternalErrors
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import (
@@ -293,35 +294,15 @@ def _count_serve(chosen_mover: Mover) -> None:
         chosen_mover.metrics.record_decision("serve", "rule_serves")
 
 
-_logged_errors: set[str] = set()
+INTERNAL_ERRORS = InternalErrors("SGLang", logger)
 
 
 def _internal_error(chosen_mover: Mover, exc: Exception) -> str:
-    """The reason a failure inside kvcore sends its call to stock; logged once per kind.
-
-    A CUDA error raised after a launch leaves the device in doubt: that one is re-raised
-    (stock would run on a device in an unknown state, and retrying hides the fault).
-    """
-    if _device_in_doubt(exc):
-        raise exc
-    reason = f"internal_error:{type(exc).__name__}"
-    if reason not in _logged_errors:
-        _logged_errors.add(reason)
-        logger.warning(
-            "kvcore: %s inside a SGLang transfer hook (%s); that call and later ones like it "
-            "run SGLang's stock copy",
-            type(exc).__name__,
-            str(exc).splitlines()[0][:200] if str(exc) else "no message",
-        )
+    """The reason a failure inside kvcore sends its call to stock (counted); a CUDA error
+    is re-raised (:mod:`kvcore.internal_errors`)."""
+    reason = INTERNAL_ERRORS.reason(exc)
     _count_pass(chosen_mover, reason)
     return reason
-
-
-def _device_in_doubt(exc: Exception) -> bool:
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
 def _serve(

@@ -15,7 +15,9 @@ same row indices (a model's layers) share one plan and move in one submission
 A job kvcore cannot prove it copies exactly as stock does (a canonical host layout, a
 page only partly copied, a row layout it cannot express, duplicate destinations, a
 fallback reason from the planner) runs the stock handler's own descriptor fill and copy
-op on the same stream, and the reason is counted.
+op on the same stream, and the reason is counted. So does a job during which kvcore
+itself fails (counted ``internal_error:<type>``, logged once per type); a CUDA error is
+raised instead (:mod:`kvcore.internal_errors`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferRes
 from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
+from kvcore.internal_errors import InternalErrors
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import (
@@ -50,6 +53,8 @@ from kvcore_vllm.page_rows import PageRows, page_rows
 from kvcore_vllm.stock_copies import StockCopies, gpu_tensors_of
 
 logger = logging.getLogger("kvcore.vllm")
+
+INTERNAL_ERRORS = InternalErrors("vLLM", logger)
 
 # When stock's batched copy costs less than kvcore's (the measurements are in kvcore.serve_rule).
 RULES = serve_rule.VLLM_RULES
@@ -270,20 +275,29 @@ class KVCoreOffloadingHandler:
             gpu_spec.block_indices,
             self.blocks_per_chunk,
         )
-        reason = self._unsupported_group(segments)
-        if reason is None:
-            reason = self._stock_is_cheaper(segments)
-        work: list[Submission] = []
-        if reason is None:
-            work, reason = self._plan(segments)
-        if reason is None:
-            nbytes = sum(s.pages * self._group(s).page_bytes for s in segments)
-            self._submit(job_id, nbytes, lambda: self._execute(work))
-        else:
+        try:
+            reason = self._serve(job_id, segments)
+        except Exception as exc:
+            reason = INTERNAL_ERRORS.reason(exc)
+        if reason is not None:
             if self._metrics is not None:
                 self._metrics.record_fallback(reason)
             self._submit_stock(job_id, segments)
         return True
+
+    def _serve(self, job_id: int, segments: list[Segment]) -> str | None:
+        """Submit the job on kvcore's paths; the reason it goes to stock instead, if any."""
+        reason = self._unsupported_group(segments)
+        if reason is None:
+            reason = self._stock_is_cheaper(segments)
+        if reason is not None:
+            return reason
+        work, reason = self._plan(segments)
+        if reason is not None:
+            return reason
+        nbytes = sum(s.pages * self._group(s).page_bytes for s in segments)
+        self._submit(job_id, nbytes, lambda: self._execute(work))
+        return None
 
     def _group(self, segment: Segment) -> _Group:
         group = self._groups[segment.group]
@@ -446,7 +460,13 @@ class KVCoreOffloadingHandler:
         # The wait holds the event's state as of now, so the event can be recorded again.
         streams.release(ready)
         start = streams.record(self._stream)
-        streams.run_on(self._stream, work)
+        try:
+            streams.run_on(self._stream, work)
+        except BaseException:
+            # Nothing of this job is queued for get_finished; stock's copy (queued after
+            # this on the same stream) rewrites whatever part of it did run.
+            streams.release(start)
+            raise
         end = streams.record(self._stream)
         self._events[job_id] = end
         self._jobs.append(_Job(job_id, nbytes, start, end, descriptors))

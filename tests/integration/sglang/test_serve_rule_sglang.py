@@ -29,6 +29,7 @@ from test_transfers import (
 )
 
 from kvcore import serve_rule
+from kvcore.internal_errors import InternalErrors
 from kvcore.metrics import METRICS
 from kvcore_sglang import transfers
 
@@ -162,7 +163,7 @@ def test_a_failure_inside_kvcore_sends_the_call_to_stock(
     caplog,
 ):
     direct_served_from(16)
-    monkeypatch.setattr(transfers, "_logged_errors", set())
+    monkeypatch.setattr(transfers, "INTERNAL_ERRORS", InternalErrors("SGLang", transfers.logger))
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("planner broke")
