@@ -69,11 +69,11 @@ TARGETS: tuple[Target, ...] = (
     Target(_FACTORY, "OffloadingSpecFactory.create_spec"),
     # The worker's transfer handlers are replaced after the stock create_worker built
     # them: kvcore's handler reads the stock one's state, keeps its contract, pairs pages
-    # as its transfer_async and sub-block pointers do, and runs its descriptor fill and
-    # copy op for the jobs that fall back: the fill is the method __init__ binds as
-    # _fill_group_ops (0.25 fills inline, through compute_sub_block_ptrs), the copy op the
-    # function _select_swap_blocks_fn picks (a partial for the Triton load kernel, which
-    # the handler tells apart).
+    # as its transfer_async and sub-block pointers do, and hands the jobs it does not copy
+    # to the stock handler (transfer_async, get_finished, wait, shutdown). The A/B bench
+    # issues stock's descriptors through the fill __init__ binds as _fill_group_ops (0.25
+    # fills inline, through compute_sub_block_ptrs); the handler tells the copy op that
+    # _select_swap_blocks_fn picks apart (a partial for the Triton load kernel).
     Target(_SPEC, "CPUOffloadingSpec.create_worker", overridden=True),
     Target(_WORKER, "CPUOffloadingWorker.__init__"),
     Target(_WORKER, "CPUOffloadingWorker.submit_store"),

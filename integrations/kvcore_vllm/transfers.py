@@ -2,10 +2,10 @@
 
 A stock ``SingleDirectionOffloadingHandler`` turns every (block, layer) of a job into
 one pointer descriptor and hands them all to one batched copy. This handler keeps its
-public contract (``transfer_async`` / ``get_finished`` / ``wait`` / ``shutdown``) and its
-ordering: each job's copies wait for the work queued on the compute stream when it was
-submitted, jobs run one after another on the handler's own stream, and they are
-reported finished in submission order, each once. In between, the job is planned from
+public contract (``transfer_async`` / ``get_finished`` / ``wait`` / ``shutdown``): each
+job's copies wait for the work queued on the compute stream when it was submitted, and
+each job is reported finished once. The jobs kvcore copies run one after another on the
+handler's own stream and are reported in submission order. The job is planned from
 the block-id arrays alone (never from device memory): per KV tensor, the pages become
 row indices (:mod:`kvcore_vllm.page_rows`), and the mover merges pages adjacent on both
 sides into one copy or picks its staged or gather paths. KV tensors whose pages give the
@@ -14,10 +14,16 @@ same row indices (a model's layers) share one plan and move in one submission
 
 A job kvcore cannot prove it copies exactly as stock does (a canonical host layout, a
 page only partly copied, a row layout it cannot express, duplicate destinations, a
-fallback reason from the planner) runs the stock handler's own descriptor fill and copy
-op on the same stream, and the reason is counted. So does a job during which kvcore
-itself fails (counted ``internal_error:<type>``, logged once per type); a CUDA error is
-raised instead (:mod:`kvcore.internal_errors`).
+fallback reason from the planner), or whose copy stock's costs less, is handed whole to
+the stock handler's own ``transfer_async``, and the reason is counted: such a job costs
+what it costs stock, plus kvcore's decision (for the reasons the block count decides,
+a few comparisons). The stock handler keeps it on its own streams and reports it
+through ``get_finished`` and ``wait``, which this handler forwards. So does a job during
+which kvcore itself fails (counted ``internal_error:<type>``, logged once per type),
+after the part kvcore queued has finished; a CUDA error is raised instead
+(:mod:`kvcore.internal_errors`). Jobs on different streams may finish out of
+submission order; vLLM matches results by job id, and a job's pages are not reused
+before it is reported.
 """
 
 from __future__ import annotations
@@ -180,25 +186,20 @@ class _Group:
     """Bytes a stock job counts per block of this group (every layer reference)."""
 
 
-_Descriptors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
 @dataclass
 class _Job:
     job_id: int
     nbytes: int
     start: Any
     end: Any
-    # Descriptor buffers a stock copy may still read: reused once the job has finished.
-    descriptors: _Descriptors | None = None
 
 
 class KVCoreOffloadingHandler:
     """Drop-in for one stock ``SingleDirectionOffloadingHandler`` (GPU->CPU or CPU->GPU).
 
     ``stock`` is the handler this one replaces: its tensors, block geometry and layer
-    references are read once, and its descriptor fill and copy op run the jobs that
-    fall back. ``streams`` supplies the handler's stream (named ``name``) and events;
+    references are read once, and the jobs kvcore does not copy itself are handed to
+    it. ``streams`` supplies the handler's stream (named ``name``) and events;
     ``compute_stream`` returns the stream whose queued work a job must wait for.
     ``stock_rules=False`` turns off the rules that leave jobs to stock because stock's
     copy would cost less (:meth:`_stock_is_cheaper`), so that benchmarks can measure
@@ -231,10 +232,11 @@ class KVCoreOffloadingHandler:
         self._pairs: dict[tuple[int, ...], LayerPairs] = {}
         self._batches_by_groups: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
         self._stock_rules = stock_rules
-        # As stock does: pinned descriptor buffers are allocated once and reused.
-        self._descriptor_pool: list[_Descriptors] = []
         self._groups: list[_Group | str] = self._describe_groups()
         self._page_bytes = max(_page_bytes(t) for t in self._stock.gpu_tensors)
+        self._max_tensors = max(
+            len({ref.tensor_idx for ref in refs}) for refs in self._stock.layer_refs_per_group
+        )
         # vLLM picks its Triton swap kernel (a functools.partial) for small pinned loads.
         self._stock_loads_by_kernel = not self.gpu_to_cpu and isinstance(
             self._stock.copy_op, functools.partial
@@ -268,22 +270,40 @@ class KVCoreOffloadingHandler:
         gpu_spec, cpu_spec = (src_spec, dst_spec) if self.gpu_to_cpu else (dst_spec, src_spec)
         if not isinstance(gpu_spec, GPULoadStoreSpec):
             raise TypeError(f"the GPU side of job {job_id} is a {type(gpu_spec).__name__}")
-        segments = split_groups(
-            np.asarray(gpu_spec.block_ids),
-            np.asarray(cpu_spec.block_ids),  # type: ignore[attr-defined]
-            gpu_spec.group_sizes,
-            gpu_spec.block_indices,
-            self.blocks_per_chunk,
-        )
-        try:
-            reason = self._serve(job_id, segments)
-        except Exception as exc:
-            reason = INTERNAL_ERRORS.reason(exc)
+        reason = self._stock_is_cheaper_at_a_glance(gpu_spec)
+        if reason is None:
+            segments = split_groups(
+                np.asarray(gpu_spec.block_ids),
+                np.asarray(cpu_spec.block_ids),  # type: ignore[attr-defined]
+                gpu_spec.group_sizes,
+                gpu_spec.block_indices,
+                self.blocks_per_chunk,
+            )
+            try:
+                reason = self._serve(job_id, segments)
+            except Exception as exc:
+                reason = INTERNAL_ERRORS.reason(exc)
+                # Part of the job may be queued on kvcore's stream; stock's copy runs on
+                # stock's streams, so it must not finish (and the pages be reused) first.
+                drained = self._streams.record(self._stream)
+                self._streams.synchronize(drained)
+                self._streams.release(drained)
         if reason is not None:
             if self._metrics is not None:
                 self._metrics.record_fallback(reason)
-            self._submit_stock(job_id, segments)
+            self._stock.handler.transfer_async(job_id, src_spec, dst_spec)
         return True
+
+    def _stock_is_cheaper_at_a_glance(self, gpu_spec: GPULoadStoreSpec) -> str | None:
+        """The stock-is-cheaper reasons that the job's block count alone decides, before any
+        work on its ids: a job that passes this way costs kvcore a few comparisons."""
+        if not self._stock_rules:
+            return None
+        if self.gpu_to_cpu and RULES.store_passes(self._page_bytes):
+            return "stock_store_large_pages"
+        if len(gpu_spec.block_ids) * self._max_tensors < RULES.min_pages(self._page_bytes):
+            return "few_pages"
+        return None
 
     def _serve(self, job_id: int, segments: list[Segment]) -> str | None:
         """Submit the job on kvcore's paths; the reason it goes to stock instead, if any."""
@@ -411,46 +431,11 @@ class KVCoreOffloadingHandler:
         for each in work:
             self._mover.submit(each)
 
-    def _submit_stock(self, job_id: int, segments: list[Segment]) -> None:
-        """Fill descriptors with the stock handler's code and issue its copy op."""
-        stock = self._stock
-        count = stock.max_copy_ops(_group_sizes(segments, len(self._groups)))
-        buffers = self._descriptor_pool.pop() if self._descriptor_pool else None
-        if buffers is None or buffers[0].numel() < count:
-            buffers = _descriptor_buffers(count)
-        views = [b[:count].numpy() for b in buffers]
-        op_index = nbytes = 0
-        for segment in segments:
-            src_ids, dst_ids = (
-                (segment.gpu_ids, segment.cpu_ids)
-                if self.gpu_to_cpu
-                else (segment.cpu_ids, segment.gpu_ids)
-            )
-            op_index, group_bytes = stock.fill_group(
-                segment.group,
-                src_ids=src_ids,
-                dst_ids=dst_ids,
-                pages=segment.pages,
-                src_skip=0 if self.gpu_to_cpu else segment.skip,
-                dst_skip=segment.skip if self.gpu_to_cpu else 0,
-                out=(views[0], views[1], views[2]),
-                op_index=op_index,
-            )
-            nbytes += group_bytes
-        src, dst, sizes = (b[:op_index] for b in buffers)
-
-        def copy() -> None:
-            if op_index > 0:
-                stock.copy(src, dst, sizes)
-
-        self._submit(job_id, nbytes, copy, descriptors=buffers)
-
     def _submit(
         self,
         job_id: int,
         nbytes: int,
         work: Callable[[], None],
-        descriptors: _Descriptors | None = None,
     ) -> None:
         streams = self._streams
         # Stores read KV the model is still writing; loads overwrite blocks whose earlier
@@ -469,16 +454,15 @@ class KVCoreOffloadingHandler:
             raise
         end = streams.record(self._stream)
         self._events[job_id] = end
-        self._jobs.append(_Job(job_id, nbytes, start, end, descriptors))
+        self._jobs.append(_Job(job_id, nbytes, start, end))
 
     def get_finished(self) -> list[TransferResult]:
-        """Jobs whose copies have finished, in submission order; each is reported once."""
+        """Jobs whose copies have finished, each reported once: kvcore's in submission order,
+        then those it handed to the stock handler, in stock's order."""
         results = []
         while self._jobs and self._streams.query(self._jobs[0].end):
             job = self._jobs.popleft()
             del self._events[job.job_id]
-            if job.descriptors is not None:
-                self._descriptor_pool.append(job.descriptors)
             results.append(
                 TransferResult(
                     job_id=job.job_id,
@@ -489,7 +473,8 @@ class KVCoreOffloadingHandler:
             )
             self._streams.release(job.start)
             self._streams.release(job.end)
-        return results
+        stock_results: list[TransferResult] = self._stock.handler.get_finished()
+        return results + stock_results
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the named jobs of this handler have finished; others are ignored."""
@@ -497,6 +482,7 @@ class KVCoreOffloadingHandler:
             event = self._events.get(job_id)
             if event is not None:
                 self._streams.synchronize(event)
+        self._stock.handler.wait(job_ids)
 
     def shutdown(self) -> None:
         """Wait for every job, then release this handler's and the stock handler's resources."""
@@ -515,7 +501,6 @@ class KVCoreOffloadingHandler:
         self._events.clear()
         self._rows.clear()
         self._pairs.clear()
-        self._descriptor_pool.clear()
         self._stock.shutdown()
         if error is not None:
             raise error
@@ -523,20 +508,6 @@ class KVCoreOffloadingHandler:
 
 def _page_bytes(t: torch.Tensor) -> int:
     return t.shape[1] * t.element_size()
-
-
-def _group_sizes(segments: list[Segment], groups: int) -> list[int]:
-    sizes = [0] * groups
-    for segment in segments:
-        sizes[segment.group] = segment.pages
-    return sizes
-
-
-def _descriptor_buffers(count: int) -> _Descriptors:
-    # vLLM's copy op reads the descriptors from pinned int64 buffers.
-    pin = torch.cuda.is_available()
-    src, dst, sizes = (torch.empty(count, dtype=torch.int64, pin_memory=pin) for _ in range(3))
-    return src, dst, sizes
 
 
 def _elapsed(start: Any, end: Any) -> float | None:

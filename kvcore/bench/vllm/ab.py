@@ -43,6 +43,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec, Trans
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 
+from kvcore.bench.vllm.host_platform import is_run_on_host, run_on_host, without_host_methods
 from kvcore.config import KVCoreConfig
 from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
@@ -159,8 +160,10 @@ def stock_handler(
     gpu_to_cpu: bool,
     groups: int = 1,
 ) -> SingleDirectionOffloadingHandler:
-    """vLLM's own handler over the tensors (host stand-ins accepted on a CPU ``gpu``)."""
-    if gpu[0].device.type == "cpu":
+    """vLLM's own handler over the tensors; on a CPU ``gpu``, over host stand-ins and with
+    its methods runnable there (:func:`kvcore.bench.vllm.host_platform.run_on_host`)."""
+    on_host = gpu[0].device.type == "cpu"
+    if on_host:
         gpu = [t.as_subclass(_HostAsDevice) for t in gpu]
     shape = installed_shape()
     options: dict[str, Any] = {
@@ -169,9 +172,10 @@ def stock_handler(
     }
     if "host_memory_is_pinned" in inspect.signature(SingleDirectionOffloadingHandler).parameters:
         options["host_memory_is_pinned"] = gpu[0].device.type == "cuda"
-    return SingleDirectionOffloadingHandler(
+    handler = SingleDirectionOffloadingHandler(
         gpu_tensors=list(gpu), cpu_tensors=list(host), gpu_to_cpu=gpu_to_cpu, **options
     )
+    return run_on_host(handler) if on_host else handler
 
 
 def kvcore_handler(
@@ -403,6 +407,9 @@ def _with_copy_op(
     """A copy of ``stock`` with its own queue of jobs, streams, events and descriptor
     buffers, copying with ``swap`` (None keeps its own copy op)."""
     emulated = copy.copy(stock)
+    if is_run_on_host(stock):
+        # The copied methods are bound to ``stock``: bind the copy's own.
+        run_on_host(without_host_methods(emulated))
     if swap is not None:
         emulated._swap_blocks_batch = swap
     emulated._transfers = deque()

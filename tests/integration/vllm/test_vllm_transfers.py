@@ -8,7 +8,6 @@ layout, and check that reference against the stock descriptors executed by memmo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import replace
 
@@ -21,7 +20,6 @@ import torch
 from handler_jobs import assert_tensors_are, make_job, memmove_batch, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_support import spec_args
 
@@ -126,6 +124,12 @@ def logged_handler(gpu, host, layout, gpu_to_cpu, wrap=lambda swap: swap):
 
 def run_stock_fill(stock, groups, gpu_to_cpu):
     """The job's stock descriptors (vLLM's fill code) executed by memmove."""
+    memmove_batch([])(*stock_fill(stock, groups, gpu_to_cpu))
+
+
+def stock_fill(stock, groups, gpu_to_cpu):
+    """The job's descriptors as :class:`StockCopies` fills them (what the A/B bench issues
+    as stock's): source pointers, destination pointers, sizes."""
     copies = StockCopies(stock)
     bpc = copies.blocks_per_chunk
     count = copies.max_copy_ops([len(ids) for ids, _, _ in groups])
@@ -143,7 +147,7 @@ def run_stock_fill(stock, groups, gpu_to_cpu):
             out=(buffers[0], buffers[1], buffers[2]),
             op_index=op,
         )
-    memmove_batch([])(*(torch.from_numpy(b[:op]) for b in buffers))
+    return tuple(torch.from_numpy(b[:op]) for b in buffers)
 
 
 def draw_groups(rng, layout, sizes, frag):
@@ -350,7 +354,7 @@ def test_jobs_wait_for_compute_and_finish_in_order_once():
     # Waiting for job 2 ran the model's write, then jobs 1 and 2, and not job 3.
     assert torch.equal(host[0][10:14], written)
     assert backend.pending(backend.stream("store")) == 1
-    assert [r.job_id for r in handler.get_finished()] == [1, 2]
+    assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
     assert handler.get_finished() == []
     backend.complete_all()
     assert [r.job_id for r in handler.get_finished()] == [3]
@@ -373,39 +377,6 @@ def test_shutdown_drains_queued_jobs_and_releases_tensors():
     assert stock.src_tensors == [] and stock.dst_tensors == []
 
 
-class _HostStream:
-    """What stock's transfer_async asks of a stream and an event, on a host."""
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        del enable_timing
-
-    def wait_stream(self, stream: object) -> None:
-        del stream
-
-    def wait_event(self, event: object) -> None:
-        del event
-
-    def record(self, stream: object = None) -> None:
-        del stream
-
-
-class _HostPlatform:
-    Stream = _HostStream
-
-    @staticmethod
-    def is_xpu() -> bool:
-        return False
-
-    @staticmethod
-    def current_stream() -> _HostStream:
-        return _HostStream()
-
-    @staticmethod
-    def stream(stream: object) -> contextlib.nullcontext[None]:
-        del stream
-        return contextlib.nullcontext()
-
-
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -415,11 +386,9 @@ class _HostPlatform:
     sizes=st.lists(st.integers(1, 12), min_size=1, max_size=2),
     seed=st.integers(0, 2**31),
 )
-def test_stock_copies_fill_what_stocks_own_transfer_async_issues(
-    monkeypatch, layout, gpu_to_cpu, sizes, seed
-):
-    """The descriptors kvcore issues for a job it leaves to stock are stock's own, on every
-    release (0.25 fills them inside transfer_async, with no fill method to call)."""
+def test_stock_copies_fill_what_stocks_own_transfer_async_issues(layout, gpu_to_cpu, sizes, seed):
+    """The descriptors the A/B bench issues as stock's are those stock's own transfer_async
+    issues, on every release (0.25 fills them inside transfer_async, with no fill method)."""
     layout = sized(layout)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(seed))
     groups = draw_groups(np.random.default_rng(seed), layout, sizes, 0.5)
@@ -430,22 +399,11 @@ def test_stock_copies_fill_what_stocks_own_transfer_async_issues(
         issued.append((src.tolist(), dst.tolist(), sizes.tolist(), is_src_access_order_any))
 
     stock._swap_blocks_batch = record
-    monkeypatch.setattr(gpu_worker, "current_platform", _HostPlatform)
-    monkeypatch.setattr(torch, "Event", _HostStream)
-    monkeypatch.setattr(gpu_worker, "PIN_MEMORY", False)
     stock.transfer_async(1, *make_job(groups, gpu_to_cpu))
-
-    handler = kvcore_handler(stock, policy=SMALL)
-    segments = transfers.split_groups(
-        *(np.array([b for g in groups for b in g[k]], dtype=np.int64) for k in (0, 1)),
-        [len(ids) for ids, _, _ in groups],
-        [first for _, _, first in groups],
-        layout.blocks_per_chunk,
-    )
-    handler._submit_stock(2, segments)
-    [result] = handler.get_finished()
-    assert len(issued) == 2 and issued[0] == issued[1]
-    assert result.transfer_size == stock._transfers[0].num_bytes
+    [result] = stock.get_finished()
+    src, dst, sizes_issued = stock_fill(stock, groups, gpu_to_cpu)
+    assert issued == [(src.tolist(), dst.tolist(), sizes_issued.tolist(), not gpu_to_cpu)]
+    assert result.transfer_size == int(sizes_issued.sum())
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
@@ -480,7 +438,7 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(monkeypat
     assert_tensors_are(gpu, host, expected)
     expected = reference(gpu, host, layout, one_run, gpu_to_cpu)
     handler.transfer_async(2, *make_job(one_run, gpu_to_cpu))
-    assert [r.job_id for r in handler.get_finished()] == [1, 2]
+    assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
     assert_tensors_are(gpu, host, expected)
     if gpu_to_cpu:  # vLLM never gives stores to its kernel: kvcore serves both
         assert issued == [] and metrics.snapshot()["fallbacks"] == {}
@@ -528,7 +486,7 @@ def test_jobs_of_few_pages_a_submission_stay_stock(monkeypatch, gpu_to_cpu):
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
         handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
         assert_tensors_are(gpu, host, expected)
-    assert [r.job_id for r in handler.get_finished()] == [1, 2]
+    assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
     assert issued == [1 * 2] and metrics.snapshot()["fallbacks"] == {"few_pages": 1}
     # The CPU kernels have no layered ops: the mover issues the pairs one by one.
     assert [op for op, *_ in mover.ops] == ["copy_runs", "copy_runs"]
@@ -555,7 +513,7 @@ def test_large_pages_need_more_pages_a_submission_and_their_stores_stay_stock(
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
         handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
         assert_tensors_are(gpu, host, expected)
-    assert [r.job_id for r in handler.get_finished()] == [1, 2]
+    assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
     if gpu_to_cpu:
         assert issued == [4, 6] and mover.ops == []
         assert metrics.snapshot()["fallbacks"] == {"stock_store_large_pages": 2}
@@ -575,36 +533,6 @@ def test_jobs_that_write_one_page_twice_stay_stock(gpu_to_cpu):
     assert [r.job_id for r in handler.get_finished()] == [1]
     assert issued == [3] and mover.ops == []
     assert metrics.snapshot()["fallbacks"] == {"duplicate_destinations": 1}
-
-
-def test_stock_descriptor_buffers_are_reused_only_after_their_job_finished():
-    layout = Layout(page_bytes=512, tensors=2, blocks_per_chunk=2, ref_page_bytes=384)
-    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(11))
-    stock = stock_handler(gpu, host, layout, gpu_to_cpu=False)
-    read_from: list[int] = []
-
-    def swap(src, dst, sizes, is_src_access_order_any=False):
-        read_from.append(src.data_ptr())
-        memmove_batch([])(src, dst, sizes)
-
-    stock._swap_blocks_batch = swap
-    backend = ManualCpuBackend()
-    handler = kvcore_handler(stock, policy=SMALL, streams=backend)  # partial pages: stock
-    job = make_job([([1, 2], [3], 0)], False)
-    handler.transfer_async(1, *job)
-    handler.transfer_async(2, *job)
-    backend.complete_all()
-    assert read_from[0] != read_from[1]  # job 1 was in flight when job 2 filled its own
-    assert [r.job_id for r in handler.get_finished()] == [1, 2]
-    handler.transfer_async(3, *job)
-    backend.complete_all()
-    assert read_from[2] in read_from[:2]  # both had finished: a buffer is reused
-    larger = make_job([([4, 5, 6, 7, 8, 9], [0, 1, 2], 0)], False)
-    handler.transfer_async(4, *larger)  # more descriptors than a pooled buffer holds
-    backend.complete_all()
-    expected = reference(gpu, host, layout, [([4, 5, 6, 7, 8, 9], [0, 1, 2], 0)], False)
-    assert_tensors_are(gpu, host, expected)
-    assert [r.job_id for r in handler.get_finished()] == [3, 4]
 
 
 def test_page_rows_refuses_what_it_cannot_express():
@@ -709,3 +637,26 @@ def test_the_kernel_load_rule_switch_hands_those_loads_to_kvcore():
     mover, metrics, issued = scattered_load_past_vllms_kernel(tensors=1, seed=23)
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
     assert [op for op, *_ in mover.ops] == ["gather_rows"]
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_a_job_too_small_for_kvcore_goes_to_stock_before_any_work_on_its_ids(
+    monkeypatch, gpu_to_cpu
+):
+    monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, min_pages_per_submission=8))
+
+    def no_split(*args, **kwargs):
+        raise AssertionError("a job the block count decides needs no split")
+
+    monkeypatch.setattr(transfers, "split_groups", no_split)
+    layout = Layout(page_bytes=256, tensors=2, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(13))
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
+    groups = [([3, 9, 4], [5, 1, 12], 0)]  # 3 blocks x 2 tensors: under 8 pages
+    expected = reference(gpu, host, layout, groups, gpu_to_cpu)
+    handler.transfer_async(1, *make_job(groups, gpu_to_cpu))
+    handler.wait({1})
+    assert [(r.job_id, r.transfer_size) for r in handler.get_finished()] == [(1, 3 * 2 * 256)]
+    assert issued == [6] and mover.ops == []
+    assert metrics.snapshot()["fallbacks"] == {"few_pages": 1}
+    assert_tensors_are(gpu, host, expected)
