@@ -56,18 +56,20 @@ def test_summary_counts_load_backs_mismatches_and_what_the_cache_did():
         result(2, 512, 520, 4.0),
         result(3, 8192, 8000, 10.0, mismatched_bytes=3),
         result(4, 8192, 0, None, device_hit=64, resident_mismatched_bytes=2),
+        result(5, 8192, 64, 1.0, settled_mismatched_bytes=4),
     ]
     summary = summarize(results, counters, TOKEN_BYTES)
-    assert summary["loadbacks"] == 3
-    assert summary["loadback_ms_p50"] == 4.0 and summary["loadback_ms_p99"] == 10.0
-    assert summary["mismatched_bytes"] == 5 and summary["checks_failed"] == 2
+    assert summary["loadbacks"] == 4
+    assert summary["loadback_ms_p50"] == 3.0 and summary["loadback_ms_p99"] == 10.0
+    assert summary["mismatched_bytes"] == 5 and summary["settled_mismatched_bytes"] == 4
+    assert summary["checks_failed"] == 3
     assert summary["evictions"]["device_tokens"] == 900
     assert summary["write_throughs"] == {"ops": 4, "tokens": 1200}
     small, large = summary["by_size"]
     assert small["first_turn_tokens"] == 512 and small["loadbacks"] == 2
     assert small["loadback_ms_p50"] == 3.0 and small["loaded_tokens_p50"] == 510
     assert small["gb_per_s"] == round(510 * TOKEN_BYTES / 3.0 / 1e6, 3)
-    assert large["loadbacks"] == 1
+    assert large["loadbacks"] == 2
 
 
 def test_counters_wrap_the_cache_methods_and_still_return_their_results():

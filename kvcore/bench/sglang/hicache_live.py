@@ -17,10 +17,14 @@ between their turns. Per request, as the scheduler and the model runner do:
 3. the forward pass: the consumer index is set on the layer-done counter
    (``tp_worker.set_hicache_consumer``), then every layer in order reads its KV through
    the device pool's ``get_kv_buffer``, which waits for that layer's load
-   (``LayerDoneCounter.wait_until``). A load-back is timed from the ``load_back`` call
-   until the device has passed the last layer's wait (synchronised: host and device);
+   (``LayerDoneCounter.wait_until``); right after each wait the layer's loaded rows are
+   copied on the forward stream, as attention would read them. A load-back is timed from
+   the ``load_back`` call until the forward stream has passed the last layer's wait (an
+   event after it, synchronised: host and device together);
 4. every loaded token's K and V in every layer is checked byte for byte against the
-   content that belongs there (:mod:`.kv_content`), and the tokens already resident too;
+   content that belongs there (:mod:`.kv_content`): as read after each layer's wait (a
+   layer signalled before its copy landed fails here), and again from the pool once the
+   device is idle, with the tokens that were already resident;
 5. prefill: device slots for the new tokens (``evict_from_tree_cache`` first, the
    allocator's eviction as the scheduler calls it), content written, the whole sequence
    inserted, which starts its write-through backup.
@@ -107,14 +111,18 @@ class RequestResult:
     """Host time of ``load_back`` and ``ready_to_load_host_cache`` (every layer's copy issued)."""
     loadback_declined: bool = False
     mismatched_bytes: int = 0
-    """Loaded tokens' bytes that differ from their content, every layer's K and V."""
+    """Loaded tokens' bytes that differ from their content, every layer's K and V, as read
+    right after the layer's wait."""
+    settled_mismatched_bytes: int = 0
+    """The same, read from the device pool once the device is idle."""
     resident_mismatched_bytes: int = 0
-    """The same for the prefix that was already on the device."""
+    """The prefix that was already on the device, read once the device is idle."""
     error: str | None = None
 
     @property
     def check_passed(self) -> bool:
-        return self.error is None and self.mismatched_bytes == 0 == self.resident_mismatched_bytes
+        wrong = self.mismatched_bytes + self.settled_mismatched_bytes
+        return self.error is None and wrong + self.resident_mismatched_bytes == 0
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "check_passed": self.check_passed}
@@ -199,13 +207,46 @@ class Rig:
         """Layer ``layer``'s K and V buffers, read without waiting (the checker's view)."""
         return self.kv_pool._get_key_buffer(layer), self.kv_pool._get_value_buffer(layer)
 
-    def forward_pass(self, consumer: int) -> None:
+    def forward_pass(self, consumer: int, loaded_slots: torch.Tensor | None) -> LayerReads:
         """What the model runner does with the batch's consumer index: set it on the layer-done
-        counter, then read each layer's KV as attention does, each read waiting for its load."""
+        counter, then read each layer's KV as attention does, each read waiting for its load.
+
+        The rows of ``loaded_slots`` are copied on the forward stream right after each layer's
+        wait: what attention would read there, checked later; a load that signalled its layer
+        before its copy was done shows up in them.
+        """
         counter = self.kv_pool.layer_transfer_counter
         counter.set_consumer(consumer)
+        reads = LayerReads()
         for layer in range(self.kv_pool.layer_num):
-            self.kv_pool.get_kv_buffer(self.kv_pool.start_layer + layer)
+            key, value = self.kv_pool.get_kv_buffer(self.kv_pool.start_layer + layer)
+            if layer == self.kv_pool.layer_num - 1:
+                reads.mark_last_wait(self.device)
+            if loaded_slots is not None:
+                reads.views.append((key[loaded_slots], value[loaded_slots]))
+        return reads
+
+
+@dataclass
+class LayerReads:
+    """Each layer's loaded rows as read right after its wait, and the point the forward
+    stream passed the last layer's wait."""
+
+    views: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    last_wait: Any = None
+
+    def mark_last_wait(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.last_wait = torch.cuda.Event()
+            self.last_wait.record()
+
+    def wait(self) -> None:
+        """Return once the forward stream has passed the last layer's wait."""
+        if self.last_wait is not None:
+            self.last_wait.synchronize()
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.views[layer]
 
 
 def build_rig(opts: LiveOptions) -> Rig:
@@ -335,29 +376,35 @@ def serve(rig: Rig, request: Request) -> RequestResult:
         host_hit_tokens=match.host_hit_length,
     )
     anchor = match.last_device_node
+    resident = match.device_prefix_len
     started = time.perf_counter()
     loading = match.host_hit_length > 0 and cache.load_back(match.best_match_node)
     consumer = cache.ready_to_load_host_cache()
     issued = time.perf_counter()
-    rig.forward_pass(consumer)
+    if loading:
+        anchor = match.best_match_node
+    # The batch's prefix slots, as prepare_for_extend takes them after the load is started.
+    prefix = cache.path_device_indices(anchor)
+    reads = rig.forward_pass(consumer, prefix[resident:] if loading else None)
+    reads.wait()
+    finished = time.perf_counter()
     sync(rig.device)
     if loading:
-        finished = time.perf_counter()
-        anchor = match.best_match_node
         result.loadback_ms = (finished - started) * 1e3
         result.issue_ms = (issued - started) * 1e3
     result.loadback_declined = match.host_hit_length > 0 and not loading
-
-    prefix = cache.path_device_indices(anchor)
-    result.loaded_tokens = len(prefix) - match.device_prefix_len
+    result.loaded_tokens = len(prefix) - resident
     lock = cache.inc_lock_ref(anchor).to_dec_params()
     try:
-        resident = match.device_prefix_len
+        loaded = _span(request, resident, len(prefix))
+        if loading:
+            every_row = torch.arange(result.loaded_tokens, device=rig.device)
+            result.mismatched_bytes = rig.content.mismatched_bytes(reads.layer, every_row, *loaded)
+        result.settled_mismatched_bytes = rig.content.mismatched_bytes(
+            rig.layer_buffers, prefix[resident:], *loaded
+        )
         result.resident_mismatched_bytes = rig.content.mismatched_bytes(
             rig.layer_buffers, prefix[:resident], *_span(request, 0, resident)
-        )
-        result.mismatched_bytes = rig.content.mismatched_bytes(
-            rig.layer_buffers, prefix[resident:], *_span(request, resident, len(prefix))
         )
         new_tokens = len(request.tokens) - len(prefix)
         if new_tokens > 0:
@@ -511,6 +558,7 @@ def summarize(
         "device_hit_tokens": sum(r.device_hit_tokens for r in results),
         "host_hit_tokens": sum(r.host_hit_tokens for r in results),
         "mismatched_bytes": sum(r.mismatched_bytes + r.resident_mismatched_bytes for r in results),
+        "settled_mismatched_bytes": sum(r.settled_mismatched_bytes for r in results),
         "checks_failed": sum(not r.check_passed for r in results),
         "errors": sum(r.error is not None for r in results),
         "evictions": {

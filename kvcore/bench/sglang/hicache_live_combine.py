@@ -31,6 +31,7 @@ def mode_summary(report: dict[str, Any]) -> dict[str, Any]:
         "loadbacks": summary["loadbacks"],
         "loaded_tokens": summary["loaded_tokens"],
         "mismatches": summary["mismatched_bytes"],
+        "settled_mismatches": summary.get("settled_mismatched_bytes", 0),
         "checks_failed": summary["checks_failed"],
         "requests": summary["requests"],
         "cut_short": summary.get("cut_short", False),

@@ -80,6 +80,7 @@ def test_stock_trace_loads_back_from_host_and_every_byte_matches(both_modes):
     assert report["warmup"]["failed_checks"] == 0
     assert not summary["cut_short"] and summary["requests"] == summary["trace_requests"] == 42
     assert summary["checks_failed"] == 0 and summary["mismatched_bytes"] == 0
+    assert summary["settled_mismatched_bytes"] == 0
     # The small device pool evicts; later turns come back from the host tier.
     assert summary["evictions"]["device_tokens"] > 0
     assert summary["write_throughs"]["tokens"] > 0
@@ -121,4 +122,5 @@ def test_one_flipped_byte_in_a_load_back_is_found(tmp_path):
     assert rc == 1, output[-4000:]
     first_load = next(r for r in report["requests"] if r["loadback_ms"] is not None)
     assert first_load["mismatched_bytes"] == 1 and not first_load["check_passed"]
+    assert first_load["settled_mismatched_bytes"] == 1
     assert report["summary"]["checks_failed"] >= 1
