@@ -86,8 +86,6 @@ class LiveOptions:
     seconds: float = 60.0
     """No request starts after this much of the trace's time."""
     warmup: bool = True
-    load_plugins: bool = True
-    """Load SGLang's plugins for the mode (off only where a test loaded them itself)."""
 
     @property
     def token_bytes(self) -> int:
@@ -358,8 +356,7 @@ def _span(request: Request, start: int, end: int) -> tuple[torch.Tensor, torch.T
 
 def serve(rig: Rig, request: Request) -> RequestResult:
     """One scheduler step holding one request (see the module's steps 1 to 5)."""
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.common import evict_from_tree_cache
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
     cache = rig.cache
     sync(rig.device)
@@ -396,40 +393,63 @@ def serve(rig: Rig, request: Request) -> RequestResult:
     result.loaded_tokens = len(prefix) - resident
     lock = cache.inc_lock_ref(anchor).to_dec_params()
     try:
-        loaded = _span(request, resident, len(prefix))
-        if loading:
-            every_row = torch.arange(result.loaded_tokens, device=rig.device)
-            result.mismatched_bytes = rig.content.mismatched_bytes(reads.layer, every_row, *loaded)
-        result.settled_mismatched_bytes = rig.content.mismatched_bytes(
-            rig.layer_buffers, prefix[resident:], *loaded
-        )
-        result.resident_mismatched_bytes = rig.content.mismatched_bytes(
-            rig.layer_buffers, prefix[:resident], *_span(request, 0, resident)
-        )
-        new_tokens = len(request.tokens) - len(prefix)
-        if new_tokens > 0:
-            evict_from_tree_cache(cache, new_tokens)
-            slots = rig.allocator.alloc(new_tokens)
-            if slots is None:
-                result.error = f"no device room for {new_tokens} new tokens"
-                return result
-            rig.content.fill(
-                rig.layer_buffers, slots, *_span(request, len(prefix), len(request.tokens))
-            )
-            # prev_prefix_len: the prefix's slots are the tree's own, not duplicates to free
-            # (as checkpoint_into_tree passes the request's protected length).
-            cache.insert(
-                InsertParams(
-                    key=_key(request.tokens),
-                    value=torch.cat([prefix, slots]),
-                    prev_prefix_len=len(prefix),
-                )
-            )
+        _check(rig, request, result, prefix, reads if loading else None)
+        result.error = _prefill(rig, request, prefix)
     finally:
         cache.dec_lock_ref(anchor, lock)
         # The scheduler submits these at its next poll; here before the drain (see above).
         cache.flush_pending_backups()
     return result
+
+
+def _check(
+    rig: Rig,
+    request: Request,
+    result: RequestResult,
+    prefix: torch.Tensor,
+    reads: LayerReads | None,
+) -> None:
+    """Count the prefix's wrong bytes: the loaded rows as each layer read them, then the
+    loaded and the resident rows in the idle pool."""
+    resident = result.device_hit_tokens
+    loaded = _span(request, resident, len(prefix))
+    if reads is not None:
+        every_row = torch.arange(result.loaded_tokens, device=rig.device)
+        result.mismatched_bytes = rig.content.mismatched_bytes(reads.layer, every_row, *loaded)
+        # Before the prefill needs the memory.
+        reads.views.clear()
+    result.settled_mismatched_bytes = rig.content.mismatched_bytes(
+        rig.layer_buffers, prefix[resident:], *loaded
+    )
+    result.resident_mismatched_bytes = rig.content.mismatched_bytes(
+        rig.layer_buffers, prefix[:resident], *_span(request, 0, resident)
+    )
+
+
+def _prefill(rig: Rig, request: Request, prefix: torch.Tensor) -> str | None:
+    """Slots and content for the tokens past ``prefix``, the sequence inserted (which queues
+    its write-through); why not, if the device has no room."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    new_tokens = len(request.tokens) - len(prefix)
+    if new_tokens <= 0:
+        return None
+    evict_from_tree_cache(rig.cache, new_tokens)
+    slots = rig.allocator.alloc(new_tokens)
+    if slots is None:
+        return f"no device room for {new_tokens} new tokens"
+    rig.content.fill(rig.layer_buffers, slots, *_span(request, len(prefix), len(request.tokens)))
+    # prev_prefix_len: the prefix's slots are the tree's own, not duplicates to free
+    # (as checkpoint_into_tree passes the request's protected length).
+    rig.cache.insert(
+        InsertParams(
+            key=_key(request.tokens),
+            value=torch.cat([prefix, slots]),
+            prev_prefix_len=len(prefix),
+        )
+    )
+    return None
 
 
 def run_trace(
@@ -596,10 +616,9 @@ def prepare(opts: LiveOptions) -> dict[str, Any]:
 
         done["sgl_kernel"] = "stub (not installed)" if ab.install_sgl_kernel_stub() else "installed"
         done["jit"] = ab.warm_jit(ab.Options(device=torch.device(opts.device)))
-    if opts.load_plugins:
-        from kvcore.bench.sglang.engine_plugins import load_sglang_plugins
+    from kvcore.bench.sglang.engine_plugins import load_sglang_plugins
 
-        done["plugins"] = load_sglang_plugins(opts.mode)
+    done["plugins"] = load_sglang_plugins(opts.mode)
     return done
 
 
@@ -655,7 +674,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layout", choices=LAYOUTS, default="layer_first")
     parser.add_argument("--seconds", type=float, default=60.0, help="the trace's time budget")
     parser.add_argument("--io-backend", choices=("kernel", "direct"), default="kernel")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda; cpu only inside the test stand-ins (tests/integration/sglang/hicache_cpu.py)",
+    )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
