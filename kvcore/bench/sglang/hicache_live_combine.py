@@ -1,0 +1,145 @@
+"""One summary of the live HiCache run's modes (:mod:`kvcore.bench.sglang.hicache_live`).
+
+    python -m kvcore.bench.sglang.hicache_live_combine STOCK.json KVCORE.json --out SUMMARY.json
+
+Per mode: the load-back times (median, p99), the mismatched bytes and failed checks, what
+the cache did, and kvcore's counters. Then, per first-turn size bucket, kvcore's median
+load-back time over stock's, taken over the requests that loaded back in both modes (same
+trace, same seed: the same requests hit the host tier in both, which ``same_hits`` checks).
+A report that is missing (its mode did not finish) is named in ``missing``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+BASELINE, CANDIDATE = "stock", "kvcore"
+
+
+def mode_summary(report: dict[str, Any]) -> dict[str, Any]:
+    summary = report["summary"]
+    patched = (report.get("prepared") or {}).get("plugins", {}).get("patched_targets", [])
+    return {
+        "loadback_ms_p50": summary["loadback_ms_p50"],
+        "loadback_ms_p99": summary["loadback_ms_p99"],
+        "issue_ms_p50": summary.get("issue_ms_p50"),
+        "loadbacks": summary["loadbacks"],
+        "loaded_tokens": summary["loaded_tokens"],
+        "mismatches": summary["mismatched_bytes"],
+        "settled_mismatches": summary.get("settled_mismatched_bytes", 0),
+        "checks_failed": summary["checks_failed"],
+        "requests": summary["requests"],
+        "cut_short": summary.get("cut_short", False),
+        "evictions": summary["evictions"],
+        "write_throughs": summary["write_throughs"],
+        "patched_targets": len(patched),
+        "counters": report.get("kvcore_counters"),
+    }
+
+
+def _loads(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The report's load-backs by request index."""
+    return {r["index"]: r for r in report["requests"] if r.get("loadback_ms") is not None}
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def by_size(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per first-turn size: both modes' median load-back over the requests loaded in both."""
+    base, cand = _loads(baseline), _loads(candidate)
+    paired = sorted(set(base) & set(cand))
+    rows = []
+    for size in sorted({base[i]["first_turn_tokens"] for i in paired}):
+        group = [i for i in paired if base[i]["first_turn_tokens"] == size]
+        base_ms = _median([base[i]["loadback_ms"] for i in group])
+        cand_ms = _median([cand[i]["loadback_ms"] for i in group])
+        rows.append(
+            {
+                "first_turn_tokens": size,
+                "loadbacks": len(group),
+                "loaded_tokens_p50": statistics.median(base[i]["loaded_tokens"] for i in group),
+                f"{BASELINE}_ms_p50": base_ms,
+                f"{CANDIDATE}_ms_p50": cand_ms,
+                "ratio": round(cand_ms / base_ms, 3) if base_ms and cand_ms is not None else None,
+            }
+        )
+    return rows
+
+
+def same_hits(reports: Sequence[dict[str, Any]]) -> bool:
+    """Whether every mode's requests (as far as each ran) hit and loaded the same tokens."""
+
+    def hits(report: dict[str, Any]) -> dict[int, tuple[int, int, int]]:
+        return {
+            r["index"]: (r["device_hit_tokens"], r["host_hit_tokens"], r["loaded_tokens"])
+            for r in report["requests"]
+            if r.get("error") is None
+        }
+
+    first = hits(reports[0])
+    for report in reports[1:]:
+        other = hits(report)
+        if any(first[i] != other[i] for i in set(first) & set(other)):
+            return False
+    return True
+
+
+def combine(reports: Sequence[dict[str, Any]], missing: Sequence[str] = ()) -> dict[str, Any]:
+    if not reports:
+        return {"engine": "sglang", "modes": {}, "missing": list(missing)}
+    first = reports[0]
+    by_mode = {report["mode"]: report for report in reports}
+    summary: dict[str, Any] = {
+        "device": first["device"],
+        "engine": "sglang",
+        "version": first["version"],
+        "layout": first["layout"],
+        "io_backend": first["io_backend"],
+        "geometry": first["geometry"],
+        "trace": first["trace"],
+        "modes": {mode: mode_summary(report) for mode, report in by_mode.items()},
+        "same_hits": same_hits(reports),
+        "all_checks_passed": all(
+            r["summary"]["checks_failed"] == 0 and r["summary"]["mismatched_bytes"] == 0
+            for r in reports
+        ),
+        "missing": list(missing),
+    }
+    if BASELINE in by_mode and CANDIDATE in by_mode:
+        summary["by_size"] = by_size(by_mode[BASELINE], by_mode[CANDIDATE])
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("reports", type=Path, nargs="+", help="each mode's --json report")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    present = [path for path in args.reports if path.is_file()]
+    missing = [str(path) for path in args.reports if not path.is_file()]
+    reports = [json.loads(path.read_text(encoding="utf-8")) for path in present]
+    summary = combine(reports, missing)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    for mode, row in summary["modes"].items():
+        print(
+            f"{mode}: p50 {row['loadback_ms_p50']} ms, p99 {row['loadback_ms_p99']} ms, "
+            f"{row['loadbacks']} load-backs, mismatched bytes {row['mismatches']}"
+        )
+    for row in summary.get("by_size", []):
+        print(
+            f"  {row['first_turn_tokens']:>6} tokens: {BASELINE} {row[f'{BASELINE}_ms_p50']} ms, "
+            f"{CANDIDATE} {row[f'{CANDIDATE}_ms_p50']} ms, ratio {row['ratio']}"
+        )
+    return 0 if summary.get("all_checks_passed") and not missing else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# SGLang 0.5.23's own HiCache machinery (UnifiedRadixCache, its cache controller and L2
+# transfer engine) driven on the GPU by a multi-turn trace, stock and with kvcore's hooks,
+# every load-back checked byte for byte (python -m kvcore.bench.sglang.hicache_live).
+#
+#   OUT=... bash scripts/sglang_hicache_live.sh [hicache_live args...]   e.g. --layout page_first
+#
+# Needs .whl-sglang/ carried (built as scripts/sglang_ab.sh says). The two modes run as
+# separate processes, same seed, same trace, stock first; then one summary. Writes under
+# $OUT (default out/sglang_hicache_live): env.txt, hicache_live.log, live-stock.json,
+# live-kvcore.json and h200-live-sglang.json.
+set -uo pipefail
+OUT=${OUT:-out/sglang_hicache_live}
+# shellcheck source=scripts/sglang_device_env.sh
+source scripts/sglang_device_env.sh || exit $?
+log="$OUT/hicache_live.log"
+started=$(date +%s)
+rc=0
+for mode in stock kvcore; do
+    timeout "${MODE_TIMEOUT:-200}" python3 -m kvcore.bench.sglang.hicache_live --mode "$mode" \
+        --json "$OUT/live-$mode.json" "$@" 2>&1 | tee -a "$log"
+    mode_rc=${PIPESTATUS[0]}
+    echo "hicache_live $mode: rc=$mode_rc after $(($(date +%s) - started)) s" | tee -a "$log"
+    [ "$mode_rc" -eq 0 ] || rc=$mode_rc
+done
+python3 -m kvcore.bench.sglang.hicache_live_combine "$OUT/live-stock.json" \
+    "$OUT/live-kvcore.json" --out "$OUT/h200-live-sglang.json" 2>&1 | tee -a "$log"
+combine_rc=${PIPESTATUS[0]}
+[ "$combine_rc" -eq 0 ] || [ "$rc" -ne 0 ] || rc=$combine_rc
+echo "sglang_hicache_live: rc=$rc after $(($(date +%s) - started)) s" | tee -a "$log"
+exit "$rc"
