@@ -328,6 +328,22 @@ def test_a_venv_whose_adapters_come_from_another_checkout_is_pointed_here(
     assert calls.read_text().split()[-2:] == ["-e", str(REPO)]
 
 
+def test_a_venv_whose_checkout_is_gone_is_pointed_here(tmp_path: Path) -> None:
+    venv, calls = tmp_path / "venv", tmp_path / "pip-calls.txt"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    # The editable install maps kvcore to a folder that no longer exists: the import fails.
+    python.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-c" ]; then echo "ModuleNotFoundError: No module named kvcore" >&2; '
+        "exit 1; fi\n"
+        f'echo "$@" >> {calls}\n'
+    )
+    python.chmod(0o755)
+    point_kvcore_at(venv, REPO, log=None)
+    assert calls.read_text().split()[-2:] == ["-e", str(REPO)]
+
+
 def test_a_venv_already_on_this_checkout_is_left_alone(tmp_path: Path) -> None:
     venv, calls = _fake_venv(tmp_path, REPO)
     point_kvcore_at(venv, REPO, log=None)
