@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device=device,
         profile=engine.PROFILES[profile_name],
         progress=progress,
+        only=tuple(args.pools.split(",")) if args.pools else (),
     )
     result = engine.run(opts)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -145,6 +146,12 @@ def parser() -> argparse.ArgumentParser:
         "--profile",
         choices=("full", "sanitize", "cpu"),
         help="pool and request sizes (default: full on CUDA, cpu on a CPU)",
+    )
+    p.add_argument(
+        "--pools",
+        metavar="NAMES",
+        help="run only these pools (sglang: mha/layer_first/p64,...) or layouts (vllm: "
+        "per-layer/32L/mha-32KiB,...), comma-separated; the seconds are shared among them",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument(

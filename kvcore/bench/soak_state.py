@@ -121,6 +121,11 @@ def memory_state(device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:
     if device.type != "cuda":
         return {}, {}
     sync(device)
+    # Blocks freed while a stream still used them return to the allocators' counts only
+    # when those allocators next look at their events, which an allocation makes them do.
+    torch.empty(1, device=device)
+    torch.empty(1, pin_memory=True)
+    sync(device)
     values: dict[str, Any] = {"cuda_memory_allocated": torch.cuda.memory_allocated(device)}
     try:
         stats = torch.cuda.host_memory_stats()

@@ -101,6 +101,12 @@ class Options:
     device: torch.device
     profile: Profile
     progress: Callable[[str], None] = lambda line: None
+    only: tuple[str, ...] = ()
+    """Layout names (``per-layer/32L/mha-32KiB``) to run, all of the profile's when empty."""
+
+    @property
+    def layouts(self) -> tuple[ModelLayout, ...]:
+        return tuple(m for m in self.profile.layouts if not self.only or m.name in self.only)
 
 
 class CountingStreams:
@@ -605,14 +611,16 @@ def run(opts: Options) -> dict[str, Any]:
     device = opts.device
     profile = opts.profile
     mover = Mover(ab.env_policy(), metrics=Metrics())
-    per_phase = opts.seconds / (len(profile.layouts) * len(RULES))
+    if not opts.layouts:
+        raise ValueError(f"no layout is named {', '.join(opts.only)}")
+    per_phase = opts.seconds / (len(opts.layouts) * len(RULES))
     settle(mover, device)
     baseline, reads = _state(mover, device)
     started = time.perf_counter()
-    rows = max(m.layout(profile.blocks).host_row_bytes for m in profile.layouts)
+    rows = max(m.layout(profile.blocks).host_row_bytes for m in opts.layouts)
     host = _host_region(rows * profile.blocks, device)
     try:
-        for number, model in enumerate(profile.layouts):
+        for number, model in enumerate(opts.layouts):
             opts.progress(f"-- {model.name}")
             try:
                 phases += _soak_layout(
@@ -649,7 +657,7 @@ def run(opts: Options) -> dict[str, Any]:
             "torch": torch.__version__,
             "vllm_compiled_ops": ab.compiled_ops_loaded(),
             "profile": {
-                "layouts": [m.name for m in profile.layouts],
+                "layouts": [m.name for m in opts.layouts],
                 "blocks": profile.blocks,
                 "job_blocks": [profile.min_job, profile.max_job],
                 "max_in_flight_per_direction": profile.max_in_flight,
