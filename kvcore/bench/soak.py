@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         profile=engine.PROFILES[profile_name],
         progress=progress,
         only=tuple(args.pools.split(",")) if args.pools else (),
+        deadline=None if args.budget is None else started + args.budget,
     )
     result = engine.run(opts)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -152,6 +153,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAMES",
         help="run only these pools (sglang: mha/layer_first/p64,...) or layouts (vllm: "
         "per-layer/32L/mha-32KiB,...), comma-separated; the seconds are shared among them",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        metavar="S",
+        help="wall seconds the whole run may take; phases are cut short to fit (the JSON "
+        "says how much traffic ran)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,9 +97,8 @@ def mover_state(mover: Mover, device: torch.device) -> tuple[dict[str, Any], dic
         values["index_ring_pinned_bytes"] = sum(u.pinned_bytes for u in uploaders)
         reads["index_ring_pinned_bytes"] = "private"
         recent = [getattr(u, "_recent", None) for u in uploaders]
-        values["index_ring_recent_uploads"] = (
-            None if any(r is None for r in recent) else sum(len(r) for r in recent)  # type: ignore[arg-type]
-        )
+        lengths = [len(r) for r in recent if r is not None]
+        values["index_ring_recent_uploads"] = sum(lengths) if len(lengths) == len(recent) else None
         reads["index_ring_recent_uploads"] = "private"
     if mover.metrics is not None:
         pinned = mover.metrics.snapshot()["pinned"]
@@ -140,7 +140,7 @@ def mismatched(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     return (actual.reshape(-1).view(torch.uint8) != expected.reshape(-1).view(torch.uint8)).sum()
 
 
-def random_rows(shape: torch.Size, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def random_rows(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Random bytes shaped ``shape`` of ``dtype``, drawn on the generator's device."""
     tail = 1
     for size in shape[1:]:
@@ -224,3 +224,26 @@ class RandomPages:
     def free(self, rows: np.ndarray) -> None:
         with self._lock:
             self._used[rows[:: self.page] // self.page] = False
+
+
+class PhaseClock:
+    """How long each phase of a soak runs: the traffic seconds shared evenly among the
+    phases, cut short where a wall-clock deadline (set-up, pool builds and checks
+    included) would run out first, so that a run under a device time limit still writes
+    its report. Each phase's share is taken when it starts."""
+
+    def __init__(self, seconds: float, phases: int, deadline: float | None) -> None:
+        self.left_seconds = seconds
+        self.left_phases = phases
+        self.deadline = deadline
+
+    def next(self, reserve_s: float) -> float:
+        """The next phase's seconds; ``reserve_s``: what the rest of the run needs besides
+        traffic (pools still to build and tear down, the end accounting)."""
+        share = self.left_seconds / max(self.left_phases, 1)
+        if self.deadline is not None:
+            wall = self.deadline - time.perf_counter() - reserve_s
+            share = max(0.5, min(share, wall / max(self.left_phases, 1)))
+        self.left_phases -= 1
+        self.left_seconds = max(0.0, self.left_seconds - share)
+        return share

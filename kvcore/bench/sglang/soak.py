@@ -55,6 +55,7 @@ from kvcore.bench.sglang import ab
 from kvcore.bench.sglang.import_stubs import PackageStub, StubType
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
 from kvcore.bench.soak_state import (
+    PhaseClock,
     RandomPages,
     Streams,
     memory_state,
@@ -73,6 +74,9 @@ KINDS = ("mha", "mla")
 LAYOUTS = ("layer_first", "page_first")
 PAGES = (64, 1)
 RULES = (False, True)
+# Wall seconds a pool takes besides its traffic at full size (build, final reloads,
+# checkpoints, teardown), and about what the end accounting takes.
+RESERVE_S = 12.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class Options:
     device: torch.device
     profile: Profile
     progress: Callable[[str], None] = lambda line: None
+    deadline: float | None = None
+    """``time.perf_counter()`` by which the whole run must be over (phases are cut short)."""
     only: tuple[str, ...] = ()
     """Pool names (``mha/layer_first/p64``) to run, all of them when empty."""
 
@@ -749,20 +755,20 @@ def run(opts: Options) -> dict[str, Any]:
 
     from kvcore_sglang import transfers
 
-    tally, accounting, errors = Tally(), Accounting(), []
+    tally, accounting = Tally(), Accounting()
+    errors: list[str] = []
     phases: list[dict[str, Any]] = []
     device = opts.device
     jit = ab.warm_jit(ab.Options(device=device))
     if not opts.pools:
         raise ValueError(f"no pool is named {', '.join(opts.only)}")
-    per_phase = opts.seconds / (len(opts.pools) * len(RULES))
+    clock = PhaseClock(opts.seconds, len(opts.pools) * len(RULES), opts.deadline)
     with allocator_hooks() as status, soak_mover() as mover, _quiet_passes(device):
         if not any(t.endswith(".alloc") for t in status.patched_targets):
             errors.append(f"kvcore's host-slot hooks were not applied: {status.summary()}")
         settle(mover, device)
         baseline, reads = state(mover, device)
         load_requests_before = len(transfers.LOAD_REQUESTS)
-        started = time.perf_counter()
         for number, (kind, layout, page) in enumerate(opts.pools):
             opts.progress(f"-- {kind} {layout} page {page}")
             try:
@@ -775,13 +781,13 @@ def run(opts: Options) -> dict[str, Any]:
                     tally,
                     accounting,
                     errors,
-                    per_phase,
+                    clock,
                 )
             except Exception:
                 lines = traceback.format_exc().strip().splitlines()
                 errors.append(f"{kind}/{layout}/p{page}: {' | '.join(lines[-3:])}"[:600])
             gc.collect()
-        traffic_seconds = time.perf_counter() - started
+        traffic_seconds = sum(phase["seconds"] for phase in phases)
         # The adapter keeps the latest load request of each (host pool, device pool) pair
         # (kvcore_sglang.load_requests); a pool SGLang drops leaves its entry until cleared.
         accounting.bounded(
@@ -838,7 +844,7 @@ def _soak_pool(
     tally: Tally,
     accounting: Accounting,
     errors: list[str],
-    per_phase: float,
+    clock: PhaseClock,
 ) -> list[dict[str, Any]]:
     """One pool pair through both phases; nothing of it outlives the call."""
     base = ab.Options(
@@ -852,7 +858,9 @@ def _soak_pool(
         built = slot_state(case.pool)
         soak = PoolSoak(case, opts, mover, tally, errors)
         for rule in RULES:
-            phases.append(soak.phase(rule, per_phase))
+            # This pool's teardown, every later pool's whole life, the end accounting.
+            reserve = RESERVE_S * (clock.left_phases // len(RULES) + 1)
+            phases.append(soak.phase(rule, clock.next(reserve)))
             opts.progress(_phase_line(phases[-1]))
         soak.reload_unverified()
         soak.free_all()

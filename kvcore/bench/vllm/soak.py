@@ -34,7 +34,7 @@ import torch
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
-from kvcore.bench.soak_state import RandomPages, memory_state, mover_state, settle, sync
+from kvcore.bench.soak_state import PhaseClock, RandomPages, memory_state, mover_state, settle, sync
 from kvcore.bench.vllm import ab
 from kvcore.bench.vllm.sweep import MHA_PAGE_BYTES, MLA_PAGE_BYTES, ModelLayout
 from kvcore.bench.vllm.sweep_pools import Pools
@@ -47,6 +47,9 @@ from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.transfers import CudaJobStreams, JobStreams, KVCoreOffloadingHandler
 
 RULES = (False, True)
+# Wall seconds a layout takes besides its traffic at full size (pools, final reloads,
+# checkpoints, teardown), and about what the end accounting takes.
+RESERVE_S = 12.0
 # Bytes of pages a check or a fill handles at a time, so that temporaries stay small.
 _CHUNK_BYTES = 256 << 20
 
@@ -101,6 +104,8 @@ class Options:
     device: torch.device
     profile: Profile
     progress: Callable[[str], None] = lambda line: None
+    deadline: float | None = None
+    """``time.perf_counter()`` by which the whole run must be over (phases are cut short)."""
     only: tuple[str, ...] = ()
     """Layout names (``per-layer/32L/mha-32KiB``) to run, all of the profile's when empty."""
 
@@ -606,17 +611,17 @@ def run(opts: Options) -> dict[str, Any]:
     """The whole soak; returns the pieces of its JSON document."""
     import vllm
 
-    tally, accounting, errors = Tally(), Accounting(), []
+    tally, accounting = Tally(), Accounting()
+    errors: list[str] = []
     phases: list[dict[str, Any]] = []
     device = opts.device
     profile = opts.profile
     mover = Mover(ab.env_policy(), metrics=Metrics())
     if not opts.layouts:
         raise ValueError(f"no layout is named {', '.join(opts.only)}")
-    per_phase = opts.seconds / (len(opts.layouts) * len(RULES))
+    clock = PhaseClock(opts.seconds, len(opts.layouts) * len(RULES), opts.deadline)
     settle(mover, device)
     baseline, reads = _state(mover, device)
-    started = time.perf_counter()
     rows = max(m.layout(profile.blocks).host_row_bytes for m in opts.layouts)
     host = _host_region(rows * profile.blocks, device)
     try:
@@ -631,7 +636,7 @@ def run(opts: Options) -> dict[str, Any]:
                     tally,
                     accounting,
                     errors,
-                    per_phase,
+                    clock,
                 )
             except Exception:
                 lines = traceback.format_exc().strip().splitlines()
@@ -640,7 +645,7 @@ def run(opts: Options) -> dict[str, Any]:
                 torch.cuda.empty_cache()
     finally:
         host.close()
-    traffic_seconds = time.perf_counter() - started
+    traffic_seconds = sum(phase["seconds"] for phase in phases)
     for phase in phases:
         _event_accounting(phase, accounting)
     settle(mover, device)
@@ -676,7 +681,7 @@ def _soak_layout(
     tally: Tally,
     accounting: Accounting,
     errors: list[str],
-    per_phase: float,
+    clock: PhaseClock,
 ) -> list[dict[str, Any]]:
     """One layout through both phases; nothing of it outlives the call."""
     profile = opts.profile
@@ -691,7 +696,9 @@ def _soak_layout(
     )
     phases = []
     for rule in RULES:
-        phases.append(soak.phase(rule, per_phase))
+        # This layout's teardown, every later layout's whole life, the end accounting.
+        reserve = RESERVE_S * (clock.left_phases // len(RULES) + 1)
+        phases.append(soak.phase(rule, clock.next(reserve)))
         opts.progress(_phase_line(phases[-1]))
     handlers = make_handlers(pools, opts.device, mover, True, compute)
     soak.reload_unverified(handlers)

@@ -67,9 +67,8 @@ def test_a_short_soak_checks_every_reload_and_ends_at_its_baseline(tmp_path):
     ):
         assert items[name]["ok"], items[name]
     for pool in every_pool:
-        assert items[f"{pool} host slots free"]["end"] == items[f"{pool} host slots free"][
-            "baseline"
-        ] > 0
+        slots = items[f"{pool} host slots free"]
+        assert slots["end"] == slots["baseline"] > 0
         assert items[f"{pool} whole pool allocatable as one run"]["end"] is True
     assert "events" in doc["accounting"]["not_checked"]
 
