@@ -116,6 +116,7 @@ def combine(paths: Sequence[str]) -> dict[str, Any]:
                 "device": r.get("device"),
                 "profile": r.get("profile"),
                 "sanitizer": r.get("sanitizer"),
+                "sanitizer_errors": r.get("sanitizer_errors"),
                 "seconds": r.get("seconds"),
                 "calls": r.get("calls"),
                 "bytes": r.get("bytes"),

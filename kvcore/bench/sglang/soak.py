@@ -825,7 +825,7 @@ def run(opts: Options) -> dict[str, Any]:
             "sgl_kernel": "stub (not installed)" if stub else "installed",
             "jit_modules": jit,
             "io_backend": BACKEND,
-            "profile": {
+            "sizes": {
                 "layers": opts.profile.layers,
                 "pool_tokens_a_side": 2 * opts.profile.pool_tokens,
                 "request_tokens": [opts.profile.min_tokens, opts.profile.max_tokens],

@@ -661,7 +661,7 @@ def run(opts: Options) -> dict[str, Any]:
             "vllm": vllm.__version__,
             "torch": torch.__version__,
             "vllm_compiled_ops": ab.compiled_ops_loaded(),
-            "profile": {
+            "sizes": {
                 "layouts": [m.name for m in opts.layouts],
                 "blocks": profile.blocks,
                 "job_blocks": [profile.min_job, profile.max_job],
