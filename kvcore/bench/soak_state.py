@@ -70,6 +70,14 @@ def _settle(mover: Mover, device: torch.device) -> None:
     sync(device)
 
 
+def with_index(device: torch.device) -> torch.device:
+    """``device`` with its index: threads set their device, and torch.cuda.set_device
+    refuses a bare ``cuda``."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

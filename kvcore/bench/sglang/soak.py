@@ -64,6 +64,7 @@ from kvcore.bench.soak_state import (
     random_rows,
     settle,
     sync,
+    with_index,
 )
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
@@ -146,6 +147,11 @@ class InFlight:
     device_rows: torch.Tensor
     events: list[Any]
     stray: torch.Tensor
+
+
+Waiting = Callable[[], bool]
+"""Called while a request waits for slots or rows: waits a little and says whether to go
+on waiting (False: give the request up)."""
 
 
 @dataclass
@@ -284,32 +290,29 @@ class PoolSoak:
         self.case.pool.free(victim.host)
         return True
 
-    def _host_slots(self, tokens: int, rng: np.random.Generator, stop: threading.Event) -> Any:
+    def _host_slots(self, tokens: int, rng: np.random.Generator, wait: Waiting) -> Any:
+        """Host slots from ``pool.alloc``, evicting reloaded requests while it is full."""
         while True:
             host = self.case.pool.alloc(tokens)
             if host is not None:
                 return host
-            if not self._evict_one(rng):
-                if stop.is_set():
-                    return None
-                time.sleep(0.001)
+            if not self._evict_one(rng) and not wait():
+                return None
 
-    def _device_rows(self, tokens: int, stop: threading.Event, reap: Callable[[], None]) -> Any:
+    def _device_rows(self, tokens: int, wait: Waiting) -> Any:
         while True:
             rows = self.pages.alloc(tokens)
-            if rows is not None or stop.is_set():
+            if rows is not None or not wait():
                 return rows
-            reap()
-            time.sleep(0.001)
 
     def _backup(
-        self, gen: torch.Generator, rng: np.random.Generator, stop: threading.Event, reap: Any
+        self, gen: torch.Generator, rng: np.random.Generator, wait: Waiting
     ) -> PendingBackup | None:
         tokens = self._size(rng)
-        host = self._host_slots(tokens, rng, stop)
+        host = self._host_slots(tokens, rng, wait)
         if host is None:
             return None
-        rows = self._device_rows(tokens, stop, reap)
+        rows = self._device_rows(tokens, wait)
         if rows is None:
             self.case.pool.free(host)
             return None
@@ -365,10 +368,8 @@ class PoolSoak:
             chosen.busy += 1
             return chosen
 
-    def _issue_load(
-        self, held: Held, tokens: int, stop: threading.Event, reap: Callable[[], None]
-    ) -> InFlight | None:
-        rows = self._device_rows(tokens, stop, reap)
+    def _issue_load(self, held: Held, tokens: int, wait: Waiting) -> InFlight | None:
+        rows = self._device_rows(tokens, wait)
         if rows is None:
             with self.lock:
                 held.busy -= 1
@@ -515,12 +516,21 @@ class PoolSoak:
                 if rng.random() < 0.25 or len(self.held) > self.opts.profile.max_held:
                     self._evict_one(rng)
 
+        def wait() -> bool:
+            # Backups in flight hold device rows until reaped; past the deadline, with one
+            # backup done, a request that cannot get its slots is dropped.
+            reap()
+            if stop.is_set() or (time.perf_counter() > deadline and backed_up.is_set()):
+                return False
+            time.sleep(0.001)
+            return True
+
         try:
             while not stop.is_set() and (time.perf_counter() < deadline or not backed_up.is_set()):
                 if len(pending) >= 2:
                     self.streams.synchronize(pending[0].done)
                 reap()
-                issued = self._backup(gen, rng, stop, reap)
+                issued = self._backup(gen, rng, wait)
                 if issued is not None:
                     pending.append(issued)
         finally:
@@ -538,6 +548,14 @@ class PoolSoak:
     ) -> None:
         rng = np.random.default_rng(self.opts.seed + 3)
         issued = 0
+
+        def wait() -> bool:
+            # The forward thread frees the rows of the loads it has checked.
+            if stop.is_set() or (time.perf_counter() > deadline and issued):
+                return False
+            time.sleep(0.001)
+            return True
+
         try:
             while not stop.is_set() and (time.perf_counter() < deadline or issued == 0):
                 held = self._pick(rng)
@@ -549,7 +567,7 @@ class PoolSoak:
                 tokens = len(held.host)
                 if rng.random() < 0.5:  # a prefix, as a partial cache hit loads
                     tokens = int(rng.integers(1, tokens // self.page + 1)) * self.page
-                item = self._issue_load(held, tokens, stop, lambda: None)
+                item = self._issue_load(held, tokens, wait)
                 if item is not None:
                     loads.put(item)
                     issued += 1
@@ -558,13 +576,13 @@ class PoolSoak:
 
     def reload_unverified(self) -> None:
         """Every held request not yet read back, reloaded whole and checked."""
-        never = threading.Event()
         for held in list(self.held):
             if held.verified:
                 continue
             with self.lock:
                 held.busy += 1
-            item = self._issue_load(held, len(held.host), never, lambda: None)
+            # Nothing else is in flight: every device row is free.
+            item = self._issue_load(held, len(held.host), lambda: False)
             if item is not None:
                 self._consume(item)
 
@@ -758,6 +776,7 @@ def run(opts: Options) -> dict[str, Any]:
     tally, accounting = Tally(), Accounting()
     errors: list[str] = []
     phases: list[dict[str, Any]] = []
+    opts = replace(opts, device=with_index(opts.device))
     device = opts.device
     jit = ab.warm_jit(ab.Options(device=device))
     if not opts.pools:

@@ -34,7 +34,15 @@ import torch
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
-from kvcore.bench.soak_state import PhaseClock, RandomPages, memory_state, mover_state, settle, sync
+from kvcore.bench.soak_state import (
+    PhaseClock,
+    RandomPages,
+    memory_state,
+    mover_state,
+    settle,
+    sync,
+    with_index,
+)
 from kvcore.bench.vllm import ab
 from kvcore.bench.vllm.sweep import MHA_PAGE_BYTES, MLA_PAGE_BYTES, ModelLayout
 from kvcore.bench.vllm.sweep_pools import Pools
@@ -614,6 +622,7 @@ def run(opts: Options) -> dict[str, Any]:
     tally, accounting = Tally(), Accounting()
     errors: list[str] = []
     phases: list[dict[str, Any]] = []
+    opts = replace(opts, device=with_index(opts.device))
     device = opts.device
     profile = opts.profile
     mover = Mover(ab.env_policy(), metrics=Metrics())
