@@ -296,6 +296,8 @@ class LayoutSoak:
         ctx = ReqContext(req_id=f"r{number}")
         self.manager.on_new_request(ctx)
         out = self.manager.prepare_store(keys, ctx)
+        if out is not None:
+            self._evicted(out.evicted_keys)
         if out is None or list(out.keys_to_store) != keys:
             # The pool cannot take the request now (everything is in flight or loading).
             if out is not None and out.keys_to_store:
@@ -303,7 +305,6 @@ class LayoutSoak:
             self.gpu_blocks.free(gpu)
             self.stores_refused += 1
             return False
-        self._evicted(out.evicted_keys)
         chunks = np.asarray(out.store_spec.block_ids, dtype=np.int64)
         stored = Stored(number, keys, ctx, chunks)
         for key in keys:
@@ -714,8 +715,11 @@ def _soak_layout(
     phases[-1]["events_final_reloads"] = soak.close(handlers)
     soak.checkpoint()
     soak.flush(accounting)
-    if soak.evicted_unverified:
-        phases[-1]["evicted_before_read_back"] = soak.evicted_unverified
+    # Stores the manager could not take (its pool full of jobs in flight), and requests
+    # its LRU evicted before any load read them back (their bytes were still compared
+    # at the checkpoints while they stayed on the host).
+    phases[-1]["stores_refused"] = soak.stores_refused
+    phases[-1]["evicted_before_read_back"] = soak.evicted_unverified
     return phases
 
 
