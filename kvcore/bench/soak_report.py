@@ -71,13 +71,19 @@ class Accounting:
     def skip(self, name: str, why: str) -> None:
         self.not_checked[name] = why
 
-    def compare(self, baseline: dict[str, Any], end: dict[str, Any], reads: dict[str, str]) -> None:
+    def compare(
+        self,
+        baseline: dict[str, Any],
+        end: dict[str, Any],
+        reads: dict[str, str],
+        unreadable: str = "unreadable at the baseline or at the end",
+    ) -> None:
         """Every key of ``baseline`` against ``end``, exact; a value of None on either side
-        means the state could not be read there."""
+        means the state could not be read there (``unreadable`` says why)."""
         for name, before in baseline.items():
             after = end.get(name)
             if before is None or after is None:
-                self.skip(name, "unreadable at the baseline or at the end")
+                self.skip(name, unreadable)
                 continue
             self.exact(name, before, after, reads.get(name, "public"))
 

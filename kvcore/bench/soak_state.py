@@ -108,6 +108,14 @@ def mover_state(mover: Mover, device: torch.device) -> tuple[dict[str, Any], dic
         lengths = [len(r) for r in recent if r is not None]
         values["index_ring_recent_uploads"] = sum(lengths) if len(lengths) == len(recent) else None
         reads["index_ring_recent_uploads"] = "private"
+        # One event a ring slot once it has been used: the settle uses every slot.
+        done = [getattr(u, "_done", None) for u in uploaders]
+        values["index_ring_events"] = (
+            sum(e is not None for ring in done for e in ring)  # type: ignore[union-attr]
+            if all(ring is not None for ring in done)
+            else None
+        )
+        reads["index_ring_events"] = "private"
     if mover.metrics is not None:
         pinned = mover.metrics.snapshot()["pinned"]
         values["kvcore_pinned_bytes_in_use"] = pinned["in_use_bytes"]
@@ -124,10 +132,21 @@ def _uploaders(mover: Mover, device: torch.device) -> list[Any] | None:
     return None if found is None else list(found.values())
 
 
+CPU_ONLY = "a CPU run: no device memory, no pinned memory, no CUDA events"
+
+
 def memory_state(device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:
-    """(values, reads) of torch's device allocator and pinned host allocator, in bytes."""
+    """(values, reads) of torch's device allocator and pinned host allocator, in bytes; on
+    a CPU, None for each (listed as not checked)."""
     if device.type != "cuda":
-        return {}, {}
+        names = (
+            "cuda_memory_allocated",
+            "pinned_host_allocated",
+            "index_ring_pinned_bytes",
+            "index_ring_recent_uploads",
+            "index_ring_events",
+        )
+        return dict.fromkeys(names), dict.fromkeys(names, "public")
     sync(device)
     # Blocks freed while a stream still used them return to the allocators' counts only
     # when those allocators next look at their events, which an allocation makes them do.

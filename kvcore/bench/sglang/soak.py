@@ -55,6 +55,7 @@ from kvcore.bench.sglang import ab
 from kvcore.bench.sglang.import_stubs import PackageStub, StubType
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
 from kvcore.bench.soak_state import (
+    CPU_ONLY,
     PhaseClock,
     RandomPages,
     Streams,
@@ -822,7 +823,9 @@ def run(opts: Options) -> dict[str, Any]:
         gc.collect()
         settle(mover, device)
         end, _ = state(mover, device)
-        accounting.compare(baseline, end, reads)
+        accounting.compare(
+            baseline, end, reads, CPU_ONLY if device.type != "cuda" else "unreadable here"
+        )
         accounting.skip(
             "events",
             "SGLang's hooks keep no events of their own beyond the staging buffer's one a "

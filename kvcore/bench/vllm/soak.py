@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
 from kvcore.bench.soak_state import (
+    CPU_ONLY,
     PhaseClock,
     RandomPages,
     memory_state,
@@ -660,7 +661,9 @@ def run(opts: Options) -> dict[str, Any]:
         _event_accounting(phase, accounting)
     settle(mover, device)
     end, _ = _state(mover, device)
-    accounting.compare(baseline, end, reads)
+    accounting.compare(
+        baseline, end, reads, CPU_ONLY if device.type != "cuda" else "unreadable here"
+    )
     counts = tally.to_dict()
     return {
         "tally": tally,
