@@ -45,6 +45,13 @@ INDEX_MEMO_GROUP = "kernel io backend host indices"
 INDEX_MEMO_TARGETS: tuple[str, ...] = (
     "sglang.srt.managers.cache_controller.HiCacheController.move_indices",
 )
+# Once SGLang has built an MHA or MLA host pool, kvcore warms its copy paths up for the
+# pool's rows (kvcore_sglang.pool_warm_up), so that no first-use cost lands on a request.
+WARM_UP_GROUP = "transfer warm-up"
+WARM_UP_TARGETS: tuple[str, ...] = tuple(
+    f"{_POOL_HOST}.{pool}.__init__"
+    for pool in ("mha.MHATokenToKVPoolHost", "mla.MLATokenToKVPoolHost")
+)
 # Checked and registered only when the transfer hooks are asked for (see plugin). The
 # groups share no state, so a changed DSA method leaves the MHA and MLA hooks in place,
 # and without the index memo ``kernel`` calls simply run stock.
@@ -52,6 +59,7 @@ TRANSFER_GROUPS: dict[str, tuple[str, ...]] = {
     TRANSFER_GROUP: TRANSFER_TARGETS,
     DSA_TRANSFER_GROUP: DSA_TRANSFER_TARGETS,
     INDEX_MEMO_GROUP: INDEX_MEMO_TARGETS,
+    WARM_UP_GROUP: WARM_UP_TARGETS,
 }
 
 _REGISTER = "sglang.srt.plugins.hook_registry.HookRegistry.register"
@@ -77,6 +85,7 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
         f"{HOST_KV_CACHE}._is_device_layer_sharded",
     ),
     INDEX_MEMO_GROUP: (_REGISTER,),
+    WARM_UP_GROUP: (_REGISTER,),
 }
 
 # Recorded from each release's files with ``python -m kvcore_sglang.guard [ROOT]``;
@@ -156,6 +165,22 @@ _DEPENDENCIES_0_5_22: dict[str, str] = {
         "6c997506e14b19652a8922718f59e8984aaddab5ebd576e01798ad428a146565"
     ),
 }
+_WARM_UP_0_5_22: dict[str, str] = {
+    f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.__init__": (
+        "f0077b273bdc5f7fd7f51a99d3c63b717ad5fe864db78e18119de930529c21bc"
+    ),
+    f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.__init__": (
+        "f0d57b0443e179d9ec5945f02bd0d0f7eecc22f01d39dd00f14581bc2bcd0e54"
+    ),
+}
+_WARM_UP_0_5_23: dict[str, str] = {
+    f"{_POOL_HOST}.mha.MHATokenToKVPoolHost.__init__": (
+        "475077138cc83546c02a7d51198355d7e37198b5e56f69aa7fa247b5d7d90c9f"
+    ),
+    f"{_POOL_HOST}.mla.MLATokenToKVPoolHost.__init__": (
+        "3cbdf3b71c63e27756bf8c2653b6553c8ed9c6ea6b6caf029d9959b72c128bbf"
+    ),
+}
 FINGERPRINTS: dict[str, dict[str, str]] = {
     "0.5.22": {
         **_HOST_SLOTS_0_5_22,
@@ -163,6 +188,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         **_DSA_TRANSFERS_0_5_22,
         **_INDEX_MEMO_0_5_22,
         **_DEPENDENCIES_0_5_22,
+        **_WARM_UP_0_5_22,
     },
     "0.5.23": {
         **_HOST_SLOTS_0_5_22,
@@ -170,6 +196,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         **_DSA_TRANSFERS_0_5_22,
         **_INDEX_MEMO_0_5_22,
         **_DEPENDENCIES_0_5_22,
+        **_WARM_UP_0_5_23,
     },
 }
 

@@ -4,10 +4,10 @@ A patched module ends with one line per target, ``Class.method =
 _kvcore_hook("<target>", Class.method)`` (see patches/README.md). :func:`hook` returns
 the stock method unchanged when patched mode is off, and otherwise a wrapper that runs
 the plugin's own AROUND hook for that target (:data:`kvcore_sglang.host_slots.HOOKS`,
-:data:`kvcore_sglang.transfers.HOOKS`), gated as the plugin gates it: the targets of
-``guard.TRANSFER_GROUPS`` only under ``KVCORE_TRANSFERS``. A release's patch set hooks
-every target of the guard's groups recorded for that release (not the functions the
-groups merely depend on).
+:data:`kvcore_sglang.transfers.HOOKS`, :data:`kvcore_sglang.pool_warm_up.HOOKS`), gated
+as the plugin gates it: the targets of ``guard.TRANSFER_GROUPS`` only under
+``KVCORE_TRANSFERS``. A release's patch set hooks every target of the guard's groups
+recorded for that release (not the functions the groups merely depend on).
 
 Patched mode is on in a patched build unless ``KVCORE_ENABLE`` is set and leaves sglang
 out (``KVCORE_ENABLE=0`` turns it off), or a ``KVCORE_*`` variable is bad (one logged line
@@ -85,9 +85,9 @@ def _implementation(target: str) -> Callable[..., Any] | None:
     if target in _group_targets(guard.TRANSFER_GROUPS):
         if not config.transfers:
             return None
-        from . import transfers
+        from . import pool_warm_up, transfers
 
-        return transfers.HOOKS[target]
+        return {**transfers.HOOKS, **pool_warm_up.HOOKS}[target]
     from . import host_slots
 
     return {f"{guard.HOST_KV_CACHE}.{name}": h for name, h in host_slots.HOOKS.items()}[target]

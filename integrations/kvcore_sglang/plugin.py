@@ -108,8 +108,9 @@ def _register(status: EngineStatus, version: str) -> None:
 def _register_transfers(status: EngineStatus, version: str) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import guard, transfers
+    from . import guard, pool_warm_up, transfers
 
+    hooks = {**transfers.HOOKS, **pool_warm_up.HOOKS}
     result = guard.check_targets(version, guard.TRANSFER_GROUPS)
     groups = _group_of(guard.TRANSFER_GROUPS)
     for skipped in result.skipped:
@@ -118,7 +119,7 @@ def _register_transfers(status: EngineStatus, version: str) -> None:
         changed = "; ".join(f"{s.target}: {s.reason}" for s in result.skipped)
         logger.warning("kvcore: SGLang %s transfers left stock: %s", version, changed)
     for target in result.patchable:
-        HookRegistry.register(target, transfers.HOOKS[target], HookType.AROUND)
+        HookRegistry.register(target, hooks[target], HookType.AROUND)
         status.patched_targets.append(target)
 
 

@@ -38,7 +38,8 @@ from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, PathPolicy, StagingBuffers
-from kvcore_sglang import guard, plugin, pool_jobs, transfers
+from kvcore.warm_up import WarmUp
+from kvcore_sglang import guard, plugin, pool_jobs, pool_warm_up, transfers
 
 VERSION = release_of(importlib.metadata.version("sglang"))
 RELEASES = ("0.5.22", "0.5.23")
@@ -63,6 +64,10 @@ METHODS = ("load_to_device_per_layer", "backup_from_device_all_layer")
 STOCK = {
     **{(cls, name): vars(cls)[name] for cls in POOL_CLASSES.values() for name in METHODS},
     (HiCacheController, "move_indices"): vars(HiCacheController)["move_indices"],
+    **{
+        (cls, "__init__"): vars(cls)["__init__"]
+        for cls in (MHATokenToKVPoolHost, MLATokenToKVPoolHost)
+    },
 }
 # Short "long" runs, so that every mover path is taken on small pools; plans take staging
 # for copies up to 1 MiB, which the small movers run through a buffer of 16 KiB (two DSA
@@ -837,12 +842,13 @@ ALL_TRANSFER_TARGETS = {t for group in guard.TRANSFER_GROUPS.values() for t in g
 def test_guard_covers_the_transfer_targets():
     result = guard.check_targets(VERSION, guard.TRANSFER_GROUPS)
     assert result.skipped == ()
-    assert set(result.patchable) == set(transfers.HOOKS) == ALL_TRANSFER_TARGETS
+    assert set(result.patchable) == {*transfers.HOOKS, *pool_warm_up.HOOKS} == ALL_TRANSFER_TARGETS
     (other,) = set(RELEASES) - {VERSION}
     across = guard.check_targets(other, guard.TRANSFER_GROUPS)
-    # The releases share their DSA transfers and move_indices, not their MHA and MLA ones.
+    # The releases share their DSA transfers and move_indices, not their MHA and MLA ones
+    # (transfers and constructors).
     assert set(across.patchable) == {*guard.DSA_TRANSFER_TARGETS, *guard.INDEX_MEMO_TARGETS}
-    assert {s.target for s in across.skipped} == set(guard.TRANSFER_TARGETS)
+    assert {s.target for s in across.skipped} == {*guard.TRANSFER_TARGETS, *guard.WARM_UP_TARGETS}
     assert all(s.reason.startswith("source changed") for s in across.skipped)
 
 
@@ -1172,3 +1178,61 @@ def test_a_kept_request_holds_neither_the_pool_nor_its_device_pool():
     del pool, device_pool, kept
     gc.collect()
     assert [ref() for ref in alive] == [None, None]
+
+
+# --- the warm-up when SGLang builds a host pool ----------------------------------------------
+
+
+@pytest.fixture
+def fresh_warm_up(monkeypatch) -> list[tuple[Any, int]]:
+    """Every row size is warmed anew; the warm-ups run are recorded (device, row bytes)."""
+    pool_warm_up.forget()
+    ran: list[tuple[Any, int]] = []
+    real = pool_warm_up.warm_up
+
+    def recorded(mover: Mover, device: Any, row_bytes: Any) -> Any:
+        sizes = list(row_bytes)
+        ran.extend((device, size) for size in sizes)
+        return real(mover, device, sizes)
+
+    monkeypatch.setattr(pool_warm_up, "warm_up", recorded)
+    yield ran
+    pool_warm_up.forget()
+
+
+def test_building_a_host_pool_warms_its_rows_once(transfer_hooks, small_mover, fresh_warm_up):
+    transfer_hooks()
+    before = METRICS.snapshot()["fallbacks"]
+    mha = mha_host(TOKENS, PAGE, "layer_first", layers=LAYERS, heads=2)
+    mha_host(TOKENS, PAGE, "page_first", layers=LAYERS, heads=2)  # same rows: warmed already
+    mla = mla_host(TOKENS, PAGE, "layer_first", layers=LAYERS)
+    mha_row, mla_row = (
+        p.kv_buffer.shape[-2] * p.kv_buffer.shape[-1] * p.kv_buffer.element_size()
+        for p in (mha, mla)
+    )
+    assert fresh_warm_up == [(torch.device("cpu"), mha_row), (torch.device("cpu"), mla_row)]
+    assert METRICS.snapshot()["fallbacks"] == before  # warm-up copies are not counted
+    for pool in (mha, mla):  # trusted: SGLang's calls still reach kvcore's hooks
+        assert not {"load_to_device_per_layer", "backup_from_device_all_layer"} & set(vars(pool))
+
+
+@pytest.mark.parametrize("outcome", ["wrong_bytes", "failed"])
+def test_a_pool_whose_warm_up_went_wrong_runs_sglangs_own_copies(
+    transfer_hooks, small_mover, fresh_warm_up, monkeypatch, outcome
+):
+    transfer_hooks()
+
+    def untrustworthy(mover: Mover, device: Any, row_bytes: Any) -> Any:
+        if outcome == "failed":
+            raise RuntimeError("a kernel did not compile")
+        return WarmUp(wrong=["h2d/gather/512B"])
+
+    monkeypatch.setattr(pool_warm_up, "warm_up", untrustworthy)
+    before = METRICS.snapshot()["fallbacks"].get(f"warm_up_{outcome}", 0)
+    pool = mha_host(TOKENS, PAGE, "layer_first", layers=LAYERS, heads=2)
+    for name in METHODS:
+        bound = getattr(pool, name)
+        assert bound.__func__ is STOCK[(MHATokenToKVPoolHost, name)]
+    again = mha_host(TOKENS, PAGE, "layer_first", layers=LAYERS, heads=2)  # remembered
+    assert getattr(again, METHODS[0]).__func__ is STOCK[(MHATokenToKVPoolHost, METHODS[0])]
+    assert METRICS.snapshot()["fallbacks"][f"warm_up_{outcome}"] == before + 1
