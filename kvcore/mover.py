@@ -23,7 +23,7 @@ import torch
 
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
-from kvcore.kernels import KernelSet, PreparedGather, kernels_for
+from kvcore.kernels import GatherPrepared, KernelSet, PreparedGather, kernels_for
 from kvcore.kernels.reference import (
     index_copy_rows,
     row_bytes,
@@ -514,6 +514,21 @@ class Submission:
     pairs: LayerPairs | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class PreparedLayers:
+    """A plan made ready once for every layer of one request (an engine's reload comes as
+    one call per layer, all with the same indices): :meth:`Mover.prepare_layers` puts its
+    indices on the device where its kernels gather, so that a layer costs one launch."""
+
+    plan: TransferPlan
+    rows: object | None
+    """The kernel set's prepared indices; None where each layer runs
+    :meth:`Mover.execute_layers` (paths other than the gather, kernels without the op)."""
+    gather: GatherPrepared | None
+    fits: weakref.WeakSet[LayerPairs] = dataclasses.field(default_factory=weakref.WeakSet)
+    """Pairs already found to fit the plan (:func:`layers_mismatch`)."""
+
+
 class StagingBuffers:
     """One preallocated, never-grown byte buffer per device, allocated on first use.
 
@@ -675,6 +690,40 @@ class Mover:
         degraded = None
         if plan.rows and plan.row_bytes:
             degraded = self._copy_layers(plan, pairs)
+        seconds = time.perf_counter() - started
+        if self.metrics is not None:
+            nbytes = plan.nbytes * len(pairs)
+            self.metrics.record_transfer(plan.direction.value, plan.path.value, nbytes, seconds)
+            if degraded is not None:
+                self.metrics.record_fallback(degraded)
+
+    def prepare_layers(self, plan: TransferPlan) -> PreparedLayers:
+        """``plan`` ready for :meth:`execute_prepared` on each layer of one request.
+
+        Raises :class:`StalePlanError` where the plan's indices were written since planning.
+        """
+        plan.check_indices()
+        if plan.path is TransferPath.GATHER and plan.rows and plan.row_bytes:
+            kernels = self.kernels(plan.device)
+            if kernels.prepare_rows is not None and kernels.gather_prepared is not None:
+                rows = kernels.prepare_rows(plan.src_idx, plan.dst_idx, plan.device)
+                return PreparedLayers(plan, rows, kernels.gather_prepared)
+        return PreparedLayers(plan, None, None)
+
+    def execute_prepared(self, prepared: PreparedLayers, pairs: LayerPairs) -> None:
+        """:meth:`execute_layers` for one layer of a prepared request; raises as it does."""
+        plan = prepared.plan
+        if prepared.rows is None or prepared.gather is None:
+            self.execute_layers(plan, pairs)
+            return
+        plan.check_indices()
+        if pairs not in prepared.fits:
+            problem = layers_mismatch(plan, pairs)
+            if problem is not None:
+                raise ValueError(problem)
+            prepared.fits.add(pairs)
+        started = time.perf_counter()
+        degraded = prepared.gather(pairs, prepared.rows)
         seconds = time.perf_counter() - started
         if self.metrics is not None:
             nbytes = plan.nbytes * len(pairs)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvcore.layers import LayerPairs
-from kvcore.mover import PathPolicy, TransferPlan
+from kvcore.mover import PathPolicy, PreparedLayers, TransferPlan
 
 _MAX_REQUESTS = 64
 
@@ -61,6 +61,24 @@ class LoadRequest:
     """Planned on the first layer kvcore serves, for every layer after it."""
     call_indices: Any = None
     """The indices kvcore plans from (the adapter's CallIndices), found on the first call."""
+    prepared: PreparedLayers | None = None
+    """``plan`` made ready for every later layer (:meth:`kvcore.mover.Mover.prepare_layers`)."""
+    pool_layers: dict[Hashable, LayerBuffers] | None = None
+    """The host pool's :class:`PoolLayers` entries, for a later layer's lookup."""
+
+    def later_layer(
+        self, pool: Any, device_pool: Any, host_indices: Any, device_indices: Any
+    ) -> bool:
+        """Whether a call with these arguments continues this request (the io backend and
+        draft flag are compared by the caller)."""
+        return (
+            self.host_indices is host_indices
+            and self.device_indices is device_indices
+            and self.host_version == host_indices._version
+            and self.device_version == device_indices._version
+            and _is(self.pool, pool)
+            and _is(self.device_pool, device_pool)
+        )
 
     def matches(
         self,
@@ -95,6 +113,10 @@ class LoadRequests:
     def __init__(self) -> None:
         self._latest: dict[tuple[int, int], LoadRequest] = {}
         self._lock = threading.Lock()
+
+    def latest(self, pool: Any, device_pool: Any) -> LoadRequest | None:
+        """The pools' latest request, unchecked (:meth:`LoadRequest.later_layer` checks)."""
+        return self._latest.get((id(pool), id(device_pool)))
 
     def passing(self, pool: Any, device_pool: Any, host_indices: Any, device_indices: Any) -> bool:
         """Whether this call belongs to the latest request of its pools and that request
@@ -193,6 +215,13 @@ class PoolLayers:
         if found is None or not _is(found.device_pool, device_pool):
             return None
         return found
+
+    def kept(self, pool: Any) -> dict[Hashable, LayerBuffers] | None:
+        """The pool's entries, keyed by ``(id(device_pool), key)`` (None: none yet)."""
+        try:
+            return self._by_pool.get(pool)
+        except TypeError:
+            return None
 
     def put(self, pool: Any, device_pool: Any, key: Hashable, buffers: LayerBuffers) -> None:
         with self._lock:

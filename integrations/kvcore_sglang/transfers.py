@@ -55,6 +55,7 @@ from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import (
     Mover,
+    StalePlanError,
     Submission,
     TransferPath,
     TransferPlan,
@@ -580,9 +581,14 @@ def _serve_layer(
         # SGLang drops a pool does not keep the pool's memory.
         request.plan = dataclasses.replace(first, src=_no_rows(first.src), dst=_no_rows(first.dst))
     if buffers.layered.reason is None:
+        if request.prepared is None:
+            request.prepared = chosen_mover.prepare_layers(request.plan)
+            request.pool_layers = POOL_LAYERS.kept(pool)
         try:
-            chosen_mover.execute_layers(request.plan, buffers.layered)
+            chosen_mover.execute_prepared(request.prepared, buffers.layered)
             return None
+        except StalePlanError:
+            raise
         except ValueError:
             pass
     work = submissions(request.plan, buffers.pairs, None)
@@ -643,6 +649,44 @@ def _load_layer(
     return reason is None
 
 
+def _later_layer_served(
+    pool: Any,
+    device_pool: Any,
+    host_indices: Any,
+    device_indices: Any,
+    layer_id: int,
+    io_backend: str,
+    is_draft: bool,
+) -> bool:
+    """A later layer of a request kvcore serves, whose buffers this pool has shown before:
+    one launch, nothing decided again. False for any other call (the full path decides it),
+    and where kvcore fails (counted; the request then passes)."""
+    request = LOAD_REQUESTS.latest(pool, device_pool)
+    if (
+        request is None
+        or request.prepared is None
+        or request.passes is not None
+        or request.is_draft != is_draft
+        or request.io_backend != io_backend
+        or not request.later_layer(pool, device_pool, host_indices, device_indices)
+    ):
+        return False
+    kept = request.pool_layers
+    buffers = kept.get((id(device_pool), (layer_id, is_draft))) if kept is not None else None
+    if buffers is None or buffers.layered.reason is not None:
+        return False
+    # Set before any request was prepared, so read without the lock.
+    chosen_mover = _mover if _mover is not None else mover()
+    if request.policy is not chosen_mover.policy:
+        return False
+    try:
+        chosen_mover.execute_prepared(request.prepared, buffers.layered)
+    except Exception as exc:
+        request.passes = _internal_error(chosen_mover, exc)
+        return False
+    return True
+
+
 def _make_load_hook(
     pool_class: str, target: str, by_release: dict[str, PoolJobs]
 ) -> Callable[..., None]:
@@ -657,6 +701,10 @@ def _make_load_hook(
         *,
         is_draft: bool = False,
     ) -> None:
+        if _later_layer_served(
+            pool, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft
+        ):
+            return
         # A later layer of a request that passes costs the first check alone.
         if (
             not LOAD_REQUESTS.passing(pool, device_pool, host_indices, device_indices)

@@ -32,6 +32,10 @@ StageOut = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Run
 # The same runs or rows of every pair of a LayerPairs, in one submission.
 CopyRunsLayers = Callable[["LayerPairs", PairedRuns], str | None]
 GatherLayers = Callable[["LayerPairs", torch.Tensor, torch.Tensor], str | None]
+# A transfer's (src_idx, dst_idx) made ready on its device once, for every layer of one
+# request; what comes back is the kernel set's own, handed back to gather_prepared.
+PrepareRows = Callable[[torch.Tensor, torch.Tensor, torch.device], object]
+GatherPrepared = Callable[["LayerPairs", object], str | None]
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,11 @@ class KernelSet:
     prepare_gather: PrepareGather | None = None
     """``gather_rows``'s checks and set-up for ``(src_words, dst_words)``, done once; the
     mover keeps the result per plan. None: every gather is a ``gather_rows`` call."""
+    prepare_rows: PrepareRows | None = None
+    """Both indices of a gather on its device, once for every layer of a request. None:
+    each layer's ``gather_layers`` (or ``gather_rows``) call takes the indices as they are."""
+    gather_prepared: GatherPrepared | None = None
+    """``gather_layers`` with indices from ``prepare_rows``; set with it."""
 
 
 REFERENCE = KernelSet(
@@ -58,6 +67,8 @@ REFERENCE = KernelSet(
     gather_rows=reference.gather_rows,
     stage_in=reference.stage_in,
     stage_out=reference.stage_out,
+    prepare_rows=reference.prepare_rows,
+    gather_prepared=reference.gather_prepared,
 )
 
 _BY_DEVICE_TYPE: dict[str, KernelSet] = {}

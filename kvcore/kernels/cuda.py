@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,10 +22,9 @@ from kvcore.kernels.batch_copy import (
     copy_runs_each,
 )
 from kvcore.kernels.cudart import device_address
-from kvcore.kernels.index_upload import IndexUploader
+from kvcore.kernels.index_upload import IndexUploader, KeptUpload
 from kvcore.kernels.triton_rows import (
-    LayerTable,
-    gather_layers_uva,
+    LayeredLaunch,
     layer_table,
     row_gather,
     triton_available,
@@ -138,6 +138,20 @@ def _host_pinned(pairs: LayerPairs) -> bool:
     return pinned
 
 
+@dataclass(frozen=True, eq=False)
+class _DeviceRows:
+    """A transfer's two indices on its device, kept for every layer of one request."""
+
+    src_idx: torch.Tensor
+    dst_idx: torch.Tensor
+    uploads: tuple[KeptUpload, ...]
+    """The uploads the indices came from (none for indices that were on the device)."""
+
+    def ready(self) -> None:
+        for upload in self.uploads:
+            upload.order_current_stream()
+
+
 class _CudaIndexedOps:
     """The ops that take index tensors, uploading them through one ring per device."""
 
@@ -146,7 +160,7 @@ class _CudaIndexedOps:
         self.staged_pieces = staged_pieces
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._tables: weakref.WeakKeyDictionary[LayerPairs, LayerTable | str] = (
+        self._launches: weakref.WeakKeyDictionary[LayerPairs, _TableLaunch | str] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -203,41 +217,76 @@ class _CudaIndexedOps:
         self, pairs: LayerPairs, src_idx: torch.Tensor, dst_idx: torch.Tensor
     ) -> str | None:
         """One launch for every pair; one gather per pair where the launch cannot serve them."""
-        table = self._table(pairs)
-        if isinstance(table, str):
-            degraded = None
-            for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-                degraded = self.gather_rows(src_words, src_idx, dst_words, dst_idx) or degraded
-            return degraded or table
-        # The table goes up on its own, so that the indices keep the slot size the one-pair
-        # gather has (a 128k-row transfer's two indices fill a slot); its upload is kept
-        # and reused while the table stays among the uploader's recent ones.
-        offsets = self._on(table.offsets, table.device)
-        src_on, dst_on = self._both_on(src_idx, dst_idx, table.device)
-        gather_layers_uva(table, src_on, dst_on, offsets, ctas=self.gather_ctas)
+        launch = self._launch(pairs)
+        if isinstance(launch, str):
+            return self._gather_each(pairs, src_idx, dst_idx, launch)
+        src_on, dst_on = self._both_on(src_idx, dst_idx, launch.gather.device)
+        launch.offsets.order_current_stream()
+        launch.gather(src_on, dst_on)
         return None
 
-    def _table(self, pairs: LayerPairs) -> LayerTable | str:
-        """The pairs' launch table, or why one launch cannot serve them (kept per pairs)."""
-        table = self._tables.get(pairs)
-        if table is not None:
-            return table
+    def prepare_rows(
+        self, src_idx: torch.Tensor, dst_idx: torch.Tensor, device: torch.device
+    ) -> _DeviceRows:
+        """Both indices on ``device`` once, for every layer of a request."""
+        on_device = [index.device == device for index in (src_idx, dst_idx)]
+        if all(on_device):
+            return _DeviceRows(src_idx, dst_idx, ())
+        uploader = self._uploader(device)
+        if not any(on_device):
+            kept = uploader.keep((src_idx, dst_idx))
+            return _DeviceRows(kept.on_device[0], kept.on_device[1], (kept,))
+        kept = uploader.keep((dst_idx,) if on_device[0] else (src_idx,))
+        if on_device[0]:
+            return _DeviceRows(src_idx, kept.on_device[0], (kept,))
+        return _DeviceRows(kept.on_device[0], dst_idx, (kept,))
+
+    def gather_prepared(self, pairs: LayerPairs, rows: object) -> str | None:
+        """:meth:`gather_layers` with rows from :meth:`prepare_rows`: one launch, no upload."""
+        if not isinstance(rows, _DeviceRows):
+            raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
+        launch = self._launch(pairs)
+        if isinstance(launch, str):
+            return self._gather_each(pairs, rows.src_idx, rows.dst_idx, launch)
+        rows.ready()
+        launch.offsets.order_current_stream()
+        launch.gather(rows.src_idx, rows.dst_idx)
+        return None
+
+    def _gather_each(
+        self, pairs: LayerPairs, src_idx: torch.Tensor, dst_idx: torch.Tensor, reason: str
+    ) -> str:
+        degraded = None
+        for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+            degraded = self.gather_rows(src_words, src_idx, dst_words, dst_idx) or degraded
+        return degraded or reason
+
+    def _launch(self, pairs: LayerPairs) -> _TableLaunch | str:
+        """The pairs' layered launch, or why one launch cannot serve them (kept per pairs)."""
+        launch = self._launches.get(pairs)
+        if launch is not None:
+            return launch
+        launch = self._new_launch(pairs)
+        self._launches[pairs] = launch
+        return launch
+
+    def _new_launch(self, pairs: LayerPairs) -> _TableLaunch | str:
         if not triton_available():
-            table = "gather_kernel_unavailable:triton"
-        elif not _host_pinned(pairs):
-            table = "gather_kernel_unavailable:pageable_host"
-        elif (addresses := _gpu_addresses(pairs)) is None:
-            table = "gather_layers_unavailable:host_pointer"
-        else:
-            try:
-                table = layer_table(
-                    pairs.src_words, pairs.dst_words, lambda t: addresses[t.data_ptr()]
-                )
-            except ValueError:
-                # Pairs of different row pitches: one launch per pair serves them.
-                table = "gather_layers_unavailable:layout"
-        self._tables[pairs] = table
-        return table
+            return "gather_kernel_unavailable:triton"
+        if not _host_pinned(pairs):
+            return "gather_kernel_unavailable:pageable_host"
+        addresses = _gpu_addresses(pairs)
+        if addresses is None:
+            return "gather_layers_unavailable:host_pointer"
+        try:
+            table = layer_table(pairs.src_words, pairs.dst_words, lambda t: addresses[t.data_ptr()])
+        except ValueError:
+            # Pairs of different row pitches: one launch per pair serves them.
+            return "gather_layers_unavailable:layout"
+        # The offsets stay on the device for the table's life; their upload is ordered
+        # before each stream's first launch.
+        offsets = self._uploader(table.device).keep((table.offsets,))
+        return _TableLaunch(LayeredLaunch(table, offsets.on_device[0], self.gather_ctas), offsets)
 
     def _scatter_stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._scatter_streams.get(device)
@@ -309,6 +358,12 @@ class _CudaIndexedOps:
             )
 
 
+@dataclass(frozen=True, eq=False)
+class _TableLaunch:
+    gather: LayeredLaunch
+    offsets: KeptUpload
+
+
 def _reference_gather(
     src_words: torch.Tensor,
     dst_words: torch.Tensor,
@@ -339,4 +394,6 @@ def cuda_kernels(gather_ctas: int, staged_pieces: int) -> KernelSet:
         copy_runs_layers=copy_runs_layers,
         gather_layers=ops.gather_layers,
         prepare_gather=ops.prepare_gather,
+        prepare_rows=ops.prepare_rows,
+        gather_prepared=ops.gather_prepared,
     )

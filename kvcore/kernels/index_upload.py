@@ -42,6 +42,36 @@ class _Upload:
     ordered: set[int]
 
 
+@dataclass(eq=False)
+class KeptUpload:
+    """Indices on the device for as long as the holder keeps this: a request's rows, used
+    by each of its layers, or a launch table's offsets, used for the table's life."""
+
+    on_device: tuple[torch.Tensor, ...]
+    _done: torch.cuda.Event
+    _ordered: set[int]
+    _device: torch.device
+    _device_index: int
+
+    def order_current_stream(self) -> None:
+        """Make work issued next on the current stream wait for the upload (once a stream)."""
+        handle = _stream_handle(self._device, self._device_index)
+        if handle in self._ordered:
+            return
+        consumer = torch.cuda.current_stream(self._device)
+        consumer.wait_event(self._done)
+        self.on_device[0].record_stream(consumer)
+        self._ordered.add(handle)
+
+
+def _stream_handle(device: torch.device, device_index: int) -> int:
+    """The current stream's raw handle, without building a Stream object (a few µs a call,
+    on every layer of a transfer) where torch offers that."""
+    if _current_raw_stream is None:
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    return int(_current_raw_stream(device_index))
+
+
 class IndexUploader:
     """A bounded pinned ring of ``slots`` x ``slot_entries`` int64 indices on one device."""
 
@@ -77,13 +107,24 @@ class IndexUploader:
     def upload_all(self, indices: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Several indices in one copy (a gather's source and destination rows): one slot,
         one transfer and one event instead of one each."""
+        return self._uploaded(indices).on_device
+
+    def keep(self, indices: tuple[torch.Tensor, ...]) -> KeptUpload:
+        """:meth:`upload_all`, held by the caller: ready on the current stream now, and on
+        another one after :meth:`KeptUpload.order_current_stream`."""
+        upload = self._uploaded(indices)
+        return KeptUpload(
+            upload.on_device, upload.done, upload.ordered, self.device, self._device_index
+        )
+
+    def _uploaded(self, indices: tuple[torch.Tensor, ...]) -> _Upload:
         key = tuple((i.data_ptr(), i._version, i.numel(), i.stride(0)) for i in indices)
         with self._lock:
             hit = self._recent.get(key)
             if hit is not None:
                 self._recent.move_to_end(key)
         if hit is not None:
-            handle = self._current_stream_handle()
+            handle = _stream_handle(self.device, self._device_index)
             if handle not in hit.ordered:
                 consumer = torch.cuda.current_stream(self.device)
                 consumer.wait_event(hit.done)
@@ -91,22 +132,16 @@ class IndexUploader:
                 hit.on_device[0].record_stream(consumer)
                 with self._lock:
                     hit.ordered.add(handle)
-            return hit.on_device
+            return hit
         consumer = torch.cuda.current_stream(self.device)
         out, done = self._upload(indices, consumer)
         on_device = (out,) if len(indices) == 1 else out.split([i.numel() for i in indices])
+        upload = _Upload(indices, on_device, done, {consumer.cuda_stream})
         with self._lock:
-            self._recent[key] = _Upload(indices, on_device, done, {consumer.cuda_stream})
+            self._recent[key] = upload
             while len(self._recent) > self._cached:
                 self._recent.popitem(last=False)
-        return on_device
-
-    def _current_stream_handle(self) -> int:
-        """The current stream's raw handle, without building a Stream object (a few µs a
-        call, on every layer of a transfer) where torch offers that."""
-        if _current_raw_stream is None:
-            return int(torch.cuda.current_stream(self.device).cuda_stream)
-        return int(_current_raw_stream(self._device_index))
+        return upload
 
     def _upload(
         self, indices: tuple[torch.Tensor, ...], consumer: torch.cuda.Stream

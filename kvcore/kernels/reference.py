@@ -12,10 +12,14 @@ keeps NaN payloads, fp8 and bf16 bit-exact.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcore.runs import PairedRuns, Runs
+
+if TYPE_CHECKING:
+    from kvcore.layers import LayerPairs
 
 _WORD_DTYPES: dict[int, torch.dtype] = {
     8: torch.int64,
@@ -134,6 +138,22 @@ def gather_rows(
     # so its rows must have arrived (a non-blocking copy to the host returns before).
     arrived = rows.to(dst_words.device, non_blocking=dst_words.device.type != "cpu")
     dst_words.index_copy_(0, index_on(dst_idx, dst_words.device), arrived)
+
+
+def prepare_rows(
+    src_idx: torch.Tensor, dst_idx: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's indices on ``device``, for :func:`gather_prepared` on each layer."""
+    return index_on(src_idx, device), index_on(dst_idx, device)
+
+
+def gather_prepared(pairs: LayerPairs, rows: object) -> None:
+    """:func:`gather_rows` for every pair, with the indices of :func:`prepare_rows`."""
+    if not (isinstance(rows, tuple) and len(rows) == 2):
+        raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
+    src_idx, dst_idx = rows
+    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+        gather_rows(src_words, src_idx, dst_words, dst_idx)
 
 
 def runs_to_staging(

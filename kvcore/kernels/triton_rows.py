@@ -140,6 +140,14 @@ def _default_num_warps(rows: int, block_w: int, word_bytes: int) -> int:
     return max(1, min(8, _prev_pow2(max(1, vectors // (32 * 8)))))
 
 
+# Arguments that change from call to call, left out of Triton's specialisation, so that a
+# kernel compiled once serves every later call between the same buffers
+# (:class:`LayeredLaunch` launches it without Triton's front end).
+_PER_CALL_ARGS: dict[str, list[str]] = {
+    "do_not_specialize": ["n_rows"],
+    "do_not_specialize_on_alignment": ["src_idx_ptr", "dst_idx_ptr"],
+}
+
 if triton is not None:
 
     @triton.jit
@@ -171,7 +179,7 @@ if triton is not None:
             values = tl.load(src_ptr + src_off[:, None] + cols[None, :], mask=mask)
             tl.store(dst_ptr + dst_off[:, None] + cols[None, :], values, mask=mask)
 
-    @triton.jit
+    @triton.jit(**_PER_CALL_ARGS)
     def _gather_rows_kernel(
         src_ptr,
         dst_ptr,
@@ -207,7 +215,7 @@ if triton is not None:
             )
             tile += n_programs
 
-    @triton.jit
+    @triton.jit(**_PER_CALL_ARGS)
     def _gather_layers_kernel(
         src_ptr,
         dst_ptr,
@@ -347,6 +355,9 @@ class LayerTable:
     device: torch.device
     launch: _Launch
     """The tile and warps for the pairs' rows, fixed with the table."""
+    src_address: int = 0
+    """Where the kernel reaches the first source's first row (``address`` of it)."""
+    dst_address: int = 0
 
     @property
     def layers(self) -> int:
@@ -403,6 +414,8 @@ def layer_table(
         align=align,
         device=devices.pop(),
         launch=_Launch(srcs[0].shape[1], word.itemsize, None, None, None),
+        src_address=src_base,
+        dst_address=dst_base,
     )
 
 
@@ -483,7 +496,8 @@ class _Launch:
         ctas: int,
         align: int,
         device: torch.device,
-    ) -> None:
+    ) -> Any:
+        """Launch through Triton's JIT; returns what it returns (the compiled kernel)."""
         grid = (min(ctas, tiles),)
         constants = {
             "WORDS": self.words,
@@ -493,6 +507,114 @@ class _Launch:
         }
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                kernel[grid](*args, **constants, num_warps=self.warps)
-        else:
-            kernel[grid](*args, **constants, num_warps=self.warps)
+                return kernel[grid](*args, **constants, num_warps=self.warps)
+        return kernel[grid](*args, **constants, num_warps=self.warps)
+
+    def constants(self, align: int) -> tuple[int, int, int, int]:
+        """The kernels' constexpr arguments, in their order (WORDS, ROWS, BLOCK_W, ALIGN)."""
+        return (self.words, self.rows, self.block_w, align)
+
+
+# Private but long-standing (Triton and inductor read streams through it); absent in CPU
+# builds, where no compiled kernel is launched.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device_index = getattr(torch._C, "_cuda_getDevice", None)
+_I32_LIMIT = 1 << 31
+
+
+class LayeredLaunch:
+    """:func:`gather_layers_uva` over one table, its offsets kept on the device.
+
+    The first launch goes through Triton's JIT, which compiles (or finds) the kernel; every
+    later one calls that kernel's launcher directly, with the table's addresses as plain
+    integers. Triton's front end (binding, specialisation, cache key) costs more host time
+    than the launch itself, on every layer of every request; the kernel it would find is
+    always this one, because everything it specialises on (the buffers, their pitches, the
+    offsets' address, the tile) is fixed here and the per-call arguments (the rows and the
+    indices' addresses) are left out of its specialisation. A launch hook (a profiler's),
+    another current device, or a row count past 32 bits take the JIT path again.
+    """
+
+    def __init__(self, table: LayerTable, offsets: torch.Tensor, ctas: int) -> None:
+        _check_index(offsets, "offsets", table.device)
+        if offsets.numel() != table.offsets.numel():
+            raise ValueError(f"{offsets.numel()} offsets for {table.layers} pairs")
+        _check_ctas(ctas)
+        self.table = table
+        self.offsets = offsets
+        self.ctas = ctas
+        self.device = table.device
+        self._compiled: Any = None
+        src, dst = table.src_words[0], table.dst_words[0]
+        self._fixed_head = (table.src_address, table.dst_address, offsets.data_ptr())
+        self._fixed_tail = (
+            table.layers,
+            src.stride(0),
+            dst.stride(0),
+            *table.launch.constants(table.align),
+        )
+        self._empty = src.shape[1] == 0
+
+    @property
+    def direct(self) -> bool:
+        """Whether the next launch skips Triton's JIT front end."""
+        return self._compiled is not None
+
+    def __call__(self, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+        """Copy rows ``src_idx`` of every source to rows ``dst_idx`` of its destination, on
+        the current stream; int64 indices on the kernel's device, checked by the caller."""
+        n_rows = src_idx.numel()
+        if n_rows == 0 or self._empty:
+            return
+        table = self.table
+        launch = table.launch
+        tiles = -(-n_rows // launch.rows) * table.layers
+        compiled = self._compiled
+        device_index = self.device.index
+        if (
+            compiled is None
+            or n_rows >= _I32_LIMIT
+            or _current_raw_stream is None
+            or _current_device_index is None
+            or _current_device_index() != device_index
+            or triton.knobs.runtime.launch_enter_hook is not None
+        ):
+            self._jit(src_idx, dst_idx, n_rows, tiles)
+            return
+        compiled.run(
+            min(self.ctas, tiles),
+            1,
+            1,
+            _current_raw_stream(device_index),
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *self._fixed_head,
+            src_idx.data_ptr(),
+            dst_idx.data_ptr(),
+            n_rows,
+            *self._fixed_tail,
+        )
+
+    def _jit(self, src_idx: torch.Tensor, dst_idx: torch.Tensor, n_rows: int, tiles: int) -> None:
+        _check_indices(src_idx, dst_idx, self.device)
+        table = self.table
+        src, dst = table.src_words[0], table.dst_words[0]
+        args = (
+            src,
+            dst,
+            self.offsets,
+            src_idx,
+            dst_idx,
+            n_rows,
+            table.layers,
+            src.stride(0),
+            dst.stride(0),
+        )
+        compiled = table.launch.run(
+            _gather_layers_kernel, args, tiles, self.ctas, table.align, self.device
+        )
+        if self.device.type == "cuda" and n_rows < _I32_LIMIT and hasattr(compiled, "run"):
+            self._compiled = compiled

@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
 import torch
+from hicache_cpu import cpu_hicache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang.srt.managers.cache_controller import HiCacheController
@@ -470,8 +471,15 @@ def layered_cpu_kernels(calls: list[tuple[str, int]]) -> KernelSet:
         for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
             REFERENCE.gather_rows(src, src_idx, dst, dst_idx)
 
+    def gather_prepared(pairs, rows):
+        calls.append(("gather_prepared", len(pairs)))
+        REFERENCE.gather_prepared(pairs, rows)
+
     return dataclasses.replace(
-        REFERENCE, copy_runs_layers=copy_runs_layers, gather_layers=gather_layers
+        REFERENCE,
+        copy_runs_layers=copy_runs_layers,
+        gather_layers=gather_layers,
+        gather_prepared=gather_prepared,
     )
 
 
@@ -480,12 +488,13 @@ def test_the_pairs_of_a_call_move_in_one_submission(
     transfer_hooks, small_mover, monkeypatch, kind, pairs
 ):
     """A load's K and V (an MLA layer's one pair), a backup's every layer: one layered
-    gather, the same bytes; a load's layer buffers are checked once and kept for the pool."""
+    gather, the same bytes; a load's layer buffers are checked once and kept for the pool,
+    its indices prepared once for the request."""
     transfer_hooks()
     calls: list[tuple[str, int]] = []
     monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", layered_cpu_kernels(calls))
     check_served_call(kind, "layer_first", "direct", "load", "scattered", 100, 5)
-    assert calls == [("gather_layers", pairs)]
+    assert calls == [("gather_prepared", pairs)]
     calls.clear()
     check_served_call(kind, "layer_first", "direct", "backup", "scattered", 100, 6)
     assert calls == [("gather_layers", pairs * LAYERS)]
@@ -1019,6 +1028,68 @@ def test_a_memoised_plan_follows_the_mover_policy(transfer_hooks, monkeypatch):
         monkeypatch.setattr(transfers, "_mover", Mover(policy, metrics=METRICS))
         _load_every_layer_and_check("mha", pool, host_idx, device_idx, "kernel")
     assert len(calls) == 2, calls
+
+
+def _spy_later_layers(monkeypatch) -> list[bool]:
+    """What each load's fast path (a later layer of a prepared request) answered."""
+    answered: list[bool] = []
+    real = transfers._later_layer_served
+
+    def spy(*args: Any) -> bool:
+        answered.append(real(*args))
+        return answered[-1]
+
+    monkeypatch.setattr(transfers, "_later_layer_served", spy)
+    return answered
+
+
+@pytest.mark.parametrize(("kind", "layout", "io_backend"), SERVED)
+def test_later_layers_of_a_request_take_one_launch_each(
+    transfer_hooks, small_mover, monkeypatch, kind, layout, io_backend
+):
+    """Once a pool's layers have been seen, every layer after a request's first is served
+    by the fast path (no planning, no lookup of the pool's jobs), with the same bytes."""
+    transfer_hooks()
+    answered = _spy_later_layers(monkeypatch)
+    pool = pool_for(kind, layout)
+    gen = torch.Generator().manual_seed(21)
+    for _ in range(3):
+        host_idx, device_idx = make_indices(kind, pool, "scattered", 120, gen)
+        _load_every_layer_and_check(kind, pool, host_idx, device_idx, io_backend)
+    # Request 1 meets every layer for the first time; requests 2 and 3 serve layers 1.. fast.
+    first_sight = [False] * LAYERS
+    assert answered == first_sight + 2 * ([False] + [True] * (LAYERS - 1)), answered
+
+
+def test_a_failure_on_the_fast_path_runs_that_layer_stock_and_passes_the_rest(
+    transfer_hooks, small_mover, monkeypatch
+):
+    transfer_hooks()
+    answered = _spy_later_layers(monkeypatch)
+    gen = torch.Generator().manual_seed(22)
+    with cpu_hicache():  # SGLang's direct copy, in torch, as the stock path here
+        pool = pool_for("mha", "layer_first")
+        host_idx, device_idx = make_indices("mha", pool, "scattered", 120, gen)
+        _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
+        host_idx, device_idx = make_indices("mha", pool, "scattered", 120, gen)
+        before = fallbacks().get("internal_error:RuntimeError", 0)
+        calls = 0
+        real = Mover.execute_prepared
+
+        def broken_once(self, prepared, pairs):
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # layer 1: the fast path
+                raise RuntimeError("injected")
+            real(self, prepared, pairs)
+
+        monkeypatch.setattr(Mover, "execute_prepared", broken_once)
+        # Layer 0 is kvcore's, layer 1 fails inside kvcore and runs stock, layer 2 passes:
+        # every layer lands byte for byte.
+        _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
+    assert fallbacks().get("internal_error:RuntimeError", 0) == before + 1
+    assert calls == 2
+    assert answered[-LAYERS:] == [False, False, False]
 
 
 # --- 0.5.22's layer mapping: MTP draft layers and layer sharding ------------------------------

@@ -1,0 +1,229 @@
+"""Host time of each call of an SGLang reload, as SGLang makes them: ``python -m
+kvcore.bench.sglang.host_cost``.
+
+A reload is one ``load_to_device_per_layer`` call per layer, every request with new index
+tensors. For each case this times every call on its own, stock's method and kvcore's hook
+(with the serve-or-pass rule off, so kvcore serves every call it can copy exactly), and
+reports the median host time of a request's first call (where kvcore decides, plans and
+uploads the indices) and of its later calls (where kvcore should issue one launch), with
+the path kvcore took. On CUDA the copies are queued, so host time is what the engine's
+load thread spends; on a CPU the copies run inside the calls, so ``--no-copy`` swaps the
+CPU kernels for ones that copy nothing, leaving kvcore's own cost (stock is not run there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvcore import kernels
+from kvcore.bench.sglang import ab, sweep
+from kvcore.bench.sglang.soak import install_torchvision_stub
+from kvcore.bench.suite import scattered_layout
+from kvcore.kernels import KernelSet
+from kvcore.metrics import METRICS
+
+# kind, layout, io backend, page size: SGLang's default and the cells kvcore serves.
+CASES: tuple[tuple[str, str, str, int], ...] = (
+    ("mha", "layer_first", "kernel", 64),
+    ("mha", "layer_first", "kernel", 1),
+    ("mla", "layer_first", "kernel", 1),
+    ("mha", "layer_first", "direct", 64),
+    ("mla", "page_first", "direct", 1),
+)
+TOKENS = (512, 2048, 8192, 32768, 131072)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostRow:
+    case: str
+    tokens: int
+    layers: int
+    side: str
+    first_us: float
+    later_us: float
+    later_p90_us: float
+    paths: list[str]
+
+
+def _no_copy(_: Any, *__: Any) -> None:
+    return None
+
+
+NO_COPY = KernelSet(
+    name="no-copy",
+    copy_runs=_no_copy,
+    gather_rows=_no_copy,
+    stage_in=_no_copy,
+    stage_out=_no_copy,
+    copy_runs_layers=_no_copy,
+    gather_layers=_no_copy,
+    prepare_rows=lambda src_idx, dst_idx, device: (src_idx, dst_idx),
+    gather_prepared=_no_copy,
+)
+
+
+@contextlib.contextmanager
+def _rule_off() -> Iterator[None]:
+    from kvcore_sglang import transfers
+
+    saved = transfers.serve_rule_enabled
+    transfers.serve_rule_enabled = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        transfers.serve_rule_enabled = saved
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _call_times(calls: Sequence[Callable[[], Any]], device: torch.device) -> list[float]:
+    """Host seconds of each call of one request, in order."""
+    _sync(device)
+    times = []
+    for call in calls:
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    _sync(device)
+    return times
+
+
+def _row(
+    label: str, tokens: int, layers: int, side: str, firsts: list[float], laters: list[float]
+) -> CostRow:
+    laters = sorted(laters)
+    return CostRow(
+        case=label,
+        tokens=tokens,
+        layers=layers,
+        side=side,
+        first_us=statistics.median(firsts) * 1e6,
+        later_us=statistics.median(laters) * 1e6 if laters else 0.0,
+        later_p90_us=laters[(9 * len(laters)) // 10] * 1e6 if laters else 0.0,
+        paths=[],
+    )
+
+
+def measure_case(
+    case: ab.PoolCase, backend: str, tokens: int, requests: int, stock: bool
+) -> list[CostRow]:
+    """Stock's and kvcore's per-call host time over ``requests`` requests of ``tokens``."""
+    device = case.opts.device
+    layers = case.opts.layers
+    label = f"{case.kind}/{case.layout}/{backend}/p{case.page_size}"
+    gen = torch.Generator().manual_seed(case.opts.seed + tokens)
+    sides: list[tuple[str, sweep.Side]] = [("kvcore", sweep.kvcore_side(case, "load", backend, 1))]
+    if stock:
+        sides.insert(0, ("stock", sweep.stock_side(case, "load", backend, 1)))
+    hook, original = sweep._hook(case, "load"), sweep._method(case, "load")
+    rows = []
+    for name, side in sides:
+        if side.call is None:
+            continue
+        firsts, laters = [], []
+        before = METRICS.snapshot()
+        for _ in range(requests):
+            host = scattered_layout(tokens, ab.HOST_LEVELS["100%"], case.page_size, gen)
+            dev = scattered_layout(tokens, 1.0, case.page_size, gen)
+            host_idx, dev_idx = side.prepare(host, dev)
+            pools = (case.pool, case.device_pool, host_idx, dev_idx)
+            if name == "stock":
+                calls = [functools.partial(original, *pools, n, backend) for n in range(layers)]
+            else:
+                args = (original, *pools)
+                calls = [functools.partial(hook, *args, n, backend) for n in range(layers)]
+            times = _call_times(calls, device)
+            firsts.append(times[0])
+            laters.extend(times[1:])
+        row = _row(label, tokens, layers, name, firsts, laters)
+        if name == "kvcore":
+            row = dataclasses.replace(row, paths=sweep._paths(before, METRICS.snapshot()))
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> list[CostRow]:
+    device = torch.device(args.device)
+    stock = device.type == "cuda"
+    rows: list[CostRow] = []
+    ab.install_sgl_kernel_stub()
+    install_torchvision_stub()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_rule_off())
+        if args.no_copy:
+            saved = kernels._BY_DEVICE_TYPE.get("cpu")
+            kernels.register_kernels("cpu", NO_COPY)
+            if saved is None:
+                stack.callback(kernels._BY_DEVICE_TYPE.pop, "cpu", None)
+            else:
+                stack.callback(kernels.register_kernels, "cpu", saved)
+        for kind, layout, backend, page in _cases(args.cases):
+            tokens = [t for t in args.tokens if t % page == 0]
+            opts = ab.Options(tokens=max(tokens), layers=args.layers, device=device)
+            with ab.pool_case(kind, layout, page, opts) as case:
+                for count in tokens:
+                    for row in measure_case(case, backend, count, args.requests, stock):
+                        rows.append(row)
+                        print(_line(row), file=sys.stderr, flush=True)
+            sweep._release_pools()
+    return rows
+
+
+def _cases(names: Sequence[str]) -> list[tuple[str, str, str, int]]:
+    if not names:
+        return list(CASES)
+    wanted = set(names)
+    return [c for c in CASES if f"{c[0]}/{c[1]}/{c[2]}/p{c[3]}" in wanted]
+
+
+def _line(row: CostRow) -> str:
+    return (
+        f"{row.case:28} {row.tokens:>7} {row.side:7} first {row.first_us:8.1f} us  "
+        f"later {row.later_us:7.1f} us (p90 {row.later_p90_us:7.1f})  {','.join(row.paths)}"
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvcore.bench.sglang.host_cost", description=__doc__)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=TOKENS)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--requests", type=int, default=5)
+    p.add_argument("--cases", nargs="*", default=[], help="kind/layout/backend/pN names")
+    p.add_argument("--no-copy", action="store_true", help="CPU kernels that copy nothing")
+    p.add_argument("--json", help="write the rows here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                    "rows": [dataclasses.asdict(r) for r in rows],
+                },
+                fh,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Mover.prepare_layers / execute_prepared: a plan made ready once, then one call a layer.
+
+Engines reload layer by layer with the same indices; the prepared path must move exactly
+what :meth:`Mover.execute_layers` moves, refuse what it refuses, and never read indices
+written after planning. On a CPU the reference kernels stand for the device's ops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore.direction import Direction
+from kvcore.layers import layer_pairs
+from kvcore.metrics import Metrics
+from kvcore.mover import Mover, StalePlanError, TransferPath, plan
+
+ROWS, WIDTH, LAYERS = 64, 48, 3
+
+
+def random_rows(rows: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(-(2**15), 2**15, (rows, WIDTH), dtype=torch.int16, generator=gen)
+
+
+def layered(gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    srcs = [random_rows(ROWS, gen) for _ in range(LAYERS)]
+    dsts = [random_rows(ROWS, gen) for _ in range(LAYERS)]
+    return srcs, dsts
+
+
+def scattered(gen: torch.Generator, count: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randperm(ROWS, generator=gen)[:count], torch.randperm(ROWS, generator=gen)[:count]
+
+
+def expected(
+    srcs: list[torch.Tensor], dsts: list[torch.Tensor], src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> list[torch.Tensor]:
+    out = [dst.clone() for dst in dsts]
+    for src, dst in zip(srcs, out, strict=True):
+        dst[dst_idx] = src[src_idx]
+    return out
+
+
+@pytest.mark.parametrize("path", [TransferPath.GATHER, TransferPath.SINGLE_COPY, None])
+def test_each_layer_gets_exactly_the_planned_rows(path: TransferPath | None) -> None:
+    gen = torch.Generator().manual_seed(11)
+    srcs, dsts = layered(gen)
+    if path is TransferPath.SINGLE_COPY:
+        src_idx, dst_idx = torch.arange(5, 25), torch.arange(30, 50)
+    else:
+        src_idx, dst_idx = scattered(gen)
+    want = expected(srcs, dsts, src_idx, dst_idx)
+    sources = [src.clone() for src in srcs]
+    metrics = Metrics()
+    mover = Mover(metrics=metrics)
+    first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D, force=path)
+    prepared = mover.prepare_layers(first)
+    assert (prepared.rows is not None) == (first.path is TransferPath.GATHER)
+    for layer in range(LAYERS):
+        mover.execute_prepared(prepared, layer_pairs([srcs[layer]], [dsts[layer]]))
+    for got, wanted in zip(dsts, want, strict=True):
+        assert torch.equal(got, wanted)
+    for src, kept in zip(srcs, sources, strict=True):
+        assert torch.equal(src, kept)
+    done = metrics.snapshot()["transfers"]
+    assert sum(t["count"] for t in done) == LAYERS
+    assert sum(t["bytes"] for t in done) == LAYERS * first.nbytes
+
+
+def test_several_pairs_of_one_layer_move_together() -> None:
+    gen = torch.Generator().manual_seed(12)
+    srcs, dsts = layered(gen)
+    src_idx, dst_idx = scattered(gen)
+    want = expected(srcs, dsts, src_idx, dst_idx)
+    mover = Mover()
+    first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D)
+    mover.execute_prepared(mover.prepare_layers(first), layer_pairs(srcs, dsts))
+    for got, wanted in zip(dsts, want, strict=True):
+        assert torch.equal(got, wanted)
+
+
+def test_indices_written_after_preparing_are_refused_and_nothing_is_copied() -> None:
+    gen = torch.Generator().manual_seed(13)
+    srcs, dsts = layered(gen)
+    src_idx, dst_idx = scattered(gen)
+    mover = Mover()
+    prepared = mover.prepare_layers(
+        plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D)
+    )
+    before = [dst.clone() for dst in dsts]
+    dst_idx.add_(0)  # the same values, a new version: the plan cannot know they are equal
+    with pytest.raises(StalePlanError):
+        mover.execute_prepared(prepared, layer_pairs([srcs[1]], [dsts[1]]))
+    with pytest.raises(StalePlanError):
+        mover.prepare_layers(prepared.plan)
+    for got, kept in zip(dsts, before, strict=True):
+        assert torch.equal(got, kept)
+
+
+def test_pairs_too_short_for_the_plan_are_refused_before_any_copy() -> None:
+    gen = torch.Generator().manual_seed(14)
+    srcs, dsts = layered(gen)
+    src_idx, dst_idx = scattered(gen)
+    mover = Mover()
+    prepared = mover.prepare_layers(
+        plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D)
+    )
+    short = dsts[1][: int(dst_idx.max())]
+    kept = short.clone()
+    with pytest.raises(ValueError, match="destination rows"):
+        mover.execute_prepared(prepared, layer_pairs([srcs[1]], [short]))
+    assert torch.equal(short, kept)
