@@ -1,0 +1,93 @@
+"""The prepared per-layer gather on a real GPU: one launch a layer, compiled once.
+
+An engine reloads layer by layer, each request with new indices. After a table's first
+launch through Triton's JIT, :class:`kvcore.kernels.triton_rows.LayeredLaunch` calls the
+compiled kernel directly, so every later request (other row counts, indices at other
+addresses and alignments) must still copy exactly the rows asked for: checked against a
+per-index copy, with the untouched rows (random bytes) and the unchanged sources.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore.direction import Direction
+from kvcore.kernels.triton_rows import triton_available
+from kvcore.layers import layer_pairs
+from kvcore.metrics import Metrics
+from kvcore.mover import Mover, TransferPath, plan
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not triton_available(), reason="needs Triton"),
+]
+
+LAYERS, ROWS = 4, 4096
+
+
+def _random(rows: int, row_bytes: int, *, host: bool) -> torch.Tensor:
+    raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, device="cuda")
+    return raw.view(torch.bfloat16).cpu().pin_memory() if host else raw.view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("row_bytes", [48, 1152, 4096])
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
+def test_requests_of_every_size_after_the_first_launch_copy_exactly(row_bytes, direction):
+    h2d = direction is Direction.H2D
+    host = [_random(ROWS, row_bytes, host=True) for _ in range(LAYERS)]
+    device = [_random(ROWS, row_bytes, host=False) for _ in range(LAYERS)]
+    srcs, dsts = (host, device) if h2d else (device, host)
+    pairs = layer_pairs(srcs, dsts)
+    mover = Mover(metrics=Metrics())
+    gen = torch.Generator().manual_seed(row_bytes)
+    # Row counts on and off Triton's specialisation points (1, multiples of 16, odd).
+    for count in (37, 1, 16, 1000, 2047, 4096):
+        src_idx = torch.randperm(ROWS, generator=gen)[:count]
+        dst_idx = torch.randperm(ROWS, generator=gen)[:count]
+        sources = [t.clone() for t in srcs]
+        want = [t.clone() for t in dsts]
+        for src, dst in zip(sources, want, strict=True):
+            dst[dst_idx] = src[src_idx].to(dst.device)
+        first = plan(
+            srcs[0], dsts[0], src_idx, dst_idx, direction=direction, force=TransferPath.GATHER
+        )
+        prepared = mover.prepare_layers(first)
+        assert prepared.rows is not None
+        for layer in range(LAYERS):
+            one = layer_pairs([srcs[layer]], [dsts[layer]])
+            mover.execute_prepared(prepared, one)
+        mover.execute_prepared(prepared, pairs)  # all layers again in one launch: same rows
+        torch.cuda.synchronize()
+        for got, wanted in zip(dsts, want, strict=True):
+            assert torch.equal(got.cpu(), wanted.cpu())
+        for src, kept in zip(srcs, sources, strict=True):
+            assert torch.equal(src.cpu(), kept.cpu())
+
+
+def test_later_launches_skip_the_jit_and_indices_at_odd_addresses_still_copy():
+    host = [_random(ROWS, 1152, host=True) for _ in range(2)]
+    device = [_random(ROWS, 1152, host=False) for _ in range(2)]
+    pairs = layer_pairs(host, device)
+    mover = Mover()
+    kernels = mover.kernels(torch.device("cuda"))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        src_idx = torch.randperm(ROWS, generator=gen)[:333]
+        dst_idx = torch.randperm(ROWS, generator=gen)[:333]
+        # Views one element into a block: 8-byte aligned, not 16.
+        src_on = torch.empty(334, dtype=torch.int64, device="cuda")[1:]
+        dst_on = torch.empty(334, dtype=torch.int64, device="cuda")[1:]
+        src_on.copy_(src_idx)
+        dst_on.copy_(dst_idx)
+        want = [t.clone() for t in device]
+        for src, dst in zip(host, want, strict=True):
+            dst[dst_idx.cuda()] = src[src_idx].cuda()
+        assert kernels.gather_layers is not None
+        kernels.gather_layers(pairs, src_on, dst_on)
+        torch.cuda.synchronize()
+        for got, wanted in zip(device, want, strict=True):
+            assert torch.equal(got, wanted)
+    launch = kernels.gather_layers.__self__._launches[pairs]  # type: ignore[attr-defined]
+    assert launch.gather.direct
