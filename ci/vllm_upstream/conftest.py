@@ -13,6 +13,16 @@ manager module's ``CPUOffloadingManager`` is kvcore's manager before any test mo
 imports it, so vLLM's manager tests drive kvcore's chunk pool. What kvcore does
 differently by design is listed, with why, in ``kvcore_class_differences.txt``; those
 tests are strict xfails there.
+
+classes-gpu mode (scripts/vllm_upstream_gpu.sh, on a GPU) is classes mode with the worker
+too: ``CPUOffloadingWorker`` in vLLM's worker module is stock's worker with its handlers
+replaced the way kvcore's spec replaces them (``KVCORE_TRANSFERS=1`` is required), so vLLM's
+own transfer tests copy through kvcore's handler. Those tests read stock's handler state
+(its tensors, layer references and in-flight transfers): kvcore's handler shows them under
+stock's names, read from the very objects it copies with. A collected module that bound
+stock's worker, or a worker left with a stock handler, stops the run; with the serve rule
+off, so does a run in which kvcore copied no job itself. Differences by design are listed
+in ``kvcore_gpu_differences.txt`` (strict xfails in that mode only).
 """
 
 from __future__ import annotations
@@ -22,8 +32,9 @@ import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,10 +43,13 @@ EXPECTED_SPEC = {
     "plugin": "kvcore_vllm.spec.",
     "patched": "kvcore_vllm.spec.",
     "classes": "kvcore_vllm.spec.",
+    "classes-gpu": "kvcore_vllm.spec.",
 }
 DEFAULT_SPEC_NAME = "CPUOffloadingSpec"
 DIFFERENCES = Path(__file__).with_name("kvcore_differences.txt")
 CLASS_DIFFERENCES = Path(__file__).with_name("kvcore_class_differences.txt")
+GPU_DIFFERENCES = Path(__file__).with_name("kvcore_gpu_differences.txt")
+WORKER_NAME = "CPUOffloadingWorker"
 MARKERS = (
     "cpu_test: runs on CPU (vLLM's own marker)",
     "skip_global_cleanup: vLLM's marker for tests that need no distributed cleanup",
@@ -44,8 +58,11 @@ MARKERS = (
 _SPEC_KEY = pytest.StashKey[str]()
 _KVCORE_KEY = pytest.StashKey[bool]()
 _CLASSES_KEY = pytest.StashKey[bool]()
+_GPU_KEY = pytest.StashKey[bool]()
 # How many times vLLM's factory resolved the default spec name during the run.
 _resolutions = {"count": 0}
+# classes-gpu mode: jobs kvcore's handlers copied themselves ("kvcore") or handed to stock's.
+_jobs: Counter[str] = Counter()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,9 +81,12 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     config.stash[_SPEC_KEY] = f"{mode} mode: {DEFAULT_SPEC_NAME} -> {spec_name}"
     config.stash[_KVCORE_KEY] = mode != "stock"
-    config.stash[_CLASSES_KEY] = mode == "classes"
-    if mode == "classes":
+    config.stash[_CLASSES_KEY] = mode in ("classes", "classes-gpu")
+    config.stash[_GPU_KEY] = mode == "classes-gpu"
+    if config.stash[_CLASSES_KEY]:
         config.stash[_SPEC_KEY] += f"; {_put_kvcore_classes_in_place()}"
+    if config.stash[_GPU_KEY]:
+        config.stash[_SPEC_KEY] += f"; {_put_kvcore_worker_in_place()}"
 
 
 def _put_kvcore_classes_in_place() -> str:
@@ -77,6 +97,108 @@ def _put_kvcore_classes_in_place() -> str:
 
     manager.CPUOffloadingManager = KVCoreCPUOffloadingManager  # type: ignore[misc]
     return "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager -> kvcore's manager"
+
+
+def _put_kvcore_worker_in_place() -> str:
+    """Workers built from vLLM's worker module get kvcore's handlers, before test modules
+    import it; install_handlers then builds handlers that show stock's state."""
+    from vllm.v1.kv_offload.cpu import gpu_worker
+
+    from kvcore.config import KVCoreConfig
+    from kvcore_vllm import transfers
+    from kvcore_vllm.releases import installed_shape
+    from kvcore_vllm.spec import put_handlers_in_place
+
+    config = KVCoreConfig.from_env()
+    if not config.transfers:
+        raise pytest.UsageError(
+            "classes-gpu mode needs KVCORE_TRANSFERS=1: without it kvcore's spec leaves the "
+            "stock handlers in place"
+        )
+    handler = stock_named_handler(
+        transfers.KVCoreOffloadingHandler, installed_shape().name("layer_refs_per_group"), _jobs
+    )
+    transfers.KVCoreOffloadingHandler = handler  # type: ignore[misc]
+    gpu_worker.CPUOffloadingWorker = kvcore_worker(  # type: ignore[misc]
+        gpu_worker.CPUOffloadingWorker,
+        put_handlers_in_place,
+        transfers.HANDLER_ATTRIBUTES,
+        handler,
+    )
+    return (
+        f"vllm.v1.kv_offload.cpu.gpu_worker.{WORKER_NAME} -> stock's with kvcore's handlers "
+        f"(serve rule {'on' if config.serve_rule else 'off'})"
+    )
+
+
+def stock_named_handler(
+    kvcore_handler: type[Any], layer_refs_name: str, jobs: Counter[str]
+) -> type[Any]:
+    """kvcore's handler class, showing what vLLM's tests read off stock's handler under
+    stock's names, and counting in ``jobs`` who copied each job it was given.
+
+    The tensors and layer references are the stock handler's own objects, which kvcore's
+    handler copies with; the in-flight transfers are kvcore's queued jobs and those it
+    handed to stock (both have ``job_id``), so "job 1 is in flight" means what it means
+    for stock.
+    """
+
+    def layer_refs(self: Any) -> list[list[Any]]:
+        refs: list[list[Any]] = self._stock.layer_refs_per_group
+        return refs
+
+    def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        accepted: bool = kvcore_handler.transfer_async(self, job_id, src_spec, dst_spec)
+        # kvcore's handler keeps an end event for exactly the jobs it queued itself.
+        jobs["kvcore" if job_id in self._events else "stock"] += 1
+        return accepted
+
+    namespace: dict[str, Any] = {
+        "__doc__": stock_named_handler.__doc__,
+        "src_tensors": property(lambda self: self._stock.src_tensors),
+        "dst_tensors": property(lambda self: self._stock.dst_tensors),
+        layer_refs_name: property(layer_refs),
+        "_transfers": property(lambda self: [*self._jobs, *self._stock.handler._transfers]),
+        "transfer_async": transfer_async,
+    }
+    return type(f"StockNamed{kvcore_handler.__name__}", (kvcore_handler,), namespace)
+
+
+def kvcore_worker(
+    stock_worker: type[Any],
+    put_in_place: Callable[[Any], list[str]],
+    handler_attributes: Iterable[str],
+    kvcore_handler: type[Any],
+) -> type[Any]:
+    """``stock_worker`` whose construction ends with ``put_in_place`` (kvcore's spec's own
+    step), and fails unless every handler the worker holds is then ``kvcore_handler``: a
+    warm-up that refused, or handlers on another device, must not pass as kvcore's."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        stock_worker.__init__(self, *args, **kwargs)
+        put_in_place(self)
+        left = [
+            attribute
+            for attribute in handler_attributes
+            if getattr(self, attribute, None) is not None
+            and not isinstance(getattr(self, attribute), kvcore_handler)
+        ]
+        if left:
+            raise AssertionError(f"kvcore's handlers did not replace stock's {', '.join(left)}")
+
+    return type(stock_worker.__name__, (stock_worker,), {"__init__": __init__})
+
+
+def stock_workers_bound(modules: Iterable[Any], kvcore_class: type[Any]) -> list[str]:
+    """The modules that bound a worker class other than ``kvcore_class`` (stock's, imported
+    before the swap)."""
+    return sorted(
+        {
+            module.__name__
+            for module in modules
+            if getattr(module, WORKER_NAME, kvcore_class) is not kvcore_class
+        }
+    )
 
 
 def _load_plugins() -> type:
@@ -108,9 +230,20 @@ def kvcore_differences(text: str) -> dict[str, str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.stash[_KVCORE_KEY]:
         return
+    if config.stash[_GPU_KEY]:
+        from vllm.v1.kv_offload.cpu import gpu_worker
+
+        modules = {item.module for item in items if isinstance(item, pytest.Function)}
+        early = stock_workers_bound(modules, gpu_worker.CPUOffloadingWorker)
+        if early:
+            raise pytest.UsageError(
+                f"classes-gpu mode, but {', '.join(early)} bound stock's {WORKER_NAME}"
+            )
     differences = kvcore_differences(DIFFERENCES.read_text(encoding="utf-8"))
     if config.stash[_CLASSES_KEY]:
         differences |= kvcore_differences(CLASS_DIFFERENCES.read_text(encoding="utf-8"))
+    if config.stash[_GPU_KEY]:
+        differences |= kvcore_differences(GPU_DIFFERENCES.read_text(encoding="utf-8"))
     for item in items:
         for prefix, reason in differences.items():
             if item.nodeid == prefix or item.nodeid.startswith(prefix + "["):
@@ -134,6 +267,32 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     )
     listed = ", ".join(f"{name} x{count}" for name, count in sorted(alive.items()))
     terminalreporter.write_line(f"kvcore: threads alive at the end: {listed or 'none'}")
+    if terminalreporter.config.stash[_GPU_KEY]:
+        from kvcore.metrics import METRICS
+
+        terminalreporter.write_line(
+            f"kvcore: jobs copied by kvcore {_jobs['kvcore']}, handed to stock "
+            f"{_jobs['stock']}; reasons: {METRICS.snapshot()['fallbacks'] or 'none'}"
+        )
+        if _copied_nothing(terminalreporter.config):
+            terminalreporter.write_line(
+                "kvcore: FAILED: the serve rule is off, yet kvcore copied no job itself"
+            )
+
+
+def _copied_nothing(config: pytest.Config) -> bool:
+    """classes-gpu mode with the serve rule off, and every job went to stock: only
+    correctness can send a job there, so the tests passed without kvcore's own copies."""
+    if not config.stash.get(_GPU_KEY, False) or _jobs["kvcore"] or not _jobs["stock"]:
+        return False
+    from kvcore.config import KVCoreConfig
+
+    return not KVCoreConfig.from_env().serve_rule
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus == pytest.ExitCode.OK and _copied_nothing(session.config):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture()
