@@ -211,3 +211,34 @@ def test_a_cuda_error_after_a_launch_is_raised_not_retried(
     with pytest.raises(RuntimeError, match="CUDA error"):
         _load_hook()(stock, pool, device_pool_of("mha", pool), host_idx, device_idx, 0, "direct")
     assert stock.calls == []
+
+
+@pytest.mark.parametrize(("order", "served"), [("ascending", False), ("permuted", True)])
+def test_a_backup_passes_on_one_ascending_host_run_only(
+    transfer_hooks,  # noqa: F811
+    small_mover,  # noqa: F811
+    monkeypatch,
+    order,
+    served,
+):
+    """The rule hands stock a backup whose host slots are one ascending run (stock's kernel
+    is as fast there); the same slots in another order are scattered, and kvcore serves."""
+    rule = serve_rule.SGLangRule(
+        "backup", "*", "*", (1, 1 << 30), 16, "r", "test", dense_host=False
+    )
+    monkeypatch.setattr(serve_rule, "SGLANG_RULES", (rule,))
+    serve_rule._sglang_rule.cache_clear()
+    transfer_hooks()
+    pool = pool_for("mha", "layer_first")
+    hook = transfers.HOOKS[f"{MHA_LOAD}.backup_from_device_all_layer"]
+    host_idx = torch.arange(40, 140)
+    if order == "permuted":
+        host_idx = host_idx[torch.randperm(100, generator=torch.Generator().manual_seed(4))]
+    stock = Recorder()
+    fallbacks, _ = _counts()
+    try:
+        hook(stock, pool, device_pool_of("mha", pool), host_idx, torch.arange(1, 101), "direct")
+    finally:
+        serve_rule._sglang_rule.cache_clear()
+    passed = _counts()[0].get("stock_dense_host", 0) - fallbacks.get("stock_dense_host", 0)
+    assert (len(stock.calls), passed) == ((0, 0) if served else (1, 1))
