@@ -70,6 +70,10 @@ def _load(path: Path, name: str) -> types.ModuleType:
     return module
 
 
+def _outer_trace(frame: types.FrameType, event: str, arg: Any) -> None:
+    return None
+
+
 def _frame_trace() -> Any:
     return sys._getframe().f_trace
 
@@ -80,14 +84,17 @@ def test_collector_counts_executed_and_missed_lines_per_file_and_package(
 ) -> None:
     package = _package(tmp_path, "pkga", {"mod.py": BRANCHY, "unused.py": "X = 1\n"})
     previous = sys.gettrace()
+    sys.settrace(_outer_trace)  # a debugger's, say: the collector must hand it back
     collector = Collector({"pkga": package}, backend=backend)
     collector.start()
     try:
         module = _load(package / "mod.py", f"pkga_mod_{backend.replace('.', '_')}")
     finally:
         collector.stop()
+        restored = sys.gettrace()
+        sys.settrace(previous)
     assert module.VALUE == "taken"
-    assert sys.gettrace() is previous
+    assert restored is _outer_trace
     report = collector.report()
     assert report.tracer == backend
     assert report.files == {
