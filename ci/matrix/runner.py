@@ -190,7 +190,7 @@ def run_suites(
     env = integration_env(engine.name, lane.mode)
     runs.append(_pytest_suite(INTEGRATION, command, junit, lane_dir, lane.mode, env, ws))
     reports = [report for _, report in runs if report is not None]
-    lane_coverage = _coverage(adapter_coverage.merge(reports)) if reports else ()
+    lane_coverage = _package_coverage(adapter_coverage.merge(reports)) if reports else ()
     return [suite for suite, _ in runs], lane_coverage
 
 
@@ -264,10 +264,10 @@ def _pytest_suite(
     if not report.is_file():
         return suite, None
     traced = adapter_coverage.Report.from_json(report.read_text(encoding="utf-8"))
-    return replace(suite, coverage=_coverage(traced)), traced
+    return replace(suite, coverage=_package_coverage(traced)), traced
 
 
-def _coverage(report: adapter_coverage.Report) -> tuple[Coverage, ...]:
+def _package_coverage(report: adapter_coverage.Report) -> tuple[Coverage, ...]:
     return tuple(
         Coverage(package, executed, executable)
         for package, (executed, executable) in sorted(report.packages().items())
