@@ -95,14 +95,16 @@ COVERAGE_HEADER = """
 The share of the lane engine's adapter (`integrations/kvcore_<engine>`) whose executable
 lines each suite ran: "Engine's tests" are the engine's shipped tests, "Integration tests"
 `tests/integration/<engine>`, "Either" counts a line either suite ran. Traced by
-`ci/matrix/adapter_coverage.py` inside each suite's pytest process (not its subprocesses),
-in the modes that enable kvcore; stock lanes are not traced.
+`ci/matrix/adapter_coverage.py` inside each suite's pytest process (not its subprocesses)
+in the plugin, patched and classes lanes; stock lanes, where kvcore is not enabled, are
+not traced. Each suite's missed lines, by file, are in the lane's
+`lanes/<lane>/<suite>.coverage.json` under the matrix's cache directory.
 """
 
 _COVERAGE_COLUMNS = ("Lane", "Adapter", "Engine's tests", "Integration tests", "Either")
 
 
-def coverage_text(coverage: Coverage | None) -> str:
+def _coverage_text(coverage: Coverage | None) -> str:
     if coverage is None:
         return "-"
     share = 100 * coverage.executed / coverage.executable if coverage.executable else 0.0
@@ -120,9 +122,9 @@ def _coverage_row(lane: Lane, result: LaneResult) -> str:
     cells = [
         lane.name,
         f"`{package}`",
-        coverage_text(_of(engine[0].coverage, package)) if engine else "-",
-        coverage_text(_of(integration[0].coverage, package)) if integration else "-",
-        coverage_text(_of(result.coverage, package)),
+        _coverage_text(_of(engine[0].coverage, package)) if engine else "-",
+        _coverage_text(_of(integration[0].coverage, package)) if integration else "-",
+        _coverage_text(_of(result.coverage, package)),
     ]
     return "| " + " | ".join(cells) + " |"
 
