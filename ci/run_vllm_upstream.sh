@@ -12,6 +12,8 @@
 # staged into a fresh temporary directory, never into the repository. Tests listed in
 # ci/vllm_upstream/deselect.txt (and deselect-VERSION.txt, for one release) are
 # deselected; pytest is stopped after $UPSTREAM_TESTS_TIMEOUT seconds (default 1800).
+# With $KVCORE_ADAPTER_COVERAGE set, pytest loads ci/matrix/adapter_coverage.py, which
+# writes the adapters' line coverage to the file it names.
 # Exit status is pytest's.
 set -euo pipefail
 
@@ -92,11 +94,21 @@ else
     unset KVCORE_ENABLE
 fi
 
+plugins=()
+if [[ -n "${KVCORE_ADAPTER_COVERAGE:-}" ]]; then
+    # Only the collector goes on the path: the repository's own packages (its `tests`
+    # above all) would shadow the staged ones.
+    mkdir "$stage/plugins"
+    cp "$repo/ci/matrix/adapter_coverage.py" "$stage/plugins/"
+    export PYTHONPATH="$stage/plugins${PYTHONPATH:+:$PYTHONPATH}"
+    plugins=(-p adapter_coverage)
+fi
+
 cd "$stage/run"
 status=0
 # A failed multiprocess test can leave its workers blocked and pytest joining them at exit.
-timeout --kill-after=30 "${UPSTREAM_TESTS_TIMEOUT:-1800}" "$python" -m pytest -p no:cacheprovider -q -o junit_family=xunit2 --junitxml="$junit" \
-    "${deselect[@]}" "$@" tests/v1/kv_offload tests/v1/kv_connector/unit/offloading_connector \
+timeout --kill-after=30 "${UPSTREAM_TESTS_TIMEOUT:-1800}" "$python" -m pytest -p no:cacheprovider "${plugins[@]}" -q -o junit_family=xunit2 \
+    --junitxml="$junit" "${deselect[@]}" "$@" tests/v1/kv_offload tests/v1/kv_connector/unit/offloading_connector \
     || status=$?
 echo "junit: $junit"
 exit "$status"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ci.matrix.lanes import DRIFT, Lane
-from ci.matrix.results import LaneResult, also_failing_on_stock, grouped
+from ci.matrix.results import INTEGRATION, Coverage, LaneResult, also_failing_on_stock, grouped
 
 HEADER = """# Engine compatibility
 
@@ -89,12 +89,63 @@ def _details(lane: Lane, result: LaneResult, results: Mapping[str, LaneResult]) 
     return lines
 
 
+COVERAGE_HEADER = """
+## Adapter line coverage, by lane
+
+The share of the lane engine's adapter (`integrations/kvcore_<engine>`) whose executable
+lines each suite ran: "Engine's tests" are the engine's shipped tests, "Integration tests"
+`tests/integration/<engine>`, "Either" counts a line either suite ran. Traced by
+`ci/matrix/adapter_coverage.py` inside each suite's pytest process (not its subprocesses)
+in the plugin, patched and classes lanes; stock lanes, where kvcore is not enabled, are
+not traced. Each suite's missed lines, by file, are in the lane's
+`lanes/<lane>/<suite>.coverage.json` under the matrix's cache directory.
+"""
+
+_COVERAGE_COLUMNS = ("Lane", "Adapter", "Engine's tests", "Integration tests", "Either")
+
+
+def _coverage_text(coverage: Coverage | None) -> str:
+    if coverage is None:
+        return "-"
+    share = 100 * coverage.executed / coverage.executable if coverage.executable else 0.0
+    return f"{share:.1f}% ({coverage.executed}/{coverage.executable})"
+
+
+def _of(coverages: Sequence[Coverage], package: str) -> Coverage | None:
+    return next((c for c in coverages if c.package == package), None)
+
+
+def _coverage_row(lane: Lane, result: LaneResult) -> str:
+    package = f"kvcore_{lane.engine}"
+    integration = [s for s in result.suites if s.name == INTEGRATION]
+    engine = [s for s in result.suites if s.name != INTEGRATION]
+    cells = [
+        lane.name,
+        f"`{package}`",
+        _coverage_text(_of(engine[0].coverage, package)) if engine else "-",
+        _coverage_text(_of(integration[0].coverage, package)) if integration else "-",
+        _coverage_text(_of(result.coverage, package)),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def render_coverage(lanes: Sequence[Lane], results: Mapping[str, LaneResult]) -> list[str]:
+    """The coverage section's lines: a row per lane with a traced result, else nothing."""
+    traced = [(lane, results[lane.name]) for lane in lanes if lane.name in results]
+    rows = [_coverage_row(lane, result) for lane, result in traced if result.coverage]
+    if not rows:
+        return []
+    head = "| " + " | ".join(_COVERAGE_COLUMNS) + " |"
+    return [COVERAGE_HEADER, head, "|" + "---|" * len(_COVERAGE_COLUMNS), *rows]
+
+
 def _cases(count: int) -> str:
     return f" ({count} cases)" if count > 1 else ""
 
 
 def render_compat(lanes: Sequence[Lane], results: Mapping[str, LaneResult]) -> str:
-    """The whole docs/compat.md: the table, then each lane's failing tests by name."""
+    """The whole docs/compat.md: the table, each lane's failing tests by name, then the
+    adapters' line coverage by lane."""
     out = [HEADER, "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     out.extend(_row(lane, results.get(lane.name), results) for lane in lanes)
     detail_blocks: list[str] = []
@@ -108,4 +159,5 @@ def render_compat(lanes: Sequence[Lane], results: Mapping[str, LaneResult]) -> s
     if detail_blocks:
         out.append("\n## Failing tests and changed targets, by lane")
         out.extend(detail_blocks)
+    out.extend(render_coverage(lanes, results))
     return "\n".join(out) + "\n"

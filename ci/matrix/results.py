@@ -5,9 +5,22 @@ from __future__ import annotations
 import json
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+# The name of the suite that runs tests/integration/<engine>.
+INTEGRATION = "integration"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How many of an adapter package's executable lines a suite (or a lane) executed."""
+
+    package: str
+    executed: int
+    executable: int
 
 
 @dataclass(frozen=True)
@@ -19,6 +32,8 @@ class Suite:
     failed: int = 0  # failures and errors
     skipped: int = 0
     failed_ids: tuple[str, ...] = ()
+    # Adapter line coverage, for the modes that enable kvcore; empty when untraced.
+    coverage: tuple[Coverage, ...] = ()
 
 
 @dataclass
@@ -36,6 +51,8 @@ class LaneResult:
     suites: list[Suite] = field(default_factory=list)
     # Drift lanes: target -> why it differs from the newest tested release.
     changed_targets: dict[str, str] = field(default_factory=dict)
+    # The adapter lines executed by any of the lane's suites.
+    coverage: tuple[Coverage, ...] = ()
 
     @property
     def passed(self) -> int:
@@ -59,10 +76,21 @@ class LaneResult:
     def from_json(cls, text: str) -> LaneResult:
         data: dict[str, Any] = json.loads(text)
         data["suites"] = [
-            Suite(**{**suite, "failed_ids": tuple(suite["failed_ids"])})
+            Suite(
+                **{
+                    **suite,
+                    "failed_ids": tuple(suite["failed_ids"]),
+                    "coverage": _coverage(suite.get("coverage", ())),
+                }
+            )
             for suite in data.get("suites", [])
         ]
+        data["coverage"] = _coverage(data.get("coverage", ()))
         return cls(**data)
+
+
+def _coverage(items: Iterable[Mapping[str, Any]]) -> tuple[Coverage, ...]:
+    return tuple(Coverage(**item) for item in items)
 
 
 def parse_junit(name: str, xml_text: str) -> Suite:

@@ -9,16 +9,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ci.matrix import adapter_coverage
 from ci.matrix.lanes import DRIFT, Engine, Lane, Matrix
-from ci.matrix.results import LaneResult, Suite, parse_junit
+from ci.matrix.results import INTEGRATION, Coverage, LaneResult, Suite, parse_junit
 
 REPO = Path(__file__).resolve().parents[2]
 DRIFT_PROBE = Path(__file__).resolve().with_name("drift_probe.py")
 # Written into a lane venv once its install script succeeded: the release it holds.
 VENV_MARKER = ".kvcore-matrix-release"
+# The modes in which the engine runs kvcore's adapter, so that its coverage is measured.
+COVERAGE_MODES = ("plugin", "patched", "classes")
 
 
 class LaneError(RuntimeError):
@@ -68,6 +71,16 @@ def integration_env(
     env = lane_env(engine, mode, base)
     if mode == "patched":
         env["KVCORE_ENABLE"] = "0"
+    return env
+
+
+def coverage_env(env: Mapping[str, str], mode: str, report: Path) -> dict[str, str]:
+    """``env`` naming ``report`` as the adapter coverage output in the modes that trace
+    the adapters; in the others without the variable, whatever the caller's was."""
+    env = dict(env)
+    env.pop(adapter_coverage.ENV, None)
+    if mode in COVERAGE_MODES:
+        env[adapter_coverage.ENV] = str(report)
     return env
 
 
@@ -148,15 +161,20 @@ def apply_patches(venv: Path, engine: str, log: Path) -> None:
         raise LaneError(f"`kvcore patches` failed: {exc}") from None
 
 
-def run_suites(ws: Workspace, engine: Engine, lane: Lane, venv: Path) -> list[Suite]:
-    """The engine's shipped tests (where it ships them) and our integration tests."""
+def run_suites(
+    ws: Workspace, engine: Engine, lane: Lane, venv: Path
+) -> tuple[list[Suite], tuple[Coverage, ...]]:
+    """The engine's shipped tests (where it ships them) and our integration tests, and the
+    adapter lines any of them executed (nothing where the mode is not traced)."""
     lane_dir = ws.lane_dir(lane)
-    env = lane_env(engine.name, lane.mode)
-    suites: list[Suite] = []
+    traced = lane.mode in COVERAGE_MODES
+    runs: list[tuple[Suite, adapter_coverage.Report | None]] = []
     if engine.upstream_tests:
+        name = f"{engine.name}-tests"
         junit = lane_dir / "upstream.xml"
         command = ["bash", str(ws.repo / engine.upstream_tests), str(venv), lane.mode, str(junit)]
-        suites.append(_pytest_suite(f"{engine.name}-tests", command, junit, lane_dir, env, ws))
+        env = lane_env(engine.name, lane.mode)
+        runs.append(_pytest_suite(name, command, junit, lane_dir, lane.mode, env, ws))
     junit = lane_dir / "integration.xml"
     command = [
         str(venv / "bin" / "python"),
@@ -164,13 +182,16 @@ def run_suites(ws: Workspace, engine: Engine, lane: Lane, venv: Path) -> list[Su
         "pytest",
         "-p",
         "no:cacheprovider",
+        *(["-p", adapter_coverage.__name__] if traced else []),
         "-q",
         f"--junitxml={junit}",
         engine.integration_tests,
     ]
-    integration = integration_env(engine.name, lane.mode)
-    suites.append(_pytest_suite("integration", command, junit, lane_dir, integration, ws))
-    return suites
+    env = integration_env(engine.name, lane.mode)
+    runs.append(_pytest_suite(INTEGRATION, command, junit, lane_dir, lane.mode, env, ws))
+    reports = [report for _, report in runs if report is not None]
+    lane_coverage = _package_coverage(adapter_coverage.merge(reports)) if reports else ()
+    return [suite for suite, _ in runs], lane_coverage
 
 
 def drift_verdict(venv: Path, engine: str, log: Path) -> dict[str, object]:
@@ -206,7 +227,7 @@ def run_lane(ws: Workspace, matrix: Matrix, lane: Lane) -> LaneResult:
         else:
             if lane.mode == "patched":
                 apply_patches(venv, engine.name, log)
-            result.suites = run_suites(ws, engine, lane, venv)
+            result.suites, result.coverage = run_suites(ws, engine, lane, venv)
             if result.failed:
                 result.status = "failed"
     except LaneError as exc:
@@ -220,19 +241,37 @@ def _pytest_suite(
     command: Sequence[str],
     junit: Path,
     lane_dir: Path,
+    mode: str,
     env: Mapping[str, str],
     ws: Workspace,
-) -> Suite:
+) -> tuple[Suite, adapter_coverage.Report | None]:
     junit.unlink(missing_ok=True)
+    report = lane_dir / f"{name}.coverage.json"
+    report.unlink(missing_ok=True)
     log = lane_dir / f"{name}.log"
     with log.open("w", encoding="utf-8") as out:
         code = subprocess.run(
-            list(command), cwd=ws.repo, env=dict(env), stdout=out, stderr=subprocess.STDOUT
+            list(command),
+            cwd=ws.repo,
+            env=coverage_env(env, mode, report),
+            stdout=out,
+            stderr=subprocess.STDOUT,
         ).returncode
     # pytest exits 1 when tests fail; anything else without a report means it did not run.
     if not junit.is_file():
         raise LaneError(f"{name} exited {code} without a report: {_tail(log.read_text())}")
-    return parse_junit(name, junit.read_text(encoding="utf-8"))
+    suite = parse_junit(name, junit.read_text(encoding="utf-8"))
+    if not report.is_file():
+        return suite, None
+    traced = adapter_coverage.Report.from_json(report.read_text(encoding="utf-8"))
+    return replace(suite, coverage=_package_coverage(traced)), traced
+
+
+def _package_coverage(report: adapter_coverage.Report) -> tuple[Coverage, ...]:
+    return tuple(
+        Coverage(package, executed, executable)
+        for package, (executed, executable) in sorted(report.packages().items())
+    )
 
 
 def _run(
