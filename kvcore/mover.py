@@ -366,7 +366,7 @@ def plan_device_indexed(
         # The CUDA kernels cache uploads of CPU indices by version counter.
         device_idx = _watchable(device_idx)
     host_span = check_bounds(host_idx, host.shape[0], "the host index")
-    if has_duplicates(host_idx) and not page_in:
+    if not page_in and has_duplicates(host_idx):
         raise ValueError("the host index holds duplicate destinations")
     host_runs = find_runs(host_idx)
     rows = int(host_idx.numel())
@@ -697,16 +697,25 @@ class Mover:
             if degraded is not None:
                 self.metrics.record_fallback(degraded)
 
-    def prepare_layers(self, plan: TransferPlan) -> PreparedLayers:
+    def prepare_layers(
+        self, plan: TransferPlan, *, src_idx_on_device: torch.Tensor | None = None
+    ) -> PreparedLayers:
         """``plan`` ready for :meth:`execute_prepared` on each layer of one request.
 
-        Raises :class:`StalePlanError` where the plan's indices were written since planning.
+        ``src_idx_on_device``: the engine's own copy of ``plan.src_idx`` on the plan's
+        device (SGLang moves a reload's host indices to the GPU itself), used instead of an
+        upload; int64 and contiguous, else it is not used. Raises :class:`StalePlanError`
+        where the plan's indices were written since planning.
         """
         plan.check_indices()
         if plan.path is TransferPath.GATHER and plan.rows and plan.row_bytes:
             kernels = self.kernels(plan.device)
             if kernels.prepare_rows is not None and kernels.gather_prepared is not None:
-                rows = kernels.prepare_rows(plan.src_idx, plan.dst_idx, plan.device)
+                src_idx = plan.src_idx
+                if _same_index_on(src_idx_on_device, src_idx, plan.device):
+                    assert src_idx_on_device is not None
+                    src_idx = src_idx_on_device
+                rows = kernels.prepare_rows(src_idx, plan.dst_idx, plan.device)
                 return PreparedLayers(plan, rows, kernels.gather_prepared)
         return PreparedLayers(plan, None, None)
 
@@ -864,6 +873,21 @@ def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
                 "share: one submission would write a byte twice"
             )
     return None
+
+
+def _same_index_on(
+    candidate: torch.Tensor | None, index: torch.Tensor, device: torch.device
+) -> bool:
+    """Whether ``candidate`` can stand for ``index`` on ``device`` (its values are the
+    caller's word): the kernels' index form, as long."""
+    return (
+        candidate is not None
+        and candidate.device == device
+        and candidate.dtype == torch.int64
+        and candidate.dim() == 1
+        and candidate.numel() == index.numel()
+        and (candidate.numel() < 2 or candidate.stride(0) == 1)
+    )
 
 
 def _destination_runs(plan: TransferPlan) -> Runs | None:

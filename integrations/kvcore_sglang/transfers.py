@@ -103,24 +103,30 @@ class HostIndexMemo:
     """The CPU host indices of each host-index tensor ``move_indices`` moved to the GPU.
 
     Held while the moved tensor lives (SGLang keeps it until the transfer is queued);
-    an entry is valid only while the CPU tensor is unmodified (its version counter).
+    an entry is valid only while neither tensor was written since (their version counters),
+    so that the moved tensor still holds the CPU one's values.
     Keyed by identity: tensors compare element-wise, so they cannot be dict keys.
     """
 
     def __init__(self) -> None:
-        self._moved: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int]] = {}
+        self._moved: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int, int]] = {}
         self._lock = threading.Lock()
 
     def remember(self, moved: torch.Tensor, on_cpu: torch.Tensor) -> None:
         key = id(moved)
         alive = weakref.ref(moved, lambda _: self._forget(key))
         with self._lock:
-            self._moved[key] = (alive, on_cpu, on_cpu._version)
+            self._moved[key] = (alive, on_cpu, on_cpu._version, moved._version)
 
     def recall(self, moved: torch.Tensor) -> torch.Tensor | None:
         with self._lock:
             entry = self._moved.get(id(moved))
-        if entry is None or entry[0]() is not moved or entry[1]._version != entry[2]:
+        if (
+            entry is None
+            or entry[0]() is not moved
+            or entry[1]._version != entry[2]
+            or moved._version != entry[3]
+        ):
             return None
         return entry[1]
 
@@ -558,6 +564,17 @@ def _layer_buffers(
     return buffers, job
 
 
+def _moved_host_rows(request: LoadRequest, indices: CallIndices) -> torch.Tensor | None:
+    """The host indices as SGLang moved them to the GPU, where they are the plan's source
+    rows themselves (the layer_first views' rows are the host slots): the request's
+    prepared rows then need no upload of their own."""
+    plan = request.plan
+    moved = request.host_indices
+    if plan is None or not indices.device_opaque or moved.device.type == "cpu":
+        return None
+    return moved if plan.src_idx is indices.host else None
+
+
 def _serve_layer(
     chosen_mover: Mover,
     jobs: PoolJobs,
@@ -585,7 +602,9 @@ def _serve_layer(
         request.plan = dataclasses.replace(first, src=_no_rows(first.src), dst=_no_rows(first.dst))
     if buffers.layered.reason is None:
         if request.prepared is None:
-            request.prepared = chosen_mover.prepare_layers(request.plan)
+            request.prepared = chosen_mover.prepare_layers(
+                request.plan, src_idx_on_device=_moved_host_rows(request, indices)
+            )
             request.pool_layers = POOL_LAYERS.kept(pool)
         try:
             chosen_mover.execute_prepared(request.prepared, buffers.layered)

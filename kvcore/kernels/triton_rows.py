@@ -522,6 +522,16 @@ _current_device_index = getattr(torch._C, "_cuda_getDevice", None)
 _I32_LIMIT = 1 << 31
 
 
+def launch_hooked() -> bool:
+    """Whether a launch hook (a profiler's) wants to see Triton launches. Triton 3.6 keeps
+    the hooks in a chain that is never None; older releases hold one callable or None."""
+    hook = triton.knobs.runtime.launch_enter_hook if triton is not None else None
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return True if calls is None else bool(calls)
+
+
 class LayeredLaunch:
     """:func:`gather_layers_uva` over one table, its offsets kept on the device.
 
@@ -577,7 +587,7 @@ class LayeredLaunch:
             or _current_raw_stream is None
             or _current_device_index is None
             or _current_device_index() != device_index
-            or triton.knobs.runtime.launch_enter_hook is not None
+            or launch_hooked()
         ):
             self._jit(src_idx, dst_idx, n_rows, tiles)
             return

@@ -110,3 +110,21 @@ def test_pairs_too_short_for_the_plan_are_refused_before_any_copy() -> None:
     with pytest.raises(ValueError, match="destination rows"):
         mover.execute_prepared(prepared, layer_pairs([srcs[1]], [short]))
     assert torch.equal(short, kept)
+
+
+def test_the_engines_own_copy_of_the_source_rows_stands_in_for_an_upload() -> None:
+    gen = torch.Generator().manual_seed(15)
+    srcs, dsts = layered(gen)
+    src_idx, dst_idx = scattered(gen)
+    want = expected(srcs, dsts, src_idx, dst_idx)
+    mover = Mover()
+    first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D)
+    own = src_idx.clone()
+    prepared = mover.prepare_layers(first, src_idx_on_device=own)
+    assert isinstance(prepared.rows, tuple) and prepared.rows[0] is own
+    mover.execute_prepared(prepared, layer_pairs(srcs, dsts))
+    for got, wanted in zip(dsts, want, strict=True):
+        assert torch.equal(got, wanted)
+    # One that cannot stand for the rows (another length, another dtype) is not used.
+    for unfit in (own[:-1], own.to(torch.int32)):
+        assert mover.prepare_layers(first, src_idx_on_device=unfit).rows[0] is not unfit

@@ -198,3 +198,24 @@ def test_shared_cases_really_interleave():
     srcs = CASES["shared_host_source_1152B_int16"]["srcs"]
     assert srcs[0].stride(0) == 3 * srcs[0].shape[1]
     assert srcs[1].data_ptr() - srcs[0].data_ptr() == srcs[0].shape[1] * 2
+
+
+def test_a_launch_hook_is_seen_only_while_one_is_set():
+    """The direct launch steps aside for a profiler's hook, and only for one: Triton 3.6
+    holds its hooks in a chain that is never None, empty until a hook is added."""
+    import triton
+
+    from kvcore.kernels.triton_rows import launch_hooked
+
+    chain = triton.knobs.runtime.launch_enter_hook
+    assert not launch_hooked()
+
+    def hook(metadata):
+        return None
+
+    chain.add(hook)
+    try:
+        assert launch_hooked()
+    finally:
+        chain.remove(hook)
+    assert not launch_hooked()
