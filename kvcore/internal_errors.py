@@ -28,7 +28,7 @@ class InternalErrors:
     def __init__(self, engine: str, logger: logging.Logger) -> None:
         self._engine = engine
         self._logger = logger
-        self._logged: set[str] = set()
+        self._logged: dict[str, str] = {}
 
     def reason(self, exc: Exception) -> str:
         """``internal_error:<type>`` for ``exc``, logged the first time that type is seen;
@@ -37,8 +37,8 @@ class InternalErrors:
             raise exc
         reason = f"internal_error:{type(exc).__name__}"
         if reason not in self._logged:
-            self._logged.add(reason)
             first_line = str(exc).splitlines()[0][:200] if str(exc) else "no message"
+            self._logged[reason] = first_line
             self._logger.warning(
                 "kvcore: %s inside a %s transfer hook (%s); that call and later ones like it "
                 "run %s's stock copy",
@@ -48,6 +48,10 @@ class InternalErrors:
                 self._engine,
             )
         return reason
+
+    def seen(self) -> dict[str, str]:
+        """Each reason seen since the last :meth:`forget`, with its first failure's message."""
+        return dict(self._logged)
 
     def forget(self) -> None:
         """Log every kind again (a new engine instance, or a test)."""

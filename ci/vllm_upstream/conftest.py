@@ -274,6 +274,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"kvcore: jobs copied by kvcore {_jobs['kvcore']}, handed to stock "
             f"{_jobs['stock']}; reasons: {METRICS.snapshot()['fallbacks'] or 'none'}"
         )
+        from kvcore_vllm.transfers import INTERNAL_ERRORS
+
+        for reason, message in INTERNAL_ERRORS.seen().items():
+            terminalreporter.write_line(f"kvcore: {reason}, first seen: {message}")
         if _copied_nothing(terminalreporter.config):
             terminalreporter.write_line(
                 "kvcore: FAILED: the serve rule is off, yet kvcore copied no job itself"
