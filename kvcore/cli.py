@@ -196,7 +196,7 @@ def _describe_serve_rule(rule: dict[str, Any]) -> list[str]:
     """The table the serve-or-pass rule decides each call from (first match wins)."""
     state = "on" if rule["enabled"] else "off (KVCORE_SERVE_RULE=0: kvcore serves what it can)"
     lines = [f"serve-or-pass rule: {state}; first matching row decides"]
-    columns = ("engine", "op", "io_backend", "layout", "page_sizes", "serves", "reason")
+    columns = ("engine", "pool", "op", "io_backend", "layout", "page_sizes", "serves", "reason")
     table = [columns, *[tuple(str(row[c]) for c in columns) for row in rule["rules"]]]
     widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
     for row in table:

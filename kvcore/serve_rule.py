@@ -39,15 +39,21 @@ class SGLangRule:
     evidence: str
     """The measurements behind the entry."""
     dense_host: bool = True
-    """False: kvcore passes when the request's host slots are one dense span, where stock's
-    copy runs as well as kvcore's (the adapter checks it once it has the host slots)."""
+    """False: kvcore passes when the request's host slots are one ascending run, where
+    stock's copy runs as well as kvcore's (the adapter checks it once it has the slots)."""
+    pool: str = ANY
+    """The host pool's kind (``mha``, ``mla``, ``dsa``), or :data:`ANY`: rows of one size
+    move at other speeds on stock's kernels (MLA's 1152 B against MHA's 2 KiB)."""
 
-    def matches(self, op: str, io_backend: str, layout: str, page_size: int) -> bool:
+    def matches(
+        self, op: str, io_backend: str, layout: str, page_size: int, pool: str = ""
+    ) -> bool:
         return (
             self.op in (ANY, op)
             and self.io_backend in (ANY, io_backend)
             and self.layout in (ANY, layout)
             and self.page_sizes[0] <= page_size <= self.page_sizes[1]
+            and self.pool in (ANY, pool)
         )
 
 
@@ -58,6 +64,18 @@ _TOKEN_PAGES = (1, 1)
 
 # First match wins, so specific entries come before general ones.
 SGLANG_RULES: tuple[SGLangRule, ...] = (
+    SGLangRule(
+        "load",
+        "kernel",
+        "layer_first",
+        _TOKEN_PAGES,
+        8192,
+        "stock_kernel_small_load",
+        "token-granular MLA reloads (61 layers): stock's kernel at 40-43 GB/s; kvcore's gather "
+        "1.09-1.12x from 8k tokens, 1.16-1.27x at 32k; below 8k kvcore's first call costs "
+        "more than it saves (0.49-0.93x at 2k; H200 engine sweep, host-cost run)",
+        pool="mla",
+    ),
     SGLangRule(
         "load",
         "kernel",
@@ -145,31 +163,47 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
 
 
 @functools.lru_cache(maxsize=4096)
-def _sglang_rule(op: str, io_backend: str, layout: str, page_size: int) -> SGLangRule | None:
-    return next((r for r in SGLANG_RULES if r.matches(op, io_backend, layout, page_size)), None)
+def _sglang_rule(
+    op: str, io_backend: str, layout: str, page_size: int, pool: str
+) -> SGLangRule | None:
+    return next(
+        (r for r in SGLANG_RULES if r.matches(op, io_backend, layout, page_size, pool)), None
+    )
 
 
 def sglang_decision(
-    op: str, io_backend: str, layout: str, page_size: int, tokens: int, *, enabled: bool = True
+    op: str,
+    io_backend: str,
+    layout: str,
+    page_size: int,
+    tokens: int,
+    *,
+    pool: str = "",
+    enabled: bool = True,
 ) -> str | None:
-    """None when kvcore serves this SGLang call, else the reason it passes to stock."""
+    """None when kvcore serves this SGLang call, else the reason it passes to stock.
+    ``pool`` is the host pool's kind; "" (unknown) meets only the rows for any pool."""
     if not enabled:
         return SERVE
-    rule = _sglang_rule(op, io_backend, layout, page_size)
+    rule = _sglang_rule(op, io_backend, layout, page_size, pool)
     if rule is None or rule.min_tokens is None:
         return rule.reason if rule is not None else SERVE
     return SERVE if tokens >= rule.min_tokens else rule.reason
 
 
-def sglang_dense_host_passes(op: str, io_backend: str, layout: str, page_size: int) -> bool:
-    """Whether a request whose host slots form one dense span goes to stock."""
-    rule = _sglang_rule(op, io_backend, layout, page_size)
+def sglang_dense_host_passes(
+    op: str, io_backend: str, layout: str, page_size: int, *, pool: str = ""
+) -> bool:
+    """Whether a request whose host slots form one ascending run goes to stock."""
+    rule = _sglang_rule(op, io_backend, layout, page_size, pool)
     return rule is not None and not rule.dense_host
 
 
-def sglang_never(op: str, io_backend: str, layout: str, page_size: int) -> str | None:
+def sglang_never(
+    op: str, io_backend: str, layout: str, page_size: int, *, pool: str = ""
+) -> str | None:
     """The reason kvcore never serves this kind of SGLang call at any size, else None."""
-    rule = _sglang_rule(op, io_backend, layout, page_size)
+    rule = _sglang_rule(op, io_backend, layout, page_size, pool)
     return rule.reason if rule is not None and rule.min_tokens is None else None
 
 
@@ -236,6 +270,7 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
         rows.append(
             {
                 "engine": "sglang",
+                "pool": rule.pool,
                 "op": rule.op,
                 "io_backend": rule.io_backend,
                 "layout": rule.layout,
@@ -251,6 +286,7 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
         rows.append(
             {
                 "engine": "vllm",
+                "pool": "-",
                 "op": "store",
                 "io_backend": "-",
                 "layout": "per-layer or cross-layer",
@@ -263,6 +299,7 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
     rows += [
         {
             "engine": "vllm",
+            "pool": "-",
             "op": "store/load",
             "io_backend": "-",
             "layout": "per-layer or cross-layer",
@@ -273,6 +310,7 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
         },
         {
             "engine": "vllm",
+            "pool": "-",
             "op": "store/load",
             "io_backend": "-",
             "layout": "per-layer or cross-layer",
@@ -286,6 +324,7 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
         rows.append(
             {
                 "engine": "vllm",
+                "pool": "-",
                 "op": "load",
                 "io_backend": "-",
                 "layout": "cross-layer (one KV tensor)",

@@ -383,11 +383,20 @@ def _ruled_shape(pool: Any) -> tuple[str, int] | None:
     return layout, page_size
 
 
+# The pool classes kvcore serves, by the kind the rule's rows name.
+_POOL_KINDS = {MHA_POOL: "mha", MLA_POOL: "mla", DSA_POOL: "dsa"}
+
+
+def _pool_kind(pool: Any) -> str:
+    """The rule's name for the pool's kind; "" for any other class (rows for any pool)."""
+    return _POOL_KINDS.get(_class_name(pool), "")
+
+
 def _rule_reason(op: str, pool: Any, io_backend: str, tokens: int) -> str | None:
     shape = _ruled_shape(pool)
     if shape is None:
         return None
-    return serve_rule.sglang_decision(op, io_backend, *shape, tokens)
+    return serve_rule.sglang_decision(op, io_backend, *shape, tokens, pool=_pool_kind(pool))
 
 
 # Pool -> the methods kvcore gave back to stock on that pool (instance attributes it set).
@@ -411,7 +420,7 @@ def _bypass_if_never(
     if shape is None:
         return False
     layout, page_size = shape
-    reason = serve_rule.sglang_never(op, io_backend, layout, page_size)
+    reason = serve_rule.sglang_never(op, io_backend, layout, page_size, pool=_pool_kind(pool))
     if reason is None:
         return False
     if method in BYPASSED.get(pool, ()):
@@ -506,7 +515,7 @@ def _dense_host_passes(op: str, pool: Any, io_backend: str, host: torch.Tensor) 
     shape = _ruled_shape(pool)
     if shape is None or host.numel() == 0:
         return False
-    if not serve_rule.sglang_dense_host_passes(op, io_backend, *shape):
+    if not serve_rule.sglang_dense_host_passes(op, io_backend, *shape, pool=_pool_kind(pool)):
         return False
     if int(host[-1]) - int(host[0]) + 1 != host.numel():
         return False

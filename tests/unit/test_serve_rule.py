@@ -115,3 +115,21 @@ def test_doctor_says_when_the_rule_is_off():
     env = {**os.environ, "KVCORE_SERVE_RULE": "0"}
     result = _doctor(env=env)
     assert "serve-or-pass rule: off" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("pool", "tokens", "expected"),
+    [
+        # Token-granular MLA reloads beat stock's kernel from 8k tokens; MHA's never do.
+        ("mla", 8191, "stock_kernel_small_load"),
+        ("mla", 8192, SERVE),
+        ("mha", 1 << 20, "stock_kernel_near_link"),
+        ("", 1 << 20, "stock_kernel_near_link"),
+    ],
+)
+def test_rows_for_one_pool_kind_decide_only_that_kind(pool, tokens, expected):
+    assert sglang_decision("load", "kernel", "layer_first", 1, tokens, pool=pool) == expected
+    never = serve_rule.sglang_never("load", "kernel", "layer_first", 1, pool=pool)
+    assert (never is None) == (pool == "mla")
+    # Paged MLA reloads stay stock's at any size.
+    assert serve_rule.sglang_never("load", "kernel", "layer_first", 64, pool="mla")

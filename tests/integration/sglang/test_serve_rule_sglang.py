@@ -242,3 +242,9 @@ def test_a_backup_passes_on_one_ascending_host_run_only(
         serve_rule._sglang_rule.cache_clear()
     passed = _counts()[0].get("stock_dense_host", 0) - fallbacks.get("stock_dense_host", 0)
     assert (len(stock.calls), passed) == ((0, 0) if served else (1, 1))
+
+
+def test_the_rule_sees_each_served_pool_by_its_kind():
+    assert transfers._pool_kind(pool_for("mha", "layer_first")) == "mha"
+    assert transfers._pool_kind(pool_for("mla", "layer_first")) == "mla"
+    assert transfers._pool_kind(object()) == ""
