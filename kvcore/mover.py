@@ -690,12 +690,7 @@ class Mover:
         degraded = None
         if plan.rows and plan.row_bytes:
             degraded = self._copy_layers(plan, pairs)
-        seconds = time.perf_counter() - started
-        if self.metrics is not None:
-            nbytes = plan.nbytes * len(pairs)
-            self.metrics.record_transfer(plan.direction.value, plan.path.value, nbytes, seconds)
-            if degraded is not None:
-                self.metrics.record_fallback(degraded)
+        self._record_layers(plan, pairs, time.perf_counter() - started, degraded)
 
     def prepare_layers(
         self, plan: TransferPlan, *, src_idx_on_device: torch.Tensor | None = None
@@ -733,7 +728,11 @@ class Mover:
             prepared.fits.add(pairs)
         started = time.perf_counter()
         degraded = prepared.gather(pairs, prepared.rows)
-        seconds = time.perf_counter() - started
+        self._record_layers(plan, pairs, time.perf_counter() - started, degraded)
+
+    def _record_layers(
+        self, plan: TransferPlan, pairs: LayerPairs, seconds: float, degraded: str | None
+    ) -> None:
         if self.metrics is not None:
             nbytes = plan.nbytes * len(pairs)
             self.metrics.record_transfer(plan.direction.value, plan.path.value, nbytes, seconds)
