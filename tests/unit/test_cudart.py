@@ -61,4 +61,4 @@ def test_layers_whose_host_memory_the_gpu_cannot_reach_are_gathered_one_by_one(m
     host = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
     device = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
     ops = cuda._CudaIndexedOps(gather_ctas=4, staged_pieces=2)
-    assert ops._table(layer_pairs(host, device)) == "gather_layers_unavailable:host_pointer"
+    assert ops._launch(layer_pairs(host, device)) == "gather_layers_unavailable:host_pointer"
