@@ -21,7 +21,9 @@ import torch
 
 from kvcore.direction import Direction
 from kvcore.layers import layer_pairs
-from kvcore.mover import Mover, TransferPath, plan
+from kvcore.mover import Mover
+from kvcore.path_policy import TransferPath
+from kvcore.planning import plan
 
 logger = logging.getLogger("kvcore.warm_up")
 

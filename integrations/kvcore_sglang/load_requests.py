@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from kvcore.layers import LayerPairs
-from kvcore.mover import PathPolicy, PreparedLayers, TransferPlan
+from kvcore.mover import PreparedLayers
+from kvcore.path_policy import PathPolicy
+from kvcore.planning import TransferPlan
 
 _MAX_REQUESTS = 64
 

@@ -14,7 +14,7 @@ With ``kernel`` (SGLang's default) the host indices are moved to the GPU there, 
 device indices are computed on the GPU by the device allocator: no CPU copy of them
 exists. An AROUND hook on ``move_indices`` remembers the CPU host indices of each moved
 tensor (:class:`HostIndexMemo`); a ``kernel`` call is planned from those alone, the
-device indices staying on the GPU, unread (:func:`kvcore.mover.plan_device_indexed`:
+device indices staying on the GPU, unread (:func:`kvcore.planning.plan_device_indexed`:
 staged or gather). A ``kernel`` call whose host indices were not remembered runs stock
 (``sglang_indices_on_device``). kvcore never reads a device tensor back to plan.
 
@@ -53,17 +53,9 @@ from kvcore.direction import Direction
 from kvcore.internal_errors import InternalErrors
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
-from kvcore.mover import (
-    Mover,
-    StalePlanError,
-    Submission,
-    TransferPath,
-    TransferPlan,
-    plan,
-    plan_device_indexed,
-    policy_from_config,
-    submissions,
-)
+from kvcore.mover import Mover, Submission, submissions
+from kvcore.path_policy import TransferPath, policy_from_config
+from kvcore.planning import StalePlanError, TransferPlan, plan, plan_device_indexed
 
 from . import guard, pool_jobs
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, weakly

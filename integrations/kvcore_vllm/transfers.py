@@ -45,13 +45,9 @@ from kvcore.direction import Direction
 from kvcore.internal_errors import InternalErrors
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import (
-    Mover,
-    Submission,
-    plan,
-    policy_from_config,
-    submissions,
-)
+from kvcore.mover import Mover, Submission, submissions
+from kvcore.path_policy import policy_from_config
+from kvcore.planning import plan
 from kvcore.runs import has_duplicates
 from kvcore.streams import CudaEventOps
 from kvcore.warm_up import warm_up

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from kvcore.direction import Direction
-from kvcore.mover import Mover, TransferPath
+from kvcore.mover import Mover
+from kvcore.path_policy import TransferPath
 
 # Rows and bytes a row of the settle copies: small, and the same every time.
 _SETTLE_ROWS = 256

@@ -31,8 +31,10 @@ from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.kernels.reference import as_row_words
 from kvcore.layers import layer_pairs
-from kvcore.mover import Mover, PathPolicy, TransferPath, TransferPlan, plan, policy_from_config
+from kvcore.mover import Mover
+from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
 from kvcore.pinned import allocate_host_buffer
+from kvcore.planning import TransferPlan, plan
 from kvcore.streams import CopyStreams, CudaBackend
 
 PAGE = 64

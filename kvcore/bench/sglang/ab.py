@@ -36,7 +36,8 @@ from kvcore.bench.sglang.import_stubs import PackageStub, StubType
 from kvcore.bench.suite import scattered_layout, timed
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, policy_from_config
+from kvcore.mover import Mover
+from kvcore.path_policy import policy_from_config
 from kvcore.runs import find_paired_runs
 
 KINDS = ("mha", "mla")

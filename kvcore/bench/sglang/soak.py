@@ -69,7 +69,8 @@ from kvcore.bench.soak_state import (
 )
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, policy_from_config
+from kvcore.mover import Mover
+from kvcore.path_policy import policy_from_config
 
 BACKEND = "kernel"
 KINDS = ("mha", "mla")

@@ -47,7 +47,8 @@ from kvcore.bench.vllm.host_platform import is_run_on_host, run_on_host, without
 from kvcore.config import KVCoreConfig
 from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, PathPolicy, policy_from_config
+from kvcore.mover import Mover
+from kvcore.path_policy import PathPolicy, policy_from_config
 from kvcore.streams import CpuSyncBackend
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.stock_copies import StockCopies, gpu_tensors_of

@@ -1,0 +1,426 @@
+"""Plan one row transfer between host and device memory, without running it.
+
+A transfer copies rows: ``dst[dst_idx[k]] = src[src_idx[k]]``, a row being everything
+after dim 0. :func:`plan` (and :func:`plan_device_indexed`, for a device index never
+read) validates the request, decides whether the bytes can be moved on kvcore's own
+paths and picks the cheapest one, as a :class:`TransferPlan`; a staged plan is cut into
+:class:`StagedChunk` pieces here. Planning reads CPU indices only and issues no device
+work, so it sits apart from :mod:`kvcore.mover`, which executes plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcore.direction import Direction
+from kvcore.kernels.reference import row_bytes
+from kvcore.pair_checks import fallback_reason
+from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.runs import (
+    PairedRuns,
+    Runs,
+    check_bounds,
+    check_index,
+    find_runs,
+    has_duplicates,
+    segment_transfer,
+    slice_runs,
+)
+
+
+class StalePlanError(ValueError):
+    """A plan's index tensor was written in place after planning: plan again."""
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """What :func:`plan` decided for one transfer; ``reason`` is set iff the path is FALLBACK.
+
+    A plan keeps the caller's index tensors as ``src_idx`` and ``dst_idx`` (int64 ones
+    as they are), and its runs may be views of them: a copy of both at plan time would
+    add a pass over both and fresh memory their size to every plan, which engines make
+    on their submit path, and a copy at execute time would cost every layer that. So
+    that an index written in place after planning cannot send rows to the wrong places
+    (or past the end of a buffer), the plan records the indices' version counters, which
+    every in-place torch write bumps, and :meth:`check_indices` compares them: two
+    integer reads where execute, execute_layers and rebind start. Writes torch does not
+    count, through a NumPy array sharing the memory, are not seen. Inference tensors
+    have no counter: plans copy those. A device index of :func:`plan_device_indexed`
+    is not watched: the plan never read it, and the copy reads it when it runs, as the
+    engine's own kernels do.
+    """
+
+    path: TransferPath
+    direction: Direction
+    src: torch.Tensor
+    dst: torch.Tensor
+    src_idx: torch.Tensor
+    dst_idx: torch.Tensor
+    runs: PairedRuns
+    host_runs: Runs
+    rows: int
+    row_bytes: int
+    """Bytes of one source row."""
+    nbytes: int
+    reason: str | None = None
+    policy: PathPolicy = PathPolicy()
+    src_span: int = 0
+    """Rows ``src`` must have at least (largest source index + 1)."""
+    dst_span: int = 0
+    staged_chunks: tuple[StagedChunk, ...] = ()
+    """For STAGED plans: the pieces that fit the policy's staging buffer, with their host
+    runs, segmented once here rather than on every layer."""
+    device_index_opaque: bool = False
+    """Planned by :func:`plan_device_indexed`: the device side's index was never read."""
+    index_versions: tuple[int | None, int | None] = (None, None)
+    """``src_idx._version`` and ``dst_idx._version`` when planned; None for one not watched."""
+
+    def check_indices(self) -> None:
+        """Raise :class:`StalePlanError` where ``src_idx`` or ``dst_idx`` was written in place
+        since planning: the runs, bounds and path were decided for other values."""
+        src_version, dst_version = self.index_versions
+        if src_version is not None and self.src_idx._version != src_version:
+            raise StalePlanError(_STALE.format(name="src_idx"))
+        if dst_version is not None and self.dst_idx._version != dst_version:
+            raise StalePlanError(_STALE.format(name="dst_idx"))
+
+    @property
+    def device(self) -> torch.device:
+        """The device side: the destination of a page-in, the source of a page-out."""
+        return self.dst.device if self.direction is Direction.H2D else self.src.device
+
+    def rebind(self, src: torch.Tensor, dst: torch.Tensor) -> TransferPlan:
+        """The same transfer between other buffers of the same layout, such as the next layer.
+
+        Engines copy layer by layer with the same indices; the segmentation and the
+        path choice are reused, so only the buffers are checked. Anything that could
+        change the decision (devices, row size, a fallback either side) plans again.
+        Raises :class:`StalePlanError` where an index was written since planning.
+        """
+        self.check_indices()
+        same_layout = (
+            self.reason is None
+            and src.device == self.src.device
+            and dst.device == self.dst.device
+            and src.dim() > 0
+            and dst.dim() > 0
+            and src.shape[0] >= self.src_span
+            and dst.shape[0] >= self.dst_span
+            and row_bytes(src) == self.row_bytes
+            and fallback_reason(src, dst) is None
+        )
+        if not same_layout:
+            replan = plan_device_indexed if self.device_index_opaque else plan
+            return replan(
+                src, dst, self.src_idx, self.dst_idx, direction=self.direction, policy=self.policy
+            )
+        return dataclasses.replace(self, src=src, dst=dst)
+
+    def describe(self) -> str:
+        path = self.path.value
+        if self.reason is not None:
+            path = f"{path} ({self.reason})"
+        return (
+            f"{self.direction.value} {path}: {self.rows} rows x {self.row_bytes} B"
+            f" = {_format_bytes(self.nbytes)}, {self.runs.count} paired runs,"
+            f" {self.host_runs.count} host runs"
+        )
+
+
+_STALE = (
+    "{name} was written in place after planning; the plan's runs, bounds and path were "
+    "decided for its old values: plan again"
+)
+
+
+def _format_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.4g} {unit}"
+        value /= 1024
+    return f"{value:.4g} GiB"
+
+
+def plan(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    *,
+    direction: Direction | None = None,
+    policy: PathPolicy = PathPolicy(),
+    force: TransferPath | None = None,
+) -> TransferPlan:
+    """Validate a transfer and choose how to run it.
+
+    Caller bugs raise (TypeError / ValueError); requests kvcore cannot prove it
+    copies correctly come back as a FALLBACK plan with a reason, so that the
+    engine's stock path runs unchanged. ``force`` picks a path for benchmarks and
+    tests; it never overrides a fallback reason.
+    """
+    src_idx = _watchable(check_index(src_idx, "src_idx"))
+    dst_idx = _watchable(check_index(dst_idx, "dst_idx"))
+    direction = _check_sides(src, dst, direction)
+    found = segment_transfer(
+        src_idx, dst_idx, src.shape[0], dst.shape[0], host_is_src=direction is Direction.H2D
+    )
+    if found.dst_has_duplicates:
+        # Which source row would win is undefined: stock GPU copies would race.
+        raise ValueError("dst_idx holds duplicate indices")
+    runs, host_runs = found.runs, found.host_runs
+    src_span, dst_span = found.src_span, found.dst_span
+    rows = int(src_idx.numel())
+    src_row_bytes = row_bytes(src)
+    nbytes = rows * src_row_bytes
+
+    reason = fallback_reason(src, dst)
+    if reason is None and force is TransferPath.FALLBACK:
+        reason = "forced"
+    if reason is not None:
+        path = TransferPath.FALLBACK
+    elif force is not None:
+        path = _check_forced(force, runs, src_row_bytes, policy)
+    else:
+        path = _choose_path(runs, host_runs, nbytes, policy)
+    return _decided(
+        path,
+        direction,
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        runs,
+        host_runs,
+        reason,
+        policy,
+        src_span=src_span,
+        dst_span=dst_span,
+        index_versions=(src_idx._version, dst_idx._version),
+    )
+
+
+def _decided(
+    path: TransferPath,
+    direction: Direction,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    runs: PairedRuns,
+    host_runs: Runs,
+    reason: str | None,
+    policy: PathPolicy,
+    **spans_and_flags: Any,
+) -> TransferPlan:
+    """The plan for a chosen path; a STAGED one gets its staging-sized chunks here."""
+    src_row_bytes = row_bytes(src)
+    staged: tuple[StagedChunk, ...] = ()
+    if path is TransferPath.STAGED:
+        # Rows of no bytes (a valid transfer that moves nothing) all fit one chunk.
+        staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1))
+    rows = int(src_idx.numel())
+    return TransferPlan(
+        path=path,
+        direction=direction,
+        src=src,
+        dst=dst,
+        src_idx=src_idx,
+        dst_idx=dst_idx,
+        runs=runs,
+        host_runs=host_runs,
+        rows=rows,
+        row_bytes=src_row_bytes,
+        nbytes=rows * src_row_bytes,
+        reason=reason,
+        policy=policy,
+        staged_chunks=staged,
+        **spans_and_flags,
+    )
+
+
+def plan_device_indexed(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    *,
+    direction: Direction,
+    policy: PathPolicy = PathPolicy(),
+    force: TransferPath | None = None,
+) -> TransferPlan:
+    """:func:`plan` for a device-side index that stays on the device and is never read.
+
+    An engine may compute the device rows on the GPU (SGLang's ``kernel`` io backend
+    does): reading them back would synchronise the GPU, so only the host side's index,
+    on the CPU, is validated and segmented. Without the device side's runs the plan is
+    STAGED (the host side is a few long runs: DMA plus an on-device index_copy_ or
+    index_select) or GATHER; single and batched copies need both sides' runs. As in the
+    engines' own kernels, the device index is not bounds- or duplicate-checked.
+    """
+    direction = Direction(direction)
+    page_in = direction is Direction.H2D
+    host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
+    host, device = (src, dst) if page_in else (dst, src)
+    host_idx = _watchable(check_index(host_idx, "host index"))
+    if not isinstance(device_idx, torch.Tensor):
+        raise TypeError(f"the device index must be a torch.Tensor, got {type(device_idx).__name__}")
+    dtype = device_idx.dtype
+    if device_idx.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(
+            f"the device index must be a 1-D integer tensor, got {device_idx.dtype} "
+            f"of shape {tuple(device_idx.shape)}"
+        )
+    if device_idx.numel() != host_idx.numel():
+        raise ValueError(
+            f"the host index has {host_idx.numel()} entries but the device index "
+            f"{device_idx.numel()}"
+        )
+    _check_sides(src, dst, direction)
+    # Kernels and index_copy_ take int64; a conversion on the device is queued, not waited.
+    device_idx = device_idx.to(torch.int64).contiguous()
+    if device_idx.device.type == "cpu":
+        # The CUDA kernels cache uploads of CPU indices by version counter.
+        device_idx = _watchable(device_idx)
+    host_span = check_bounds(host_idx, host.shape[0], "the host index")
+    if not page_in and has_duplicates(host_idx):
+        raise ValueError("the host index holds duplicate destinations")
+    host_runs = find_runs(host_idx)
+    rows = int(host_idx.numel())
+    src_row_bytes = row_bytes(src)
+    nbytes = rows * src_row_bytes
+    reason = fallback_reason(src, dst)
+    if reason is None and device_idx.device not in (device.device, torch.device("cpu")):
+        reason = "unsupported_device"
+    if reason is None and force is TransferPath.FALLBACK:
+        reason = "forced"
+    if reason is not None:
+        path = TransferPath.FALLBACK
+    elif force is not None:
+        if force not in (TransferPath.STAGED, TransferPath.GATHER):
+            raise ValueError(f"force={force.value} needs the device side's runs")
+        path = _check_forced(force, _NO_RUNS, src_row_bytes, policy)
+    elif _host_runs_long(host_runs, nbytes, policy) and src_row_bytes <= policy.staging_bytes:
+        path = TransferPath.STAGED
+    else:
+        path = TransferPath.GATHER
+    src_idx, dst_idx = (host_idx, device_idx) if page_in else (device_idx, host_idx)
+    return _decided(
+        path,
+        direction,
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        _NO_RUNS,
+        host_runs,
+        reason,
+        policy,
+        src_span=host_span if page_in else 0,
+        dst_span=0 if page_in else host_span,
+        device_index_opaque=True,
+        index_versions=(host_idx._version, None) if page_in else (None, host_idx._version),
+    )
+
+
+def _watchable(index: torch.Tensor) -> torch.Tensor:
+    """``index``, or a copy of it where it has no version counter (an inference tensor)."""
+    if not index.is_inference():
+        return index
+    with torch.inference_mode(False):
+        return index.clone()
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+_NO_RUNS = PairedRuns(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+
+
+@dataclass(frozen=True)
+class StagedChunk:
+    """Rows ``[begin, end)`` of a staged transfer and the host runs they read or write."""
+
+    begin: int
+    end: int
+    host_runs: Runs
+
+
+def staged_chunks(host_runs: Runs, chunk_rows: int) -> tuple[StagedChunk, ...]:
+    """The host runs cut into chunks of at most ``chunk_rows`` rows (a staging buffer's worth)."""
+    rows = host_runs.total
+    if rows <= chunk_rows:
+        return (StagedChunk(0, rows, host_runs),)
+    bounds = [(begin, min(begin + chunk_rows, rows)) for begin in range(0, rows, chunk_rows)]
+    return tuple(StagedChunk(b, e, slice_runs(host_runs, b, e)) for b, e in bounds)
+
+
+def _check_sides(src: torch.Tensor, dst: torch.Tensor, direction: Direction | None) -> Direction:
+    """Both sides have rows, and the direction their devices imply (or the one given)."""
+    for name, tensor in (("src", src), ("dst", dst)):
+        if tensor.dim() == 0:
+            raise ValueError(f"{name} is a scalar; rows are indexed along dim 0")
+    return _resolve_direction(src.device, dst.device, direction)
+
+
+def _resolve_direction(
+    src_device: torch.device, dst_device: torch.device, direction: Direction | None
+) -> Direction:
+    given = None if direction is None else Direction(direction)
+    src_on_host = src_device.type == "cpu"
+    if src_on_host != (dst_device.type == "cpu"):
+        implied = Direction.H2D if src_on_host else Direction.D2H
+        if given is not None and given is not implied:
+            raise ValueError(
+                f"{src_device} -> {dst_device} is {implied.value}, but direction={given.value}"
+            )
+        return implied
+    if given is None:
+        raise ValueError(
+            f"src is on {src_device} and dst on {dst_device}: pass direction= to say which "
+            "side is the host"
+        )
+    return given
+
+
+def _choose_path(
+    runs: PairedRuns, host_runs: Runs, nbytes: int, policy: PathPolicy
+) -> TransferPath:
+    if runs.count <= 1:
+        # One run on both sides is one DMA at line rate; nothing can beat it.
+        return TransferPath.SINGLE_COPY
+    if runs.count <= policy.max_batched_runs and nbytes >= policy.long_run_bytes * runs.count:
+        # Runs long enough that DMA engines reach line rate run by run, few enough that
+        # the per-run submission cost (one batched submission on CUDA) stays small.
+        return TransferPath.BATCHED_RUNS
+    if _host_runs_long(host_runs, nbytes, policy) and nbytes <= policy.staging_bytes:
+        # Only the host side crosses PCIe: a few long DMAs into device staging,
+        # then a scatter at HBM bandwidth (>10x PCIe), which is nearly free. A copy
+        # larger than the staging buffer would take one DMA and one scatter per buffer's
+        # worth (H200: ~80 us of host time each, 97% of the link); the gather below takes
+        # one launch whatever the size, at 92-95%.
+        return TransferPath.STAGED
+    # Short runs on the host: DMA would be bound by per-run submission cost,
+    # while a gather kernel keeps many small UVA reads in flight.
+    return TransferPath.GATHER
+
+
+def _host_runs_long(host_runs: Runs, nbytes: int, policy: PathPolicy) -> bool:
+    return host_runs.count <= 1 or (
+        host_runs.count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * host_runs.count
+    )
+
+
+def _check_forced(
+    force: TransferPath, runs: PairedRuns, row_size: int, policy: PathPolicy
+) -> TransferPath:
+    if force is TransferPath.SINGLE_COPY and runs.count > 1:
+        raise ValueError(f"force=single_copy needs at most one paired run, got {runs.count}")
+    if force is TransferPath.STAGED and row_size > policy.staging_bytes:
+        raise ValueError(
+            f"force=staged: a row of {row_size} B does not fit the "
+            f"{policy.staging_bytes} B staging buffer"
+        )
+    return force
