@@ -67,25 +67,15 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
     SGLangRule(
         "load",
         "kernel",
-        "layer_first",
-        _TOKEN_PAGES,
-        8192,
-        "stock_kernel_small_load",
-        "token-granular MLA reloads (61 layers): stock's kernel at 40-43 GB/s; kvcore's gather "
-        "1.09-1.12x from 8k tokens, 1.16-1.27x at 32k; below 8k kvcore's first call costs "
-        "more than it saves (0.49-0.93x at 2k; H200 engine sweep, host-cost run)",
-        pool="mla",
-    ),
-    SGLangRule(
-        "load",
-        "kernel",
         ANY,
         _ALL_PAGES,
         None,
         "stock_kernel_near_link",
-        "SGLang's JIT load kernel moves reloads at 50-51 GB/s from 4k tokens up, for 20-40 us "
-        "of host time a layer; kvcore's own loads were 0.17-0.94x below 16k tokens and "
-        "0.98-1.05x above (H200 engine sweep, MHA 32 layers)",
+        "SGLang's JIT load kernel moves paged reloads at 50-51 GB/s from 4k tokens up, for "
+        "19-26 us of host time a layer; kvcore's own loads 0.97-1.04x from 8k tokens (H200 "
+        "engine sweep). Token-granular MLA reloads (stock at 40-43 GB/s) ran 1.09-1.27x on "
+        "kvcore's gather from 8k tokens, but the gather holds 8 SMs where stock's kernel holds "
+        "2, so they stay stock until a concurrent GEMM shows what those SMs cost",
     ),
     SGLangRule(
         "backup",

@@ -120,16 +120,24 @@ def test_doctor_says_when_the_rule_is_off():
 @pytest.mark.parametrize(
     ("pool", "tokens", "expected"),
     [
-        # Token-granular MLA reloads beat stock's kernel from 8k tokens; MHA's never do.
+        # A row for MLA pools decides theirs alone; the others meet the rows for any pool.
         ("mla", 8191, "stock_kernel_small_load"),
         ("mla", 8192, SERVE),
         ("mha", 1 << 20, "stock_kernel_near_link"),
         ("", 1 << 20, "stock_kernel_near_link"),
     ],
 )
-def test_rows_for_one_pool_kind_decide_only_that_kind(pool, tokens, expected):
-    assert sglang_decision("load", "kernel", "layer_first", 1, tokens, pool=pool) == expected
-    never = serve_rule.sglang_never("load", "kernel", "layer_first", 1, pool=pool)
-    assert (never is None) == (pool == "mla")
-    # Paged MLA reloads stay stock's at any size.
-    assert serve_rule.sglang_never("load", "kernel", "layer_first", 64, pool="mla")
+def test_rows_for_one_pool_kind_decide_only_that_kind(monkeypatch, pool, tokens, expected):
+    mla_row = SGLangRule(
+        "load", "kernel", "layer_first", (1, 1), 8192, "stock_kernel_small_load", "e", pool="mla"
+    )
+    monkeypatch.setattr(serve_rule, "SGLANG_RULES", (mla_row, *serve_rule.SGLANG_RULES))
+    serve_rule._sglang_rule.cache_clear()
+    try:
+        assert sglang_decision("load", "kernel", "layer_first", 1, tokens, pool=pool) == expected
+        never = serve_rule.sglang_never("load", "kernel", "layer_first", 1, pool=pool)
+        assert (never is None) == (pool == "mla")
+        # Paged MLA reloads stay stock's at any size.
+        assert serve_rule.sglang_never("load", "kernel", "layer_first", 64, pool="mla")
+    finally:
+        serve_rule._sglang_rule.cache_clear()
