@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 
 from kvcore_vllm import transfers
+from kvcore_vllm.releases import installed_shape
 
 
 def test_the_worker_and_its_handlers_are_kvcores():
@@ -37,9 +38,9 @@ def test_the_worker_and_its_handlers_are_kvcores():
     assert (stock.__module__, stock.__name__) == (gpu_worker.__name__, "CPUOffloadingWorker")
     handler = transfers.KVCoreOffloadingHandler
     assert handler.__mro__[1].__module__ == transfers.__name__
-    assert {"src_tensors", "dst_tensors", "kv_cache_groups_data_refs", "_transfers"} <= set(
-        vars(handler)
-    )
+    # The layer references go by another name in each release's stock handler.
+    refs = installed_shape().name("layer_refs_per_group")
+    assert {"src_tensors", "dst_tensors", refs, "_transfers"} <= set(vars(handler))
 """
 
 # What a module gets that bound the worker before the swap (stock's class).
