@@ -45,15 +45,16 @@ class PathPolicy:
     gather_ctas: int = 8
     """CTAs (so SMs) the UVA gather kernel may occupy on CUDA."""
     max_dma_runs: int = 16
-    """Most host runs a staged copy takes, one torch copy_ each (H200: ~14-45 us of host
-    time a call)."""
+    """Most host runs a staged copy takes: each is one torch copy_, whose host time adds up
+    (docs/benchmarks.md, "Host time to submit one layer")."""
     max_batched_runs: int = 256
-    """Most runs one cudaMemcpyBatchAsync takes (H200: ~100 us for 16 runs, ~1.7 us a run
-    at 256, ~0.8 us at thousands); past it the gather kernel costs less host time."""
+    """Most runs one cudaMemcpyBatchAsync takes; past it the gather kernel costs less host
+    time than the batch's per-run submission (docs/benchmarks.md, "What the numbers say")."""
     staged_pieces: int = 1
     """Pieces a staged copy is cut into (none under 8 MiB), the device-side scatter of one
-    overlapping the DMA of the next. One piece runs on one stream with no events: on the
-    H200, 97% of the ceiling for ~100 us of host time, against 98% for ~430 us in two."""
+    overlapping the DMA of the next. One piece runs on one stream with no events, which
+    costs far less host time for nearly the same bandwidth (docs/benchmarks.md, "Lone and
+    queued")."""
 
     def __post_init__(self) -> None:
         sizes = (

@@ -399,8 +399,8 @@ def _choose_path(
         # Only the host side crosses PCIe: a few long DMAs into device staging,
         # then a scatter at HBM bandwidth (>10x PCIe), which is nearly free. A copy
         # larger than the staging buffer would take one DMA and one scatter per buffer's
-        # worth (H200: ~80 us of host time each, 97% of the link); the gather below takes
-        # one launch whatever the size, at 92-95%.
+        # worth, each with its host time; the gather below takes one launch whatever the
+        # size, for a few percent less of the link (docs/benchmarks.md).
         return TransferPath.STAGED
     # Short runs on the host: DMA would be bound by per-run submission cost,
     # while a gather kernel keeps many small UVA reads in flight.

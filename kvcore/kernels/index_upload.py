@@ -2,7 +2,7 @@
 
 Uploading from pageable memory blocks the host; ``pin_memory()`` per upload goes
 through cudaHostAlloc whenever the caching host allocator has no free block,
-which stalled submissions for several milliseconds on the H200. Instead, a ring
+which can stall a submission for milliseconds. Instead, a ring
 of pinned slots is allocated once, and uploads run on a stream of their own so
 that reusing a slot waits only for an earlier (tiny) upload, never for the bulk
 copies queued on the copy streams. The consuming stream waits on the upload's

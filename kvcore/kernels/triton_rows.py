@@ -24,8 +24,9 @@ except ImportError:
     triton = None
     tl = None
 
-# Real bytes per tile. Measured on an H200 (PCIe Gen5, scattered rows, 1152 B to 16 KiB): ~64 KiB
-# tiles reach 50-51 GB/s host->device on 4 CTAs and on 8; 16-32 KiB tiles need 8 CTAs for that.
+# Real bytes per tile: PCIe needs many bytes in flight per CTA, and tiles of this size keep
+# a few CTAs at the link where smaller ones need twice as many (scripts/tune_gather.py,
+# docs/benchmarks.md).
 TILE_BYTES = 64 * 1024
 # Register footprint of one tile, masked padding lanes included (rows are padded to a power of 2).
 _MAX_TILE_LANES_BYTES = 128 * 1024
@@ -135,8 +136,8 @@ def default_tile(words: int, word_bytes: int) -> tuple[int, int]:
 def _default_num_warps(rows: int, block_w: int, word_bytes: int) -> int:
     vectors = rows * block_w * word_bytes // _VECTOR_BYTES
     # Aim for ~8 16-byte vectors a thread: all loads of a tile can then be in flight at once.
-    # Capped at 8 warps: on the H200 (scripts/tune_gather.py, 128k scattered rows) 16 warps
-    # lost 2-5% against 8 for 1152 B and 4 KiB rows, both directions.
+    # Capped at 8 warps: more lost bandwidth in the tuning runs (scripts/tune_gather.py,
+    # docs/benchmarks.md).
     return max(1, min(8, _prev_pow2(max(1, vectors // (32 * 8)))))
 
 
