@@ -33,6 +33,11 @@ def weakly(obj: Any) -> Any:
         return obj
 
 
+def _layer_key(device_pool: Any, key: Hashable) -> Hashable:
+    """A host pool's entry for one device pool's layer (a pool may serve several)."""
+    return (id(device_pool), key)
+
+
 def _is(kept: Any, given: Any) -> bool:
     if isinstance(kept, weakref.ref):
         return kept() is given
@@ -68,20 +73,6 @@ class LoadRequest:
     pool_layers: dict[Hashable, LayerBuffers] | None = None
     """The host pool's :class:`PoolLayers` entries, for a later layer's lookup."""
 
-    def later_layer(
-        self, pool: Any, device_pool: Any, host_indices: Any, device_indices: Any
-    ) -> bool:
-        """Whether a call with these arguments continues this request (the io backend and
-        draft flag are compared by the caller)."""
-        return (
-            self.host_indices is host_indices
-            and self.device_indices is device_indices
-            and self.host_version == host_indices._version
-            and self.device_version == device_indices._version
-            and _is(self.pool, pool)
-            and _is(self.device_pool, device_pool)
-        )
-
     def matches(
         self,
         pool: Any,
@@ -104,6 +95,12 @@ class LoadRequest:
             and _is(self.device_pool, device_pool)
         )
 
+    def kept_layer(self, device_pool: Any, key: Hashable) -> LayerBuffers | None:
+        """The layer buffers the host pool keeps under ``key`` for ``device_pool`` (the
+        caller has checked ``device_pool`` is this request's)."""
+        kept = self.pool_layers
+        return kept.get(_layer_key(device_pool, key)) if kept is not None else None
+
 
 class LoadRequests:
     """The latest :class:`LoadRequest` of each (host pool, device pool).
@@ -117,7 +114,7 @@ class LoadRequests:
         self._lock = threading.Lock()
 
     def latest(self, pool: Any, device_pool: Any) -> LoadRequest | None:
-        """The pools' latest request, unchecked (:meth:`LoadRequest.later_layer` checks)."""
+        """The pools' latest request, unchecked (:meth:`LoadRequest.matches` checks)."""
         return self._latest.get((id(pool), id(device_pool)))
 
     def passing(self, pool: Any, device_pool: Any, host_indices: Any, device_indices: Any) -> bool:
@@ -142,7 +139,7 @@ class LoadRequests:
         is_draft: bool,
         policy: PathPolicy,
     ) -> LoadRequest | None:
-        found = self._latest.get((id(pool), id(device_pool)))
+        found = self.latest(pool, device_pool)
         if found is not None and found.matches(
             pool, device_pool, host_indices, device_indices, io_backend, is_draft, policy
         ):
@@ -209,17 +206,14 @@ class PoolLayers:
         self._lock = threading.Lock()
 
     def get(self, pool: Any, device_pool: Any, key: Hashable) -> LayerBuffers | None:
-        try:
-            kept = self._by_pool.get(pool)
-        except TypeError:
-            return None
-        found = kept.get((id(device_pool), key)) if kept is not None else None
+        kept = self.kept(pool)
+        found = kept.get(_layer_key(device_pool, key)) if kept is not None else None
         if found is None or not _is(found.device_pool, device_pool):
             return None
         return found
 
     def kept(self, pool: Any) -> dict[Hashable, LayerBuffers] | None:
-        """The pool's entries, keyed by ``(id(device_pool), key)`` (None: none yet)."""
+        """The pool's entries, keyed by :func:`_layer_key` (None: none yet)."""
         try:
             return self._by_pool.get(pool)
         except TypeError:
@@ -231,7 +225,7 @@ class PoolLayers:
                 kept = self._by_pool.setdefault(pool, {})
             except TypeError:  # a pool without weak references: nothing is kept
                 return
-            kept[(id(device_pool), key)] = buffers
+            kept[_layer_key(device_pool, key)] = buffers
 
     def clear(self) -> None:
         with self._lock:

@@ -55,7 +55,7 @@ from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import TransferPath, policy_from_config
-from kvcore.planning import StalePlanError, TransferPlan, plan, plan_device_indexed
+from kvcore.planning import TransferPlan, plan, plan_device_indexed
 
 from . import guard, pool_jobs
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, weakly
@@ -610,10 +610,8 @@ def _serve_layer(
         try:
             chosen_mover.execute_prepared(request.prepared, buffers.layered)
             return None
-        except StalePlanError:
-            raise
         except ValueError:
-            pass
+            pass  # rebinding below raises again where the indices were written (StalePlanError)
     work = submissions(request.plan, buffers.pairs, None)
     if isinstance(work, str):
         return work
@@ -685,22 +683,16 @@ def _later_layer_served(
     one launch, nothing decided again. False for any other call (the full path decides it),
     and where kvcore fails (counted; the request then passes)."""
     request = LOAD_REQUESTS.latest(pool, device_pool)
-    if (
-        request is None
-        or request.prepared is None
-        or request.passes is not None
-        or request.is_draft != is_draft
-        or request.io_backend != io_backend
-        or not request.later_layer(pool, device_pool, host_indices, device_indices)
-    ):
-        return False
-    kept = request.pool_layers
-    buffers = kept.get((id(device_pool), (layer_id, is_draft))) if kept is not None else None
-    if buffers is None or buffers.layered.reason is not None:
+    if request is None or request.prepared is None or request.passes is not None:
         return False
     # Set before any request was prepared, so read without the lock.
     chosen_mover = _mover if _mover is not None else mover()
-    if request.policy is not chosen_mover.policy:
+    if not request.matches(
+        pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
+    ):
+        return False
+    buffers = request.kept_layer(device_pool, (layer_id, is_draft))
+    if buffers is None or buffers.layered.reason is not None:
         return False
     try:
         chosen_mover.execute_prepared(request.prepared, buffers.layered)
