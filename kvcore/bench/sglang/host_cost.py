@@ -23,7 +23,7 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,6 @@ import torch
 from kvcore import kernels
 from kvcore.bench.sglang import ab, sweep
 from kvcore.bench.sglang.soak import install_torchvision_stub
-from kvcore.bench.suite import scattered_layout
 from kvcore.kernels import KernelSet
 from kvcore.metrics import METRICS
 
@@ -75,32 +74,24 @@ NO_COPY = KernelSet(
 )
 
 
-@contextlib.contextmanager
-def _rule_off() -> Iterator[None]:
-    from kvcore_sglang import transfers
-
-    saved = transfers.serve_rule_enabled
-    transfers.serve_rule_enabled = lambda: False  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        transfers.serve_rule_enabled = saved
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _request_pools(
+    case: ab.PoolCase, side: sweep.Side, tokens: int, gen: torch.Generator
+) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
+    """The pools and a new request's indices (host slots scattered), where ``side`` has
+    SGLang put them: the arguments of each of the request's load calls."""
+    host, dev = sweep._requests(case, tokens, "100%", 1, gen)[0]
+    return (case.pool, case.device_pool, *side.prepare(host, dev))
 
 
 def _call_times(calls: Sequence[Callable[[], Any]], device: torch.device) -> list[float]:
     """Host seconds of each call of one request, in order."""
-    _sync(device)
+    sweep._sync(device)
     times = []
     for call in calls:
         started = time.perf_counter()
         call()
         times.append(time.perf_counter() - started)
-    _sync(device)
+    sweep._sync(device)
     return times
 
 
@@ -140,10 +131,7 @@ def measure_case(
         before = METRICS.snapshot()
         # The first request pays one-time costs (JIT compiles, each layer's checks): not kept.
         for request in range(requests + 1):
-            host = scattered_layout(tokens, ab.HOST_LEVELS["100%"], case.page_size, gen)
-            dev = scattered_layout(tokens, 1.0, case.page_size, gen)
-            host_idx, dev_idx = side.prepare(host, dev)
-            pools = (case.pool, case.device_pool, host_idx, dev_idx)
+            pools = _request_pools(case, side, tokens, gen)
             if name == "stock":
                 calls = [functools.partial(original, *pools, n, backend) for n in range(layers)]
             else:
@@ -167,17 +155,15 @@ def profile_case(case: ab.PoolCase, backend: str, tokens: int, requests: int, pa
     gen = torch.Generator().manual_seed(case.opts.seed)
     first, later = cProfile.Profile(), cProfile.Profile()
     for request in range(requests + 1):
-        host = scattered_layout(tokens, ab.HOST_LEVELS["100%"], case.page_size, gen)
-        dev = scattered_layout(tokens, 1.0, case.page_size, gen)
-        pools = (case.pool, case.device_pool, *side.prepare(host, dev))
-        _sync(case.opts.device)
+        pools = _request_pools(case, side, tokens, gen)
+        sweep._sync(case.opts.device)
         for layer in range(case.opts.layers):
             profile = first if layer == 0 else later
             if request:
                 profile.enable()
             hook(original, *pools, layer, backend)
             profile.disable()
-        _sync(case.opts.device)
+        sweep._sync(case.opts.device)
     with open(path, "w") as fh:
         for name, profile in (("first calls", first), ("later calls", later)):
             fh.write(f"== {case.kind}/{case.layout}/{backend}/p{case.page_size} {tokens} tokens: ")
@@ -192,7 +178,7 @@ def run(args: argparse.Namespace) -> list[CostRow]:
     ab.install_sgl_kernel_stub()
     install_torchvision_stub()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_rule_off())
+        stack.enter_context(sweep.serve_rule_off())
         if args.no_copy:
             saved = kernels._BY_DEVICE_TYPE.get("cpu")
             kernels.register_kernels("cpu", NO_COPY)

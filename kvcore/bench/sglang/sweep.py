@@ -288,22 +288,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextmanager
+def serve_rule_off() -> Iterator[None]:
+    """kvcore's SGLang hooks with the serve-or-pass rule off while inside."""
+    from kvcore_sglang import transfers
+
+    saved = transfers.serve_rule_enabled
+    transfers.serve_rule_enabled = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        transfers.serve_rule_enabled = saved  # type: ignore[assignment]
+
+
 def rule_off(case: ab.PoolCase, op: str, backend: str, layers: int) -> Side:
     """kvcore's hook called directly with the serve-or-pass rule off: its own paths
     wherever it can copy exactly, to read off where the rule should serve."""
-    from kvcore_sglang import transfers
-
     side = kvcore_side(case, op, backend, layers, direct=True)
     assert side.call is not None
     call = side.call
 
     def own(indices: tuple[torch.Tensor, torch.Tensor]) -> None:
-        saved = transfers.serve_rule_enabled
-        transfers.serve_rule_enabled = lambda: False  # type: ignore[assignment]
-        try:
+        with serve_rule_off():
             call(indices)
-        finally:
-            transfers.serve_rule_enabled = saved
 
     return Side("own", own, side.prepare, label="kvcore, rule off")
 

@@ -1,0 +1,35 @@
+"""python -m kvcore.bench.sglang.host_cost on CPU: every call of a reload timed through
+SGLang's real pools and kvcore's hook, first and later calls apart, and the profile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
+
+from kvcore import kernels
+from kvcore.bench.sglang import host_cost
+
+pytestmark = pytest.mark.sglang
+
+
+def test_each_reload_call_is_timed_and_the_profile_has_both_kinds(tmp_path: Path) -> None:
+    before = dict(kernels._BY_DEVICE_TYPE)
+    out, profile = tmp_path / "cost.json", tmp_path / "profile.txt"
+    argv = ["--device", "cpu", "--no-copy", "--tokens", "64,128", "--layers", "3"]
+    argv += ["--requests", "2", "--cases", "mha/layer_first/kernel/p64"]
+    assert host_cost.main([*argv, "--json", str(out), "--profile", str(profile)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    # On a CPU only kvcore's side is timed, one row per request size.
+    assert [(r["side"], r["tokens"], r["layers"]) for r in rows] == [
+        ("kvcore", 64, 3),
+        ("kvcore", 128, 3),
+    ]
+    assert all(r["first_us"] > 0 and r["later_us"] > 0 for r in rows)
+    assert all(r["paths"] for r in rows)  # kvcore served the calls (rule off)
+    text = profile.read_text()
+    assert "first calls of 2 requests" in text and "later calls of 2 requests" in text
+    assert before == kernels._BY_DEVICE_TYPE  # the copy-free kernels are taken back
