@@ -30,7 +30,7 @@ import torch
 
 from kvcore import kernels
 from kvcore.bench.sglang import ab, sweep
-from kvcore.bench.sglang.soak import install_torchvision_stub
+from kvcore.bench.sglang.import_stubs import install_torchvision_stub
 from kvcore.kernels import KernelSet
 from kvcore.metrics import METRICS
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -73,3 +75,22 @@ class PackageStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         for name, value in self.module_attrs.items():
             setattr(module, name, value)
         module.__getattr__ = _module_attribute(self.kind, module.__name__)  # type: ignore[method-assign]
+
+
+class _Placeholder(StubType):
+    """Anything torchvision exports: calling it gives another placeholder."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls.named(cls.__qualname__)
+
+
+def install_torchvision_stub() -> bool:
+    """SGLang imports torchvision at module level (its multimodal configs), which has no
+    build for a CPU-only torch: where it is missing, a placeholder package stands in;
+    nothing kvcore runs calls it. True if installed."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return False
+    if not any(getattr(f, "package", None) == "torchvision" for f in sys.meta_path):
+        version = {"__version__": "0.0.0+kvcore.stub"}  # transformers parses it
+        sys.meta_path.insert(0, PackageStub("torchvision", _Placeholder, version))
+    return True

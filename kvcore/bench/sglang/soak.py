@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.util
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -52,7 +50,7 @@ import numpy as np
 import torch
 
 from kvcore.bench.sglang import ab
-from kvcore.bench.sglang.import_stubs import PackageStub, StubType
+from kvcore.bench.sglang.import_stubs import install_torchvision_stub
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
 from kvcore.bench.soak_state import (
     CPU_ONLY,
@@ -746,25 +744,6 @@ def slot_accounting(pool: Any, accounting: Accounting, built: dict[str, Any], wh
     accounting.exact(f"{where} whole pool allocatable as one run", True, one_run, "public")
     if whole is not None:
         pool.free(whole)
-
-
-class _Placeholder(StubType):
-    """Anything torchvision exports: calling it gives another placeholder."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return cls.named(cls.__qualname__)
-
-
-def install_torchvision_stub() -> bool:
-    """SGLang imports torchvision at module level (its multimodal configs), which has no
-    build for a CPU-only torch: where it is missing, a placeholder package stands in (as
-    the SGLang test lane does); nothing the soak runs calls it. True if installed."""
-    if importlib.util.find_spec("torchvision") is not None:
-        return False
-    if not any(getattr(f, "package", None) == "torchvision" for f in sys.meta_path):
-        version = {"__version__": "0.0.0+kvcore.stub"}  # transformers parses it
-        sys.meta_path.insert(0, PackageStub("torchvision", _Placeholder, version))
-    return True
 
 
 def run(opts: Options) -> dict[str, Any]:

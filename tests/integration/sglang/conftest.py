@@ -10,32 +10,15 @@ test module imports SGLang, and only in that case.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from kvcore.bench.sglang.import_stubs import PackageStub, StubType
+from kvcore.bench.sglang.import_stubs import install_torchvision_stub
 
-
-class _Placeholder(StubType):
-    """Anything torchvision exports: calling it gives another placeholder."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return cls.named(cls.__qualname__)
-
-
-def _install_torchvision_stub() -> None:
-    if importlib.util.find_spec("sglang") is None:
-        return
-    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
-        return
-    stub = PackageStub("torchvision", _Placeholder, {"__version__": "0.0.0+kvcore.stub"})
-    sys.meta_path.insert(0, stub)
-
-
-_install_torchvision_stub()
+if importlib.util.find_spec("sglang") is not None:
+    install_torchvision_stub()
 
 
 @pytest.fixture
