@@ -10,6 +10,7 @@ work, so it sits apart from :mod:`kvcore.mover`, which executes plans.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +24,12 @@ from kvcore.path_policy import PathPolicy, TransferPath
 from kvcore.runs import (
     PairedRuns,
     Runs,
-    check_bounds,
     check_index,
     find_runs,
     has_duplicates,
     segment_transfer,
     slice_runs,
+    span_and_run_count,
 )
 
 
@@ -61,7 +62,9 @@ class TransferPlan:
     src_idx: torch.Tensor
     dst_idx: torch.Tensor
     runs: PairedRuns
-    host_runs: Runs
+    host_runs_found: Runs | None
+    """The host side's runs where planning segmented them; None where it only counted them
+    (a device-indexed GATHER plan, which never reads them): :attr:`host_runs` finds them."""
     rows: int
     row_bytes: int
     """Bytes of one source row."""
@@ -87,6 +90,16 @@ class TransferPlan:
             raise StalePlanError(_STALE.format(name="src_idx"))
         if dst_version is not None and self.dst_idx._version != dst_version:
             raise StalePlanError(_STALE.format(name="dst_idx"))
+
+    @property
+    def host_runs(self) -> Runs:
+        """The host side's index as runs, segmented on first use where planning did not."""
+        found = self.host_runs_found
+        if found is None:
+            found = find_runs(self.src_idx if self.direction is Direction.H2D else self.dst_idx)
+            # A cache of what the fields already say: the plan stays what it was.
+            object.__setattr__(self, "host_runs_found", found)
+        return found
 
     @property
     def device(self) -> torch.device:
@@ -119,6 +132,15 @@ class TransferPlan:
                 src, dst, self.src_idx, self.dst_idx, direction=self.direction, policy=self.policy
             )
         return dataclasses.replace(self, src=src, dst=dst)
+
+    def without_buffers(self) -> TransferPlan:
+        """This plan with row-less stand-ins for ``src`` and ``dst`` (same devices, dtypes and
+        row shapes), for keeping the decision without keeping the buffers' memory alive; a
+        caller brings the buffers again (:meth:`rebind`, or pairs of each layer)."""
+        kept = copy.copy(self)
+        object.__setattr__(kept, "src", _no_rows(self.src))
+        object.__setattr__(kept, "dst", _no_rows(self.dst))
+        return kept
 
     def describe(self) -> str:
         path = self.path.value
@@ -212,7 +234,7 @@ def _decided(
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
     runs: PairedRuns,
-    host_runs: Runs,
+    host_runs: Runs | None,
     reason: str | None,
     policy: PathPolicy,
     **spans_and_flags: Any,
@@ -221,6 +243,8 @@ def _decided(
     src_row_bytes = row_bytes(src)
     staged: tuple[StagedChunk, ...] = ()
     if path is TransferPath.STAGED:
+        if host_runs is None:
+            host_runs = find_runs(src_idx if direction is Direction.H2D else dst_idx)
         # Rows of no bytes (a valid transfer that moves nothing) all fit one chunk.
         staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1))
     rows = int(src_idx.numel())
@@ -232,7 +256,7 @@ def _decided(
         src_idx=src_idx,
         dst_idx=dst_idx,
         runs=runs,
-        host_runs=host_runs,
+        host_runs_found=host_runs,
         rows=rows,
         row_bytes=src_row_bytes,
         nbytes=rows * src_row_bytes,
@@ -240,6 +264,31 @@ def _decided(
         policy=policy,
         staged_chunks=staged,
         **spans_and_flags,
+    )
+
+
+@dataclass(frozen=True)
+class CheckedSides:
+    """Two buffers checked as the sides of a transfer: what a plan needs from them alone.
+
+    An engine copies between the same buffers request after request (a layer's host view
+    and its device layer); checking them once and planning each request from this leaves
+    only the indices to check (:func:`plan_device_indexed_for`).
+    """
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    direction: Direction
+    row_bytes: int
+    """Bytes of one source row."""
+    reason: str | None
+    """Why copying rows between them must take the stock path (:func:`fallback_reason`)."""
+
+
+def check_sides(src: torch.Tensor, dst: torch.Tensor, direction: Direction | None) -> CheckedSides:
+    """``src`` and ``dst`` checked once for any number of plans between them."""
+    return CheckedSides(
+        src, dst, _check_sides(src, dst, direction), row_bytes(src), fallback_reason(src, dst)
     )
 
 
@@ -262,7 +311,20 @@ def plan_device_indexed(
     index_select) or GATHER; single and batched copies need both sides' runs. As in the
     engines' own kernels, the device index is not bounds- or duplicate-checked.
     """
-    direction = Direction(direction)
+    sides = check_sides(src, dst, Direction(direction))
+    return plan_device_indexed_for(sides, src_idx, dst_idx, policy=policy, force=force)
+
+
+def plan_device_indexed_for(
+    sides: CheckedSides,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    *,
+    policy: PathPolicy = PathPolicy(),
+    force: TransferPath | None = None,
+) -> TransferPlan:
+    """:func:`plan_device_indexed` between buffers :func:`check_sides` has checked."""
+    src, dst, direction = sides.src, sides.dst, sides.direction
     page_in = direction is Direction.H2D
     host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
     host, device = (src, dst) if page_in else (dst, src)
@@ -280,20 +342,18 @@ def plan_device_indexed(
             f"the host index has {host_idx.numel()} entries but the device index "
             f"{device_idx.numel()}"
         )
-    _check_sides(src, dst, direction)
     # Kernels and index_copy_ take int64; a conversion on the device is queued, not waited.
     device_idx = device_idx.to(torch.int64).contiguous()
     if device_idx.device.type == "cpu":
         # The CUDA kernels cache uploads of CPU indices by version counter.
         device_idx = _watchable(device_idx)
-    host_span = check_bounds(host_idx, host.shape[0], "the host index")
+    host_span, host_run_count = span_and_run_count(host_idx, host.shape[0], "the host index")
     if not page_in and has_duplicates(host_idx):
         raise ValueError("the host index holds duplicate destinations")
-    host_runs = find_runs(host_idx)
     rows = int(host_idx.numel())
-    src_row_bytes = row_bytes(src)
+    src_row_bytes = sides.row_bytes
     nbytes = rows * src_row_bytes
-    reason = fallback_reason(src, dst)
+    reason = sides.reason
     if reason is None and device_idx.device not in (device.device, torch.device("cpu")):
         reason = "unsupported_device"
     if reason is None and force is TransferPath.FALLBACK:
@@ -304,7 +364,7 @@ def plan_device_indexed(
         if force not in (TransferPath.STAGED, TransferPath.GATHER):
             raise ValueError(f"force={force.value} needs the device side's runs")
         path = _check_forced(force, _NO_RUNS, src_row_bytes, policy)
-    elif _host_runs_long(host_runs, nbytes, policy) and src_row_bytes <= policy.staging_bytes:
+    elif _host_runs_long(host_run_count, nbytes, policy) and src_row_bytes <= policy.staging_bytes:
         path = TransferPath.STAGED
     else:
         path = TransferPath.GATHER
@@ -317,7 +377,7 @@ def plan_device_indexed(
         src_idx,
         dst_idx,
         _NO_RUNS,
-        host_runs,
+        None,
         reason,
         policy,
         src_span=host_span if page_in else 0,
@@ -325,6 +385,11 @@ def plan_device_indexed(
         device_index_opaque=True,
         index_versions=(host_idx._version, None) if page_in else (None, host_idx._version),
     )
+
+
+def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``tensor`` (device, dtype, row shape) holding none of its memory."""
+    return torch.empty((0, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
 
 def _watchable(index: torch.Tensor) -> torch.Tensor:
@@ -395,7 +460,7 @@ def _choose_path(
         # Runs long enough that DMA engines reach line rate run by run, few enough that
         # the per-run submission cost (one batched submission on CUDA) stays small.
         return TransferPath.BATCHED_RUNS
-    if _host_runs_long(host_runs, nbytes, policy) and nbytes <= policy.staging_bytes:
+    if _host_runs_long(host_runs.count, nbytes, policy) and nbytes <= policy.staging_bytes:
         # Only the host side crosses PCIe: a few long DMAs into device staging,
         # then a scatter at HBM bandwidth (>10x PCIe), which is nearly free. A copy
         # larger than the staging buffer would take one DMA and one scatter per buffer's
@@ -407,9 +472,9 @@ def _choose_path(
     return TransferPath.GATHER
 
 
-def _host_runs_long(host_runs: Runs, nbytes: int, policy: PathPolicy) -> bool:
-    return host_runs.count <= 1 or (
-        host_runs.count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * host_runs.count
+def _host_runs_long(run_count: int, nbytes: int, policy: PathPolicy) -> bool:
+    return run_count <= 1 or (
+        run_count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * run_count
     )
 
 

@@ -93,6 +93,25 @@ def check_bounds(index: torch.Tensor, size: int, name: str = "index") -> int:
     return _span(check_index(index, name).numpy(), size, name)
 
 
+def span_and_run_count(index: torch.Tensor, size: int, name: str = "index") -> tuple[int, int]:
+    """:func:`check_bounds` and the number of runs :func:`find_runs` would find, in one
+    pass over the differences and without building the runs (a plan that copies row by
+    row decides from their number alone)."""
+    values = check_index(index, name).numpy()
+    if values.size < 2:
+        return _span(values, size, name), values.size
+    steps, _, breaks, _, _ = _SCRATCH.arrays(values.size - 1)
+    _steps_and_breaks(values, steps, breaks)
+    run_count = int(np.count_nonzero(breaks)) + 1
+    if run_count == 1:
+        # One ascending run: its ends are its bounds.
+        low, high = int(values[0]), int(values[-1])
+        if low < 0 or high >= size:
+            raise ValueError(f"{name} holds {low if low < 0 else high}, outside [0, {size})")
+        return high + 1, 1
+    return _span(values, size, name), run_count
+
+
 def _span(values: np.ndarray, size: int, name: str) -> int:
     if values.size == 0:
         return 0

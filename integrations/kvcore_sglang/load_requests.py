@@ -21,7 +21,7 @@ import torch
 from kvcore.layers import LayerPairs
 from kvcore.mover import PreparedLayers
 from kvcore.path_policy import PathPolicy
-from kvcore.planning import TransferPlan
+from kvcore.planning import CheckedSides, TransferPlan
 
 _MAX_REQUESTS = 64
 
@@ -190,6 +190,8 @@ class LayerBuffers:
     """(host layer view, device layer) as the job builder gave them."""
     layered: LayerPairs
     """The same pairs, source first, as one submission takes them."""
+    first_sides: CheckedSides
+    """The first pair checked as a load's sides, which each request's plan is made for."""
 
 
 class PoolLayers:

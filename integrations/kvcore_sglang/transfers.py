@@ -35,7 +35,6 @@ and V; every layer of a backup) move in one submission where they share a row si
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -55,7 +54,14 @@ from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import TransferPath, policy_from_config
-from kvcore.planning import TransferPlan, plan, plan_device_indexed
+from kvcore.planning import (
+    CheckedSides,
+    TransferPlan,
+    check_sides,
+    plan,
+    plan_device_indexed,
+    plan_device_indexed_for,
+)
 
 from . import guard, pool_jobs
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, weakly
@@ -258,9 +264,15 @@ def _plans(
 
 
 def _first_plan(
-    job: Job, direction: Direction, chosen_mover: Mover, device_opaque: bool
+    job: Job,
+    direction: Direction,
+    chosen_mover: Mover,
+    device_opaque: bool,
+    kept_sides: CheckedSides | None = None,
 ) -> TransferPlan | str:
-    """The plan of the job's first pair, or why the call must run stock."""
+    """The plan of the job's first pair, or why the call must run stock. ``kept_sides``:
+    that pair as checked when its layer's buffers were kept, used where the job's views
+    are the same views (a device-indexed plan then checks only the indices)."""
     page_in = direction is Direction.H2D
     host, device = job.pairs[0]
     src, dst = (host, device) if page_in else (device, host)
@@ -268,12 +280,31 @@ def _first_plan(
         src_idx, dst_idx = (
             (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
         )
-        planner = plan_device_indexed if device_opaque else plan
-        first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=chosen_mover.policy)
+        policy = chosen_mover.policy
+        if device_opaque and kept_sides is not None and _same_views(kept_sides, src, dst):
+            first = plan_device_indexed_for(kept_sides, src_idx, dst_idx, policy=policy)
+        else:
+            planner = plan_device_indexed if device_opaque else plan
+            first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=policy)
     except ValueError:
         # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
         return "sglang_invalid_indices"
     return first.reason if first.path is TransferPath.FALLBACK and first.reason else first
+
+
+def _same_views(sides: CheckedSides, src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether ``src`` and ``dst`` view the very memory ``sides`` checked, the same way."""
+    return all(
+        kept is new
+        or (
+            kept.data_ptr() == new.data_ptr()
+            and kept.dtype == new.dtype
+            and kept.device == new.device
+            and kept.shape == new.shape
+            and kept.stride() == new.stride()
+        )
+        for kept, new in ((sides.src, src), (sides.dst, dst))
+    )
 
 
 def _count_pass(chosen_mover: Mover, reason: str) -> None:
@@ -519,11 +550,6 @@ def _count_of(indices: Any) -> int:
     return int(indices.numel()) if isinstance(indices, torch.Tensor) else 0
 
 
-def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """An empty tensor like ``tensor`` (device, dtype, row shape) holding none of its memory."""
-    return torch.empty((0, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-
-
 def _load_job(
     jobs: PoolJobs,
     request: LoadRequest,
@@ -560,7 +586,9 @@ def _layer_buffers(
     if isinstance(job, str):
         return job
     layered = layer_pairs([host for host, _ in job.pairs], [dev for _, dev in job.pairs])
-    buffers = LayerBuffers(weakly(device_pool), job.pairs, layered)
+    host, device = job.pairs[0]
+    sides = check_sides(host, device, Direction.H2D)
+    buffers = LayerBuffers(weakly(device_pool), job.pairs, layered, sides)
     POOL_LAYERS.put(pool, device_pool, key, buffers)
     return buffers, job
 
@@ -594,13 +622,15 @@ def _serve_layer(
         planned_from = job or _load_job(jobs, request, pool, device_pool, layer_id, indices)
         if isinstance(planned_from, str):
             return planned_from
-        first = _first_plan(planned_from, Direction.H2D, chosen_mover, indices.device_opaque)
+        first = _first_plan(
+            planned_from, Direction.H2D, chosen_mover, indices.device_opaque, buffers.first_sides
+        )
         if isinstance(first, str):
             request.passes = first
             return first
         # Kept without its buffers (each layer brings its own), so that a request kept after
         # SGLang drops a pool does not keep the pool's memory.
-        request.plan = dataclasses.replace(first, src=_no_rows(first.src), dst=_no_rows(first.dst))
+        request.plan = first.without_buffers()
     if buffers.layered.reason is None:
         if request.prepared is None:
             request.prepared = chosen_mover.prepare_layers(

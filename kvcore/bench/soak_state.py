@@ -143,6 +143,7 @@ def memory_state(device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:
         names = (
             "cuda_memory_allocated",
             "pinned_host_allocated",
+            "pinned_tensors_alive",
             "index_ring_pinned_bytes",
             "index_ring_recent_uploads",
             "index_ring_events",
@@ -160,7 +161,30 @@ def memory_state(device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:
         values["pinned_host_allocated"] = stats.get("allocated_bytes.current")
     except (RuntimeError, AttributeError):
         values["pinned_host_allocated"] = None
-    return values, {"cuda_memory_allocated": "public", "pinned_host_allocated": "public"}
+    values["pinned_tensors_alive"] = pinned_census()
+    reads = dict.fromkeys(values, "public")
+    return values, reads
+
+
+def pinned_census() -> list[str]:
+    """Every pinned CPU tensor Python can still reach, as sorted ``dtype[shape] nbytes``
+    lines: when torch's pinned byte count differs from the baseline but this list does
+    not, the bytes are held below Python (an allocator block waiting on an event, or
+    native code), not by a tensor someone kept."""
+    gc.collect()
+    alive = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and _is_pinned(obj):
+            shape = "x".join(str(size) for size in obj.shape)
+            alive.append(f"{obj.dtype}[{shape}] {obj.untyped_storage().nbytes()}")
+    return sorted(alive)
+
+
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    try:
+        return bool(tensor.is_pinned())
+    except RuntimeError:
+        return False
 
 
 def mismatched(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ from kvcore.mover import (
     plan,
     plan_device_indexed,
 )
+from kvcore.planning import TransferPlan, check_sides, plan_device_indexed_for
+from kvcore.runs import find_runs
 
 H2D, D2H = Direction.H2D, Direction.D2H
 SINGLE, STAGED, BATCHED, GATHER, FALLBACK = (
@@ -694,6 +696,61 @@ def test_device_indexed_plans_copy_exactly_without_device_runs(direction, host_i
     assert torch.equal(src, src_before)
     rebound = chosen.rebind(src.clone(), dst.clone())  # the next layer: same decision
     assert rebound.path is path and rebound.device_index_opaque
+
+
+def test_device_indexed_plans_segment_the_host_index_only_where_read():
+    src, dst, src_idx, dst_idx = _device_indexed_case(H2D, torch.randperm(64)[:32], 5)
+    chosen = plan_device_indexed(src, dst, src_idx, dst_idx, direction=H2D)
+    # A gather never reads the host runs: planning only counted them.
+    assert chosen.path is GATHER and chosen.host_runs_found is None
+    assert chosen.host_runs.as_list() == find_runs(src_idx).as_list()
+    assert chosen.host_runs_found is chosen.host_runs  # found once
+    staged = plan_device_indexed(src, dst, torch.arange(8, 40), dst_idx, direction=H2D)
+    assert staged.path is STAGED and staged.host_runs.as_list() == [(8, 32)]
+    assert [c.host_runs.as_list() for c in staged.staged_chunks] == [[(8, 32)]]
+
+
+@pytest.mark.parametrize("direction", [H2D, D2H], ids=ident)
+def test_plans_from_checked_sides_equal_plans_from_the_buffers(direction):
+    host_idx = torch.randperm(64, generator=torch.Generator().manual_seed(8))[:20]
+    src, dst, src_idx, dst_idx = _device_indexed_case(direction, host_idx, 9)
+    sides = check_sides(src, dst, direction)
+    for force in (None, GATHER, STAGED, FALLBACK):
+        mine = plan_device_indexed_for(sides, src_idx, dst_idx, policy=SMALL_POLICY, force=force)
+        theirs = plan_device_indexed(
+            src, dst, src_idx, dst_idx, direction=direction, policy=SMALL_POLICY, force=force
+        )
+        for field in dataclasses.fields(TransferPlan):
+            a, b = getattr(mine, field.name), getattr(theirs, field.name)
+            if isinstance(a, torch.Tensor):
+                assert a is b or torch.equal(a, b), field.name
+            elif field.name not in ("runs", "host_runs_found", "staged_chunks"):
+                assert a == b, field.name
+        assert mine.host_runs.as_list() == theirs.host_runs.as_list()
+    mismatched = check_sides(src.half(), dst, direction)
+    assert mismatched.reason == "dtype_mismatch"
+    assert plan_device_indexed_for(mismatched, src_idx, dst_idx).path is FALLBACK
+
+
+def test_a_plan_without_buffers_keeps_the_decision_and_none_of_the_memory():
+    src, dst, src_idx, dst_idx = _device_indexed_case(H2D, torch.randperm(64)[:16], 4)
+    chosen = plan_device_indexed(src, dst, src_idx, dst_idx, direction=H2D)
+    kept = chosen.without_buffers()
+    for side, original in ((kept.src, src), (kept.dst, dst)):
+        assert side.shape == (0, *original.shape[1:]) and side.dtype == original.dtype
+        assert side.device == original.device and side.untyped_storage().nbytes() == 0
+    assert (kept.path, kept.rows, kept.nbytes, kept.src_idx) == (
+        chosen.path,
+        chosen.rows,
+        chosen.nbytes,
+        chosen.src_idx,
+    )
+    assert chosen.src is src and chosen.dst is dst  # the original is unchanged
+    # The next layer's buffers bring the memory back: same decision, exact copy.
+    expected = dst.clone()
+    expected[dst_idx.long()] = src[src_idx.long()]
+    Mover(SMALL_POLICY).execute(kept.rebind(src, dst))
+    assert torch.equal(dst, expected)
 
 
 def test_device_indexed_plans_check_what_they_can_read():

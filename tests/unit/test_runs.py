@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,6 +19,7 @@ from kvcore.runs import (
     is_single_run,
     segment_transfer,
     slice_runs,
+    span_and_run_count,
 )
 
 index_lists = st.lists(st.integers(min_value=0, max_value=60), max_size=80)
@@ -175,6 +177,27 @@ def test_segment_transfer_equals_the_separate_functions(
     assert found.src_span == check_bounds(src, 41)
     assert found.dst_span == check_bounds(dst, 41)
     assert found.dst_has_duplicates == has_duplicates(dst)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=-3, max_value=45), max_size=60))
+def test_span_and_run_count_equal_bounds_and_runs(values: list[int]) -> None:
+    index = torch.tensor(values, dtype=torch.int64)
+    try:
+        expected = (check_bounds(index, 41), find_runs(index).count)
+    except ValueError as refused:
+        with pytest.raises(ValueError, match=re.escape(str(refused))):
+            span_and_run_count(index, 41)
+        return
+    assert span_and_run_count(index, 41) == expected
+
+
+def test_span_and_run_count_checks_the_ends_of_one_run() -> None:
+    assert span_and_run_count(torch.arange(3, 9), 9) == (9, 1)
+    with pytest.raises(ValueError, match="holds 9, outside"):
+        span_and_run_count(torch.arange(4, 10), 9)
+    with pytest.raises(ValueError, match="holds -2, outside"):
+        span_and_run_count(torch.arange(-2, 3), 9)
 
 
 def test_segment_transfer_checks_bounds_and_lengths() -> None:

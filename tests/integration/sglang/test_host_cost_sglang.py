@@ -32,4 +32,9 @@ def test_each_reload_call_is_timed_and_the_profile_has_both_kinds(tmp_path: Path
     assert all(r["paths"] for r in rows)  # kvcore served the calls (rule off)
     text = profile.read_text()
     assert "first calls of 2 requests" in text and "later calls of 2 requests" in text
+    # Per-request microseconds, not pstats' seconds (which round this path to 0.000).
+    first_table = text.split("later calls")[0]
+    assert "own us" in first_table and "transfers.py" in first_table
+    totals = [float(line.split()[1]) for line in first_table.splitlines() if "transfers.py" in line]
+    assert max(totals) > 1.0
     assert before == kernels._BY_DEVICE_TYPE  # the copy-free kernels are taken back
