@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcore.direction import Direction
-from kvcore.kernels import GatherPrepared, KernelSet, PreparedGather, kernels_for
+from kvcore.kernels import (
+    GatherPrepared,
+    KernelFactory,
+    KernelSet,
+    KernelTuning,
+    PreparedGather,
+    registered,
+)
 from kvcore.kernels.reference import (
     index_copy_rows,
     row_word_bytes,
@@ -113,7 +120,9 @@ class Mover:
         self.policy = policy
         self.metrics = metrics
         self.staging = StagingBuffers(policy.staging_bytes) if staging is None else staging
-        self._cuda_kernels: KernelSet | None = None
+        self._tuning = KernelTuning(policy.gather_ctas, policy.staged_pieces)
+        # A factory's set for this mover's tuning, kept with the entry it came from.
+        self._built: dict[str, tuple[KernelFactory, KernelSet]] = {}
         # Per live plan: engines and benchmarks execute one plan again and again (a layer
         # at a time), and each set-up skipped is host time saved on every one of them.
         self._prepared: weakref.WeakKeyDictionary[TransferPlan, _Prepared] = (
@@ -122,14 +131,15 @@ class Mover:
         self._prepared_lock = threading.Lock()
 
     def kernels(self, device: torch.device) -> KernelSet:
-        """The kernel set for ``device``; CUDA's is built on first use (it imports Triton)."""
-        if device.type != "cuda":
-            return kernels_for(device)
-        if self._cuda_kernels is None:
-            from kvcore.kernels.cuda import cuda_kernels
-
-            self._cuda_kernels = cuda_kernels(self.policy.gather_ctas, self.policy.staged_pieces)
-        return self._cuda_kernels
+        """The registry's kernel set for ``device``; one a factory builds (CUDA's, which
+        imports Triton) is built on first use and kept while the entry stays registered."""
+        entry = registered(device.type)
+        if isinstance(entry, KernelSet):
+            return entry
+        built = self._built.get(device.type)
+        if built is None or built[0] is not entry:
+            built = self._built[device.type] = (entry, entry(self._tuning))
+        return built[1]
 
     def transfer(
         self,

@@ -1,9 +1,10 @@
 """Device kernels behind the mover, chosen by the device type of the transfer's device side.
 
-A :class:`KernelSet` holds one implementation of each op the mover issues. The
-reference set (plain torch ops) serves every device type until a faster set is
-registered for it; CUDA kernels (cudaMemcpyBatchAsync, a Triton UVA gather)
-plug in through :func:`register_kernels` with the same signatures.
+A :class:`KernelSet` holds one implementation of each op the mover issues. One registry
+maps a device type to its set: the reference set (plain torch ops) serves every device
+type with no entry; CUDA's entry is a :data:`KernelFactory` (cudaMemcpyBatchAsync, a
+Triton UVA gather), built per mover from its :class:`KernelTuning` on first use because
+it imports Triton. :func:`register_kernels` puts a set or a factory in place of either.
 """
 
 from __future__ import annotations
@@ -71,13 +72,41 @@ REFERENCE = KernelSet(
     gather_prepared=reference.gather_prepared,
 )
 
-_BY_DEVICE_TYPE: dict[str, KernelSet] = {}
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """What a mover's policy asks of the kernel sets it builds."""
+
+    gather_ctas: int = 8
+    """Thread blocks of one gather launch (:attr:`kvcore.path_policy.PathPolicy.gather_ctas`)."""
+    staged_pieces: int = 1
+    """Pieces a staged copy overlaps (:attr:`kvcore.path_policy.PathPolicy.staged_pieces`)."""
 
 
-def register_kernels(device_type: str, kernels: KernelSet) -> None:
-    """Use ``kernels`` for transfers whose device side is of ``device_type``."""
+KernelFactory = Callable[[KernelTuning], KernelSet]
+
+
+def _cuda_kernels(tuning: KernelTuning) -> KernelSet:
+    from kvcore.kernels.cuda import cuda_kernels
+
+    return cuda_kernels(tuning.gather_ctas, tuning.staged_pieces)
+
+
+_BY_DEVICE_TYPE: dict[str, KernelSet | KernelFactory] = {"cuda": _cuda_kernels}
+
+
+def register_kernels(device_type: str, kernels: KernelSet | KernelFactory) -> None:
+    """Use ``kernels`` (a set, or a factory a mover calls once with its tuning) for
+    transfers whose device side is of ``device_type``."""
     _BY_DEVICE_TYPE[device_type] = kernels
 
 
-def kernels_for(device: torch.device) -> KernelSet:
-    return _BY_DEVICE_TYPE.get(device.type, REFERENCE)
+def registered(device_type: str) -> KernelSet | KernelFactory:
+    """The registry's entry for ``device_type``: the reference set where it has none."""
+    return _BY_DEVICE_TYPE.get(device_type, REFERENCE)
+
+
+def kernels_for(device: torch.device, tuning: KernelTuning = KernelTuning()) -> KernelSet:
+    """The kernel set for ``device``; a factory's is built anew (a mover keeps its own)."""
+    entry = registered(device.type)
+    return entry if isinstance(entry, KernelSet) else entry(tuning)

@@ -18,6 +18,8 @@ from kvcore.kernels.reference import (
     stage_out,
     staging_words,
 )
+from kvcore.mover import Mover
+from kvcore.path_policy import PathPolicy
 from kvcore.runs import find_paired_runs, find_runs
 
 POISON = 0xA5
@@ -216,6 +218,31 @@ def test_reference_serves_unregistered_devices(monkeypatch):
     register_kernels("meta", custom)
     assert kernels_for(torch.device("meta")) is custom
     assert kernels_for(torch.device("cpu")) is REFERENCE
+
+
+def test_one_registry_serves_sets_and_factories_and_movers_keep_what_they_built(monkeypatch):
+    monkeypatch.setattr(kernels, "_BY_DEVICE_TYPE", dict(kernels._BY_DEVICE_TYPE))
+    # CUDA's set is a factory in the same registry, built only when asked for (Triton).
+    assert not isinstance(kernels.registered("cuda"), KernelSet)
+    built: list[kernels.KernelTuning] = []
+
+    def factory(tuning: kernels.KernelTuning) -> KernelSet:
+        built.append(tuning)
+        return KernelSet(f"built-{len(built)}", copy_runs, gather_rows, stage_in, stage_out)
+
+    register_kernels("meta", factory)
+    meta = torch.device("meta")
+    mover = Mover(PathPolicy(gather_ctas=3, staged_pieces=2))
+    first = mover.kernels(meta)
+    assert mover.kernels(meta) is first and built == [kernels.KernelTuning(3, 2)]
+    assert Mover().kernels(meta) is not first  # another mover, its own tuning
+    assert built[-1] == kernels.KernelTuning(8, 1)
+    assert kernels_for(meta).name == "built-3"
+    fixed = KernelSet("fixed", copy_runs, gather_rows, stage_in, stage_out)
+    register_kernels("meta", fixed)  # a replaced entry replaces what movers built
+    assert mover.kernels(meta) is fixed
+    register_kernels("meta", factory)  # the same factory back: the same set, not rebuilt
+    assert mover.kernels(meta) is first and len(built) == 3
 
 
 class _LateRows(torch.Tensor):
