@@ -85,6 +85,15 @@ def check_index(index: torch.Tensor, name: str = "index") -> torch.Tensor:
     return index.to(torch.int64)
 
 
+def version_of(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s version counter (bumped by every in-place torch write), or None for an
+    inference tensor, which has none: reading its ``_version`` raises. Engines that run
+    under ``torch.inference_mode`` (vLLM's model runner; SGLang with
+    SGLANG_ENABLE_TORCH_INFERENCE_MODE) hand kvcore such tensors, and so does every tensor
+    kvcore makes while their call is on the stack."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def check_bounds(index: torch.Tensor, size: int, name: str = "index") -> int:
     """Raise ValueError unless every entry lies in ``[0, size)``; return the largest + 1.
 

@@ -22,6 +22,7 @@ from kvcore.layers import LayerPairs
 from kvcore.mover import PreparedLayers
 from kvcore.path_policy import PathPolicy
 from kvcore.planning import CheckedSides, TransferPlan
+from kvcore.runs import version_of
 
 _MAX_REQUESTS = 64
 
@@ -56,9 +57,10 @@ class LoadRequest:
     pool: Any
     device_pool: Any
     host_indices: torch.Tensor
-    host_version: int
+    host_version: int | None
+    """None for an inference tensor (no counter): such a request only ever passes."""
     device_indices: torch.Tensor
-    device_version: int
+    device_version: int | None
     io_backend: str
     is_draft: bool
     policy: PathPolicy
@@ -86,8 +88,8 @@ class LoadRequest:
         return (
             self.host_indices is host_indices
             and self.device_indices is device_indices
-            and self.host_version == host_indices._version
-            and self.device_version == device_indices._version
+            and self.host_version == version_of(host_indices)
+            and self.device_version == version_of(device_indices)
             and self.io_backend == io_backend
             and self.is_draft == is_draft
             and self.policy is policy
@@ -160,9 +162,9 @@ class LoadRequests:
             weakly(pool),
             weakly(device_pool),
             host_indices,
-            host_indices._version,
+            version_of(host_indices),
             device_indices,
-            device_indices._version,
+            version_of(device_indices),
             io_backend,
             is_draft,
             policy,

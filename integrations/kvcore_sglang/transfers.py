@@ -62,6 +62,7 @@ from kvcore.planning import (
     plan_device_indexed,
     plan_device_indexed_for,
 )
+from kvcore.runs import version_of
 
 from . import guard, pool_jobs
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, weakly
@@ -111,10 +112,15 @@ class HostIndexMemo:
         self._lock = threading.Lock()
 
     def remember(self, moved: torch.Tensor, on_cpu: torch.Tensor) -> None:
+        """Keep ``on_cpu`` for ``moved``; not where either has no version counter (an
+        inference tensor), whose later writes could not be seen: such a call runs stock."""
+        on_cpu_version, moved_version = version_of(on_cpu), version_of(moved)
+        if on_cpu_version is None or moved_version is None:
+            return
         key = id(moved)
         alive = weakref.ref(moved, lambda _: self._forget(key))
         with self._lock:
-            self._moved[key] = (alive, on_cpu, on_cpu._version, moved._version)
+            self._moved[key] = (alive, on_cpu, on_cpu_version, moved_version)
 
     def recall(self, moved: torch.Tensor) -> torch.Tensor | None:
         with self._lock:
@@ -145,17 +151,22 @@ HOST_INDEX_MEMO = HostIndexMemo()
 def move_indices_hook(
     original: Callable[..., Any], controller: Any, host_indices: Any, device_indices: Any
 ) -> Any:
-    """AROUND ``HiCacheController.move_indices``: remember host indices moved to the GPU."""
+    """AROUND ``HiCacheController.move_indices``: remember host indices moved to the GPU.
+    Stock's move has run first; a failure of kvcore's own part after it only leaves the
+    indices unremembered (their transfer then runs stock), counted."""
     moved = original(controller, host_indices, device_indices)
     moved_host = moved[0] if isinstance(moved, tuple) and moved else None
-    if (
-        isinstance(host_indices, torch.Tensor)
-        and host_indices.device.type == "cpu"
-        and isinstance(moved_host, torch.Tensor)
-        and moved_host is not host_indices
-        and moved_host.device.type != "cpu"
-    ):
-        HOST_INDEX_MEMO.remember(moved_host, host_indices)
+    try:
+        if (
+            isinstance(host_indices, torch.Tensor)
+            and host_indices.device.type == "cpu"
+            and isinstance(moved_host, torch.Tensor)
+            and moved_host is not host_indices
+            and moved_host.device.type != "cpu"
+        ):
+            HOST_INDEX_MEMO.remember(moved_host, host_indices)
+    except Exception as exc:
+        _count_pass(mover(), _internal_error(mover(), exc))
     return moved
 
 
@@ -511,6 +522,8 @@ def _start_load(
     """
     indices: CallIndices | str | None = None
     reason = _rule_reason("load", pool, io_backend, _count_of(host_indices))
+    if reason is None and _inference_indices(host_indices, device_indices):
+        reason = INFERENCE_INDICES
     if reason is None:
         if jobs is None:
             reason = _SOURCE_UNKNOWN
@@ -529,6 +542,15 @@ def _start_load(
     request.passes = reason
     request.call_indices = indices
     return request
+
+
+INFERENCE_INDICES = "sglang_inference_indices"
+"""Why a reload whose index tensors are inference tensors passes: with no version counter,
+a write between its layers could not be seen, and its later layers would copy old rows."""
+
+
+def _inference_indices(*indices: Any) -> bool:
+    return any(isinstance(each, torch.Tensor) and each.is_inference() for each in indices)
 
 
 def _dense_host_passes(op: str, pool: Any, io_backend: str, host: torch.Tensor) -> bool:

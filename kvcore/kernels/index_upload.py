@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.runs import version_of
+
 _CacheKey = tuple[tuple[int, int, int, int], ...]
 
 # Private but long-standing (Triton and inductor read streams through it); absent in CPU
@@ -72,6 +74,19 @@ def _stream_handle(device: torch.device, device_index: int) -> int:
     return int(_current_raw_stream(device_index))
 
 
+def cache_key(indices: tuple[torch.Tensor, ...]) -> _CacheKey | None:
+    """What names an upload of ``indices`` while their values are unchanged: memory, length,
+    stride and version counter of each; None where one has no counter (an inference tensor
+    may have been written in place unseen), so its upload is never reused."""
+    key = []
+    for index in indices:
+        version = version_of(index)
+        if version is None:
+            return None
+        key.append((index.data_ptr(), version, index.numel(), index.stride(0)))
+    return tuple(key)
+
+
 class IndexUploader:
     """A bounded pinned ring of ``slots`` x ``slot_entries`` int64 indices on one device."""
 
@@ -118,11 +133,13 @@ class IndexUploader:
         )
 
     def _uploaded(self, indices: tuple[torch.Tensor, ...]) -> _Upload:
-        key = tuple((i.data_ptr(), i._version, i.numel(), i.stride(0)) for i in indices)
-        with self._lock:
-            hit = self._recent.get(key)
-            if hit is not None:
-                self._recent.move_to_end(key)
+        key = cache_key(indices)
+        hit = None
+        if key is not None:
+            with self._lock:
+                hit = self._recent.get(key)
+                if hit is not None:
+                    self._recent.move_to_end(key)
         if hit is not None:
             handle = _stream_handle(self.device, self._device_index)
             if handle not in hit.ordered:
@@ -137,10 +154,11 @@ class IndexUploader:
         out, done = self._upload(indices, consumer)
         on_device = (out,) if len(indices) == 1 else out.split([i.numel() for i in indices])
         upload = _Upload(indices, on_device, done, {consumer.cuda_stream})
-        with self._lock:
-            self._recent[key] = upload
-            while len(self._recent) > self._cached:
-                self._recent.popitem(last=False)
+        if key is not None:
+            with self._lock:
+                self._recent[key] = upload
+                while len(self._recent) > self._cached:
+                    self._recent.popitem(last=False)
         return upload
 
     def _upload(

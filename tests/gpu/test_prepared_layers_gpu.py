@@ -105,3 +105,39 @@ def test_later_launches_skip_the_jit_and_indices_at_odd_addresses_still_copy(mon
             assert torch.equal(_bytes(got), _bytes(wanted))
     # The first launch compiled (or found) the kernel; the two after it went straight to it.
     assert len(jit_launches) == 1
+
+
+def test_layered_gathers_under_inference_mode_copy_exactly_and_never_reuse_a_stale_upload():
+    """vLLM's model runner calls the offload handler under torch.inference_mode: every
+    tensor made there (kvcore's own launch tables included) has no version counter, so
+    an upload of one can never be reused as unchanged."""
+    metrics = Metrics()
+    mover = Mover(metrics=metrics)
+    gen = torch.Generator().manual_seed(9)
+    with torch.inference_mode():
+        host = [_random(ROWS, 1152, host=True) for _ in range(LAYERS)]
+        device = [_random(ROWS, 1152, host=False) for _ in range(LAYERS)]
+        pairs = layer_pairs(host, device)
+        src_idx = torch.randperm(ROWS, generator=gen)[:700]
+        dst_idx = torch.randperm(ROWS, generator=gen)[:700]
+        assert src_idx.is_inference()
+        for rewrite in range(2):
+            if rewrite:
+                # Written in place where no counter sees it: the next copy must read it anew.
+                src_idx.copy_(torch.randperm(ROWS, generator=gen)[:700])
+            want = [t.clone() for t in device]
+            for src, dst in zip(host, want, strict=True):
+                dst[dst_idx.cuda()] = src[src_idx].cuda()
+            chosen = plan(
+                host[0],
+                device[0],
+                src_idx,
+                dst_idx,
+                direction=Direction.H2D,
+                force=TransferPath.GATHER,
+            )
+            mover.execute_layers(chosen, pairs)
+            torch.cuda.synchronize()
+            for got, wanted in zip(device, want, strict=True):
+                assert torch.equal(_bytes(got), _bytes(wanted))
+    assert metrics.snapshot()["fallbacks"] == {}

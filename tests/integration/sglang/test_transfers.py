@@ -419,6 +419,44 @@ def test_move_indices_hook_remembers_only_what_it_moved_off_the_cpu(monkeypatch)
     assert kept is host and memo.recall(kept) is None  # direct backend: nothing moved
 
 
+def test_a_reload_under_inference_mode_passes_whole_and_exact(transfer_hooks, monkeypatch):
+    """SGLang can run under torch.inference_mode (SGLANG_ENABLE_TORCH_INFERENCE_MODE): its
+    index tensors then have no version counter, so a kept plan could not see a write
+    between layers. Every layer runs stock, the pass is counted once as its own reason
+    (not as a failure inside kvcore), and the moved indices are not remembered."""
+    transfer_hooks()
+    monkeypatch.setattr(transfers, "_mover", small_policy_mover())
+    memo = transfers.HostIndexMemo()
+    monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
+    pool = pool_for("mha", "layer_first")
+    parts = components("mha", pool)
+    generator = torch.Generator().manual_seed(4)
+    randomise(all_tensors(parts), generator)
+    before = fallbacks()
+    with cpu_hicache(), torch.inference_mode():  # stock's direct copy, in torch, here
+        host_idx, device_idx = make_indices("mha", pool, "scattered", 64, generator)
+        assert host_idx.is_inference()
+        pairs = list(zip(*reference_slots("mha", pool, host_idx, device_idx), strict=True))
+        expected = as_bytes([device for part in parts for device in part.devices])
+        for layer in range(LAYERS):
+            for p, part in enumerate(parts):
+                for slot, row in pairs:
+                    want = expected[p * LAYERS + layer]
+                    want[row] = part.row(part.host.view(torch.uint8), layer, slot)
+            pool.load_to_device_per_layer(
+                device_pool_of("mha", pool), host_idx, device_idx, layer, "direct"
+            )
+        moved, _ = transfers.move_indices_hook(
+            lambda c, h, d: (h.clone(), d), None, host_idx, device_idx
+        )
+    devices = [device for part in parts for device in part.devices]
+    for device, want in zip(devices, expected, strict=True):
+        assert torch.equal(device.view(torch.uint8), want)
+    new = {k: v - before.get(k, 0) for k, v in fallbacks().items() if v != before.get(k, 0)}
+    assert new == {transfers.INFERENCE_INDICES: 1}
+    assert len(memo) == 0 and moved is not host_idx
+
+
 def test_device_resident_indices_are_served_only_where_they_need_not_be_read(monkeypatch):
     memo = transfers.HostIndexMemo()
     monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)

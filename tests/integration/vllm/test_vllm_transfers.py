@@ -230,6 +230,26 @@ def test_copies_byte_identical_to_per_page_reference_and_stock_fill(
     assert all(torch.equal(a, b) for a, b in zip(gpu if gpu_to_cpu else host, source, strict=True))
 
 
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS[:3], ids=["per-layer", "chunks-of-4", "shared-region"])
+def test_jobs_under_inference_mode_are_served_exactly(layout, gpu_to_cpu):
+    """vLLM's model runner submits offload jobs under torch.inference_mode (its tests do
+    too): the tensors kvcore makes from the block ids there have no version counter."""
+    layout = sized(layout)
+    with torch.inference_mode():
+        gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(3))
+        groups = draw_groups(np.random.default_rng(3), layout, [9, 4], 1.0)
+        stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu, groups=len(groups))
+        expected = reference(gpu, host, layout, groups, gpu_to_cpu)
+        metrics = Metrics()
+        handler = kvcore_handler(stock, policy=SMALL, metrics=metrics)
+        assert handler.transfer_async(3, *make_job(groups, gpu_to_cpu))
+        [result] = handler.get_finished()
+    assert (result.job_id, result.success) == (3, True)
+    assert metrics.snapshot()["fallbacks"] == {}  # kvcore copied it: no failure, no pass
+    assert_tensors_are(gpu, host, expected)
+
+
 @pytest.mark.parametrize(
     ("layout", "ids", "chunks", "copies_per_tensor"),
     [
