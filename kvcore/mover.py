@@ -234,11 +234,9 @@ class Mover:
         return PreparedLayers(plan, None, None)
 
     def execute_prepared(self, prepared: PreparedLayers, pairs: LayerPairs) -> None:
-        """:meth:`execute_layers` for one layer of a prepared request; raises as it does."""
+        """:meth:`execute_layers` for one layer of a prepared request; raises as it does,
+        but checks that ``pairs`` fit the plan only the first time it meets them."""
         plan = prepared.plan
-        if prepared.rows is None or prepared.gather is None:
-            self.execute_layers(plan, pairs)
-            return
         plan.check_indices()
         if pairs not in prepared.fits:
             problem = layers_mismatch(plan, pairs)
@@ -246,7 +244,11 @@ class Mover:
                 raise ValueError(problem)
             prepared.fits.add(pairs)
         started = time.perf_counter()
-        degraded = prepared.gather(pairs, prepared.rows)
+        degraded = None
+        if prepared.rows is not None and prepared.gather is not None:
+            degraded = prepared.gather(pairs, prepared.rows)
+        elif plan.rows and plan.row_bytes:
+            degraded = self._copy_layers(plan, pairs)
         self._record_layers(plan, pairs, time.perf_counter() - started, degraded)
 
     def _record_layers(
@@ -265,6 +267,11 @@ class Mover:
             return kernels.copy_runs_layers(pairs, plan.runs)
         if plan.path is TransferPath.GATHER and kernels.gather_layers is not None:
             return kernels.gather_layers(pairs, plan.src_idx, plan.dst_idx)
+        if plan.path is TransferPath.STAGED:
+            self._staged_pairs(
+                plan, kernels, list(zip(pairs.src_words, pairs.dst_words, strict=True))
+            )
+            return None
         degraded = None
         for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
             degraded = self._copy_words(plan, kernels, src_words, dst_words) or degraded
@@ -302,16 +309,17 @@ class Mover:
             return kernels.copy_runs(src_words, dst_words, plan.runs)
         if plan.path is TransferPath.GATHER:
             return kernels.gather_rows(src_words, plan.src_idx, dst_words, plan.dst_idx)
-        self._staged(plan, kernels, src_words, dst_words)
+        self._staged_pairs(plan, kernels, [(src_words, dst_words)])
         return None
 
-    def _staged(
+    def _staged_pairs(
         self,
         plan: TransferPlan,
         kernels: KernelSet,
-        src_words: torch.Tensor,
-        dst_words: torch.Tensor,
+        word_pairs: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
+        """The staged copy of ``plan``'s rows for each (source, destination) in word views,
+        one after another through one lease of the device's staging buffer."""
         chunk_rows = self.staging.capacity_bytes // plan.row_bytes
         if chunk_rows == 0:
             raise ValueError(
@@ -324,17 +332,18 @@ class Mover:
             # A mover whose staging buffer is smaller than the plan's policy assumed.
             chunks = staged_chunks(plan.host_runs, chunk_rows)
         with self.staging.lease(plan.device) as buffer:
-            for chunk in chunks:
-                begin, end = chunk.begin, chunk.end
-                staging = staging_words(buffer, end - begin, src_words)
-                if page_in:
-                    kernels.stage_in(
-                        src_words, chunk.host_runs, staging, dst_words, plan.dst_idx[begin:end]
-                    )
-                else:
-                    kernels.stage_out(
-                        src_words, plan.src_idx[begin:end], staging, dst_words, chunk.host_runs
-                    )
+            for src_words, dst_words in word_pairs:
+                for chunk in chunks:
+                    begin, end = chunk.begin, chunk.end
+                    staging = staging_words(buffer, end - begin, src_words)
+                    if page_in:
+                        kernels.stage_in(
+                            src_words, chunk.host_runs, staging, dst_words, plan.dst_idx[begin:end]
+                        )
+                    else:
+                        kernels.stage_out(
+                            src_words, plan.src_idx[begin:end], staging, dst_words, chunk.host_runs
+                        )
 
 
 def submissions(

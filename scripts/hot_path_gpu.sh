@@ -7,8 +7,11 @@
 #
 #   OUT=<dir> bash scripts/hot_path_gpu.sh [sweep args...]
 #
-# Writes under $OUT: env.txt, gpu-tests.log, host_cost.json, host_cost.log, sweep.json,
-# sweep.log (six files). Settings: SWEEP_SECONDS (the sweep's limit, 240), SWEEP_SIZES
+# The host-cost run covers scattered host slots (the gather) and, for the two MHA
+# page-64 cases, host slots in one run (the staged path).
+#
+# Writes under $OUT: env.txt, gpu-tests.log, host_cost.json, host_cost_staged.json,
+# host_cost.log, sweep.json, sweep.log (seven files). Settings: SWEEP_SECONDS (the sweep's limit, 240), SWEEP_SIZES
 # (512,2048,8192,32768).
 set -uo pipefail
 OUT=${OUT:-out/hot-path}
@@ -21,6 +24,9 @@ timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_prepared_
 tail -n 3 "$OUT/gpu-tests.log"
 timeout 200 python3 -m kvcore.bench.sglang.host_cost --json "$OUT/host_cost.json" 2>&1 \
     | grep -v '^INFO' > "$OUT/host_cost.log" || rc=1
+timeout 100 python3 -m kvcore.bench.sglang.host_cost --host-frag 0% \
+    --cases mha/layer_first/kernel/p64 mha/layer_first/direct/p64 \
+    --json "$OUT/host_cost_staged.json" 2>&1 | grep -v '^INFO' >> "$OUT/host_cost.log" || rc=1
 grep -E ' (stock|kvcore) ' "$OUT/host_cost.log"
 timeout "${SWEEP_SECONDS:-240}" python3 -m kvcore bench --engine sglang --sweep \
     --layouts layer_first/kernel --sizes "${SWEEP_SIZES:-512,2048,8192,32768}" \

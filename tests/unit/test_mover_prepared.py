@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcore import mover as mover_module
 from kvcore.direction import Direction
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, StalePlanError, TransferPath, plan
+from kvcore.mover import Mover, PathPolicy, StalePlanError, TransferPath, plan
 
 ROWS, WIDTH, LAYERS = 64, 48, 3
 
@@ -77,6 +78,50 @@ def test_several_pairs_of_one_layer_move_together() -> None:
     mover.execute_prepared(mover.prepare_layers(first), layer_pairs(srcs, dsts))
     for got, wanted in zip(dsts, want, strict=True):
         assert torch.equal(got, wanted)
+
+
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H])
+def test_staged_layers_move_every_pair_in_chunks_and_are_fitted_once(
+    direction: Direction, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(13)
+    srcs, dsts = layered(gen)
+    scattered_rows = torch.randperm(ROWS, generator=gen)[:30]
+    host_run = torch.arange(7, 37)  # the host side one run: the staged path
+    h2d = direction is Direction.H2D
+    src_idx, dst_idx = (host_run, scattered_rows) if h2d else (scattered_rows, host_run)
+    want = expected(srcs, dsts, src_idx, dst_idx)
+    sources = [src.clone() for src in srcs]
+    fitted: list[object] = []
+    real_mismatch = mover_module.layers_mismatch
+
+    def counted(plan_: object, pairs: object) -> str | None:
+        fitted.append(pairs)
+        return real_mismatch(plan_, pairs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mover_module, "layers_mismatch", counted)
+    # Room for 8 rows: the 30 rows go in 4 chunks, each pair after the other.
+    mover = Mover(PathPolicy(staging_bytes=8 * WIDTH * 2))
+    first = plan(
+        srcs[0],
+        dsts[0],
+        src_idx,
+        dst_idx,
+        direction=direction,
+        policy=mover.policy,
+        force=TransferPath.STAGED,
+    )
+    assert first.path is TransferPath.STAGED and len(first.staged_chunks) == 4
+    prepared = mover.prepare_layers(first)
+    both = layer_pairs(srcs[1:], dsts[1:])
+    for pairs in (layer_pairs(srcs[:1], dsts[:1]), both, both):
+        mover.execute_prepared(prepared, pairs)
+    assert len(fitted) == 2  # each pairs object checked the first time only
+    for got, wanted in zip(dsts, want, strict=True):
+        assert torch.equal(got, wanted)
+    for src, kept in zip(srcs, sources, strict=True):
+        assert torch.equal(src, kept)
+    assert mover.staging.bytes_reserved == 8 * WIDTH * 2
 
 
 def test_indices_written_after_preparing_are_refused_and_nothing_is_copied() -> None:

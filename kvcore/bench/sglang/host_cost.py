@@ -50,6 +50,7 @@ class CostRow:
     case: str
     tokens: int
     layers: int
+    host_frag: str
     side: str
     first_us: float
     later_us: float
@@ -75,11 +76,12 @@ NO_COPY = KernelSet(
 
 
 def _request_pools(
-    case: ab.PoolCase, side: sweep.Side, tokens: int, gen: torch.Generator
+    case: ab.PoolCase, side: sweep.Side, tokens: int, gen: torch.Generator, host_frag: str
 ) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
-    """The pools and a new request's indices (host slots scattered), where ``side`` has
-    SGLang put them: the arguments of each of the request's load calls."""
-    host, dev = sweep._requests(case, tokens, "100%", 1, gen)[0]
+    """The pools and a new request's indices (host slots fragmented ``host_frag``: one of
+    ``ab.HOST_LEVELS``), where ``side`` has SGLang put them: the arguments of each of the
+    request's load calls."""
+    host, dev = sweep._requests(case, tokens, host_frag, 1, gen)[0]
     return (case.pool, case.device_pool, *side.prepare(host, dev))
 
 
@@ -96,13 +98,20 @@ def _call_times(calls: Sequence[Callable[[], Any]], device: torch.device) -> lis
 
 
 def _row(
-    label: str, tokens: int, layers: int, side: str, firsts: list[float], laters: list[float]
+    label: str,
+    tokens: int,
+    layers: int,
+    host_frag: str,
+    side: str,
+    firsts: list[float],
+    laters: list[float],
 ) -> CostRow:
     laters = sorted(laters)
     return CostRow(
         case=label,
         tokens=tokens,
         layers=layers,
+        host_frag=host_frag,
         side=side,
         first_us=statistics.median(firsts) * 1e6,
         later_us=statistics.median(laters) * 1e6 if laters else 0.0,
@@ -112,7 +121,12 @@ def _row(
 
 
 def measure_case(
-    case: ab.PoolCase, backend: str, tokens: int, requests: int, stock: bool
+    case: ab.PoolCase,
+    backend: str,
+    tokens: int,
+    requests: int,
+    stock: bool,
+    host_frag: str = "100%",
 ) -> list[CostRow]:
     """Stock's and kvcore's per-call host time over ``requests`` requests of ``tokens``."""
     device = case.opts.device
@@ -131,7 +145,7 @@ def measure_case(
         before = METRICS.snapshot()
         # The first request pays one-time costs (JIT compiles, each layer's checks): not kept.
         for request in range(requests + 1):
-            pools = _request_pools(case, side, tokens, gen)
+            pools = _request_pools(case, side, tokens, gen, host_frag)
             if name == "stock":
                 calls = [functools.partial(original, *pools, n, backend) for n in range(layers)]
             else:
@@ -141,21 +155,23 @@ def measure_case(
             if request:
                 firsts.append(times[0])
                 laters.extend(times[1:])
-        row = _row(label, tokens, layers, name, firsts, laters)
+        row = _row(label, tokens, layers, host_frag, name, firsts, laters)
         if name == "kvcore":
             row = dataclasses.replace(row, paths=sweep._paths(before, METRICS.snapshot()))
         rows.append(row)
     return rows
 
 
-def profile_case(case: ab.PoolCase, backend: str, tokens: int, requests: int, path: str) -> None:
+def profile_case(
+    case: ab.PoolCase, backend: str, tokens: int, requests: int, path: str, host_frag: str
+) -> None:
     """cProfile of kvcore's first calls and of its later calls, apart, written to ``path``."""
     side = sweep.kvcore_side(case, "load", backend, 1)
     hook, original = sweep._hook(case, "load"), sweep._method(case, "load")
     gen = torch.Generator().manual_seed(case.opts.seed)
     first, later = cProfile.Profile(), cProfile.Profile()
     for request in range(requests + 1):
-        pools = _request_pools(case, side, tokens, gen)
+        pools = _request_pools(case, side, tokens, gen, host_frag)
         sweep._sync(case.opts.device)
         for layer in range(case.opts.layers):
             profile = first if layer == 0 else later
@@ -206,12 +222,15 @@ def run(args: argparse.Namespace) -> list[CostRow]:
             opts = ab.Options(tokens=max(tokens), layers=args.layers, device=device)
             with ab.pool_case(kind, layout, page, opts) as case:
                 if args.profile:
-                    profile_case(case, backend, tokens[0], args.requests, args.profile)
+                    profile_case(
+                        case, backend, tokens[0], args.requests, args.profile, args.host_frag[0]
+                    )
                     args.profile = None
                 for count in tokens:
-                    for row in measure_case(case, backend, count, args.requests, stock):
-                        rows.append(row)
-                        print(_line(row), file=sys.stderr, flush=True)
+                    for frag in args.host_frag:
+                        for row in measure_case(case, backend, count, args.requests, stock, frag):
+                            rows.append(row)
+                            print(_line(row), file=sys.stderr, flush=True)
             sweep._release_pools()
     return rows
 
@@ -225,7 +244,8 @@ def _cases(names: Sequence[str]) -> list[tuple[str, str, str, int]]:
 
 def _line(row: CostRow) -> str:
     return (
-        f"{row.case:28} {row.tokens:>7} {row.side:7} first {row.first_us:8.1f} us  "
+        f"{row.case:28} {row.tokens:>7} {row.host_frag:>4} {row.side:7} "
+        f"first {row.first_us:8.1f} us  "
         f"later {row.later_us:7.1f} us (p90 {row.later_p90_us:7.1f})  {','.join(row.paths)}"
     )
 
@@ -237,6 +257,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--requests", type=int, default=5)
     p.add_argument("--cases", nargs="*", default=[], help="kind/layout/backend/pN names")
+    p.add_argument(
+        "--host-frag",
+        type=lambda s: s.split(","),
+        default=["100%"],
+        help="host slot fragmentation levels, comma-separated (0%%: one run, served staged)",
+    )
     p.add_argument("--no-copy", action="store_true", help="CPU kernels that copy nothing")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--profile", help="write a cProfile of the first case's kvcore calls here")

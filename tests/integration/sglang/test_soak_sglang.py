@@ -85,16 +85,26 @@ def _flip_first_load(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         row.reshape(-1).view(torch.uint8)[3] ^= 0x10
         flipped.append(int(plan.dst_idx[0]))
 
-    def wrap(original: Callable[..., None], pick: Callable[..., torch.Tensor]) -> Any:
-        def wrapped(self: Mover, plan: TransferPlan, *args: Any, **kwargs: Any) -> None:
-            original(self, plan, *args, **kwargs)
-            flip(plan, pick(plan, *args))
+    def wrap(
+        original: Callable[..., None],
+        pick: Callable[..., torch.Tensor],
+        plan_of: Callable[[Any], TransferPlan] = lambda plan: plan,
+    ) -> Any:
+        def wrapped(self: Mover, work: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, work, *args, **kwargs)
+            flip(plan_of(work), pick(work, *args))
 
         return wrapped
 
     monkeypatch.setattr(Mover, "execute", wrap(Mover.execute, lambda plan, *a: plan.dst))
     monkeypatch.setattr(
         Mover, "execute_layers", wrap(Mover.execute_layers, lambda plan, pairs: pairs.dsts[0])
+    )
+    # A prepared request's layers (gathered or staged) come through here.
+    monkeypatch.setattr(
+        Mover,
+        "execute_prepared",
+        wrap(Mover.execute_prepared, lambda _, pairs: pairs.dsts[0], lambda done: done.plan),
     )
     return flipped
 
