@@ -225,10 +225,7 @@ class Mover:
         if plan.path is TransferPath.GATHER and plan.rows and plan.row_bytes:
             kernels = self.kernels(plan.device)
             if kernels.prepare_rows is not None and kernels.gather_prepared is not None:
-                src_idx = plan.src_idx
-                if _same_index_on(src_idx_on_device, src_idx, plan.device):
-                    assert src_idx_on_device is not None
-                    src_idx = src_idx_on_device
+                src_idx = _stand_in_on(src_idx_on_device, plan.src_idx, plan.device)
                 rows = kernels.prepare_rows(src_idx, plan.dst_idx, plan.device)
                 return PreparedLayers(plan, rows, kernels.gather_prepared)
         return PreparedLayers(plan, None, None)
@@ -402,19 +399,21 @@ def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
     return None
 
 
-def _same_index_on(
+def _stand_in_on(
     candidate: torch.Tensor | None, index: torch.Tensor, device: torch.device
-) -> bool:
-    """Whether ``candidate`` can stand for ``index`` on ``device`` (its values are the
-    caller's word): the kernels' index form, as long."""
-    return (
+) -> torch.Tensor:
+    """``candidate`` where it can stand for ``index`` on ``device`` (its values are the
+    caller's word: the kernels' index form, as long), else ``index`` itself."""
+    if (
         candidate is not None
         and candidate.device == device
         and candidate.dtype == torch.int64
         and candidate.dim() == 1
         and candidate.numel() == index.numel()
         and (candidate.numel() < 2 or candidate.stride(0) == 1)
-    )
+    ):
+        return candidate
+    return index
 
 
 def _destination_runs(plan: TransferPlan) -> Runs | None:
