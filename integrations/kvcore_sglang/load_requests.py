@@ -24,6 +24,8 @@ from kvcore.path_policy import PathPolicy
 from kvcore.planning import CheckedSides, TransferPlan
 from kvcore.runs import version_of
 
+from .host_layouts import BlockRows
+
 _MAX_REQUESTS = 64
 
 
@@ -194,6 +196,8 @@ class LayerBuffers:
     """The same pairs, source first, as one submission takes them."""
     first_sides: CheckedSides
     """The first pair checked as a load's sides, which each request's plan is made for."""
+    rows: BlockRows
+    """The host views' geometry, which maps a request's host slots to their rows."""
 
 
 class PoolLayers:

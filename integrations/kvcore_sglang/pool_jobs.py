@@ -70,6 +70,14 @@ class BackupJob(Protocol):
 HoldsLayer = Callable[[Any, Any, int], bool]
 """(pool, device pool, layer id) -> whether stock copies anything for that target layer."""
 
+LoadIndices = Callable[
+    [Any, torch.Tensor, torch.Tensor, str], tuple[torch.Tensor, torch.Tensor] | str
+]
+"""(pool, host indices, device indices, io backend) -> the (host slots, device rows) a load
+copies by, as its :class:`LoadJob` takes them, or why the call runs stock: the part of a
+load that depends on the request alone, so that a layer whose buffers are kept needs no
+new job."""
+
 
 @dataclass(frozen=True)
 class PoolJobs:
@@ -78,6 +86,7 @@ class PoolJobs:
     holds_layer: HoldsLayer
     load: LoadJob
     backup: BackupJob
+    load_indices: LoadIndices
 
 
 def _rows_of(
@@ -108,6 +117,14 @@ def _paged_reason(pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor) -
     return None
 
 
+def token_load_indices(
+    pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor, io_backend: str
+) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """MHA and MLA loads (both releases) copy by the call's own indices."""
+    reason = _paged_reason(pool, host_idx, device_idx)
+    return reason if reason is not None else (host_idx, device_idx)
+
+
 def _layer_job(
     pool: Any,
     host_buffers: tuple[torch.Tensor, ...],
@@ -117,13 +134,14 @@ def _layer_job(
     device_idx: torch.Tensor,
 ) -> Job | str:
     """One layer's copies: host layer ``host_layer`` of each host buffer with its device layer."""
-    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
-        host_buffers, pool, devices[0], pool.page_size
-    )
+    indices = token_load_indices(pool, host_idx, device_idx, "")
+    if isinstance(indices, str):
+        return indices
+    views = _rows_of(host_buffers, pool, devices[0], pool.page_size)
     if isinstance(views, str):
         return views
     pairs = [(rows.layer(host_layer), device) for rows, device in zip(views, devices, strict=True)]
-    return _job(views[0], pairs, host_idx, device_idx)
+    return _job(views[0], pairs, *indices)
 
 
 def _all_layers_job(
@@ -229,6 +247,13 @@ def mla_holds_layer(pool: Any, device_pool: Any, layer_id: int) -> bool:
 
 
 # --- DSA indexer -------------------------------------------------------------------------
+
+
+def dsa_load_indices(
+    pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor, io_backend: str
+) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """A DSA indexer load copies by page: :func:`_dsa_pages`."""
+    return _dsa_pages(pool, io_backend, host_idx, device_idx)
 
 
 def _dsa_pages(
@@ -402,13 +427,14 @@ def mla_backup_0_5_22(
 # Release -> the builders that reproduce its methods (0.5.22's MHA backup copies what
 # 0.5.23's does; both releases define the DSA indexer's transfers identically).
 MHA_JOBS: dict[str, PoolJobs] = {
-    "0.5.22": PoolJobs(holds_layer_0_5_22, mha_load_0_5_22, mha_backup),
-    "0.5.23": PoolJobs(mha_holds_layer, mha_load, mha_backup),
+    "0.5.22": PoolJobs(holds_layer_0_5_22, mha_load_0_5_22, mha_backup, token_load_indices),
+    "0.5.23": PoolJobs(mha_holds_layer, mha_load, mha_backup, token_load_indices),
 }
 MLA_JOBS: dict[str, PoolJobs] = {
-    "0.5.22": PoolJobs(holds_layer_0_5_22, mla_load_0_5_22, mla_backup_0_5_22),
-    "0.5.23": PoolJobs(mla_holds_layer, mla_load, mla_backup),
+    "0.5.22": PoolJobs(holds_layer_0_5_22, mla_load_0_5_22, mla_backup_0_5_22, token_load_indices),
+    "0.5.23": PoolJobs(mla_holds_layer, mla_load, mla_backup, token_load_indices),
 }
 DSA_JOBS: dict[str, PoolJobs] = {
-    release: PoolJobs(dsa_holds_layer, dsa_load, dsa_backup) for release in ("0.5.22", "0.5.23")
+    release: PoolJobs(dsa_holds_layer, dsa_load, dsa_backup, dsa_load_indices)
+    for release in ("0.5.22", "0.5.23")
 }

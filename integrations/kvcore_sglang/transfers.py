@@ -591,6 +591,18 @@ def _load_job(
     )
 
 
+def _kept_layer_job(
+    jobs: PoolJobs, request: LoadRequest, pool: Any, buffers: LayerBuffers, indices: CallIndices
+) -> Job | str:
+    """The job of a layer whose buffers are kept: the request's indices as the pool's load
+    takes them, with the buffers its builder gave when they were kept (a pool's buffers
+    and layer map are fixed for its life, so the builder would give them again)."""
+    found = jobs.load_indices(pool, indices.host, indices.device, request.io_backend)
+    if isinstance(found, str):
+        return found
+    return Job(buffers.pairs, buffers.rows, *found)
+
+
 def _layer_buffers(
     jobs: PoolJobs,
     request: LoadRequest,
@@ -610,7 +622,7 @@ def _layer_buffers(
     layered = layer_pairs([host for host, _ in job.pairs], [dev for _, dev in job.pairs])
     host, device = job.pairs[0]
     sides = check_sides(host, device, Direction.H2D)
-    buffers = LayerBuffers(weakly(device_pool), job.pairs, layered, sides)
+    buffers = LayerBuffers(weakly(device_pool), job.pairs, layered, sides, job.rows)
     POOL_LAYERS.put(pool, device_pool, key, buffers)
     return buffers, job
 
@@ -641,7 +653,7 @@ def _serve_layer(
         return found
     buffers, job = found
     if request.plan is None:
-        planned_from = job or _load_job(jobs, request, pool, device_pool, layer_id, indices)
+        planned_from = job or _kept_layer_job(jobs, request, pool, buffers, indices)
         if isinstance(planned_from, str):
             return planned_from
         first = _first_plan(

@@ -820,6 +820,25 @@ def test_page_first_direct_needs_whole_pages():
         )
 
 
+def test_a_kept_layer_still_checks_each_requests_indices(transfer_hooks):
+    """Once a layer's buffers are kept, a request's first call takes them without a new
+    job: the checks that depend on the request (whole pages here) still run."""
+    transfer_hooks()
+    pool = pool_for("mla", "page_first_direct")
+    paged = {"host_indices": torch.arange(PAGE, 3 * PAGE), "device_indices": torch.arange(2 * PAGE)}
+    served = call_hook("mla", "load", pool, **paged)
+    assert not served.calls, "a paged request is kvcore's"
+    assert transfers.POOL_LAYERS.get(pool, device_pool_of("mla", pool), (1, False)) is not None
+    assert_stock_once(
+        "mla",
+        "load",
+        pool,
+        "sglang_unpaged_indices",
+        host_indices=torch.arange(1, PAGE + 1),
+        device_indices=torch.arange(PAGE, 2 * PAGE),
+    )
+
+
 @pytest.mark.parametrize("direction", ["load", "backup"])
 def test_dsa_calls_stock_runs(monkeypatch, direction):
     pool = pool_for("dsa", "layer_first")
