@@ -63,14 +63,17 @@ TRANSFER_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 _REGISTER = "sglang.srt.plugins.hook_registry.HookRegistry.register"
+# Uninstalling applies another plugin's hooks again on a target kvcore shared with it.
+_APPLY = "sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks"
 # SGLang functions a group's hooks call (kvcore.stock_uses finds them; a test requires each
 # here): checked with the group, never hooked. The plugin registers every hook through
 # HookRegistry.register; the layer helpers are those kvcore_sglang.pool_jobs asks which
 # layer a pool holds and where (HostKVCache's for MHA and MLA, the DSA pool's own).
 DEPENDENCIES: dict[str, tuple[str, ...]] = {
-    ALLOCATOR_GROUP: (_REGISTER,),
+    ALLOCATOR_GROUP: (_REGISTER, _APPLY),
     TRANSFER_GROUP: (
         _REGISTER,
+        _APPLY,
         *(
             f"{HOST_KV_CACHE}.{name}"
             for name in ("_host_layer_index", "_is_device_layer_owned", "_is_device_layer_sharded")
@@ -78,14 +81,15 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     ),
     DSA_TRANSFER_GROUP: (
         _REGISTER,
+        _APPLY,
         *(
             f"{_DSA_POOL}.{name}"
             for name in ("_draft_host_layer", "_host_layer_index", "_is_device_layer_owned")
         ),
         f"{HOST_KV_CACHE}._is_device_layer_sharded",
     ),
-    INDEX_MEMO_GROUP: (_REGISTER,),
-    WARM_UP_GROUP: (_REGISTER,),
+    INDEX_MEMO_GROUP: (_REGISTER, _APPLY),
+    WARM_UP_GROUP: (_REGISTER, _APPLY),
 }
 
 # Recorded from each release's files with ``python -m kvcore_sglang.guard [ROOT]``;
@@ -146,6 +150,7 @@ _INDEX_MEMO_0_5_22: dict[str, str] = {
 # The functions of DEPENDENCIES, the same in both releases.
 _DEPENDENCIES_0_5_22: dict[str, str] = {
     _REGISTER: "d63b75e9c26f0c9e71a125acf6ea791a1231472737ce7639b4fa8d93c792bafe",
+    _APPLY: "ac5f7bc0943ca673a0264a9d0b430facf147040038205f67440c4cc5173ee76f",
     f"{HOST_KV_CACHE}._host_layer_index": (
         "1d968730bf62265f7c444932dd6c829f0441ddda42eb4217f8ded4052f929eab"
     ),

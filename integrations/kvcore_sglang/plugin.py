@@ -18,6 +18,7 @@ from kvcore.engine_status import EngineStatus, announce_activation, probe_engine
 from kvcore.metrics_export import start_multiprocess_export
 
 from . import DISTRIBUTION, ENGINE, SUPPORTED_VERSIONS
+from .installation import INSTALLATION
 
 logger = logging.getLogger("kvcore.sglang")
 
@@ -25,7 +26,6 @@ logger = logging.getLogger("kvcore.sglang")
 STOCK_POOLS_GROUP = "host pools left stock"
 
 _lock = threading.Lock()
-_applied: EngineStatus | None = None
 
 
 def load() -> None:
@@ -49,11 +49,10 @@ def register_hooks(
     (:mod:`kvcore_sglang.transfers`); by default it follows ``KVCORE_TRANSFERS``, which
     is off until the hooks are proven on a GPU inside SGLang.
     """
-    global _applied
     config = KVCoreConfig.from_env() if config is None else config
     with _lock:
-        if _applied is not None:
-            return _applied
+        if INSTALLATION.status is not None:
+            return INSTALLATION.status
         status = probe_engine(
             ENGINE, DISTRIBUTION, SUPPORTED_VERSIONS, enabled=config.enabled_for(ENGINE)
         )
@@ -73,20 +72,25 @@ def register_hooks(
             # only through prometheus_client's multiprocess files (--enable-metrics).
             start_multiprocess_export()
         status.plugin_applied = True
-        _applied = status
+        INSTALLATION.status = status
         return status
 
 
 def applied_status() -> EngineStatus | None:
     """The status of the hooks registered in this process, or None if none were."""
-    return _applied
+    return INSTALLATION.status
+
+
+def uninstall() -> None:
+    """Take back every hook :func:`register_hooks` registered, restoring each original
+    (:meth:`kvcore_sglang.installation.Installation.uninstall`)."""
+    with _lock:
+        INSTALLATION.uninstall()
 
 
 def _register(status: EngineStatus, version: str) -> None:
     # Imported here: both modules import torch, and the plugin module is loaded
     # by SGLang's launcher whether or not kvcore is enabled.
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     from . import guard, host_slots
 
     result = guard.check_targets(version)
@@ -98,7 +102,7 @@ def _register(status: EngineStatus, version: str) -> None:
         logger.warning("kvcore: SGLang %s targets left stock: %s", version, changed)
     hooks = {f"{guard.HOST_KV_CACHE}.{name}": hook for name, hook in host_slots.HOOKS.items()}
     for target in result.patchable:
-        HookRegistry.register(target, hooks[target], HookType.AROUND)
+        INSTALLATION.register(target, hooks[target])
         status.patched_targets.append(target)
     if set(guard.ALLOCATOR_TARGETS) <= set(result.patchable):
         for pool, reason in host_slots.STOCK_POOLS.items():
@@ -106,8 +110,6 @@ def _register(status: EngineStatus, version: str) -> None:
 
 
 def _register_transfers(status: EngineStatus, version: str) -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     from . import guard, pool_warm_up, transfers
 
     hooks = {**transfers.HOOKS, **pool_warm_up.HOOKS}
@@ -119,7 +121,7 @@ def _register_transfers(status: EngineStatus, version: str) -> None:
         changed = "; ".join(f"{s.target}: {s.reason}" for s in result.skipped)
         logger.warning("kvcore: SGLang %s transfers left stock: %s", version, changed)
     for target in result.patchable:
-        HookRegistry.register(target, hooks[target], HookType.AROUND)
+        INSTALLATION.register(target, hooks[target])
         status.patched_targets.append(target)
 
 

@@ -140,6 +140,10 @@ class HostIndexMemo:
             if entry is not None and entry[0]() is None:
                 del self._moved[key]
 
+    def clear(self) -> None:
+        with self._lock:
+            self._moved.clear()
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._moved)
@@ -226,6 +230,10 @@ class LayerPairsMemo:
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_pool.clear()
 
     def pairs(self, pool: Any, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> LayerPairs:
         key = tuple(
@@ -501,6 +509,21 @@ def restore_bypassed() -> None:
 
 LOAD_REQUESTS = LoadRequests()
 POOL_LAYERS = PoolLayers()
+
+
+def forget() -> None:
+    """Drop everything the transfer hooks keep (the mover, the memos of requests, layers
+    and moved indices) and give back every stock method bound on a pool: what
+    :class:`kvcore_sglang.installation.Installation` does once the hooks are gone."""
+    global _mover
+    restore_bypassed()
+    LOAD_REQUESTS.clear()
+    POOL_LAYERS.clear()
+    LAYER_PAIRS.clear()
+    HOST_INDEX_MEMO.clear()
+    INTERNAL_ERRORS.forget()
+    with _mover_lock:
+        _mover = None
 
 
 def _start_load(

@@ -197,7 +197,7 @@ def test_sglang_in_process_shows_patched_beside_would_patch(fake_sglang, monkeyp
     )
     applied.patched_targets = list(sglang_guard.ALLOCATOR_TARGETS[:2])
     applied.skip("sglang.srt.mem_cache.pool_host.mamba.MambaPoolHost", "own allocator", "pools")
-    monkeypatch.setattr(sglang_plugin, "_applied", applied)
+    monkeypatch.setattr(sglang_plugin.INSTALLATION, "status", applied)
     report = doctor_report(KVCoreConfig(enable={"sglang"}))
     entry = engine_entry(report, "sglang")
     assert entry["plugin_applied"]

@@ -47,7 +47,8 @@ SLOT_METHODS = "".join(
 FAKE_SGLANG = {
     "sglang/srt/mem_cache/pool_host/base.py": f"class HostKVCache:\n{SLOT_METHODS}",
     "sglang/srt/plugins/hook_registry.py": (
-        "class HookRegistry:\n    def register(cls, target, hook):\n        pass\n"
+        "class HookRegistry:\n    def register(cls, target, hook):\n        pass\n\n"
+        "    def apply_hooks(cls):\n        return None\n"
     ),
 }
 
@@ -67,7 +68,8 @@ def test_sglang_a_changed_dependency_leaves_its_group_stock(monkeypatch, tmp_pat
     registry.write_text(registry.read_text().replace("pass", "return hook"), encoding="utf-8")
     result = sglang_guard.check_targets("9.9.9")
     assert result.patchable == ()
-    (register,) = sglang_guard.DEPENDENCIES[group]
+    register = sglang_guard.DEPENDENCIES[group][0]
+    assert register.endswith("HookRegistry.register")
     assert {s.target: s.reason for s in result.skipped} == dict.fromkeys(
         sglang_guard.ALLOCATOR_TARGETS,
         f"part of the {group} group, whose target {register} changed",

@@ -629,30 +629,27 @@ def _host_mismatch(host: torch.Tensor, mirror: torch.Tensor) -> int:
 def allocator_hooks() -> Iterator[Any]:
     """kvcore's host-slot hooks registered by its SGLang plugin and applied by SGLang's
     ``HookRegistry``, as a scheduler process does; all of it undone on exit."""
-    from sglang.srt.mem_cache.pool_host.base import HostKVCache
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from kvcore_sglang import host_slots, plugin
+    from kvcore_sglang import plugin
 
-    originals = {name: vars(HostKVCache)[name] for name in host_slots.HOOKS}
+    if plugin.applied_status() is not None:
+        raise RuntimeError("kvcore's SGLang hooks are installed in this process already")
+    # Hooks other code registered stay out of the soak's way, and come back after it.
     saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
     saved_patched = set(HookRegistry._patched)
-    saved_applied = plugin._applied
     saved_env = os.environ.get("KVCORE_ENABLE")
     HookRegistry.reset()
-    plugin._applied = None
     os.environ["KVCORE_ENABLE"] = "sglang"
     try:
         status = plugin.register_hooks(KVCoreConfig.from_env(), with_transfers=False)
         HookRegistry.apply_hooks()
         yield status
     finally:
-        for name, function in originals.items():
-            setattr(HostKVCache, name, function)
+        plugin.uninstall()
         HookRegistry.reset()
         HookRegistry._hooks.update(saved_hooks)
         HookRegistry._patched.update(saved_patched)
-        plugin._applied = saved_applied
         if saved_env is None:
             os.environ.pop("KVCORE_ENABLE", None)
         else:

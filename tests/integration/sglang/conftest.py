@@ -24,29 +24,55 @@ if importlib.util.find_spec("sglang") is not None:
 @pytest.fixture
 def sglang_hooks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
     """A function that runs the plugin with KVCORE_ENABLE=sglang and applies its hooks
-    (returns the status); HostKVCache and the registry are restored afterwards."""
-    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+    (returns the status). Afterwards the plugin's own uninstall takes them back, and the
+    test fails unless every target holds its original again.
+
+    Hooks another lane registered before the test (a patched tree's import claims the
+    same targets) are set aside for the test and put back after it."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from kvcore_sglang import host_slots, plugin
+    from kvcore_sglang import plugin
 
-    originals = {name: vars(HostKVCache)[name] for name in host_slots.HOOKS}
+    assert plugin.applied_status() is None, "a test left kvcore's hooks installed"
     saved_hooks = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
     saved_patched = set(HookRegistry._patched)
     HookRegistry.reset()
-    monkeypatch.setattr(plugin, "_applied", None)
     monkeypatch.setenv("KVCORE_ENABLE", "sglang")
+    installed: list[str] = []
 
     def apply() -> Any:
         plugin.load()
         HookRegistry.apply_hooks()
+        installed[:] = plugin.INSTALLATION.targets
         return plugin.applied_status()
 
+    originals = {target: _attribute(target) for target in _every_target()}
     try:
         yield apply
     finally:
-        for name, function in originals.items():
-            setattr(HostKVCache, name, function)
+        plugin.uninstall()
+        changed = [t for t, held in originals.items() if _attribute(t) is not held]
+        left = [t for t in installed if HookRegistry._hooks.get(t)]
         HookRegistry.reset()
         HookRegistry._hooks.update(saved_hooks)
         HookRegistry._patched.update(saved_patched)
+        assert not changed, f"uninstall left these targets changed: {changed}"
+        assert not left, f"uninstall left kvcore's hooks registered on: {left}"
+
+
+def _every_target() -> list[str]:
+    from kvcore_sglang import host_slots, pool_warm_up, transfers
+    from kvcore_sglang.guard import HOST_KV_CACHE
+
+    return [
+        *(f"{HOST_KV_CACHE}.{name}" for name in host_slots.HOOKS),
+        *transfers.HOOKS,
+        *pool_warm_up.HOOKS,
+    ]
+
+
+def _attribute(target: str) -> Any:
+    import pkgutil
+
+    owner, name = target.rsplit(".", 1)
+    return vars(pkgutil.resolve_name(owner)).get(name)

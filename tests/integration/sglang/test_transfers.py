@@ -30,7 +30,7 @@ from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang_pools import dsa_host, mha_device, mha_host, mla_device, mla_host
 
 from kvcore import kernels
@@ -242,14 +242,13 @@ def kvcore_serves_every_call() -> Iterator[None]:
 
 
 @pytest.fixture
-def transfer_hooks(sglang_hooks, monkeypatch) -> Iterator[Callable[..., Any]]:
-    """Applies the plugin with the transfer hooks; the pool methods are restored afterwards.
+def transfer_hooks(sglang_hooks) -> Iterator[Callable[..., Any]]:
+    """Applies the plugin with the transfer hooks; its uninstall restores the pool methods
+    afterwards (``sglang_hooks`` checks that it did).
 
     The serve-or-pass rule is off: these pools are far smaller than any request the rule
     serves, and the tests are about kvcore's own copies (test_serve_rule.py covers the rule).
     """
-    for (cls, name), function in STOCK.items():
-        monkeypatch.setattr(cls, name, function)
 
     def apply() -> Any:
         status = plugin.register_hooks(with_transfers=True)
@@ -390,6 +389,75 @@ def test_kept_sides_stand_only_for_views_of_the_same_memory_alike():
     assert not transfers._same_views(sides, host, device.view(16, 2, 2))  # another shape
     assert not transfers._same_views(sides, host, device.t().contiguous().t())  # strides
     assert not transfers._same_views(sides, host.view(torch.int32), device)  # dtype
+
+
+def test_uninstall_restores_every_original_and_forgets_what_the_hooks_kept(transfer_hooks):
+    status = transfer_hooks()
+    assert status.plugin_applied and plugin.applied_status() is status
+    target = f"{MHATokenToKVPoolHost.__module__}.MHATokenToKVPoolHost.load_to_device_per_layer"
+    assert target in plugin.INSTALLATION.targets
+    assert (
+        vars(MHATokenToKVPoolHost)["load_to_device_per_layer"]
+        is not STOCK[(MHATokenToKVPoolHost, "load_to_device_per_layer")]
+    )
+    check_served_call("mha", "layer_first", "direct", "load", "scattered", 64, 1)
+    assert len(transfers.LOAD_REQUESTS) == 1 and transfers._mover is not None
+    plugin.uninstall()
+    for (cls, name), original in STOCK.items():
+        assert vars(cls)[name] is original, f"{cls.__name__}.{name}"
+    assert plugin.applied_status() is None and plugin.INSTALLATION.targets == []
+    assert len(transfers.LOAD_REQUESTS) == 0 and transfers._mover is None
+    assert not any(target in HookRegistry._patched for target in transfers.HOOKS)
+    # And again, as a new engine instance in the same process would.
+    assert transfer_hooks().plugin_applied
+    assert (
+        vars(MHATokenToKVPoolHost)["load_to_device_per_layer"]
+        is not STOCK[(MHATokenToKVPoolHost, "load_to_device_per_layer")]
+    )
+
+
+def test_uninstall_keeps_another_plugins_hook_on_a_shared_target(transfer_hooks):
+    target = f"{MHATokenToKVPoolHost.__module__}.MHATokenToKVPoolHost.load_to_device_per_layer"
+    seen: list[int] = []
+
+    def other_plugin(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        seen.append(args[4])  # the layer id
+        return original(*args, **kwargs)
+
+    HookRegistry.register(target, other_plugin, HookType.AROUND)
+    transfer_hooks()
+    plugin.uninstall()
+    method = vars(MHATokenToKVPoolHost)["load_to_device_per_layer"]
+    stock = STOCK[(MHATokenToKVPoolHost, "load_to_device_per_layer")]
+    assert method is not stock and target in HookRegistry._patched  # the other hook stays
+    assert [hook for _, hook, _ in HookRegistry._hooks[target]] == [other_plugin]
+    before = paths_taken()
+    with cpu_hicache():
+        check_stock_only_call(2)
+    assert seen == [2] and paths_taken() == before  # its hook ran; kvcore's did not
+    # The test's own stand-in plugin goes too (SGLang has no way to unregister it).
+    MHATokenToKVPoolHost.load_to_device_per_layer = stock  # type: ignore[method-assign]
+    HookRegistry._hooks.pop(target)
+    HookRegistry._patched.discard(target)
+
+
+def check_stock_only_call(layer: int) -> None:
+    """One direct-backend MHA load through the class method, checked byte for byte."""
+    pool = pool_for("mha", "layer_first")
+    parts = components("mha", pool)
+    generator = torch.Generator().manual_seed(layer)
+    randomise(all_tensors(parts), generator)
+    host_idx, device_idx = make_indices("mha", pool, "scattered", 32, generator)
+    pairs = list(zip(*reference_slots("mha", pool, host_idx, device_idx), strict=True))
+    expected = as_bytes([device for part in parts for device in part.devices])
+    for p, part in enumerate(parts):
+        for slot, row in pairs:
+            expected[p * LAYERS + layer][row] = part.row(part.host.view(torch.uint8), layer, slot)
+    pool.load_to_device_per_layer(
+        device_pool_of("mha", pool), host_idx, device_idx, layer, "direct"
+    )
+    devices = [device for part in parts for device in part.devices]
+    assert all(torch.equal(d.view(torch.uint8), e) for d, e in zip(devices, expected, strict=True))
 
 
 def test_moved_host_indices_are_recalled_until_changed():
