@@ -58,6 +58,10 @@ logger = logging.getLogger("kvcore.vllm")
 _lock = threading.Lock()
 # What activation decided in this process; vLLM may load the plugin more than once.
 _decided: EngineStatus | None = None
+# What _install found in the factory's registry: the default name's loader, and whether
+# kvcore's own name was already there (the two entries uninstall puts back).
+_replaced: tuple[object, bool] | None = None
+_ABSENT = object()
 
 
 def register() -> None:
@@ -157,13 +161,39 @@ def status(config: KVCoreConfig) -> EngineStatus:
 
 
 def _install() -> None:
+    global _replaced
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+    registry = OffloadingSpecFactory._registry
+    if _replaced is None:
+        _replaced = (registry.get(DEFAULT_SPEC_NAME, _ABSENT), SPEC_NAME in registry)
     # register_spec refuses a taken name, and the default name is taken by vLLM's own
     # spec; its registry maps a name to a zero-argument loader, so swap that loader.
-    OffloadingSpecFactory._registry[DEFAULT_SPEC_NAME] = _load_spec
-    if SPEC_NAME not in OffloadingSpecFactory._registry:
+    registry[DEFAULT_SPEC_NAME] = _load_spec
+    if SPEC_NAME not in registry:
         OffloadingSpecFactory.register_spec(SPEC_NAME, SPEC_MODULE, SPEC_NAME)
+
+
+def uninstall() -> None:
+    """Put the factory's entries back as :func:`activate` found them and forget its
+    decision, so the process is as one that never loaded the plugin (a spec vLLM already
+    built keeps working: the handlers belong to its worker). Safe to call twice."""
+    global _decided, _replaced
+    with _lock:
+        replaced, _replaced = _replaced, None
+        _decided = None
+        if replaced is None:
+            return
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        registry = OffloadingSpecFactory._registry
+        loader, had_own_name = replaced
+        if loader is _ABSENT:
+            registry.pop(DEFAULT_SPEC_NAME, None)
+        else:
+            registry[DEFAULT_SPEC_NAME] = loader
+        if not had_own_name:
+            registry.pop(SPEC_NAME, None)
 
 
 def _load_spec() -> type:

@@ -44,6 +44,7 @@ ENABLED = KVCoreConfig(enable={"vllm"})
 def fresh_process_state(monkeypatch):
     """Each test starts as a process that has not loaded the plugin, and leaves none behind."""
     monkeypatch.setattr(plugin, "_decided", None)
+    monkeypatch.setattr(plugin, "_replaced", None)
     monkeypatch.setattr(OffloadingSpecFactory, "_registry", dict(OffloadingSpecFactory._registry))
     monkeypatch.delenv("KVCORE_ENABLE", raising=False)
 
@@ -98,6 +99,23 @@ def test_enabled_plugin_selects_kvcore_spec_and_is_idempotent(monkeypatch, caplo
     assert status.patched_targets == [plugin.REGISTRY_TARGET, *OVERRIDDEN]
     assert status.plugin_applied and status.would_patch == status.patched_targets
     assert status.summary().endswith("7 patched in this process, 0 skipped")
+
+
+def test_uninstall_puts_the_factory_back_as_it_was_found(monkeypatch):
+    OffloadingSpecFactory._registry.pop("KVCoreCPUOffloadingSpec", None)
+    found = dict(OffloadingSpecFactory._registry)
+    monkeypatch.setenv("KVCORE_ENABLE", "vllm")
+    plugin.register()
+    assert _default_spec() is KVCoreCPUOffloadingSpec
+    plugin.uninstall()
+    assert OffloadingSpecFactory._registry == found and _default_spec() is CPUOffloadingSpec
+    assert not kvcore_vllm.status(ENABLED).plugin_applied
+    plugin.uninstall()  # twice: nothing more to put back
+    assert OffloadingSpecFactory._registry == found
+    plugin.register()  # and in again, as a fresh activation
+    assert _default_spec() is KVCoreCPUOffloadingSpec
+    plugin.uninstall()
+    assert OffloadingSpecFactory._registry == found
 
 
 @pytest.mark.parametrize(("transfers", "said"), [("0", "off"), ("1", "on")])
