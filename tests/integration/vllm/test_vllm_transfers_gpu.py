@@ -82,3 +82,50 @@ def test_jobs_copy_their_pages_and_reuse_three_events(gpu_to_cpu: bool, stock_ru
     # which uses its own events.
     assert len(handler._streams._free) == (0 if stock_rules else 2)
     handler.shutdown()
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
+@pytest.mark.parametrize("block_size_factor", [1, 3])
+def test_jobs_built_under_inference_mode_are_kvcores_and_exact(
+    gpu_to_cpu: bool, block_size_factor: int
+) -> None:
+    """vLLM's model runner (and vLLM's own GPU-worker tests) build the KV caches and submit
+    jobs under torch.inference_mode: every tensor kvcore makes there, its layered launch
+    table among them, has no version counter. Every job must still be kvcore's, exact."""
+    from kvcore.metrics import Metrics
+    from kvcore_vllm.transfers import INTERNAL_ERRORS
+
+    device = torch.device("cuda")
+    layout = Layout(
+        page_bytes=512, tensors=4, blocks_per_chunk=block_size_factor, gpu_blocks=64, cpu_chunks=64
+    )
+    rng = np.random.default_rng(block_size_factor)
+    metrics = Metrics()
+    with torch.inference_mode():
+        gpu, host = layout.make_tensors(device, torch.Generator().manual_seed(3))
+        assert gpu[0].is_inference()
+        stock = runnable_stock(stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu), device)
+        handler = kvcore_handler(stock, stock_rules=False, metrics=metrics)
+        for job_id in range(3):
+            gpu_ids = rng.permutation(layout.gpu_blocks)[: 3 * block_size_factor]
+            cpu_ids = rng.permutation(layout.cpu_chunks)[:3]
+            subs = (cpu_ids[:, None] * block_size_factor + np.arange(block_size_factor)).ravel()
+            sources = [
+                t.reshape(-1, layout.page_bytes).cpu() for t in (gpu if gpu_to_cpu else host)
+            ]
+            targets_before = [
+                t.reshape(-1, layout.page_bytes).cpu() for t in (host if gpu_to_cpu else gpu)
+            ]
+            assert handler.transfer_async(
+                job_id, *job_specs(gpu_ids, cpu_ids, gpu_to_cpu=gpu_to_cpu)
+            )
+            handler.wait({job_id})
+            assert [r.job_id for r in handler.get_finished()] == [job_id]
+            read, written = (gpu_ids, subs) if gpu_to_cpu else (subs, gpu_ids)
+            for t, target in enumerate(host if gpu_to_cpu else gpu):
+                want = targets_before[t].clone()
+                want[torch.from_numpy(written)] = sources[t][torch.from_numpy(read)]
+                # Written rows hold their sources; every other row is as it was.
+                assert torch.equal(target.reshape(-1, layout.page_bytes).cpu(), want)
+        handler.shutdown()
+    assert metrics.snapshot()["fallbacks"] == {}, INTERNAL_ERRORS.seen()
