@@ -387,9 +387,19 @@ def plan_device_indexed_for(
     )
 
 
+_NO_ROWS: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+
 def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """An empty tensor like ``tensor`` (device, dtype, row shape) holding none of its memory."""
-    return torch.empty((0, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    """An empty tensor like ``tensor`` (device, dtype, row shape) holding none of its memory;
+    one per kind, shared (it has no element to write), because making a device tensor costs
+    a request's first call microseconds on the engine's load path."""
+    key = (tensor.device, tensor.dtype, tuple(tensor.shape[1:]))
+    empty = _NO_ROWS.get(key)
+    if empty is None:
+        made = torch.empty((0, *key[2]), dtype=tensor.dtype, device=tensor.device)
+        empty = _NO_ROWS.setdefault(key, made)
+    return empty
 
 
 def _watchable(index: torch.Tensor) -> torch.Tensor:

@@ -746,6 +746,8 @@ def test_a_plan_without_buffers_keeps_the_decision_and_none_of_the_memory():
         chosen.src_idx,
     )
     assert chosen.src is src and chosen.dst is dst  # the original is unchanged
+    again = chosen.without_buffers()  # stand-ins of one kind are made once and shared
+    assert again.src is kept.src and again.dst is kept.dst and again is not kept
     # The next layer's buffers bring the memory back: same decision, exact copy.
     expected = dst.clone()
     expected[dst_idx.long()] = src[src_idx.long()]
