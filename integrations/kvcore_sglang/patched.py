@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvcore.config import engine_config
+from kvcore.patching.mode import patched_mode_enabled as engine_patched_mode
 from kvcore.patching.spec import EngineSpec, PatchTarget
 
 from . import DISTRIBUTION, ENGINE, guard
@@ -38,12 +38,9 @@ _hooked: list[str] = []
 
 
 def patched_mode_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """On unless ``KVCORE_ENABLE`` is set and does not name sglang, or a variable is bad."""
-    env = os.environ if environ is None else environ
-    if not env.get("KVCORE_ENABLE", ""):
-        return True
-    config = engine_config("SGLang", env)
-    return config is not None and config.enabled_for(ENGINE)
+    """On unless ``KVCORE_ENABLE`` is set and does not name sglang, or a variable is bad
+    (:func:`kvcore.patching.mode.patched_mode_enabled`)."""
+    return engine_patched_mode("SGLang", ENGINE, environ)
 
 
 def hook(target: str, original: Any) -> Any:

@@ -15,12 +15,12 @@ registered once), so the plugin enabled on a patched tree changes nothing more.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvcore.config import engine_config
+from kvcore.patching.mode import patched_mode_enabled as engine_patched_mode
 from kvcore.patching.spec import EngineSpec, PatchTarget
 from kvcore_vllm import guard, plugin
 
@@ -30,12 +30,9 @@ _hooked: list[str] = []
 
 
 def patched_mode_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """On unless ``KVCORE_ENABLE`` is set and does not name vllm, or a variable is bad."""
-    env = os.environ if environ is None else environ
-    if not env.get("KVCORE_ENABLE", ""):
-        return True
-    config = engine_config("vLLM", env)
-    return config is not None and config.enabled_for(guard.ENGINE)
+    """On unless ``KVCORE_ENABLE`` is set and does not name vllm, or a variable is bad
+    (:func:`kvcore.patching.mode.patched_mode_enabled`)."""
+    return engine_patched_mode("vLLM", guard.ENGINE, environ)
 
 
 def hook(target: str, original: Any) -> Any:
