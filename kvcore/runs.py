@@ -114,17 +114,18 @@ def span_and_run_count(index: torch.Tensor, size: int, name: str = "index") -> t
     run_count = int(np.count_nonzero(breaks)) + 1
     if run_count == 1:
         # One ascending run: its ends are its bounds.
-        low, high = int(values[0]), int(values[-1])
-        if low < 0 or high >= size:
-            raise ValueError(f"{name} holds {low if low < 0 else high}, outside [0, {size})")
-        return high + 1, 1
+        return _within(int(values[0]), int(values[-1]), size, name), 1
     return _span(values, size, name), run_count
 
 
 def _span(values: np.ndarray, size: int, name: str) -> int:
     if values.size == 0:
         return 0
-    low, high = int(values.min()), int(values.max())
+    return _within(int(values.min()), int(values.max()), size, name)
+
+
+def _within(low: int, high: int, size: int, name: str) -> int:
+    """``high + 1`` where ``[low, high]`` lies in ``[0, size)``; else ValueError."""
     if low < 0 or high >= size:
         bad = low if low < 0 else high
         raise ValueError(f"{name} holds {bad}, outside [0, {size})")
