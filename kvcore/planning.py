@@ -96,7 +96,7 @@ class TransferPlan:
         """The host side's index as runs, segmented on first use where planning did not."""
         found = self.host_runs_found
         if found is None:
-            found = find_runs(self.src_idx if self.direction is Direction.H2D else self.dst_idx)
+            found = _host_runs_of(self.direction, self.src_idx, self.dst_idx)
             # A cache of what the fields already say: the plan stays what it was.
             object.__setattr__(self, "host_runs_found", found)
         return found
@@ -244,7 +244,7 @@ def _decided(
     staged: tuple[StagedChunk, ...] = ()
     if path is TransferPath.STAGED:
         if host_runs is None:
-            host_runs = find_runs(src_idx if direction is Direction.H2D else dst_idx)
+            host_runs = _host_runs_of(direction, src_idx, dst_idx)
         # Rows of no bytes (a valid transfer that moves nothing) all fit one chunk.
         staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1))
     rows = int(src_idx.numel())
@@ -388,6 +388,12 @@ def plan_device_indexed_for(
 
 
 _NO_ROWS: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _host_runs_of(direction: Direction, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> Runs:
+    """The runs of a transfer's host-side index: the source of a page-in, else the
+    destination."""
+    return find_runs(src_idx if direction is Direction.H2D else dst_idx)
 
 
 def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
