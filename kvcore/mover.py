@@ -28,7 +28,6 @@ from kvcore.kernels import (
     GatherPrepared,
     KernelFactory,
     KernelSet,
-    KernelTuning,
     PreparedGather,
     registered,
 )
@@ -120,8 +119,7 @@ class Mover:
         self.policy = policy
         self.metrics = metrics
         self.staging = StagingBuffers(policy.staging_bytes) if staging is None else staging
-        self._tuning = KernelTuning(policy.gather_ctas, policy.staged_pieces)
-        # A factory's set for this mover's tuning, kept with the entry it came from.
+        # A factory's set for this mover's policy, kept with the entry it came from.
         self._built: dict[str, tuple[KernelFactory, KernelSet]] = {}
         # Per live plan: engines and benchmarks execute one plan again and again (a layer
         # at a time), and each set-up skipped is host time saved on every one of them.
@@ -138,7 +136,7 @@ class Mover:
             return entry
         built = self._built.get(device.type)
         if built is None or built[0] is not entry:
-            built = self._built[device.type] = (entry, entry(self._tuning))
+            built = self._built[device.type] = (entry, entry(self.policy))
         return built[1]
 
     def transfer(

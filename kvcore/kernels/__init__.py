@@ -3,8 +3,9 @@
 A :class:`KernelSet` holds one implementation of each op the mover issues. One registry
 maps a device type to its set: the reference set (plain torch ops) serves every device
 type with no entry; CUDA's entry is a :data:`KernelFactory` (cudaMemcpyBatchAsync, a
-Triton UVA gather), built per mover from its :class:`KernelTuning` on first use because
-it imports Triton. :func:`register_kernels` puts a set or a factory in place of either.
+Triton UVA gather), built per mover from its :class:`~kvcore.path_policy.PathPolicy` on
+first use because it imports Triton. :func:`register_kernels` puts a set or a factory in
+place of either.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcore.kernels import reference
+from kvcore.path_policy import PathPolicy
 from kvcore.runs import PairedRuns, Runs
 
 if TYPE_CHECKING:
@@ -73,30 +75,21 @@ REFERENCE = KernelSet(
 )
 
 
-@dataclass(frozen=True)
-class KernelTuning:
-    """What a mover's policy asks of the kernel sets it builds."""
-
-    gather_ctas: int = 8
-    """Thread blocks of one gather launch (:attr:`kvcore.path_policy.PathPolicy.gather_ctas`)."""
-    staged_pieces: int = 1
-    """Pieces a staged copy overlaps (:attr:`kvcore.path_policy.PathPolicy.staged_pieces`)."""
+KernelFactory = Callable[[PathPolicy], KernelSet]
+"""Builds a kernel set for a mover's policy (its gather CTAs and staged pieces)."""
 
 
-KernelFactory = Callable[[KernelTuning], KernelSet]
-
-
-def _cuda_kernels(tuning: KernelTuning) -> KernelSet:
+def _cuda_kernels(policy: PathPolicy) -> KernelSet:
     from kvcore.kernels.cuda import cuda_kernels
 
-    return cuda_kernels(tuning.gather_ctas, tuning.staged_pieces)
+    return cuda_kernels(policy.gather_ctas, policy.staged_pieces)
 
 
 _BY_DEVICE_TYPE: dict[str, KernelSet | KernelFactory] = {"cuda": _cuda_kernels}
 
 
 def register_kernels(device_type: str, kernels: KernelSet | KernelFactory) -> None:
-    """Use ``kernels`` (a set, or a factory a mover calls once with its tuning) for
+    """Use ``kernels`` (a set, or a factory a mover calls once with its policy) for
     transfers whose device side is of ``device_type``."""
     _BY_DEVICE_TYPE[device_type] = kernels
 
@@ -106,7 +99,7 @@ def registered(device_type: str) -> KernelSet | KernelFactory:
     return _BY_DEVICE_TYPE.get(device_type, REFERENCE)
 
 
-def kernels_for(device: torch.device, tuning: KernelTuning = KernelTuning()) -> KernelSet:
+def kernels_for(device: torch.device, policy: PathPolicy = PathPolicy()) -> KernelSet:
     """The kernel set for ``device``; a factory's is built anew (a mover keeps its own)."""
     entry = registered(device.type)
-    return entry if isinstance(entry, KernelSet) else entry(tuning)
+    return entry if isinstance(entry, KernelSet) else entry(policy)

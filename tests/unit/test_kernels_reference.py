@@ -224,19 +224,19 @@ def test_one_registry_serves_sets_and_factories_and_movers_keep_what_they_built(
     monkeypatch.setattr(kernels, "_BY_DEVICE_TYPE", dict(kernels._BY_DEVICE_TYPE))
     # CUDA's set is a factory in the same registry, built only when asked for (Triton).
     assert not isinstance(kernels.registered("cuda"), KernelSet)
-    built: list[kernels.KernelTuning] = []
+    built: list[PathPolicy] = []
 
-    def factory(tuning: kernels.KernelTuning) -> KernelSet:
-        built.append(tuning)
+    def factory(policy: PathPolicy) -> KernelSet:
+        built.append(policy)
         return KernelSet(f"built-{len(built)}", copy_runs, gather_rows, stage_in, stage_out)
 
     register_kernels("meta", factory)
     meta = torch.device("meta")
     mover = Mover(PathPolicy(gather_ctas=3, staged_pieces=2))
     first = mover.kernels(meta)
-    assert mover.kernels(meta) is first and built == [kernels.KernelTuning(3, 2)]
+    assert mover.kernels(meta) is first and built == [PathPolicy(gather_ctas=3, staged_pieces=2)]
     assert Mover().kernels(meta) is not first  # another mover, its own tuning
-    assert built[-1] == kernels.KernelTuning(8, 1)
+    assert built[-1] == PathPolicy()
     assert kernels_for(meta).name == "built-3"
     fixed = KernelSet("fixed", copy_runs, gather_rows, stage_in, stage_out)
     register_kernels("meta", fixed)  # a replaced entry replaces what movers built
