@@ -290,8 +290,8 @@ def _first_plan(
     kept_sides: CheckedSides | None = None,
 ) -> TransferPlan | str:
     """The plan of the job's first pair, or why the call must run stock. ``kept_sides``:
-    that pair as checked when its layer's buffers were kept, used where the job's views
-    are the same views (a device-indexed plan then checks only the indices)."""
+    that pair as checked when its layer's buffers were kept, used where the job's first
+    pair is those very buffers (a device-indexed plan then checks only the indices)."""
     page_in = direction is Direction.H2D
     host, device = job.pairs[0]
     src, dst = (host, device) if page_in else (device, host)
@@ -300,7 +300,12 @@ def _first_plan(
             (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
         )
         policy = chosen_mover.policy
-        if device_opaque and kept_sides is not None and _same_views(kept_sides, src, dst):
+        if (
+            device_opaque
+            and kept_sides is not None
+            and kept_sides.src is src
+            and kept_sides.dst is dst
+        ):
             first = plan_device_indexed_for(kept_sides, src_idx, dst_idx, policy=policy)
         else:
             planner = plan_device_indexed if device_opaque else plan
@@ -309,21 +314,6 @@ def _first_plan(
         # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
         return "sglang_invalid_indices"
     return first.reason if first.path is TransferPath.FALLBACK and first.reason else first
-
-
-def _same_views(sides: CheckedSides, src: torch.Tensor, dst: torch.Tensor) -> bool:
-    """Whether ``src`` and ``dst`` view the very memory ``sides`` checked, the same way."""
-    return all(
-        kept is new
-        or (
-            kept.data_ptr() == new.data_ptr()
-            and kept.dtype == new.dtype
-            and kept.device == new.device
-            and kept.shape == new.shape
-            and kept.stride() == new.stride()
-        )
-        for kept, new in ((sides.src, src), (sides.dst, dst))
-    )
 
 
 def _count_pass(chosen_mover: Mover, reason: str) -> None:
