@@ -170,7 +170,8 @@ def move_indices_hook(
         ):
             HOST_INDEX_MEMO.remember(moved_host, host_indices)
     except Exception as exc:
-        _count_pass(mover(), _internal_error(mover(), exc))
+        chosen_mover = mover()
+        _count_pass(chosen_mover, _internal_error(chosen_mover, exc))
     return moved
 
 
