@@ -120,7 +120,8 @@ def _paged_reason(pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor) -
 def token_load_indices(
     pool: Any, host_idx: torch.Tensor, device_idx: torch.Tensor, io_backend: str
 ) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """MHA and MLA loads (both releases) copy by the call's own indices."""
+    """MHA and MLA loads (both releases) copy by the call's own indices, whole pages in
+    page_first_direct (the check :func:`_layer_job` makes)."""
     reason = _paged_reason(pool, host_idx, device_idx)
     return reason if reason is not None else (host_idx, device_idx)
 
@@ -134,14 +135,13 @@ def _layer_job(
     device_idx: torch.Tensor,
 ) -> Job | str:
     """One layer's copies: host layer ``host_layer`` of each host buffer with its device layer."""
-    indices = token_load_indices(pool, host_idx, device_idx, "")
-    if isinstance(indices, str):
-        return indices
-    views = _rows_of(host_buffers, pool, devices[0], pool.page_size)
+    views = _paged_reason(pool, host_idx, device_idx) or _rows_of(
+        host_buffers, pool, devices[0], pool.page_size
+    )
     if isinstance(views, str):
         return views
     pairs = [(rows.layer(host_layer), device) for rows, device in zip(views, devices, strict=True)]
-    return _job(views[0], pairs, *indices)
+    return _job(views[0], pairs, host_idx, device_idx)
 
 
 def _all_layers_job(
