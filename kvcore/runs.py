@@ -82,7 +82,8 @@ def check_index(index: torch.Tensor, name: str = "index") -> torch.Tensor:
         raise TypeError(f"{name} must have an integer dtype, got {index.dtype}")
     if index.dim() != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {tuple(index.shape)}")
-    return index.to(torch.int64)
+    # A no-op .to() still costs a dispatch, and this runs several times on a first call.
+    return index if index.dtype is torch.int64 else index.to(torch.int64)
 
 
 def version_of(tensor: torch.Tensor) -> int | None:

@@ -50,11 +50,18 @@ class BlockRows:
         return self.rows[first : first + span]
 
     def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Rows of ``slots`` in every :meth:`layer` view (ValueError if a slot is out of range)."""
+        """Rows of ``slots`` in every :meth:`layer` view.
+
+        Where the rows are the slots (one block, or one layer) they come back unchecked:
+        a layer view then has exactly :attr:`slots` rows, so the plan made against it checks
+        this very bound, and a request's first call passes over its indices once, not
+        twice. Otherwise ValueError for a slot out of range, before the arithmetic could
+        wrap it back into range.
+        """
         slots = check_index(slots, "host_indices")
-        check_bounds(slots, self.slots, "host_indices")
         if self.blocks == 1 or self.layers == 1:
             return slots
+        check_bounds(slots, self.slots, "host_indices")
         if self.block == 1:
             return slots * self.layers
         return (slots // self.block) * (self.layers * self.block) + slots % self.block
