@@ -222,8 +222,9 @@ def run(args: argparse.Namespace) -> list[CostRow]:
             opts = ab.Options(tokens=max(tokens), layers=args.layers, device=device)
             with ab.pool_case(kind, layout, page, opts) as case:
                 if args.profile:
+                    profiled = args.profile_tokens if args.profile_tokens in tokens else tokens[0]
                     profile_case(
-                        case, backend, tokens[0], args.requests, args.profile, args.host_frag[0]
+                        case, backend, profiled, args.requests, args.profile, args.host_frag[0]
                     )
                     args.profile = None
                 for count in tokens:
@@ -266,6 +267,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-copy", action="store_true", help="CPU kernels that copy nothing")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--profile", help="write a cProfile of the first case's kvcore calls here")
+    p.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=0,
+        help="the request size --profile profiles (default: the first of --tokens)",
+    )
     return p
 
 

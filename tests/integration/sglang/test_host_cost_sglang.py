@@ -21,7 +21,8 @@ def test_each_reload_call_is_timed_and_the_profile_has_both_kinds(tmp_path: Path
     out, profile = tmp_path / "cost.json", tmp_path / "profile.txt"
     argv = ["--device", "cpu", "--no-copy", "--tokens", "64,128", "--layers", "3"]
     argv += ["--requests", "2", "--cases", "mha/layer_first/kernel/p64"]
-    assert host_cost.main([*argv, "--json", str(out), "--profile", str(profile)]) == 0
+    profiling = ["--profile", str(profile), "--profile-tokens", "128"]
+    assert host_cost.main([*argv, "--json", str(out), *profiling]) == 0
     rows = json.loads(out.read_text())["rows"]
     # On a CPU only kvcore's side is timed, one row per request size.
     assert [(r["side"], r["tokens"], r["layers"]) for r in rows] == [
@@ -32,6 +33,7 @@ def test_each_reload_call_is_timed_and_the_profile_has_both_kinds(tmp_path: Path
     assert all(r["paths"] for r in rows)  # kvcore served the calls (rule off)
     text = profile.read_text()
     assert "first calls of 2 requests" in text and "later calls of 2 requests" in text
+    assert "128 tokens: first calls" in text  # the size asked for, not the first one
     # Per-request microseconds, not pstats' seconds (which round this path to 0.000).
     first_table = text.split("later calls")[0]
     assert "own us" in first_table and "transfers.py" in first_table
