@@ -45,6 +45,10 @@ class SGLangRule:
     """The host pool's kind (``mha``, ``mla``, ``dsa``), or :data:`ANY`: rows of one size
     move at other speeds on stock's kernels (MLA's 1152 B against MHA's 2 KiB)."""
 
+    def decision(self, tokens: int) -> str | None:
+        """:data:`SERVE` for a call of ``tokens`` tokens this row serves, else its reason."""
+        return SERVE if self.min_tokens is not None and tokens >= self.min_tokens else self.reason
+
     def matches(
         self, op: str, io_backend: str, layout: str, page_size: int, pool: str = ""
     ) -> bool:
@@ -161,6 +165,15 @@ def _sglang_rule(
     )
 
 
+def sglang_rule(
+    op: str, io_backend: str, layout: str, page_size: int, *, pool: str = ""
+) -> SGLangRule | None:
+    """The row that decides this kind of SGLang call (the first that matches), or None
+    where none does (kvcore serves). An adapter looks it up once per call and asks it
+    everything after: :meth:`SGLangRule.decision`, ``min_tokens``, ``dense_host``."""
+    return _sglang_rule(op, io_backend, layout, page_size, pool)
+
+
 def sglang_decision(
     op: str,
     io_backend: str,
@@ -176,25 +189,7 @@ def sglang_decision(
     if not enabled:
         return SERVE
     rule = _sglang_rule(op, io_backend, layout, page_size, pool)
-    if rule is None or rule.min_tokens is None:
-        return rule.reason if rule is not None else SERVE
-    return SERVE if tokens >= rule.min_tokens else rule.reason
-
-
-def sglang_dense_host_passes(
-    op: str, io_backend: str, layout: str, page_size: int, *, pool: str = ""
-) -> bool:
-    """Whether a request whose host slots form one ascending run goes to stock."""
-    rule = _sglang_rule(op, io_backend, layout, page_size, pool)
-    return rule is not None and not rule.dense_host
-
-
-def sglang_never(
-    op: str, io_backend: str, layout: str, page_size: int, *, pool: str = ""
-) -> str | None:
-    """The reason kvcore never serves this kind of SGLang call at any size, else None."""
-    rule = _sglang_rule(op, io_backend, layout, page_size, pool)
-    return rule.reason if rule is not None and rule.min_tokens is None else None
+    return SERVE if rule is None else rule.decision(tokens)
 
 
 @dataclass(frozen=True)

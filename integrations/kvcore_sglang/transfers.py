@@ -405,31 +405,30 @@ def _rule_setting() -> bool:
     return KVCoreConfig.from_env().serve_rule
 
 
-def _ruled_shape(pool: Any) -> tuple[str, int] | None:
-    """The pool's (layout, page size) when the rule applies to it: the rule is on and the
-    pool has both (the checks that follow say why any other pool runs stock)."""
+# The pool classes kvcore serves, by the kind the rule's rows name.
+_POOL_KINDS = {MHA_POOL: "mha", MLA_POOL: "mla", DSA_POOL: "dsa"}
+_KIND_OF_CLASS: dict[type, str] = {}
+
+
+def _pool_kind(pool: Any) -> str:
+    """The rule's name for the pool's kind; "" for any other class (rows for any pool)."""
+    cls = type(pool)
+    kind = _KIND_OF_CLASS.get(cls)
+    if kind is None:
+        kind = _KIND_OF_CLASS.setdefault(cls, _POOL_KINDS.get(_class_name(pool), ""))
+    return kind
+
+
+def _call_rule(op: str, pool: Any, io_backend: str) -> serve_rule.SGLangRule | None:
+    """The rule's row for this call, looked up once per call: None where the rule is off,
+    the pool lacks a layout or page size (the checks that follow say why such a pool runs
+    stock), or no row matches (kvcore serves)."""
     if not serve_rule_enabled():
         return None
     layout, page_size = getattr(pool, "layout", None), getattr(pool, "page_size", None)
     if not isinstance(layout, str) or not isinstance(page_size, int):
         return None
-    return layout, page_size
-
-
-# The pool classes kvcore serves, by the kind the rule's rows name.
-_POOL_KINDS = {MHA_POOL: "mha", MLA_POOL: "mla", DSA_POOL: "dsa"}
-
-
-def _pool_kind(pool: Any) -> str:
-    """The rule's name for the pool's kind; "" for any other class (rows for any pool)."""
-    return _POOL_KINDS.get(_class_name(pool), "")
-
-
-def _rule_reason(op: str, pool: Any, io_backend: str, tokens: int) -> str | None:
-    shape = _ruled_shape(pool)
-    if shape is None:
-        return None
-    return serve_rule.sglang_decision(op, io_backend, *shape, tokens, pool=_pool_kind(pool))
+    return serve_rule.sglang_rule(op, io_backend, layout, page_size, pool=_pool_kind(pool))
 
 
 # Pool -> the methods kvcore gave back to stock on that pool (instance attributes it set).
@@ -438,23 +437,22 @@ _bypass_lock = threading.Lock()
 
 
 def _bypass_if_never(
-    original: Callable[..., Any], pool: Any, method: str, op: str, io_backend: str
+    original: Callable[..., Any],
+    pool: Any,
+    method: str,
+    rule: serve_rule.SGLangRule | None,
+    io_backend: str,
 ) -> bool:
-    """Where the rule never serves this pool's ``op`` (whatever the size), bind stock's
-    method on the pool itself, so that SGLang's later calls reach stock with no kvcore
-    frame at all (only where kvcore's hook is the outermost layer of the method, so the
-    binding skips no other plugin's hook); True when the call should run stock now.
+    """Where the call's ``rule`` never serves (whatever the size), bind stock's method on
+    the pool itself, so that SGLang's later calls reach stock with no kvcore frame at all
+    (only where kvcore's hook is the outermost layer of the method, so the binding skips
+    no other plugin's hook); True when the call should run stock now.
 
     SGLang's cache controller calls a pool with one io backend for its life; a call with
     another one also lands in stock, which is always exact. :func:`restore_bypassed`
     takes the bindings back.
     """
-    shape = _ruled_shape(pool)
-    if shape is None:
-        return False
-    layout, page_size = shape
-    reason = serve_rule.sglang_never(op, io_backend, layout, page_size, pool=_pool_kind(pool))
-    if reason is None:
+    if rule is None or rule.min_tokens is not None:
         return False
     if method in BYPASSED.get(pool, ()):
         return True  # bound already, yet called through the class: decided, counted
@@ -465,15 +463,15 @@ def _bypass_if_never(
                 BYPASSED.setdefault(pool, set()).add(method)
         except (AttributeError, TypeError):  # a pool that takes no attributes: per call
             pass
-    _count_request_pass(mover(), reason)
+    _count_request_pass(mover(), rule.reason)
     logger.info(
         "kvcore: %s.%s with io backend %s, layout %s, page size %d runs SGLang's stock copy (%s)",
         type(pool).__name__,
         method,
         io_backend,
-        layout,
-        page_size,
-        reason,
+        pool.layout,
+        pool.page_size,
+        rule.reason,
     )
     return True
 
@@ -535,7 +533,8 @@ def _start_load(
     tensors are tensors (their identity names it); its pass is counted once, here.
     """
     indices: CallIndices | str | None = None
-    reason = _rule_reason("load", pool, io_backend, _count_of(host_indices))
+    rule = _call_rule("load", pool, io_backend)
+    reason = None if rule is None else rule.decision(_count_of(host_indices))
     if reason is None and _inference_indices(host_indices, device_indices):
         reason = INFERENCE_INDICES
     if reason is None:
@@ -567,14 +566,11 @@ def _inference_indices(*indices: Any) -> bool:
     return any(isinstance(each, torch.Tensor) and each.is_inference() for each in indices)
 
 
-def _dense_host_passes(op: str, pool: Any, io_backend: str, host: torch.Tensor) -> bool:
-    """The rule passes requests whose host slots (on the CPU) are one ascending run, which
-    stock's kernel copies as fast as kvcore; the same slots in another order are as
-    scattered as any (a permutation of one span, for one)."""
-    shape = _ruled_shape(pool)
-    if shape is None or host.numel() == 0:
-        return False
-    if not serve_rule.sglang_dense_host_passes(op, io_backend, *shape, pool=_pool_kind(pool)):
+def _dense_host_passes(rule: serve_rule.SGLangRule | None, host: torch.Tensor) -> bool:
+    """The call's ``rule`` passes requests whose host slots (on the CPU) are one ascending
+    run, which stock's kernel copies as fast as kvcore; the same slots in another order are
+    as scattered as any (a permutation of one span, for one)."""
+    if rule is None or rule.dense_host or host.numel() == 0:
         return False
     if int(host[-1]) - int(host[0]) + 1 != host.numel():
         return False
@@ -801,7 +797,9 @@ def _make_load_hook(
         # A later layer of a request that passes costs the first check alone.
         if (
             not LOAD_REQUESTS.passing(pool, device_pool, host_indices, device_indices)
-            and not _bypass_if_never(original, pool, _LOAD, "load", io_backend)
+            and not _bypass_if_never(
+                original, pool, _LOAD, _call_rule("load", pool, io_backend), io_backend
+            )
             and _load_layer(
                 _jobs_for(target, by_release),
                 pool_class,
@@ -842,12 +840,13 @@ def _make_backup_hook(
         def stock() -> None:
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
-        if _bypass_if_never(original, pool, _BACKUP, "backup", io_backend):
+        rule = _call_rule("backup", pool, io_backend)
+        if _bypass_if_never(original, pool, _BACKUP, rule, io_backend):
             stock()
             return
-        reason = _rule_reason("backup", pool, io_backend, _count_of(host_indices))
+        reason = None if rule is None else rule.decision(_count_of(host_indices))
         if reason is not None:
-            _count_request_pass(mover(), reason)
+            _count_request_pass(_mover if _mover is not None else mover(), reason)
             stock()
             return
         jobs = _jobs_for(target, by_release)
@@ -858,7 +857,7 @@ def _make_backup_hook(
         if isinstance(indices, str):
             _serve(stock, pool, indices, Direction.D2H, False)
             return
-        if _dense_host_passes("backup", pool, io_backend, indices.host):
+        if _dense_host_passes(rule, indices.host):
             _count_request_pass(mover(), "stock_dense_host")
             stock()
             return

@@ -45,11 +45,20 @@ def test_the_rule_off_serves_everything():
     assert sglang_decision("load", "kernel", "layer_first", 64, 256, enabled=False) is SERVE
 
 
-def test_never_and_dense_host_say_what_the_table_says():
-    assert serve_rule.sglang_never("load", "kernel", "layer_first", 64) == "stock_kernel_near_link"
-    assert serve_rule.sglang_never("backup", "kernel", "layer_first", 1) is None
-    assert serve_rule.sglang_dense_host_passes("backup", "kernel", "layer_first", 1)
-    assert not serve_rule.sglang_dense_host_passes("backup", "kernel", "page_first", 1)
+def _never(op: str, backend: str, layout: str, page: int, pool: str = "") -> str | None:
+    rule = serve_rule.sglang_rule(op, backend, layout, page, pool=pool)
+    return rule.reason if rule is not None and rule.min_tokens is None else None
+
+
+def test_the_row_of_a_call_says_what_the_table_says():
+    assert _never("load", "kernel", "layer_first", 64) == "stock_kernel_near_link"
+    assert _never("backup", "kernel", "layer_first", 1) is None
+    token_backups = serve_rule.sglang_rule("backup", "kernel", "layer_first", 1)
+    assert token_backups is not None and not token_backups.dense_host
+    assert token_backups.decision(16383) == "stock_kernel_small_backup"
+    assert token_backups.decision(16384) is SERVE
+    page_first = serve_rule.sglang_rule("backup", "kernel", "page_first", 1)
+    assert page_first is not None and page_first.dense_host
 
 
 def test_rules_match_on_every_field():
@@ -135,9 +144,9 @@ def test_rows_for_one_pool_kind_decide_only_that_kind(monkeypatch, pool, tokens,
     serve_rule._sglang_rule.cache_clear()
     try:
         assert sglang_decision("load", "kernel", "layer_first", 1, tokens, pool=pool) == expected
-        never = serve_rule.sglang_never("load", "kernel", "layer_first", 1, pool=pool)
+        never = _never("load", "kernel", "layer_first", 1, pool=pool)
         assert (never is None) == (pool == "mla")
         # Paged MLA reloads stay stock's at any size.
-        assert serve_rule.sglang_never("load", "kernel", "layer_first", 64, pool="mla")
+        assert _never("load", "kernel", "layer_first", 64, pool="mla")
     finally:
         serve_rule._sglang_rule.cache_clear()
