@@ -428,8 +428,11 @@ def measure_cell(
     # host pool between two checks would cost more than the cell.
     identical = _checked_request(case, kvcore, op, layers, cpu[-1])
     stock_ms = statistics.median(t for t, _ in times["stock"]) * 1e3
+    # kvcore's own paths too (the rule off): whether a gather it would serve with costs the
+    # model more SMs than stock's copy is what the rule must weigh.
+    gemm_sides = (stock, kvcore) if own is None else (stock, kvcore, own)
     gemm = (
-        gemm_interference((stock, kvcore), cpu[-1], opts.device, stock_ms)
+        gemm_interference(gemm_sides, cpu[-1], opts.device, stock_ms)
         if opts.gemm and tokens >= GEMM_MIN_TOKENS
         else {}
     )
@@ -709,7 +712,7 @@ def gemm_summary(rows: Sequence[SweepRow]) -> list[str]:
             continue
         kept = {
             side: alone / row.extra[f"gemm_with_{side}_ms"]
-            for side in ("stock", "kvcore")
+            for side in ("stock", "kvcore", "own")
             if row.extra.get(f"gemm_with_{side}_ms")
         }
         shares = ", ".join(f"{side} {100 * share:.0f}%" for side, share in kept.items())

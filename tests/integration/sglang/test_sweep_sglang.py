@@ -91,3 +91,8 @@ def test_gemm_interference_is_a_cuda_measurement_reported_per_cell():
     assert sweep.gemm_summary([row]) == [
         f"GEMM throughput kept during {row.case} {row.tokens}: stock 80%, kvcore 100%"
     ]
+    # kvcore's own paths (the rule off), where the sweep timed them.
+    row.extra.update(gemm_with_own_ms=16.0)
+    assert sweep.gemm_summary([row]) == [
+        f"GEMM throughput kept during {row.case} {row.tokens}: stock 80%, kvcore 100%, own 62%"
+    ]
