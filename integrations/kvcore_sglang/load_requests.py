@@ -47,7 +47,7 @@ def _is(kept: Any, given: Any) -> bool:
     return kept is given
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LoadRequest:
     """One reload's decision, kept while its calls come in.
 

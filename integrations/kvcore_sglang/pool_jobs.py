@@ -12,7 +12,6 @@ source (:mod:`kvcore_sglang.transfers` picks them by the installed source's fing
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,11 +34,11 @@ class Job:
     host_slots: torch.Tensor
     device_rows: torch.Tensor
 
-    @functools.cached_property
+    @property
     def host_rows(self) -> torch.Tensor:
         """Rows of the host slots in every host view; worked out only when a call is
-        planned (a load whose plan is kept for its indices does not need them).
-        ValueError if a slot lies outside the views."""
+        planned (a load whose plan is kept for its indices does not need them), once per
+        plan. ValueError if a slot lies outside the views (:meth:`BlockRows.slot_rows`)."""
         return self.rows.slot_rows(self.host_slots)
 
 

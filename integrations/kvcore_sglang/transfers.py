@@ -94,8 +94,17 @@ def mover() -> Mover:
         return _mover
 
 
+_CLASS_NAMES: dict[type, str] = {}
+
+
 def _class_name(pool: Any) -> str:
-    return f"{type(pool).__module__}.{type(pool).__qualname__}"
+    """The pool class's dotted name, as the hooks' targets name it (made once per class:
+    every first call of a request asks)."""
+    cls = type(pool)
+    name = _CLASS_NAMES.get(cls)
+    if name is None:
+        name = _CLASS_NAMES.setdefault(cls, f"{cls.__module__}.{cls.__qualname__}")
+    return name
 
 
 class HostIndexMemo:
@@ -407,16 +416,11 @@ def _rule_setting() -> bool:
 
 # The pool classes kvcore serves, by the kind the rule's rows name.
 _POOL_KINDS = {MHA_POOL: "mha", MLA_POOL: "mla", DSA_POOL: "dsa"}
-_KIND_OF_CLASS: dict[type, str] = {}
 
 
 def _pool_kind(pool: Any) -> str:
     """The rule's name for the pool's kind; "" for any other class (rows for any pool)."""
-    cls = type(pool)
-    kind = _KIND_OF_CLASS.get(cls)
-    if kind is None:
-        kind = _KIND_OF_CLASS.setdefault(cls, _POOL_KINDS.get(_class_name(pool), ""))
-    return kind
+    return _POOL_KINDS.get(_class_name(pool), "")
 
 
 def _call_rule(op: str, pool: Any, io_backend: str) -> serve_rule.SGLangRule | None:
