@@ -11,8 +11,8 @@
 # page-64 cases, host slots in one run (the staged path).
 #
 # Writes under $OUT: env.txt, gpu-tests.log, host_cost.json, host_cost_staged.json,
-# host_cost.log, host_cost_profile.txt (the first case's calls at PROFILE_TOKENS tokens,
-# 32768 by default: microseconds per request by function), sweep.json, sweep.log (eight
+# host_cost.log, host_cost_profile.txt (the kernel and direct MHA page-64 cases' calls at
+# PROFILE_TOKENS tokens, 32768 by default: microseconds per request by function), sweep.json, sweep.log (eight
 # files: the most the run tool brings back). Settings: SWEEP_SECONDS (the sweep's limit,
 # 240), SWEEP_SIZES (512,2048,8192,32768), PROFILE_TOKENS.
 set -uo pipefail
@@ -26,7 +26,8 @@ timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_prepared_
     > "$OUT/gpu-tests.log" 2>&1 || rc=1
 tail -n 3 "$OUT/gpu-tests.log"
 timeout 200 python3 -m kvcore.bench.sglang.host_cost --json "$OUT/host_cost.json" \
-    --profile "$OUT/host_cost_profile.txt" --profile-tokens "${PROFILE_TOKENS:-32768}" 2>&1 \
+    --profile "$OUT/host_cost_profile.txt" --profile-tokens "${PROFILE_TOKENS:-32768}" \
+    --profile-cases mha/layer_first/kernel/p64 mha/layer_first/direct/p64 2>&1 \
     | grep -v '^INFO' > "$OUT/host_cost.log" || rc=1
 timeout 100 python3 -m kvcore.bench.sglang.host_cost --host-frag 0% \
     --cases mha/layer_first/kernel/p64 mha/layer_first/direct/p64 \

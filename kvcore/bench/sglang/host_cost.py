@@ -165,7 +165,7 @@ def measure_case(
 def profile_case(
     case: ab.PoolCase, backend: str, tokens: int, requests: int, path: str, host_frag: str
 ) -> None:
-    """cProfile of kvcore's first calls and of its later calls, apart, written to ``path``."""
+    """cProfile of kvcore's first calls and of its later calls, apart, added to ``path``."""
     side = sweep.kvcore_side(case, "load", backend, 1)
     hook, original = sweep._hook(case, "load"), sweep._method(case, "load")
     gen = torch.Generator().manual_seed(case.opts.seed)
@@ -180,7 +180,7 @@ def profile_case(
             hook(original, *pools, layer, backend)
             profile.disable()
         sweep._sync(case.opts.device)
-    with open(path, "w") as fh:
+    with open(path, "a") as fh:
         for name, profile in (("first calls", first), ("later calls", later)):
             fh.write(f"== {case.kind}/{case.layout}/{backend}/p{case.page_size} {tokens} tokens: ")
             fh.write(f"{name} of {requests} requests, microseconds per request\n")
@@ -217,16 +217,19 @@ def run(args: argparse.Namespace) -> list[CostRow]:
                 stack.callback(kernels._BY_DEVICE_TYPE.pop, "cpu", None)
             else:
                 stack.callback(kernels.register_kernels, "cpu", saved)
-        for kind, layout, backend, page in _cases(args.cases):
+        cases = _cases(args.cases)
+        profiled_cases = set(args.profile_cases) or ({_name(cases[0])} if cases else set())
+        if args.profile:
+            open(args.profile, "w").close()
+        for kind, layout, backend, page in cases:
             tokens = [t for t in args.tokens if t % page == 0]
             opts = ab.Options(tokens=max(tokens), layers=args.layers, device=device)
             with ab.pool_case(kind, layout, page, opts) as case:
-                if args.profile:
+                if args.profile and _name((kind, layout, backend, page)) in profiled_cases:
                     profiled = args.profile_tokens if args.profile_tokens in tokens else tokens[0]
                     profile_case(
                         case, backend, profiled, args.requests, args.profile, args.host_frag[0]
                     )
-                    args.profile = None
                 for count in tokens:
                     for frag in args.host_frag:
                         for row in measure_case(case, backend, count, args.requests, stock, frag):
@@ -240,7 +243,12 @@ def _cases(names: Sequence[str]) -> list[tuple[str, str, str, int]]:
     if not names:
         return list(CASES)
     wanted = set(names)
-    return [c for c in CASES if f"{c[0]}/{c[1]}/{c[2]}/p{c[3]}" in wanted]
+    return [c for c in CASES if _name(c) in wanted]
+
+
+def _name(case: tuple[str, str, str, int]) -> str:
+    kind, layout, backend, page = case
+    return f"{kind}/{layout}/{backend}/p{page}"
 
 
 def _line(row: CostRow) -> str:
@@ -266,7 +274,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-copy", action="store_true", help="CPU kernels that copy nothing")
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--profile", help="write a cProfile of the first case's kvcore calls here")
+    p.add_argument("--profile", help="write a cProfile of kvcore's calls here")
+    p.add_argument(
+        "--profile-cases",
+        nargs="*",
+        default=[],
+        help="the cases --profile profiles, one after another (default: the first case)",
+    )
     p.add_argument(
         "--profile-tokens",
         type=int,

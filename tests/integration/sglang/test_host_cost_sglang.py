@@ -20,20 +20,30 @@ def test_each_reload_call_is_timed_and_the_profile_has_both_kinds(tmp_path: Path
     before = dict(kernels._BY_DEVICE_TYPE)
     out, profile = tmp_path / "cost.json", tmp_path / "profile.txt"
     argv = ["--device", "cpu", "--no-copy", "--tokens", "64,128", "--layers", "3"]
-    argv += ["--requests", "2", "--cases", "mha/layer_first/kernel/p64"]
-    profiling = ["--profile", str(profile), "--profile-tokens", "128"]
+    argv += [
+        "--requests",
+        "2",
+        "--cases",
+        "mha/layer_first/kernel/p64",
+        "mha/layer_first/direct/p64",
+    ]
+    profiling = ["--profile", str(profile), "--profile-tokens", "128", "--profile-cases"]
+    profiling += ["mha/layer_first/kernel/p64", "mha/layer_first/direct/p64"]
     assert host_cost.main([*argv, "--json", str(out), *profiling]) == 0
     rows = json.loads(out.read_text())["rows"]
     # On a CPU only kvcore's side is timed, one row per request size.
-    assert [(r["side"], r["tokens"], r["layers"]) for r in rows] == [
-        ("kvcore", 64, 3),
-        ("kvcore", 128, 3),
+    assert [(r["case"], r["side"], r["tokens"], r["layers"]) for r in rows] == [
+        (case, "kvcore", tokens, 3)
+        for case in ("mha/layer_first/kernel/p64", "mha/layer_first/direct/p64")
+        for tokens in (64, 128)
     ]
     assert all(r["first_us"] > 0 and r["later_us"] > 0 for r in rows)
     assert all(r["paths"] for r in rows)  # kvcore served the calls (rule off)
     text = profile.read_text()
     assert "first calls of 2 requests" in text and "later calls of 2 requests" in text
-    assert "128 tokens: first calls" in text  # the size asked for, not the first one
+    # Each case asked for, at the size asked for (not the first one).
+    assert "kernel/p64 128 tokens: first calls" in text
+    assert "direct/p64 128 tokens: first calls" in text
     # Per-request microseconds, not pstats' seconds (which round this path to 0.000).
     first_table = text.split("later calls")[0]
     assert "own us" in first_table and "transfers.py" in first_table
