@@ -348,7 +348,10 @@ def plan_device_indexed_for(
     if device_idx.device.type == "cpu":
         # The CUDA kernels cache uploads of CPU indices by version counter.
         device_idx = _watchable(device_idx)
-    host_span, host_run_count = span_and_run_count(host_idx, host.shape[0], "the host index")
+    # The path needs to know only whether the host runs are few (at most max_dma_runs).
+    host_span, host_run_count = span_and_run_count(
+        host_idx, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
+    )
     if not page_in and has_duplicates(host_idx):
         raise ValueError("the host index holds duplicate destinations")
     rows = int(host_idx.numel())

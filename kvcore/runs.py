@@ -103,25 +103,50 @@ def check_bounds(index: torch.Tensor, size: int, name: str = "index") -> int:
     return _span(check_index(index, name).numpy(), size, name)
 
 
-def span_and_run_count(index: torch.Tensor, size: int, name: str = "index") -> tuple[int, int]:
+def span_and_run_count(
+    index: torch.Tensor, size: int, name: str = "index", *, count_up_to: int | None = None
+) -> tuple[int, int]:
     """:func:`check_bounds` and the number of runs :func:`find_runs` would find, in one
     pass over the differences and without building the runs (a plan that copies row by
-    row decides from their number alone)."""
+    row decides from their number alone).
+
+    ``count_up_to``: the caller only asks whether there are at most this many runs, so a
+    count past it is any number above it, found from the index's first
+    :data:`COUNT_PREFIX` entries where they hold that many breaks already: a scattered
+    index of tens of thousands of entries is then differenced over a few thousand. The
+    bounds always cover every entry.
+    """
     values = check_index(index, name).numpy()
     if values.size < 2:
         return _span(values, size, name), values.size
     steps, _, breaks, _, _ = _SCRATCH.arrays(values.size - 1)
-    _steps_and_breaks(values, steps, breaks)
-    run_count = int(np.count_nonzero(breaks)) + 1
-    if run_count == 1:
+    last = values.size - 1
+    head = last if count_up_to is None else min(last, COUNT_PREFIX)
+    _steps_and_breaks(values[: head + 1], steps[:head], breaks[:head])
+    run_count = int(np.count_nonzero(breaks[:head])) + 1
+    complete = head == last
+    if count_up_to is not None and not complete and run_count <= count_up_to:
+        _steps_and_breaks(values[head:], steps[head:], breaks[head:])
+        run_count += int(np.count_nonzero(breaks[head:]))
+        complete = True
+    if complete and run_count == 1:
         # One ascending run: its ends are its bounds.
         return _within(int(values[0]), int(values[-1]), size, name), 1
     return _span(values, size, name), run_count
 
 
+COUNT_PREFIX = 4096
+"""Differences :func:`span_and_run_count` looks at first when asked for a bounded count."""
+
+
 def _span(values: np.ndarray, size: int, name: str) -> int:
+    """``max + 1`` of int64 ``values`` that all lie in ``[0, size)``, else ValueError."""
     if values.size == 0:
         return 0
+    # Read as unsigned, a negative entry is past any size: one pass checks both ends.
+    high = int(values.view(np.uint64).max())
+    if high < size:
+        return high + 1
     return _within(int(values.min()), int(values.max()), size, name)
 
 

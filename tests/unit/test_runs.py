@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.runs import (
+    COUNT_PREFIX,
     check_bounds,
     check_index,
     find_page_runs,
@@ -190,6 +191,52 @@ def test_span_and_run_count_equal_bounds_and_runs(values: list[int]) -> None:
             span_and_run_count(index, 41)
         return
     assert span_and_run_count(index, 41) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=9), min_size=2, max_size=40),
+    st.integers(min_value=1, max_value=6),
+    st.integers(min_value=0, max_value=3),
+)
+def test_a_bounded_run_count_is_exact_up_to_its_bound(
+    run_lengths: list[int], bound: int, seed: int
+) -> None:
+    """Runs of the given lengths (0: a scattered entry) in random places of a long index:
+    at most ``bound`` runs come back exact, more come back as some count above it; the
+    bounds are the whole index's either way."""
+    rng = random.Random(seed)
+    values: list[int] = []
+    for length in run_lengths:
+        start = rng.randrange(0, 90_000)
+        values += range(start, start + max(length * 700, 1))
+    index = torch.tensor(values, dtype=torch.int64)
+    exact = span_and_run_count(index, 100_000)
+    found = span_and_run_count(index, 100_000, count_up_to=bound)
+    assert found[0] == exact[0]
+    if exact[1] <= bound:
+        assert found == exact
+    else:
+        assert found[1] > bound
+
+
+def test_a_bounded_run_count_still_bounds_every_entry() -> None:
+    # Past the prefix that decides the count, an entry out of range is still refused.
+    scattered = torch.randperm(20_000, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match="holds 20000, outside"):
+        span_and_run_count(torch.cat([scattered, torch.tensor([20_000])]), 20_000, count_up_to=2)
+    # One run as long as the prefix and a break after it: counted past the prefix.
+    index = torch.cat([torch.arange(COUNT_PREFIX + 1), torch.tensor([COUNT_PREFIX + 5])])
+    assert span_and_run_count(index, 10**6, count_up_to=1) == (COUNT_PREFIX + 6, 2)
+
+
+def test_negative_entries_are_refused_whatever_the_size() -> None:
+    # The bound is checked in one unsigned pass: a negative entry must still be named.
+    for negative in (-1, -(2**63)):
+        index = torch.tensor([7, negative, 3], dtype=torch.int64)
+        with pytest.raises(ValueError, match=f"holds {negative}, outside"):
+            check_bounds(index, 2**62)
+    assert check_bounds(torch.tensor([7, 0, 3]), 8) == 8
 
 
 def test_span_and_run_count_checks_the_ends_of_one_run() -> None:
