@@ -275,9 +275,12 @@ class _Sweep:
         drawer = RequestDrawer(self.blocks, self._rng)
         try:
             sides.append(_kvcore_side(stock, self.device))
-            # Untimed: the handlers' first job allocates their streams and buffers.
+            # Untimed: the handlers' first jobs allocate their streams and buffers, as many
+            # in flight as the pass's busiest cell will have (kvcore's handler wraps a stock
+            # handler of its own, which would otherwise pay that in kvcore's first cells).
             warm_up = {side.name: _Samples() for side in sides}
-            first = drawer.draw(min(self.plan.sizes), 0.0, 1, gpu_to_cpu=gpu_to_cpu)
+            in_flight = max(jobs for _, jobs, _ in cells)
+            first = drawer.draw(min(self.plan.sizes), 0.0, in_flight, gpu_to_cpu=gpu_to_cpu)
             self._request(sides, pools, first, warm_up)
             self.result.failures += [e for s in warm_up.values() for e in s.errors]
             for index, (frag, jobs, blocks) in enumerate(cells):

@@ -160,10 +160,12 @@ def test_two_sided_cells_alternate_the_order_and_plot(monkeypatch, tmp_path):
     monkeypatch.setattr(sweep, "QUICK", SMALL)
     monkeypatch.setattr(sweep, "_stock_side", _stock_stand_in)
     order: list[str] = []
+    jobs_per_request: list[int] = []
     run = sweep._Side.run
 
     def logged(self: Any, specs: Any) -> Any:
         order.append(self.name)
+        jobs_per_request.append(len(specs))
         return run(self, specs)
 
     monkeypatch.setattr(sweep._Side, "run", logged)
@@ -176,12 +178,19 @@ def test_two_sided_cells_alternate_the_order_and_plot(monkeypatch, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Per pass: the warm-up, then each cell's repeats, stock first on even repeats.
     expected: list[str] = []
+    expected_jobs: list[int] = []
+    busiest = max(jobs for _, jobs, _ in SMALL.cells("load"))
+    assert busiest > 1
     for _ in SMALL.ops:
         expected += ["stock", "kvcore"]
+        # The warm-up has as many jobs in flight as the busiest cell.
+        expected_jobs += [busiest, busiest]
         for _, jobs, blocks in SMALL.cells("load"):
             for repeat in range(SMALL.repeats(jobs * blocks * 32 * 1024)):
                 expected += ["stock", "kvcore"] if repeat % 2 == 0 else ["kvcore", "stock"]
+                expected_jobs += [jobs, jobs]
     assert order == expected
+    assert jobs_per_request == expected_jobs
 
 
 @pytest.fixture
