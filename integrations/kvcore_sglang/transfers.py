@@ -85,6 +85,10 @@ _mover_lock = threading.Lock()
 def mover() -> Mover:
     """This process's mover, built from the KVCORE_* configuration on first use."""
     global _mover
+    built = _mover
+    if built is not None:
+        # Every hook call asks; once built, reading the global needs no lock.
+        return built
     with _mover_lock:
         # SGLang's load and backup threads may both arrive first; one staging buffer only.
         if _mover is None:
@@ -522,6 +526,7 @@ def forget() -> None:
 def _start_load(
     chosen_mover: Mover,
     jobs: PoolJobs | None,
+    rule: serve_rule.SGLangRule | None,
     pool_class: str,
     pool: Any,
     device_pool: Any,
@@ -537,7 +542,6 @@ def _start_load(
     tensors are tensors (their identity names it); its pass is counted once, here.
     """
     indices: CallIndices | str | None = None
-    rule = _call_rule("load", pool, io_backend)
     reason = None if rule is None else rule.decision(_count_of(host_indices))
     if reason is None and _inference_indices(host_indices, device_indices):
         reason = INFERENCE_INDICES
@@ -700,6 +704,7 @@ def _serve_layer(
 
 def _load_layer(
     jobs: PoolJobs | None,
+    rule: serve_rule.SGLangRule | None,
     pool_class: str,
     pool: Any,
     device_pool: Any,
@@ -710,7 +715,9 @@ def _load_layer(
     is_draft: bool,
 ) -> bool:
     """Move one layer of a reload on kvcore's paths; False when the call must run stock
-    (the request passes, this layer cannot be served, or kvcore failed: counted)."""
+    (the request passes, this layer cannot be served, or kvcore failed: counted).
+    ``rule``: the rule's row for the call (:func:`_call_rule`), which a new request is
+    decided by."""
     chosen_mover = mover()
     request = LOAD_REQUESTS.recall(
         pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
@@ -720,6 +727,7 @@ def _load_layer(
             started = _start_load(
                 chosen_mover,
                 jobs,
+                rule,
                 pool_class,
                 pool,
                 device_pool,
@@ -763,8 +771,7 @@ def _later_layer_served(
     request = LOAD_REQUESTS.latest(pool, device_pool)
     if request is None or request.prepared is None or request.passes is not None:
         return False
-    # Set before any request was prepared, so read without the lock.
-    chosen_mover = _mover if _mover is not None else mover()
+    chosen_mover = mover()
     if not request.matches(
         pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
     ):
@@ -799,13 +806,11 @@ def _make_load_hook(
         ):
             return
         # A later layer of a request that passes costs the first check alone.
-        if (
-            not LOAD_REQUESTS.passing(pool, device_pool, host_indices, device_indices)
-            and not _bypass_if_never(
-                original, pool, _LOAD, _call_rule("load", pool, io_backend), io_backend
-            )
-            and _load_layer(
+        if not LOAD_REQUESTS.passing(pool, device_pool, host_indices, device_indices):
+            rule = _call_rule("load", pool, io_backend)
+            if not _bypass_if_never(original, pool, _LOAD, rule, io_backend) and _load_layer(
                 _jobs_for(target, by_release),
+                rule,
                 pool_class,
                 pool,
                 device_pool,
@@ -814,9 +819,8 @@ def _make_load_hook(
                 layer_id,
                 io_backend,
                 is_draft,
-            )
-        ):
-            return
+            ):
+                return
         original(
             pool,
             device_pool,
@@ -850,7 +854,7 @@ def _make_backup_hook(
             return
         reason = None if rule is None else rule.decision(_count_of(host_indices))
         if reason is not None:
-            _count_request_pass(_mover if _mover is not None else mover(), reason)
+            _count_request_pass(mover(), reason)
             stock()
             return
         jobs = _jobs_for(target, by_release)
