@@ -151,21 +151,42 @@ def memory_state(device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:
         return dict.fromkeys(names), dict.fromkeys(names, "public")
     sync(device)
     # Blocks freed while a stream still used them return to the allocators' counts only
-    # when those allocators next look at their events, which an allocation makes them do.
+    # when those allocators next look at their events. The device allocator looks on any
+    # allocation; the pinned host allocator only where its free lists cannot serve one,
+    # which a small allocation never forces, but emptying its cache always does.
     torch.empty(1, device=device)
-    torch.empty(1, pin_memory=True)
+    flushed = flush_pinned_frees()
     sync(device)
     values: dict[str, Any] = {"cuda_memory_allocated": torch.cuda.memory_allocated(device)}
+    values["pinned_host_in_use"] = None
     try:
         # Bytes of blocks handed out and not yet given back. The allocator's
         # ``allocated_bytes`` also counts the free blocks it caches for reuse, which grow
-        # with every new block size anyone pins: a cache, not a leak.
-        values["pinned_host_in_use"] = torch.cuda.host_memory_stats().get("active_bytes.current")
+        # with every new block size anyone pins: a cache, not a leak. Unflushed, the count
+        # would hold blocks already freed, so it is not read then.
+        if flushed:
+            values["pinned_host_in_use"] = torch.cuda.host_memory_stats().get(
+                "active_bytes.current"
+            )
     except (RuntimeError, AttributeError):
-        values["pinned_host_in_use"] = None
+        pass
     values["pinned_tensors_alive"] = pinned_census()
     reads = dict.fromkeys(values, "public")
     return values, reads
+
+
+def flush_pinned_frees() -> bool:
+    """Let torch's pinned host allocator retire the blocks freed while a stream used them
+    (their events have completed once the device is synchronized), by emptying its cache
+    of free blocks; False where this torch offers no way to."""
+    for empty in (
+        getattr(getattr(torch, "accelerator", None), "empty_host_cache", None),
+        getattr(torch._C, "_host_emptyCache", None),
+    ):
+        if callable(empty):
+            empty()
+            return True
+    return False
 
 
 def pinned_census() -> list[str]:

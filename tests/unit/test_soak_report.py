@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.bench import soak
+from kvcore.bench import soak, soak_state
 from kvcore.bench.soak_report import Accounting, Tally, document, kvcore_counts
 from kvcore.bench.soak_state import PhaseClock, RandomPages, mover_state, settle
 from kvcore.metrics import Metrics
@@ -139,3 +139,14 @@ def test_settle_leaves_the_mover_in_the_same_state_each_time():
 def test_the_command_needs_an_engine_or_documents_to_combine(argv):
     with pytest.raises(SystemExit):
         soak.main(argv)
+
+
+def test_pinned_frees_are_flushed_through_whichever_empty_cache_torch_has(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("a"))
+    assert soak_state.flush_pinned_frees() and calls == ["a"]
+    monkeypatch.delattr(torch.accelerator, "empty_host_cache")
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("c"), raising=False)
+    assert soak_state.flush_pinned_frees() and calls == ["a", "c"]
+    monkeypatch.delattr(torch._C, "_host_emptyCache")
+    assert not soak_state.flush_pinned_frees()
