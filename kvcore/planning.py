@@ -19,13 +19,16 @@ import torch
 from kvcore.direction import Direction
 from kvcore.kernels.reference import row_bytes
 from kvcore.pair_checks import fallback_reason
+from kvcore.path_choice import check_forced, choose_path, host_runs_long, rules_out_dma
 from kvcore.path_policy import PathPolicy, TransferPath
 from kvcore.runs import (
     PairedRuns,
     Runs,
+    check_bounds,
     check_index,
+    find_paired_runs,
     find_runs,
-    has_duplicates,
+    has_duplicates_below,
     segment_transfer,
     slice_runs,
     span_and_run_count,
@@ -60,10 +63,12 @@ class TransferPlan:
     dst: torch.Tensor
     src_idx: torch.Tensor
     dst_idx: torch.Tensor
-    runs: PairedRuns
+    paired_runs_found: PairedRuns | None
+    """Both sides' runs where planning segmented them; None where it decided without them
+    (a GATHER whose host rows alone ruled out every DMA path): :attr:`runs` finds them."""
     host_runs_found: Runs | None
     """The host side's runs where planning segmented them; None where it only counted them
-    (a device-indexed GATHER plan, which never reads them): :attr:`host_runs` finds them."""
+    (a GATHER plan, which never reads them): :attr:`host_runs` finds them."""
     rows: int
     row_bytes: int
     """Bytes of one source row."""
@@ -89,6 +94,17 @@ class TransferPlan:
             raise StalePlanError(_STALE.format(name="src_idx"))
         if dst_version is not None and self.dst_idx._version != dst_version:
             raise StalePlanError(_STALE.format(name="dst_idx"))
+
+    @property
+    def runs(self) -> PairedRuns:
+        """Runs unit-stride on both sides (none for a device index never read), segmented
+        on first use where planning did not."""
+        found = self.paired_runs_found
+        if found is None:
+            found = find_paired_runs(self.src_idx, self.dst_idx)
+            # A cache of what the fields already say: the plan stays what it was.
+            object.__setattr__(self, "paired_runs_found", found)
+        return found
 
     @property
     def host_runs(self) -> Runs:
@@ -188,6 +204,10 @@ def plan(
     src_idx = _watchable(check_index(src_idx, "src_idx"))
     dst_idx = _watchable(check_index(dst_idx, "dst_idx"))
     direction = _check_sides(src, dst, direction)
+    if force is None:
+        gather = _gather_if_host_rules_out_dma(src, dst, src_idx, dst_idx, direction, policy)
+        if gather is not None:
+            return gather
     found = segment_transfer(
         src_idx, dst_idx, src.shape[0], dst.shape[0], host_is_src=direction is Direction.H2D
     )
@@ -206,9 +226,9 @@ def plan(
     if reason is not None:
         path = TransferPath.FALLBACK
     elif force is not None:
-        path = _check_forced(force, runs, src_row_bytes, policy)
+        path = check_forced(force, runs, src_row_bytes, policy)
     else:
-        path = _choose_path(runs, host_runs, nbytes, policy)
+        path = choose_path(runs.count, host_runs.count, nbytes, policy)
     return _decided(
         path,
         direction,
@@ -226,6 +246,61 @@ def plan(
     )
 
 
+def _gather_if_host_rules_out_dma(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    direction: Direction,
+    policy: PathPolicy,
+) -> TransferPlan | None:
+    """The GATHER plan of a transfer whose host rows alone rule out every DMA path, from
+    their run count (found on a prefix where it is large), both sides' bounds and the
+    destination's duplicates; None where the host rows leave a DMA path open, for
+    :func:`plan` to segment both sides as usual.
+
+    Both sides' runs cost more than the rest of a first call on the engine's load path,
+    and a gather never reads them: they are found only if asked for (:attr:`TransferPlan.runs`).
+    """
+    rows = int(src_idx.numel())
+    if rows <= policy.max_dma_runs or rows != dst_idx.numel():
+        return None
+    page_in = direction is Direction.H2D
+    src_row_bytes = row_bytes(src)
+    host_name = "src_idx" if page_in else "dst_idx"
+    host_span, host_run_count = span_and_run_count(
+        src_idx if page_in else dst_idx,
+        (src if page_in else dst).shape[0],
+        host_name,
+        count_up_to=max(policy.max_dma_runs, policy.max_batched_runs),
+    )
+    if not rules_out_dma(host_run_count, rows * src_row_bytes, policy):
+        return None
+    if fallback_reason(src, dst) is not None:
+        return None
+    if page_in:
+        src_span, dst_span = host_span, check_bounds(dst_idx, dst.shape[0], "dst_idx")
+    else:
+        src_span, dst_span = check_bounds(src_idx, src.shape[0], "src_idx"), host_span
+    if has_duplicates_below(dst_idx, dst_span):
+        raise ValueError("dst_idx holds duplicate indices")
+    return _decided(
+        TransferPath.GATHER,
+        direction,
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        None,
+        None,
+        None,
+        policy,
+        src_span=src_span,
+        dst_span=dst_span,
+        index_versions=(src_idx._version, dst_idx._version),
+    )
+
+
 def _decided(
     path: TransferPath,
     direction: Direction,
@@ -233,7 +308,7 @@ def _decided(
     dst: torch.Tensor,
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
-    runs: PairedRuns,
+    runs: PairedRuns | None,
     host_runs: Runs | None,
     reason: str | None,
     policy: PathPolicy,
@@ -255,7 +330,7 @@ def _decided(
         dst=dst,
         src_idx=src_idx,
         dst_idx=dst_idx,
-        runs=runs,
+        paired_runs_found=runs,
         host_runs_found=host_runs,
         rows=rows,
         row_bytes=src_row_bytes,
@@ -352,7 +427,7 @@ def plan_device_indexed_for(
     host_span, host_run_count = span_and_run_count(
         host_idx, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
     )
-    if not page_in and has_duplicates(host_idx):
+    if not page_in and has_duplicates_below(host_idx, host_span):
         raise ValueError("the host index holds duplicate destinations")
     rows = int(host_idx.numel())
     src_row_bytes = sides.row_bytes
@@ -367,8 +442,8 @@ def plan_device_indexed_for(
     elif force is not None:
         if force not in (TransferPath.STAGED, TransferPath.GATHER):
             raise ValueError(f"force={force.value} needs the device side's runs")
-        path = _check_forced(force, _NO_RUNS, src_row_bytes, policy)
-    elif _host_runs_long(host_run_count, nbytes, policy) and src_row_bytes <= policy.staging_bytes:
+        path = check_forced(force, _NO_RUNS, src_row_bytes, policy)
+    elif host_runs_long(host_run_count, nbytes, policy) and src_row_bytes <= policy.staging_bytes:
         path = TransferPath.STAGED
     else:
         path = TransferPath.GATHER
@@ -468,44 +543,3 @@ def _resolve_direction(
             "side is the host"
         )
     return given
-
-
-def _choose_path(
-    runs: PairedRuns, host_runs: Runs, nbytes: int, policy: PathPolicy
-) -> TransferPath:
-    if runs.count <= 1:
-        # One run on both sides is one DMA at line rate; nothing can beat it.
-        return TransferPath.SINGLE_COPY
-    if runs.count <= policy.max_batched_runs and nbytes >= policy.long_run_bytes * runs.count:
-        # Runs long enough that DMA engines reach line rate run by run, few enough that
-        # the per-run submission cost (one batched submission on CUDA) stays small.
-        return TransferPath.BATCHED_RUNS
-    if _host_runs_long(host_runs.count, nbytes, policy) and nbytes <= policy.staging_bytes:
-        # Only the host side crosses PCIe: a few long DMAs into device staging,
-        # then a scatter at HBM bandwidth (>10x PCIe), which is nearly free. A copy
-        # larger than the staging buffer would take one DMA and one scatter per buffer's
-        # worth, each with its host time; the gather below takes one launch whatever the
-        # size, for a few percent less of the link (docs/benchmarks.md).
-        return TransferPath.STAGED
-    # Short runs on the host: DMA would be bound by per-run submission cost,
-    # while a gather kernel keeps many small UVA reads in flight.
-    return TransferPath.GATHER
-
-
-def _host_runs_long(run_count: int, nbytes: int, policy: PathPolicy) -> bool:
-    return run_count <= 1 or (
-        run_count <= policy.max_dma_runs and nbytes >= policy.long_run_bytes * run_count
-    )
-
-
-def _check_forced(
-    force: TransferPath, runs: PairedRuns, row_size: int, policy: PathPolicy
-) -> TransferPath:
-    if force is TransferPath.SINGLE_COPY and runs.count > 1:
-        raise ValueError(f"force=single_copy needs at most one paired run, got {runs.count}")
-    if force is TransferPath.STAGED and row_size > policy.staging_bytes:
-        raise ValueError(
-            f"force=staged: a row of {row_size} B does not fit the "
-            f"{policy.staging_bytes} B staging buffer"
-        )
-    return force

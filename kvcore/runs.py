@@ -119,20 +119,33 @@ def span_and_run_count(
     values = check_index(index, name).numpy()
     if values.size < 2:
         return _span(values, size, name), values.size
+    run_count = _run_count(values, count_up_to)
+    if run_count == 1:
+        # One ascending run: its ends are its bounds.
+        return _within(int(values[0]), int(values[-1]), size, name), 1
+    return _span(values, size, name), run_count
+
+
+def run_count_up_to(index: torch.Tensor, limit: int) -> int:
+    """The number of runs :func:`find_runs` would find where it is at most ``limit``; past
+    it, any number above ``limit`` (read from a prefix, as :func:`span_and_run_count`
+    does). No bounds are checked."""
+    values = check_index(index).numpy()
+    return values.size if values.size < 2 else _run_count(values, limit)
+
+
+def _run_count(values: np.ndarray, count_up_to: int | None) -> int:
+    """Runs of ``values`` (two entries or more), exact up to ``count_up_to`` (None: exact)."""
     steps, _, breaks, _, _ = _SCRATCH.arrays(values.size - 1)
     last = values.size - 1
     head = last if count_up_to is None else min(last, COUNT_PREFIX)
     _steps_and_breaks(values[: head + 1], steps[:head], breaks[:head])
     run_count = int(np.count_nonzero(breaks[:head])) + 1
-    complete = head == last
-    if count_up_to is not None and not complete and run_count <= count_up_to:
+    # A count of one stays exact whatever the limit: callers take its ends as its bounds.
+    if head < last and run_count <= max(count_up_to or 0, 1):
         _steps_and_breaks(values[head:], steps[head:], breaks[head:])
         run_count += int(np.count_nonzero(breaks[head:]))
-        complete = True
-    if complete and run_count == 1:
-        # One ascending run: its ends are its bounds.
-        return _within(int(values[0]), int(values[-1]), size, name), 1
-    return _span(values, size, name), run_count
+    return run_count
 
 
 COUNT_PREFIX = 4096
@@ -167,6 +180,18 @@ def has_duplicates(index: torch.Tensor) -> bool:
     steps = _SCRATCH.arrays(values.size - 1)[0]
     np.subtract(values[1:], values[:-1], out=steps)
     return _has_duplicates(values, steps, int(values.max()) + 1)
+
+
+def has_duplicates_below(index: torch.Tensor, span: int) -> bool:
+    """:func:`has_duplicates` for an index already bounds-checked: every entry lies in
+    ``[0, span)`` (``span`` as :func:`check_bounds` returns it), so no pass looks for
+    its ends again."""
+    values = index.numpy()
+    if values.size < 2:
+        return False
+    steps = _SCRATCH.arrays(values.size - 1)[0]
+    np.subtract(values[1:], values[:-1], out=steps)
+    return _has_duplicates(values, steps, span)
 
 
 # A mask of the index's span is linear time; past this many slots per entry, sorting

@@ -19,6 +19,9 @@ ANY = "*"
 SERVE = None
 """What a decision returns when kvcore serves the call (a pass returns its reason)."""
 
+DENSE_HOST_REASON = "stock_dense_host"
+"""The reason a row that does not serve dense host slots (``dense_host=False``) gives."""
+
 
 @dataclass(frozen=True)
 class SGLangRule:
@@ -39,14 +42,43 @@ class SGLangRule:
     evidence: str
     """The measurements behind the entry."""
     dense_host: bool = True
-    """False: kvcore passes when the request's host slots are one ascending run, where
-    stock's copy runs as well as kvcore's (the adapter checks it once it has the slots)."""
+    """False: kvcore passes when the request's host slots are few long runs (what its
+    planner moves by DMA), where stock's copy runs as well as kvcore's, unless
+    ``dense_min_tokens`` serves it (the adapter checks once it has the slots)."""
+    dense_min_tokens: int | None = None
+    """Requests whose host slots are few long runs are served from this many tokens,
+    whatever ``min_tokens`` says: kvcore moves them by DMA and holds no SMs, where stock's
+    kernel takes SMs from the model for a copy no faster."""
     pool: str = ANY
     """The host pool's kind (``mha``, ``mla``, ``dsa``), or :data:`ANY`: rows of one size
     move at other speeds on stock's kernels (MLA's 1152 B against MHA's 2 KiB)."""
 
+    @property
+    def never(self) -> bool:
+        """Whether the row passes every call, whatever its size and host slots."""
+        return self.min_tokens is None and self.dense_min_tokens is None
+
+    @property
+    def reads_host_runs(self) -> bool:
+        """Whether a served call's host slots still decide (:meth:`host_decision`)."""
+        return not self.dense_host or self.dense_min_tokens is not None
+
     def decision(self, tokens: int) -> str | None:
-        """:data:`SERVE` for a call of ``tokens`` tokens this row serves, else its reason."""
+        """:data:`SERVE` for a call of ``tokens`` tokens this row may serve (where it
+        :attr:`reads_host_runs`, :meth:`host_decision` has the last word), else its reason."""
+        lowest, dense = self.min_tokens, self.dense_min_tokens
+        if dense is not None and (lowest is None or dense < lowest):
+            lowest = dense
+        return SERVE if lowest is not None and tokens >= lowest else self.reason
+
+    def host_decision(self, tokens: int, few_host_runs: bool) -> str | None:
+        """:data:`SERVE` or the reason to pass, for a call whose host slots are few long
+        runs (``few_host_runs``) or not."""
+        if few_host_runs:
+            if self.dense_min_tokens is not None and tokens >= self.dense_min_tokens:
+                return SERVE
+            if not self.dense_host:
+                return DENSE_HOST_REASON
         return SERVE if self.min_tokens is not None and tokens >= self.min_tokens else self.reason
 
     def matches(
@@ -88,8 +120,36 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         _PAGED,
         None,
         "stock_kernel_near_link",
+        "paged MHA layer_first backups: on few long host runs kvcore's DMA ran 1.00x stock's "
+        "wall-clock at 32k tokens and left a concurrent GEMM 93% of its throughput, stock's "
+        "kernel 56%; 0.90x at 8k. Scattered, kvcore's gather is no faster and holds as many "
+        "SMs (H200 engine sweep with a GEMM beside it)",
+        dense_min_tokens=32768,
+        pool="mha",
+    ),
+    SGLangRule(
+        "backup",
+        "kernel",
+        "layer_first",
+        _PAGED,
+        None,
+        "stock_kernel_near_link",
         "paged layer_first backups: stock's kernel at 51-53 GB/s; kvcore's own 0.15-0.87x "
         "below 16k tokens, 0.97-1.01x above (H200 engine sweep)",
+    ),
+    SGLangRule(
+        "backup",
+        "kernel",
+        "layer_first",
+        _TOKEN_PAGES,
+        16384,
+        "stock_kernel_small_backup",
+        "token-granular MHA layer_first backups: scattered host slots as below; on few long "
+        "host runs kvcore's DMA ran 1.00x stock at 32k tokens and left a concurrent GEMM 93% "
+        "of its throughput, stock's kernel 69% (0.94x at 8k; H200 engine sweep with a GEMM)",
+        dense_host=False,
+        dense_min_tokens=32768,
+        pool="mha",
     ),
     SGLangRule(
         "backup",
@@ -241,10 +301,15 @@ def _page_range(low: int, high: int) -> str:
 
 
 def _serves(rule: SGLangRule) -> str:
-    if rule.min_tokens is None:
+    if rule.never:
         return "never"
-    size = "always" if rule.min_tokens == 0 else f">= {rule.min_tokens} tokens"
-    return size if rule.dense_host else f"{size}, scattered host slots"
+    parts = []
+    if rule.min_tokens is not None:
+        size = "always" if rule.min_tokens == 0 else f">= {rule.min_tokens} tokens"
+        parts.append(size if rule.dense_host else f"{size}, scattered host slots")
+    if rule.dense_min_tokens is not None:
+        parts.append(f">= {rule.dense_min_tokens} tokens on few long host runs (DMA)")
+    return "; ".join(parts)
 
 
 def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, object]]:

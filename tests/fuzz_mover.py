@@ -1271,7 +1271,12 @@ class _Run:
         rebound = chosen.rebind(src, dst)
         same_layout = ("same", "longer", "retyped", "misaligned", "short")
         kept = chosen.reason is None and case.rebind in same_layout
-        if kept and (rebound.path is not chosen.path or rebound.runs is not chosen.runs):
+        replanned = (
+            rebound.path is not chosen.path
+            or rebound.paired_runs_found is not chosen.paired_runs_found
+            or rebound.host_runs_found is not chosen.host_runs_found
+        )
+        if kept and replanned:
             raise CaseFailure(_report(case, f"rebind planned again: {rebound.describe()}"))
         reason = (
             "strided_rows" if self.src.buffers[1].padded or self.dst.buffers[1].padded else None

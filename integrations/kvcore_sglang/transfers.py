@@ -53,7 +53,7 @@ from kvcore.internal_errors import InternalErrors
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, Submission, submissions
-from kvcore.path_policy import TransferPath, policy_from_config
+from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
 from kvcore.planning import (
     CheckedSides,
     TransferPlan,
@@ -62,7 +62,7 @@ from kvcore.planning import (
     plan_device_indexed,
     plan_device_indexed_for,
 )
-from kvcore.runs import version_of
+from kvcore.runs import run_count_up_to, version_of
 
 from . import guard, pool_jobs
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, weakly
@@ -460,7 +460,7 @@ def _bypass_if_never(
     another one also lands in stock, which is always exact. :func:`restore_bypassed`
     takes the bindings back.
     """
-    if rule is None or rule.min_tokens is not None:
+    if rule is None or not rule.never:
         return False
     if method in BYPASSED.get(pool, ()):
         return True  # bound already, yet called through the class: decided, counted
@@ -574,15 +574,17 @@ def _inference_indices(*indices: Any) -> bool:
     return any(isinstance(each, torch.Tensor) and each.is_inference() for each in indices)
 
 
-def _dense_host_passes(rule: serve_rule.SGLangRule | None, host: torch.Tensor) -> bool:
-    """The call's ``rule`` passes requests whose host slots (on the CPU) are one ascending
-    run, which stock's kernel copies as fast as kvcore; the same slots in another order are
-    as scattered as any (a permutation of one span, for one)."""
-    if rule is None or rule.dense_host or host.numel() == 0:
-        return False
-    if int(host[-1]) - int(host[0]) + 1 != host.numel():
-        return False
-    return host.numel() == 1 or bool((host.diff() == 1).all())
+def _host_runs_pass(
+    rule: serve_rule.SGLangRule | None, tokens: int, host: torch.Tensor, policy: PathPolicy
+) -> str | None:
+    """Why the call's ``rule`` passes a request with these host slots (on the CPU), or
+    None: few long runs are what kvcore's planner moves by DMA, holding no SMs, and what
+    stock's kernel copies fastest; the same slots in another order are as scattered as
+    any (a permutation of one span, for one)."""
+    if rule is None or not rule.reads_host_runs:
+        return None
+    limit = policy.max_dma_runs
+    return rule.host_decision(tokens, run_count_up_to(host, limit) <= limit)
 
 
 def _count_of(indices: Any) -> int:
@@ -865,8 +867,9 @@ def _make_backup_hook(
         if isinstance(indices, str):
             _serve(stock, pool, indices, Direction.D2H, False)
             return
-        if _dense_host_passes(rule, indices.host):
-            _count_request_pass(mover(), "stock_dense_host")
+        passes = _host_runs_pass(rule, _count_of(host_indices), indices.host, mover().policy)
+        if passes is not None:
+            _count_request_pass(mover(), passes)
             stock()
             return
         _count_serve(mover())

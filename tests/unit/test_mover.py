@@ -643,7 +643,9 @@ def test_rebind_reuses_the_decision_for_another_layer():
     mover = Mover()
     for layer in range(3):
         again = first.rebind(layers[layer], device[layer])
-        assert again.path is first.path and again.runs is first.runs
+        assert again.path is first.path
+        assert again.paired_runs_found is first.paired_runs_found
+        assert again.host_runs_found is first.host_runs_found
         expected = device[layer].clone()
         expected[dst_idx] = layers[layer][src_idx]
         mover.execute(again)

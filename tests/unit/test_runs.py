@@ -18,6 +18,7 @@ from kvcore.runs import (
     find_runs,
     has_duplicates,
     is_single_run,
+    run_count_up_to,
     segment_transfer,
     slice_runs,
     span_and_run_count,
@@ -228,6 +229,26 @@ def test_a_bounded_run_count_still_bounds_every_entry() -> None:
     # One run as long as the prefix and a break after it: counted past the prefix.
     index = torch.cat([torch.arange(COUNT_PREFIX + 1), torch.tensor([COUNT_PREFIX + 5])])
     assert span_and_run_count(index, 10**6, count_up_to=1) == (COUNT_PREFIX + 6, 2)
+
+
+def test_a_limit_of_zero_still_bounds_one_long_run_by_every_entry() -> None:
+    # One run through the prefix, an out-of-range entry after it: a count of one is exact.
+    index = torch.cat([torch.arange(COUNT_PREFIX + 1), torch.tensor([10**6])])
+    with pytest.raises(ValueError, match="outside"):
+        span_and_run_count(index, 10**6, count_up_to=0)
+    assert run_count_up_to(index, 0) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(0, 20))
+def test_run_count_up_to_agrees_with_the_runs_found(run_lengths: list[int], limit: int) -> None:
+    values: list[int] = []
+    for number, length in enumerate(run_lengths):
+        values += range(number * 10_000, number * 10_000 + max(length * 1500, 1))
+    index = torch.tensor(values, dtype=torch.int64)
+    exact = find_runs(index).count
+    found = run_count_up_to(index, limit)
+    assert found == exact if exact <= max(limit, 1) else found > limit
 
 
 def test_negative_entries_are_refused_whatever_the_size() -> None:

@@ -47,7 +47,7 @@ def test_the_rule_off_serves_everything():
 
 def _never(op: str, backend: str, layout: str, page: int, pool: str = "") -> str | None:
     rule = serve_rule.sglang_rule(op, backend, layout, page, pool=pool)
-    return rule.reason if rule is not None and rule.min_tokens is None else None
+    return rule.reason if rule is not None and rule.never else None
 
 
 def test_the_row_of_a_call_says_what_the_table_says():
@@ -150,3 +150,36 @@ def test_rows_for_one_pool_kind_decide_only_that_kind(monkeypatch, pool, tokens,
         assert _never("load", "kernel", "layer_first", 64, pool="mla")
     finally:
         serve_rule._sglang_rule.cache_clear()
+
+
+def test_a_row_serving_dense_host_runs_decides_by_size_then_by_the_host_slots():
+    rule = SGLangRule(
+        "backup", "*", "*", (1, 1), 100, "r", "e", dense_host=False, dense_min_tokens=400
+    )
+    assert not rule.never and rule.reads_host_runs
+    # The lower threshold lets a call through to its host slots.
+    assert rule.decision(99) == "r" and rule.decision(100) is SERVE
+    assert rule.host_decision(200, few_host_runs=False) is SERVE
+    assert rule.host_decision(200, few_host_runs=True) == serve_rule.DENSE_HOST_REASON
+    assert rule.host_decision(400, few_host_runs=True) is SERVE
+    dense_only = SGLangRule("backup", "*", "*", (1, 1), None, "r", "e", dense_min_tokens=400)
+    assert dense_only.decision(399) == "r" and dense_only.decision(400) is SERVE
+    assert dense_only.host_decision(5000, few_host_runs=False) == "r"
+    assert dense_only.host_decision(400, few_host_runs=True) is SERVE
+    plain = SGLangRule("backup", "*", "*", (1, 1), 100, "r", "e")
+    assert (
+        not plain.reads_host_runs
+        and not SGLangRule("load", "*", "*", (1, 1), None, "r", "e").reads_host_runs
+    )
+
+
+@pytest.mark.parametrize("page", [1, 64])
+def test_mha_layer_first_backups_on_few_host_runs_are_served_from_32k_tokens(page):
+    mha = serve_rule.sglang_rule("backup", "kernel", "layer_first", page, pool="mha")
+    mla = serve_rule.sglang_rule("backup", "kernel", "layer_first", page, pool="mla")
+    assert mha is not None and mla is not None
+    assert mha.host_decision(32768, few_host_runs=True) is SERVE
+    assert mha.host_decision(32767, few_host_runs=True) is not SERVE
+    # MLA's dense backups ran under 0.97x of stock: they stay stock.
+    assert mla.host_decision(1 << 20, few_host_runs=True) is not SERVE
+    assert mla.dense_min_tokens is None

@@ -244,6 +244,52 @@ def test_a_backup_passes_on_one_ascending_host_run_only(
     assert (len(stock.calls), passed) == ((0, 0) if served else (1, 1))
 
 
+@pytest.mark.parametrize(
+    ("slots", "served"),
+    [("one_run", True), ("four_runs", True), ("scattered", False)],
+)
+def test_a_backup_row_for_dense_host_runs_serves_them_and_passes_scattered_slots(
+    transfer_hooks,  # noqa: F811
+    small_mover,  # noqa: F811
+    monkeypatch,
+    slots,
+    served,
+):
+    """A row that serves only few long host runs (kvcore's DMA): those are copied by
+    kvcore, byte for byte, and scattered slots of the same size go to stock, counted."""
+    rule = serve_rule.SGLangRule(
+        "backup", "*", "*", (1, 1 << 30), None, "scattered_r", "test", dense_min_tokens=16
+    )
+    monkeypatch.setattr(serve_rule, "SGLANG_RULES", (rule,))
+    serve_rule._sglang_rule.cache_clear()
+    transfer_hooks()
+    pool = pool_for("mha", "layer_first")
+    device_pool = device_pool_of("mha", pool)
+    gen = torch.Generator().manual_seed(11)
+    randomise(all_tensors(components("mha", pool)), gen)
+    host_idx = {
+        "one_run": torch.arange(40, 140),
+        "four_runs": torch.cat([torch.arange(s, s + 25) for s in (300, 10, 200, 120)]),
+        "scattered": torch.randperm(400, generator=gen)[:100],
+    }[slots]
+    device_idx = torch.randperm(200, generator=gen)[:100] + 1
+    stock = Recorder()
+    before, _ = _counts()
+    try:
+        hook = transfers.HOOKS[f"{MHA_LOAD}.backup_from_device_all_layer"]
+        hook(stock, pool, device_pool, host_idx, device_idx, "direct")
+    finally:
+        serve_rule._sglang_rule.cache_clear()
+    passed = _counts()[0].get("scattered_r", 0) - before.get("scattered_r", 0)
+    assert (len(stock.calls), passed) == ((0, 0) if served else (1, 1))
+    if served:
+        for part in components("mha", pool):
+            for layer, device in enumerate(part.devices):
+                for slot, row in zip(host_idx.tolist(), device_idx.tolist(), strict=True):
+                    host_bytes = part.row(part.host.view(torch.uint8), layer, slot)
+                    assert torch.equal(host_bytes, device.view(torch.uint8)[row])
+
+
 def test_the_rule_sees_each_served_pool_by_its_kind():
     assert transfers._pool_kind(pool_for("mha", "layer_first")) == "mha"
     assert transfers._pool_kind(pool_for("mla", "layer_first")) == "mla"
