@@ -80,6 +80,16 @@ class SweepOptions:
         return (self.layers or LAYERS)[kind]
 
 
+def repeats_for(repeats: int, tokens: int, device: torch.device) -> int:
+    """Timed requests of a cell of ``tokens`` tokens for ``repeats`` asked: requests past
+    32k tokens are long enough that fewer settle the median; on a GPU, requests of a few
+    milliseconds (2k tokens and fewer) vary by several percent from one to the next, so
+    they get four times as many, which costs little beside the longer cells."""
+    if tokens >= 32768:
+        return max(2, repeats - 2)
+    return repeats * 4 if tokens <= 2048 and device.type == "cuda" else repeats
+
+
 def options_for(args: argparse.Namespace) -> SweepOptions:
     cuda = torch.cuda.is_available() and getattr(args, "device", "auto") != "cpu"
     opts = SweepOptions(device=torch.device("cuda" if cuda else "cpu"))
@@ -388,8 +398,7 @@ def measure_cell(
     if stock.call is None:
         return {"case": where, "tokens": tokens, "not_runnable": stock.not_runnable}
     gen = torch.Generator().manual_seed(opts.seed + tokens)
-    # Requests past 32k tokens are long enough that fewer repeats settle the median.
-    repeats = opts.repeats if tokens < 32768 else max(2, opts.repeats - 2)
+    repeats = repeats_for(opts.repeats, tokens, opts.device)
     cpu = _requests(case, tokens, level, repeats + 2, gen)
     times: dict[str, list[tuple[float, float]]] = {"stock": [], "kvcore": [], "own": []}
     own = rule_off(case, op, backend, layers) if opts.serve_rule and opts.with_own else None

@@ -96,3 +96,10 @@ def test_gemm_interference_is_a_cuda_measurement_reported_per_cell():
     assert sweep.gemm_summary([row]) == [
         f"GEMM throughput kept during {row.case} {row.tokens}: stock 80%, kvcore 100%, own 62%"
     ]
+
+
+def test_short_requests_get_more_repeats_on_a_gpu_and_long_ones_fewer():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert sweep.repeats_for(5, 512, cuda) == 20 and sweep.repeats_for(5, 2048, cuda) == 20
+    assert sweep.repeats_for(5, 8192, cuda) == 5 and sweep.repeats_for(5, 32768, cuda) == 3
+    assert sweep.repeats_for(5, 512, cpu) == 5 and sweep.repeats_for(1, 65536, cpu) == 2
