@@ -13,6 +13,7 @@ import contextlib
 import gc
 import threading
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -187,6 +188,56 @@ def flush_pinned_frees() -> bool:
             empty()
             return True
     return False
+
+
+def holders(target: Any, depth: int = 4, width: int = 3, limit: int = 12) -> list[str]:
+    """What keeps ``target`` alive, as chains of type names (``A <- B``: B refers to A),
+    ``depth`` steps back and ``width`` referrers a step; for a report where something
+    outlived the traffic. A thread's frame shows as ``frame <name> <file>:<line>``."""
+    gc.collect()
+    walker = {_walk_holders.__code__, holders.__code__}
+    chains: list[str] = []
+    _walk_holders(target, [_holder_name(target)], depth, width, walker, chains)
+    return chains[:limit]
+
+
+def _walk_holders(
+    obj: Any, chain: list[str], depth: int, width: int, walker: set[Any], chains: list[str]
+) -> None:
+    if depth == 0 or len(chains) >= 64:
+        chains.append(" <- ".join(chain))
+        return
+    found = [
+        r
+        for r in gc.get_referrers(obj)
+        if not (isinstance(r, types.FrameType) and r.f_code in walker)
+        and r is not chain
+        and r is not chains
+    ]
+    if not found:
+        chains.append(" <- ".join(chain))
+        return
+    for referrer in found[:width]:
+        _walk_holders(referrer, [*chain, _holder_name(referrer)], depth - 1, width, walker, chains)
+
+
+def _holder_name(obj: Any) -> str:
+    if isinstance(obj, types.FrameType):
+        return f"frame {obj.f_code.co_name} {obj.f_code.co_filename}:{obj.f_lineno}"
+    if isinstance(obj, dict):
+        keys = [str(k)[:24] for k in list(obj)[:3]]
+        return f"dict{keys}"
+    return type(obj).__name__
+
+
+def prepared_plan_holders(mover: Mover, plans: int = 2) -> list[str]:
+    """:func:`holders` of a few of the plans ``mover`` still keeps prepared forms of."""
+    prepared = getattr(mover, "_prepared", None)
+    kept = list(prepared.keys())[:plans] if prepared else []
+    lines = []
+    while kept:
+        lines += holders(kept.pop())
+    return lines
 
 
 def pinned_census() -> list[str]:

@@ -4,6 +4,7 @@ engine-free."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -150,3 +151,23 @@ def test_pinned_frees_are_flushed_through_whichever_empty_cache_torch_has(monkey
     assert soak_state.flush_pinned_frees() and calls == ["a", "c"]
     monkeypatch.delattr(torch._C, "_host_emptyCache")
     assert not soak_state.flush_pinned_frees()
+
+
+def test_holders_name_what_keeps_an_object_alive():
+    class Leaked:
+        pass
+
+    class Keeper:
+        def __init__(self, held: Leaked) -> None:
+            self.held = held
+
+    target = Leaked()
+    keeper = Keeper(target)
+    chains = soak_state.holders(target, depth=2)
+    # An instance's attributes may live in its own dict or inline, as the interpreter keeps them.
+    assert any(re.match(r"Leaked <- (dict\['held'\] <- )?Keeper", c) for c in chains), chains
+    del keeper
+
+
+def test_prepared_plan_holders_is_empty_for_a_mover_with_nothing_prepared():
+    assert soak_state.prepared_plan_holders(Mover()) == []

@@ -57,9 +57,11 @@ from kvcore.bench.soak_state import (
     PhaseClock,
     RandomPages,
     Streams,
+    holders,
     memory_state,
     mismatched,
     mover_state,
+    prepared_plan_holders,
     random_rows,
     settle,
     sync,
@@ -803,6 +805,7 @@ def run(opts: Options) -> dict[str, Any]:
         accounting.compare(
             baseline, end, reads, CPU_ONLY if device.type != "cuda" else "unreadable here"
         )
+        left_held = _left_held(mover) if accounting.leaks else []
         accounting.skip(
             "events",
             "SGLang's hooks keep no events of their own beyond the staging buffer's one a "
@@ -830,8 +833,25 @@ def run(opts: Options) -> dict[str, Any]:
                 "request_tokens": [opts.profile.min_tokens, opts.profile.max_tokens],
             },
             "phases": phases,
+            "left_held": left_held,
         },
     }
+
+
+def _left_held(mover: Mover) -> list[str]:
+    """What holds a prepared plan, and a device index the adapter still remembers, where
+    the end accounting found state the traffic left behind."""
+    from kvcore_sglang import transfers
+
+    lines = prepared_plan_holders(mover)
+    remembered = [
+        entry[0]() for entry in list(getattr(transfers.HOST_INDEX_MEMO, "_moved", {}).values())
+    ]
+    alive = [tensor for tensor in remembered if tensor is not None][:1]
+    del remembered
+    while alive:
+        lines += holders(alive.pop())
+    return lines
 
 
 def _soak_pool(

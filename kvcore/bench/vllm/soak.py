@@ -40,6 +40,7 @@ from kvcore.bench.soak_state import (
     RandomPages,
     memory_state,
     mover_state,
+    prepared_plan_holders,
     settle,
     sync,
     with_index,
@@ -664,6 +665,7 @@ def run(opts: Options) -> dict[str, Any]:
     accounting.compare(
         baseline, end, reads, CPU_ONLY if device.type != "cuda" else "unreadable here"
     )
+    left_held = prepared_plan_holders(mover) if accounting.leaks else []
     counts = tally.to_dict()
     return {
         "tally": tally,
@@ -682,6 +684,7 @@ def run(opts: Options) -> dict[str, Any]:
             },
             "stores_never_read_back": counts["backups"] - counts["backups_verified"],
             "phases": phases,
+            "left_held": left_held,
         },
     }
 
