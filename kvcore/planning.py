@@ -33,6 +33,7 @@ from kvcore.runs import (
     slice_runs,
     span_and_run_count,
 )
+from kvcore.transfer_sides import CheckedSides, check_sides, direction_between
 
 
 class StalePlanError(ValueError):
@@ -203,7 +204,7 @@ def plan(
     """
     src_idx = _watchable(check_index(src_idx, "src_idx"))
     dst_idx = _watchable(check_index(dst_idx, "dst_idx"))
-    direction = _check_sides(src, dst, direction)
+    direction = direction_between(src, dst, direction)
     if force is None:
         gather = _gather_if_host_rules_out_dma(src, dst, src_idx, dst_idx, direction, policy)
         if gather is not None:
@@ -339,31 +340,6 @@ def _decided(
         policy=policy,
         staged_chunks=staged,
         **spans_and_flags,
-    )
-
-
-@dataclass(frozen=True)
-class CheckedSides:
-    """Two buffers checked as the sides of a transfer: what a plan needs from them alone.
-
-    An engine copies between the same buffers request after request (a layer's host view
-    and its device layer); checking them once and planning each request from this leaves
-    only the indices to check (:func:`plan_device_indexed_for`).
-    """
-
-    src: torch.Tensor
-    dst: torch.Tensor
-    direction: Direction
-    row_bytes: int
-    """Bytes of one source row."""
-    reason: str | None
-    """Why copying rows between them must take the stock path (:func:`fallback_reason`)."""
-
-
-def check_sides(src: torch.Tensor, dst: torch.Tensor, direction: Direction | None) -> CheckedSides:
-    """``src`` and ``dst`` checked once for any number of plans between them."""
-    return CheckedSides(
-        src, dst, _check_sides(src, dst, direction), row_bytes(src), fallback_reason(src, dst)
     )
 
 
@@ -515,31 +491,3 @@ def staged_chunks(host_runs: Runs, chunk_rows: int) -> tuple[StagedChunk, ...]:
         return (StagedChunk(0, rows, host_runs),)
     bounds = [(begin, min(begin + chunk_rows, rows)) for begin in range(0, rows, chunk_rows)]
     return tuple(StagedChunk(b, e, slice_runs(host_runs, b, e)) for b, e in bounds)
-
-
-def _check_sides(src: torch.Tensor, dst: torch.Tensor, direction: Direction | None) -> Direction:
-    """Both sides have rows, and the direction their devices imply (or the one given)."""
-    for name, tensor in (("src", src), ("dst", dst)):
-        if tensor.dim() == 0:
-            raise ValueError(f"{name} is a scalar; rows are indexed along dim 0")
-    return _resolve_direction(src.device, dst.device, direction)
-
-
-def _resolve_direction(
-    src_device: torch.device, dst_device: torch.device, direction: Direction | None
-) -> Direction:
-    given = None if direction is None else Direction(direction)
-    src_on_host = src_device.type == "cpu"
-    if src_on_host != (dst_device.type == "cpu"):
-        implied = Direction.H2D if src_on_host else Direction.D2H
-        if given is not None and given is not implied:
-            raise ValueError(
-                f"{src_device} -> {dst_device} is {implied.value}, but direction={given.value}"
-            )
-        return implied
-    if given is None:
-        raise ValueError(
-            f"src is on {src_device} and dst on {dst_device}: pass direction= to say which "
-            "side is the host"
-        )
-    return given

@@ -21,8 +21,9 @@ import torch
 from kvcore.layers import LayerPairs
 from kvcore.mover import PreparedLayers
 from kvcore.path_policy import PathPolicy
-from kvcore.planning import CheckedSides, TransferPlan
+from kvcore.planning import TransferPlan
 from kvcore.runs import version_of
+from kvcore.transfer_sides import CheckedSides
 
 from .host_layouts import BlockRows
 

@@ -54,15 +54,9 @@ from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
-from kvcore.planning import (
-    CheckedSides,
-    TransferPlan,
-    check_sides,
-    plan,
-    plan_device_indexed,
-    plan_device_indexed_for,
-)
+from kvcore.planning import TransferPlan, plan, plan_device_indexed, plan_device_indexed_for
 from kvcore.runs import run_count_up_to, version_of
+from kvcore.transfer_sides import CheckedSides, check_sides
 
 from . import guard, pool_jobs
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, weakly

@@ -26,8 +26,9 @@ from kvcore.mover import (
     plan,
     plan_device_indexed,
 )
-from kvcore.planning import TransferPlan, check_sides, plan_device_indexed_for
+from kvcore.planning import TransferPlan, plan_device_indexed_for
 from kvcore.runs import find_runs
+from kvcore.transfer_sides import check_sides
 
 H2D, D2H = Direction.H2D, Direction.D2H
 SINGLE, STAGED, BATCHED, GATHER, FALLBACK = (
