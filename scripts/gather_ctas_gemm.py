@@ -1,0 +1,50 @@
+"""What kvcore's gather costs a concurrent GEMM at a given CTA count (issue 17, goal 4).
+
+Runs the SGLang engine-shaped sweep's GEMM cells where kvcore serves by its gather
+(token-granular `layer_first` / `kernel`, scattered host slots), in this process, with the
+CTA count kvcore reads from ``KVCORE_GATHER_CTAS``. Run it once per count, e.g. on the
+GPU machine (carry .whl-sglang):
+
+    source scripts/sglang_device_env.sh
+    for ctas in 2 4 8; do
+        KVCORE_GATHER_CTAS=$ctas python3 scripts/gather_ctas_gemm.py --json $OUT/ctas-$ctas.json
+    done
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from kvcore.bench import sweep_report
+from kvcore.bench.sglang import sweep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="32768", help="comma list of request sizes")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    opts = sweep.SweepOptions(
+        tokens=tuple(int(t) for t in args.tokens.split(",")),
+        layouts=(("layer_first", "kernel", (1,)),),
+        host_levels=("100%",),
+        repeats=args.repeats,
+        device=torch.device("cuda"),
+        gemm=True,
+    )
+    result = sweep.run(opts)
+    ctas = os.environ.get("KVCORE_GATHER_CTAS", "default")
+    for line in sweep.gemm_summary(result["rows"]):
+        print(f"ctas {ctas}: {line}")
+    for row in result["rows"]:
+        own = row.extra.get("own_ms", float("nan"))
+        print(f"ctas {ctas}: {row.case} {row.tokens}: stock {row.stock_ms:.2f}, own {own:.2f} ms")
+    sweep_report.write_json(args.json, {"gather_ctas": ctas, **result["document"]})
+
+
+if __name__ == "__main__":
+    main()
