@@ -38,8 +38,9 @@ class Job:
     def host_rows(self) -> torch.Tensor:
         """Rows of the host slots in every host view; worked out only when a call is
         planned (a load whose plan is kept for its indices does not need them), once per
-        plan. ValueError if a slot lies outside the views (:meth:`BlockRows.slot_rows`)."""
-        return self.rows.slot_rows(self.host_slots)
+        plan. ValueError if a slot lies outside the views
+        (:meth:`kvcore.row_views.RowMap.rows_of`)."""
+        return self.rows.slot_map.rows_of(self.host_slots)
 
 
 class LoadJob(Protocol):
