@@ -7,9 +7,9 @@ same shape seen differently: ``[blocks, layers, block, *row]``, a block being a 
 of slots that one layer keeps contiguous (``layer_first``: all slots; ``page_first``:
 one slot; ``page_first_direct``: one page). Flattening the first three dims gives a
 dense tensor of rows; layer ``L``'s rows start ``L * block`` rows in and repeat every
-``layers * block`` rows, so one dense view per layer and one slot-to-row map, the
-same for every layer, describe any served layout. Plans made for one layer rebind to
-the others unchanged.
+``layers * block`` rows, so one dense view per layer and one slot-to-row map
+(:class:`kvcore.row_views.RowMap`), the same for every layer, describe any served
+layout. Plans made for one layer rebind to the others unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.runs import check_bounds, check_index
+from kvcore.row_views import RowMap, dense_rows
+from kvcore.runs import check_index
 
 
 @dataclass(frozen=True)
@@ -28,43 +29,22 @@ class BlockRows:
 
     rows: torch.Tensor
     """The whole buffer as a dense ``[blocks * layers * block, *row]`` view."""
-    blocks: int
     layers: int
-    block: int
+    slot_map: RowMap
+    """Where slot ``s`` lies in every :meth:`layer` view: ``block`` slots side by side, a
+    block every ``layers * block`` rows (:meth:`RowMap.rows_of` checks the slots)."""
 
     @property
-    def slots(self) -> int:
-        return self.blocks * self.block
-
-    @property
-    def geometry(self) -> tuple[int, int, int]:
-        return self.blocks, self.layers, self.block
+    def geometry(self) -> tuple[int, RowMap]:
+        return self.layers, self.slot_map
 
     def layer(self, layer: int) -> torch.Tensor:
-        """Dense view whose row ``slot_rows(s)[k]`` is slot ``s[k]`` of ``layer``, and no row
-        past the layer's last slot."""
+        """Dense view whose row ``slot_map.rows_of(s)[k]`` is slot ``s[k]`` of ``layer``, and
+        no row past the layer's last slot."""
         if not 0 <= layer < self.layers:
             raise IndexError(f"layer {layer} outside [0, {self.layers})")
-        first = layer * self.block
-        span = (self.blocks - 1) * self.layers * self.block + self.block
-        return self.rows[first : first + span]
-
-    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Rows of ``slots`` in every :meth:`layer` view.
-
-        Where the rows are the slots (one block, or one layer) they come back unchecked:
-        a layer view then has exactly :attr:`slots` rows, so the plan made against it checks
-        this very bound, and a request's first call passes over its indices once, not
-        twice. Otherwise ValueError for a slot out of range, before the arithmetic could
-        wrap it back into range.
-        """
-        slots = check_index(slots, "host_indices")
-        if self.blocks == 1 or self.layers == 1:
-            return slots
-        check_bounds(slots, self.slots, "host_indices")
-        if self.block == 1:
-            return slots * self.layers
-        return (slots // self.block) * (self.layers * self.block) + slots % self.block
+        first = layer * self.slot_map.group
+        return self.rows[first : first + self.slot_map.span]
 
 
 def block_rows(
@@ -88,8 +68,10 @@ def block_rows(
     row_numel = math.prod(row_shape)
     if row_numel == 0 or buffer.numel() != blocks * layers * block * row_numel:
         return "row_shape_mismatch"
-    rows = buffer.view(blocks * layers * block, *row_shape)
-    return BlockRows(rows=rows, blocks=blocks, layers=layers, block=block)
+    slot_map = RowMap(
+        units=blocks * block, group=block, period=layers * block, index_name="host_indices"
+    )
+    return BlockRows(dense_rows(buffer, row_shape), layers, slot_map)
 
 
 def is_paged(host_slots: torch.Tensor, device_slots: torch.Tensor, page_size: int) -> bool:

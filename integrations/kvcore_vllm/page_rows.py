@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from kvcore.row_views import RowMap, dense_rows
 
 # More rows per page than this would make the row indices larger than the copies are
 # worth; such layouts keep the stock path.
@@ -28,31 +29,17 @@ class PageRows:
 
     gpu: torch.Tensor
     cpu: torch.Tensor
-    pieces: int
-    """Rows per page."""
-    gpu_block_rows: int
-    """Rows from one GPU block to the next."""
-    cpu_chunk_rows: int
-    """Rows from one CPU chunk to the next."""
+    gpu_pages: RowMap
+    """GPU block ``b``'s rows: ``pieces`` rows, a block every GPU row stride."""
+    cpu_pages: RowMap
+    """CPU sub-block ``chunk * blocks_per_chunk + j``'s rows: ``pieces`` rows, the sub-blocks
+    of a chunk side by side, a chunk every CPU row stride."""
 
     @property
     def geometry(self) -> tuple[int, int, int, int]:
         """Equal geometries give equal row indices for the same block ids."""
-        return (self.gpu.shape[1], self.pieces, self.gpu_block_rows, self.cpu_chunk_rows)
-
-    def gpu_rows(self, blocks: np.ndarray) -> np.ndarray:
-        """Row indices of GPU blocks ``blocks``, page after page."""
-        return self._expand(blocks * self.gpu_block_rows)
-
-    def cpu_rows(self, sub_blocks: np.ndarray, blocks_per_chunk: int) -> np.ndarray:
-        """Row indices of CPU sub-blocks (``chunk * blocks_per_chunk + j``), page after page."""
-        chunks, within = np.divmod(sub_blocks, blocks_per_chunk)
-        return self._expand(chunks * self.cpu_chunk_rows + within * self.pieces)
-
-    def _expand(self, first_rows: np.ndarray) -> np.ndarray:
-        if self.pieces == 1:
-            return first_rows
-        return (first_rows[:, None] + np.arange(self.pieces, dtype=np.int64)).ravel()
+        gpu, cpu = self.gpu_pages, self.cpu_pages
+        return (self.gpu.shape[1], gpu.width, gpu.period, cpu.period)
 
 
 def page_rows(
@@ -82,15 +69,13 @@ def page_rows(
     if pieces > max_pieces:
         return "unaligned_rows"
     return PageRows(
-        gpu=_as_rows(gpu, row),
-        cpu=_as_rows(cpu, row),
-        pieces=pieces,
-        gpu_block_rows=gpu_stride // row,
-        cpu_chunk_rows=cpu_stride // row,
+        gpu=dense_rows(gpu, (row,)),
+        cpu=dense_rows(cpu, (row,)),
+        gpu_pages=RowMap(gpu.shape[0], group=1, period=gpu_stride // row, width=pieces),
+        cpu_pages=RowMap(
+            cpu.shape[0] * blocks_per_chunk,
+            group=blocks_per_chunk,
+            period=cpu_stride // row,
+            width=pieces,
+        ),
     )
-
-
-def _as_rows(t: torch.Tensor, row: int) -> torch.Tensor:
-    """``t``'s memory from its first to its last element as dense rows of ``row`` elements."""
-    span = (t.shape[0] - 1) * t.stride(0) + t.shape[1]
-    return t.as_strided((span // row, row), (row, 1))

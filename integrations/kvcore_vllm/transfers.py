@@ -348,8 +348,8 @@ class KVCoreOffloadingHandler:
             gpu_rows, cpu_rows = [], []
             for segment in segments:
                 if segment.group in used:
-                    gpu_rows.append(rows.gpu_rows(segment.gpu_blocks))
-                    cpu_rows.append(rows.cpu_rows(segment.cpu_sub_blocks, self.blocks_per_chunk))
+                    gpu_rows.append(rows.gpu_pages.rows_of_array(segment.gpu_blocks))
+                    cpu_rows.append(rows.cpu_pages.rows_of_array(segment.cpu_sub_blocks))
             gpu_idx = torch.from_numpy(np.concatenate(gpu_rows))
             cpu_idx = torch.from_numpy(np.concatenate(cpu_rows))
             src_idx, dst_idx = (gpu_idx, cpu_idx) if self.gpu_to_cpu else (cpu_idx, gpu_idx)

@@ -39,7 +39,6 @@ from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, PathPolicy, StagingBuffers
-from kvcore.runs import check_bounds
 from kvcore.warm_up import WarmUp
 from kvcore_sglang import guard, plugin, pool_jobs, pool_warm_up, transfers
 
@@ -724,33 +723,10 @@ def test_layer_views_address_the_rows_sglang_own_views_do(layout):
         for layer, ref in enumerate(refs):
             view = rows.layer(layer)
             assert view.is_contiguous()
-            row_of = rows.slot_rows(slots)
+            row_of = rows.slot_map.rows_of(slots)
             for slot in (0, 1, pool.size // 2, pool.size - 1):
                 assert view[row_of[slot]].data_ptr() == ref[slot].data_ptr()
             assert torch.equal(view[row_of].view(torch.uint8), ref[slots].view(torch.uint8))
-
-
-def test_slot_rows_leave_the_bound_to_the_plan_only_where_rows_are_the_slots():
-    """layer_first: the rows are the slots and a layer view has exactly that many rows, so
-    the plan against it checks the bound (one pass, not two). page_first multiplies: a slot
-    whose product wraps back into range (int64) is refused before the arithmetic."""
-    from kvcore_sglang.host_layouts import block_rows
-
-    layer_first = block_rows(torch.zeros(3, 10, 8), "layer_first", 3, 1, torch.Size([8]))
-    assert not isinstance(layer_first, str)
-    assert layer_first.layer(2).shape[0] == layer_first.slots == 10
-    beyond = torch.tensor([3, 12])
-    assert layer_first.slot_rows(beyond) is beyond
-    with pytest.raises(ValueError, match="outside"):
-        check_bounds(layer_first.slot_rows(beyond), layer_first.layer(0).shape[0])
-
-    page_first = block_rows(torch.zeros(5, 3, 8), "page_first", 3, 1, torch.Size([8]))
-    assert not isinstance(page_first, str)
-    wraps = torch.tensor([(2**64 + 2) // 3], dtype=torch.int64)
-    assert int((wraps * 3)[0]) == 2  # the product lands on a valid row
-    with pytest.raises(ValueError, match="host_indices"):
-        page_first.slot_rows(wraps)
-    assert torch.equal(page_first.slot_rows(torch.tensor([0, 4])), torch.tensor([0, 12]))
 
 
 def test_layer_the_pool_does_not_hold_is_a_no_op(transfer_hooks):

@@ -32,7 +32,6 @@ from kvcore.mover import Mover, PathPolicy
 from kvcore.streams import ManualCpuBackend
 from kvcore.warm_up import WarmUp
 from kvcore_vllm import transfers
-from kvcore_vllm.page_rows import page_rows
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 from kvcore_vllm.stock_copies import StockCopies
 from kvcore_vllm.transfers import install_handlers
@@ -553,16 +552,6 @@ def test_jobs_that_write_one_page_twice_stay_stock(gpu_to_cpu):
     assert [r.job_id for r in handler.get_finished()] == [1]
     assert issued == [3] and mover.ops == []
     assert metrics.snapshot()["fallbacks"] == {"duplicate_destinations": 1}
-
-
-def test_page_rows_refuses_what_it_cannot_express():
-    gpu = torch.zeros(4, 256, dtype=torch.int8)
-    assert page_rows(gpu, torch.zeros(4, 256, dtype=torch.uint8), 1) == "dtype_mismatch"
-    assert page_rows(gpu, torch.zeros(4, 512, dtype=torch.int8), 1) == "row_shape_mismatch"
-    odd_rows = torch.zeros(4 * 257, dtype=torch.int8).as_strided((4, 256), (257, 1))
-    assert page_rows(gpu, odd_rows, 1) == "unaligned_rows"
-    rows = page_rows(gpu, torch.zeros(4 * 320, dtype=torch.int8).as_strided((4, 256), (320, 1)), 1)
-    assert not isinstance(rows, str) and rows.pieces == 4 and rows.cpu_chunk_rows == 5
 
 
 def host_worker():
