@@ -35,7 +35,7 @@ from kvcore.mover import Mover
 from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
 from kvcore.pinned import allocate_host_buffer
 from kvcore.planning import TransferPlan, plan
-from kvcore.streams import CopyStreams, CudaBackend
+from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
 
 PAGE = 64
 
@@ -342,8 +342,8 @@ class TransferReport:
 
 
 def run_transfers(opts: BenchOptions, progress: bool = True) -> TransferReport:
-    # A stream of our own, as CopyStreams gives the engines: the batched copy API
-    # refuses the legacy default stream.
+    # A stream of our own, as the engines copy on: the batched copy API refuses the
+    # legacy default stream.
     if opts.device.type == "cuda":
         with torch.cuda.stream(torch.cuda.Stream(opts.device)):
             return _run_transfers(opts, progress)
@@ -465,11 +465,7 @@ def _duplex_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[di
         device_out, host_out, every, every, direction=Direction.D2H, policy=mover.policy
     )
     on_cuda = opts.device.type == "cuda"
-    backend = None
-    if on_cuda:
-        backend = CudaBackend(opts.device)
-        backend.timing_events = True
-    streams = CopyStreams(backend)
+    streams: NamedStreams = CudaStreams(opts.device) if on_cuda else CpuSyncStreams()
 
     def both() -> float:
         """Seconds from the moment both streams may start to the later one's end."""
@@ -481,17 +477,23 @@ def _duplex_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[di
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         started = time.perf_counter()
-        tickets = [
-            streams.submit(
-                p.direction, functools.partial(mover.execute, p), nbytes=p.nbytes, wait_for=start
-            )
-            for p in (reload, page_out)
-        ]
-        for ticket in tickets:
-            streams.wait(ticket)
-        if start is None:
-            return time.perf_counter() - started
-        return max(start.elapsed_time(t.event) for t in tickets) / 1e3
+        ends = []
+        for p in (reload, page_out):
+            stream = streams.stream(p.direction.value)
+            if start is not None:
+                streams.wait_event(stream, start)
+            streams.run_on(stream, functools.partial(mover.execute, p))
+            ends.append(streams.record(stream))
+        for end in ends:
+            streams.synchronize(end)
+        seconds = (
+            time.perf_counter() - started
+            if start is None
+            else max(start.elapsed_time(end) for end in ends) / 1e3
+        )
+        for end in ends:
+            streams.release(end)
+        return seconds
 
     both()
     times = [both() for _ in range(opts.repeats)]
