@@ -39,12 +39,12 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from kvcore import numa
+from kvcore.bench import numa
+from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.config import ConfigError, KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.kernels.reference import as_row_words
 from kvcore.mover import Mover, PathPolicy, TransferPlan, plan
-from kvcore.pinned import HostBuffer, allocate_host_buffer
 
 PAGE_TOKENS = 64
 GOAL_SHARE = 0.85

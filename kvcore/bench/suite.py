@@ -26,6 +26,7 @@ from tqdm import tqdm
 from kvcore.allocator import ContiguousSlotAllocator
 from kvcore.bench import report as bench_report
 from kvcore.bench.churn import make_trace, replay
+from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.bench.stock_allocator import StockSlotAllocator
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
@@ -33,7 +34,6 @@ from kvcore.kernels.reference import as_row_words
 from kvcore.layers import layer_pairs
 from kvcore.mover import Mover
 from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
-from kvcore.pinned import allocate_host_buffer
 from kvcore.planning import TransferPlan, plan
 from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.direction import Direction
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, TransferPath, plan, plan_device_indexed
-from kvcore.pinned import allocate_host_buffer
 from kvcore.streams import CudaStreams, OrderedJobs
 
 pytestmark = pytest.mark.gpu

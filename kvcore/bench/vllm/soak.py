@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
+from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
 from kvcore.bench.soak_state import (
     CPU_ONLY,
@@ -49,7 +50,6 @@ from kvcore.bench.vllm.sweep import MHA_PAGE_BYTES, MLA_PAGE_BYTES, ModelLayout
 from kvcore.bench.vllm.sweep_pools import Pools
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.pinned import HostBuffer, allocate_host_buffer
 from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.releases import installed_shape
