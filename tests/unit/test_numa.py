@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 from kvcore.bench import host_buffers, numa
 from kvcore.bench.host_buffers import allocate_host_buffer
-from kvcore.config import ConfigError, KVCoreConfig
 
 PAGE = mmap.PAGESIZE
 
@@ -549,22 +548,14 @@ def test_a_resolved_setting_places_the_buffer_on_its_node(
 @pytest.mark.parametrize(
     ("text", "expected"), [("off", "off"), ("AUTO", "auto"), (" 0 ", 0), ("7", 7), ("1023", 1023)]
 )
-def test_kvcore_numa_setting(text: str, expected: object) -> None:
-    config = KVCoreConfig.from_env({"KVCORE_NUMA": text})
-    assert config.numa == expected
-    assert KVCoreConfig.from_env(config.to_env()) == config
-    assert KVCoreConfig.from_args(["--kvcore-numa", text], environ={})[0] == config
+def test_parse_setting(text: str, expected: object) -> None:
+    assert numa.parse_setting(text) == expected
 
 
-@pytest.mark.parametrize("text", ["on", "-1", "1024", "node1", "1.0", "yes"])
-def test_kvcore_numa_refuses_other_values(text: str) -> None:
-    with pytest.raises(ConfigError, match=r"KVCORE_NUMA=.*allowed: off, auto .* node number"):
-        KVCoreConfig.from_env({"KVCORE_NUMA": text})
-
-
-def test_kvcore_numa_defaults_to_off() -> None:
-    assert KVCoreConfig().numa == "off"
-    assert KVCoreConfig().to_env()["KVCORE_NUMA"] == "off"
+@pytest.mark.parametrize("text", ["on", "-1", "1024", "node1", "1.0", "yes", ""])
+def test_parse_setting_refuses_other_values(text: str) -> None:
+    with pytest.raises(numa.NumaError, match=r"allowed: off, auto .* node number from 0 to 1023"):
+        numa.parse_setting(text)
 
 
 # scripts/multi_gpu_bench.py: its logic on the CPU.
