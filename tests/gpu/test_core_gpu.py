@@ -88,7 +88,7 @@ def test_every_path_is_byte_identical(direction, row_kind, layout, forced) -> No
     expected = _as_bytes(dst).clone()
     expected[dst_idx] = _as_bytes(src)[src_idx]
     metrics = Metrics()
-    # A real stream, as CopyStreams gives: the batch API refuses the legacy default stream.
+    # A real stream, as the engines copy on: the batch API refuses the legacy default stream.
     with torch.cuda.stream(torch.cuda.Stream()):
         Mover(PathPolicy(staging_bytes=1 << 20), metrics=metrics).execute(chosen)
     torch.cuda.synchronize()
