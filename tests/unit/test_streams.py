@@ -13,19 +13,24 @@ from tests.support.manual_streams import ManualEvent, ManualStreams
 
 
 class CountingStreams(ManualStreams):
-    """Manual streams that count the events recorded and not yet released."""
+    """Manual streams that know which events were recorded and not yet released; releasing
+    one twice, or one they never recorded, raises KeyError."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.held = 0
+        self.live: set[ManualEvent] = set()
 
     def record(self, stream: Any) -> ManualEvent:
-        self.held += 1
-        return super().record(stream)
+        event = super().record(stream)
+        self.live.add(event)
+        return event
 
     def release(self, event: ManualEvent) -> None:
-        self.held -= 1
-        super().release(event)
+        self.live.remove(event)
+
+    @property
+    def held(self) -> int:
+        return len(self.live)
 
 
 @pytest.fixture
