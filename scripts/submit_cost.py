@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from kvcore.bench.host_buffers import allocate_host_buffer
-from kvcore.bench.suite import execute_per_layer, queued_host_seconds
+from kvcore.bench.measure import queued_host_seconds
+from kvcore.bench.other_jobs import execute_per_layer
 from kvcore.direction import Direction
 from kvcore.kernels import triton_rows
 from kvcore.kernels.cudart import loaded_cudart
