@@ -181,36 +181,6 @@ LOG_LEVEL = ValueKind(
 )
 
 
-NUMA_WORDS: tuple[str, ...] = ("off", "auto")
-MAX_NUMA_NODE = 1023
-
-
-def _parse_numa(value: object) -> str | int:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise TypeError(f"expected 'off', 'auto' or a node number, not {type(value).__name__}")
-    if isinstance(value, int):
-        node = value
-    else:
-        text = value.strip().lower()
-        if text in NUMA_WORDS:
-            return text
-        if not re.fullmatch(r"[0-9]+", text):
-            raise ValueError("not 'off', 'auto' or a node number")
-        node = int(text)
-    if not 0 <= node <= MAX_NUMA_NODE:
-        raise ValueError("node number out of range")
-    return node
-
-
-NUMA_PLACEMENT = ValueKind(
-    f"off, auto (the NUMA node of the buffer's GPU) or a node number from 0 to {MAX_NUMA_NODE} "
-    "(0 is node 0, not off)",
-    "off, auto or node",
-    _parse_numa,
-    str,
-)
-
-
 def _setting(default: Any, kind: ValueKind, help: str) -> Any:
     return field(default=default, metadata={"kind": kind, "help": help})
 
@@ -240,18 +210,6 @@ class KVCoreConfig:
         _integer(1, 16),
         "pieces of a staged copy; more than 1 overlaps each piece's scatter with the next "
         "one's DMA (~1% more throughput, ~4x the host time to submit)",
-    )
-    prefault_threads: int = _setting(
-        8, _integer(1, 256), "threads that pre-fault host memory before it is pinned"
-    )
-    register_chunk_bytes: int = _setting(
-        16 * GiB, _size(1), "host memory registered with CUDA per cudaHostRegister call"
-    )
-    numa: str | int = _setting(
-        "off",
-        NUMA_PLACEMENT,
-        "NUMA node of the pinned host memory and of the threads that pre-fault it: "
-        "off, auto (the node of the buffer's GPU) or a node number",
     )
     metrics: bool = _setting(True, BOOLEAN, "collect transfer metrics (Prometheus when installed)")
     transfers: bool = _setting(
@@ -434,6 +392,10 @@ RETIRED: dict[str, str] = {
         "the engines bound what they queue (SGLang one request's layers, vLLM its jobs); "
         "kvcore adds no queue of its own"
     ),
+    **dict.fromkeys(
+        ("KVCORE_PREFAULT_THREADS", "KVCORE_REGISTER_CHUNK_BYTES", "KVCORE_NUMA"),
+        "kvcore allocates no host memory of its own to pre-fault, register or place",
+    ),
 }
 
 
@@ -467,7 +429,6 @@ SYNTAX_NOTES: tuple[str, ...] = (
     f"Sizes: {_SIZE_SYNTAX}.",
     f"Booleans: {BOOLEAN.allowed}; a boolean flag alone means true.",
     f"Engines: {ENGINE_SET.allowed}.",
-    f"NUMA: {NUMA_PLACEMENT.allowed}; a no-op on a host with one NUMA node.",
     "An empty variable counts as unset; flags override variables.",
 )
 

@@ -39,12 +39,11 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from kvcore import numa
-from kvcore.config import ConfigError, KVCoreConfig
+from kvcore.bench import numa
+from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.direction import Direction
 from kvcore.kernels.reference import as_row_words
 from kvcore.mover import Mover, PathPolicy, TransferPlan, plan
-from kvcore.pinned import HostBuffer, allocate_host_buffer
 
 PAGE_TOKENS = 64
 GOAL_SHARE = 0.85
@@ -424,7 +423,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=131072, help="rows per transfer")
     parser.add_argument("--repeats", type=int, default=5, help="timed transfers per measurement")
     parser.add_argument(
-        "--numa", default="off,auto", help="rounds: comma list of KVCORE_NUMA values"
+        "--numa", default="off,auto", help="rounds: comma list of off, auto or a node number"
     )
     parser.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--barrier-timeout", type=float, default=600.0, help="seconds")
@@ -435,9 +434,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--repeats must be at least 1")
     try:
         args.rounds = tuple(
-            KVCoreConfig(numa=part).numa for part in args.numa.split(",") if part.strip()
+            numa.parse_setting(part) for part in args.numa.split(",") if part.strip()
         )
-    except ConfigError as exc:
+    except numa.NumaError as exc:
         parser.error(f"--numa: {exc}")
     if not args.rounds:
         parser.error("--numa names no round")

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-from kvcore.bench.suite import execute_per_layer, queued_host_seconds
+from kvcore.bench.host_buffers import allocate_host_buffer
+from kvcore.bench.measure import queued_host_seconds
+from kvcore.bench.other_jobs import execute_per_layer
 from kvcore.direction import Direction
 from kvcore.kernels import triton_rows
 from kvcore.kernels.cudart import loaded_cudart
@@ -34,7 +36,6 @@ from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import gather_rows_uva
 from kvcore.layers import layer_pairs
 from kvcore.mover import Mover, TransferPath, plan
-from kvcore.pinned import allocate_host_buffer
 
 SPIN_CYCLES = 200_000_000
 PAUSE_SECONDS = 0.01

@@ -19,8 +19,8 @@ import statistics
 
 import torch
 
+from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.kernels.triton_rows import default_tile, gather_rows_uva
-from kvcore.pinned import allocate_host_buffer
 
 WORD_BYTES = 8
 MAX_TILE_BYTES = 128 * 1024

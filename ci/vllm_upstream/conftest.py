@@ -148,9 +148,10 @@ def stock_named_handler(
         return refs
 
     def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        queued = len(self._jobs)
         accepted: bool = kvcore_handler.transfer_async(self, job_id, src_spec, dst_spec)
-        # kvcore's handler keeps an end event for exactly the jobs it queued itself.
-        jobs["kvcore" if job_id in self._events else "stock"] += 1
+        # kvcore's handler queues exactly the jobs it copies itself.
+        jobs["kvcore" if len(self._jobs) > queued else "stock"] += 1
         return accepted
 
     namespace: dict[str, Any] = {

@@ -5,7 +5,8 @@ one pointer descriptor and hands them all to one batched copy. This handler keep
 public contract (``transfer_async`` / ``get_finished`` / ``wait`` / ``shutdown``): each
 job's copies wait for the work queued on the compute stream when it was submitted, and
 each job is reported finished once. The jobs kvcore copies run one after another on the
-handler's own stream and are reported in submission order. The job is planned from
+handler's own stream and are reported in submission order (kvcore's async core,
+:class:`kvcore.streams.OrderedJobs`). The job is planned from
 the block-id arrays alone (never from device memory): per KV tensor, the pages become
 row indices (:mod:`kvcore_vllm.page_rows`), and the mover merges pages adjacent on both
 sides into one copy or picks its staged or gather paths. KV tensors whose pages give the
@@ -30,10 +31,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import policy_from_config
 from kvcore.planning import plan
 from kvcore.runs import has_duplicates
-from kvcore.streams import CudaEventOps
+from kvcore.streams import CudaStreams, NamedStreams, OrderedJobs
 from kvcore.warm_up import warm_up
 from kvcore_vllm.page_rows import PageRows, page_rows
 from kvcore_vllm.stock_copies import StockCopies, gpu_tensors_of
@@ -63,30 +63,6 @@ RULES = serve_rule.VLLM_RULES
 
 # The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
 HANDLER_ATTRIBUTES = ("_store_handler", "_load_handler", "_expedited_load_handler")
-
-
-class JobStreams(Protocol):
-    """Named streams and their events: kvcore.streams' CopyBackend with any stream name.
-
-    :class:`CudaJobStreams` on a GPU; ``CpuSyncBackend`` and ``ManualCpuBackend`` from
-    :mod:`kvcore.streams` on a CPU.
-    """
-
-    def stream(self, name: Hashable) -> Any: ...
-
-    def record(self, stream: Any) -> Any: ...
-
-    def query(self, event: Any) -> bool: ...
-
-    def synchronize(self, event: Any) -> None: ...
-
-    def wait_event(self, stream: Any, event: Any) -> None: ...
-
-    def run_on(self, stream: Any, fn: Callable[[], None]) -> None: ...
-
-    def release(self, event: Any) -> None:
-        """Nothing will query, wait on or time ``event`` again: it may be recorded anew."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -182,14 +158,6 @@ class _Group:
     """Bytes a stock job counts per block of this group (every layer reference)."""
 
 
-@dataclass
-class _Job:
-    job_id: int
-    nbytes: int
-    start: Any
-    end: Any
-
-
 class KVCoreOffloadingHandler:
     """Drop-in for one stock ``SingleDirectionOffloadingHandler`` (GPU->CPU or CPU->GPU).
 
@@ -207,7 +175,7 @@ class KVCoreOffloadingHandler:
         stock: Any,
         *,
         mover: Mover,
-        streams: JobStreams,
+        streams: NamedStreams,
         compute_stream: Callable[[], Any],
         name: str,
         metrics: Metrics | None = None,
@@ -218,12 +186,8 @@ class KVCoreOffloadingHandler:
         self.direction = Direction.D2H if self.gpu_to_cpu else Direction.H2D
         self.blocks_per_chunk: int = self._stock.blocks_per_chunk
         self._mover = mover
-        self._streams = streams
-        self._compute_stream = compute_stream
-        self._stream = streams.stream(name)
+        self._jobs = OrderedJobs(streams, name, compute_stream)
         self._metrics = metrics
-        self._jobs: deque[_Job] = deque()
-        self._events: dict[int, Any] = {}
         self._rows: dict[int, PageRows] = {}
         self._pairs: dict[tuple[int, ...], LayerPairs] = {}
         self._batches_by_groups: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
@@ -281,9 +245,7 @@ class KVCoreOffloadingHandler:
                 reason = INTERNAL_ERRORS.reason(exc)
                 # Part of the job may be queued on kvcore's stream; stock's copy runs on
                 # stock's streams, so it must not finish (and the pages be reused) first.
-                drained = self._streams.record(self._stream)
-                self._streams.synchronize(drained)
-                self._streams.release(drained)
+                self._jobs.settle()
         if reason is not None:
             if self._metrics is not None:
                 self._metrics.record_fallback(reason)
@@ -312,7 +274,7 @@ class KVCoreOffloadingHandler:
         if reason is not None:
             return reason
         nbytes = sum(s.pages * self._group(s).page_bytes for s in segments)
-        self._submit(job_id, nbytes, lambda: self._execute(work))
+        self._jobs.submit(job_id, nbytes, lambda: self._execute(work))
         return None
 
     def _group(self, segment: Segment) -> _Group:
@@ -427,74 +389,29 @@ class KVCoreOffloadingHandler:
         for each in work:
             self._mover.submit(each)
 
-    def _submit(
-        self,
-        job_id: int,
-        nbytes: int,
-        work: Callable[[], None],
-    ) -> None:
-        streams = self._streams
-        # Stores read KV the model is still writing; loads overwrite blocks whose earlier
-        # writes (zeroing) may still be queued. Both wait for the compute stream as it is now.
-        ready = streams.record(self._compute_stream())
-        streams.wait_event(self._stream, ready)
-        # The wait holds the event's state as of now, so the event can be recorded again.
-        streams.release(ready)
-        start = streams.record(self._stream)
-        try:
-            streams.run_on(self._stream, work)
-        except BaseException:
-            # Nothing of this job is queued for get_finished; stock's copy (queued after
-            # this on the same stream) rewrites whatever part of it did run.
-            streams.release(start)
-            raise
-        end = streams.record(self._stream)
-        self._events[job_id] = end
-        self._jobs.append(_Job(job_id, nbytes, start, end))
-
     def get_finished(self) -> list[TransferResult]:
         """Jobs whose copies have finished, each reported once: kvcore's in submission order,
         then those it handed to the stock handler, in stock's order."""
-        results = []
-        while self._jobs and self._streams.query(self._jobs[0].end):
-            job = self._jobs.popleft()
-            del self._events[job.job_id]
-            results.append(
-                TransferResult(
-                    job_id=job.job_id,
-                    success=True,
-                    transfer_size=job.nbytes,
-                    transfer_time=_elapsed(job.start, job.end),
-                )
-            )
-            self._streams.release(job.start)
-            self._streams.release(job.end)
+        results = self._jobs.finished(_succeeded)
         stock_results: list[TransferResult] = self._stock.handler.get_finished()
         return results + stock_results
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the named jobs of this handler have finished; others are ignored."""
-        for job_id in job_ids:
-            event = self._events.get(job_id)
-            if event is not None:
-                self._streams.synchronize(event)
+        self._jobs.wait(job_ids)
         self._stock.handler.wait(job_ids)
 
     def shutdown(self) -> None:
         """Wait for every job, then release this handler's and the stock handler's resources."""
         error: Exception | None = None
-        while self._jobs:
-            try:
-                self._streams.synchronize(self._jobs[0].end)
-            except Exception as exc:
-                logger.exception(
-                    "kvcore: a transfer failed; dropping %d queued transfers", len(self._jobs) - 1
-                )
-                error = exc
-                break
-            self._jobs.popleft()
-        self._jobs.clear()
-        self._events.clear()
+        queued = len(self._jobs)
+        try:
+            self._jobs.drain()
+        except Exception as exc:
+            logger.exception(
+                "kvcore: a transfer failed with %d queued; dropping those after it", queued
+            )
+            error = exc
         self._rows.clear()
         self._pairs.clear()
         self._stock.shutdown()
@@ -506,43 +423,8 @@ def _page_bytes(t: torch.Tensor) -> int:
     return t.shape[1] * t.element_size()
 
 
-def _elapsed(start: Any, end: Any) -> float | None:
-    elapsed = getattr(start, "elapsed_time", None)
-    return None if elapsed is None else elapsed(end) * 1e-3
-
-
-class CudaJobStreams(CudaEventOps):
-    """:class:`JobStreams` on CUDA: one stream per name, events that time their jobs."""
-
-    name = "cuda-jobs"
-    timing_events = True
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._streams: dict[str, torch.cuda.Stream] = {}
-        # Released events, recorded again instead of creating (and later destroying) new
-        # ones: three per job otherwise, each a driver call both ways.
-        self._free: list[torch.cuda.Event] = []
-
-    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        try:
-            event = self._free.pop()
-        except IndexError:
-            event = torch.cuda.Event(enable_timing=self.timing_events)
-        event.record(stream)
-        return event
-
-    def release(self, event: torch.cuda.Event) -> None:
-        self._free.append(event)
-
-    def stream(self, name: Hashable) -> torch.cuda.Stream:
-        key = str(name)
-        if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device=self.device)
-        return self._streams[key]
-
-    def compute_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+def _succeeded(job_id: int, nbytes: int, seconds: float | None) -> TransferResult:
+    return TransferResult(job_id=job_id, success=True, transfer_size=nbytes, transfer_time=seconds)
 
 
 def install_handlers(
@@ -571,7 +453,7 @@ def install_handlers(
     if not stocks or not _warmed_up(mover, stocks.values(), metrics):
         return []
     for attribute, stock in stocks.items():
-        streams = CudaJobStreams(gpu_tensors_of(stock)[0].device)
+        streams = CudaStreams(gpu_tensors_of(stock)[0].device)
         handler = KVCoreOffloadingHandler(
             stock,
             mover=mover,

@@ -15,7 +15,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,16 +25,25 @@ from tqdm import tqdm
 from kvcore.allocator import ContiguousSlotAllocator
 from kvcore.bench import report as bench_report
 from kvcore.bench.churn import make_trace, replay
+from kvcore.bench.measure import (
+    bytes_identical,
+    count_host_syncs,
+    host_rows,
+    measure_pinning,
+    queued_host_seconds,
+    random_rows,
+    result_row,
+    scattered_layout,
+    timed,
+    timed_repeats,
+)
+from kvcore.bench.other_jobs import duplex_results, fallback_results, layers_results
 from kvcore.bench.stock_allocator import StockSlotAllocator
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
-from kvcore.kernels.reference import as_row_words
-from kvcore.layers import layer_pairs
 from kvcore.mover import Mover
 from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
-from kvcore.pinned import allocate_host_buffer
-from kvcore.planning import TransferPlan, plan
-from kvcore.streams import CopyStreams, CudaBackend
+from kvcore.planning import plan
 
 PAGE = 64
 
@@ -109,99 +117,6 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def scattered_layout(
-    rows: int, fragmentation: float, unit: int, generator: torch.Generator
-) -> torch.Tensor:
-    """Slot ids for ``rows`` rows in a pool twice that size.
-
-    ``fragmentation`` of the ``unit``-row chunks are moved to random places beyond
-    the first run; the rest stay where a fresh pool would put them.
-    """
-    chunks = rows // unit
-    moved = round(chunks * fragmentation)
-    chunk_slots = torch.arange(chunks, dtype=torch.int64)
-    if moved:
-        which = torch.randperm(chunks, generator=generator)[:moved]
-        elsewhere = torch.randperm(chunks, generator=generator)[:moved] + chunks
-        chunk_slots[which] = elsewhere
-    return (chunk_slots[:, None] * unit + torch.arange(unit)).flatten()
-
-
-# About 10 ms of a spin kernel on an H200 (~2 GHz), longer than any submission measured.
-_SUBMIT_COVER_CYCLES = 20_000_000
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
-    """Median device seconds and median host seconds to issue ``fn``."""
-    device_times, host_times = _timed_repeats(fn, device, repeats)
-    return statistics.median(device_times), statistics.median(host_times)
-
-
-def _timed_repeats(
-    fn: Callable[[], object], device: torch.device, repeats: int
-) -> tuple[list[float], list[float]]:
-    """Device seconds and host seconds to issue ``fn``, one of each per repeat."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    device_times: list[float] = []
-    host_times: list[float] = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            # Keep the GPU busy while the host submits, as an engine queuing layer after
-            # layer does: device time is then the copy's own, host time is reported apart.
-            torch.cuda._sleep(_SUBMIT_COVER_CYCLES)
-            start.record()
-            t0 = time.perf_counter()
-            fn()
-            host_times.append(time.perf_counter() - t0)
-            end.record()
-            end.synchronize()
-            device_times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - t0
-            host_times.append(elapsed)
-            device_times.append(elapsed)
-    return device_times, host_times
-
-
-def queued_host_seconds(
-    fn: Callable[[], object],
-    device: torch.device,
-    calls: int = 16,
-    spin_cycles: int = _SUBMIT_COVER_CYCLES,
-) -> list[float]:
-    """Host seconds of each of ``calls`` calls of ``fn`` issued one after another behind a
-    spin kernel of ``spin_cycles``, as an engine issues layer after layer."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda._sleep(spin_cycles)
-    host_times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        host_times.append(time.perf_counter() - t0)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return host_times
-
-
-def _random_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Random bytes (NaN patterns included), never zeros."""
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    return raw.view(dtype).view(shape).to(device)
-
-
-def _host_rows(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, Any]:
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    buffer = allocate_host_buffer(nbytes, pin=pin)
-    return buffer.tensor.view(dtype).view(shape), buffer
-
-
 @dataclass
 class Scenario:
     name: str
@@ -219,10 +134,10 @@ def _scenarios(opts: BenchOptions, pin: bool) -> Iterator[Scenario]:
     for kind in opts.row_kinds:
         row_shape, dtype = ROW_KINDS[kind]
         pool = 2 * opts.tokens
-        host, host_buffer = _host_rows((pool, *row_shape), dtype, pin)
+        host, host_buffer = host_rows((pool, *row_shape), dtype, pin)
         try:
-            host.copy_(_random_rows((pool, *row_shape), dtype, torch.device("cpu")))
-            device_rows = _random_rows((pool, *row_shape), dtype, opts.device)
+            host.copy_(random_rows((pool, *row_shape), dtype, torch.device("cpu")))
+            device_rows = random_rows((pool, *row_shape), dtype, opts.device)
             for level in opts.host_levels:
                 fragmentation, unit = HOST_FRAGMENTATION[level]
                 host_idx = scattered_layout(opts.tokens, fragmentation, unit, generator)
@@ -263,41 +178,11 @@ def _scenario(
     return Scenario(name, direction, src, dst, src_idx, dst_idx, expected, dst.clone())
 
 
-def _identical(dst: torch.Tensor, expected: torch.Tensor) -> bool:
-    a, b = as_row_words(dst), as_row_words(expected)
-    if a is None or b is None:
-        return False
-    return bool(torch.equal(a, b))
-
-
-def _result(
-    scenario: str,
-    path: str,
-    nbytes: int,
-    seconds: float,
-    host_seconds: float,
-    identical: bool,
-    ceiling: float,
-    kind: str,
-) -> dict[str, Any]:
-    gbps = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-    return {
-        "scenario": scenario,
-        "path": path,
-        "bytes": nbytes,
-        "gbps": gbps,
-        "identical": identical,
-        "kind": kind,
-        "share_of_ceiling": gbps / ceiling if ceiling else 0.0,
-        "submit_us": host_seconds * 1e6,
-    }
-
-
 def _ceiling(sc: Scenario, nbytes: int, opts: BenchOptions) -> list[float]:
     """GB/s of a plain contiguous copy of ``nbytes``, one figure per repeat."""
     flat_src = sc.src.reshape(-1).view(torch.uint8)[:nbytes]
     flat_dst = sc.dst.reshape(-1).view(torch.uint8)[:nbytes]
-    seconds, _ = _timed_repeats(
+    seconds, _ = timed_repeats(
         lambda: flat_dst.copy_(flat_src, non_blocking=True), opts.device, opts.repeats
     )
     return [nbytes / s / 1e9 for s in seconds]
@@ -342,8 +227,8 @@ class TransferReport:
 
 
 def run_transfers(opts: BenchOptions, progress: bool = True) -> TransferReport:
-    # A stream of our own, as CopyStreams gives the engines: the batched copy API
-    # refuses the legacy default stream.
+    # A stream of our own, as the engines copy on: the batched copy API refuses the
+    # legacy default stream.
     if opts.device.type == "cuda":
         with torch.cuda.stream(torch.cuda.Stream(opts.device)):
             return _run_transfers(opts, progress)
@@ -377,7 +262,7 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
         ceiling_repeats = _ceiling(sc, nbytes, opts)
         ceiling = statistics.median(ceiling_repeats)
         ceilings.append(ceiling)
-        ceiling_result = _result(
+        ceiling_result = result_row(
             sc.name,
             "ceiling:contiguous_copy",
             nbytes,
@@ -422,13 +307,13 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
             if opts.device.type == "cuda":
                 torch.cuda.synchronize(opts.device)
             results.append(
-                _result(
+                result_row(
                     sc.name,
                     label,
                     nbytes,
                     seconds,
                     host_seconds,
-                    _identical(sc.dst, sc.expected),
+                    bytes_identical(sc.dst, sc.expected),
                     ceiling,
                     kind,
                 )
@@ -443,189 +328,11 @@ def _run_transfers(opts: BenchOptions, progress: bool) -> TransferReport:
                 result["submit_queued_calls_us"] = queued_us
         bar.update()
     bar.close()
-    results += _fallback_results(opts, mover)
-    results += _duplex_results(opts, mover, statistics.median(ceilings))
-    results += _layers_results(opts, mover, statistics.median(ceilings))
+    results += fallback_results(opts, mover)
+    results += duplex_results(opts, mover, statistics.median(ceilings))
+    results += layers_results(opts, mover, statistics.median(ceilings))
     syncs = [n for n in page_out_syncs if n is not None]
     return TransferReport(statistics.median(ceilings), results, sum(syncs) if syncs else None)
-
-
-def _duplex_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[dict[str, Any]]:
-    """A reload and a page-out at once, each on its own copy stream, timed together on the GPU."""
-    rows, row_shape, dtype = opts.tokens, (2, 8, 128), torch.bfloat16
-    pin = opts.device.type == "cuda"
-    host_in, in_buffer = _host_rows((rows, *row_shape), dtype, pin)
-    host_out, out_buffer = _host_rows((rows, *row_shape), dtype, pin)
-    host_in.copy_(_random_rows((rows, *row_shape), dtype, torch.device("cpu")))
-    device_in = _random_rows((rows, *row_shape), dtype, opts.device)
-    device_out = _random_rows((rows, *row_shape), dtype, opts.device)
-    every = torch.arange(rows)
-    reload = plan(host_in, device_in, every, every, direction=Direction.H2D, policy=mover.policy)
-    page_out = plan(
-        device_out, host_out, every, every, direction=Direction.D2H, policy=mover.policy
-    )
-    on_cuda = opts.device.type == "cuda"
-    backend = None
-    if on_cuda:
-        backend = CudaBackend(opts.device)
-        backend.timing_events = True
-    streams = CopyStreams(backend)
-
-    def both() -> float:
-        """Seconds from the moment both streams may start to the later one's end."""
-        start = None
-        if on_cuda:
-            # Both copy streams wait for a gate held by a spin kernel while the host
-            # submits, so the time is the copies' own, not the submissions'.
-            torch.cuda._sleep(_SUBMIT_COVER_CYCLES)
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        started = time.perf_counter()
-        tickets = [
-            streams.submit(
-                p.direction, functools.partial(mover.execute, p), nbytes=p.nbytes, wait_for=start
-            )
-            for p in (reload, page_out)
-        ]
-        for ticket in tickets:
-            streams.wait(ticket)
-        if start is None:
-            return time.perf_counter() - started
-        return max(start.elapsed_time(t.event) for t in tickets) / 1e3
-
-    both()
-    times = [both() for _ in range(opts.repeats)]
-    identical = _identical(device_in, host_in.to(opts.device)) and _identical(
-        host_out, device_out.cpu()
-    )
-    nbytes = reload.nbytes + page_out.nbytes
-    result = _result(
-        "mha-4KiB/h2d+d2h/one-run/both-directions-at-once",
-        "kvcore:single_copy x2",
-        nbytes,
-        statistics.median(times),
-        0.0,
-        identical,
-        ceiling,
-        "kvcore",
-    )
-    in_buffer.close()
-    out_buffer.close()
-    return [result]
-
-
-# A job over every layer at once, as vLLM's offload handler gives one: 32 KV tensors.
-_LAYERS = 32
-
-
-def _layers_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[dict[str, Any]]:
-    """One transfer over 32 layers (``tokens`` rows in all, 4 KiB each, host half scattered
-    by 16-row pages, device fully): one submission for every layer against a plan rebound
-    and executed per layer, both directions, beside the same run's ceiling."""
-    rows, row_shape, dtype = max(opts.tokens // _LAYERS, 16), (2, 8, 128), torch.bfloat16
-    pin = opts.device.type == "cuda"
-    host, host_buffer = _host_rows((_LAYERS, 2 * rows, *row_shape), dtype, pin)
-    host.copy_(_random_rows(tuple(host.shape), dtype, torch.device("cpu")))
-    device = _random_rows((_LAYERS, 2 * rows, *row_shape), dtype, opts.device)
-    generator = torch.Generator().manual_seed(11)
-    host_idx = scattered_layout(rows, 0.5, 16, generator)
-    device_idx = scattered_layout(rows, 1.0, 16, generator)
-    results = []
-    for direction in Direction:
-        page_in = direction is Direction.H2D
-        src, dst = (host, device) if page_in else (device, host)
-        src_idx, dst_idx = (host_idx, device_idx) if page_in else (device_idx, host_idx)
-        srcs, dsts = list(src), list(dst)
-        expected = dst.clone()
-        expected[:, dst_idx.to(dst.device)] = src[:, src_idx.to(src.device)].to(dst.device)
-        poison = dst.clone()
-        first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=direction, policy=mover.policy)
-        pairs = layer_pairs(srcs, dsts)
-
-        ways: dict[str, Callable[[], None]] = {
-            f"kvcore:{first.path.value} x{_LAYERS} in one submission": functools.partial(
-                mover.execute_layers, first, pairs
-            ),
-            f"kvcore:{first.path.value} x{_LAYERS} one per layer": functools.partial(
-                execute_per_layer, mover, first, srcs, dsts
-            ),
-        }
-        for label, fn in ways.items():
-            dst.copy_(poison)
-            seconds, host_seconds = timed(fn, opts.device, opts.repeats)
-            if opts.device.type == "cuda":
-                torch.cuda.synchronize(opts.device)
-            results.append(
-                _result(
-                    f"mha-4KiB/{direction.value}/{_LAYERS}-layers-host-50%/device-100%",
-                    label,
-                    first.nbytes * _LAYERS,
-                    seconds,
-                    host_seconds,
-                    _identical(dst, expected),
-                    ceiling,
-                    "kvcore",
-                )
-            )
-    host_buffer.close()
-    return results
-
-
-def execute_per_layer(
-    mover: Mover, first: TransferPlan, srcs: list[torch.Tensor], dsts: list[torch.Tensor]
-) -> None:
-    """``first`` rebound to each (src, dst) layer and executed, one submission per layer."""
-    for src, dst in zip(srcs, dsts, strict=True):
-        mover.execute(first.rebind(src, dst))
-
-
-def count_host_syncs(fn: Callable[[], object], device: torch.device) -> int | None:
-    """Synchronising CUDA calls that a warm ``fn`` makes, by torch's sync debugger (None on CPU).
-
-    The first call is left out: it may allocate the staging buffer and the index ring once.
-    """
-    if device.type != "cuda":
-        return None
-    fn()
-    torch.cuda.synchronize(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize(device)
-    # The debugger also warns that it is a prototype; only its per-call warnings count.
-    return sum("called a synchronizing" in str(w.message) for w in caught)
-
-
-def _fallback_results(opts: BenchOptions, mover: Mover) -> list[dict[str, Any]]:
-    """A strided host view: the planner must hand it to the stock path, still exact."""
-    rows = min(opts.tokens, 4096)
-    wide = _random_rows((rows, 2, 576), torch.bfloat16, torch.device("cpu"))
-    src = wide[:, 0]
-    dst = _random_rows((rows, 576), torch.bfloat16, opts.device)
-    generator = torch.Generator().manual_seed(7)
-    src_idx = torch.randperm(rows, generator=generator)
-    dst_idx = torch.randperm(rows, generator=generator)
-    expected = dst.clone()
-    expected[dst_idx.to(dst.device)] = src[src_idx].to(dst.device)
-    fallback = plan(src, dst, src_idx, dst_idx, direction=Direction.H2D, policy=mover.policy)
-    seconds, host_seconds = timed(lambda: mover.execute(fallback), opts.device, 1)
-    nbytes = fallback.nbytes
-    return [
-        _result(
-            f"mla-1152B/strided-host-view ({fallback.reason})",
-            f"kvcore:{fallback.path.value}",
-            nbytes,
-            seconds,
-            host_seconds,
-            _identical(dst, expected),
-            0.0,
-            "kvcore",
-        )
-    ]
 
 
 def run_allocator(opts: BenchOptions) -> dict[str, dict[str, float]]:
@@ -738,23 +445,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="print (and with --plot, chart) a report saved by --json instead of measuring",
     )
-
-
-def measure_pinning(nbytes: int) -> dict[str, float] | None:
-    """Seconds per GiB to make (pre-fault and register) and to release pinned host memory."""
-    if not torch.cuda.is_available():
-        return None
-    started = time.perf_counter()
-    buffer = allocate_host_buffer(nbytes, pin=True)
-    pinned = time.perf_counter()
-    buffer.close()
-    released = time.perf_counter()
-    gib = nbytes / 2**30
-    return {
-        "gib": gib,
-        "pin_s_per_gib": (pinned - started) / gib,
-        "release_s_per_gib": (released - pinned) / gib,
-    }
 
 
 def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:

@@ -1,15 +1,15 @@
-"""The core's transfer paths, pinned arena and copy streams on a real GPU."""
+"""The core's transfer paths, registered host buffers and ordered copy jobs on a real GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.direction import Direction
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, TransferPath, plan, plan_device_indexed
-from kvcore.pinned import PinnedArena, allocate_host_buffer
-from kvcore.streams import CopyStreams, CudaBackend
+from kvcore.streams import CudaStreams, OrderedJobs
 
 pytestmark = pytest.mark.gpu
 
@@ -88,7 +88,7 @@ def test_every_path_is_byte_identical(direction, row_kind, layout, forced) -> No
     expected = _as_bytes(dst).clone()
     expected[dst_idx] = _as_bytes(src)[src_idx]
     metrics = Metrics()
-    # A real stream, as CopyStreams gives: the batch API refuses the legacy default stream.
+    # A real stream, as the engines copy on: the batch API refuses the legacy default stream.
     with torch.cuda.stream(torch.cuda.Stream()):
         Mover(PathPolicy(staging_bytes=1 << 20), metrics=metrics).execute(chosen)
     torch.cuda.synchronize()
@@ -143,22 +143,21 @@ def test_page_out_makes_no_host_synchronisation() -> None:
     for p in plans:  # warm up: first calls compile kernels and allocate staging
         mover.execute(p)
     torch.cuda.synchronize()
-    streams = CopyStreams(CudaBackend())
-    producer = torch.cuda.current_stream().record_event()
+    streams = CudaStreams(torch.device("cuda", torch.cuda.current_device()))
+    jobs = OrderedJobs(streams, "d2h", streams.compute_stream)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tickets = [
-            streams.submit(
-                Direction.D2H, lambda p=p: mover.execute(p), nbytes=p.nbytes, wait_for=producer
-            )
-            for p in plans
-        ]
+        for job_id, p in enumerate(plans):
+            jobs.submit(job_id, p.nbytes, lambda p=p: mover.execute(p))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for t in tickets:
-        streams.wait(t)
+    jobs.drain()
     assert {p.path for p in plans} >= {TransferPath.STAGED, TransferPath.GATHER}
     buffer.close()
+
+
+def _seconds(job_id: int, nbytes: int, seconds: float | None) -> tuple[int, float | None]:
+    return job_id, seconds
 
 
 def test_page_out_waits_for_the_producer() -> None:
@@ -171,24 +170,23 @@ def test_page_out_waits_for_the_producer() -> None:
     with torch.cuda.stream(producer):
         torch.cuda._sleep(200_000_000)
         device_rows.copy_(fresh)
-        done = producer.record_event()
-    streams = CopyStreams(CudaBackend())
+    streams = CudaStreams(torch.device("cuda", torch.cuda.current_device()))
+    jobs = OrderedJobs(streams, "d2h", lambda: producer)
     idx = torch.randperm(rows)
     out = plan(device_rows, host, idx, torch.arange(rows))
     mover = Mover()
-    ticket = streams.submit(
-        Direction.D2H, lambda: mover.execute(out), nbytes=out.nbytes, wait_for=done
-    )
-    streams.wait(ticket)
+    jobs.submit(1, out.nbytes, lambda: mover.execute(out))
+    jobs.wait({1})
     assert torch.equal(_as_bytes(host), _as_bytes(fresh)[idx])
     buffer.close()
 
 
-def test_consumer_waits_for_the_page_in() -> None:
+def test_a_job_is_reported_only_once_its_copies_landed() -> None:
     rows = 4096
     buffer, host = _pinned_rows(rows, (2, 8, 128), torch.bfloat16)
     device_rows = _random((rows, 2, 8, 128), torch.bfloat16, "cuda")
-    streams = CopyStreams(CudaBackend())
+    streams = CudaStreams(torch.device("cuda", torch.cuda.current_device()))
+    jobs = OrderedJobs(streams, "h2d", streams.compute_stream)
     mover = Mover()
     dst_idx = torch.randperm(rows)
     page_in = plan(host, device_rows, torch.arange(rows), dst_idx)
@@ -197,41 +195,37 @@ def test_consumer_waits_for_the_page_in() -> None:
         torch.cuda._sleep(100_000_000)
         mover.execute(page_in)
 
-    ticket = streams.submit(Direction.H2D, slow_copy, nbytes=page_in.nbytes)
-    consumer = torch.cuda.Stream()
-    streams.make_stream_wait(ticket, consumer)
-    with torch.cuda.stream(consumer):
-        seen = device_rows[dst_idx].clone()
-    consumer.synchronize()
-    assert torch.equal(_as_bytes(seen), _as_bytes(host))
-    streams.drain()
+    jobs.submit(7, page_in.nbytes, slow_copy)
+    assert jobs.finished(_seconds) == []
+    jobs.wait({7})
+    [(job_id, seconds)] = jobs.finished(_seconds)
+    assert job_id == 7 and seconds is not None and seconds > 0
+    assert torch.equal(_as_bytes(device_rows[dst_idx]), _as_bytes(host))
     buffer.close()
 
 
-def test_cancel_and_drain_with_copies_in_flight() -> None:
-    arena = PinnedArena(64 << 20, pin=True)
-    streams = CopyStreams(CudaBackend())
-    device_rows = _random((8192, 4096), torch.uint8, "cuda")
-    tickets = []
+def test_drain_waits_for_jobs_in_flight_and_pools_their_events() -> None:
+    buffer, host = _pinned_rows(8 * 1024, (4096,), torch.uint8)
+    device_rows = _random((8 * 1024, 4096), torch.uint8, "cuda")
+    streams = CudaStreams(torch.device("cuda", torch.cuda.current_device()))
+    jobs = OrderedJobs(streams, "d2h", streams.compute_stream)
     for i in range(8):
-        lease = arena.reserve(4 << 20)
-        assert lease
-        host = lease.view(torch.uint8, (1024, 4096))
+        part = slice(i * 1024, (i + 1) * 1024)
 
-        def copy(host=host, i=i) -> None:
+        def copy(part: slice = part) -> None:
             torch.cuda._sleep(20_000_000)
-            host.copy_(device_rows[i * 1024 : (i + 1) * 1024], non_blocking=True)
+            host[part].copy_(device_rows[part], non_blocking=True)
 
-        tickets.append(streams.submit(Direction.D2H, copy, nbytes=4 << 20, leases=[lease]))
-    streams.cancel(tickets[0])
-    assert arena.in_use_bytes == 32 << 20  # the tombstone still owns its lease
-    report = streams.drain(cancel=True)
-    assert report.leases_released == 8
-    assert arena.in_use_bytes == 0
-    arena.close()
+        jobs.submit(i, 4 << 20, copy)
+    jobs.drain()
+    assert len(jobs) == 0
+    assert torch.equal(host, device_rows.cpu())
+    # Each job holds two events (its start reuses the compute stream's, released at once).
+    assert len(streams._free) == 16
+    buffer.close()
 
 
-def test_registered_arena_is_pinned_exact_and_copyable_per_segment() -> None:
+def test_registered_buffer_is_pinned_exact_and_copyable_per_segment() -> None:
     segment = 1 << 30
     size = 3 * segment + 4096  # not a power of two: no rounding up
     buffer = allocate_host_buffer(size, pin=True, register_chunk_bytes=segment)
@@ -247,19 +241,7 @@ def test_registered_arena_is_pinned_exact_and_copyable_per_segment() -> None:
     torch.cuda.synchronize()
     for begin, end in ((segment - 4096, segment), (segment, segment + 4096)):
         assert torch.equal(buffer.tensor[begin:end].cuda(), src[begin:end])
-    arena = PinnedArena(size, buffer=buffer)
-    leases = [arena.reserve(segment - 256) for _ in range(3)]
-    assert all(leases)
-    for i, lease in enumerate(leases):
-        lease.view().copy_(src[i : i + lease.nbytes], non_blocking=True)
-    torch.cuda.synchronize()
-    assert all(
-        torch.equal(lease.view()[-64:].cuda(), src[i + lease.nbytes - 64 : i + lease.nbytes])
-        for i, lease in enumerate(leases)
-    )
-    for lease in leases:
-        lease.release()
-    arena.close()
+    buffer.close()
     assert buffer.closed
 
 

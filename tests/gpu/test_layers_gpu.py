@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.direction import Direction
 from kvcore.kernels.batch_copy import batch_copy_available
 from kvcore.kernels.cudart import device_address
@@ -18,7 +19,6 @@ from kvcore.kernels.triton_rows import triton_available
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, TransferPath, plan
-from kvcore.pinned import allocate_host_buffer
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,15 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcore import numa
-from kvcore.config import KVCoreConfig
-from kvcore.pinned import (
-    CudaHostRegistrar,
-    Lease,
-    PinnedArena,
-    RegisteredBuffer,
-    allocate_host_buffer,
-)
+from kvcore.bench import numa
+from kvcore.bench.host_buffers import CudaHostRegistrar, RegisteredBuffer, allocate_host_buffer
 
 pytestmark = pytest.mark.gpu
 
@@ -89,13 +82,3 @@ def test_every_node_with_memory_can_hold_a_pinned_buffer() -> None:
             assert round_trip_is_exact(buffer.tensor)
         finally:
             buffer.close()
-
-
-def test_arena_from_config_with_auto_leases_exact_bytes() -> None:
-    config = KVCoreConfig(numa="auto", prefault_threads=4, register_chunk_bytes=16 << 20)
-    with PinnedArena.from_config(NBYTES, config, device=0, pin=True) as arena:
-        assert arena.pinned and arena.buffer.segment_bytes == 16 << 20
-        lease = arena.reserve(8 << 20)
-        assert isinstance(lease, Lease)
-        assert round_trip_is_exact(lease.view())
-        lease.release()

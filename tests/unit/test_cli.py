@@ -226,13 +226,13 @@ def test_launch_replaces_the_process(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "execvpe", record_exec)
     monkeypatch.setenv("OTHER", "kept")
     with pytest.raises(Execed) as execed:
-        main(["launch", "sglang", "--kvcore-prefault-threads=3", "--", "--port", "1"])
+        main(["launch", "sglang", "--kvcore-gather-ctas=3", "--", "--port", "1"])
     file, args, env = execed.value.args
     assert file == sys.executable
     assert args == [sys.executable, "-m", "sglang.launch_server", "--port", "1"]
     assert env["OTHER"] == "kept"
-    assert env["KVCORE_PREFAULT_THREADS"] == "3"
-    assert KVCoreConfig.from_env(env) == KVCoreConfig(enable={"sglang"}, prefault_threads=3)
+    assert env["KVCORE_GATHER_CTAS"] == "3"
+    assert KVCoreConfig.from_env(env) == KVCoreConfig(enable={"sglang"}, gather_ctas=3)
 
 
 def test_main_usage_errors(capsys):

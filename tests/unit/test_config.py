@@ -31,12 +31,9 @@ NON_DEFAULTS: dict[str, tuple[str, object]] = {
     "long_run_bytes": ("1MiB", MiB),
     "gather_ctas": ("16", 16),
     "staged_pieces": ("2", 2),
-    "prefault_threads": ("32", 32),
-    "register_chunk_bytes": ("4G", 4 * GiB),
     "metrics": ("false", False),
     "transfers": ("on", True),
     "serve_rule": ("0", False),
-    "numa": ("auto", "auto"),
     "log_level": ("debug", "DEBUG"),
 }
 
@@ -47,12 +44,9 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "long_run_bytes": ("-4k", "KiB"),
     "gather_ctas": ("1025", "from 1 to 1024"),
     "staged_pieces": ("17", "from 1 to 16"),
-    "prefault_threads": ("0", "from 1 to 256"),
-    "register_chunk_bytes": ("16 GiB per call", "KiB"),
     "metrics": ("maybe", "yes/no"),
     "transfers": ("sometimes", "yes/no"),
     "serve_rule": ("when faster", "yes/no"),
-    "numa": ("near", "allowed: off, auto"),
     "log_level": ("LOUD", "WARNING"),
 }
 
@@ -73,15 +67,13 @@ def test_defaults():
     assert config.staging_bytes == 256 * MiB
     assert config.long_run_bytes == 256 * KiB
     assert config.gather_ctas == 8
-    assert config.prefault_threads == 8
-    assert config.register_chunk_bytes == 16 * GiB
     assert config.metrics is True
     assert config.log_level == "INFO"
 
 
 def test_names_follow_the_field():
-    assert BY_NAME["register_chunk_bytes"].env == "KVCORE_REGISTER_CHUNK_BYTES"
-    assert BY_NAME["register_chunk_bytes"].flag == "--kvcore-register-chunk-bytes"
+    assert BY_NAME["long_run_bytes"].env == "KVCORE_LONG_RUN_BYTES"
+    assert BY_NAME["long_run_bytes"].flag == "--kvcore-long-run-bytes"
 
 
 @pytest.mark.parametrize("name", sorted(NON_DEFAULTS))
@@ -193,10 +185,10 @@ def test_enabled_for_refuses_unknown_engines():
     [
         ("gather_ctas", "1"),
         ("gather_ctas", "1024"),
-        ("prefault_threads", "1"),
-        ("prefault_threads", "256"),
+        ("staged_pieces", "1"),
+        ("staged_pieces", "16"),
         ("staging_bytes", "1"),
-        ("register_chunk_bytes", "1"),
+        ("long_run_bytes", "1"),
     ],
 )
 def test_range_edges_accepted(name, text):
@@ -210,10 +202,10 @@ def test_range_edges_accepted(name, text):
         ("gather_ctas", "2.5"),
         ("gather_ctas", "eight"),
         ("gather_ctas", "٣"),
-        ("prefault_threads", "257"),
-        ("prefault_threads", "-1"),
+        ("staged_pieces", "17"),
+        ("staged_pieces", "-1"),
         ("long_run_bytes", "0"),
-        ("register_chunk_bytes", "0"),
+        ("staging_bytes", "0"),
     ],
 )
 def test_range_edges_refused(name, text):
@@ -376,11 +368,8 @@ def test_to_env_of_defaults():
         "KVCORE_LONG_RUN_BYTES": "256KiB",
         "KVCORE_GATHER_CTAS": "8",
         "KVCORE_STAGED_PIECES": "1",
-        "KVCORE_PREFAULT_THREADS": "8",
-        "KVCORE_REGISTER_CHUNK_BYTES": "16GiB",
         "KVCORE_METRICS": "1",
         "KVCORE_TRANSFERS": "0",
-        "KVCORE_NUMA": "off",
         "KVCORE_SERVE_RULE": "1",
         "KVCORE_LOG_LEVEL": "INFO",
     }
@@ -399,8 +388,6 @@ configs = st.builds(
     long_run_bytes=sizes.map(lambda n: n + 1),
     gather_ctas=st.integers(1, 1024),
     staged_pieces=st.integers(1, 16),
-    prefault_threads=st.integers(1, 256),
-    register_chunk_bytes=sizes.map(lambda n: n + 1),
     metrics=st.booleans(),
     log_level=st.sampled_from(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]),
 )
@@ -460,7 +447,16 @@ def test_log_level_is_applied_to_the_kvcore_logger():
         logger.setLevel(before)
 
 
-@pytest.mark.parametrize("name", ["KVCORE_PINNED_BYTES", "KVCORE_MAX_INFLIGHT_BYTES"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "KVCORE_PINNED_BYTES",
+        "KVCORE_MAX_INFLIGHT_BYTES",
+        "KVCORE_PREFAULT_THREADS",
+        "KVCORE_REGISTER_CHUNK_BYTES",
+        "KVCORE_NUMA",
+    ],
+)
 def test_a_retired_setting_is_named_as_such_and_ignored(name, caplog, monkeypatch):
     from kvcore import config as config_module
 

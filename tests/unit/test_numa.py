@@ -21,9 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore import numa, pinned
-from kvcore.config import ConfigError, KVCoreConfig
-from kvcore.pinned import PinnedArena, allocate_host_buffer
+from kvcore.bench import host_buffers, numa
+from kvcore.bench.host_buffers import allocate_host_buffer
 
 PAGE = mmap.PAGESIZE
 
@@ -120,7 +119,7 @@ class FakeRegistrar:
 @pytest.fixture(autouse=True)
 def unlimited_memlock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        pinned.resource, "getrlimit", lambda _: (pinned.resource.RLIM_INFINITY,) * 2
+        host_buffers.resource, "getrlimit", lambda _: (host_buffers.resource.RLIM_INFINITY,) * 2
     )
 
 
@@ -237,7 +236,7 @@ def test_auto_without_a_known_node_is_default_placement(
     two_nodes: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake_cuda(monkeypatch, pci_domain_id=0, pci_bus_id=0xC1, pci_device_id=0)
-    with caplog.at_level(logging.INFO, logger="kvcore.numa"):
+    with caplog.at_level(logging.INFO, logger="kvcore.bench.numa"):
         assert numa.resolve_node("auto", 0) is None
     assert "no NUMA node known" in caplog.text
 
@@ -255,7 +254,7 @@ def test_placement_on_a_node_without_usable_cpus_warns(
     two_nodes: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(numa.os, "sched_getaffinity", lambda _pid: {0, 1})
-    with caplog.at_level(logging.WARNING, logger="kvcore.numa"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.bench.numa"):
         assert numa.placement_for(1) == numa.Placement(1, ())
     assert "no CPU this process may run on" in caplog.text
 
@@ -268,7 +267,7 @@ def test_placement_on_an_offline_node_is_an_error(two_nodes: Path) -> None:
 def test_single_node_host_places_nothing_and_says_so_once(
     one_node: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvcore.numa"):
+    with caplog.at_level(logging.INFO, logger="kvcore.bench.numa"):
         assert numa.placement_for(0) is None
         assert numa.placement_for(5) is None
     assert caplog.text.count("one NUMA node") == 1
@@ -321,7 +320,7 @@ def test_host_refusals_warn_and_fall_back(
     mbind: FakeMbind, caplog: pytest.LogCaptureFixture, code: int, said: str
 ) -> None:
     mbind.error = code
-    with caplog.at_level(logging.WARNING, logger="kvcore.numa"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.bench.numa"):
         assert numa.bind_memory(PAGE, PAGE, 1) is False
     assert said in caplog.text and "node 1" in caplog.text
 
@@ -336,7 +335,7 @@ def test_unknown_architecture_binds_nothing(
     mbind: FakeMbind, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(numa.platform, "machine", lambda: "riscv64")
-    with caplog.at_level(logging.WARNING, logger="kvcore.numa"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.bench.numa"):
         assert numa.bind_memory(PAGE, PAGE, 0) is False
     assert mbind.calls == [] and "riscv64" in caplog.text
 
@@ -384,8 +383,8 @@ def test_refused_affinity_warns_and_prefault_still_touches_every_page(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     array = np.full(6 * PAGE, 9, dtype=np.uint8)
-    with caplog.at_level(logging.WARNING, logger="kvcore.numa"):
-        pinned.prefault(array, 3, cpus=(100_000,))  # no such CPU: the kernel refuses
+    with caplog.at_level(logging.WARNING, logger="kvcore.bench.numa"):
+        host_buffers.prefault(array, 3, cpus=(100_000,))  # no such CPU: the kernel refuses
     assert (array[::PAGE] == 0).all() and (array[1::PAGE] == 9).all()
     assert "cannot run a pre-fault thread on CPUs [100000]" in caplog.text
 
@@ -402,7 +401,7 @@ def test_prefault_threads_run_on_the_given_cpus_and_caller_keeps_its_own(
     )
     original = np.random.default_rng(threads).integers(1, 256, 9 * PAGE, dtype=np.uint8)
     array = original.copy()
-    pinned.prefault(array, threads, cpus=(4, 5))
+    host_buffers.prefault(array, threads, cpus=(4, 5))
     # The pool starts threads as it needs them; each one runs the initializer first.
     assert 1 <= len(restricted) <= threads
     assert {cpus for _, cpus in restricted} == {(4, 5)}
@@ -418,7 +417,7 @@ def recording_allocation(
 ) -> list[tuple[int, object]]:
     """Records mbind, pre-fault (with its cpus) and registration in the order they happen."""
     prefaults: list[tuple[int, object]] = []
-    real_prefault = pinned.prefault
+    real_prefault = host_buffers.prefault
     real_call = mbind.__call__
 
     def prefault(array: np.ndarray, threads: int, *, cpus: Any = None) -> None:
@@ -431,7 +430,7 @@ def recording_allocation(
         events.append("mbind")
         return real_call(*args)
 
-    monkeypatch.setattr(pinned, "prefault", prefault)
+    monkeypatch.setattr(host_buffers, "prefault", prefault)
     monkeypatch.setattr(numa, "_syscall", lambda: syscall)
     monkeypatch.setattr(numa.os, "sched_setaffinity", lambda pid, cpus: None)
     return prefaults
@@ -485,7 +484,7 @@ def test_no_node_means_no_placement(
 def test_single_node_host_allocates_without_binding(
     one_node: Path, mbind: FakeMbind, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvcore.numa"):
+    with caplog.at_level(logging.INFO, logger="kvcore.bench.numa"):
         buf = allocate_host_buffer(2 * PAGE, pin=True, registrar=FakeRegistrar(), numa_node=0)
     assert mbind.calls == [] and buf.numa_node is None
     assert "one NUMA node" in caplog.text
@@ -497,7 +496,7 @@ def test_offline_node_fails_before_mapping(
 ) -> None:
     registrar = FakeRegistrar()
     monkeypatch.setattr(
-        pinned.mmap, "mmap", lambda *a: pytest.fail("mapped memory for an offline node")
+        host_buffers.mmap, "mmap", lambda *a: pytest.fail("mapped memory for an offline node")
     )
     with pytest.raises(numa.NumaError, match="node 4 is not online"):
         allocate_host_buffer(PAGE, pin=True, registrar=registrar, numa_node=4)
@@ -507,80 +506,56 @@ def test_offline_node_fails_before_mapping(
 def test_pageable_buffers_are_not_placed(
     two_nodes: Path, mbind: FakeMbind, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvcore.pinned"):
+    with caplog.at_level(logging.INFO, logger="kvcore.bench.host_buffers"):
         buf = allocate_host_buffer(PAGE, pin=False, numa_node=1)
     assert mbind.calls == [] and buf.numa_node is None and "ignored" in caplog.text
 
 
-def test_arena_passes_its_node_to_the_buffer(
-    two_nodes: Path, mbind: FakeMbind, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(pinned, "CudaHostRegistrar", FakeRegistrar)
-    monkeypatch.setattr(numa.os, "sched_setaffinity", lambda pid, cpus: None)
-    with PinnedArena(4 * PAGE, pin=True, numa_node=1) as arena:
-        assert arena.buffer.numa_node == 1 and mbind.calls[0]["mask"] == [0b10]
-
-
 @pytest.mark.parametrize(
     ("setting", "gpu_bus", "expected"),
-    [("off", 0x9C, None), ("auto", 0x9C, 1), ("auto", 0x1B, 0), ("0", 0x9C, 0), ("1", 0x1B, 1)],
+    [("off", 0x9C, None), ("auto", 0x9C, 1), ("auto", 0x1B, 0), (0, 0x9C, 0), (1, 0x1B, 1)],
 )
-def test_arena_from_config_follows_kvcore_numa(
+def test_a_resolved_setting_places_the_buffer_on_its_node(
     two_nodes: Path,
     mbind: FakeMbind,
     monkeypatch: pytest.MonkeyPatch,
-    setting: str,
+    setting: str | int,
     gpu_bus: int,
     expected: int | None,
 ) -> None:
     asked = fake_cuda(monkeypatch, pci_domain_id=0, pci_bus_id=gpu_bus, pci_device_id=0)
     registrar = FakeRegistrar()
-    monkeypatch.setattr(pinned, "CudaHostRegistrar", lambda: registrar)
     prefaults = recording_allocation(monkeypatch, mbind, [])
-    config = KVCoreConfig.from_env(
-        {"KVCORE_NUMA": setting, "KVCORE_REGISTER_CHUNK_BYTES": str(2 * PAGE)}
+    buf = allocate_host_buffer(
+        5 * PAGE,
+        pin=True,
+        registrar=registrar,
+        register_chunk_bytes=2 * PAGE,
+        numa_node=numa.resolve_node(setting, 2),
     )
-    with PinnedArena.from_config(5 * PAGE, config, device=2, pin=True) as arena:
-        assert arena.buffer.numa_node == expected
-        assert sorted(registrar.registered.values()) == [PAGE, 2 * PAGE, 2 * PAGE]
-        assert arena.buffer.segment_bytes == 2 * PAGE
+    assert buf.numa_node == expected
+    assert sorted(registrar.registered.values()) == [PAGE, 2 * PAGE, 2 * PAGE]
+    assert buf.segment_bytes == 2 * PAGE
     assert asked == ([2] if setting == "auto" else [])
     if expected is None:
         assert mbind.calls == [] and prefaults[0][1] is None
     else:
         assert mbind.calls[0]["mask"] == [1 << expected]
         assert prefaults[0][1] == numa.node_cpus(expected)
-
-
-def test_arena_from_config_closes_its_buffer_when_the_arena_is_refused(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    registrar = FakeRegistrar()
-    monkeypatch.setattr(pinned, "CudaHostRegistrar", lambda: registrar)
-    with pytest.raises(ValueError, match="multiple of alignment"):
-        PinnedArena.from_config(PAGE + 8, KVCoreConfig(), alignment=256, pin=True)
-    assert registrar.registered == {}
+    buf.close()
 
 
 @pytest.mark.parametrize(
     ("text", "expected"), [("off", "off"), ("AUTO", "auto"), (" 0 ", 0), ("7", 7), ("1023", 1023)]
 )
-def test_kvcore_numa_setting(text: str, expected: object) -> None:
-    config = KVCoreConfig.from_env({"KVCORE_NUMA": text})
-    assert config.numa == expected
-    assert KVCoreConfig.from_env(config.to_env()) == config
-    assert KVCoreConfig.from_args(["--kvcore-numa", text], environ={})[0] == config
+def test_parse_setting(text: str, expected: object) -> None:
+    assert numa.parse_setting(text) == expected
 
 
-@pytest.mark.parametrize("text", ["on", "-1", "1024", "node1", "1.0", "yes"])
-def test_kvcore_numa_refuses_other_values(text: str) -> None:
-    with pytest.raises(ConfigError, match=r"KVCORE_NUMA=.*allowed: off, auto .* node number"):
-        KVCoreConfig.from_env({"KVCORE_NUMA": text})
-
-
-def test_kvcore_numa_defaults_to_off() -> None:
-    assert KVCoreConfig().numa == "off"
-    assert KVCoreConfig().to_env()["KVCORE_NUMA"] == "off"
+@pytest.mark.parametrize("text", ["on", "-1", "1024", "node1", "1.0", "yes", ""])
+def test_parse_setting_refuses_other_values(text: str) -> None:
+    with pytest.raises(numa.NumaError, match=r"allowed: off, auto .* node number from 0 to 1023"):
+        numa.parse_setting(text)
 
 
 # scripts/multi_gpu_bench.py: its logic on the CPU.

@@ -32,7 +32,7 @@ class StockHandler:
 
 class KVCoreHandler:
     """What the conftest's subclass relies on in kvcore's handler: ``_stock`` (a
-    StockCopies), ``_jobs`` and ``_events``; even job ids are copied here, odd ones by stock."""
+    StockCopies) and ``_jobs``; even job ids are copied here, odd ones by stock."""
 
     def __init__(self, stock: StockHandler) -> None:
         self._stock = SimpleNamespace(
@@ -42,7 +42,6 @@ class KVCoreHandler:
             layer_refs_per_group=[["ref"]],
         )
         self._jobs: list[SimpleNamespace] = []
-        self._events: dict[int, object] = {}
 
     def transfer_async(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         job = SimpleNamespace(job_id=job_id)
@@ -50,7 +49,6 @@ class KVCoreHandler:
             self._stock.handler._transfers.append(job)
         else:
             self._jobs.append(job)
-            self._events[job_id] = object()
         return True
 
 

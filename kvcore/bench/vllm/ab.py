@@ -49,10 +49,10 @@ from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.path_policy import PathPolicy, policy_from_config
-from kvcore.streams import CpuSyncBackend
+from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.stock_copies import StockCopies, gpu_tensors_of
-from kvcore_vllm.transfers import CudaJobStreams, JobStreams, KVCoreOffloadingHandler
+from kvcore_vllm.transfers import KVCoreOffloadingHandler
 
 # vLLM aligns each chunk row of its shared host region to the OS page size.
 HOST_ROW_ALIGNMENT = 4096
@@ -185,7 +185,7 @@ def kvcore_handler(
     policy: PathPolicy | None = None,
     metrics: Metrics | None = None,
     mover: Mover | None = None,
-    streams: JobStreams | None = None,
+    streams: NamedStreams | None = None,
     stock_rules: bool = True,
 ) -> KVCoreOffloadingHandler:
     """kvcore's handler in place of ``stock``, on CUDA streams or, on a CPU, run at once;
@@ -193,10 +193,10 @@ def kvcore_handler(
     device = gpu_tensors_of(stock)[0].device
     compute: Callable[[], Any]
     if streams is None and device.type == "cuda":
-        cuda = CudaJobStreams(device)
+        cuda = CudaStreams(device)
         streams, compute = cuda, cuda.compute_stream
     else:
-        streams = CpuSyncBackend() if streams is None else streams
+        streams = CpuSyncStreams() if streams is None else streams
         compute = _named(streams, "compute")
     return KVCoreOffloadingHandler(
         stock,
@@ -213,7 +213,7 @@ def env_policy() -> PathPolicy:
     return policy_from_config(KVCoreConfig.from_env())
 
 
-def _named(streams: JobStreams, name: str) -> Callable[[], Any]:
+def _named(streams: NamedStreams, name: str) -> Callable[[], Any]:
     return lambda: streams.stream(name)
 
 

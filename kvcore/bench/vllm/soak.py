@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
+from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
 from kvcore.bench.soak_state import (
     CPU_ONLY,
@@ -50,11 +51,10 @@ from kvcore.bench.vllm.sweep import MHA_PAGE_BYTES, MLA_PAGE_BYTES, ModelLayout
 from kvcore.bench.vllm.sweep_pools import Pools
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.pinned import HostBuffer, allocate_host_buffer
-from kvcore.streams import CpuSyncBackend
+from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.releases import installed_shape
-from kvcore_vllm.transfers import CudaJobStreams, JobStreams, KVCoreOffloadingHandler
+from kvcore_vllm.transfers import KVCoreOffloadingHandler
 
 RULES = (False, True)
 # Wall seconds a layout takes besides its traffic at full size (pools, final reloads,
@@ -125,10 +125,10 @@ class Options:
 
 
 class CountingStreams:
-    """A :class:`~kvcore_vllm.transfers.JobStreams` that counts the events its handler
+    """A :class:`~kvcore.streams.NamedStreams` that counts the events its handler
     records and releases (outstanding = recorded - released), passing every call on."""
 
-    def __init__(self, inner: JobStreams) -> None:
+    def __init__(self, inner: NamedStreams) -> None:
         self.inner = inner
         self.recorded = 0
         self.released = 0
@@ -478,7 +478,6 @@ class LayoutSoak:
             out[name] = {
                 "kvcore_events_outstanding": handlers.streams[name].outstanding,
                 "kvcore_jobs_queued": _length(handler, "_jobs"),
-                "kvcore_job_events": _length(handler, "_events"),
                 "stock_transfers_queued": _length(stock, "_transfers"),
                 "stock_transfer_events": _length(stock, "_transfer_events"),
             }
@@ -590,7 +589,7 @@ def make_handlers(
     for name, gpu_to_cpu in (("store", True), ("load", False)):
         stock = ab.stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
         runnable = ab.runnable_stock(stock, device)
-        inner: Any = CudaJobStreams(device) if device.type == "cuda" else CpuSyncBackend()
+        inner: Any = CudaStreams(device) if device.type == "cuda" else CpuSyncStreams()
         streams = CountingStreams(inner)
         compute_stream = (
             (lambda s=compute: s)

@@ -41,12 +41,12 @@ import numpy as np
 import torch
 
 from kvcore.bench import sweep_report
+from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.bench.sweep_report import SweepRow
 from kvcore.bench.vllm import ab
 from kvcore.bench.vllm.sweep_pools import Pools, Request, RequestDrawer, slice_blocks
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.pinned import HostBuffer, allocate_host_buffer
 
 BLOCK_TOKENS = 16
 # 16 tokens x (K, V) x 4 KV heads x head dim 128 x bf16 (an 8-KV-head model at TP 2).

@@ -168,7 +168,7 @@ def test_sglang_load_plugins_runs_the_entry_point(sglang_hooks, monkeypatch):
 
 
 def test_a_bad_kvcore_setting_leaves_sglang_stock_with_one_line(sglang_hooks, monkeypatch, caplog):
-    monkeypatch.setenv("KVCORE_PREFAULT_THREADS", "0")
+    monkeypatch.setenv("KVCORE_GATHER_CTAS", "0")
     with caplog.at_level(logging.WARNING, logger="kvcore"):
         assert sglang_hooks() is None
         assert sglang_hooks() is None
@@ -177,5 +177,5 @@ def test_a_bad_kvcore_setting_leaves_sglang_stock_with_one_line(sglang_hooks, mo
     [record] = caplog.records
     assert record.exc_info is None  # no traceback
     message = record.getMessage()
-    assert message.startswith("kvcore: KVCORE_PREFAULT_THREADS='0': out of range; ")
-    assert message.endswith("unset KVCORE_PREFAULT_THREADS for the default (8); SGLang runs stock")
+    assert message.startswith("kvcore: KVCORE_GATHER_CTAS='0': out of range; ")
+    assert message.endswith("unset KVCORE_GATHER_CTAS for the default (8); SGLang runs stock")

@@ -23,7 +23,7 @@ from kvcore.bench.vllm.ab import Layout, kvcore_handler, stock_handler
 from kvcore.internal_errors import InternalErrors
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, Submission
-from kvcore.streams import CpuSyncBackend
+from kvcore.streams import CpuSyncStreams
 from kvcore_vllm import transfers
 
 pytestmark = pytest.mark.vllm
@@ -33,7 +33,7 @@ LAYOUT = Layout(page_bytes=256, tensors=3, blocks_per_chunk=2, gpu_blocks=32, cp
 GROUPS = [([3, 9, 4, 17, 11], [5, 1, 12], 1), ([20, 2, 30], [7, 26], 0)]
 
 
-class CountingStreams(CpuSyncBackend):
+class CountingStreams(CpuSyncStreams):
     """Host streams that count the events recorded and not yet released."""
 
     def __init__(self) -> None:

@@ -29,12 +29,12 @@ from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover, PathPolicy
-from kvcore.streams import ManualCpuBackend
 from kvcore.warm_up import WarmUp
 from kvcore_vllm import transfers
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 from kvcore_vllm.stock_copies import StockCopies
 from kvcore_vllm.transfers import install_handlers
+from tests.support.manual_streams import ManualStreams
 from tests.support.scripts import load_script
 
 pytestmark = pytest.mark.vllm
@@ -352,7 +352,7 @@ def test_jobs_wait_for_compute_and_finish_in_order_once():
     layout = Layout(page_bytes=256, tensors=2, gpu_blocks=32, cpu_chunks=32)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(11))
     stock = stock_handler(gpu, host, layout, gpu_to_cpu=True)
-    backend = ManualCpuBackend()
+    backend = ManualStreams()
     handler = kvcore_handler(stock, policy=SMALL, streams=backend)
     compute = backend.stream("compute")
     written = torch.randint(-128, 128, (4, 256), dtype=torch.int8)
@@ -385,7 +385,7 @@ def test_shutdown_drains_queued_jobs_and_releases_tensors():
     layout = Layout(page_bytes=256, gpu_blocks=8, cpu_chunks=8)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(2))
     stock = stock_handler(gpu, host, layout, gpu_to_cpu=False)
-    backend = ManualCpuBackend()
+    backend = ManualStreams()
     handler = kvcore_handler(stock, policy=SMALL, streams=backend)
     handler.transfer_async(1, *make_job([([3], [5], 0)], False))
     handler.transfer_async(2, *make_job([([4], [6], 0)], False))

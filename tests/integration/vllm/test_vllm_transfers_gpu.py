@@ -17,7 +17,7 @@ from kvcore.bench.vllm.ab import (
     runnable_stock,
     stock_handler,
 )
-from kvcore_vllm.transfers import CudaJobStreams
+from kvcore.streams import CudaStreams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu]
 
@@ -26,7 +26,7 @@ SPIN_CYCLES = 200_000_000
 
 def test_a_released_event_recorded_again_leaves_the_earlier_wait_in_place() -> None:
     device = torch.device("cuda")
-    streams = CudaJobStreams(device)
+    streams = CudaStreams(device)
     producer, copies, elsewhere = (streams.stream(name) for name in ("compute", "copy", "idle"))
     source = torch.zeros(1 << 20, dtype=torch.int32, device=device)
     seen = torch.empty_like(source)
@@ -80,7 +80,7 @@ def test_jobs_copy_their_pages_and_reuse_three_events(gpu_to_cpu: bool, stock_ru
     # as the copy stream waits on it and is recorded again as the job's start: two events
     # serve every job. With the rules, these 150-page jobs go whole to stock's handler,
     # which uses its own events.
-    assert len(handler._streams._free) == (0 if stock_rules else 2)
+    assert len(handler._jobs._streams._free) == (0 if stock_rules else 2)
     handler.shutdown()
 
 

@@ -113,14 +113,30 @@ def cuda_numa_node(device: torch.device | int | None = None) -> int | None:
     return None if bus_id is None else pci_numa_node(bus_id)
 
 
+MAX_NODE = 1023
+
+
+def parse_setting(text: str) -> str | int:
+    """A placement setting written as text: ``off``, ``auto`` or a node number."""
+    word = text.strip().lower()
+    if word in ("off", "auto"):
+        return word
+    if not re.fullmatch(r"[0-9]+", word) or int(word) > MAX_NODE:
+        raise NumaError(
+            f"{text!r} is not a NUMA setting; allowed: off, auto (the node of the buffer's GPU) "
+            f"or a node number from 0 to {MAX_NODE}"
+        )
+    return int(word)
+
+
 def resolve_node(setting: str | int, device: torch.device | int | None = None) -> int | None:
-    """The node KVCORE_NUMA asks for: None for ``off``, the device's node for ``auto``."""
+    """The node a setting asks for: None for ``off``, the device's node for ``auto``."""
     if setting == "off":
         return None
     if setting == "auto":
         node = cuda_numa_node(device)
         if node is None:
-            logger.info("KVCORE_NUMA=auto: no NUMA node known for the GPU; default placement")
+            logger.info("NUMA placement auto: no NUMA node known for the GPU; default placement")
         return node
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
         return setting

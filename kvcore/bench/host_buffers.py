@@ -1,0 +1,272 @@
+"""Host memory of an exact size for the benchmarks and scripts, pinned where a GPU is.
+
+:func:`allocate_host_buffer` gets the memory: pageable on machines without a GPU,
+otherwise an anonymous mmap pre-faulted by several threads and registered with
+cudaHostRegister chunk by chunk. Nothing is rounded up to a power of two (torch's
+``pin_memory=True`` would turn 100 GB into 128 GB). Given a NUMA node, the mapping
+is bound to it and pre-faulted from its CPUs (:mod:`kvcore.bench.numa`).
+
+The engines keep their host tiers in memory they allocate themselves; kvcore's product
+paths allocate none, so only measuring code uses this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import operator
+import os
+import resource
+import weakref
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+
+from kvcore.bench import numa
+
+logger = logging.getLogger(__name__)
+
+HostBufferKind = Literal["pageable", "registered"]
+
+
+class PinnedMemoryError(RuntimeError):
+    """Host memory could not be pinned (memlock limit, registration failure, no CUDA)."""
+
+
+def format_bytes(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps it >= 1, e.g. ``1.5 GiB``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def check_memlock(nbytes: int) -> None:
+    """Refuse to pin ``nbytes`` above the soft RLIMIT_MEMLOCK, naming the limit and the fix.
+
+    Root may lock past the limit, but CUDA registration can still hit it, so for
+    root this only warns.
+    """
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or nbytes <= soft:
+        return
+    message = (
+        f"cannot pin {nbytes} bytes ({format_bytes(nbytes)}) of host memory: the locked-memory "
+        f"limit RLIMIT_MEMLOCK is {soft} bytes ({format_bytes(soft)}; `ulimit -l` shows "
+        f"{soft // 1024} KiB). Raise it with `ulimit -l unlimited` in the launching shell, "
+        "`--ulimit memlock=-1` for docker, LimitMEMLOCK=infinity for systemd, or a memlock "
+        "line in /etc/security/limits.conf; or ask for less host memory."
+    )
+    if os.geteuid() == 0:
+        logger.warning("%s (running as root, trying anyway)", message)
+        return
+    raise PinnedMemoryError(message)
+
+
+class HostRegistrar(Protocol):
+    """Pins and unpins ranges of existing host memory (cudaHostRegister and its inverse)."""
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+class CudaHostRegistrar:
+    """cudaHostRegister / cudaHostUnregister through torch's CUDA runtime bindings."""
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise PinnedMemoryError("pinning host memory needs CUDA; pass pin=False without a GPU")
+        self._cudart = torch.cuda.cudart()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self._check(self._cudart.cudaHostRegister(ptr, nbytes, 0), f"cudaHostRegister({nbytes})")
+
+    def unregister(self, ptr: int) -> None:
+        self._check(self._cudart.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+    def _check(self, err: object, call: str) -> None:
+        if err != self._cudart.cudaError.success:
+            reason = self._cudart.cudaGetErrorString(err)
+            raise PinnedMemoryError(f"{call} failed: {reason}")
+
+
+class HostBuffer:
+    """``nbytes`` of host memory as one uint8 tensor; :meth:`close` gives it back."""
+
+    kind: HostBufferKind
+    pinned: bool
+    numa_node: int | None = None
+    """The NUMA node the memory was placed on (by policy, or by first touch from the node's
+    CPUs); None where placement was off or impossible."""
+    segment_bytes: int | None = None
+    """Size of each separately registered segment, None when the buffer is one segment.
+
+    A DMA copy must not cross a segment boundary: the driver rejects a range that
+    spans two registrations (cudaErrorInvalidValue).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor: torch.Tensor | None = tensor
+        self.nbytes = tensor.numel()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError(f"{self.kind} host buffer is closed")
+        return self._tensor
+
+    @property
+    def closed(self) -> bool:
+        return self._tensor is None
+
+    def close(self) -> None:
+        self._tensor = None
+
+
+class PageableBuffer(HostBuffer):
+    kind: HostBufferKind = "pageable"
+    pinned = False
+
+
+class RegisteredBuffer(HostBuffer):
+    """An anonymous mmap registered chunk by chunk; unregistered before it is unmapped.
+
+    The tensor is a numpy view of the mapping, which holds a buffer export: views
+    that outlive :meth:`close` keep the memory mapped (no longer pinned) instead of
+    dangling.
+    """
+
+    kind: HostBufferKind = "registered"
+    pinned = True
+
+    def __init__(
+        self,
+        nbytes: int,
+        registrar: HostRegistrar,
+        *,
+        prefault_threads: int,
+        register_chunk_bytes: int,
+        placement: numa.Placement | None = None,
+    ) -> None:
+        if nbytes > register_chunk_bytes:
+            self.segment_bytes = register_chunk_bytes
+        if register_chunk_bytes <= 0 or register_chunk_bytes % mmap.PAGESIZE:
+            raise ValueError(
+                f"register_chunk_bytes {register_chunk_bytes} is not a positive multiple "
+                f"of the page size {mmap.PAGESIZE}"
+            )
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, nbytes)
+        array = np.frombuffer(self._mmap, dtype=np.uint8)
+        cpus: tuple[int, ...] | None = None
+        if placement is not None:
+            address = array.__array_interface__["data"][0]
+            bound = numa.bind_memory(address, nbytes, placement.node)
+            # Where the policy was refused, first touch from the node's CPUs still
+            # puts the pages there under the default (local) policy.
+            cpus = placement.cpus
+            if bound or cpus:
+                self.numa_node = placement.node
+        prefault(array, prefault_threads, cpus=cpus)
+        super().__init__(torch.from_numpy(array))
+        self._registrar = registrar
+        self._registered: list[int] = []
+        # A buffer dropped without close(): numpy clears weak references before it lets go of
+        # the mapping, so the registration ends before the range is unmapped. Otherwise a later
+        # mapping at the same address could not be registered ("already mapped").
+        weakref.finalize(array, _unregister_all, registrar, self._registered)
+        # Only the tensor may hold the mapping's export, so close() can unmap it.
+        del array
+        base = self.tensor.data_ptr()
+        try:
+            for offset in range(0, nbytes, register_chunk_bytes):
+                size = min(register_chunk_bytes, nbytes - offset)
+                registrar.register(base + offset, size)
+                self._registered.append(base + offset)
+        except Exception as exc:
+            self.close()
+            if isinstance(exc, PinnedMemoryError):
+                raise
+            raise PinnedMemoryError(f"registering {nbytes} bytes of host memory failed") from exc
+
+    def close(self) -> None:
+        _unregister_all(self._registrar, self._registered)
+        super().close()
+        if self._mmap is not None:
+            mapping, self._mmap = self._mmap, None
+            try:
+                mapping.close()
+            except BufferError:
+                logger.debug("host buffer views outlive close(); unmapped when they are freed")
+
+
+def _unregister_all(registrar: HostRegistrar, registered: list[int]) -> None:
+    # A chunk whose unregistration raises stays listed and mapped: freeing
+    # registered memory breaks a later registration of the same range.
+    while registered:
+        registrar.unregister(registered[-1])
+        registered.pop()
+
+
+def prefault(array: np.ndarray, threads: int, *, cpus: Collection[int] | None = None) -> None:
+    """Touch every page of ``array`` from ``threads`` threads (numpy drops the GIL).
+
+    With ``cpus``, the threads run only there (never the caller, whose affinity stays).
+    """
+    page = mmap.PAGESIZE
+    pages = -(-array.size // page)
+    threads = max(1, min(threads, pages))
+    bounds = [page * (pages * i // threads) for i in range(threads + 1)]
+
+    def touch(i: int) -> None:
+        array[bounds[i] : bounds[i + 1] : page] = 0
+
+    if threads == 1 and cpus is None:
+        touch(0)
+        return
+    with ThreadPoolExecutor(
+        threads,
+        thread_name_prefix="kvcore-prefault",
+        initializer=numa.restrict_thread_to,
+        initargs=(cpus or (),),
+    ) as pool:
+        list(pool.map(touch, range(threads)))
+
+
+def allocate_host_buffer(
+    nbytes: int,
+    *,
+    pin: bool | None = None,
+    prefault_threads: int = 8,
+    register_chunk_bytes: int = 16 << 30,
+    registrar: HostRegistrar | None = None,
+    numa_node: int | None = None,
+) -> HostBuffer:
+    """Exactly ``nbytes`` of host memory; pinned iff ``pin`` (default: iff CUDA is present).
+
+    ``numa_node`` places pinned memory on that node (``buffer.numa_node`` says whether
+    it was); pageable memory, for hosts without a GPU, is never placed.
+    ``registrar`` replaces cudaHostRegister (tests pass a fake one).
+    """
+    nbytes = operator.index(nbytes)
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    if pin is None:
+        pin = torch.cuda.is_available()
+    if not pin:
+        if numa_node is not None:
+            logger.info("NUMA node %d ignored: pageable host memory is not placed", numa_node)
+        return PageableBuffer(torch.empty(nbytes, dtype=torch.uint8))
+    check_memlock(nbytes)
+    return RegisteredBuffer(
+        nbytes,
+        registrar if registrar is not None else CudaHostRegistrar(),
+        prefault_threads=prefault_threads,
+        register_chunk_bytes=register_chunk_bytes,
+        placement=numa.placement_for(numa_node),
+    )

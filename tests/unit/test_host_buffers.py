@@ -1,0 +1,239 @@
+"""kvcore.bench.host_buffers: exact-size host memory, registered chunk by chunk."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import mmap
+
+import numpy as np
+import pytest
+import torch
+
+from kvcore.bench import host_buffers
+from kvcore.bench.host_buffers import (
+    PinnedMemoryError,
+    allocate_host_buffer,
+    check_memlock,
+    prefault,
+)
+
+PAGE = mmap.PAGESIZE
+
+
+class FakeRegistrar:
+    """Stands in for cudaHostRegister; checks that nothing is unmapped while registered."""
+
+    def __init__(self, fail_at: int | None = None, error: Exception | None = None) -> None:
+        self.fail_at = fail_at
+        self.error = error or PinnedMemoryError("fake registration failure")
+        self.calls: list[tuple[str, int, int]] = []
+        self.registered: dict[int, int] = {}
+        self.mappings: list[mmap.mmap] = []
+        self.unregister_error: Exception | None = None
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        if self.fail_at is not None and len(self.registered) == self.fail_at:
+            raise self.error
+        self.calls.append(("register", ptr, nbytes))
+        self.registered[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        assert self.mappings and not any(m.closed for m in self.mappings), "unmapped first"
+        if self.unregister_error is not None:
+            raise self.unregister_error
+        self.calls.append(("unregister", ptr, self.registered.pop(ptr)))
+
+
+@pytest.fixture
+def registrar(monkeypatch: pytest.MonkeyPatch) -> FakeRegistrar:
+    """A fake registrar that also sees every mapping kvcore.bench.host_buffers creates."""
+    fake = FakeRegistrar()
+    real_mmap = mmap.mmap
+
+    def recording_mmap(*args: object, **kwargs: object) -> mmap.mmap:
+        mapping = real_mmap(*args, **kwargs)
+        fake.mappings.append(mapping)
+        return mapping
+
+    monkeypatch.setattr(host_buffers.mmap, "mmap", recording_mmap)
+    monkeypatch.setattr(
+        host_buffers.resource, "getrlimit", lambda _: (host_buffers.resource.RLIM_INFINITY,) * 2
+    )
+    return fake
+
+
+def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def test_pageable_buffer_is_exact_size_and_closes() -> None:
+    buf = allocate_host_buffer(1_000_003, pin=False)
+    assert (buf.kind, buf.pinned, buf.nbytes) == ("pageable", False, 1_000_003)
+    assert buf.tensor.dtype == torch.uint8 and buf.tensor.numel() == 1_000_003
+    buf.close()
+    buf.close()
+    assert buf.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = buf.tensor
+
+
+def test_default_pin_follows_cuda_availability(
+    registrar: FakeRegistrar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert allocate_host_buffer(4096).kind == "pageable"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    buf = allocate_host_buffer(4096, registrar=registrar)
+    assert buf.kind == "registered" and buf.pinned
+    buf.close()
+
+
+@pytest.mark.parametrize("nbytes", [0, -5])
+def test_buffer_size_must_be_positive(nbytes: int) -> None:
+    with pytest.raises(ValueError):
+        allocate_host_buffer(nbytes, pin=False)
+
+
+def test_registered_buffer_registers_exact_chunks_and_holds_data(registrar: FakeRegistrar) -> None:
+    chunk = 4 * PAGE
+    nbytes = 2 * chunk + 3 * PAGE + 17
+    buf = allocate_host_buffer(nbytes, pin=True, register_chunk_bytes=chunk, registrar=registrar)
+    assert (buf.kind, buf.pinned, buf.tensor.numel()) == ("registered", True, nbytes)
+    base = buf.tensor.data_ptr()
+    assert registrar.calls == [
+        ("register", base, chunk),
+        ("register", base + chunk, chunk),
+        ("register", base + 2 * chunk, 3 * PAGE + 17),
+    ]
+    data = random_bytes(nbytes, seed=1)
+    buf.tensor.copy_(data)
+    assert torch.equal(buf.tensor, data)
+    (mapping,) = registrar.mappings
+    buf.close()
+    assert registrar.registered == {}
+    assert [c[0] for c in registrar.calls[3:]] == ["unregister"] * 3
+    assert mapping.closed
+    buf.close()
+    assert len(registrar.calls) == 6
+
+
+def test_registration_failure_rolls_back(registrar: FakeRegistrar) -> None:
+    registrar.fail_at = 2
+    with pytest.raises(PinnedMemoryError, match="fake registration failure"):
+        allocate_host_buffer(5 * PAGE, pin=True, register_chunk_bytes=PAGE, registrar=registrar)
+    assert registrar.registered == {}
+    assert [c[0] for c in registrar.calls] == ["register"] * 2 + ["unregister"] * 2
+    assert all(m.closed for m in registrar.mappings)
+
+
+def test_foreign_registration_error_is_wrapped(registrar: FakeRegistrar) -> None:
+    registrar.fail_at = 0
+    registrar.error = OSError("driver said no")
+    with pytest.raises(PinnedMemoryError, match=f"registering {PAGE} bytes") as info:
+        allocate_host_buffer(PAGE, pin=True, registrar=registrar)
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_failed_unregistration_keeps_memory_mapped(registrar: FakeRegistrar) -> None:
+    buf = allocate_host_buffer(2 * PAGE, pin=True, register_chunk_bytes=PAGE, registrar=registrar)
+    registrar.unregister_error = RuntimeError("busy")
+    with pytest.raises(RuntimeError, match="busy"):
+        buf.close()
+    (mapping,) = registrar.mappings
+    assert not mapping.closed and len(registrar.registered) == 2
+    registrar.unregister_error = None
+    buf.close()
+    assert registrar.registered == {} and mapping.closed
+
+
+def test_views_outliving_close_stay_valid(registrar: FakeRegistrar) -> None:
+    buf = allocate_host_buffer(3 * PAGE, pin=True, registrar=registrar)
+    view = buf.tensor[PAGE : 2 * PAGE]
+    buf.close()
+    assert buf.closed and registrar.registered == {}
+    data = random_bytes(PAGE, seed=2)
+    view.copy_(data)
+    assert torch.equal(view, data)
+
+
+def test_dropped_buffer_is_unregistered_once_its_last_view_dies(
+    registrar: FakeRegistrar,
+) -> None:
+    buf = allocate_host_buffer(3 * PAGE, pin=True, registrar=registrar, register_chunk_bytes=PAGE)
+    view = buf.tensor[PAGE:]
+    del buf
+    gc.collect()
+    assert len(registrar.registered) == 3  # a view still uses the memory
+    del view
+    gc.collect()
+    assert registrar.registered == {}
+    assert [call[0] for call in registrar.calls] == ["register"] * 3 + ["unregister"] * 3
+
+
+def test_chunk_size_must_be_whole_pages(registrar: FakeRegistrar) -> None:
+    with pytest.raises(ValueError, match="page size"):
+        allocate_host_buffer(PAGE, pin=True, register_chunk_bytes=PAGE + 1, registrar=registrar)
+
+
+def test_pinning_without_cuda_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        host_buffers.resource, "getrlimit", lambda _: (host_buffers.resource.RLIM_INFINITY,) * 2
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(PinnedMemoryError, match="needs CUDA"):
+        allocate_host_buffer(PAGE, pin=True)
+
+
+@pytest.mark.parametrize(
+    ("size", "threads"), [(1, 4), (PAGE, 8), (7 * PAGE + 5, 3), (20 * PAGE, 64)]
+)
+def test_prefault_touches_first_byte_of_every_page_only(size: int, threads: int) -> None:
+    original = np.random.default_rng(size).integers(1, 256, size, dtype=np.uint8)
+    array = original.copy()
+    prefault(array, threads)
+    touched = np.zeros(size, dtype=bool)
+    touched[::PAGE] = True
+    assert (array[touched] == 0).all()
+    assert np.array_equal(array[~touched], original[~touched])
+
+
+def limit_memlock(monkeypatch: pytest.MonkeyPatch, soft: int, euid: int) -> None:
+    monkeypatch.setattr(host_buffers.resource, "getrlimit", lambda _: (soft, soft))
+    monkeypatch.setattr(host_buffers.os, "geteuid", lambda: euid)
+
+
+def test_memlock_limit_names_limit_request_and_fix(
+    registrar: FakeRegistrar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit_memlock(monkeypatch, soft=64 * 1024, euid=1000)
+    with pytest.raises(PinnedMemoryError) as info:
+        allocate_host_buffer(1 << 20, pin=True, registrar=registrar)
+    message = str(info.value)
+    for part in ("RLIMIT_MEMLOCK", "65536 bytes", "`ulimit -l` shows 64 KiB", "1048576 bytes"):
+        assert part in message
+    assert "ulimit -l unlimited" in message and "memlock=-1" in message
+    assert registrar.calls == [] and registrar.mappings == []
+
+
+def test_memlock_limit_only_warns_for_root(
+    registrar: FakeRegistrar, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    limit_memlock(monkeypatch, soft=PAGE, euid=0)
+    with caplog.at_level(logging.WARNING, logger="kvcore.bench.host_buffers"):
+        buf = allocate_host_buffer(4 * PAGE, pin=True, registrar=registrar)
+    assert "RLIMIT_MEMLOCK" in caplog.text and "root" in caplog.text
+    assert buf.pinned
+    buf.close()
+
+
+def test_memlock_within_limit_or_unlimited_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    limit_memlock(monkeypatch, soft=PAGE, euid=1000)
+    check_memlock(PAGE)
+    with pytest.raises(PinnedMemoryError):
+        check_memlock(PAGE + 1)
+    monkeypatch.setattr(
+        host_buffers.resource, "getrlimit", lambda _: (host_buffers.resource.RLIM_INFINITY,) * 2
+    )
+    check_memlock(1 << 50)
