@@ -118,10 +118,6 @@ def mover_state(mover: Mover, device: torch.device) -> tuple[dict[str, Any], dic
             else None
         )
         reads["index_ring_events"] = "private"
-    if mover.metrics is not None:
-        pinned = mover.metrics.snapshot()["pinned"]
-        values["kvcore_pinned_bytes_in_use"] = pinned["in_use_bytes"]
-        reads["kvcore_pinned_bytes_in_use"] = "public"
     return values, reads
 
 
