@@ -1,4 +1,4 @@
-"""Counters and histograms for kvcore's transfers, pinned memory and allocators.
+"""Counters and histograms for kvcore's transfers, serve-or-pass decisions and allocators.
 
 The numbers are kept in plain Python so that they cost nothing when nobody reads
 them; :func:`register_prometheus` exposes them through prometheus_client when it
@@ -78,8 +78,6 @@ class Metrics:
             self.transfer_seconds: dict[TransferKey, Histogram] = defaultdict(Histogram)
             self.fallbacks: dict[str, int] = defaultdict(int)
             self.decisions: dict[tuple[str, str], int] = defaultdict(int)
-            self.pinned_bytes_in_use = 0
-            self.pinned_bytes_capacity = 0
             self.allocator_allocs = 0
             self.allocator_one_run_allocs = 0
             self.allocator_runs = 0
@@ -106,11 +104,6 @@ class Metrics:
         with self._lock:
             self.decisions[("pass", reason)] += 1
             self.fallbacks[reason] += 1
-
-    def set_pinned(self, in_use: int, capacity: int) -> None:
-        with self._lock:
-            self.pinned_bytes_in_use = in_use
-            self.pinned_bytes_capacity = capacity
 
     def record_allocation(self, runs: int) -> None:
         """One successful allocation that was served by ``runs`` free runs."""
@@ -142,10 +135,6 @@ class Metrics:
                     {"decision": decision, "reason": reason, "count": count}
                     for (decision, reason), count in sorted(self.decisions.items())
                 ],
-                "pinned": {
-                    "in_use_bytes": self.pinned_bytes_in_use,
-                    "capacity_bytes": self.pinned_bytes_capacity,
-                },
                 "allocator": {
                     "allocations": allocs,
                     "one_run_fraction": self.allocator_one_run_allocs / allocs if allocs else 1.0,
@@ -201,8 +190,6 @@ class _PrometheusCollector:
                 seconds.add_metric(list(key), buckets, hist.total)
             for reason, n in sorted(m.fallbacks.items()):
                 fallbacks.add_metric([reason], n)
-            pinned_in_use = m.pinned_bytes_in_use
-            pinned_capacity = m.pinned_bytes_capacity
             allocs = m.allocator_allocs
             one_run = m.allocator_one_run_allocs
         yield nbytes
@@ -210,12 +197,6 @@ class _PrometheusCollector:
         yield seconds
         yield fallbacks
         yield decisions
-        yield GaugeMetricFamily(
-            "kvcore_pinned_bytes_in_use", "Pinned host bytes leased", value=pinned_in_use
-        )
-        yield GaugeMetricFamily(
-            "kvcore_pinned_bytes_capacity", "Pinned host bytes in the arena", value=pinned_capacity
-        )
         yield GaugeMetricFamily(
             "kvcore_allocator_one_run_fraction",
             "Share of host-slot allocations served by one contiguous run",

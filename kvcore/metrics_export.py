@@ -81,12 +81,6 @@ class MultiprocessExporter:
             ["rank", "decision", "reason"],
             **kwargs,
         )
-        self._pinned = Gauge(
-            "kvcore_pinned_bytes_in_use",
-            "Pinned host bytes leased",
-            multiprocess_mode="livesum",
-            **kwargs,
-        )
         self._one_run = Gauge(
             "kvcore_allocator_one_run_fraction",
             "Share of host-slot allocations served by one contiguous run, per process",
@@ -120,7 +114,6 @@ class MultiprocessExporter:
             for entry in snapshot["decisions"]:
                 decided = (rank, entry["decision"], entry["reason"])
                 self._add(self._decisions, ("decision", *decided), entry["count"], decided)
-            self._pinned.set(snapshot["pinned"]["in_use_bytes"])
             self._one_run.set(snapshot["allocator"]["one_run_fraction"])
 
     def _add(self, counter: Any, key: tuple[str, ...], total: float, labels: tuple) -> None:

@@ -16,17 +16,17 @@ def test_histogram_buckets_are_cumulative_and_exact() -> None:
     assert hist.observations == 5
 
 
-def test_snapshot_counts_transfers_fallbacks_pinned_and_allocator() -> None:
+def test_snapshot_counts_transfers_fallbacks_and_allocator() -> None:
     m = Metrics()
     m.record_transfer("h2d", "gather", 100, 0.001)
     m.record_transfer("h2d", "gather", 50, 0.002)
     m.record_transfer("d2h", "staged", 7, 0.5)
     m.record_fallback("strided_rows")
     m.record_fallback("strided_rows")
-    m.set_pinned(10, 64)
     for runs in (1, 1, 3):
         m.record_allocation(runs)
     snap = m.snapshot()
+    assert set(snap) == {"resets", "transfers", "fallbacks", "decisions", "allocator"}
     # Buckets end at 1e-3 (the 5th), 3e-3 (the 6th) and 1.0 (the 11th), as Prometheus's do.
     buckets = {0.5: [0] * 10 + [1, 0, 0], 0.003: [0] * 4 + [1, 1] + [0] * 7}
     assert snap["transfers"] == [
@@ -48,7 +48,6 @@ def test_snapshot_counts_transfers_fallbacks_pinned_and_allocator() -> None:
         },
     ]
     assert snap["fallbacks"] == {"strided_rows": 2}
-    assert snap["pinned"] == {"in_use_bytes": 10, "capacity_bytes": 64}
     assert snap["allocator"]["one_run_fraction"] == pytest.approx(2 / 3)
     assert snap["allocator"]["runs_per_allocation"] == pytest.approx(5 / 3)
     m.reset()
@@ -82,7 +81,6 @@ def test_prometheus_exposition_reads_the_store_at_scrape_time() -> None:
     assert register_prometheus(registry, m)  # twice on one registry: no duplicate error
     m.record_transfer("h2d", "gather", 4096, 2e-4)
     m.record_fallback("dtype_mismatch")
-    m.set_pinned(1 << 20, 1 << 30)
     m.record_allocation(1)
     text = prometheus_client.generate_latest(registry).decode()
     assert 'kvcore_transfer_bytes_total{direction="h2d",path="gather"} 4096.0' in text
@@ -90,5 +88,5 @@ def test_prometheus_exposition_reads_the_store_at_scrape_time() -> None:
     bucket = 'kvcore_transfer_issue_seconds_bucket{direction="h2d",le="0.0003",path="gather"}'
     assert f"{bucket} 1.0" in text
     assert 'kvcore_fallbacks_total{reason="dtype_mismatch"} 1.0' in text
-    assert "kvcore_pinned_bytes_in_use 1.048576e+06" in text
+    assert "kvcore_pinned" not in text
     assert "kvcore_allocator_one_run_fraction 1.0" in text

@@ -34,7 +34,6 @@ _WORKER = textwrap.dedent(
     exporter.export_once()
     METRICS.record_transfer("h2d", "gather", 24 * scale, 2e-3)
     METRICS.record_transfer("d2h", "staged", 7, 1e-4)
-    METRICS.set_pinned(100 * scale, 1000)
     exporter.stop()
     """
 )
@@ -111,9 +110,9 @@ def test_exporter_adds_only_what_is_new_and_survives_a_reset() -> None:
     assert registry.get_sample_value("kvcore_transfer_bytes_total", labels) == 13
     assert registry.get_sample_value("kvcore_transfer_issue_seconds_count", labels) == 2
     assert registry.get_sample_value("kvcore_transfer_issue_seconds_sum", labels) == 2e-5
-    metrics.set_pinned(5, 10)
+    metrics.record_allocation(3)
     exporter.export_once()
-    assert registry.get_sample_value("kvcore_pinned_bytes_in_use") == 5
+    assert registry.get_sample_value("kvcore_allocator_one_run_fraction") == 0.0
 
 
 def test_nothing_starts_without_multiprocess_mode(monkeypatch: pytest.MonkeyPatch) -> None:
