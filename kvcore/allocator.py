@@ -6,7 +6,7 @@ the remainder from the best-fitting run. It fails exactly when fewer slots are
 free than asked for, like the engines' own allocators, so a caller that decides
 evictions from ``available_size()`` behaves the same.
 
-Not thread-safe: callers serialise (SGLang's pool lock, the pinned arena's lock).
+Not thread-safe: callers serialise (SGLang's pool lock).
 """
 
 from __future__ import annotations
