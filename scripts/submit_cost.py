@@ -30,10 +30,11 @@ from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.bench.measure import queued_host_seconds
 from kvcore.bench.other_jobs import execute_per_layer
 from kvcore.direction import Direction
-from kvcore.kernels import triton_rows
+from kvcore.kernels import triton_kernels
 from kvcore.kernels.cudart import loaded_cudart
 from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import gather_rows_uva
+from kvcore.kernels.triton_tile import default_tile
 from kvcore.layers import layer_pairs
 from kvcore.mover import Mover, TransferPath, plan
 
@@ -219,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     grid = (8,)
     launch_args = (host, dev, scattered_dev, contiguous_dev, rows, words, words)
-    rows_per_tile, block_w = triton_rows.default_tile(words, 8)
+    rows_per_tile, block_w = default_tile(words, 8)
     constants = {"WORDS": words, "ROWS": rows_per_tile, "BLOCK_W": block_w, "ALIGN": 2}
-    kernel = triton_rows._gather_rows_kernel
+    kernel = triton_kernels._gather_rows_kernel
     item("triton_jit_launch", lambda: kernel[grid](*launch_args, **constants, num_warps=8))
     pointers = tuple(t.data_ptr() for t in (host, dev, scattered_dev, contiguous_dev))
     every_arg = (*pointers, rows, words, words, *constants.values())

@@ -4,7 +4,7 @@ Each setting copies ``--tokens`` rows between a registered host buffer and devic
 host rows scattered token by token (the worst case), in both directions, and is checked
 byte for byte. The contiguous pinned copy of the same bytes, measured in the same run, is
 the ceiling. Used to choose ``default_tile`` and the default CTA count in
-kvcore/kernels/triton_rows.py; the chosen defaults are then measured by ``kvcore bench``.
+kvcore/kernels/triton_tile.py; the chosen defaults are then measured by ``kvcore bench``.
 
     python scripts/tune_gather.py --row-bytes 1152,4096 --json out/tune.json
 """
@@ -20,7 +20,8 @@ import statistics
 import torch
 
 from kvcore.bench.host_buffers import allocate_host_buffer
-from kvcore.kernels.triton_rows import default_tile, gather_rows_uva
+from kvcore.kernels.triton_rows import gather_rows_uva
+from kvcore.kernels.triton_tile import default_tile
 
 WORD_BYTES = 8
 MAX_TILE_BYTES = 128 * 1024

@@ -23,12 +23,9 @@ from kvcore.kernels.batch_copy import (
 )
 from kvcore.kernels.cudart import device_address
 from kvcore.kernels.index_upload import IndexUploader, KeptUpload
-from kvcore.kernels.triton_rows import (
-    LayeredLaunch,
-    layer_table,
-    row_gather,
-    triton_available,
-)
+from kvcore.kernels.triton_kernels import triton_available
+from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
+from kvcore.kernels.triton_rows import row_gather
 from kvcore.layers import LayerPairs
 from kvcore.runs import PairedRuns, Runs, slice_runs
 

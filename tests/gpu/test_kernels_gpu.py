@@ -13,7 +13,9 @@ from kvcore.kernels.batch_copy import (
     copy_runs_batched,
     copy_runs_each,
 )
-from kvcore.kernels.triton_rows import gather_rows_uva, gather_sm_count, triton_available
+from kvcore.kernels.triton_kernels import triton_available
+from kvcore.kernels.triton_rows import gather_rows_uva
+from kvcore.kernels.triton_tile import gather_sm_count
 from kvcore.runs import find_paired_runs
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.direction import Direction
 from kvcore.kernels.batch_copy import batch_copy_available
 from kvcore.kernels.cudart import device_address
-from kvcore.kernels.triton_rows import triton_available
+from kvcore.kernels.triton_kernels import triton_available
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, TransferPath, plan

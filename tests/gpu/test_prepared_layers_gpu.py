@@ -1,7 +1,7 @@
 """The prepared per-layer gather on a real GPU: one launch a layer, compiled once.
 
 An engine reloads layer by layer, each request with new indices. After a table's first
-launch through Triton's JIT, :class:`kvcore.kernels.triton_rows.LayeredLaunch` calls the
+launch through Triton's JIT, :class:`kvcore.kernels.triton_layers.LayeredLaunch` calls the
 compiled kernel directly, so every later request (other row counts, indices at other
 addresses and alignments) must still copy exactly the rows asked for: checked against a
 per-index copy, with the untouched rows (random bytes) and the unchanged sources.
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvcore.direction import Direction
-from kvcore.kernels import triton_rows
-from kvcore.kernels.triton_rows import triton_available
+from kvcore.kernels import triton_tile
+from kvcore.kernels.triton_kernels import triton_available
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, TransferPath, plan
@@ -74,13 +74,13 @@ def test_requests_of_every_size_after_the_first_launch_copy_exactly(row_bytes, d
 
 def test_later_launches_skip_the_jit_and_indices_at_odd_addresses_still_copy(monkeypatch):
     jit_launches = []
-    through_jit = triton_rows._Launch.run
+    through_jit = triton_tile._Launch.run
 
     def counted(self, *args, **kwargs):
         jit_launches.append(args[0])
         return through_jit(self, *args, **kwargs)
 
-    monkeypatch.setattr(triton_rows._Launch, "run", counted)
+    monkeypatch.setattr(triton_tile._Launch, "run", counted)
     host = [_random(ROWS, 1152, host=True) for _ in range(2)]
     device = [_random(ROWS, 1152, host=False) for _ in range(2)]
     pairs = layer_pairs(host, device)

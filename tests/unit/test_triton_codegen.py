@@ -27,20 +27,23 @@ def _ptx(kernel_name: str, words: int, layered: bool) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvcore.kernels import triton_rows
+    from kvcore.kernels import triton_kernels, triton_tile
 
     pointers = (*_POINTERS[:2], "table_ptr", *_POINTERS[2:]) if layered else _POINTERS
     signature = {name: "*i64" for name in pointers} | _COMMON
     if layered:
         signature["n_layers"] = "i32"
     signature |= {name: "constexpr" for name in _CONSTEXPRS}
-    rows, block_w = triton_rows.default_tile(words, 8)
+    rows, block_w = triton_tile.default_tile(words, 8)
     constants = {"WORDS": words, "ROWS": rows, "BLOCK_W": block_w, "ALIGN": 2}
     names = list(signature)
     # The buffers are 16-byte aligned, as Triton specialises them at launch.
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in pointers}
     source = ASTSource(
-        fn=getattr(triton_rows, kernel_name), signature=signature, constexprs=constants, attrs=attrs
+        fn=getattr(triton_kernels, kernel_name),
+        signature=signature,
+        constexprs=constants,
+        attrs=attrs,
     )
     try:
         compiled = triton.compile(source, target=GPUTarget(*H200), options={"num_warps": 8})

@@ -18,7 +18,7 @@ pytestmark = needs_triton
 _RUNNER = """
 import sys
 import torch
-from kvcore.kernels.triton_rows import gather_layers_uva, layer_table
+from kvcore.kernels.triton_layers import gather_layers_uva, layer_table
 
 cases = torch.load(sys.argv[1])
 results = []
@@ -205,7 +205,7 @@ def test_a_launch_hook_is_seen_only_while_one_is_set():
     holds its hooks in a chain that is never None, empty until a hook is added."""
     import triton
 
-    from kvcore.kernels.triton_rows import launch_hooked
+    from kvcore.kernels.triton_layers import launch_hooked
 
     chain = triton.knobs.runtime.launch_enter_hook
     assert not launch_hooked()

@@ -207,12 +207,12 @@ def test_pitched_case_really_has_a_pitch() -> None:
 
 
 def test_default_tile_sizes() -> None:
-    triton_rows = pytest.importorskip("kvcore.kernels.triton_rows")
-    assert triton_rows.default_tile(144, 8) == (64, 256)  # 1152 B rows as int64 words
-    assert triton_rows.default_tile(512, 8) == (16, 512)  # 4 KiB rows
-    assert triton_rows.default_tile(2048, 8) == (4, 2048)  # 16 KiB rows
-    assert triton_rows.default_tile(5120, 8) == (2, 4096)  # 40 KiB rows: two column blocks
-    assert triton_rows.default_tile(1, 8) == (1024, 1)  # tiny rows: row count capped
+    triton_tile = pytest.importorskip("kvcore.kernels.triton_tile")
+    assert triton_tile.default_tile(144, 8) == (64, 256)  # 1152 B rows as int64 words
+    assert triton_tile.default_tile(512, 8) == (16, 512)  # 4 KiB rows
+    assert triton_tile.default_tile(2048, 8) == (4, 2048)  # 16 KiB rows
+    assert triton_tile.default_tile(5120, 8) == (2, 4096)  # 40 KiB rows: two column blocks
+    assert triton_tile.default_tile(1, 8) == (1024, 1)  # tiny rows: row count capped
 
 
 _REUSE_RUNNER = """
