@@ -23,10 +23,9 @@ from kvcore.config import engine_config
 from kvcore.patching.mode import patched_mode_enabled as engine_patched_mode
 from kvcore.patching.spec import EngineSpec, PatchTarget
 from kvcore_vllm import guard, plugin
+from kvcore_vllm.installation import INSTALLATION
 
 logger = logging.getLogger("kvcore.vllm")
-
-_hooked: list[str] = []
 
 
 def patched_mode_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -46,18 +45,18 @@ def hook(target: str, original: Any) -> Any:
         config.configure_logging()
         # The plugin's own change, made while vLLM's factory module is still executing
         # (its class and the stock entries exist by the time the patch line runs).
-        plugin._install()
+        plugin.install_spec()
     except Exception:
         # A failure here must leave vLLM importable and stock, never stop it.
         logger.exception("kvcore: hooking %s failed; it stays stock", target)
         return original
-    _hooked.append(target)
-    return plugin._load_spec
+    INSTALLATION.note_hooked(target)
+    return plugin.load_spec
 
 
 def hooked_targets() -> tuple[str, ...]:
-    """The targets the patched source hooked in this process."""
-    return tuple(_hooked)
+    """The targets the patched source hooked in this process (until an uninstall)."""
+    return INSTALLATION.hooked
 
 
 def _targets(version: str) -> tuple[PatchTarget, ...]:

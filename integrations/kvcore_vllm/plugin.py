@@ -35,10 +35,10 @@ from kvcore_vllm.guard import (
     refusals,
     targets_for,
 )
+from kvcore_vllm.installation import INSTALLATION
 
 DEFAULT_SPEC_NAME = "CPUOffloadingSpec"
 SPEC_NAME = "KVCoreCPUOffloadingSpec"
-SPEC_MODULE = "kvcore_vllm.spec"
 REGISTRY_TARGET = (
     f"vllm.v1.kv_offload.factory.OffloadingSpecFactory._registry[{DEFAULT_SPEC_NAME!r}]"
 )
@@ -56,12 +56,6 @@ def spec_targets(version: str | None) -> list[str]:
 logger = logging.getLogger("kvcore.vllm")
 
 _lock = threading.Lock()
-# What activation decided in this process; vLLM may load the plugin more than once.
-_decided: EngineStatus | None = None
-# What _install found in the factory's registry: the default name's loader, and whether
-# kvcore's own name was already there (the two entries uninstall puts back).
-_replaced: tuple[object, bool] | None = None
-_ABSENT = object()
 
 
 def register() -> None:
@@ -88,9 +82,9 @@ def activate(
 
 
 def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]]) -> EngineStatus:
-    global _decided
-    if _decided is not None and config.enabled_for(ENGINE):
-        return _decided
+    decided = INSTALLATION.decided
+    if decided is not None and config.enabled_for(ENGINE):
+        return decided
     status = check(config, fingerprints)
     if not status.enabled or not status.installed:
         return status
@@ -113,7 +107,7 @@ def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]])
             first["reason"],
         )
     else:
-        _install()
+        install_spec()
         status.patched_targets = spec_targets(status.version)
         announce_activation(logger, "vLLM", status, config.transfers, config.serve_rule)
         if config.metrics:
@@ -121,7 +115,7 @@ def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]])
             # prometheus_client's multiprocess files, when vLLM turns that mode on.
             start_multiprocess_export()
     status.plugin_applied = True
-    _decided = status
+    INSTALLATION.decide(status)
     return status
 
 
@@ -152,51 +146,35 @@ def status(config: KVCoreConfig) -> EngineStatus:
     """What activation did in this process (``plugin_applied``) with what the guard would
     decide now, or only the latter where the plugin did not run."""
     verdict = check(config)
-    if _decided is not None and config.enabled_for(ENGINE):
-        applied = copy.deepcopy(_decided)
+    decided = INSTALLATION.decided
+    if decided is not None and config.enabled_for(ENGINE):
+        applied = copy.deepcopy(decided)
         applied.would_patch = verdict.would_patch
         applied.guard_seconds = verdict.guard_seconds
         return applied
     return verdict
 
 
-def _install() -> None:
-    global _replaced
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-    registry = OffloadingSpecFactory._registry
-    if _replaced is None:
-        _replaced = (registry.get(DEFAULT_SPEC_NAME, _ABSENT), SPEC_NAME in registry)
+def install_spec() -> None:
+    """kvcore's spec behind the factory's default name, and under its own name where that
+    is free; what each held is recorded in :data:`INSTALLATION`. Idempotent."""
     # register_spec refuses a taken name, and the default name is taken by vLLM's own
-    # spec; its registry maps a name to a zero-argument loader, so swap that loader.
-    registry[DEFAULT_SPEC_NAME] = _load_spec
-    if SPEC_NAME not in registry:
-        OffloadingSpecFactory.register_spec(SPEC_NAME, SPEC_MODULE, SPEC_NAME)
+    # spec; its registry maps a name to a zero-argument loader, so kvcore's loader goes
+    # in directly, under both names.
+    INSTALLATION.point_factory_entry(DEFAULT_SPEC_NAME, load_spec, replace=True)
+    INSTALLATION.point_factory_entry(SPEC_NAME, load_spec, replace=False)
 
 
 def uninstall() -> None:
-    """Put the factory's entries back as :func:`activate` found them and forget its
-    decision, so the process is as one that never loaded the plugin (a spec vLLM already
-    built keeps working: the handlers belong to its worker). Safe to call twice."""
-    global _decided, _replaced
+    """Put back everything kvcore changed in vLLM, each original object as activation found
+    it, and forget its decision, so the process is as one that never loaded the plugin
+    (:meth:`kvcore_vllm.installation.Installation.uninstall`). Safe to call twice."""
     with _lock:
-        replaced, _replaced = _replaced, None
-        _decided = None
-        if replaced is None:
-            return
-        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-        registry = OffloadingSpecFactory._registry
-        loader, had_own_name = replaced
-        if loader is _ABSENT:
-            registry.pop(DEFAULT_SPEC_NAME, None)
-        else:
-            registry[DEFAULT_SPEC_NAME] = loader
-        if not had_own_name:
-            registry.pop(SPEC_NAME, None)
+        INSTALLATION.uninstall()
 
 
-def _load_spec() -> type:
+def load_spec() -> type:
+    """The factory's loader for kvcore's spec (vLLM and the spec are imported on call)."""
     from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 
     return KVCoreCPUOffloadingSpec

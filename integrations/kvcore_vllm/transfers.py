@@ -51,6 +51,7 @@ from kvcore.planning import plan
 from kvcore.runs import has_duplicates
 from kvcore.streams import CudaStreams, NamedStreams, OrderedJobs
 from kvcore.warm_up import warm_up
+from kvcore_vllm.installation import INSTALLATION
 from kvcore_vllm.page_rows import PageRows, page_rows
 from kvcore_vllm.stock_copies import StockCopies, gpu_tensors_of
 
@@ -430,7 +431,8 @@ def _succeeded(job_id: int, nbytes: int, seconds: float | None) -> TransferResul
 def install_handlers(
     worker: Any, config: KVCoreConfig, metrics: Metrics | None = None
 ) -> list[str]:
-    """Replace ``worker``'s stock handlers by kvcore's; returns the attributes replaced.
+    """Replace ``worker``'s stock handlers by kvcore's, recorded for the plugin's uninstall;
+    returns the attributes replaced.
 
     Handlers whose GPU tensors are not CUDA tensors stay stock (counted). The handlers
     share one mover, so one staging buffer per GPU: its leases order the streams that
@@ -463,7 +465,7 @@ def install_handlers(
             metrics=metrics,
             stock_rules=config.serve_rule,
         )
-        setattr(worker, attribute, handler)
+        INSTALLATION.replace_handler(worker, attribute, handler)
     return list(stocks)
 
 

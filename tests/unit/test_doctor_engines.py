@@ -12,7 +12,7 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -98,15 +98,16 @@ def fake_sglang(fake_engine, monkeypatch) -> Path:
 
 
 @pytest.fixture
-def fake_vllm(fake_engine, monkeypatch) -> Path:
-    """vLLM 0.33.0 whose guarded functions match the recorded fingerprints."""
+def fake_vllm(fake_engine, monkeypatch) -> Iterator[Path]:
+    """vLLM 0.33.0 whose guarded functions match the recorded fingerprints, in a process
+    whose plugin has decided nothing yet."""
     root = fake_engine("vllm", "0.33.0", (t.name for t in vllm_guard.TARGETS))
     recorded = {
         t.qualname: fingerprint.fingerprint_target(t.name, root) for t in vllm_guard.TARGETS
     }
     monkeypatch.setitem(vllm_guard.FINGERPRINTS, "0.33.0", recorded)
-    monkeypatch.setattr(vllm_plugin, "_decided", None)
-    return root
+    with vllm_plugin.INSTALLATION.set_aside():
+        yield root
 
 
 def change_source(root: Path, target: str) -> None:

@@ -32,8 +32,7 @@ pytestmark = pytest.mark.vllm
 def plugins_stay_here() -> Iterator[None]:
     """vLLM 0.25's argument parsing loads the general plugins, kvcore's among them (under
     KVCORE_ENABLE=vllm in the plugin lane): what they change ends with this module."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plugin, "_decided", None)
+    with pytest.MonkeyPatch.context() as patch, plugin.INSTALLATION.set_aside():
         patch.setattr(vllm.plugins, "plugins_loaded", vllm.plugins.plugins_loaded)
         patch.setattr(OffloadingSpecFactory, "_registry", dict(OffloadingSpecFactory._registry))
         yield

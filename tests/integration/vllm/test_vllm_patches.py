@@ -66,14 +66,16 @@ def test_hook_follows_kvcore_enable(monkeypatch):
     def stock_loader() -> type:
         raise AssertionError("not called")
 
-    monkeypatch.setattr(patched, "_hooked", [])  # a patched lane's import hooked already
-    for value in ("0", "sglang"):
-        monkeypatch.setenv("KVCORE_ENABLE", value)
-        assert patched.hook(plugin.REGISTRY_TARGET, stock_loader) is stock_loader
-    assert patched.hooked_targets() == ()
-    # A target the adapter does not hook stays as it is, whatever the setting.
-    monkeypatch.delenv("KVCORE_ENABLE")
-    assert patched.hook("vllm.v1.Other.thing", stock_loader) is stock_loader
+    # Set aside: a patched lane's import hooked already.
+    with plugin.INSTALLATION.set_aside():
+        for value in ("0", "sglang"):
+            monkeypatch.setenv("KVCORE_ENABLE", value)
+            assert patched.hook(plugin.REGISTRY_TARGET, stock_loader) is stock_loader
+        assert patched.hooked_targets() == ()
+        # A target the adapter does not hook stays as it is, whatever the setting.
+        monkeypatch.delenv("KVCORE_ENABLE")
+        assert patched.hook("vllm.v1.Other.thing", stock_loader) is stock_loader
+        assert patched.hooked_targets() == ()
 
 
 _PATCHED_RUN = """
@@ -86,7 +88,7 @@ registry = factory.OffloadingSpecFactory._registry
 report = {
     "file": factory.__file__,
     "hooked": list(patched.hooked_targets()),
-    "default_loader_is_kvcore": registry["CPUOffloadingSpec"] is plugin._load_spec,
+    "default_loader_is_kvcore": registry["CPUOffloadingSpec"] is plugin.load_spec,
     "names": sorted(registry),
 }
 names = sorted(registry)
@@ -94,7 +96,7 @@ status = plugin.activate(KVCoreConfig(enable=frozenset({"vllm"})))
 report["plugin_patched"] = status.patched_targets
 report["plugin_skipped"] = status.skipped_targets
 report["registry_unchanged"] = sorted(registry) == names
-report["still_kvcore"] = registry["CPUOffloadingSpec"] is plugin._load_spec
+report["still_kvcore"] = registry["CPUOffloadingSpec"] is plugin.load_spec
 print(json.dumps(report))
 """
 

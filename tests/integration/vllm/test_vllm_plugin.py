@@ -19,7 +19,7 @@ from vllm_support import SHAPE, name, spec_args, spec_selection
 import kvcore_vllm
 from kvcore.config import KVCoreConfig
 from kvcore.fingerprint import package_root
-from kvcore_vllm import guard, plugin
+from kvcore_vllm import guard, patched, plugin
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 
@@ -42,11 +42,19 @@ ENABLED = KVCoreConfig(enable={"vllm"})
 
 @pytest.fixture(autouse=True)
 def fresh_process_state(monkeypatch):
-    """Each test starts as a process that has not loaded the plugin, and leaves none behind."""
-    monkeypatch.setattr(plugin, "_decided", None)
-    monkeypatch.setattr(plugin, "_replaced", None)
+    """Each test starts as a process that has not loaded the plugin, and leaves none behind:
+    the test fails unless the plugin's uninstall puts back every factory entry it found."""
     monkeypatch.setattr(OffloadingSpecFactory, "_registry", dict(OffloadingSpecFactory._registry))
     monkeypatch.delenv("KVCORE_ENABLE", raising=False)
+    found = dict(OffloadingSpecFactory._registry)
+    with plugin.INSTALLATION.set_aside():
+        yield
+    changed = {
+        name
+        for name in found.keys() | OffloadingSpecFactory._registry.keys()
+        if OffloadingSpecFactory._registry.get(name) is not found.get(name)
+    }
+    assert not changed, f"uninstall left these factory entries changed: {sorted(changed)}"
 
 
 def _default_spec() -> type:
@@ -116,6 +124,40 @@ def test_uninstall_puts_the_factory_back_as_it_was_found(monkeypatch):
     assert _default_spec() is KVCoreCPUOffloadingSpec
     plugin.uninstall()
     assert OffloadingSpecFactory._registry == found
+
+
+class StandIn:
+    """A worker or a handler: any object the installation can refer to weakly, as to vLLM's."""
+
+
+def test_uninstall_restores_every_original_object_and_installs_again(monkeypatch):
+    """Every target install touches (the factory's entries, as activation and a patched
+    source write them, and a worker's handlers) holds its original object again after
+    uninstall, and a second install after it changes them all again."""
+    OffloadingSpecFactory._registry.pop(plugin.SPEC_NAME, None)
+    stock_loader = OffloadingSpecFactory._registry[plugin.DEFAULT_SPEC_NAME]
+    worker = StandIn()
+    worker._store_handler, worker._load_handler = StandIn(), StandIn()
+    stock_handlers = vars(worker).copy()
+    monkeypatch.setenv("KVCORE_ENABLE", "vllm")
+    for _ in range(2):
+        plugin.register()
+        assert patched.hook(plugin.REGISTRY_TARGET, stock_loader) is plugin.load_spec
+        kvcore_handlers = {attribute: StandIn() for attribute in stock_handlers}
+        for attribute, handler in kvcore_handlers.items():
+            plugin.INSTALLATION.replace_handler(worker, attribute, handler)
+        registry = OffloadingSpecFactory._registry
+        assert registry[plugin.DEFAULT_SPEC_NAME] is plugin.load_spec
+        assert registry[plugin.SPEC_NAME] is plugin.load_spec
+        assert vars(worker) == kvcore_handlers
+        assert patched.hooked_targets() == (plugin.REGISTRY_TARGET,)
+        assert kvcore_vllm.status(ENABLED).plugin_applied
+        plugin.uninstall()
+        assert registry[plugin.DEFAULT_SPEC_NAME] is stock_loader
+        assert plugin.SPEC_NAME not in registry
+        assert all(getattr(worker, a) is held for a, held in stock_handlers.items())
+        assert patched.hooked_targets() == ()
+        assert not kvcore_vllm.status(ENABLED).plugin_applied
 
 
 @pytest.mark.parametrize(("transfers", "said"), [("0", "off"), ("1", "on")])
