@@ -42,12 +42,12 @@ class _FactoryEntry:
 class _WorkerHandler:
     """One worker attribute kvcore put its handler in, and the handler it held before.
 
-    Both are held weakly: a worker vLLM has shut down, its KV tensors with it, must not be
-    kept alive for an uninstall that may never come."""
+    Both are held weakly where their classes allow it: a worker vLLM has shut down, its KV
+    tensors with it, must not be kept alive for an uninstall that may never come."""
 
-    worker: weakref.ref[Any]
+    worker: Callable[[], Any]
     attribute: str
-    original: weakref.ref[Any]
+    original: Callable[[], Any]
 
 
 @dataclass
@@ -56,6 +56,15 @@ class _Record:
     factory: dict[str, _FactoryEntry] = field(default_factory=dict)
     handlers: list[_WorkerHandler] = field(default_factory=list)
     hooked: list[str] = field(default_factory=list)
+
+
+def _held(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj``, or a strong one where its class allows no weak
+    references: recording what kvcore replaced must never fail the engine's call."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 class Installation:
@@ -95,7 +104,7 @@ class Installation:
         """Put ``handler`` in ``worker.attribute``, remembering the handler it replaces."""
         original = getattr(worker, attribute)
         with self._lock:
-            entry = _WorkerHandler(weakref.ref(worker), attribute, weakref.ref(original))
+            entry = _WorkerHandler(_held(worker), attribute, _held(original))
             self._record.handlers.append(entry)
         setattr(worker, attribute, handler)
 

@@ -294,3 +294,21 @@ def test_a_bad_kvcore_setting_leaves_vllm_stock_and_says_so(monkeypatch, caplog)
     message = record.getMessage()
     assert message.startswith("kvcore: KVCORE_GATHER_CTAS='many': not an integer; ")
     assert message.endswith("unset KVCORE_GATHER_CTAS for the default (8); vLLM runs stock")
+
+
+def test_a_handler_without_weak_references_is_still_replaced_and_restored():
+    from kvcore_vllm.installation import Installation
+
+    class Worker:
+        __slots__ = ("_store_handler",)
+
+    class Handler:
+        __slots__ = ()
+
+    worker, original, mine = Worker(), Handler(), Handler()
+    worker._store_handler = original
+    installation = Installation()
+    installation.replace_handler(worker, "_store_handler", mine)
+    assert worker._store_handler is mine
+    installation.uninstall()
+    assert worker._store_handler is original
