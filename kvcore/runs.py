@@ -172,21 +172,20 @@ def _within(low: int, high: int, size: int, name: str) -> int:
 
 
 def has_duplicates(index: torch.Tensor) -> bool:
-    values = check_index(index).numpy()
+    checked = check_index(index)
+    values = checked.numpy()
     if values.size < 2:
         return False
     if int(values.min()) < 0:
         return int(np.unique(values).size) != values.size
-    steps = _SCRATCH.arrays(values.size - 1)[0]
-    np.subtract(values[1:], values[:-1], out=steps)
-    return _has_duplicates(values, steps, int(values.max()) + 1)
+    return has_duplicates_below(checked, int(values.max()) + 1)
 
 
 def has_duplicates_below(index: torch.Tensor, span: int) -> bool:
     """:func:`has_duplicates` for an index already bounds-checked: every entry lies in
     ``[0, span)`` (``span`` as :func:`check_bounds` returns it), so no pass looks for
     its ends again."""
-    values = index.numpy()
+    values = check_index(index).numpy()
     if values.size < 2:
         return False
     steps = _SCRATCH.arrays(values.size - 1)[0]
