@@ -29,6 +29,7 @@ from kvcore.runs import (
     find_paired_runs,
     find_runs,
     has_duplicates_below,
+    run_count_up_to,
     segment_transfer,
     slice_runs,
     span_and_run_count,
@@ -267,22 +268,17 @@ def _gather_if_host_rules_out_dma(
     if rows <= policy.max_dma_runs or rows != dst_idx.numel():
         return None
     page_in = direction is Direction.H2D
-    src_row_bytes = row_bytes(src)
-    host_name = "src_idx" if page_in else "dst_idx"
-    host_span, host_run_count = span_and_run_count(
-        src_idx if page_in else dst_idx,
-        (src if page_in else dst).shape[0],
-        host_name,
-        count_up_to=max(policy.max_dma_runs, policy.max_batched_runs),
+    # Counted before any bounds pass: where a DMA path stays open, plan() segments (and
+    # bounds) both sides anyway.
+    host_run_count = run_count_up_to(
+        src_idx if page_in else dst_idx, max(policy.max_dma_runs, policy.max_batched_runs)
     )
-    if not rules_out_dma(host_run_count, rows * src_row_bytes, policy):
+    if not rules_out_dma(host_run_count, rows * row_bytes(src), policy):
         return None
     if fallback_reason(src, dst) is not None:
         return None
-    if page_in:
-        src_span, dst_span = host_span, check_bounds(dst_idx, dst.shape[0], "dst_idx")
-    else:
-        src_span, dst_span = check_bounds(src_idx, src.shape[0], "src_idx"), host_span
+    src_span = check_bounds(src_idx, src.shape[0], "src_idx")
+    dst_span = check_bounds(dst_idx, dst.shape[0], "dst_idx")
     if has_duplicates_below(dst_idx, dst_span):
         raise ValueError("dst_idx holds duplicate indices")
     return _decided(

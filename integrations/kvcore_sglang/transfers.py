@@ -848,7 +848,8 @@ def _make_backup_hook(
         if _bypass_if_never(original, pool, _BACKUP, rule, io_backend):
             stock()
             return
-        reason = None if rule is None else rule.decision(_count_of(host_indices))
+        tokens = _count_of(host_indices)
+        reason = None if rule is None else rule.decision(tokens)
         if reason is not None:
             _count_request_pass(mover(), reason)
             stock()
@@ -861,7 +862,7 @@ def _make_backup_hook(
         if isinstance(indices, str):
             _serve(stock, pool, indices, Direction.D2H, False)
             return
-        passes = _host_runs_pass(rule, _count_of(host_indices), indices.host, mover().policy)
+        passes = _host_runs_pass(rule, tokens, indices.host, mover().policy)
         if passes is not None:
             _count_request_pass(mover(), passes)
             stock()
