@@ -193,28 +193,37 @@ def holders(target: Any, depth: int = 4, width: int = 3, limit: int = 12) -> lis
     gc.collect()
     walker = {_walk_holders.__code__, holders.__code__}
     chains: list[str] = []
-    _walk_holders(target, [_holder_name(target)], depth, width, walker, chains)
+    _walk_holders(target, [_holder_name(target)], depth, width, walker, set(), chains)
     return chains[:limit]
 
 
 def _walk_holders(
-    obj: Any, chain: list[str], depth: int, width: int, walker: set[Any], chains: list[str]
+    obj: Any,
+    chain: list[str],
+    depth: int,
+    width: int,
+    walker: set[Any],
+    own_lists: set[int],
+    chains: list[str],
 ) -> None:
+    """``own_lists``: ids of the lists of referrers the walk itself holds on this path,
+    which refer to every object below them and are no one's reason to keep it."""
     if depth == 0 or len(chains) >= 64:
         chains.append(" <- ".join(chain))
         return
     found = [
         r
         for r in gc.get_referrers(obj)
-        if not (isinstance(r, types.FrameType) and r.f_code in walker)
-        and r is not chain
-        and r is not chains
+        if not (isinstance(r, types.FrameType) and r.f_code in walker) and id(r) not in own_lists
     ]
     if not found:
         chains.append(" <- ".join(chain))
         return
-    for referrer in found[:width]:
-        _walk_holders(referrer, [*chain, _holder_name(referrer)], depth - 1, width, walker, chains)
+    chosen = found[:width]
+    below = own_lists | {id(found), id(chosen)}
+    for referrer in chosen:
+        name = _holder_name(referrer)
+        _walk_holders(referrer, [*chain, name], depth - 1, width, walker, below, chains)
 
 
 def _holder_name(obj: Any) -> str:
