@@ -279,11 +279,23 @@ class VLLMRules:
     stay with vLLM's Triton kernel, which moves them as fast as kvcore's gather for less
     host time."""
 
+    stock_scattered_loads_from_page_bytes: int | None = 1 << 20
+    """Loads over a single KV tensor (cross-layer layout) of pages this large stay with
+    stock's batched DMA unless they are one run per group (None: no such rule). Each page
+    is one long DMA there, near the link: in vLLM 0.25.1's engine-shaped sweep on the H200,
+    kvcore's gather moved scattered 4096-page loads of 1 MiB pages at 0.94x stock's speed
+    and of 1.1 MiB pages at 1.00x; one-run loads (a single DMA) at 1.02x."""
+
     def min_pages(self, page_bytes: int) -> int:
         """Pages a submission must cover, on average, for pages of ``page_bytes``."""
         if page_bytes >= self.large_page_bytes:
             return self.min_large_pages_per_submission
         return self.min_pages_per_submission
+
+    def scattered_load_passes(self, page_bytes: int) -> bool:
+        """Whether scattered loads over one KV tensor of pages of ``page_bytes`` stay stock."""
+        limit = self.stock_scattered_loads_from_page_bytes
+        return limit is not None and page_bytes >= limit
 
     def store_passes(self, page_bytes: int) -> bool:
         """Whether stores of pages of ``page_bytes`` stay with stock at any size."""
@@ -382,6 +394,21 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
                 "serves": "only one run per group",
                 "reason": "stock_kernel_load",
                 "evidence": "vLLM's Triton load kernel as fast as kvcore's gather there",
+            }
+        )
+    scattered_from = VLLM_RULES.stock_scattered_loads_from_page_bytes
+    if scattered_from is not None:
+        rows.append(
+            {
+                "engine": "vllm",
+                "pool": "-",
+                "op": "load",
+                "io_backend": "-",
+                "layout": "cross-layer (one KV tensor)",
+                "page_sizes": f">= {scattered_from >> 10} KiB",
+                "serves": "only one run per group",
+                "reason": "stock_dma_large_pages",
+                "evidence": "vLLM 0.25.1 sweep: kvcore's gather 0.94-1.00x of stock's DMA",
             }
         )
     return rows

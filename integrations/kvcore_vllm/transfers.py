@@ -363,7 +363,8 @@ class KVCoreOffloadingHandler:
         those loads only where they are one run per group (a single DMA). Over a model's
         per-layer tensors kvcore's one launch for every layer wins (the vLLM A/B in
         docs/benchmarks.md), so it keeps them. Large pages: stock's batched DMA is near the
-        link, so stores of them stay stock and loads need more pages a submission
+        link, so stores of them stay stock, loads need more pages a submission, and scattered
+        loads over one KV tensor of the largest pages stay stock too
         (:class:`kvcore.serve_rule.VLLMRules` holds the thresholds and their evidence).
         """
         if not self._stock_rules:
@@ -371,17 +372,30 @@ class KVCoreOffloadingHandler:
         if self.gpu_to_cpu and RULES.store_passes(self._page_bytes):
             return "stock_store_large_pages"
         batches = self._batches(segments)
-        if (
-            RULES.stock_kernel_loads
-            and self._stock_loads_by_kernel
-            and all(len(tensors) == 1 for tensors in batches.values())
-            and not all(s.one_run() for s in segments)
-        ):
-            return "stock_kernel_load"
+        reason = self._stock_loads_scattered_pages(batches, segments)
+        if reason is not None:
+            return reason
         pages = sum(s.pages * len(self._group(s).tensors) for s in segments)
         if pages < RULES.min_pages(self._page_bytes) * len(batches):
             return "few_pages"
         return None
+
+    def _stock_loads_scattered_pages(
+        self, batches: dict[tuple[Any, ...], list[int]], segments: list[Segment]
+    ) -> str | None:
+        """Why stock's copy of a scattered load over one KV tensor costs less, if it does:
+        vLLM's Triton kernel where it picked that, its batched DMA where pages are large."""
+        if self.gpu_to_cpu:
+            return None
+        if RULES.stock_kernel_loads and self._stock_loads_by_kernel:
+            reason = "stock_kernel_load"
+        elif RULES.scattered_load_passes(self._page_bytes):
+            reason = "stock_dma_large_pages"
+        else:
+            return None
+        if any(len(tensors) > 1 for tensors in batches.values()):
+            return None
+        return None if all(s.one_run() for s in segments) else reason
 
     def _sides(self, rows: PageRows) -> tuple[torch.Tensor, torch.Tensor]:
         return (rows.gpu, rows.cpu) if self.gpu_to_cpu else (rows.cpu, rows.gpu)

@@ -84,6 +84,7 @@ def test_describe_lists_every_rule_once_with_its_evidence():
         "few_pages",
         "few_pages",
         "stock_kernel_load",
+        "stock_dma_large_pages",
     ]
 
 
@@ -94,6 +95,11 @@ def test_vllm_large_pages_take_their_own_thresholds():
     assert rules.min_pages(large) == rules.min_large_pages_per_submission
     assert rules.store_passes(large) and not rules.store_passes(small)
     assert not replace(rules, stock_stores_from_page_bytes=None).store_passes(large)
+    largest = rules.stock_scattered_loads_from_page_bytes
+    assert largest is not None and largest > large
+    assert rules.scattered_load_passes(largest) and not rules.scattered_load_passes(large)
+    unset = replace(rules, stock_scattered_loads_from_page_bytes=None)
+    assert not unset.scattered_load_passes(largest)
 
 
 def _doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

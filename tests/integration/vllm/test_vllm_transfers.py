@@ -467,6 +467,47 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(monkeypat
         assert [op for op, *_ in mover.ops] == ["copy_runs"]
 
 
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_scattered_loads_of_the_largest_pages_over_one_tensor_stay_with_stocks_dma(
+    monkeypatch, gpu_to_cpu
+):
+    largest = replace(transfers.RULES, stock_scattered_loads_from_page_bytes=256)
+    monkeypatch.setattr(transfers, "RULES", largest)
+    layout = Layout(page_bytes=256, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(23))
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
+    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
+    one_run = [([4, 5, 6], [8, 9, 10], 0)]
+    expected = reference(gpu, host, layout, scattered, gpu_to_cpu)
+    handler.transfer_async(1, *make_job(scattered, gpu_to_cpu))
+    assert_tensors_are(gpu, host, expected)
+    expected = reference(gpu, host, layout, one_run, gpu_to_cpu)
+    handler.transfer_async(2, *make_job(one_run, gpu_to_cpu))
+    assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
+    assert_tensors_are(gpu, host, expected)
+    if gpu_to_cpu:  # stores have rules of their own: kvcore serves both here
+        assert issued == [] and metrics.snapshot()["fallbacks"] == {}
+        assert [op for op, *_ in mover.ops] == ["gather_rows", "copy_runs"]
+    else:
+        assert issued == [4] and metrics.snapshot()["fallbacks"] == {"stock_dma_large_pages": 1}
+        assert [op for op, *_ in mover.ops] == ["copy_runs"]
+
+
+def test_scattered_loads_of_the_largest_pages_over_per_layer_tensors_are_kvcores(monkeypatch):
+    largest = replace(transfers.RULES, stock_scattered_loads_from_page_bytes=256)
+    monkeypatch.setattr(transfers, "RULES", largest)
+    layout = Layout(page_bytes=256, tensors=3, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(29))
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, False)
+    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
+    expected = reference(gpu, host, layout, scattered, False)
+    handler.transfer_async(1, *make_job(scattered, False))
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    assert_tensors_are(gpu, host, expected)
+    assert issued == [] and metrics.snapshot()["fallbacks"] == {}
+    assert [op for op, *_ in mover.ops] == ["gather_rows"] * 3
+
+
 def scattered_load_past_vllms_kernel(tensors: int, seed: int):
     """One scattered load through kvcore's handler over a stock one whose copy op is vLLM's
     Triton kernel (a partial), bytes checked; the mover, metrics and stock's batches."""
