@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
 import time
 import types
@@ -146,6 +147,19 @@ def memory_state(device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:
             "index_ring_events",
         )
         return dict.fromkeys(names), dict.fromkeys(names, "public")
+    pinned = pinned_in_use(device)
+    values: dict[str, Any] = {"cuda_memory_allocated": torch.cuda.memory_allocated(device)}
+    values["pinned_host_in_use"] = pinned
+    values["pinned_tensors_alive"] = pinned_census()
+    reads = dict.fromkeys(values, "public")
+    return values, reads
+
+
+def pinned_in_use(device: torch.device) -> int | None:
+    """Bytes of pinned host blocks handed out and not yet given back, with nothing in
+    flight on ``device``; None where this torch cannot say (or on a CPU)."""
+    if device.type != "cuda":
+        return None
     sync(device)
     # Blocks freed while a stream still used them return to the allocators' counts only
     # when those allocators next look at their events. The device allocator looks on any
@@ -154,22 +168,15 @@ def memory_state(device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:
     torch.empty(1, device=device)
     flushed = flush_pinned_frees()
     sync(device)
-    values: dict[str, Any] = {"cuda_memory_allocated": torch.cuda.memory_allocated(device)}
-    values["pinned_host_in_use"] = None
+    if not flushed:
+        # Unflushed, the count would hold blocks already freed.
+        return None
     try:
-        # Bytes of blocks handed out and not yet given back. The allocator's
-        # ``allocated_bytes`` also counts the free blocks it caches for reuse, which grow
-        # with every new block size anyone pins: a cache, not a leak. Unflushed, the count
-        # would hold blocks already freed, so it is not read then.
-        if flushed:
-            values["pinned_host_in_use"] = torch.cuda.host_memory_stats().get(
-                "active_bytes.current"
-            )
+        # The allocator's ``allocated_bytes`` also counts the free blocks it caches for
+        # reuse, which grow with every new block size anyone pins: a cache, not a leak.
+        return torch.cuda.host_memory_stats().get("active_bytes.current")
     except (RuntimeError, AttributeError):
-        pass
-    values["pinned_tensors_alive"] = pinned_census()
-    reads = dict.fromkeys(values, "public")
-    return values, reads
+        return None
 
 
 def flush_pinned_frees() -> bool:
@@ -197,6 +204,23 @@ def holders(target: Any, depth: int = 4, width: int = 3, limit: int = 12) -> lis
     return chains[:limit]
 
 
+def other_threads() -> list[str]:
+    """Every live thread but the caller's, with where it is now (its innermost frames):
+    a soak's traffic threads must all have ended before its end accounting."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        where: list[str] = []
+        below: types.FrameType | None = frame
+        while below is not None and len(where) < 4:
+            where.append(f"{below.f_code.co_name} {below.f_code.co_filename}:{below.f_lineno}")
+            below = below.f_back
+        lines.append(f"thread {names.get(ident, ident)} at " + " <- ".join(where))
+    return sorted(lines)
+
+
 def _walk_holders(
     obj: Any,
     chain: list[str],
@@ -217,6 +241,10 @@ def _walk_holders(
         if not (isinstance(r, types.FrameType) and r.f_code in walker) and id(r) not in own_lists
     ]
     if not found:
+        if isinstance(obj, types.FrameType):
+            # A finished call's frame that no collected object refers to is kept by C code
+            # (a thread's exception state, an extension); its reference count says how much.
+            chain = [*chain, f"(no collected referrer; {sys.getrefcount(obj) - 3} references)"]
         chains.append(" <- ".join(chain))
         return
     chosen = found[:width]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import numpy as np
@@ -169,6 +170,26 @@ def test_holders_name_what_keeps_an_object_alive():
     # The walk's own lists of referrers (and their iterators) are nobody's reason.
     assert not any("list" in c.split(" <- ")[1:3] for c in chains), chains
     del keeper
+
+
+def test_other_threads_name_each_live_thread_and_where_it_is():
+    entered, release = threading.Event(), threading.Event()
+
+    def still_copying() -> None:
+        entered.set()
+        release.wait(10)
+
+    worker = threading.Thread(target=still_copying, name="traffic")
+    worker.start()
+    try:
+        assert entered.wait(10)
+        lines = soak_state.other_threads()
+    finally:
+        release.set()
+        worker.join()
+    assert any(re.match(r"thread traffic at wait .* <- still_copying ", line) for line in lines)
+    assert not any("other_threads" in line for line in lines), lines
+    assert not any("traffic" in line for line in soak_state.other_threads())
 
 
 def test_prepared_plan_holders_is_empty_for_a_mover_with_nothing_prepared():

@@ -61,6 +61,8 @@ from kvcore.bench.soak_state import (
     memory_state,
     mismatched,
     mover_state,
+    other_threads,
+    pinned_in_use,
     prepared_plan_holders,
     random_rows,
     settle,
@@ -483,6 +485,8 @@ class PoolSoak:
             "seconds": round(elapsed, 3),
             **{k: counts[k] - counts_before[k] for k in ("loads", "backups", "reloads_checked")},
             "held_at_end": len(self.held),
+            # Read after every phase: a leak grows with traffic, a one-time cost does not.
+            "pinned_host_in_use": pinned_in_use(self.device),
             "kvcore": kvcore_counts(before, after),
         }
 
@@ -851,7 +855,7 @@ def _left_held(mover: Mover) -> list[str]:
     del remembered
     while alive:
         lines += holders(alive.pop())
-    return lines
+    return lines + other_threads()
 
 
 def _soak_pool(

@@ -41,6 +41,8 @@ from kvcore.bench.soak_state import (
     RandomPages,
     memory_state,
     mover_state,
+    other_threads,
+    pinned_in_use,
     prepared_plan_holders,
     settle,
     sync,
@@ -422,6 +424,8 @@ class LayoutSoak:
             "seconds": round(elapsed, 3),
             **{k: counts[k] - counts_before[k] for k in ("loads", "backups", "reloads_checked")},
             "stored_at_end": sum(not s.evicted for s in self.stored),
+            # Read after every phase: a leak grows with traffic, a one-time cost does not.
+            "pinned_host_in_use": pinned_in_use(self.device),
             "jobs_left_to_stock": kvcore_counts(handler_before, handlers.metrics.snapshot())[
                 "fallbacks"
             ],
@@ -664,7 +668,7 @@ def run(opts: Options) -> dict[str, Any]:
     accounting.compare(
         baseline, end, reads, CPU_ONLY if device.type != "cuda" else "unreadable here"
     )
-    left_held = prepared_plan_holders(mover) if accounting.leaks else []
+    left_held = prepared_plan_holders(mover) + other_threads() if accounting.leaks else []
     counts = tally.to_dict()
     return {
         "tally": tally,
