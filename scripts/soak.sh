@@ -138,7 +138,11 @@ try:
 except (OSError, ValueError):
     doc = {"engine": engine, "errors": [f"no report: the run ended with status {rc}"], "ok": False}
 with open(text, errors="replace") as fh:
-    found = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", fh.read())]
+    report = fh.read()
+# memcheck ends with "ERROR SUMMARY: N errors", racecheck with "RACECHECK SUMMARY: N hazards
+# displayed (E errors, W warnings)".
+found = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", report)]
+found += [int(n) for n in re.findall(r"hazards? displayed \((\d+) error", report)]
 doc["sanitizer"] = tool
 doc["sanitizer_errors"] = sum(found) if found else None
 doc["exit_status"] = int(rc)
