@@ -14,9 +14,11 @@
 #
 # Settings: SOAK_SECONDS (traffic seconds per engine, 300), SOAK_SEED (0), SANITIZE_SECONDS
 # (traffic seconds per engine and tool, 20), SANITIZE_SGLANG_POOLS (the SGLang pools of the
-# slice: MHA and MLA, both layouts, both page sizes), PART_BUDGET (wall seconds a part may
-# take, 570: the soak cuts its phases short to write its report in time), VSITE (/tmp/vsite),
-# SOAK_DEVICE (cuda; cpu for a dry run of this script where there is no GPU).
+# slice: MHA and MLA, both layouts, both page sizes), SANITIZE_KERNELS (a compute-sanitizer
+# --kernel-name filter, e.g. kns=_gather: check only kernels whose names hold that; all by
+# default), PART_BUDGET (wall seconds a part may take, 570: the soak cuts its phases short
+# to write its report in time), VSITE (/tmp/vsite), SOAK_DEVICE (cuda; cpu for a dry run of
+# this script where there is no GPU).
 # Writes under $OUT (default out/soak) at most six files: env.txt, soak.log,
 # soak-sglang.json / soak-vllm.json / soak-sanitize.json (every slice's document with its
 # sanitizer's verdict), soak-summary.json, and preflight.log where vllm_device_env.sh ran.
@@ -120,7 +122,9 @@ slice() {
     local run=(timeout "$limit")
     [ "$tool" = memcheck ] && run=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${run[@]}")
     echo "-- $engine under compute-sanitizer --tool $tool (limit ${limit}s)" | tee -a "$log"
-    "${run[@]}" "$sanitizer" --tool "$tool" --target-processes all --print-limit 20 \
+    local only=()
+    [ -n "${SANITIZE_KERNELS:-}" ] && only=(--kernel-name "$SANITIZE_KERNELS")
+    "${run[@]}" "$sanitizer" --tool "$tool" --target-processes all --print-limit 20 "${only[@]}" \
         python3 -m kvcore.bench.soak --engine "$engine" --device "$device" --profile sanitize \
         --seconds "$sanitize_seconds" --seed "$seed" --budget $((limit - 40)) \
         --sanitizer "$tool" --json "$json" "${pools[@]}" > "$text" 2>&1
