@@ -2,7 +2,9 @@
 
 The numbers are kept in plain Python so that they cost nothing when nobody reads
 them; :func:`register_prometheus` exposes them through prometheus_client when it
-is installed (the engines' own metrics endpoints then show them).
+is installed (the engines' own metrics endpoints then show them). A hot path that
+passes work to the engine counts its reasons in a tally of its own
+(:meth:`Metrics.fallback_tally`), which the metrics take in whenever they are read.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._tallies: list[tuple[defaultdict[str, int], dict[str, int]]] = []
+        """Each tally handed out, with the counts of it already in :attr:`fallbacks`."""
         self.resets = -1
         self.reset()
 
@@ -73,6 +77,8 @@ class Metrics:
         with self._lock:
             # Exporters that add what is new since their last look start again from zero.
             self.resets += 1
+            for counts, taken in self._tallies:
+                taken.update(counts.copy())
             self.transfer_bytes: dict[TransferKey, int] = defaultdict(int)
             self.transfer_count: dict[TransferKey, int] = defaultdict(int)
             self.transfer_seconds: dict[TransferKey, Histogram] = defaultdict(Histogram)
@@ -93,6 +99,30 @@ class Metrics:
     def record_fallback(self, reason: str) -> None:
         with self._lock:
             self.fallbacks[reason] += 1
+
+    def fallback_tally(self) -> defaultdict[str, int]:
+        """Fallback counts by reason for one thread to add to, ``tally[reason] += 1``: no
+        lock and no call, for a path that counts each job it passes to the engine. Every
+        read of these metrics takes in what is new in it, so each count reaches
+        :attr:`fallbacks` once. The metrics keep every tally they hand out (one per
+        handler: a handful in a process)."""
+        tally: defaultdict[str, int] = defaultdict(int)
+        with self._lock:
+            self._tallies.append((tally, {}))
+        return tally
+
+    def _take_in_tallies(self) -> None:
+        """Add to :attr:`fallbacks` what the tallies counted since the last read (the caller
+        holds the lock)."""
+        for counts, taken in self._tallies:
+            # A copy in one step: the tally's thread may add a reason meanwhile. It only
+            # ever raises a count, so what this read misses the next one takes in.
+            now = counts.copy()
+            for reason, count in now.items():
+                new = count - taken.get(reason, 0)
+                if new:
+                    self.fallbacks[reason] += new
+            taken.update(now)
 
     def record_decision(self, decision: str, reason: str) -> None:
         """One request's serve-or-pass decision (``serve`` or ``pass``) and its reason."""
@@ -116,6 +146,7 @@ class Metrics:
     def snapshot(self) -> dict[str, Any]:
         """A plain-data copy of every value, for logs, JSON and tests."""
         with self._lock:
+            self._take_in_tallies()
             allocs = self.allocator_allocs
             return {
                 "resets": self.resets,
@@ -177,6 +208,7 @@ class _PrometheusCollector:
             labels=["decision", "reason"],
         )
         with m._lock:
+            m._take_in_tallies()
             for (decision, reason), n in sorted(m.decisions.items()):
                 decisions.add_metric([decision, reason], n)
             for key in sorted(m.transfer_count):

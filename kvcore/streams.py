@@ -156,13 +156,15 @@ class OrderedJobs:
         self._streams = streams
         self._stream = streams.stream(name)
         self._compute_stream = compute_stream
-        self._jobs: deque[Job] = deque()
+        self.queued: deque[Job] = deque()
+        """The jobs not yet reported, oldest first: the same deque for the queue's life, for
+        callers to test (``if jobs.queued``, no call) and never to change."""
 
     def __len__(self) -> int:
-        return len(self._jobs)
+        return len(self.queued)
 
     def __iter__(self) -> Iterator[Job]:
-        return iter(self._jobs)
+        return iter(self.queued)
 
     def submit(self, job_id: int, nbytes: int, work: Callable[[], None]) -> None:
         """Queue the copies ``work`` issues, after the work queued on the compute stream now.
@@ -183,12 +185,12 @@ class OrderedJobs:
         except BaseException:
             streams.release(start)
             raise
-        self._jobs.append(Job(job_id, nbytes, start, streams.record(stream)))
+        self.queued.append(Job(job_id, nbytes, start, streams.record(stream)))
 
     def finished(self, report: Callable[[int, int, float | None], T]) -> list[T]:
         """``report(job_id, nbytes, seconds)`` for each job finished since the last call, in
         submission order; ``seconds`` is the copies' GPU time, None where events do not time."""
-        jobs, streams = self._jobs, self._streams
+        jobs, streams = self.queued, self._streams
         reports: list[T] = []
         while jobs and streams.query(jobs[0].end):
             job = jobs.popleft()
@@ -201,7 +203,7 @@ class OrderedJobs:
 
     def wait(self, job_ids: Collection[int]) -> None:
         """Block until the jobs named in ``job_ids`` have finished; other ids are ignored."""
-        for job in reversed(self._jobs):
+        for job in reversed(self.queued):
             if job.job_id in job_ids:
                 # The latest one named: those before it finish first.
                 self._streams.synchronize(job.end)
@@ -217,7 +219,7 @@ class OrderedJobs:
     def drain(self) -> None:
         """Block until every job has finished, then forget them all (also when one failed:
         its error propagates and the jobs after it are not waited for)."""
-        jobs, streams = self._jobs, self._streams
+        jobs, streams = self.queued, self._streams
         try:
             while jobs:
                 streams.synchronize(jobs[0].end)

@@ -18,8 +18,10 @@ page only partly copied, a row layout it cannot express, duplicate destinations,
 fallback reason from the planner), or whose copy stock's costs less, is handed whole to
 the stock handler's own ``transfer_async``, and the reason is counted: such a job costs
 what it costs stock, plus kvcore's decision (for the reasons the block count decides,
-a few comparisons). The stock handler keeps it on its own streams and reports it
-through ``get_finished`` and ``wait``, which this handler forwards. So does a job during
+one comparison and one count; ``scripts/vllm_pass_cost.py`` counts the calls). The stock
+handler keeps it on its own streams and reports it through ``get_finished`` and
+``wait``, which this handler forwards, looking into its own queue only while it holds a
+job (``queued``). So does a job during
 which kvcore itself fails (counted ``internal_error:<type>``, logged once per type),
 after the part kvcore queued has finished; a CUDA error is raised instead
 (:mod:`kvcore.internal_errors`). Jobs on different streams may finish out of
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -183,12 +187,22 @@ class KVCoreOffloadingHandler:
         stock_rules: bool = True,
     ) -> None:
         self._stock = StockCopies(stock)
+        # Bound once: every job passes through them (vLLM never swaps a handler's methods).
+        self._stock_transfer_async: Callable[[int, LoadStoreSpec, LoadStoreSpec], bool] = (
+            stock.transfer_async
+        )
+        self._stock_get_finished: Callable[[], list[TransferResult]] = stock.get_finished
+        self._stock_wait: Callable[[set[int]], None] = stock.wait
         self.gpu_to_cpu: bool = self._stock.gpu_to_cpu
         self.direction = Direction.D2H if self.gpu_to_cpu else Direction.H2D
         self.blocks_per_chunk: int = self._stock.blocks_per_chunk
         self._mover = mover
         self._jobs = OrderedJobs(streams, name, compute_stream)
-        self._metrics = metrics
+        self._queued = self._jobs.queued
+        # A pass is counted with no call: the metrics take the tally in when they are read.
+        self._passes: defaultdict[str, int] = (
+            defaultdict(int) if metrics is None else metrics.fallback_tally()
+        )
         self._rows: dict[int, PageRows] = {}
         self._pairs: dict[tuple[int, ...], LayerPairs] = {}
         self._batches_by_groups: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
@@ -202,6 +216,7 @@ class KVCoreOffloadingHandler:
         self._stock_loads_by_kernel = not self.gpu_to_cpu and isinstance(
             self._stock.copy_op, functools.partial
         )
+        self._glance_reason, self._glance_blocks = self._stock_is_cheaper_at_a_glance()
 
     def _describe_groups(self) -> list[_Group | str]:
         if self._stock.canonical_layout:
@@ -228,41 +243,49 @@ class KVCoreOffloadingHandler:
         return groups
 
     def transfer_async(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        gpu_spec, cpu_spec = (src_spec, dst_spec) if self.gpu_to_cpu else (dst_spec, src_spec)
-        if not isinstance(gpu_spec, GPULoadStoreSpec):
-            raise TypeError(f"the GPU side of job {job_id} is a {type(gpu_spec).__name__}")
-        reason = self._stock_is_cheaper_at_a_glance(gpu_spec)
-        if reason is None:
-            segments = split_groups(
-                np.asarray(gpu_spec.block_ids),
-                np.asarray(cpu_spec.block_ids),  # type: ignore[attr-defined]
-                gpu_spec.group_sizes,
-                gpu_spec.block_indices,
-                self.blocks_per_chunk,
-            )
-            try:
-                reason = self._serve(job_id, segments)
-            except Exception as exc:
-                reason = INTERNAL_ERRORS.reason(exc)
-                # Part of the job may be queued on kvcore's stream; stock's copy runs on
-                # stock's streams, so it must not finish (and the pages be reused) first.
-                self._jobs.settle()
+        gpu_spec = src_spec if self.gpu_to_cpu else dst_spec
+        if len(gpu_spec.block_ids) < self._glance_blocks:  # type: ignore[attr-defined]
+            reason = self._glance_reason
+        else:
+            cpu_spec = dst_spec if self.gpu_to_cpu else src_spec
+            reason = self._take(job_id, gpu_spec, cpu_spec)
         if reason is not None:
-            if self._metrics is not None:
-                self._metrics.record_fallback(reason)
-            self._stock.handler.transfer_async(job_id, src_spec, dst_spec)
+            self._passes[reason] += 1
+            self._stock_transfer_async(job_id, src_spec, dst_spec)
         return True
 
-    def _stock_is_cheaper_at_a_glance(self, gpu_spec: GPULoadStoreSpec) -> str | None:
-        """The stock-is-cheaper reasons that the job's block count alone decides, before any
-        work on its ids: a job that passes this way costs kvcore a few comparisons."""
+    def _take(self, job_id: int, gpu_spec: LoadStoreSpec, cpu_spec: LoadStoreSpec) -> str | None:
+        """Queue the job on kvcore's paths; the reason it goes to stock instead, if any."""
+        if not isinstance(gpu_spec, GPULoadStoreSpec):
+            raise TypeError(f"the GPU side of job {job_id} is a {type(gpu_spec).__name__}")
+        segments = split_groups(
+            np.asarray(gpu_spec.block_ids),
+            np.asarray(cpu_spec.block_ids),  # type: ignore[attr-defined]
+            gpu_spec.group_sizes,
+            gpu_spec.block_indices,
+            self.blocks_per_chunk,
+        )
+        try:
+            return self._serve(job_id, segments)
+        except Exception as exc:
+            reason = INTERNAL_ERRORS.reason(exc)
+            # Part of the job may be queued on kvcore's stream; stock's copy runs on
+            # stock's streams, so it must not finish (and the pages be reused) first.
+            self._jobs.settle()
+            return reason
+
+    def _stock_is_cheaper_at_a_glance(self) -> tuple[str | None, int]:
+        """The stock-is-cheaper rule that a job's block count alone decides, read once: jobs
+        of fewer blocks than the count returned go to stock for the reason returned, before
+        any work on their ids (a comparison and a count per job)."""
         if not self._stock_rules:
-            return None
+            return None, 0
         if self.gpu_to_cpu and RULES.store_passes(self._page_bytes):
-            return "stock_store_large_pages"
-        if len(gpu_spec.block_ids) * self._max_tensors < RULES.min_pages(self._page_bytes):
-            return "few_pages"
-        return None
+            return "stock_store_large_pages", sys.maxsize
+        if not self._max_tensors:
+            return "few_pages", sys.maxsize
+        # blocks * tensors < min_pages, as a block count.
+        return "few_pages", -(-RULES.min_pages(self._page_bytes) // self._max_tensors)
 
     def _serve(self, job_id: int, segments: list[Segment]) -> str | None:
         """Submit the job on kvcore's paths; the reason it goes to stock instead, if any."""
@@ -407,14 +430,16 @@ class KVCoreOffloadingHandler:
     def get_finished(self) -> list[TransferResult]:
         """Jobs whose copies have finished, each reported once: kvcore's in submission order,
         then those it handed to the stock handler, in stock's order."""
+        if not self._queued:
+            return self._stock_get_finished()
         results = self._jobs.finished(_succeeded)
-        stock_results: list[TransferResult] = self._stock.handler.get_finished()
-        return results + stock_results
+        return results + self._stock_get_finished()
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the named jobs of this handler have finished; others are ignored."""
-        self._jobs.wait(job_ids)
-        self._stock.handler.wait(job_ids)
+        if self._queued:
+            self._jobs.wait(job_ids)
+        self._stock_wait(job_ids)
 
     def shutdown(self) -> None:
         """Wait for every job, then release this handler's and the stock handler's resources."""

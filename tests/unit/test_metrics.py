@@ -81,6 +81,7 @@ def test_prometheus_exposition_reads_the_store_at_scrape_time() -> None:
     assert register_prometheus(registry, m)  # twice on one registry: no duplicate error
     m.record_transfer("h2d", "gather", 4096, 2e-4)
     m.record_fallback("dtype_mismatch")
+    m.fallback_tally()["few_pages"] += 2
     m.record_allocation(1)
     text = prometheus_client.generate_latest(registry).decode()
     assert 'kvcore_transfer_bytes_total{direction="h2d",path="gather"} 4096.0' in text
@@ -88,5 +89,56 @@ def test_prometheus_exposition_reads_the_store_at_scrape_time() -> None:
     bucket = 'kvcore_transfer_issue_seconds_bucket{direction="h2d",le="0.0003",path="gather"}'
     assert f"{bucket} 1.0" in text
     assert 'kvcore_fallbacks_total{reason="dtype_mismatch"} 1.0' in text
+    assert 'kvcore_fallbacks_total{reason="few_pages"} 2.0' in text
+    # A scrape and a snapshot take the tally in once between them.
+    assert m.snapshot()["fallbacks"] == {"dtype_mismatch": 1, "few_pages": 2}
     assert "kvcore_pinned" not in text
     assert "kvcore_allocator_one_run_fraction 1.0" in text
+
+
+def test_a_tally_reaches_the_fallbacks_once_however_often_they_are_read() -> None:
+    m = Metrics()
+    tally = m.fallback_tally()
+    m.record_fallback("few_pages")
+    tally["few_pages"] += 1
+    tally["few_pages"] += 1
+    tally["stock_store_large_pages"] += 1
+    assert m.snapshot()["fallbacks"] == {"few_pages": 3, "stock_store_large_pages": 1}
+    assert m.snapshot()["fallbacks"] == {"few_pages": 3, "stock_store_large_pages": 1}
+    tally["few_pages"] += 1
+    assert m.snapshot()["fallbacks"] == {"few_pages": 4, "stock_store_large_pages": 1}
+    # A reset forgets what the tally counted before it, not the tally.
+    tally["few_pages"] += 1
+    m.reset()
+    assert m.snapshot()["fallbacks"] == {}
+    tally["few_pages"] += 1
+    assert m.snapshot()["fallbacks"] == {"few_pages": 1}
+
+
+def test_tallies_counting_while_others_read_lose_and_double_nothing() -> None:
+    m = Metrics()
+    reads: list[int] = []
+    done = threading.Event()
+
+    def count() -> None:
+        tally = m.fallback_tally()
+        for n in range(20000):
+            tally["few_pages" if n % 3 else f"reason_{n % 7}"] += 1
+
+    def read() -> None:
+        while not done.is_set():
+            reads.append(sum(m.snapshot()["fallbacks"].values()))
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    counters = [threading.Thread(target=count) for _ in range(2)]
+    for t in readers + counters:
+        t.start()
+    for t in counters:
+        t.join()
+    done.set()
+    for t in readers:
+        t.join()
+    fallbacks = m.snapshot()["fallbacks"]
+    assert sum(fallbacks.values()) == 40000
+    assert fallbacks["few_pages"] == 2 * sum(1 for n in range(20000) if n % 3)
+    assert all(n <= 40000 for n in reads)

@@ -115,6 +115,25 @@ def test_exporter_adds_only_what_is_new_and_survives_a_reset() -> None:
     assert registry.get_sample_value("kvcore_allocator_one_run_fraction") == 0.0
 
 
+def test_exporter_adds_what_a_tally_counts_once() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvcore.metrics_export import MultiprocessExporter
+
+    registry = CollectorRegistry()
+    metrics = Metrics()
+    exporter = MultiprocessExporter(metrics, registry=registry, rank="0")
+    tally = metrics.fallback_tally()
+    labels = {"rank": "0", "reason": "few_pages"}
+    for exported in (3, 5):
+        while tally["few_pages"] < exported:
+            tally["few_pages"] += 1
+        exporter.export_once()
+        metrics.snapshot()
+        exporter.export_once()
+        assert registry.get_sample_value("kvcore_fallbacks_total", labels) == exported
+
+
 def test_nothing_starts_without_multiprocess_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir"):
         monkeypatch.delenv(name, raising=False)

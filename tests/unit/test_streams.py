@@ -82,6 +82,23 @@ def test_jobs_are_reported_once_in_submission_order(
     assert len(jobs) == 0 and streams.held == 0
 
 
+def test_queued_is_one_deque_that_holds_jobs_until_they_are_reported_or_drained(
+    streams: CountingStreams, jobs: OrderedJobs
+) -> None:
+    queued = jobs.queued
+    assert not queued
+    jobs.submit(1, 10, lambda: None)
+    jobs.submit(2, 10, lambda: None)
+    assert [job.job_id for job in queued] == [1, 2]
+    streams.complete(1)
+    jobs.finished(as_tuple)
+    assert [job.job_id for job in queued] == [2]
+    jobs.drain()
+    assert not queued and jobs.queued is queued
+    jobs.submit(3, 10, lambda: None)
+    assert [job.job_id for job in queued] == [3]
+
+
 def test_wait_runs_exactly_up_to_the_latest_named_job(
     streams: CountingStreams, jobs: OrderedJobs
 ) -> None:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_support import spec_args
 
+from kvcore import serve_rule
 from kvcore.bench.vllm import ab
 from kvcore.bench.vllm.ab import Layout, fragmented_ids, kvcore_handler, stock_handler
 from kvcore.config import KVCoreConfig
@@ -710,3 +711,113 @@ def test_a_job_too_small_for_kvcore_goes_to_stock_before_any_work_on_its_ids(
     assert issued == [6] and mover.ops == []
     assert metrics.snapshot()["fallbacks"] == {"few_pages": 1}
     assert_tensors_are(gpu, host, expected)
+
+
+class UncalledMetrics(Metrics):
+    """Metrics that a passed job must not call into: its reason goes to a tally."""
+
+    def record_fallback(self, reason: str) -> None:
+        raise AssertionError(f"a pass ({reason}) called into the metrics")
+
+    def record_pass(self, reason: str) -> None:
+        raise AssertionError(f"a pass ({reason}) called into the metrics")
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_each_passed_job_is_counted_once_with_no_call_into_the_metrics(monkeypatch, gpu_to_cpu):
+    monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, min_pages_per_submission=4))
+    layout = Layout(page_bytes=256, tensors=2, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(14))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+    stock._swap_blocks_batch = memmove_batch([])
+    metrics = UncalledMetrics()
+    handler = kvcore_handler(stock, mover=RecordingMover(SMALL), metrics=metrics)
+    for job_id in range(1, 8):
+        handler.transfer_async(job_id, *make_job([([job_id], [job_id + 8], 0)], gpu_to_cpu))
+        if job_id % 3 == 0:
+            assert metrics.snapshot()["fallbacks"] == {"few_pages": job_id}
+    # A served job counts nothing; the passed ones are each counted once, however often read.
+    handler.transfer_async(8, *make_job([([9, 10], [0, 1], 0)], gpu_to_cpu))
+    assert sorted(r.job_id for r in handler.get_finished()) == list(range(1, 9))
+    assert metrics.snapshot()["fallbacks"] == {"few_pages": 7}
+    assert metrics.snapshot()["fallbacks"] == {"few_pages": 7}
+
+
+def test_with_no_job_of_its_own_the_handler_leaves_its_queue_alone(monkeypatch):
+    monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, min_pages_per_submission=4))
+    layout = Layout(page_bytes=256, tensors=2, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(15))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=True)
+    stock._swap_blocks_batch = memmove_batch([])
+    backend = ManualStreams()
+    handler = kvcore_handler(stock, mover=RecordingMover(SMALL), streams=backend)
+    passed, served = [([1], [4], 0)], [([7, 8], [0, 1], 0)]
+
+    def untouched(*args, **kwargs):
+        raise AssertionError("the handler read its job queue with no job in it")
+
+    with monkeypatch.context() as patched:
+        for name in ("finished", "wait", "__len__", "__iter__"):
+            patched.setattr(transfers.OrderedJobs, name, untouched)
+        assert handler.get_finished() == []
+        handler.transfer_async(1, *make_job(passed, True))
+        handler.wait({1})
+        assert [r.job_id for r in handler.get_finished()] == [1]
+        assert handler.get_finished() == []
+    # With a job of kvcore's queued, its queue is read: its finished jobs come first, in
+    # submission order, then stock's.
+    handler.transfer_async(2, *make_job(served, True))
+    handler.transfer_async(3, *make_job(passed, True))
+    assert [r.job_id for r in handler.get_finished()] == [3]
+    handler.transfer_async(4, *make_job(served, True))
+    handler.transfer_async(5, *make_job(passed, True))
+    backend.complete_all()
+    assert [r.job_id for r in handler.get_finished()] == [2, 4, 5]
+    assert handler.get_finished() == []
+
+
+@pytest.mark.parametrize("tensors", [2, 3])
+@pytest.mark.parametrize("min_pages", [4, 5, 6])
+def test_the_block_count_a_job_passes_under_is_the_page_rule_read_once(
+    monkeypatch, tensors, min_pages
+):
+    monkeypatch.setattr(
+        transfers, "RULES", replace(transfers.RULES, min_pages_per_submission=min_pages)
+    )
+    split: list[int] = []
+
+    def recording_split(gpu_ids, *args):
+        split.append(len(gpu_ids))
+        return transfers_split(gpu_ids, *args)
+
+    transfers_split = transfers.split_groups
+    monkeypatch.setattr(transfers, "split_groups", recording_split)
+    layout = Layout(page_bytes=256, tensors=tensors, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(16))
+    handler, _, metrics, _ = logged_handler(gpu, host, layout, True)
+    for blocks in range(1, 5):
+        ids = list(range(blocks))
+        handler.transfer_async(blocks, *make_job([(ids, [c + 8 for c in ids], 0)], True))
+    # One submission holds every tensor's pages: a job passes exactly where they are too few.
+    assert split == [b for b in range(1, 5) if b * tensors >= min_pages]
+    passed = sum(1 for b in range(1, 5) if b * tensors < min_pages)
+    assert metrics.snapshot()["fallbacks"] == ({"few_pages": passed} if passed else {})
+
+
+def test_pass_cost_script_counts_kvcores_calls_beyond_stocks_on_cpu(monkeypatch, capsys):
+    monkeypatch.setattr(transfers, "RULES", serve_rule.VLLM_RULES)
+    module = load_script("vllm_pass_cost")
+    assert module.main(["--jobs", "20", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    # A warm-up, a profiled round and two timed rounds of 20 jobs.
+    assert "every job passed to stock by kvcore (few_pages: 80)" in out
+    assert "whole job" in out and "kvcore's calls beyond stock's, per job:" in out
+    stock, kvcore, _ = module.sides(
+        torch.device("cpu"), tensors=2, page_bytes=1024, gpu_to_cpu=False
+    )
+    module.measure(stock, kvcore, jobs=10, rounds=1)
+    # A passed job costs kvcore its own three methods and the length of the block ids; a
+    # get_finished with nothing in flight, its own method.
+    extra = {p: kvcore.calls_per_job(p) - stock.calls_per_job(p) for p in module.PHASES}
+    assert extra == {"transfer_async": 2, "wait": 1, "get_finished": 1, "idle get_finished": 1}
+    kvcore.handler.shutdown()
