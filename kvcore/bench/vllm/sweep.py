@@ -43,8 +43,17 @@ import torch
 from kvcore.bench import sweep_report
 from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.bench.sweep_report import SweepRow
-from kvcore.bench.vllm import ab
+from kvcore.bench.vllm.offload_handlers import (
+    compiled_ops_loaded,
+    env_policy,
+    kvcore_handler,
+    runnable_stock,
+    stock_handler,
+    submit_and_collect,
+)
+from kvcore.bench.vllm.offload_layout import Layout, job_specs
 from kvcore.bench.vllm.sweep_pools import Pools, Request, RequestDrawer, slice_blocks
+from kvcore.kernels.batch_copy import batch_copy_available
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 
@@ -75,8 +84,8 @@ class ModelLayout:
         """Bytes of one block, every layer."""
         return self.layers * self.layer_page_bytes
 
-    def layout(self, blocks: int) -> ab.Layout:
-        return ab.Layout(
+    def layout(self, blocks: int) -> Layout:
+        return Layout(
             page_bytes=self.block_bytes if self.cross_layer else self.layer_page_bytes,
             tensors=1 if self.cross_layer else self.layers,
             gpu_blocks=blocks,
@@ -176,7 +185,7 @@ class _Side:
         _synchronize(self.device)
         submit: list[float] = []
         started = time.perf_counter()
-        results = ab.submit_and_collect(self.handler, specs, submit)
+        results = submit_and_collect(self.handler, specs, submit)
         return time.perf_counter() - started, sum(submit), results
 
     def fallbacks(self) -> Counter[str]:
@@ -268,7 +277,7 @@ class _Sweep:
             self.result.skipped += len(cells)
             return
         gpu_to_cpu = op == "store"
-        stock = ab.stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
+        stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
         stock_label, stock_side = _stock_side(stock, self.device)
         sides = [stock_side] if stock_side is not None else []
         first_row = len(self.result.rows)
@@ -368,7 +377,7 @@ class _Sweep:
             ids = list(range(self._next_job_id, self._next_job_id + len(request.jobs)))
             self._next_job_id += len(ids)
             specs = [
-                (job_id, ab.job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
+                (job_id, job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
                 for job_id, job in zip(ids, request.jobs, strict=True)
             ]
             pools.prepare(request)
@@ -417,13 +426,13 @@ def _stock_side(stock: Any, device: torch.device) -> tuple[str, _Side | None]:
         return "not runnable on cpu (vLLM's handler pins descriptors, records device events)", None
     if isinstance(stock._swap_blocks_batch, functools.partial):
         label = "handler/triton-kernel"
-    elif ab.compiled_ops_loaded():
+    elif compiled_ops_loaded():
         label = "handler/compiled-op"
-    elif ab.batch_copy_available():
+    elif batch_copy_available():
         label = "handler/copy-op-emulated(cudaMemcpyBatchAsync)"
     else:
         return "not runnable (no compiled copy op, no cudaMemcpyBatchAsync)", None
-    return label, _Side("stock", ab.runnable_stock(stock, device), device)
+    return label, _Side("stock", runnable_stock(stock, device), device)
 
 
 def _fallbacks(metrics: Metrics | None) -> Counter[str]:
@@ -432,10 +441,10 @@ def _fallbacks(metrics: Metrics | None) -> Counter[str]:
 
 def _kvcore_side(stock: Any, device: torch.device) -> _Side:
     handler_metrics, mover_metrics = Metrics(), Metrics()
-    handler = ab.kvcore_handler(
-        ab.runnable_stock(stock, device),
+    handler = kvcore_handler(
+        runnable_stock(stock, device),
         metrics=handler_metrics,
-        mover=Mover(ab.env_policy(), metrics=mover_metrics),
+        mover=Mover(env_policy(), metrics=mover_metrics),
     )
     return _Side("kvcore", handler, device, handler_metrics, mover_metrics)
 
@@ -519,8 +528,8 @@ def main(args: argparse.Namespace) -> int:
             version=vllm.__version__,
             torch=torch.__version__,
             plan="quick" if args.quick else "full",
-            vllm_compiled_ops=ab.compiled_ops_loaded(),
-            batch_copy_available=ab.batch_copy_available(),
+            vllm_compiled_ops=compiled_ops_loaded(),
+            batch_copy_available=batch_copy_available(),
             ceiling_gbps=result.ceiling_gbps,
             pool_checks=result.pool_checks,
             failures=result.failures,

@@ -24,7 +24,8 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_support import spec_args
 
 from kvcore.bench.vllm import ab
-from kvcore.bench.vllm.ab import Layout, fragmented_ids, kvcore_handler, stock_handler
+from kvcore.bench.vllm.offload_handlers import kvcore_handler, stock_handler
+from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids
 from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
