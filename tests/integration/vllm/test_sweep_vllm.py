@@ -28,6 +28,7 @@ from kvcore.bench.vllm import sweep
 from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock
 from kvcore.bench.vllm.offload_layout import job_specs
 from kvcore.bench.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
+from kvcore.bench.vllm.sweep_sides import Side
 from kvcore_vllm.transfers import KVCoreOffloadingHandler
 
 pytestmark = pytest.mark.vllm
@@ -155,22 +156,22 @@ def _stock_stand_in(stock: Any, device: torch.device) -> tuple[str, Any]:
     """kvcore's handler with every job left to vLLM's descriptor fill and a memmove each."""
     handler = kvcore_handler(runnable_stock(stock, device))
     handler._stock_is_cheaper = lambda segments: "stand_in"  # type: ignore[method-assign]
-    return "stand-in", sweep._Side("stock", handler, device)
+    return "stand-in", Side("stock", handler, device)
 
 
 def test_two_sided_cells_alternate_the_order_and_plot(monkeypatch, tmp_path):
     monkeypatch.setattr(sweep, "QUICK", SMALL)
-    monkeypatch.setattr(sweep, "_stock_side", _stock_stand_in)
+    monkeypatch.setattr(sweep, "stock_side", _stock_stand_in)
     order: list[str] = []
     jobs_per_request: list[int] = []
-    run = sweep._Side.run
+    run = Side.run
 
     def logged(self: Any, specs: Any) -> Any:
         order.append(self.name)
         jobs_per_request.append(len(specs))
         return run(self, specs)
 
-    monkeypatch.setattr(sweep._Side, "run", logged)
+    monkeypatch.setattr(Side, "run", logged)
     plot = tmp_path / "sweep.png"
     assert sweep.main(_args(tmp_path, plot=str(plot))) == 0
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
