@@ -38,7 +38,7 @@ class Side:
 
 def pool_method(case: ab.PoolCase, op: str) -> Callable[..., Any]:
     """SGLang's method that ``op`` calls, as the pool's class defines it (unhooked)."""
-    return vars(type(case.pool))[ab._METHOD[op]]
+    return vars(type(case.pool))[ab.METHOD_NAMES[op]]
 
 
 def pool_hook(case: ab.PoolCase, op: str) -> Callable[..., Any]:
@@ -46,7 +46,7 @@ def pool_hook(case: ab.PoolCase, op: str) -> Callable[..., Any]:
     from kvcore_sglang import transfers
 
     cls = type(case.pool)
-    return transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{ab._METHOD[op]}"]
+    return transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{ab.METHOD_NAMES[op]}"]
 
 
 def _request(
@@ -155,7 +155,7 @@ def kvcore_side(
     hook = pool_hook(case, op)
     stock_run = stock_side(case, op, backend, layers)
     original = pool_method(case, op) if stock_run.label == "stock" else model_method(case, op)
-    name = ab._METHOD[op]
+    name = ab.METHOD_NAMES[op]
 
     pool, device_pool = case.pool, case.device_pool
 
