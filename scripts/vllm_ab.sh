@@ -27,6 +27,7 @@ import triton
 import vllm.platforms
 from kvcore.kernels.batch_copy import batch_copy_available
 from kvcore.bench.vllm import ab as bench
+from kvcore.bench.vllm.offload_handlers import compiled_ops_loaded
 
 out, repeats, jobs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 SIZES = tuple(int(kib) << 10 for kib in sys.argv[4].split(","))
@@ -36,7 +37,7 @@ env = {
     "cuda": torch.version.cuda,
     "gpu": torch.cuda.get_device_name(0),
     "vllm_platform": type(vllm.platforms.current_platform).__name__,
-    "vllm_compiled_ops": bench.compiled_ops_loaded(),
+    "vllm_compiled_ops": compiled_ops_loaded(),
     "batch_copy_available": batch_copy_available(),
     "repeats": repeats,
     "jobs": jobs,

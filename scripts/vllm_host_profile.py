@@ -27,7 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore.bench.vllm import ab as bench
+from kvcore.bench.vllm.offload_handlers import (
+    kvcore_handler,
+    runnable_stock,
+    stock_handler,
+    through_handler,
+)
+from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids, job_specs
 
 
 def _timed_steps(handler: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
@@ -52,7 +58,7 @@ def _run_jobs(handler: Any, specs: tuple[Any, Any], jobs: int) -> list[float]:
     """Seconds in ``transfer_async`` of ``jobs`` jobs, each waited for before the next."""
     submit: list[float] = []
     for _ in range(jobs):
-        bench.through_handler(handler, specs, submit)
+        through_handler(handler, specs, submit)
     return submit
 
 
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     page_bytes = args.page_kib << 10
     pages = max(16, min(4096, (args.job_mib << 20) // (page_bytes * args.tensors)))
-    layout = bench.Layout(
+    layout = Layout(
         page_bytes=page_bytes,
         tensors=args.tensors,
         gpu_blocks=5 * pages,
@@ -87,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu, host = layout.make_tensors(device, torch.Generator().manual_seed(0))
     rng = np.random.default_rng(0)
     gpu_to_cpu = not args.load
-    stock = bench.stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
-    kvcore = bench.kvcore_handler(bench.runnable_stock(stock, device), stock_rules=not args.own)
-    specs = bench.job_specs(
-        bench.fragmented_ids(pages, args.frag, rng) + 3,
-        bench.fragmented_ids(pages, args.frag, rng) + 5,
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+    kvcore = kvcore_handler(runnable_stock(stock, device), stock_rules=not args.own)
+    specs = job_specs(
+        fragmented_ids(pages, args.frag, rng) + 3,
+        fragmented_ids(pages, args.frag, rng) + 5,
         gpu_to_cpu=gpu_to_cpu,
     )
     skip = min(5, args.jobs // 3)
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.frag:.0%} fragmented, {'load' if args.load else 'page-out'}"
     )
     if device.type == "cuda":
-        stock_submit = _run_jobs(bench.runnable_stock(stock, device), specs, args.jobs)
+        stock_submit = _run_jobs(runnable_stock(stock, device), specs, args.jobs)
         print(f"stock transfer_async: {_median_us(stock_submit, skip)} us")
     steps = _timed_steps(kvcore, ("_stock_is_cheaper", "_plan", "_execute"))
     # The job's queueing on kvcore's stream, its _execute included.

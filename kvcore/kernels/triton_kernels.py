@@ -1,7 +1,7 @@
 """The Triton kernels of the UVA row gather: device code only, no launch logic.
 
-``_copy_tile`` copies one tile of rows; ``_gather_rows_kernel`` runs it over one pair of
-buffers and ``_gather_layers_kernel`` over many pairs at once, each pair an offset from the
+``_copy_tile`` copies one tile of rows; ``gather_rows_kernel`` runs it over one pair of
+buffers and ``gather_layers_kernel`` over many pairs at once, each pair an offset from the
 first. Apart from the host code that picks their tiles and launches them
 (:mod:`~kvcore.kernels.triton_rows`, :mod:`~kvcore.kernels.triton_layers`) so that both
 launchers share one tile loop and the codegen checks compile every kernel from one module.
@@ -65,7 +65,7 @@ if triton is not None:
             tl.store(dst_ptr + dst_off[:, None] + cols[None, :], values, mask=mask)
 
     @triton.jit(**_PER_CALL_ARGS)
-    def _gather_rows_kernel(
+    def gather_rows_kernel(
         src_ptr,
         dst_ptr,
         src_idx_ptr,
@@ -101,7 +101,7 @@ if triton is not None:
             tile += n_programs
 
     @triton.jit(**_PER_CALL_ARGS)
-    def _gather_layers_kernel(
+    def gather_layers_kernel(
         src_ptr,
         dst_ptr,
         table_ptr,

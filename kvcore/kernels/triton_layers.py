@@ -19,18 +19,18 @@ import torch
 from kvcore.kernels.reference import check_word_views
 from kvcore.kernels.triton_kernels import triton
 from kvcore.kernels.triton_tile import (
-    _VECTOR_BYTES,
-    _check_ctas,
-    _check_index,
-    _check_indices,
-    _check_rows,
-    _kernel_device,
-    _Launch,
-    _widest_word,
+    VECTOR_BYTES,
+    Launch,
+    check_ctas,
+    check_index,
+    check_indices,
+    check_rows,
+    kernel_device,
+    widest_word,
 )
 
 if triton is not None:
-    from kvcore.kernels.triton_kernels import _gather_layers_kernel
+    from kvcore.kernels.triton_kernels import gather_layers_kernel
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,7 +49,7 @@ class LayerTable:
     align: int
     """Words that every offset and both pitches are a multiple of (at most 16 bytes)."""
     device: torch.device
-    launch: _Launch
+    launch: Launch
     """The tile and warps for the pairs' rows, fixed with the table."""
     src_address: int = 0
     """Where the kernel reaches the first source's first row (``address`` of it)."""
@@ -84,9 +84,9 @@ def layer_table(
     devices = set()
     for src, dst in zip(src_words, dst_words, strict=True):
         check_word_views(src, dst)
-        _check_rows(src, "src_words")
-        _check_rows(dst, "dst_words")
-        devices.add(_kernel_device(src, dst))
+        check_rows(src, "src_words")
+        check_rows(dst, "dst_words")
+        devices.add(kernel_device(src, dst))
     if len(devices) > 1:
         raise ValueError(f"the pairs run on different devices: {sorted(map(str, devices))}")
     if len({t.dtype for t in src_words}) > 1 or len({t.shape[1] for t in src_words}) > 1:
@@ -95,7 +95,7 @@ def layer_table(
         if len({t.stride(0) for t in side}) > 1:
             raise ValueError(f"the {name} differ in row pitch")
     word = min(
-        (_widest_word(s, d) for s, d in zip(src_words, dst_words, strict=True)),
+        (widest_word(s, d) for s, d in zip(src_words, dst_words, strict=True)),
         key=lambda dtype: dtype.itemsize,
     )
     srcs = tuple(t.view(word) for t in src_words)
@@ -103,14 +103,14 @@ def layer_table(
     src_base, dst_base = address(srcs[0]), address(dsts[0])
     offsets = [(address(t) - src_base) // word.itemsize for t in srcs]
     offsets += [(address(t) - dst_base) // word.itemsize for t in dsts]
-    align = math.gcd(srcs[0].stride(0), dsts[0].stride(0), _VECTOR_BYTES // word.itemsize, *offsets)
+    align = math.gcd(srcs[0].stride(0), dsts[0].stride(0), VECTOR_BYTES // word.itemsize, *offsets)
     return LayerTable(
         src_words=srcs,
         dst_words=dsts,
         offsets=torch.tensor(offsets, dtype=torch.int64),
         align=align,
         device=devices.pop(),
-        launch=_Launch(srcs[0].shape[1], word.itemsize, None, None, None),
+        launch=Launch(srcs[0].shape[1], word.itemsize, None, None, None),
         src_address=src_base,
         dst_address=dst_base,
     )
@@ -132,11 +132,11 @@ def gather_layers_uva(
     if triton is None:
         raise RuntimeError("gather_layers_uva needs Triton, which is not installed")
     device = table.device
-    _check_indices(src_idx, dst_idx, device)
-    _check_index(offsets, "offsets", device)
+    check_indices(src_idx, dst_idx, device)
+    check_index(offsets, "offsets", device)
     if offsets.numel() != table.offsets.numel():
         raise ValueError(f"{offsets.numel()} offsets for {table.layers} pairs")
-    _check_ctas(ctas)
+    check_ctas(ctas)
     src, dst = table.src_words[0], table.dst_words[0]
     n_rows = src_idx.numel()
     if n_rows == 0 or src.shape[1] == 0:
@@ -144,7 +144,7 @@ def gather_layers_uva(
     launch = table.launch
     args = (src, dst, offsets, src_idx, dst_idx, n_rows, table.layers, src.stride(0), dst.stride(0))
     tiles = -(-n_rows // launch.rows) * table.layers
-    launch.run(_gather_layers_kernel, args, tiles, ctas, table.align, device)
+    launch.run(gather_layers_kernel, args, tiles, ctas, table.align, device)
 
 
 # Private but long-standing (Triton and inductor read streams through it); absent in CPU
@@ -178,10 +178,10 @@ class LayeredLaunch:
     """
 
     def __init__(self, table: LayerTable, offsets: torch.Tensor, ctas: int) -> None:
-        _check_index(offsets, "offsets", table.device)
+        check_index(offsets, "offsets", table.device)
         if offsets.numel() != table.offsets.numel():
             raise ValueError(f"{offsets.numel()} offsets for {table.layers} pairs")
-        _check_ctas(ctas)
+        check_ctas(ctas)
         self.table = table
         self.offsets = offsets
         self.ctas = ctas
@@ -241,7 +241,7 @@ class LayeredLaunch:
         )
 
     def _jit(self, src_idx: torch.Tensor, dst_idx: torch.Tensor, n_rows: int, tiles: int) -> None:
-        _check_indices(src_idx, dst_idx, self.device)
+        check_indices(src_idx, dst_idx, self.device)
         table = self.table
         src, dst = table.src_words[0], table.dst_words[0]
         args = (
@@ -256,7 +256,7 @@ class LayeredLaunch:
             dst.stride(0),
         )
         compiled = table.launch.run(
-            _gather_layers_kernel, args, tiles, self.ctas, table.align, self.device
+            gather_layers_kernel, args, tiles, self.ctas, table.align, self.device
         )
         if self.device.type == "cuda" and n_rows < _I32_LIMIT and hasattr(compiled, "run"):
             self._compiled = compiled

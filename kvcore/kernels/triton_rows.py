@@ -18,18 +18,18 @@ import torch
 from kvcore.kernels.reference import check_word_views
 from kvcore.kernels.triton_kernels import triton
 from kvcore.kernels.triton_tile import (
-    _VECTOR_BYTES,
-    _check_ctas,
-    _check_indices,
-    _check_rows,
-    _check_tile,
-    _kernel_device,
-    _Launch,
-    _widest_word,
+    VECTOR_BYTES,
+    Launch,
+    check_ctas,
+    check_indices,
+    check_rows,
+    check_tile,
+    kernel_device,
+    widest_word,
 )
 
 if triton is not None:
-    from kvcore.kernels.triton_kernels import _gather_rows_kernel
+    from kvcore.kernels.triton_kernels import gather_rows_kernel
 
 
 def gather_rows_uva(
@@ -74,19 +74,19 @@ class RowGather:
     dst: torch.Tensor
     align: int
     device: torch.device
-    launch: _Launch
+    launch: Launch
 
     def __call__(self, src_idx: torch.Tensor, dst_idx: torch.Tensor, *, ctas: int = 8) -> None:
         """The gather for these int64 indices on the kernel's device, on the current stream."""
-        _check_indices(src_idx, dst_idx, self.device)
-        _check_ctas(ctas)
+        check_indices(src_idx, dst_idx, self.device)
+        check_ctas(ctas)
         n_rows = src_idx.numel()
         if n_rows == 0 or self.src.shape[1] == 0:
             return
         src, dst = self.src, self.dst
         args = (src, dst, src_idx, dst_idx, n_rows, src.stride(0), dst.stride(0))
         tiles = -(-n_rows // self.launch.rows)
-        self.launch.run(_gather_rows_kernel, args, tiles, ctas, self.align, self.device)
+        self.launch.run(gather_rows_kernel, args, tiles, ctas, self.align, self.device)
 
 
 def row_gather(
@@ -102,13 +102,13 @@ def row_gather(
     if triton is None:
         raise RuntimeError("gather_rows_uva needs Triton, which is not installed")
     check_word_views(src_words, dst_words)
-    _check_rows(src_words, "src_words")
-    _check_rows(dst_words, "dst_words")
-    device = _kernel_device(src_words, dst_words)
-    _check_tile(rows_per_iter, num_warps, block_words)
-    word = _widest_word(src_words, dst_words)
+    check_rows(src_words, "src_words")
+    check_rows(dst_words, "dst_words")
+    device = kernel_device(src_words, dst_words)
+    check_tile(rows_per_iter, num_warps, block_words)
+    word = widest_word(src_words, dst_words)
     src_view = src_words.view(word)
     dst_view = dst_words.view(word)
-    align = math.gcd(src_view.stride(0), dst_view.stride(0), _VECTOR_BYTES // word.itemsize)
-    launch = _Launch(src_view.shape[1], word.itemsize, rows_per_iter, num_warps, block_words)
+    align = math.gcd(src_view.stride(0), dst_view.stride(0), VECTOR_BYTES // word.itemsize)
+    launch = Launch(src_view.shape[1], word.itemsize, rows_per_iter, num_warps, block_words)
     return RowGather(src_view, dst_view, align, device, launch)

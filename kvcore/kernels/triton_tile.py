@@ -2,7 +2,7 @@
 
 The tile and warps for a row width (``default_tile``), the widest word both sides'
 alignment allows, the checks on the views, indices and tuning arguments, and
-``_Launch``, which launches a kernel with them. Apart from the launchers
+``Launch``, which launches a kernel with them. Apart from the launchers
 (:mod:`~kvcore.kernels.triton_rows`, :mod:`~kvcore.kernels.triton_layers`) so that the
 one-pair gather and the layered launch choose and check alike.
 """
@@ -25,7 +25,7 @@ _MAX_TILE_LANES_BYTES = 128 * 1024
 _MAX_BLOCK_BYTES = 32 * 1024
 # Each row of a tile holds two indices and two addresses in registers: cap rows for tiny rows.
 _MAX_TILE_ROWS = 1024
-_VECTOR_BYTES = 16
+VECTOR_BYTES = 16
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 _WORD_DTYPE_BY_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -49,7 +49,7 @@ def _interpreting() -> bool:
     return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
-def _widest_word(src: torch.Tensor, dst: torch.Tensor) -> torch.dtype:
+def widest_word(src: torch.Tensor, dst: torch.Tensor) -> torch.dtype:
     row_bytes = src.shape[1] * src.element_size()
     byte_facts = (
         row_bytes,
@@ -64,14 +64,14 @@ def _widest_word(src: torch.Tensor, dst: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
-def _check_rows(tensor: torch.Tensor, name: str) -> None:
+def check_rows(tensor: torch.Tensor, name: str) -> None:
     if tensor.dtype not in _WORD_DTYPES:
         raise TypeError(f"{name} must be an integer word view {_WORD_DTYPES}, got {tensor.dtype}")
     if tensor.shape[1] > 1 and tensor.stride(1) != 1:
         raise ValueError(f"{name} rows must be dense (stride(1) == 1), got {tensor.stride()}")
 
 
-def _check_index(index: torch.Tensor, name: str, device: torch.device) -> None:
+def check_index(index: torch.Tensor, name: str, device: torch.device) -> None:
     if not isinstance(index, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(index).__name__}")
     if index.dtype != torch.int64:
@@ -84,7 +84,7 @@ def _check_index(index: torch.Tensor, name: str, device: torch.device) -> None:
         raise ValueError(f"{name} is on {index.device}; the kernel runs on {device}")
 
 
-def _kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
+def kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
     if _interpreting():
         for tensor, name in ((src, "src_words"), (dst, "dst_words")):
             if tensor.device.type != "cpu":
@@ -121,26 +121,26 @@ def default_tile(words: int, word_bytes: int) -> tuple[int, int]:
 
 
 def _default_num_warps(rows: int, block_w: int, word_bytes: int) -> int:
-    vectors = rows * block_w * word_bytes // _VECTOR_BYTES
+    vectors = rows * block_w * word_bytes // VECTOR_BYTES
     # Aim for ~8 16-byte vectors a thread: all loads of a tile can then be in flight at once.
     # Capped at 8 warps: more lost bandwidth in the tuning runs (scripts/tune_gather.py,
     # docs/benchmarks.md).
     return max(1, min(8, _prev_pow2(max(1, vectors // (32 * 8)))))
 
 
-def _check_indices(src_idx: torch.Tensor, dst_idx: torch.Tensor, device: torch.device) -> None:
-    _check_index(src_idx, "src_idx", device)
-    _check_index(dst_idx, "dst_idx", device)
+def check_indices(src_idx: torch.Tensor, dst_idx: torch.Tensor, device: torch.device) -> None:
+    check_index(src_idx, "src_idx", device)
+    check_index(dst_idx, "dst_idx", device)
     if src_idx.numel() != dst_idx.numel():
         raise ValueError(f"index lengths differ: {src_idx.numel()} vs {dst_idx.numel()}")
 
 
-def _check_ctas(ctas: int) -> None:
+def check_ctas(ctas: int) -> None:
     if ctas < 1:
         raise ValueError(f"ctas must be >= 1, got {ctas}")
 
 
-def _check_tile(rows_per_iter: int | None, num_warps: int | None, block_words: int | None) -> None:
+def check_tile(rows_per_iter: int | None, num_warps: int | None, block_words: int | None) -> None:
     for name, value in (
         ("rows_per_iter", rows_per_iter),
         ("num_warps", num_warps),
@@ -150,7 +150,7 @@ def _check_tile(rows_per_iter: int | None, num_warps: int | None, block_words: i
             raise ValueError(f"{name} must be a power of two, got {value}")
 
 
-class _Launch:
+class Launch:
     """The tile and warps for rows of ``words`` words, and the launch of a kernel with them."""
 
     def __init__(

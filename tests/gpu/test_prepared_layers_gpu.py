@@ -74,13 +74,13 @@ def test_requests_of_every_size_after_the_first_launch_copy_exactly(row_bytes, d
 
 def test_later_launches_skip_the_jit_and_indices_at_odd_addresses_still_copy(monkeypatch):
     jit_launches = []
-    through_jit = triton_tile._Launch.run
+    through_jit = triton_tile.Launch.run
 
     def counted(self, *args, **kwargs):
         jit_launches.append(args[0])
         return through_jit(self, *args, **kwargs)
 
-    monkeypatch.setattr(triton_tile._Launch, "run", counted)
+    monkeypatch.setattr(triton_tile.Launch, "run", counted)
     host = [_random(ROWS, 1152, host=True) for _ in range(2)]
     device = [_random(ROWS, 1152, host=False) for _ in range(2)]
     pairs = layer_pairs(host, device)

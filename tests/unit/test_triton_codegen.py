@@ -54,8 +54,8 @@ def _ptx(kernel_name: str, words: int, layered: bool) -> str:
 
 @pytest.mark.parametrize("words", [144, 512], ids=["1152B_rows", "4KiB_rows"])
 def test_layered_kernel_moves_rows_in_16_byte_vectors_like_the_one_pair_kernel(words):
-    one_pair = _ptx("_gather_rows_kernel", words, layered=False)
-    layered = _ptx("_gather_layers_kernel", words, layered=True)
+    one_pair = _ptx("gather_rows_kernel", words, layered=False)
+    layered = _ptx("gather_layers_kernel", words, layered=True)
     for ptx in (one_pair, layered):
         assert ptx.count("ld.global.v2.b64") > 0
         assert ptx.count("st.global.v2.b64") > 0

@@ -59,7 +59,7 @@ LOAD_LAYER = 1
 MAX_MODEL_COPIES = 16384
 SGL_KERNEL_MISSING = "sgl_kernel is not installed (the 373 MB sglang-kernel wheel is not carried)"
 _POOL_CLASS = {"mha": "MHATokenToKVPoolHost", "mla": "MLATokenToKVPoolHost"}
-_METHOD = {"load": "load_to_device_per_layer", "backup": "backup_from_device_all_layer"}
+METHOD_NAMES = {"load": "load_to_device_per_layer", "backup": "backup_from_device_all_layer"}
 
 
 class StockNotRunnable(RuntimeError):
@@ -391,7 +391,7 @@ def stock_path(
     sms, reason = stock_kernel_sms(case, op, backend)
     if reason is not None:
         return PathRun(name, None, "", reason)
-    method = vars(_pool_class(case))[_METHOD[op]]
+    method = vars(_pool_class(case))[METHOD_NAMES[op]]
     h, d = stock_indices(case, op, backend, host_idx, dev_idx)
     return PathRun(name, _call(case, op, method, h, d, backend), sms)
 
@@ -482,7 +482,7 @@ def kvcore_path(
     from kvcore_sglang import transfers
 
     cls = _pool_class(case)
-    hook = transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{_METHOD[op]}"]
+    hook = transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{METHOD_NAMES[op]}"]
     detail: dict[str, Any] = {"stock_calls": 0}
 
     def original(*args: Any, **kwargs: Any) -> None:
@@ -669,12 +669,12 @@ def prefix_round_trip(case: PoolCase, mover: Mover, level: str) -> list[dict[str
             results.append({**row, "not_runnable": backup.not_runnable or load_run.not_runnable})
             continue
         pool_class = _pool_class(case)
-        method = vars(pool_class)[_METHOD["load"]]
+        method = vars(pool_class)[METHOD_NAMES["load"]]
         if make == "kvcore":
             from kvcore_sglang import transfers
 
             hook = transfers.HOOKS[
-                f"{pool_class.__module__}.{pool_class.__qualname__}.{_METHOD['load']}"
+                f"{pool_class.__module__}.{pool_class.__qualname__}.{METHOD_NAMES['load']}"
             ]
 
             def method(*args: Any, _hook: Any = hook) -> None:

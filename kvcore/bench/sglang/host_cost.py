@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvcore import kernels
-from kvcore.bench.sglang import ab, sweep
+from kvcore.bench.sglang import ab, sweep, sweep_cells, sweep_sides
 from kvcore.bench.sglang.import_stubs import install_torchvision_stub
 from kvcore.kernels import KernelSet
 from kvcore.metrics import METRICS
@@ -76,24 +76,24 @@ NO_COPY = KernelSet(
 
 
 def _request_pools(
-    case: ab.PoolCase, side: sweep.Side, tokens: int, gen: torch.Generator, host_frag: str
+    case: ab.PoolCase, side: sweep_sides.Side, tokens: int, gen: torch.Generator, host_frag: str
 ) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
     """The pools and a new request's indices (host slots fragmented ``host_frag``: one of
     ``ab.HOST_LEVELS``), where ``side`` has SGLang put them: the arguments of each of the
     request's load calls."""
-    host, dev = sweep._requests(case, tokens, host_frag, 1, gen)[0]
+    host, dev = sweep_cells.request_indices(case, tokens, host_frag, 1, gen)[0]
     return (case.pool, case.device_pool, *side.prepare(host, dev))
 
 
 def _call_times(calls: Sequence[Callable[[], Any]], device: torch.device) -> list[float]:
     """Host seconds of each call of one request, in order."""
-    sweep._sync(device)
+    sweep_cells.sync_device(device)
     times = []
     for call in calls:
         started = time.perf_counter()
         call()
         times.append(time.perf_counter() - started)
-    sweep._sync(device)
+    sweep_cells.sync_device(device)
     return times
 
 
@@ -133,13 +133,15 @@ def measure_case(
     layers = case.opts.layers
     label = f"{case.kind}/{case.layout}/{backend}/p{case.page_size}"
     gen = torch.Generator().manual_seed(case.opts.seed + tokens)
-    sides: list[tuple[str, sweep.Side]] = [("kvcore", sweep.kvcore_side(case, "load", backend, 1))]
+    sides: list[tuple[str, sweep_sides.Side]] = [
+        ("kvcore", sweep_sides.kvcore_side(case, "load", backend, 1))
+    ]
     if stock:
-        sides.insert(0, ("stock", sweep.stock_side(case, "load", backend, 1)))
-    hook, original = sweep._hook(case, "load"), sweep._method(case, "load")
+        sides.insert(0, ("stock", sweep_sides.stock_side(case, "load", backend, 1)))
+    hook, original = sweep_sides.pool_hook(case, "load"), sweep_sides.pool_method(case, "load")
     rows = []
     for name, side in sides:
-        if side.call is None or side.label == sweep.MODEL:
+        if side.call is None or side.label == sweep_sides.MODEL:
             continue  # stock not runnable here, or only its Python model: no host figure
         firsts, laters = [], []
         before = METRICS.snapshot()
@@ -157,7 +159,9 @@ def measure_case(
                 laters.extend(times[1:])
         row = _row(label, tokens, layers, host_frag, name, firsts, laters)
         if name == "kvcore":
-            row = dataclasses.replace(row, paths=sweep._paths(before, METRICS.snapshot()))
+            row = dataclasses.replace(
+                row, paths=sweep_cells.paths_taken(before, METRICS.snapshot())
+            )
         rows.append(row)
     return rows
 
@@ -166,20 +170,20 @@ def profile_case(
     case: ab.PoolCase, backend: str, tokens: int, requests: int, path: str, host_frag: str
 ) -> None:
     """cProfile of kvcore's first calls and of its later calls, apart, added to ``path``."""
-    side = sweep.kvcore_side(case, "load", backend, 1)
-    hook, original = sweep._hook(case, "load"), sweep._method(case, "load")
+    side = sweep_sides.kvcore_side(case, "load", backend, 1)
+    hook, original = sweep_sides.pool_hook(case, "load"), sweep_sides.pool_method(case, "load")
     gen = torch.Generator().manual_seed(case.opts.seed)
     first, later = cProfile.Profile(), cProfile.Profile()
     for request in range(requests + 1):
         pools = _request_pools(case, side, tokens, gen, host_frag)
-        sweep._sync(case.opts.device)
+        sweep_cells.sync_device(case.opts.device)
         for layer in range(case.opts.layers):
             profile = first if layer == 0 else later
             if request:
                 profile.enable()
             hook(original, *pools, layer, backend)
             profile.disable()
-        sweep._sync(case.opts.device)
+        sweep_cells.sync_device(case.opts.device)
     with open(path, "a") as fh:
         for name, profile in (("first calls", first), ("later calls", later)):
             fh.write(f"== {case.kind}/{case.layout}/{backend}/p{case.page_size} {tokens} tokens: ")
@@ -209,7 +213,7 @@ def run(args: argparse.Namespace) -> list[CostRow]:
     ab.install_sgl_kernel_stub()
     install_torchvision_stub()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(sweep.serve_rule_off())
+        stack.enter_context(sweep_sides.serve_rule_off())
         if args.no_copy:
             saved = kernels._BY_DEVICE_TYPE.get("cpu")
             kernels.register_kernels("cpu", NO_COPY)
@@ -235,7 +239,7 @@ def run(args: argparse.Namespace) -> list[CostRow]:
                         for row in measure_case(case, backend, count, args.requests, stock, frag):
                             rows.append(row)
                             print(_line(row), file=sys.stderr, flush=True)
-            sweep._release_pools()
+            sweep.release_pools()
     return rows
 
 

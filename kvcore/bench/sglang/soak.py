@@ -225,11 +225,11 @@ class PoolSoak:
         self.numbers = iter(range(1 << 62))
         cls = type(case.pool)
         self.hooks = {
-            op: transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{ab._METHOD[op]}"]
+            op: transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{ab.METHOD_NAMES[op]}"]
             for op in ("load", "backup")
         }
         if self.streams.cuda:
-            self.originals = {op: vars(cls)[ab._METHOD[op]] for op in ("load", "backup")}
+            self.originals = {op: vars(cls)[ab.METHOD_NAMES[op]] for op in ("load", "backup")}
         else:
             self.originals = cpu_stock(case)
         self.transfers = transfers
@@ -238,7 +238,7 @@ class PoolSoak:
 
     def _call(self, op: str, *args: Any) -> None:
         # As Python looks the method up: a stock binding kvcore's rule set on the pool first.
-        bound = self.case.pool.__dict__.get(ab._METHOD[op])
+        bound = self.case.pool.__dict__.get(ab.METHOD_NAMES[op])
         if bound is not None:
             bound(*args)
             return

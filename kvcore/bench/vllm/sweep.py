@@ -26,14 +26,11 @@ alone on host tensors, its stock fallbacks copying with a memmove per descriptor
 from __future__ import annotations
 
 import argparse
-import functools
 import math
-import statistics
 import sys
 import time
 import traceback
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,157 +40,16 @@ import torch
 from kvcore.bench import sweep_report
 from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.bench.sweep_report import SweepRow
-from kvcore.bench.vllm import ab
-from kvcore.bench.vllm.sweep_pools import Pools, Request, RequestDrawer, slice_blocks
-from kvcore.metrics import Metrics
-from kvcore.mover import Mover
+from kvcore.bench.vllm.offload_handlers import compiled_ops_loaded, stock_handler
+from kvcore.bench.vllm.offload_layout import job_specs
+from kvcore.bench.vllm.sweep_plan import BLOCK_TOKENS, FULL, QUICK, ModelLayout, SweepPlan
 
-BLOCK_TOKENS = 16
-# 16 tokens x (K, V) x 4 KV heads x head dim 128 x bf16 (an 8-KV-head model at TP 2).
-MHA_PAGE_BYTES = 16 * 2 * 4 * 128 * 2
-# 16 tokens x (512 latent + 64 rope) x bf16, one page a layer (DeepSeek-style MLA).
-MLA_PAGE_BYTES = 16 * 576 * 2
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """One model's KV cache as vLLM's offload worker sees it."""
-
-    cross_layer: bool
-    layers: int
-    page: str
-    """What a layer's page holds (mha, mla, ...), for the case name."""
-    layer_page_bytes: int
-
-    @property
-    def name(self) -> str:
-        kind = "cross-layer" if self.cross_layer else "per-layer"
-        return f"{kind}/{self.layers}L/{self.page}-{_size(self.layer_page_bytes)}"
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block, every layer."""
-        return self.layers * self.layer_page_bytes
-
-    def layout(self, blocks: int) -> ab.Layout:
-        return ab.Layout(
-            page_bytes=self.block_bytes if self.cross_layer else self.layer_page_bytes,
-            tensors=1 if self.cross_layer else self.layers,
-            gpu_blocks=blocks,
-            cpu_chunks=blocks,
-            shared_region=True,
-        )
-
-
-@dataclass(frozen=True)
-class SweepPlan:
-    layouts: tuple[ModelLayout, ...]
-    sizes: tuple[int, ...]
-    """Blocks a job."""
-    frags: tuple[float, ...]
-    ops: tuple[str, ...] = ("store", "load")
-    jobs: tuple[int, ...] = (1, 4)
-    """Jobs a request (submitted back to back, then waited for)."""
-    min_repeats: int = 3
-    max_repeats: int = 9
-    repeat_bytes: int = 1 << 30
-    """Requests moving less than this get more repeats, up to ``max_repeats``."""
-    seed: int = 0
-
-    def cells(self, op: str) -> Iterator[tuple[float, int, int]]:
-        """(frag, jobs, blocks) of one pass; several jobs in flight only while they move no
-        more blocks than the largest single job."""
-        for frag in self.frags:
-            for jobs in self.jobs:
-                for blocks in self.sizes:
-                    if jobs == 1 or jobs * blocks <= max(self.sizes):
-                        yield frag, jobs, blocks
-
-    def pool_blocks(self) -> int:
-        return max(jobs * slice_blocks(blocks) for _, jobs, blocks in self.cells(self.ops[0]))
-
-    def repeats(self, nbytes: int) -> int:
-        wanted = math.ceil(self.repeat_bytes / max(nbytes, 1))
-        return max(self.min_repeats, min(self.max_repeats, wanted))
-
-
-FULL = SweepPlan(
-    layouts=(
-        ModelLayout(False, 32, "mha", MHA_PAGE_BYTES),
-        ModelLayout(False, 61, "mla", MLA_PAGE_BYTES),
-        ModelLayout(True, 32, "mha", MHA_PAGE_BYTES),
-        ModelLayout(True, 61, "mla", MLA_PAGE_BYTES),
-    ),
-    sizes=(1, 4, 16, 64, 256, 1024, 4096),
-    frags=(0.0, 0.5, 1.0),
-)
-# Small pages so that it runs on a CPU in seconds; per-layer requests of 16 blocks and
-# more reach kvcore's own paths (512 pages a submission), smaller ones stay stock.
-QUICK = SweepPlan(
-    layouts=(ModelLayout(False, 32, "small", 1 << 10), ModelLayout(True, 32, "small", 1 << 10)),
-    sizes=(1, 4, 16, 64),
-    frags=(0.5,),
-    min_repeats=2,
-    max_repeats=2,
-)
-
-
-@dataclass
-class _Samples:
-    """One side's requests of one cell."""
-
-    wall: list[float] = field(default_factory=list)
-    host: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def median_ms(self, values: list[float]) -> float:
-        return statistics.median(values) * 1e3 if values else math.nan
-
-
-class _Side:
-    """One handler and, for kvcore's, the metrics its handler and its mover count into."""
-
-    def __init__(
-        self,
-        name: str,
-        handler: Any,
-        device: torch.device,
-        handler_metrics: Metrics | None = None,
-        mover_metrics: Metrics | None = None,
-    ) -> None:
-        self.name = name
-        self.handler = handler
-        self.device = device
-        self.handler_metrics = handler_metrics
-        self.mover_metrics = mover_metrics
-
-    def run(self, specs: list[tuple[int, tuple[Any, Any]]]) -> tuple[float, float, list[Any]]:
-        """Wall-clock and host seconds of one request's jobs, and the results reported."""
-        _synchronize(self.device)
-        submit: list[float] = []
-        started = time.perf_counter()
-        results = ab.submit_and_collect(self.handler, specs, submit)
-        return time.perf_counter() - started, sum(submit), results
-
-    def fallbacks(self) -> Counter[str]:
-        """Jobs the handler left to stock so far, per reason."""
-        return _fallbacks(self.handler_metrics)
-
-    def degraded(self) -> Counter[str]:
-        """Submissions kvcore's mover issued a slower way of its own than planned, per reason."""
-        return _fallbacks(self.mover_metrics)
-
-    def mover_paths(self) -> Counter[str]:
-        """Submissions kvcore's mover made so far, per path."""
-        counts: Counter[str] = Counter()
-        if self.mover_metrics is not None:
-            for transfer in self.mover_metrics.snapshot()["transfers"]:
-                counts[transfer["path"]] += transfer["count"]
-        return counts
+# Re-exported: kvcore.bench.vllm.soak imports them from here.
+from kvcore.bench.vllm.sweep_plan import MHA_PAGE_BYTES as MHA_PAGE_BYTES
+from kvcore.bench.vllm.sweep_plan import MLA_PAGE_BYTES as MLA_PAGE_BYTES
+from kvcore.bench.vllm.sweep_pools import Pools, Request, RequestDrawer
+from kvcore.bench.vllm.sweep_sides import Samples, Side, kvcore_side, stock_side
+from kvcore.kernels.batch_copy import batch_copy_available
 
 
 @dataclass
@@ -268,17 +124,17 @@ class _Sweep:
             self.result.skipped += len(cells)
             return
         gpu_to_cpu = op == "store"
-        stock = ab.stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
-        stock_label, stock_side = _stock_side(stock, self.device)
-        sides = [stock_side] if stock_side is not None else []
+        stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
+        stock_label, stock_run = stock_side(stock, self.device)
+        sides = [stock_run] if stock_run is not None else []
         first_row = len(self.result.rows)
         drawer = RequestDrawer(self.blocks, self._rng)
         try:
-            sides.append(_kvcore_side(stock, self.device))
+            sides.append(kvcore_side(stock, self.device))
             # Untimed: the handlers' first jobs allocate their streams and buffers, as many
             # in flight as the pass's busiest cell will have (kvcore's handler wraps a stock
             # handler of its own, which would otherwise pay that in kvcore's first cells).
-            warm_up = {side.name: _Samples() for side in sides}
+            warm_up = {side.name: Samples() for side in sides}
             in_flight = max(jobs for _, jobs, _ in cells)
             first = drawer.draw(min(self.plan.sizes), 0.0, in_flight, gpu_to_cpu=gpu_to_cpu)
             self._request(sides, pools, first, warm_up)
@@ -313,12 +169,12 @@ class _Sweep:
         cell: tuple[float, int, int],
         pools: Pools,
         drawer: RequestDrawer,
-        sides: list[_Side],
+        sides: list[Side],
     ) -> SweepRow:
         frag, jobs, blocks = cell
         nbytes = jobs * blocks * model.block_bytes
         repeats = self.plan.repeats(nbytes)
-        samples = {side.name: _Samples() for side in sides}
+        samples = {side.name: Samples() for side in sides}
         kvcore = sides[-1]
         fallbacks_before, paths_before = kvcore.fallbacks(), kvcore.mover_paths()
         degraded_before = kvcore.degraded()
@@ -328,7 +184,7 @@ class _Sweep:
         passed = kvcore.fallbacks() - fallbacks_before
         stock_jobs = sum(passed.values())
         served = repeats * jobs - stock_jobs
-        stock, mine = samples.get("stock", _Samples()), samples["kvcore"]
+        stock, mine = samples.get("stock", Samples()), samples["kvcore"]
         return SweepRow(
             engine="vllm",
             case=f"{model.name}/host-{frag:.0%}/{op}/{jobs}-job{'s' if jobs > 1 else ''}",
@@ -361,14 +217,14 @@ class _Sweep:
         )
 
     def _request(
-        self, order: Sequence[_Side], pools: Pools, request: Request, samples: dict[str, _Samples]
+        self, order: Sequence[Side], pools: Pools, request: Request, samples: dict[str, Samples]
     ) -> None:
         """``request`` through each side in turn, each checked before the next runs."""
         for side in order:
             ids = list(range(self._next_job_id, self._next_job_id + len(request.jobs)))
             self._next_job_id += len(ids)
             specs = [
-                (job_id, ab.job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
+                (job_id, job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
                 for job_id, job in zip(ids, request.jobs, strict=True)
             ]
             pools.prepare(request)
@@ -411,35 +267,6 @@ def _results_error(
     return None
 
 
-def _stock_side(stock: Any, device: torch.device) -> tuple[str, _Side | None]:
-    """vLLM's handler as it can run here, named by its copy op; or why it cannot."""
-    if device.type != "cuda":
-        return "not runnable on cpu (vLLM's handler pins descriptors, records device events)", None
-    if isinstance(stock._swap_blocks_batch, functools.partial):
-        label = "handler/triton-kernel"
-    elif ab.compiled_ops_loaded():
-        label = "handler/compiled-op"
-    elif ab.batch_copy_available():
-        label = "handler/copy-op-emulated(cudaMemcpyBatchAsync)"
-    else:
-        return "not runnable (no compiled copy op, no cudaMemcpyBatchAsync)", None
-    return label, _Side("stock", ab.runnable_stock(stock, device), device)
-
-
-def _fallbacks(metrics: Metrics | None) -> Counter[str]:
-    return Counter() if metrics is None else Counter(metrics.snapshot()["fallbacks"])
-
-
-def _kvcore_side(stock: Any, device: torch.device) -> _Side:
-    handler_metrics, mover_metrics = Metrics(), Metrics()
-    handler = ab.kvcore_handler(
-        ab.runnable_stock(stock, device),
-        metrics=handler_metrics,
-        mover=Mover(ab.env_policy(), metrics=mover_metrics),
-    )
-    return _Side("kvcore", handler, device, handler_metrics, mover_metrics)
-
-
 def _host_region(nbytes: int, device: torch.device) -> HostBuffer:
     """Host memory for every layout's region in turn: pinned once (vLLM pins its region),
     registered as one range, since a DMA copy cannot span two registrations."""
@@ -464,15 +291,6 @@ def _ceilings(pools: Pools) -> dict[str, float]:
         out[op] = host.numel() / min(seconds) / 1e9
     # Both hold the same bytes, so the copies changed neither.
     return out
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 10}KiB" if nbytes % 1024 == 0 else f"{nbytes}B"
 
 
 def _device(name: str) -> torch.device | str:
@@ -519,8 +337,8 @@ def main(args: argparse.Namespace) -> int:
             version=vllm.__version__,
             torch=torch.__version__,
             plan="quick" if args.quick else "full",
-            vllm_compiled_ops=ab.compiled_ops_loaded(),
-            batch_copy_available=ab.batch_copy_available(),
+            vllm_compiled_ops=compiled_ops_loaded(),
+            batch_copy_available=batch_copy_available(),
             ceiling_gbps=result.ceiling_gbps,
             pool_checks=result.pool_checks,
             failures=result.failures,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.bench.vllm.ab import Layout, fragmented_ids
+from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids
 
 # Rows either side of a job's ids that its window check covers; a stray write further
 # away is caught by the pass's whole-pool check.

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvcore.bench.sglang import sweep
+from kvcore.bench.sglang.sweep_options import repeats_for
 from kvcore_sglang import transfers
 
 pytestmark = pytest.mark.sglang
@@ -100,6 +101,6 @@ def test_gemm_interference_is_a_cuda_measurement_reported_per_cell():
 
 def test_short_requests_get_more_repeats_on_a_gpu_and_long_ones_fewer():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert sweep.repeats_for(5, 512, cuda) == 20 and sweep.repeats_for(5, 2048, cuda) == 20
-    assert sweep.repeats_for(5, 8192, cuda) == 5 and sweep.repeats_for(5, 32768, cuda) == 3
-    assert sweep.repeats_for(5, 512, cpu) == 5 and sweep.repeats_for(1, 65536, cpu) == 2
+    assert repeats_for(5, 512, cuda) == 20 and repeats_for(5, 2048, cuda) == 20
+    assert repeats_for(5, 8192, cuda) == 5 and repeats_for(5, 32768, cuda) == 3
+    assert repeats_for(5, 512, cpu) == 5 and repeats_for(1, 65536, cpu) == 2

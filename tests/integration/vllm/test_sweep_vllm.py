@@ -24,8 +24,11 @@ import vllm
 
 from kvcore import cli
 from kvcore.bench import sweep_report
-from kvcore.bench.vllm import ab, sweep
+from kvcore.bench.vllm import sweep
+from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock
+from kvcore.bench.vllm.offload_layout import job_specs
 from kvcore.bench.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
+from kvcore.bench.vllm.sweep_sides import Side
 from kvcore_vllm.transfers import KVCoreOffloadingHandler
 
 pytestmark = pytest.mark.vllm
@@ -129,7 +132,7 @@ def _drop_last_page(monkeypatch: pytest.MonkeyPatch) -> None:
         if len(gpu_spec.block_ids) < 2:
             return original(self, job_id, src, dst)
         gpu_ids, cpu_ids = (np.asarray(s.block_ids)[:-1] for s in (gpu_spec, cpu_spec))
-        specs = ab.job_specs(gpu_ids, cpu_ids, gpu_to_cpu=self.gpu_to_cpu)
+        specs = job_specs(gpu_ids, cpu_ids, gpu_to_cpu=self.gpu_to_cpu)
         return original(self, job_id, *specs)
 
     monkeypatch.setattr(KVCoreOffloadingHandler, "transfer_async", lossy)
@@ -151,24 +154,24 @@ def test_a_lost_page_fails_its_cells_and_the_exit_status(monkeypatch, tmp_path):
 
 def _stock_stand_in(stock: Any, device: torch.device) -> tuple[str, Any]:
     """kvcore's handler with every job left to vLLM's descriptor fill and a memmove each."""
-    handler = ab.kvcore_handler(ab.runnable_stock(stock, device))
+    handler = kvcore_handler(runnable_stock(stock, device))
     handler._stock_is_cheaper = lambda segments: "stand_in"  # type: ignore[method-assign]
-    return "stand-in", sweep._Side("stock", handler, device)
+    return "stand-in", Side("stock", handler, device)
 
 
 def test_two_sided_cells_alternate_the_order_and_plot(monkeypatch, tmp_path):
     monkeypatch.setattr(sweep, "QUICK", SMALL)
-    monkeypatch.setattr(sweep, "_stock_side", _stock_stand_in)
+    monkeypatch.setattr(sweep, "stock_side", _stock_stand_in)
     order: list[str] = []
     jobs_per_request: list[int] = []
-    run = sweep._Side.run
+    run = Side.run
 
     def logged(self: Any, specs: Any) -> Any:
         order.append(self.name)
         jobs_per_request.append(len(specs))
         return run(self, specs)
 
-    monkeypatch.setattr(sweep._Side, "run", logged)
+    monkeypatch.setattr(Side, "run", logged)
     plot = tmp_path / "sweep.png"
     assert sweep.main(_args(tmp_path, plot=str(plot))) == 0
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]

@@ -25,7 +25,8 @@ from vllm_support import spec_args
 
 from kvcore import serve_rule
 from kvcore.bench.vllm import ab
-from kvcore.bench.vllm.ab import Layout, fragmented_ids, kvcore_handler, stock_handler
+from kvcore.bench.vllm.offload_handlers import kvcore_handler, stock_handler
+from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids
 from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
