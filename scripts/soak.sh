@@ -16,9 +16,10 @@
 # (traffic seconds per engine and tool, 20), SANITIZE_SGLANG_POOLS (the SGLang pools of the
 # slice: MHA and MLA, both layouts, both page sizes), SANITIZE_KERNELS (a compute-sanitizer
 # --kernel-name filter, e.g. kns=_gather: check only kernels whose names hold that; all by
-# default), PART_BUDGET (wall seconds a part may take, 570: the soak cuts its phases short
-# to write its report in time), VSITE (/tmp/vsite), SOAK_DEVICE (cuda; cpu for a dry run of
-# this script where there is no GPU).
+# default), SANITIZE_TOOLS (the tools of the slices, "memcheck racecheck"), PART_BUDGET
+# (wall seconds a part may take, 570: the soak cuts its phases short to write its report in
+# time), VSITE (/tmp/vsite), SOAK_DEVICE (cuda; cpu for a dry run of this script where there
+# is no GPU).
 # Writes under $OUT (default out/soak) at most six files: env.txt, soak.log,
 # soak-sglang.json / soak-vllm.json / soak-sanitize.json (every slice's document with its
 # sanitizer's verdict), soak-summary.json, and preflight.log where vllm_device_env.sh ran.
@@ -180,17 +181,18 @@ case "$part" in
         [ "$part" = sanitize-sglang ] && engines=(sglang)
         [ "$part" = sanitize-vllm ] && engines=(vllm)
         work=$(mktemp -d)
-        runs_left=$((2 * ${#engines[@]}))
+        read -r -a tools <<< "${SANITIZE_TOOLS:-memcheck racecheck}"
+        runs_left=$((${#tools[@]} * ${#engines[@]}))
         for engine in "${engines[@]}"; do
             # Each engine's environment in a subshell of its own (their PYTHONPATHs differ).
             (
                 "${engine}_env" || exit $?
-                for tool in memcheck racecheck; do
+                for tool in "${tools[@]}"; do
                     slice "$engine" "$tool" "$sanitizer" "$runs_left"
                     runs_left=$((runs_left - 1))
                 done
             ) || echo "$engine: no environment, no slice" | tee -a "$log"
-            runs_left=$((runs_left - 2))
+            runs_left=$((runs_left - ${#tools[@]}))
         done
         python3 - "$OUT/soak-sanitize.json" "$work" <<'PY'
 import glob
