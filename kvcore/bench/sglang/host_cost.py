@@ -215,10 +215,10 @@ def run(args: argparse.Namespace) -> list[CostRow]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(sweep_sides.serve_rule_off())
         if args.no_copy:
-            saved = kernels._BY_DEVICE_TYPE.get("cpu")
+            saved = kernels.unregister_kernels("cpu")
             kernels.register_kernels("cpu", NO_COPY)
             if saved is None:
-                stack.callback(kernels._BY_DEVICE_TYPE.pop, "cpu", None)
+                stack.callback(kernels.unregister_kernels, "cpu")
             else:
                 stack.callback(kernels.register_kernels, "cpu", saved)
         cases = _cases(args.cases)
