@@ -612,10 +612,12 @@ def prepare(opts: LiveOptions) -> dict[str, Any]:
 
     done: dict[str, Any] = {"stubbed_imports": install_protocol_stubs()}
     if opts.device.startswith("cuda"):
-        from kvcore.bench.sglang import ab
+        from kvcore.bench.sglang.jit_kernels import warm_jit
+        from kvcore.bench.sglang.pool_case import Options
+        from kvcore.bench.sglang.sgl_kernel_stub import install_sgl_kernel_stub
 
-        done["sgl_kernel"] = "stub (not installed)" if ab.install_sgl_kernel_stub() else "installed"
-        done["jit"] = ab.warm_jit(ab.Options(device=torch.device(opts.device)))
+        done["sgl_kernel"] = "stub (not installed)" if install_sgl_kernel_stub() else "installed"
+        done["jit"] = warm_jit(Options(device=torch.device(opts.device)))
     from kvcore.bench.sglang.engine_plugins import load_sglang_plugins
 
     done["plugins"] = load_sglang_plugins(opts.mode)

@@ -49,8 +49,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore.bench.sglang import ab
+from kvcore.bench.sglang.ab_paths import METHOD_NAMES
 from kvcore.bench.sglang.import_stubs import install_torchvision_stub
+from kvcore.bench.sglang.jit_kernels import on_stream, warm_jit
+from kvcore.bench.sglang.pool_case import Options as CaseOptions
+from kvcore.bench.sglang.pool_case import PoolCase, pool_case
+from kvcore.bench.sglang.pool_rows import get_rows, host_rows
+from kvcore.bench.sglang.sgl_kernel_stub import install_sgl_kernel_stub
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
 from kvcore.bench.soak_state import (
     CPU_ONLY,
@@ -167,7 +172,7 @@ class PendingBackup:
     stray: torch.Tensor
 
 
-def cpu_stock(case: ab.PoolCase) -> dict[str, Callable[..., None]]:
+def cpu_stock(case: PoolCase) -> dict[str, Callable[..., None]]:
     """Stand-ins for SGLang's transfer methods on a CPU, where its kernels do not run: the
     rows its layout definition says each call copies, one torch copy per layer and buffer."""
 
@@ -182,7 +187,7 @@ def cpu_stock(case: ab.PoolCase) -> dict[str, Callable[..., None]]:
         is_draft: bool = False,
     ) -> None:
         for c in case.components:
-            rows = ab.get_rows(c.host, case.layout, case.page_size, layer_id, host_indices)
+            rows = get_rows(c.host, case.layout, case.page_size, layer_id, host_indices)
             c.devices[layer_id][device_indices] = rows
 
     def backup(
@@ -194,7 +199,7 @@ def cpu_stock(case: ab.PoolCase) -> dict[str, Callable[..., None]]:
     ) -> None:
         for c in case.components:
             for layer, device in enumerate(c.devices):
-                view, index = ab.host_rows(c.host, case.layout, case.page_size, layer, host_indices)
+                view, index = host_rows(c.host, case.layout, case.page_size, layer, host_indices)
                 view[index] = device[device_indices]
 
     return {"load": load, "backup": backup}
@@ -207,7 +212,7 @@ class PoolSoak:
     """The traffic over one pool pair, phase by phase."""
 
     def __init__(
-        self, case: ab.PoolCase, opts: Options, mover: Mover, tally: Tally, errors: list[str]
+        self, case: PoolCase, opts: Options, mover: Mover, tally: Tally, errors: list[str]
     ) -> None:
         from kvcore_sglang import transfers
 
@@ -225,11 +230,11 @@ class PoolSoak:
         self.numbers = iter(range(1 << 62))
         cls = type(case.pool)
         self.hooks = {
-            op: transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{ab.METHOD_NAMES[op]}"]
+            op: transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{METHOD_NAMES[op]}"]
             for op in ("load", "backup")
         }
         if self.streams.cuda:
-            self.originals = {op: vars(cls)[ab.METHOD_NAMES[op]] for op in ("load", "backup")}
+            self.originals = {op: vars(cls)[METHOD_NAMES[op]] for op in ("load", "backup")}
         else:
             self.originals = cpu_stock(case)
         self.transfers = transfers
@@ -238,7 +243,7 @@ class PoolSoak:
 
     def _call(self, op: str, *args: Any) -> None:
         # As Python looks the method up: a stock binding kvcore's rule set on the pool first.
-        bound = self.case.pool.__dict__.get(ab.METHOD_NAMES[op])
+        bound = self.case.pool.__dict__.get(METHOD_NAMES[op])
         if bound is not None:
             bound(*args)
             return
@@ -274,7 +279,7 @@ class PoolSoak:
             yield
             return
         torch.cuda.set_device(self.device)
-        with ab.on_stream(stream):
+        with on_stream(stream):
             yield
 
     # -- backups
@@ -330,7 +335,7 @@ class PoolSoak:
                     stray += mismatched(device[d], poison[d])
                     fresh = random_rows((len(rows), *device.shape[1:]), device.dtype, gen)
                     device[d] = fresh
-                    view, index = ab.host_rows(c.mirror, case.layout, self.page, layer, h)
+                    view, index = host_rows(c.mirror, case.layout, self.page, layer, h)
                     view[index] = fresh
             host_idx, dev_idx = self._indices("backup", host.clone(), rows)
             start = streams.record(self.forward)
@@ -414,7 +419,7 @@ class PoolSoak:
             for layer in range(self.layers):
                 streams.wait(self.forward, item.events[layer])
                 for c in case.components:
-                    expected = ab.get_rows(c.mirror, case.layout, self.page, layer, h)
+                    expected = get_rows(c.mirror, case.layout, self.page, layer, h)
                     wrong += mismatched(c.devices[layer][d], expected)
             self._poison(d)
             done = streams.record(self.forward)
@@ -751,7 +756,7 @@ def slot_accounting(pool: Any, accounting: Accounting, built: dict[str, Any], wh
 
 def run(opts: Options) -> dict[str, Any]:
     """The whole soak; returns the pieces of its JSON document."""
-    stub = ab.install_sgl_kernel_stub()
+    stub = install_sgl_kernel_stub()
     install_torchvision_stub()
     import sglang
 
@@ -762,7 +767,7 @@ def run(opts: Options) -> dict[str, Any]:
     phases: list[dict[str, Any]] = []
     opts = replace(opts, device=with_index(opts.device))
     device = opts.device
-    jit = ab.warm_jit(ab.Options(device=device))
+    jit = warm_jit(CaseOptions(device=device))
     if not opts.pools:
         raise ValueError(f"no pool is named {', '.join(opts.only)}")
     clock = PhaseClock(opts.seconds, len(opts.pools) * len(RULES), opts.deadline)
@@ -870,14 +875,14 @@ def _soak_pool(
     clock: PhaseClock,
 ) -> list[dict[str, Any]]:
     """One pool pair through both phases; nothing of it outlives the call."""
-    base = ab.Options(
+    base = CaseOptions(
         tokens=opts.profile.pool_tokens,
         layers=opts.profile.layers[kind],
         device=opts.device,
         seed=opts.seed,
     )
     phases = []
-    with ab.pool_case(kind, layout, page, base) as case:
+    with pool_case(kind, layout, page, base) as case:
         built = slot_state(case.pool)
         soak = PoolSoak(case, opts, mover, tally, errors)
         for rule in RULES:
