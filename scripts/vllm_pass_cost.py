@@ -26,7 +26,7 @@ kvcore's handler calls beyond stock's.
 On a CPU, vLLM's handler runs with host stand-ins for its streams and events
 (:mod:`kvcore.bench.vllm.host_platform`) and copies with one memmove per descriptor; on a
 GPU without vLLM's compiled ops, with the same driver call
-(:func:`kvcore.bench.vllm.ab.runnable_stock`). Both sides pay for those alike.
+(:func:`kvcore.bench.vllm.offload_handlers.runnable_stock`). Both sides pay for those alike.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore.bench.vllm import ab
+from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock, stock_handler
+from kvcore.bench.vllm.offload_layout import Layout, job_specs
 from kvcore.metrics import Metrics
 
 PHASES = ("transfer_async", "wait", "get_finished", "idle get_finished")
@@ -126,12 +127,12 @@ def sides(
 ) -> tuple[Side, Side, Metrics]:
     """Stock's handler and kvcore's over it, each with a job of one block; the metrics
     kvcore's handler counts into."""
-    layout = ab.Layout(page_bytes=page_bytes, tensors=tensors, gpu_blocks=16, cpu_chunks=16)
+    layout = Layout(page_bytes=page_bytes, tensors=tensors, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(device, torch.Generator().manual_seed(0))
-    stock = ab.runnable_stock(ab.stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu), device)
+    stock = runnable_stock(stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu), device)
     metrics = Metrics()
-    kvcore = ab.kvcore_handler(stock, metrics=metrics)
-    specs = ab.job_specs(np.array([3]), np.array([5]), gpu_to_cpu=gpu_to_cpu)
+    kvcore = kvcore_handler(stock, metrics=metrics)
+    specs = job_specs(np.array([3]), np.array([5]), gpu_to_cpu=gpu_to_cpu)
     return Side("stock", stock, specs), Side("kvcore", kvcore, specs), metrics
 
 

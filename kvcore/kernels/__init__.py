@@ -5,7 +5,7 @@ maps a device type to its set: the reference set (plain torch ops) serves every 
 type with no entry; CUDA's entry is a :data:`KernelFactory` (cudaMemcpyBatchAsync, a
 Triton UVA gather), built per mover from its :class:`~kvcore.path_policy.PathPolicy` on
 first use because it imports Triton. :func:`register_kernels` puts a set or a factory in
-place of either.
+place of either; :func:`unregister_kernels` takes an entry out again.
 """
 
 from __future__ import annotations
@@ -92,6 +92,12 @@ def register_kernels(device_type: str, kernels: KernelSet | KernelFactory) -> No
     """Use ``kernels`` (a set, or a factory a mover calls once with its policy) for
     transfers whose device side is of ``device_type``."""
     _BY_DEVICE_TYPE[device_type] = kernels
+
+
+def unregister_kernels(device_type: str) -> KernelSet | KernelFactory | None:
+    """Take ``device_type``'s entry out, so that the reference set serves it again; the
+    entry it had (to register again later), or None where it had none."""
+    return _BY_DEVICE_TYPE.pop(device_type, None)
 
 
 def registered(device_type: str) -> KernelSet | KernelFactory:

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from kvcore import kernels
-from kvcore.kernels import REFERENCE, KernelSet, kernels_for, register_kernels
+from kvcore.kernels import (
+    REFERENCE,
+    KernelSet,
+    kernels_for,
+    register_kernels,
+    unregister_kernels,
+)
 from kvcore.kernels.reference import (
     as_row_words,
     copy_runs,
@@ -210,8 +216,9 @@ def test_index_copy_rows_moves_values_unchanged_or_refuses():
     assert torch.equal(dst.view(torch.int16), expected)
 
 
-def test_reference_serves_unregistered_devices(monkeypatch):
-    monkeypatch.setattr(kernels, "_BY_DEVICE_TYPE", {})
+def test_reference_serves_unregistered_devices(swap_kernels):
+    swap_kernels("cpu", None)
+    swap_kernels("meta", None)
     assert kernels_for(torch.device("cpu")) is REFERENCE
     assert kernels_for(torch.device("meta")) is REFERENCE
     custom = KernelSet("custom", copy_runs, gather_rows, stage_in, stage_out)
@@ -220,8 +227,28 @@ def test_reference_serves_unregistered_devices(monkeypatch):
     assert kernels_for(torch.device("cpu")) is REFERENCE
 
 
-def test_one_registry_serves_sets_and_factories_and_movers_keep_what_they_built(monkeypatch):
-    monkeypatch.setattr(kernels, "_BY_DEVICE_TYPE", dict(kernels._BY_DEVICE_TYPE))
+def test_unregister_kernels_hands_back_the_entry_and_the_reference_set_serves_again(
+    swap_kernels,
+):
+    swap_kernels("meta", None)
+    meta = torch.device("meta")
+    assert unregister_kernels("meta") is None
+    custom = KernelSet("custom", copy_runs, gather_rows, stage_in, stage_out)
+    register_kernels("meta", custom)
+    assert unregister_kernels("meta") is custom
+    assert kernels_for(meta) is REFERENCE
+    assert unregister_kernels("meta") is None
+    # A factory comes back as it was registered, to be registered again later.
+    register_kernels("meta", lambda policy: custom)
+    factory = unregister_kernels("meta")
+    assert callable(factory) and not isinstance(factory, KernelSet)
+    assert kernels_for(meta) is REFERENCE
+    register_kernels("meta", factory)
+    assert kernels_for(meta) is custom
+
+
+def test_one_registry_serves_sets_and_factories_and_movers_keep_what_they_built(swap_kernels):
+    swap_kernels("meta", None)
     # CUDA's set is a factory in the same registry, built only when asked for (Triton).
     assert not isinstance(kernels.registered("cuda"), KernelSet)
     built: list[PathPolicy] = []

@@ -16,7 +16,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore import kernels
 from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE, KernelSet, cuda
 from kvcore.kernels.batch_copy import BatchCopyError
@@ -196,9 +195,9 @@ def layered_kernels(calls: list[str]) -> KernelSet:
     ],
     ids=lambda v: v.value if isinstance(v, TransferPath) else None,
 )
-def test_layered_kernel_ops_take_every_pair_in_one_call(monkeypatch, path, calls):
+def test_layered_kernel_ops_take_every_pair_in_one_call(swap_kernels, path, calls):
     issued: list[str] = []
-    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", layered_kernels(issued))
+    swap_kernels("cpu", layered_kernels(issued))
     gen = torch.Generator().manual_seed(4)
     _, host = side(True, gen)
     device_memory, device = side(False, gen)

@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore import kernels
 from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS, Metrics
@@ -250,9 +249,9 @@ def counting_kernels(calls: dict[str, int]) -> KernelSet:
 
 
 @pytest.mark.parametrize(("direction", "op"), [(H2D, "stage_in"), (D2H, "stage_out")])
-def test_staging_is_chunked_and_dispatched_by_device(monkeypatch, direction, op):
+def test_staging_is_chunked_and_dispatched_by_device(swap_kernels, direction, op):
     calls: dict[str, int] = {}
-    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", counting_kernels(calls))
+    swap_kernels("cpu", counting_kernels(calls))
     gen = torch.Generator().manual_seed(7)
     src = random_rows(SRC_ROWS, (1, 576), torch.bfloat16, gen)
     dst = poisoned_rows(DST_ROWS, (1, 576), torch.bfloat16)
@@ -467,9 +466,9 @@ def test_disjoint_slices_of_one_buffer_are_not_a_fallback():
     assert done.path is not FALLBACK
 
 
-def test_fallback_runs_only_stock(monkeypatch):
+def test_fallback_runs_only_stock(swap_kernels):
     failing = KernelSet("failing", *[pytest.fail] * 4)
-    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", failing)
+    swap_kernels("cpu", failing)
     calls = []
     src = random_rows(10, (8,), torch.bfloat16, torch.Generator().manual_seed(9))
     dst = poisoned_rows(10, (8,), torch.float16)
@@ -782,7 +781,7 @@ def test_device_indexed_plans_check_what_they_can_read():
     assert mismatched.path is FALLBACK and mismatched.reason == "dtype_mismatch"
 
 
-def test_a_plan_executed_again_reuses_its_gather_set_up_until_the_plan_goes(monkeypatch):
+def test_a_plan_executed_again_reuses_its_gather_set_up_until_the_plan_goes(swap_kernels):
     prepared: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def prepare_gather(src_words: torch.Tensor, dst_words: torch.Tensor):
@@ -792,7 +791,7 @@ def test_a_plan_executed_again_reuses_its_gather_set_up_until_the_plan_goes(monk
         )
 
     with_prepare = dataclasses.replace(REFERENCE, prepare_gather=prepare_gather)
-    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", with_prepare)
+    swap_kernels("cpu", with_prepare)
     gen = torch.Generator().manual_seed(11)
     src = random_rows(SRC_ROWS, (2, 8, 128), torch.bfloat16, gen)
     dst = poisoned_rows(DST_ROWS, (2, 8, 128), torch.bfloat16)

@@ -11,7 +11,6 @@ import dataclasses
 import pytest
 import torch
 
-from kvcore import kernels
 from kvcore.kernels import REFERENCE
 from kvcore.runs import PairedRuns, Runs
 from tests.fuzz_mover import CaseFailure, fuzz_seeds, run_case
@@ -70,8 +69,8 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("broken", BROKEN.values(), ids=BROKEN.keys())
-def test_the_fuzz_notices_a_broken_kernel_and_names_its_seed(monkeypatch, broken):
-    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", broken)
+def test_the_fuzz_notices_a_broken_kernel_and_names_its_seed(swap_kernels, broken):
+    swap_kernels("cpu", broken)
     for seed in range(100):
         try:
             run_case(seed, "cpu")

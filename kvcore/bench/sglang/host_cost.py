@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 from kvcore import kernels
-from kvcore.bench.sglang import ab, sweep, sweep_cells, sweep_sides
+from kvcore.bench.sglang import sweep, sweep_cells, sweep_sides
 from kvcore.bench.sglang.import_stubs import install_torchvision_stub
+from kvcore.bench.sglang.pool_case import Options, PoolCase, pool_case
+from kvcore.bench.sglang.sgl_kernel_stub import install_sgl_kernel_stub
 from kvcore.kernels import KernelSet
 from kvcore.metrics import METRICS
 
@@ -76,11 +78,11 @@ NO_COPY = KernelSet(
 
 
 def _request_pools(
-    case: ab.PoolCase, side: sweep_sides.Side, tokens: int, gen: torch.Generator, host_frag: str
+    case: PoolCase, side: sweep_sides.Side, tokens: int, gen: torch.Generator, host_frag: str
 ) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
-    """The pools and a new request's indices (host slots fragmented ``host_frag``: one of
-    ``ab.HOST_LEVELS``), where ``side`` has SGLang put them: the arguments of each of the
-    request's load calls."""
+    """The pools and a new request's indices (host slots fragmented ``host_frag``: a key of
+    :data:`~kvcore.bench.sglang.pool_case.HOST_LEVELS`), where ``side`` has SGLang put them:
+    the arguments of each of the request's load calls."""
     host, dev = sweep_cells.request_indices(case, tokens, host_frag, 1, gen)[0]
     return (case.pool, case.device_pool, *side.prepare(host, dev))
 
@@ -121,7 +123,7 @@ def _row(
 
 
 def measure_case(
-    case: ab.PoolCase,
+    case: PoolCase,
     backend: str,
     tokens: int,
     requests: int,
@@ -167,7 +169,7 @@ def measure_case(
 
 
 def profile_case(
-    case: ab.PoolCase, backend: str, tokens: int, requests: int, path: str, host_frag: str
+    case: PoolCase, backend: str, tokens: int, requests: int, path: str, host_frag: str
 ) -> None:
     """cProfile of kvcore's first calls and of its later calls, apart, added to ``path``."""
     side = sweep_sides.kvcore_side(case, "load", backend, 1)
@@ -210,15 +212,15 @@ def run(args: argparse.Namespace) -> list[CostRow]:
     device = torch.device(args.device)
     stock = device.type == "cuda"
     rows: list[CostRow] = []
-    ab.install_sgl_kernel_stub()
+    install_sgl_kernel_stub()
     install_torchvision_stub()
     with contextlib.ExitStack() as stack:
         stack.enter_context(sweep_sides.serve_rule_off())
         if args.no_copy:
-            saved = kernels._BY_DEVICE_TYPE.get("cpu")
+            saved = kernels.unregister_kernels("cpu")
             kernels.register_kernels("cpu", NO_COPY)
             if saved is None:
-                stack.callback(kernels._BY_DEVICE_TYPE.pop, "cpu", None)
+                stack.callback(kernels.unregister_kernels, "cpu")
             else:
                 stack.callback(kernels.register_kernels, "cpu", saved)
         cases = _cases(args.cases)
@@ -227,8 +229,8 @@ def run(args: argparse.Namespace) -> list[CostRow]:
             open(args.profile, "w").close()
         for kind, layout, backend, page in cases:
             tokens = [t for t in args.tokens if t % page == 0]
-            opts = ab.Options(tokens=max(tokens), layers=args.layers, device=device)
-            with ab.pool_case(kind, layout, page, opts) as case:
+            opts = Options(tokens=max(tokens), layers=args.layers, device=device)
+            with pool_case(kind, layout, page, opts) as case:
                 if args.profile and _name((kind, layout, backend, page)) in profiled_cases:
                     profiled = args.profile_tokens if args.profile_tokens in tokens else tokens[0]
                     profile_case(

@@ -10,12 +10,12 @@ sides alternate request by request in one process on the same pools. kvcore runs
 SGLang's ``HookRegistry`` calls an AROUND hook, with the stock method as ``original``, and
 its serve-or-pass rule on (``--no-rule``: off, kvcore's own paths everywhere it can).
 
-Pools are built the way SGLang builds them (:mod:`kvcore.bench.sglang.ab`), filled with random
-bytes; after timing, each side's result is checked byte for byte against SGLang's layout
-definition, rows outside the copy keeping their poison. Where stock's ``direct`` ops are
-absent (no sgl-kernel), the ``direct`` cells compare against the same copies issued one
-``copy_`` each from Python (``extra["stock"] == "model:direct"``), which bounds stock's host
-time from above.
+Pools are built the way SGLang builds them (:mod:`kvcore.bench.sglang.pool_case`), filled
+with random bytes; after timing, each side's result is checked byte for byte against
+SGLang's layout definition, rows outside the copy keeping their poison. Where stock's
+``direct`` ops are absent (no sgl-kernel), the ``direct`` cells compare against the same
+copies issued one ``copy_`` each from Python (``extra["stock"] == "model:direct"``), which
+bounds stock's host time from above.
 
 The options are in :mod:`kvcore.bench.sglang.sweep_options`, the sides of a request in
 :mod:`kvcore.bench.sglang.sweep_sides`, one cell's timing and checks in
@@ -35,7 +35,10 @@ from typing import Any
 import torch
 
 from kvcore.bench import sweep_report
-from kvcore.bench.sglang import ab
+from kvcore.bench.sglang.ab import bench_mover
+from kvcore.bench.sglang.jit_kernels import on_stream, warm_jit
+from kvcore.bench.sglang.pool_case import Options, PoolCase, pool_case
+from kvcore.bench.sglang.sgl_kernel_stub import install_sgl_kernel_stub
 from kvcore.bench.sglang.sweep_cells import measure_cell, sync_device
 from kvcore.bench.sglang.sweep_options import SweepOptions, options_for
 from kvcore.bench.sweep_report import SweepRow
@@ -43,20 +46,20 @@ from kvcore.metrics import Metrics
 
 
 @contextmanager
-def _pool(kind: str, layout: str, page: int, opts: SweepOptions) -> Iterator[ab.PoolCase]:
-    base = ab.Options(
+def _pool(kind: str, layout: str, page: int, opts: SweepOptions) -> Iterator[PoolCase]:
+    base = Options(
         tokens=max(opts.tokens),
         layers=opts.layer_count(kind),
         device=opts.device,
         repeats=opts.repeats,
         seed=opts.seed,
     )
-    with ab.pool_case(kind, layout, page, base) as case:
+    with pool_case(kind, layout, page, base) as case:
         yield case
 
 
 def _pool_cells(
-    case: ab.PoolCase,
+    case: PoolCase,
     backend: str,
     opts: SweepOptions,
     metrics: Metrics,
@@ -121,14 +124,14 @@ def release_pools() -> None:
 
 
 def run(opts: SweepOptions, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    stub = ab.install_sgl_kernel_stub()
+    stub = install_sgl_kernel_stub()
     import sglang
 
-    jit = ab.warm_jit(ab.Options(device=opts.device))
+    jit = warm_jit(Options(device=opts.device))
     rows: list[SweepRow] = []
     skipped: list[dict[str, Any]] = []
     stream = torch.cuda.Stream(opts.device) if opts.device.type == "cuda" else None
-    with ab.bench_mover(serve_rule=opts.serve_rule) as mover, ab.on_stream(stream):
+    with bench_mover(serve_rule=opts.serve_rule) as mover, on_stream(stream):
         assert mover.metrics is not None
         for kind, (layout, backend, pages) in itertools.product(opts.kinds, opts.layouts):
             for page in pages:

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from kvcore.bench.sglang import ab
+from kvcore.bench.sglang.pool_case import HOST_LEVELS, PoolCase
+from kvcore.bench.sglang.pool_rows import bytes_equal, check_backup, get_rows
+from kvcore.bench.sglang.sgl_kernel_stub import StockNotRunnable
 from kvcore.bench.sglang.sweep_options import SweepOptions, repeats_for
 from kvcore.bench.sglang.sweep_sides import Side, kvcore_side, rule_off, stock_side
 from kvcore.bench.suite import scattered_layout
@@ -45,36 +47,36 @@ def _timed_request(
 
 
 def request_indices(
-    case: ab.PoolCase, tokens: int, level: str, count: int, gen: torch.Generator
+    case: PoolCase, tokens: int, level: str, count: int, gen: torch.Generator
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` requests of ``tokens`` tokens as (host, device) CPU index pairs: host pages
-    scattered as ``level`` (a key of ``ab.HOST_LEVELS``) says, device pages all scattered."""
+    scattered as ``level`` (a key of ``HOST_LEVELS``) says, device pages all scattered."""
     out = []
     for _ in range(count):
-        host = scattered_layout(tokens, ab.HOST_LEVELS[level], case.page_size, gen)
+        host = scattered_layout(tokens, HOST_LEVELS[level], case.page_size, gen)
         device = scattered_layout(tokens, 1.0, case.page_size, gen)
         out.append((host, device))
     return out
 
 
-def _check(case: ab.PoolCase, op: str, layers: int, host: torch.Tensor, dev: torch.Tensor) -> bool:
+def _check(case: PoolCase, op: str, layers: int, host: torch.Tensor, dev: torch.Tensor) -> bool:
     """Every layer of the request copied, every other row its poison (host rows their
     intended bytes)."""
     if op == "backup":
-        return ab.check_backup(case, host, dev)
+        return check_backup(case, host, dev)
     h, d = host.to(case.opts.device), dev.to(case.opts.device)
     for c in case.components:
         for layer, (actual, poison) in enumerate(zip(c.devices, c.poison, strict=True)):
             expected = poison.clone()
             if layer < layers:
-                expected[d] = ab.get_rows(c.mirror, case.layout, case.page_size, layer, h)
-            if not ab.bytes_equal(actual, expected):
+                expected[d] = get_rows(c.mirror, case.layout, case.page_size, layer, h)
+            if not bytes_equal(actual, expected):
                 return False
     return True
 
 
 def _checked_request(
-    case: ab.PoolCase, side: Side, op: str, layers: int, cpu: tuple[torch.Tensor, torch.Tensor]
+    case: PoolCase, side: Side, op: str, layers: int, cpu: tuple[torch.Tensor, torch.Tensor]
 ) -> bool:
     _restore_rows(case, op)
     side.call(side.prepare(cpu[0].clone(), cpu[1].clone()))  # type: ignore[misc]
@@ -82,7 +84,7 @@ def _checked_request(
     return _check(case, op, layers, cpu[0], cpu[1])
 
 
-def _restore_rows(case: ab.PoolCase, op: str) -> None:
+def _restore_rows(case: PoolCase, op: str) -> None:
     """Put back what earlier requests wrote: device layers their poison (on the device,
     cheap), and before a backup the host buffers their intended bytes (loads only read
     them, and every load cell of a pool runs before its backups)."""
@@ -92,7 +94,7 @@ def _restore_rows(case: ab.PoolCase, op: str) -> None:
 
 
 def measure_cell(
-    case: ab.PoolCase,
+    case: PoolCase,
     op: str,
     backend: str,
     tokens: int,
@@ -138,7 +140,7 @@ def measure_cell(
                 timed = _timed_request(own, given, opts.device)
                 if i:
                     times["own"].append(timed)
-    except ab.StockNotRunnable as exc:
+    except StockNotRunnable as exc:
         sync_device(opts.device)
         return {"case": where, "tokens": tokens, "not_runnable": str(exc)[:300]}
     # kvcore's result is checked (stock's is the reference it must equal); restoring a whole

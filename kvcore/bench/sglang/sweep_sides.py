@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from kvcore.bench.sglang import ab
+from kvcore.bench.sglang.ab_paths import (
+    METHOD_NAMES,
+    direct_copies,
+    stock_indices,
+    stock_kernel_sms,
+)
+from kvcore.bench.sglang.pool_case import Component, PoolCase
+from kvcore.bench.sglang.sgl_kernel_stub import StockNotRunnable, sgl_kernel_stubbed
 
 # The direct model issues one Python copy_ per page run, layer and buffer; past this many per
 # request it would measure Python alone.
@@ -36,21 +43,21 @@ class Side:
     label: str = ""
 
 
-def pool_method(case: ab.PoolCase, op: str) -> Callable[..., Any]:
+def pool_method(case: PoolCase, op: str) -> Callable[..., Any]:
     """SGLang's method that ``op`` calls, as the pool's class defines it (unhooked)."""
-    return vars(type(case.pool))[ab.METHOD_NAMES[op]]
+    return vars(type(case.pool))[METHOD_NAMES[op]]
 
 
-def pool_hook(case: ab.PoolCase, op: str) -> Callable[..., Any]:
+def pool_hook(case: PoolCase, op: str) -> Callable[..., Any]:
     """kvcore's AROUND hook for the method that ``op`` calls on the pool's class."""
     from kvcore_sglang import transfers
 
     cls = type(case.pool)
-    return transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{ab.METHOD_NAMES[op]}"]
+    return transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{METHOD_NAMES[op]}"]
 
 
 def _request(
-    case: ab.PoolCase, op: str, backend: str, layers: int, method: Callable[..., Any]
+    case: PoolCase, op: str, backend: str, layers: int, method: Callable[..., Any]
 ) -> Callable[[tuple[torch.Tensor, torch.Tensor]], None]:
     pool, device_pool = case.pool, case.device_pool
     if op == "backup":
@@ -68,11 +75,11 @@ def _request(
     return reload
 
 
-def stock_side(case: ab.PoolCase, op: str, backend: str, layers: int) -> Side:
+def stock_side(case: PoolCase, op: str, backend: str, layers: int) -> Side:
     """SGLang's own method; where this machine lacks it (``direct`` without sgl-kernel, or
     no CUDA at all), the copies ``direct`` makes, issued from Python (:func:`model_method`)."""
-    _, reason = ab.stock_kernel_sms(case, op, backend)
-    runnable = reason is None and not (backend == "direct" and ab.sgl_kernel_stubbed())
+    _, reason = stock_kernel_sms(case, op, backend)
+    runnable = reason is None and not (backend == "direct" and sgl_kernel_stubbed())
     if not runnable:
         if backend == "kernel" and case.opts.device.type == "cuda":
             return Side("stock", None, _cpu, reason or "stock kernel not runnable")
@@ -80,7 +87,7 @@ def stock_side(case: ab.PoolCase, op: str, backend: str, layers: int) -> Side:
         return Side("stock", _request(case, op, backend, layers, model), _cpu, label=MODEL)
 
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ab.stock_indices(case, op, backend, h, d)
+        return stock_indices(case, op, backend, h, d)
 
     method = pool_method(case, op)
     return Side("stock", _request(case, op, backend, layers, method), prepare, label="stock")
@@ -89,20 +96,20 @@ def stock_side(case: ab.PoolCase, op: str, backend: str, layers: int) -> Side:
 MODEL = "model:direct"
 
 
-def model_method(case: ab.PoolCase, op: str) -> Callable[..., None]:
+def model_method(case: PoolCase, op: str) -> Callable[..., None]:
     """A stand-in for the pool method: the copies stock ``direct`` makes for one call (one
-    per page run, layer and buffer, :func:`kvcore.bench.sglang.ab.direct_copies`), one
-    ``copy_`` each. Raises :class:`~kvcore.bench.sglang.ab.StockNotRunnable` past
+    per page run, layer and buffer, :func:`kvcore.bench.sglang.ab_paths.direct_copies`), one
+    ``copy_`` each. Raises :class:`~kvcore.bench.sglang.sgl_kernel_stub.StockNotRunnable` past
     :data:`MAX_MODEL_COPIES` copies a call."""
     page = case.page_size
     last: list[Any] = [None, None, []]
 
     def copies(host_idx: torch.Tensor, dev_idx: torch.Tensor) -> list[tuple[int, int, int]]:
         if last[0] is not host_idx or last[1] is not dev_idx:
-            last[:] = [host_idx, dev_idx, ab.direct_copies(case, host_idx.cpu(), dev_idx.cpu())]
+            last[:] = [host_idx, dev_idx, direct_copies(case, host_idx.cpu(), dev_idx.cpu())]
         return last[2]
 
-    def host_block(c: ab.Component, layer: int, slot: int, rows: int) -> torch.Tensor:
+    def host_block(c: Component, layer: int, slot: int, rows: int) -> torch.Tensor:
         if case.layout == "page_first_direct":
             return c.host[slot // page, layer]
         if case.layout == "page_first":
@@ -112,7 +119,7 @@ def model_method(case: ab.PoolCase, op: str) -> Callable[..., None]:
     def move(host_idx: torch.Tensor, dev_idx: torch.Tensor, layer_ids: Sequence[int]) -> None:
         runs = copies(host_idx, dev_idx)
         if len(runs) * len(layer_ids) * len(case.components) > MAX_MODEL_COPIES:
-            raise ab.StockNotRunnable(f"{len(runs)} copies a layer: over the model's limit")
+            raise StockNotRunnable(f"{len(runs)} copies a layer: over the model's limit")
         for layer in layer_ids:
             for c in case.components:
                 for h, d, rows in runs:
@@ -145,7 +152,7 @@ def _cpu(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kvcore_side(
-    case: ab.PoolCase, op: str, backend: str, layers: int, *, direct: bool = False
+    case: PoolCase, op: str, backend: str, layers: int, *, direct: bool = False
 ) -> Side:
     """The AROUND hook as SGLang's HookRegistry calls it, the stock method as ``original``;
     with ``kernel`` on CUDA the host indices go through the ``move_indices`` hook, as SGLang
@@ -155,7 +162,7 @@ def kvcore_side(
     hook = pool_hook(case, op)
     stock_run = stock_side(case, op, backend, layers)
     original = pool_method(case, op) if stock_run.label == "stock" else model_method(case, op)
-    name = ab.METHOD_NAMES[op]
+    name = METHOD_NAMES[op]
 
     pool, device_pool = case.pool, case.device_pool
 
@@ -177,7 +184,7 @@ def kvcore_side(
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Where SGLang's controller puts the indices (stock's side says), the host indices
         # moved through kvcore's move_indices hook, which remembers the CPU ones.
-        stock_h, stock_d = ab.stock_indices(case, op, backend, h, d)
+        stock_h, stock_d = stock_indices(case, op, backend, h, d)
         if stock_h is h:
             return h, stock_d
 
@@ -203,7 +210,7 @@ def serve_rule_off() -> Iterator[None]:
         transfers.serve_rule_enabled = saved  # type: ignore[assignment]
 
 
-def rule_off(case: ab.PoolCase, op: str, backend: str, layers: int) -> Side:
+def rule_off(case: PoolCase, op: str, backend: str, layers: int) -> Side:
     """kvcore's hook called directly with the serve-or-pass rule off: its own paths
     wherever it can copy exactly, to read off where the rule should serve."""
     side = kvcore_side(case, op, backend, layers, direct=True)

@@ -39,10 +39,6 @@ import numpy as np
 import torch
 
 from kvcore.bench.vllm.ab_paths import runnable_paths
-
-# Re-exported: kvcore.bench.vllm.soak reads them as ab.compiled_ops_loaded, ab.env_policy.
-from kvcore.bench.vllm.offload_handlers import compiled_ops_loaded as compiled_ops_loaded
-from kvcore.bench.vllm.offload_handlers import env_policy as env_policy
 from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock, stock_handler
 from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids, job_specs
 

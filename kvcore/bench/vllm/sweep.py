@@ -43,10 +43,6 @@ from kvcore.bench.sweep_report import SweepRow
 from kvcore.bench.vllm.offload_handlers import compiled_ops_loaded, stock_handler
 from kvcore.bench.vllm.offload_layout import job_specs
 from kvcore.bench.vllm.sweep_plan import BLOCK_TOKENS, FULL, QUICK, ModelLayout, SweepPlan
-
-# Re-exported: kvcore.bench.vllm.soak imports them from here.
-from kvcore.bench.vllm.sweep_plan import MHA_PAGE_BYTES as MHA_PAGE_BYTES
-from kvcore.bench.vllm.sweep_plan import MLA_PAGE_BYTES as MLA_PAGE_BYTES
 from kvcore.bench.vllm.sweep_pools import Pools, Request, RequestDrawer
 from kvcore.bench.vllm.sweep_sides import Samples, Side, kvcore_side, stock_side
 from kvcore.kernels.batch_copy import batch_copy_available

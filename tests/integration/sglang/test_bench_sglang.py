@@ -14,7 +14,13 @@ pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang insta
 import torch
 
 from kvcore import cli
-from kvcore.bench.sglang import ab
+from kvcore.bench.sglang import ab, sgl_kernel_stub
+from kvcore.bench.sglang.ab_measure import measure
+from kvcore.bench.sglang.ab_paths import LOAD_LAYER, OPS, PathRun, kvcore_path
+from kvcore.bench.sglang.ab_report import failures, format_table, speedups
+from kvcore.bench.sglang.pool_case import Options, PoolCase, pool_case
+from kvcore.bench.sglang.pool_rows import index_pairs
+from kvcore.bench.sglang.sgl_kernel_stub import StockNotRunnable, install_sgl_kernel_stub
 
 pytestmark = [
     pytest.mark.sglang,
@@ -33,17 +39,19 @@ PAGE = 16
 def no_stub_left() -> Iterator[None]:
     """The sgl_kernel stand-in is process-wide: take it out again after each test."""
     yield
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, ab._SglKernelStub)]
+    sys.meta_path[:] = [
+        f for f in sys.meta_path if not isinstance(f, sgl_kernel_stub._SglKernelStub)
+    ]
     for name in ("sgl_kernel.kvcacheio", "sgl_kernel"):
         module = sys.modules.get(name)
         spec = getattr(module, "__spec__", None)
-        if spec is not None and isinstance(spec.loader, ab._SglKernelStub):
+        if spec is not None and isinstance(spec.loader, sgl_kernel_stub._SglKernelStub):
             del sys.modules[name]
 
 
-def tiny(**overrides: Any) -> ab.Options:
+def tiny(**overrides: Any) -> Options:
     base = dict(tokens=TOKENS, layers=2, device=CPU, repeats=1, host_levels=("0%", "100%"))
-    return ab.Options(**{**base, **overrides})
+    return Options(**{**base, **overrides})
 
 
 # --- the full A/B at tiny sizes --------------------------------------------------------------
@@ -68,13 +76,13 @@ def test_every_kvcore_result_is_identical_and_stock_is_reported_not_runnable() -
     assert len(model) == 2 * 2 * 2 * 2
     assert all(r["identical"] is True and "copy_ calls" in r["sms"] for r in model)
     assert {r["layout"] for r in model} == {"layer_first", "page_first_direct"}
-    assert ab.failures(report) == []
-    ratios = ab.speedups(rows)
+    assert failures(report) == []
+    ratios = speedups(rows)
     assert len(ratios) == len(model) and {s["vs"] for s in ratios} == {"model:direct"}
     prefix = [r for r in report["prefix_reload"] if r["path"].startswith("kvcore")]
     assert len(prefix) == 2 * 2 * 2  # kinds x (layer_first, page_first) x levels
     assert all(r["identical"] is True for r in prefix)
-    table = ab.format_table(report)
+    table = format_table(report)
     assert "not runnable: stock transfers need CUDA" in table
     assert "evicted-prefix round trip" in table
 
@@ -82,7 +90,7 @@ def test_every_kvcore_result_is_identical_and_stock_is_reported_not_runnable() -
 # --- the byte checks -------------------------------------------------------------------------
 
 
-def reference_row(case: ab.PoolCase, buffer: torch.Tensor, layer: int, slot: int):
+def reference_row(case: PoolCase, buffer: torch.Tensor, layer: int, slot: int):
     """One host slot's row of ``layer``, addressed as SGLang's layout defines it."""
     if case.layout == "layer_first":
         return buffer[layer, slot]
@@ -92,17 +100,17 @@ def reference_row(case: ab.PoolCase, buffer: torch.Tensor, layer: int, slot: int
 
 
 def per_index_path(
-    case: ab.PoolCase,
+    case: PoolCase,
     op: str,
     host_idx: torch.Tensor,
     dev_idx: torch.Tensor,
     damage: Callable[[], None] = lambda: None,
-) -> ab.PathRun:
+) -> PathRun:
     """A plain per-index copy (the right answer), then ``damage``."""
 
     def copy() -> None:
         for c in case.components:
-            layers = [ab.LOAD_LAYER] if op == "load" else range(case.opts.layers)
+            layers = [LOAD_LAYER] if op == "load" else range(case.opts.layers)
             for layer in layers:
                 for h, d in zip(host_idx.tolist(), dev_idx.tolist(), strict=True):
                     row = reference_row(case, c.host, layer, h)
@@ -112,22 +120,22 @@ def per_index_path(
                         row.copy_(c.devices[layer][d])
         damage()
 
-    return ab.PathRun("reference", copy, "")
+    return PathRun("reference", copy, "")
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-@pytest.mark.parametrize("op", ab.OPS)
+@pytest.mark.parametrize("op", OPS)
 def test_byte_checks_pass_a_right_copy_and_fire_on_a_corrupted_one(layout: str, op: str) -> None:
-    with ab.pool_case("mha", layout, PAGE, tiny()) as case:
+    with pool_case("mha", layout, PAGE, tiny()) as case:
         gen = torch.Generator().manual_seed(5)
-        host_idx, dev_idx = ab.index_pairs(TOKENS, "100%", PAGE, gen)
+        host_idx, dev_idx = index_pairs(TOKENS, "100%", PAGE, gen)
         untouched = sorted(set(range(2 * TOKENS)) - set(dev_idx.tolist()))[0]
         spare_host = sorted(set(range(2 * TOKENS)) - set(host_idx.tolist()))[0]
         c = case.components[1]  # V: damage away from the first component
 
         def flip_written() -> None:
             if op == "load":
-                c.devices[ab.LOAD_LAYER][int(dev_idx[-1])].view(torch.uint8)[0] ^= 1
+                c.devices[LOAD_LAYER][int(dev_idx[-1])].view(torch.uint8)[0] ^= 1
             else:
                 reference_row(case, c.host, 1, int(host_idx[-1])).view(torch.uint8)[0] ^= 1
 
@@ -137,7 +145,7 @@ def test_byte_checks_pass_a_right_copy_and_fire_on_a_corrupted_one(layout: str, 
 
         def write_untouched() -> None:
             if op == "load":
-                layer = ab.LOAD_LAYER
+                layer = LOAD_LAYER
                 spoil(c.devices[layer][untouched], c.poison[layer][untouched])
             else:
                 spoil(
@@ -157,7 +165,7 @@ def test_byte_checks_pass_a_right_copy_and_fire_on_a_corrupted_one(layout: str, 
             ("other_layer", other_layer),
         ):
             run = per_index_path(case, op, host_idx, dev_idx, damage)
-            result = ab.measure(case, op, run, host_idx, dev_idx, ceiling=1.0)
+            result = measure(case, op, run, host_idx, dev_idx, ceiling=1.0)
             verdicts[name] = result["identical"]
     # A backup's repeat copies the spoiled device row to the host: caught there too.
     expected = {"right": True, "flip_written": False, "write_untouched": False}
@@ -165,29 +173,27 @@ def test_byte_checks_pass_a_right_copy_and_fire_on_a_corrupted_one(layout: str, 
 
 
 def test_a_path_that_raises_is_reported_not_runnable_and_a_missing_one_is_kept() -> None:
-    with ab.pool_case("mla", "layer_first", PAGE, tiny()) as case:
-        host_idx, dev_idx = ab.index_pairs(TOKENS, "0%", PAGE, torch.Generator())
+    with pool_case("mla", "layer_first", PAGE, tiny()) as case:
+        host_idx, dev_idx = index_pairs(TOKENS, "0%", PAGE, torch.Generator())
 
         def raises() -> None:
-            raise ab.StockNotRunnable("no op here")
+            raise StockNotRunnable("no op here")
 
-        broken = ab.measure(case, "load", ab.PathRun("stock:x", raises, ""), host_idx, dev_idx, 1.0)
-        absent = ab.measure(
-            case, "load", ab.PathRun("stock:y", None, "", "why"), host_idx, dev_idx, 1.0
-        )
+        broken = measure(case, "load", PathRun("stock:x", raises, ""), host_idx, dev_idx, 1.0)
+        absent = measure(case, "load", PathRun("stock:y", None, "", "why"), host_idx, dev_idx, 1.0)
     assert broken["not_runnable"] == "StockNotRunnable: no op here"
     assert broken["identical"] is None
     assert absent["not_runnable"] == "why"
 
 
 def test_kvcore_fallback_is_caught_by_the_byte_check_with_its_reason() -> None:
-    with ab.pool_case("mha", "page_first_direct", PAGE, tiny()) as case:
-        host_idx, dev_idx = ab.index_pairs(TOKENS, "0%", PAGE, torch.Generator())
+    with pool_case("mha", "page_first_direct", PAGE, tiny()) as case:
+        host_idx, dev_idx = index_pairs(TOKENS, "0%", PAGE, torch.Generator())
         # Half-page groups: page_first_direct's stock copy would move whole pages.
         host_idx = host_idx + PAGE // 2
         with ab.bench_mover() as mover:
-            run = ab.kvcore_path(case, "load", "direct", host_idx, dev_idx, mover)
-            result = ab.measure(case, "load", run, host_idx, dev_idx, 1.0, mover)
+            run = kvcore_path(case, "load", "direct", host_idx, dev_idx, mover)
+            result = measure(case, "load", run, host_idx, dev_idx, 1.0, mover)
     assert result["stock_calls"] == 1 + case.opts.repeats  # the warm-up call, then each timed
     assert result["fallbacks"] == {"sglang_unpaged_indices": result["stock_calls"]}
     assert result["identical"] is False
@@ -209,34 +215,34 @@ def test_speedups_pair_kvcore_with_stock_on_the_same_data_and_failures_skip_unru
         row("kvcore:kernel", 30.0, host_fragmentation="100%"),
         row("kvcore:kernel", 9.0, False, page_size=1),
     ]
-    [ratio] = ab.speedups(rows)
+    [ratio] = speedups(rows)
     assert ratio["x"] == pytest.approx(1.25) and ratio["vs"] == "stock:kernel"
     report = {"results": rows, "prefix_reload": [row("stock:kernel", 1.0, False)]}
-    assert [r["page_size"] for r in ab.failures(report)] == [1, 64]
+    assert [r["page_size"] for r in failures(report)] == [1, 64]
 
 
 def test_stub_serves_every_sgl_kernel_name_and_calling_one_raises(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real_find_spec = ab.importlib.util.find_spec
+    real_find_spec = sgl_kernel_stub.importlib.util.find_spec
     monkeypatch.setattr(
-        ab.importlib.util,
+        sgl_kernel_stub.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "sgl_kernel" else real_find_spec(name, *a),
     )
-    assert ab.install_sgl_kernel_stub()
-    assert ab.install_sgl_kernel_stub()  # once only
-    assert sum(isinstance(f, ab._SglKernelStub) for f in sys.meta_path) == 1
+    assert install_sgl_kernel_stub()
+    assert install_sgl_kernel_stub()  # once only
+    assert sum(isinstance(f, sgl_kernel_stub._SglKernelStub) for f in sys.meta_path) == 1
     # What SGLang imports at module level on CUDA, some of it without a fallback.
     from sgl_kernel import int8_scaled_mm
     from sgl_kernel.kvcacheio import transfer_kv_direct
     from sgl_kernel.scalar_type import ScalarType, scalar_types
 
-    with pytest.raises(ab.StockNotRunnable, match="transfer_kv_direct: sgl_kernel is not"):
+    with pytest.raises(StockNotRunnable, match="transfer_kv_direct: sgl_kernel is not"):
         transfer_kv_direct([], [], None, None, 1)
-    with pytest.raises(ab.StockNotRunnable, match=r"sgl_kernel\.int8_scaled_mm"):
+    with pytest.raises(StockNotRunnable, match=r"sgl_kernel\.int8_scaled_mm"):
         int8_scaled_mm()
-    with pytest.raises(ab.StockNotRunnable, match=r"scalar_types\.uint4b8"):
+    with pytest.raises(StockNotRunnable, match=r"scalar_types\.uint4b8"):
         scalar_types.uint4b8()
 
     class Derived(ScalarType):  # subclassable, as type annotations and subclasses need

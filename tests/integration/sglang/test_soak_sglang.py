@@ -16,7 +16,8 @@ pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang insta
 import torch
 
 from kvcore.bench import soak
-from kvcore.bench.sglang.soak import KINDS, LAYOUTS, PAGES, pool_name
+from kvcore.bench.sglang.soak import KINDS, LAYOUTS, PAGES
+from kvcore.bench.sglang.soak_pool import pool_name
 from kvcore.direction import Direction
 from kvcore.mover import Mover, TransferPlan
 

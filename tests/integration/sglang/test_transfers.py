@@ -33,7 +33,6 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang_pools import dsa_host, mha_device, mha_host, mla_device, mla_host
 
-from kvcore import kernels
 from kvcore.bench.sglang.host_pools import mha_host_pool, mla_host_pool
 from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
@@ -619,14 +618,14 @@ def layered_cpu_kernels(calls: list[tuple[str, int]]) -> KernelSet:
 
 @pytest.mark.parametrize(("kind", "pairs"), [("mha", 2), ("mla", 1)])
 def test_the_pairs_of_a_call_move_in_one_submission(
-    transfer_hooks, small_mover, monkeypatch, kind, pairs
+    transfer_hooks, small_mover, swap_kernels, kind, pairs
 ):
     """A load's K and V (an MLA layer's one pair), a backup's every layer: one layered
     gather, the same bytes; a load's layer buffers are checked once and kept for the pool,
     its indices prepared once for the request."""
     transfer_hooks()
     calls: list[tuple[str, int]] = []
-    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", layered_cpu_kernels(calls))
+    swap_kernels("cpu", layered_cpu_kernels(calls))
     check_served_call(kind, "layer_first", "direct", "load", "scattered", 100, 5)
     assert calls == [("gather_prepared", pairs)]
     calls.clear()
@@ -635,11 +634,11 @@ def test_the_pairs_of_a_call_move_in_one_submission(
 
 
 def test_pairs_one_submission_cannot_take_are_moved_one_by_one(
-    transfer_hooks, small_mover, monkeypatch
+    transfer_hooks, small_mover, swap_kernels, monkeypatch
 ):
     transfer_hooks()
     calls: list[tuple[str, int]] = []
-    monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", layered_cpu_kernels(calls))
+    swap_kernels("cpu", layered_cpu_kernels(calls))
     monkeypatch.setattr("kvcore.mover.layers_mismatch", lambda plan, pairs: "a test says so")
     before = paths_taken().get("gather", 0)
     check_served_call("mha", "layer_first", "direct", "backup", "scattered", 100, 7)

@@ -1,0 +1,85 @@
+"""The summary of one mode of the live HiCache run (:mod:`kvcore.bench.sglang.hicache_live`).
+
+:func:`summarize` reduces the requests' results and the cache's counters to the load-back
+times (median, p99 by nearest rank), tokens, wrong bytes, evictions and write-throughs,
+with :func:`by_size` per first-turn size; :mod:`kvcore.bench.sglang.hicache_live_combine`
+puts the modes' summaries side by side.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from kvcore.bench.sglang.hicache_live_rig import CacheCounters
+from kvcore.bench.sglang.hicache_live_serve import RequestResult
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile by the nearest rank; None for no values."""
+    if not values:
+        return None
+    ranked = sorted(values)
+    return ranked[min(len(ranked), max(1, math.ceil(q * len(ranked)))) - 1]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def by_size(results: Sequence[RequestResult], token_bytes: int) -> list[dict[str, Any]]:
+    """Per first-turn size bucket: its load-backs' tokens and times, medians."""
+    rows = []
+    for size in sorted({r.first_turn_tokens for r in results}):
+        loads = [r for r in results if r.first_turn_tokens == size and r.loadback_ms is not None]
+        if not loads:
+            continue
+        ms = statistics.median(r.loadback_ms for r in loads if r.loadback_ms is not None)
+        tokens = statistics.median(r.loaded_tokens for r in loads)
+        rows.append(
+            {
+                "first_turn_tokens": size,
+                "loadbacks": len(loads),
+                "loaded_tokens_p50": tokens,
+                "loadback_ms_p50": _round(ms),
+                "gb_per_s": _round(tokens * token_bytes / ms / 1e6) if ms else None,
+            }
+        )
+    return rows
+
+
+def summarize(
+    results: Sequence[RequestResult], counters: CacheCounters, token_bytes: int
+) -> dict[str, Any]:
+    loads = [r for r in results if r.loadback_ms is not None]
+    ms = [r.loadback_ms for r in loads if r.loadback_ms is not None]
+    issue = [r.issue_ms for r in loads if r.issue_ms is not None]
+    return {
+        "requests": len(results),
+        "loadbacks": len(loads),
+        "loadbacks_declined": sum(r.loadback_declined for r in results),
+        "loadback_ms_p50": _round(statistics.median(ms)) if ms else None,
+        "loadback_ms_p99": _round(percentile(ms, 0.99)),
+        "issue_ms_p50": _round(statistics.median(issue)) if issue else None,
+        "loaded_tokens": sum(r.loaded_tokens for r in results),
+        "device_hit_tokens": sum(r.device_hit_tokens for r in results),
+        "host_hit_tokens": sum(r.host_hit_tokens for r in results),
+        "mismatched_bytes": sum(r.mismatched_bytes + r.resident_mismatched_bytes for r in results),
+        "settled_mismatched_bytes": sum(r.settled_mismatched_bytes for r in results),
+        "checks_failed": sum(not r.check_passed for r in results),
+        "errors": sum(r.error is not None for r in results),
+        "evictions": {
+            "calls": counters.evict_calls,
+            "device_tokens": counters.evicted_tokens,
+            "dropped_tokens": counters.dropped_tokens,
+            "host_calls": counters.host_evict_calls,
+            "host_tokens": counters.host_evicted_tokens,
+        },
+        "write_throughs": {
+            "ops": counters.write_through_ops,
+            "tokens": counters.write_through_tokens,
+        },
+        "by_size": by_size(results, token_bytes),
+    }
