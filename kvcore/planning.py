@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcore.direction import Direction
@@ -24,17 +25,17 @@ from kvcore.path_policy import PathPolicy, TransferPath
 from kvcore.runs import (
     PairedRuns,
     Runs,
-    check_bounds,
     check_index,
+    duplicates_below,
     find_paired_runs,
     find_runs,
-    has_duplicates_below,
-    run_count_up_to,
-    segment_transfer,
+    run_count_of,
+    segment_values,
     slice_runs,
-    span_and_run_count,
+    span_and_run_count_of,
+    span_of,
 )
-from kvcore.transfer_sides import CheckedSides, check_sides, direction_between
+from kvcore.transfer_sides import CheckedSides, check_sides
 
 
 class StalePlanError(ValueError):
@@ -205,55 +206,83 @@ def plan(
     """
     src_idx = _watchable(check_index(src_idx, "src_idx"))
     dst_idx = _watchable(check_index(dst_idx, "dst_idx"))
-    direction = direction_between(src, dst, direction)
+    return _plan_checked(check_sides(src, dst, direction), src_idx, dst_idx, policy, force)
+
+
+def plan_for(
+    sides: CheckedSides,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    *,
+    policy: PathPolicy = PathPolicy(),
+    force: TransferPath | None = None,
+) -> TransferPlan:
+    """:func:`plan` between buffers :func:`check_sides` has checked: an engine's layer
+    buffers, checked once for every request that copies between them."""
+    src_idx = _watchable(check_index(src_idx, "src_idx"))
+    dst_idx = _watchable(check_index(dst_idx, "dst_idx"))
+    return _plan_checked(sides, src_idx, dst_idx, policy, force)
+
+
+def _plan_checked(
+    sides: CheckedSides,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    policy: PathPolicy,
+    force: TransferPath | None,
+) -> TransferPlan:
+    """:func:`plan` of indices :func:`check_index` has checked (int64, watchable): every
+    question below reads their NumPy views, so neither is checked or converted again."""
+    src_values, dst_values = src_idx.numpy(), dst_idx.numpy()
     if force is None:
-        gather = _gather_if_host_rules_out_dma(src, dst, src_idx, dst_idx, direction, policy)
+        gather = _gather_if_host_rules_out_dma(
+            sides, src_idx, dst_idx, src_values, dst_values, policy
+        )
         if gather is not None:
             return gather
-    found = segment_transfer(
-        src_idx, dst_idx, src.shape[0], dst.shape[0], host_is_src=direction is Direction.H2D
+    found = segment_values(
+        src_values,
+        dst_values,
+        sides.src.shape[0],
+        sides.dst.shape[0],
+        host_is_src=sides.direction is Direction.H2D,
     )
     if found.dst_has_duplicates:
         # Which source row would win is undefined: stock GPU copies would race.
         raise ValueError("dst_idx holds duplicate indices")
     runs, host_runs = found.runs, found.host_runs
-    src_span, dst_span = found.src_span, found.dst_span
-    rows = int(src_idx.numel())
-    src_row_bytes = row_bytes(src)
-    nbytes = rows * src_row_bytes
+    nbytes = src_values.size * sides.row_bytes
 
-    reason = fallback_reason(src, dst)
+    reason = sides.reason
     if reason is None and force is TransferPath.FALLBACK:
         reason = "forced"
     if reason is not None:
         path = TransferPath.FALLBACK
     elif force is not None:
-        path = check_forced(force, runs, src_row_bytes, policy)
+        path = check_forced(force, runs, sides.row_bytes, policy)
     else:
         path = choose_path(runs.count, host_runs.count, nbytes, policy)
     return _decided(
         path,
-        direction,
-        src,
-        dst,
+        sides,
         src_idx,
         dst_idx,
         runs,
         host_runs,
         reason,
         policy,
-        src_span=src_span,
-        dst_span=dst_span,
+        src_span=found.src_span,
+        dst_span=found.dst_span,
         index_versions=(src_idx._version, dst_idx._version),
     )
 
 
 def _gather_if_host_rules_out_dma(
-    src: torch.Tensor,
-    dst: torch.Tensor,
+    sides: CheckedSides,
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
-    direction: Direction,
+    src_values: np.ndarray,
+    dst_values: np.ndarray,
     policy: PathPolicy,
 ) -> TransferPlan | None:
     """The GATHER plan of a transfer whose host rows alone rule out every DMA path, from
@@ -264,28 +293,24 @@ def _gather_if_host_rules_out_dma(
     Both sides' runs cost more than the rest of a first call on the engine's load path,
     and a gather never reads them: they are found only if asked for (:attr:`TransferPlan.runs`).
     """
-    rows = int(src_idx.numel())
-    if rows <= policy.max_dma_runs or rows != dst_idx.numel():
+    rows = src_values.size
+    if sides.reason is not None or rows <= policy.max_dma_runs or rows != dst_values.size:
         return None
-    page_in = direction is Direction.H2D
     # Counted before any bounds pass: where a DMA path stays open, plan() segments (and
     # bounds) both sides anyway.
-    host_run_count = run_count_up_to(
-        src_idx if page_in else dst_idx, max(policy.max_dma_runs, policy.max_batched_runs)
+    host_run_count = run_count_of(
+        src_values if sides.direction is Direction.H2D else dst_values,
+        max(policy.max_dma_runs, policy.max_batched_runs),
     )
-    if not rules_out_dma(host_run_count, rows * row_bytes(src), policy):
+    if not rules_out_dma(host_run_count, rows * sides.row_bytes, policy):
         return None
-    if fallback_reason(src, dst) is not None:
-        return None
-    src_span = check_bounds(src_idx, src.shape[0], "src_idx")
-    dst_span = check_bounds(dst_idx, dst.shape[0], "dst_idx")
-    if has_duplicates_below(dst_idx, dst_span):
+    src_span = span_of(src_values, sides.src.shape[0], "src_idx")
+    dst_span = span_of(dst_values, sides.dst.shape[0], "dst_idx")
+    if duplicates_below(dst_values, dst_span):
         raise ValueError("dst_idx holds duplicate indices")
     return _decided(
         TransferPath.GATHER,
-        direction,
-        src,
-        dst,
+        sides,
         src_idx,
         dst_idx,
         None,
@@ -300,9 +325,7 @@ def _gather_if_host_rules_out_dma(
 
 def _decided(
     path: TransferPath,
-    direction: Direction,
-    src: torch.Tensor,
-    dst: torch.Tensor,
+    sides: CheckedSides,
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
     runs: PairedRuns | None,
@@ -311,20 +334,21 @@ def _decided(
     policy: PathPolicy,
     **spans_and_flags: Any,
 ) -> TransferPlan:
-    """The plan for a chosen path; a STAGED one gets its staging-sized chunks here."""
-    src_row_bytes = row_bytes(src)
+    """The plan for a chosen path between ``sides``; a STAGED one gets its staging-sized
+    chunks here."""
+    src_row_bytes = sides.row_bytes
     staged: tuple[StagedChunk, ...] = ()
     if path is TransferPath.STAGED:
         if host_runs is None:
-            host_runs = _host_runs_of(direction, src_idx, dst_idx)
+            host_runs = _host_runs_of(sides.direction, src_idx, dst_idx)
         # Rows of no bytes (a valid transfer that moves nothing) all fit one chunk.
         staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1))
     rows = int(src_idx.numel())
     return TransferPlan(
         path=path,
-        direction=direction,
-        src=src,
-        dst=dst,
+        direction=sides.direction,
+        src=sides.src,
+        dst=sides.dst,
         src_idx=src_idx,
         dst_idx=dst_idx,
         paired_runs_found=runs,
@@ -371,10 +395,9 @@ def plan_device_indexed_for(
     force: TransferPath | None = None,
 ) -> TransferPlan:
     """:func:`plan_device_indexed` between buffers :func:`check_sides` has checked."""
-    src, dst, direction = sides.src, sides.dst, sides.direction
-    page_in = direction is Direction.H2D
+    page_in = sides.direction is Direction.H2D
     host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
-    host, device = (src, dst) if page_in else (dst, src)
+    host, device = (sides.src, sides.dst) if page_in else (sides.dst, sides.src)
     host_idx = _watchable(check_index(host_idx, "host index"))
     if not isinstance(device_idx, torch.Tensor):
         raise TypeError(f"the device index must be a torch.Tensor, got {type(device_idx).__name__}")
@@ -396,16 +419,17 @@ def plan_device_indexed_for(
         # The CUDA kernels cache uploads of CPU indices by version counter.
         device_idx = _watchable(device_idx)
     # The path needs to know only whether the host runs are few (at most max_dma_runs).
-    host_span, host_run_count = span_and_run_count(
-        host_idx, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
+    host_values = host_idx.numpy()
+    host_span, host_run_count = span_and_run_count_of(
+        host_values, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
     )
-    if not page_in and has_duplicates_below(host_idx, host_span):
+    if not page_in and duplicates_below(host_values, host_span):
         raise ValueError("the host index holds duplicate destinations")
-    rows = int(host_idx.numel())
     src_row_bytes = sides.row_bytes
-    nbytes = rows * src_row_bytes
+    nbytes = host_values.size * src_row_bytes
     reason = sides.reason
-    if reason is None and device_idx.device not in (device.device, torch.device("cpu")):
+    index_device = device_idx.device
+    if reason is None and index_device.type != "cpu" and index_device != device.device:
         reason = "unsupported_device"
     if reason is None and force is TransferPath.FALLBACK:
         reason = "forced"
@@ -422,9 +446,7 @@ def plan_device_indexed_for(
     src_idx, dst_idx = (host_idx, device_idx) if page_in else (device_idx, host_idx)
     return _decided(
         path,
-        direction,
-        src,
-        dst,
+        sides,
         src_idx,
         dst_idx,
         _NO_RUNS,

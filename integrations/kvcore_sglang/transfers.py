@@ -54,7 +54,13 @@ from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
-from kvcore.planning import TransferPlan, plan, plan_device_indexed, plan_device_indexed_for
+from kvcore.planning import (
+    TransferPlan,
+    plan,
+    plan_device_indexed,
+    plan_device_indexed_for,
+    plan_for,
+)
 from kvcore.runs import run_count_up_to, version_of
 from kvcore.transfer_sides import CheckedSides, check_sides
 
@@ -299,7 +305,7 @@ def _first_plan(
 ) -> TransferPlan | str:
     """The plan of the job's first pair, or why the call must run stock. ``kept_sides``:
     that pair as checked when its layer's buffers were kept, used where the job's first
-    pair is those very buffers (a device-indexed plan then checks only the indices)."""
+    pair is those very buffers (the plan then checks only the indices)."""
     page_in = direction is Direction.H2D
     host, device = job.pairs[0]
     src, dst = (host, device) if page_in else (device, host)
@@ -308,13 +314,9 @@ def _first_plan(
             (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
         )
         policy = chosen_mover.policy
-        if (
-            device_opaque
-            and kept_sides is not None
-            and kept_sides.src is src
-            and kept_sides.dst is dst
-        ):
-            first = plan_device_indexed_for(kept_sides, src_idx, dst_idx, policy=policy)
+        if kept_sides is not None and kept_sides.src is src and kept_sides.dst is dst:
+            planner_for = plan_device_indexed_for if device_opaque else plan_for
+            first = planner_for(kept_sides, src_idx, dst_idx, policy=policy)
         else:
             planner = plan_device_indexed if device_opaque else plan
             first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=policy)

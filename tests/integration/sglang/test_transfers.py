@@ -1112,7 +1112,7 @@ def test_transfers_setting_turns_the_hooks_on(sglang_hooks, monkeypatch):
 
 def _counting_planners(monkeypatch) -> list[str]:
     calls: list[str] = []
-    for name in ("plan", "plan_device_indexed"):
+    for name in ("plan", "plan_for", "plan_device_indexed", "plan_device_indexed_for"):
         real = getattr(transfers, name)
 
         def counted(*args: Any, _real=real, _name=name, **kwargs: Any) -> Any:
