@@ -35,7 +35,7 @@ from kvcore.runs import (
     span_and_run_count_of,
     span_of,
 )
-from kvcore.transfer_sides import CheckedSides, check_sides
+from kvcore.transfer_sides import CheckedSides, check_sides, no_rows
 
 
 class StalePlanError(ValueError):
@@ -151,14 +151,22 @@ class TransferPlan:
             )
         return dataclasses.replace(self, src=src, dst=dst)
 
-    def without_buffers(self) -> TransferPlan:
+    def without_buffers(self, sides: CheckedSides | None = None) -> TransferPlan:
         """This plan with row-less stand-ins for ``src`` and ``dst`` (same devices, dtypes and
         row shapes), for keeping the decision without keeping the buffers' memory alive; a
-        caller brings the buffers again (:meth:`rebind`, or pairs of each layer)."""
+        caller brings the buffers again (:meth:`rebind`, or pairs of each layer).
+
+        ``sides``: the checked buffers the plan was made between (:func:`plan_for`), which
+        keep their stand-ins for every plan between them.
+        """
+        if sides is not None and sides.src is self.src and sides.dst is self.dst:
+            src, dst = sides.stand_ins
+        else:
+            src, dst = no_rows(self.src), no_rows(self.dst)
         # A request's first call makes one: a shallow copy by its fields' dict costs a
         # fraction of copy.copy's or dataclasses.replace's generic machinery.
         kept = object.__new__(TransferPlan)
-        vars(kept).update(vars(self), src=_no_rows(self.src), dst=_no_rows(self.dst))
+        vars(kept).update(vars(self), src=src, dst=dst)
         return kept
 
     def describe(self) -> str:
@@ -460,25 +468,10 @@ def plan_device_indexed_for(
     )
 
 
-_NO_ROWS: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-
-
 def _host_runs_of(direction: Direction, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> Runs:
     """The runs of a transfer's host-side index: the source of a page-in, else the
     destination."""
     return find_runs(src_idx if direction is Direction.H2D else dst_idx)
-
-
-def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """An empty tensor like ``tensor`` (device, dtype, row shape) holding none of its memory;
-    one per kind, shared (it has no element to write), because making a device tensor costs
-    a request's first call microseconds on the engine's load path."""
-    key = (tensor.device, tensor.dtype, tuple(tensor.shape[1:]))
-    empty = _NO_ROWS.get(key)
-    if empty is None:
-        made = torch.empty((0, *key[2]), dtype=tensor.dtype, device=tensor.device)
-        empty = _NO_ROWS.setdefault(key, made)
-    return empty
 
 
 def _watchable(index: torch.Tensor) -> torch.Tensor:
