@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -340,7 +339,11 @@ def _decided(
     host_runs: Runs | None,
     reason: str | None,
     policy: PathPolicy,
-    **spans_and_flags: Any,
+    *,
+    src_span: int,
+    dst_span: int,
+    index_versions: tuple[int | None, int | None],
+    device_index_opaque: bool = False,
 ) -> TransferPlan:
     """The plan for a chosen path between ``sides``; a STAGED one gets its staging-sized
     chunks here."""
@@ -366,8 +369,11 @@ def _decided(
         nbytes=rows * src_row_bytes,
         reason=reason,
         policy=policy,
+        src_span=src_span,
+        dst_span=dst_span,
         staged_chunks=staged,
-        **spans_and_flags,
+        device_index_opaque=device_index_opaque,
+        index_versions=index_versions,
     )
 
 
@@ -423,7 +429,8 @@ def plan_device_indexed_for(
     # Kernels and index_copy_ take int64; a conversion on the device is queued, not waited.
     if dtype is not torch.int64 or not device_idx.is_contiguous():
         device_idx = device_idx.to(torch.int64).contiguous()
-    if device_idx.device.type == "cpu":
+    index_device = device_idx.device
+    if index_device.type == "cpu":
         # The CUDA kernels cache uploads of CPU indices by version counter.
         device_idx = _watchable(device_idx)
     # The path needs to know only whether the host runs are few (at most max_dma_runs).
@@ -436,7 +443,6 @@ def plan_device_indexed_for(
     src_row_bytes = sides.row_bytes
     nbytes = host_values.size * src_row_bytes
     reason = sides.reason
-    index_device = device_idx.device
     if reason is None and index_device.type != "cpu" and index_device != device.device:
         reason = "unsupported_device"
     if reason is None and force is TransferPath.FALLBACK:
