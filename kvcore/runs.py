@@ -325,16 +325,16 @@ _COUNTING = _Counting()
 # microseconds of dispatch, numpy a fraction of that, and the views are zero-copy.
 # Each result array is written in place: a plan of scattered rows has a run per row, and
 # every fresh temporary of that size costs page faults on first touch.
-def _segment(n: int, breaks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def _segment(n: int, breaks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and lengths of the runs for ``breaks``, the positions ``p - 1`` where a run
     starts at ``p``."""
     offsets = np.empty(breaks.size + 1, dtype=np.int64)
     offsets[0] = 0
     np.add(breaks, 1, out=offsets[1:])
-    lengths = np.empty_like(offsets)
+    lengths = np.empty(offsets.size, dtype=np.int64)
     np.subtract(offsets[1:], offsets[:-1], out=lengths[:-1])
     lengths[-1] = n - offsets[-1]
-    return torch.from_numpy(offsets), torch.from_numpy(lengths)
+    return offsets, lengths
 
 
 def _runs_at(
@@ -347,9 +347,10 @@ def _runs_at(
     if int(np.count_nonzero(breaks)) == n - 1:
         lengths, offsets = _COUNTING.ones_and_arange(n)
         return [torch.from_numpy(side) for side in sides], lengths, offsets
-    offsets, lengths = _segment(n, np.flatnonzero(breaks))
-    at = offsets.numpy()
-    return [torch.from_numpy(side[at]) for side in sides], lengths, offsets
+    # ``breaks`` is one-dimensional: its nonzero() is flatnonzero's, without the wrappers.
+    at, run_lengths = _segment(n, breaks.nonzero()[0])
+    starts = [torch.from_numpy(side[at]) for side in sides]
+    return starts, torch.from_numpy(run_lengths), torch.from_numpy(at)
 
 
 def find_runs(index: torch.Tensor) -> Runs:
