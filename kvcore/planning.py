@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
 import torch
 
 from kvcore.direction import Direction
@@ -24,17 +24,17 @@ from kvcore.path_policy import PathPolicy, TransferPath
 from kvcore.runs import (
     PairedRuns,
     Runs,
-    check_bounds,
     check_index,
+    duplicates_below,
     find_paired_runs,
     find_runs,
-    has_duplicates_below,
-    run_count_up_to,
-    segment_transfer,
+    run_count_of,
+    segment_values,
     slice_runs,
-    span_and_run_count,
+    span_and_run_count_of,
+    span_of,
 )
-from kvcore.transfer_sides import CheckedSides, check_sides, direction_between
+from kvcore.transfer_sides import CheckedSides, check_sides, no_rows
 
 
 class StalePlanError(ValueError):
@@ -150,14 +150,22 @@ class TransferPlan:
             )
         return dataclasses.replace(self, src=src, dst=dst)
 
-    def without_buffers(self) -> TransferPlan:
+    def without_buffers(self, sides: CheckedSides | None = None) -> TransferPlan:
         """This plan with row-less stand-ins for ``src`` and ``dst`` (same devices, dtypes and
         row shapes), for keeping the decision without keeping the buffers' memory alive; a
-        caller brings the buffers again (:meth:`rebind`, or pairs of each layer)."""
+        caller brings the buffers again (:meth:`rebind`, or pairs of each layer).
+
+        ``sides``: the checked buffers the plan was made between (:func:`plan_for`), which
+        keep their stand-ins for every plan between them.
+        """
+        if sides is not None and sides.src is self.src and sides.dst is self.dst:
+            src, dst = sides.stand_ins
+        else:
+            src, dst = no_rows(self.src), no_rows(self.dst)
         # A request's first call makes one: a shallow copy by its fields' dict costs a
         # fraction of copy.copy's or dataclasses.replace's generic machinery.
         kept = object.__new__(TransferPlan)
-        vars(kept).update(vars(self), src=_no_rows(self.src), dst=_no_rows(self.dst))
+        vars(kept).update(vars(self), src=src, dst=dst)
         return kept
 
     def describe(self) -> str:
@@ -205,55 +213,83 @@ def plan(
     """
     src_idx = _watchable(check_index(src_idx, "src_idx"))
     dst_idx = _watchable(check_index(dst_idx, "dst_idx"))
-    direction = direction_between(src, dst, direction)
+    return _plan_checked(check_sides(src, dst, direction), src_idx, dst_idx, policy, force)
+
+
+def plan_for(
+    sides: CheckedSides,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    *,
+    policy: PathPolicy = PathPolicy(),
+    force: TransferPath | None = None,
+) -> TransferPlan:
+    """:func:`plan` between buffers :func:`check_sides` has checked: an engine's layer
+    buffers, checked once for every request that copies between them."""
+    src_idx = _watchable(check_index(src_idx, "src_idx"))
+    dst_idx = _watchable(check_index(dst_idx, "dst_idx"))
+    return _plan_checked(sides, src_idx, dst_idx, policy, force)
+
+
+def _plan_checked(
+    sides: CheckedSides,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    policy: PathPolicy,
+    force: TransferPath | None,
+) -> TransferPlan:
+    """:func:`plan` of indices :func:`check_index` has checked (int64, watchable): every
+    question below reads their NumPy views, so neither is checked or converted again."""
+    src_values, dst_values = src_idx.numpy(), dst_idx.numpy()
     if force is None:
-        gather = _gather_if_host_rules_out_dma(src, dst, src_idx, dst_idx, direction, policy)
+        gather = _gather_if_host_rules_out_dma(
+            sides, src_idx, dst_idx, src_values, dst_values, policy
+        )
         if gather is not None:
             return gather
-    found = segment_transfer(
-        src_idx, dst_idx, src.shape[0], dst.shape[0], host_is_src=direction is Direction.H2D
+    found = segment_values(
+        src_values,
+        dst_values,
+        sides.src.shape[0],
+        sides.dst.shape[0],
+        host_is_src=sides.direction is Direction.H2D,
     )
     if found.dst_has_duplicates:
         # Which source row would win is undefined: stock GPU copies would race.
         raise ValueError("dst_idx holds duplicate indices")
     runs, host_runs = found.runs, found.host_runs
-    src_span, dst_span = found.src_span, found.dst_span
-    rows = int(src_idx.numel())
-    src_row_bytes = row_bytes(src)
-    nbytes = rows * src_row_bytes
+    nbytes = src_values.size * sides.row_bytes
 
-    reason = fallback_reason(src, dst)
+    reason = sides.reason
     if reason is None and force is TransferPath.FALLBACK:
         reason = "forced"
     if reason is not None:
         path = TransferPath.FALLBACK
     elif force is not None:
-        path = check_forced(force, runs, src_row_bytes, policy)
+        path = check_forced(force, runs, sides.row_bytes, policy)
     else:
         path = choose_path(runs.count, host_runs.count, nbytes, policy)
     return _decided(
         path,
-        direction,
-        src,
-        dst,
+        sides,
         src_idx,
         dst_idx,
         runs,
         host_runs,
         reason,
         policy,
-        src_span=src_span,
-        dst_span=dst_span,
+        src_span=found.src_span,
+        dst_span=found.dst_span,
         index_versions=(src_idx._version, dst_idx._version),
     )
 
 
 def _gather_if_host_rules_out_dma(
-    src: torch.Tensor,
-    dst: torch.Tensor,
+    sides: CheckedSides,
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
-    direction: Direction,
+    src_values: np.ndarray,
+    dst_values: np.ndarray,
     policy: PathPolicy,
 ) -> TransferPlan | None:
     """The GATHER plan of a transfer whose host rows alone rule out every DMA path, from
@@ -264,28 +300,24 @@ def _gather_if_host_rules_out_dma(
     Both sides' runs cost more than the rest of a first call on the engine's load path,
     and a gather never reads them: they are found only if asked for (:attr:`TransferPlan.runs`).
     """
-    rows = int(src_idx.numel())
-    if rows <= policy.max_dma_runs or rows != dst_idx.numel():
+    rows = src_values.size
+    if sides.reason is not None or rows <= policy.max_dma_runs or rows != dst_values.size:
         return None
-    page_in = direction is Direction.H2D
     # Counted before any bounds pass: where a DMA path stays open, plan() segments (and
     # bounds) both sides anyway.
-    host_run_count = run_count_up_to(
-        src_idx if page_in else dst_idx, max(policy.max_dma_runs, policy.max_batched_runs)
+    host_run_count = run_count_of(
+        src_values if sides.direction is Direction.H2D else dst_values,
+        max(policy.max_dma_runs, policy.max_batched_runs),
     )
-    if not rules_out_dma(host_run_count, rows * row_bytes(src), policy):
+    if not rules_out_dma(host_run_count, rows * sides.row_bytes, policy):
         return None
-    if fallback_reason(src, dst) is not None:
-        return None
-    src_span = check_bounds(src_idx, src.shape[0], "src_idx")
-    dst_span = check_bounds(dst_idx, dst.shape[0], "dst_idx")
-    if has_duplicates_below(dst_idx, dst_span):
+    src_span = span_of(src_values, sides.src.shape[0], "src_idx")
+    dst_span = span_of(dst_values, sides.dst.shape[0], "dst_idx")
+    if duplicates_below(dst_values, dst_span):
         raise ValueError("dst_idx holds duplicate indices")
     return _decided(
         TransferPath.GATHER,
-        direction,
-        src,
-        dst,
+        sides,
         src_idx,
         dst_idx,
         None,
@@ -300,31 +332,34 @@ def _gather_if_host_rules_out_dma(
 
 def _decided(
     path: TransferPath,
-    direction: Direction,
-    src: torch.Tensor,
-    dst: torch.Tensor,
+    sides: CheckedSides,
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
     runs: PairedRuns | None,
     host_runs: Runs | None,
     reason: str | None,
     policy: PathPolicy,
-    **spans_and_flags: Any,
+    *,
+    src_span: int,
+    dst_span: int,
+    index_versions: tuple[int | None, int | None],
+    device_index_opaque: bool = False,
 ) -> TransferPlan:
-    """The plan for a chosen path; a STAGED one gets its staging-sized chunks here."""
-    src_row_bytes = row_bytes(src)
+    """The plan for a chosen path between ``sides``; a STAGED one gets its staging-sized
+    chunks here."""
+    src_row_bytes = sides.row_bytes
     staged: tuple[StagedChunk, ...] = ()
     if path is TransferPath.STAGED:
         if host_runs is None:
-            host_runs = _host_runs_of(direction, src_idx, dst_idx)
+            host_runs = _host_runs_of(sides.direction, src_idx, dst_idx)
         # Rows of no bytes (a valid transfer that moves nothing) all fit one chunk.
         staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1))
     rows = int(src_idx.numel())
     return TransferPlan(
         path=path,
-        direction=direction,
-        src=src,
-        dst=dst,
+        direction=sides.direction,
+        src=sides.src,
+        dst=sides.dst,
         src_idx=src_idx,
         dst_idx=dst_idx,
         paired_runs_found=runs,
@@ -334,8 +369,11 @@ def _decided(
         nbytes=rows * src_row_bytes,
         reason=reason,
         policy=policy,
+        src_span=src_span,
+        dst_span=dst_span,
         staged_chunks=staged,
-        **spans_and_flags,
+        device_index_opaque=device_index_opaque,
+        index_versions=index_versions,
     )
 
 
@@ -371,10 +409,9 @@ def plan_device_indexed_for(
     force: TransferPath | None = None,
 ) -> TransferPlan:
     """:func:`plan_device_indexed` between buffers :func:`check_sides` has checked."""
-    src, dst, direction = sides.src, sides.dst, sides.direction
-    page_in = direction is Direction.H2D
+    page_in = sides.direction is Direction.H2D
     host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
-    host, device = (src, dst) if page_in else (dst, src)
+    host, device = (sides.src, sides.dst) if page_in else (sides.dst, sides.src)
     host_idx = _watchable(check_index(host_idx, "host index"))
     if not isinstance(device_idx, torch.Tensor):
         raise TypeError(f"the device index must be a torch.Tensor, got {type(device_idx).__name__}")
@@ -392,20 +429,21 @@ def plan_device_indexed_for(
     # Kernels and index_copy_ take int64; a conversion on the device is queued, not waited.
     if dtype is not torch.int64 or not device_idx.is_contiguous():
         device_idx = device_idx.to(torch.int64).contiguous()
-    if device_idx.device.type == "cpu":
+    index_device = device_idx.device
+    if index_device.type == "cpu":
         # The CUDA kernels cache uploads of CPU indices by version counter.
         device_idx = _watchable(device_idx)
     # The path needs to know only whether the host runs are few (at most max_dma_runs).
-    host_span, host_run_count = span_and_run_count(
-        host_idx, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
+    host_values = host_idx.numpy()
+    host_span, host_run_count = span_and_run_count_of(
+        host_values, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
     )
-    if not page_in and has_duplicates_below(host_idx, host_span):
+    if not page_in and duplicates_below(host_values, host_span):
         raise ValueError("the host index holds duplicate destinations")
-    rows = int(host_idx.numel())
     src_row_bytes = sides.row_bytes
-    nbytes = rows * src_row_bytes
+    nbytes = host_values.size * src_row_bytes
     reason = sides.reason
-    if reason is None and device_idx.device not in (device.device, torch.device("cpu")):
+    if reason is None and index_device.type != "cpu" and index_device != device.device:
         reason = "unsupported_device"
     if reason is None and force is TransferPath.FALLBACK:
         reason = "forced"
@@ -422,9 +460,7 @@ def plan_device_indexed_for(
     src_idx, dst_idx = (host_idx, device_idx) if page_in else (device_idx, host_idx)
     return _decided(
         path,
-        direction,
-        src,
-        dst,
+        sides,
         src_idx,
         dst_idx,
         _NO_RUNS,
@@ -438,25 +474,10 @@ def plan_device_indexed_for(
     )
 
 
-_NO_ROWS: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-
-
 def _host_runs_of(direction: Direction, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> Runs:
     """The runs of a transfer's host-side index: the source of a page-in, else the
     destination."""
     return find_runs(src_idx if direction is Direction.H2D else dst_idx)
-
-
-def _no_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """An empty tensor like ``tensor`` (device, dtype, row shape) holding none of its memory;
-    one per kind, shared (it has no element to write), because making a device tensor costs
-    a request's first call microseconds on the engine's load path."""
-    key = (tensor.device, tensor.dtype, tuple(tensor.shape[1:]))
-    empty = _NO_ROWS.get(key)
-    if empty is None:
-        made = torch.empty((0, *key[2]), dtype=tensor.dtype, device=tensor.device)
-        empty = _NO_ROWS.setdefault(key, made)
-    return empty
 
 
 def _watchable(index: torch.Tensor) -> torch.Tensor:

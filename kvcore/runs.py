@@ -3,6 +3,11 @@
 This is the only module that segments index tensors. It accepts CPU tensors
 only: a plan must never be made by reading a CUDA index tensor back, because that
 would synchronise the copy stream on every layer.
+
+Each question about an index has a tensor form, which checks the index
+(:func:`check_index`), and an ``*_of`` form taking the NumPy view of an index already
+checked (``check_index(index).numpy()``), for a planner that asks several questions of
+one index on an engine's load path and checks it once.
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ def check_bounds(index: torch.Tensor, size: int, name: str = "index") -> int:
 
     The span (0 for an empty index) is the fewest rows a buffer indexed by it needs.
     """
-    return _span(check_index(index, name).numpy(), size, name)
+    return span_of(check_index(index, name).numpy(), size, name)
 
 
 def span_and_run_count(
@@ -116,21 +121,33 @@ def span_and_run_count(
     index of tens of thousands of entries is then differenced over a few thousand. The
     bounds always cover every entry.
     """
-    values = check_index(index, name).numpy()
+    return span_and_run_count_of(
+        check_index(index, name).numpy(), size, name, count_up_to=count_up_to
+    )
+
+
+def span_and_run_count_of(
+    values: np.ndarray, size: int, name: str = "index", *, count_up_to: int | None = None
+) -> tuple[int, int]:
+    """:func:`span_and_run_count` of a checked index's values."""
     if values.size < 2:
-        return _span(values, size, name), values.size
+        return span_of(values, size, name), values.size
     run_count = _run_count(values, count_up_to)
     if run_count == 1:
         # One ascending run: its ends are its bounds.
         return _within(int(values[0]), int(values[-1]), size, name), 1
-    return _span(values, size, name), run_count
+    return span_of(values, size, name), run_count
 
 
 def run_count_up_to(index: torch.Tensor, limit: int) -> int:
     """The number of runs :func:`find_runs` would find where it is at most ``limit``; past
     it, any number above ``limit`` (read from a prefix, as :func:`span_and_run_count`
     does). No bounds are checked."""
-    values = check_index(index).numpy()
+    return run_count_of(check_index(index).numpy(), limit)
+
+
+def run_count_of(values: np.ndarray, limit: int) -> int:
+    """:func:`run_count_up_to` of a checked index's values."""
     return values.size if values.size < 2 else _run_count(values, limit)
 
 
@@ -152,8 +169,9 @@ COUNT_PREFIX = 4096
 """Differences :func:`span_and_run_count` looks at first when asked for a bounded count."""
 
 
-def _span(values: np.ndarray, size: int, name: str) -> int:
-    """``max + 1`` of int64 ``values`` that all lie in ``[0, size)``, else ValueError."""
+def span_of(values: np.ndarray, size: int, name: str = "index") -> int:
+    """:func:`check_bounds` of a checked index's values: ``max + 1`` of int64 ``values`` that
+    all lie in ``[0, size)``, else ValueError."""
     if values.size == 0:
         return 0
     # Read as unsigned, a negative entry is past any size: one pass checks both ends.
@@ -172,20 +190,23 @@ def _within(low: int, high: int, size: int, name: str) -> int:
 
 
 def has_duplicates(index: torch.Tensor) -> bool:
-    checked = check_index(index)
-    values = checked.numpy()
+    values = check_index(index).numpy()
     if values.size < 2:
         return False
     if int(values.min()) < 0:
         return int(np.unique(values).size) != values.size
-    return has_duplicates_below(checked, int(values.max()) + 1)
+    return duplicates_below(values, int(values.max()) + 1)
 
 
 def has_duplicates_below(index: torch.Tensor, span: int) -> bool:
     """:func:`has_duplicates` for an index already bounds-checked: every entry lies in
     ``[0, span)`` (``span`` as :func:`check_bounds` returns it), so no pass looks for
     its ends again."""
-    values = check_index(index).numpy()
+    return duplicates_below(check_index(index).numpy(), span)
+
+
+def duplicates_below(values: np.ndarray, span: int) -> bool:
+    """:func:`has_duplicates_below` of a checked index's values."""
     if values.size < 2:
         return False
     steps = _SCRATCH.arrays(values.size - 1)[0]
@@ -304,16 +325,16 @@ _COUNTING = _Counting()
 # microseconds of dispatch, numpy a fraction of that, and the views are zero-copy.
 # Each result array is written in place: a plan of scattered rows has a run per row, and
 # every fresh temporary of that size costs page faults on first touch.
-def _segment(n: int, breaks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def _segment(n: int, breaks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and lengths of the runs for ``breaks``, the positions ``p - 1`` where a run
     starts at ``p``."""
     offsets = np.empty(breaks.size + 1, dtype=np.int64)
     offsets[0] = 0
     np.add(breaks, 1, out=offsets[1:])
-    lengths = np.empty_like(offsets)
+    lengths = np.empty(offsets.size, dtype=np.int64)
     np.subtract(offsets[1:], offsets[:-1], out=lengths[:-1])
     lengths[-1] = n - offsets[-1]
-    return torch.from_numpy(offsets), torch.from_numpy(lengths)
+    return offsets, lengths
 
 
 def _runs_at(
@@ -326,9 +347,10 @@ def _runs_at(
     if int(np.count_nonzero(breaks)) == n - 1:
         lengths, offsets = _COUNTING.ones_and_arange(n)
         return [torch.from_numpy(side) for side in sides], lengths, offsets
-    offsets, lengths = _segment(n, np.flatnonzero(breaks))
-    at = offsets.numpy()
-    return [torch.from_numpy(side[at]) for side in sides], lengths, offsets
+    # ``breaks`` is one-dimensional: its nonzero() is flatnonzero's, without the wrappers.
+    at, run_lengths = _segment(n, breaks.nonzero()[0])
+    starts = [torch.from_numpy(side[at]) for side in sides]
+    return starts, torch.from_numpy(run_lengths), torch.from_numpy(at)
 
 
 def find_runs(index: torch.Tensor) -> Runs:
@@ -414,10 +436,17 @@ def segment_transfer(
     """
     src = check_index(src_index, "src_idx").numpy()
     dst = check_index(dst_index, "dst_idx").numpy()
+    return segment_values(src, dst, src_size, dst_size, host_is_src=host_is_src)
+
+
+def segment_values(
+    src: np.ndarray, dst: np.ndarray, src_size: int, dst_size: int, *, host_is_src: bool
+) -> TransferSegmentation:
+    """:func:`segment_transfer` of two checked indices' values."""
     if src.size != dst.size:
         raise ValueError(f"src_idx has {src.size} entries but dst_idx has {dst.size}")
-    src_span = _span(src, src_size, "src_idx")
-    dst_span = _span(dst, dst_size, "dst_idx")
+    src_span = span_of(src, src_size, "src_idx")
+    dst_span = span_of(dst, dst_size, "dst_idx")
     if src.size == 0:
         empty = torch.empty(0, dtype=torch.int64)
         runs = PairedRuns(empty, empty.clone(), empty.clone(), empty.clone())

@@ -7,6 +7,7 @@ at all do not change between requests, so :mod:`kvcore.planning` takes them chec
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,13 @@ class CheckedSides:
     """Bytes of one source row."""
     reason: str | None
     """Why copying rows between them must take the stock path (:func:`fallback_reason`)."""
+
+    @functools.cached_property
+    def stand_ins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row-less stand-ins for ``src`` and ``dst`` (:func:`no_rows`), made once for every
+        plan between them that is kept without its buffers
+        (:meth:`kvcore.planning.TransferPlan.without_buffers`)."""
+        return no_rows(self.src), no_rows(self.dst)
 
 
 def check_sides(src: torch.Tensor, dst: torch.Tensor, direction: Direction | None) -> CheckedSides:
@@ -69,3 +77,18 @@ def _resolve_direction(
             "side is the host"
         )
     return given
+
+
+_NO_ROWS: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+
+def no_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``tensor`` (device, dtype, row shape) holding none of its memory;
+    one per kind, shared (it has no element to write), because making a device tensor costs
+    a request's first call microseconds on the engine's load path."""
+    key = (tensor.device, tensor.dtype, tuple(tensor.shape[1:]))
+    empty = _NO_ROWS.get(key)
+    if empty is None:
+        made = torch.empty((0, *key[2]), dtype=tensor.dtype, device=tensor.device)
+        empty = _NO_ROWS.setdefault(key, made)
+    return empty

@@ -100,6 +100,16 @@ class LoadRequest:
             and _is(self.device_pool, device_pool)
         )
 
+    def passing_for(self, host_indices: Any, device_indices: Any) -> bool:
+        """Whether a call with these index tensors belongs to this request and the request
+        passes to stock: the whole cost of a later layer that passes. Identity alone
+        decides: a wrong match only sends a call to stock, which is always exact."""
+        return (
+            self.passes is not None
+            and self.host_indices is host_indices
+            and self.device_indices is device_indices
+        )
+
     def kept_layer(self, device_pool: Any, key: Hashable) -> LayerBuffers | None:
         """The layer buffers the host pool keeps under ``key`` for ``device_pool`` (the
         caller has checked ``device_pool`` is this request's)."""
@@ -119,37 +129,9 @@ class LoadRequests:
         self._lock = threading.Lock()
 
     def latest(self, pool: Any, device_pool: Any) -> LoadRequest | None:
-        """The pools' latest request, unchecked (:meth:`LoadRequest.matches` checks)."""
+        """The pools' latest request, unchecked (:meth:`LoadRequest.matches` checks): the one
+        lookup a load call makes."""
         return self._latest.get((id(pool), id(device_pool)))
-
-    def passing(self, pool: Any, device_pool: Any, host_indices: Any, device_indices: Any) -> bool:
-        """Whether this call belongs to the latest request of its pools and that request
-        passes to stock: the whole cost of a later layer that passes. Identity alone
-        decides: a wrong match only sends a call to stock, which is always exact."""
-        found = self._latest.get((id(pool), id(device_pool)))
-        return (
-            found is not None
-            and found.passes is not None
-            and found.host_indices is host_indices
-            and found.device_indices is device_indices
-        )
-
-    def recall(
-        self,
-        pool: Any,
-        device_pool: Any,
-        host_indices: Any,
-        device_indices: Any,
-        io_backend: str,
-        is_draft: bool,
-        policy: PathPolicy,
-    ) -> LoadRequest | None:
-        found = self.latest(pool, device_pool)
-        if found is not None and found.matches(
-            pool, device_pool, host_indices, device_indices, io_backend, is_draft, policy
-        ):
-            return found
-        return None
 
     def start(
         self,
@@ -201,6 +183,18 @@ class LayerBuffers:
     """The host views' geometry, which maps a request's host slots to their rows."""
 
 
+def layer_in(
+    layers: dict[Hashable, LayerBuffers] | None, device_pool: Any, key: Hashable
+) -> LayerBuffers | None:
+    """The entry of a host pool's ``layers`` (:meth:`PoolLayers.kept`) for ``device_pool``'s
+    layer ``key``; None where there is none, or where it was kept for another device pool
+    whose id this one reuses."""
+    found = layers.get(_layer_key(device_pool, key)) if layers is not None else None
+    if found is None or not _is(found.device_pool, device_pool):
+        return None
+    return found
+
+
 class PoolLayers:
     """Per host pool, each layer's :class:`LayerBuffers` (a pool's buffers are allocated
     once, when SGLang builds it, and keep their addresses for its life).
@@ -215,11 +209,7 @@ class PoolLayers:
         self._lock = threading.Lock()
 
     def get(self, pool: Any, device_pool: Any, key: Hashable) -> LayerBuffers | None:
-        kept = self.kept(pool)
-        found = kept.get(_layer_key(device_pool, key)) if kept is not None else None
-        if found is None or not _is(found.device_pool, device_pool):
-            return None
-        return found
+        return layer_in(self.kept(pool), device_pool, key)
 
     def kept(self, pool: Any) -> dict[Hashable, LayerBuffers] | None:
         """The pool's entries, keyed by :func:`_layer_key` (None: none yet)."""
@@ -228,13 +218,17 @@ class PoolLayers:
         except TypeError:
             return None
 
-    def put(self, pool: Any, device_pool: Any, key: Hashable, buffers: LayerBuffers) -> None:
+    def put(
+        self, pool: Any, device_pool: Any, key: Hashable, buffers: LayerBuffers
+    ) -> dict[Hashable, LayerBuffers] | None:
+        """Keep ``buffers``; returns the pool's entries (:meth:`kept`)."""
         with self._lock:
             try:
                 kept = self._by_pool.setdefault(pool, {})
             except TypeError:  # a pool without weak references: nothing is kept
-                return
+                return None
             kept[_layer_key(device_pool, key)] = buffers
+            return kept
 
     def clear(self) -> None:
         with self._lock:

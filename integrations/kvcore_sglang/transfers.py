@@ -54,12 +54,18 @@ from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
-from kvcore.planning import TransferPlan, plan, plan_device_indexed, plan_device_indexed_for
+from kvcore.planning import (
+    TransferPlan,
+    plan,
+    plan_device_indexed,
+    plan_device_indexed_for,
+    plan_for,
+)
 from kvcore.runs import run_count_up_to, version_of
 from kvcore.transfer_sides import CheckedSides, check_sides
 
 from . import guard, pool_jobs
-from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, weakly
+from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, layer_in, weakly
 from .pool_jobs import Job, PoolJobs
 from .served_layouts import layout_reason
 
@@ -299,7 +305,7 @@ def _first_plan(
 ) -> TransferPlan | str:
     """The plan of the job's first pair, or why the call must run stock. ``kept_sides``:
     that pair as checked when its layer's buffers were kept, used where the job's first
-    pair is those very buffers (a device-indexed plan then checks only the indices)."""
+    pair is those very buffers (the plan then checks only the indices)."""
     page_in = direction is Direction.H2D
     host, device = job.pairs[0]
     src, dst = (host, device) if page_in else (device, host)
@@ -308,13 +314,9 @@ def _first_plan(
             (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
         )
         policy = chosen_mover.policy
-        if (
-            device_opaque
-            and kept_sides is not None
-            and kept_sides.src is src
-            and kept_sides.dst is dst
-        ):
-            first = plan_device_indexed_for(kept_sides, src_idx, dst_idx, policy=policy)
+        if kept_sides is not None and kept_sides.src is src and kept_sides.dst is dst:
+            planner_for = plan_device_indexed_for if device_opaque else plan_for
+            first = planner_for(kept_sides, src_idx, dst_idx, policy=policy)
         else:
             planner = plan_device_indexed if device_opaque else plan
             first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=policy)
@@ -387,14 +389,31 @@ def _installed_fingerprint(target: str) -> str | None:
         return None
 
 
+# Target -> (the recorded fingerprints and the builders it was looked up in, what was found).
+_JOBS_FOUND: dict[str, tuple[dict[str, dict[str, str]], dict[str, PoolJobs], PoolJobs | None]] = {}
+
+
 def _jobs_for(target: str, by_release: dict[str, PoolJobs]) -> PoolJobs | None:
     """The builders of the release whose recorded fingerprint of ``target`` the installed
-    source has; None when no release's does."""
+    source has; None when no release's does. Found once per target (every request's first
+    call asks), again only where the recorded fingerprints or the builders are others."""
+    recorded = guard.FINGERPRINTS
+    found = _JOBS_FOUND.get(target)
+    if found is not None and found[0] is recorded and found[1] is by_release:
+        return found[2]
+    jobs = _release_jobs(target, by_release, recorded)
+    _JOBS_FOUND[target] = (recorded, by_release, jobs)
+    return jobs
+
+
+def _release_jobs(
+    target: str, by_release: dict[str, PoolJobs], recorded: dict[str, dict[str, str]]
+) -> PoolJobs | None:
     installed = _installed_fingerprint(target)
     if installed is None:
         return None
     for release, jobs in by_release.items():
-        if guard.FINGERPRINTS.get(release, {}).get(target) == installed:
+        if recorded.get(release, {}).get(target) == installed:
             return jobs
     return None
 
@@ -512,6 +531,7 @@ def forget() -> None:
     POOL_LAYERS.clear()
     LAYER_PAIRS.clear()
     HOST_INDEX_MEMO.clear()
+    _JOBS_FOUND.clear()
     INTERNAL_ERRORS.forget()
     with _mover_lock:
         _mover = None
@@ -564,8 +584,10 @@ INFERENCE_INDICES = "sglang_inference_indices"
 a write between its layers could not be seen, and its later layers would copy old rows."""
 
 
-def _inference_indices(*indices: Any) -> bool:
-    return any(isinstance(each, torch.Tensor) and each.is_inference() for each in indices)
+def _inference_indices(host_indices: Any, device_indices: Any) -> bool:
+    return (isinstance(host_indices, torch.Tensor) and host_indices.is_inference()) or (
+        isinstance(device_indices, torch.Tensor) and device_indices.is_inference()
+    )
 
 
 def _host_runs_pass(
@@ -625,9 +647,14 @@ def _layer_buffers(
     layer_id: int,
     indices: CallIndices,
 ) -> tuple[LayerBuffers, Job | None] | str:
-    """The layer's checked buffers (kept per pool), and the job when one had to be built."""
+    """The layer's checked buffers (kept per pool), and the job when one had to be built.
+    The pool's entries are looked up once per request and kept with it, for its later
+    layers (:meth:`LoadRequest.kept_layer`)."""
     key = (layer_id, request.is_draft)
-    kept = POOL_LAYERS.get(pool, device_pool, key)
+    layers = request.pool_layers
+    if layers is None:
+        layers = request.pool_layers = POOL_LAYERS.kept(pool)
+    kept = layer_in(layers, device_pool, key)
     if kept is not None:
         return kept, None
     job = _load_job(jobs, request, pool, device_pool, layer_id, indices)
@@ -637,7 +664,7 @@ def _layer_buffers(
     host, device = job.pairs[0]
     sides = check_sides(host, device, Direction.H2D)
     buffers = LayerBuffers(weakly(device_pool), job.pairs, layered, sides, job.rows)
-    POOL_LAYERS.put(pool, device_pool, key, buffers)
+    request.pool_layers = POOL_LAYERS.put(pool, device_pool, key, buffers)
     return buffers, job
 
 
@@ -678,13 +705,12 @@ def _serve_layer(
             return first
         # Kept without its buffers (each layer brings its own), so that a request kept after
         # SGLang drops a pool does not keep the pool's memory.
-        request.plan = first.without_buffers()
+        request.plan = first.without_buffers(buffers.first_sides)
     if buffers.layered.reason is None:
         if request.prepared is None:
             request.prepared = chosen_mover.prepare_layers(
                 request.plan, src_idx_on_device=_moved_host_rows(request, indices)
             )
-            request.pool_layers = POOL_LAYERS.kept(pool)
         try:
             chosen_mover.execute_prepared(request.prepared, buffers.layered)
             return None
@@ -709,15 +735,19 @@ def _load_layer(
     layer_id: int,
     io_backend: str,
     is_draft: bool,
+    latest: LoadRequest | None,
 ) -> bool:
     """Move one layer of a reload on kvcore's paths; False when the call must run stock
     (the request passes, this layer cannot be served, or kvcore failed: counted).
     ``rule``: the rule's row for the call (:func:`_call_rule`), which a new request is
-    decided by."""
+    decided by; ``latest``: the pools' latest request, which the call continues where it
+    matches."""
     chosen_mover = mover()
-    request = LOAD_REQUESTS.recall(
+    request = None
+    if latest is not None and latest.matches(
         pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
-    )
+    ):
+        request = latest
     try:
         if request is None:
             started = _start_load(
@@ -753,6 +783,7 @@ def _load_layer(
 
 
 def _later_layer_served(
+    request: LoadRequest | None,
     pool: Any,
     device_pool: Any,
     host_indices: Any,
@@ -761,10 +792,10 @@ def _later_layer_served(
     io_backend: str,
     is_draft: bool,
 ) -> bool:
-    """A later layer of a request kvcore serves, whose buffers this pool has shown before:
-    one launch, nothing decided again. False for any other call (the full path decides it),
-    and where kvcore fails (counted; the request then passes)."""
-    request = LOAD_REQUESTS.latest(pool, device_pool)
+    """A later layer of ``request`` (the pools' latest) where kvcore serves it and this pool
+    has shown the layer's buffers before: one launch, nothing decided again. False for any
+    other call (the full path decides it), and where kvcore fails (counted; the request
+    then passes)."""
     if request is None or request.prepared is None or request.passes is not None:
         return False
     chosen_mover = mover()
@@ -797,12 +828,13 @@ def _make_load_hook(
         *,
         is_draft: bool = False,
     ) -> None:
+        latest = LOAD_REQUESTS.latest(pool, device_pool)
         if _later_layer_served(
-            pool, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft
+            latest, pool, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft
         ):
             return
         # A later layer of a request that passes costs the first check alone.
-        if not LOAD_REQUESTS.passing(pool, device_pool, host_indices, device_indices):
+        if latest is None or not latest.passing_for(host_indices, device_indices):
             rule = _call_rule("load", pool, io_backend)
             if not _bypass_if_never(original, pool, _LOAD, rule, io_backend) and _load_layer(
                 _jobs_for(target, by_release),
@@ -815,6 +847,7 @@ def _make_load_hook(
                 layer_id,
                 io_backend,
                 is_draft,
+                latest,
             ):
                 return
         original(

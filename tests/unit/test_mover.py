@@ -25,7 +25,7 @@ from kvcore.mover import (
     plan,
     plan_device_indexed,
 )
-from kvcore.planning import TransferPlan, plan_device_indexed_for
+from kvcore.planning import TransferPlan, plan_device_indexed_for, plan_for
 from kvcore.runs import find_runs
 from kvcore.transfer_sides import check_sides
 
@@ -732,6 +732,108 @@ def test_plans_from_checked_sides_equal_plans_from_the_buffers(direction):
     mismatched = check_sides(src.half(), dst, direction)
     assert mismatched.reason == "dtype_mismatch"
     assert plan_device_indexed_for(mismatched, src_idx, dst_idx).path is FALLBACK
+
+
+def _outcome(
+    planner: Callable[..., TransferPlan], *args: object, **kwargs: object
+) -> TransferPlan | tuple[type, str]:
+    try:
+        return planner(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        return type(exc), str(exc)
+
+
+def _assert_same_plan(mine: TransferPlan, theirs: TransferPlan) -> None:
+    for field in dataclasses.fields(TransferPlan):
+        a, b = getattr(mine, field.name), getattr(theirs, field.name)
+        if isinstance(a, torch.Tensor):
+            assert a is b or torch.equal(a, b), field.name
+        elif field.name not in ("paired_runs_found", "host_runs_found", "staged_chunks"):
+            assert a == b, field.name
+    assert [c.host_runs.as_list() for c in mine.staged_chunks] == [
+        c.host_runs.as_list() for c in theirs.staged_chunks
+    ]
+    if mine.reason is None:
+        assert mine.host_runs.as_list() == theirs.host_runs.as_list()
+        assert mine.runs.src_runs().as_list() == theirs.runs.src_runs().as_list()
+        assert mine.runs.dst_runs().as_list() == theirs.runs.dst_runs().as_list()
+
+
+def _index_pairs(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Index pairs into 48 source and 40 destination rows that reach every path and error."""
+    pages = torch.randperm(5, generator=gen)[:4]
+    return {
+        "scattered": (
+            torch.randperm(48, generator=gen)[:30],
+            torch.randperm(40, generator=gen)[:30],
+        ),
+        "one-run": (torch.arange(4, 36), torch.arange(2, 34).to(torch.int32)),
+        "pages": ((pages[:, None] * 8 + torch.arange(8)).flatten(), torch.arange(32)),
+        "few-rows": (torch.tensor([9, 3, 30]), torch.tensor([1, 0, 39])),
+        "empty": (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)),
+        "duplicate-destinations": (torch.arange(20), torch.arange(20) % 19),
+        "out-of-bounds": (torch.arange(20) + 30, torch.arange(20)),
+        "lengths": (torch.arange(20), torch.arange(19)),
+        "float-index": (torch.arange(20).float(), torch.arange(20)),
+        "2-d-index": (torch.arange(20)[None], torch.arange(20)),
+    }
+
+
+# Pages of 8 rows of 32 B: batched copies, where SMALL_POLICY stages or gathers them.
+BATCHING_POLICY = PathPolicy(long_run_bytes=64, max_dma_runs=2)
+
+
+@pytest.mark.parametrize("direction", [H2D, D2H], ids=ident)
+@pytest.mark.parametrize("force", [None, SINGLE, BATCHED, STAGED, GATHER, FALLBACK], ids=ident)
+def test_plans_for_checked_sides_equal_plans_for_the_buffers(direction, force):
+    """plan_for checks the sides once for every plan between them: the same path, runs,
+    spans and chunks as plan from the buffers, and the same error for the same bad input."""
+    gen = torch.Generator().manual_seed(31)
+    src = random_rows(SRC_ROWS, (2, 8), torch.bfloat16, gen)
+    dst = random_rows(DST_ROWS, (2, 8), torch.bfloat16, gen)
+    sides = check_sides(src, dst, direction)
+    for name, (src_idx, dst_idx) in _index_pairs(gen).items():
+        for policy in (SMALL_POLICY, PathPolicy(), BATCHING_POLICY):
+            mine = _outcome(plan_for, sides, src_idx, dst_idx, policy=policy, force=force)
+            theirs = _outcome(
+                plan, src, dst, src_idx, dst_idx, direction=direction, policy=policy, force=force
+            )
+            if isinstance(theirs, TransferPlan):
+                assert isinstance(mine, TransferPlan), name
+                _assert_same_plan(mine, theirs)
+            else:
+                assert mine == theirs, name
+
+
+def test_plans_for_sides_that_must_run_stock_fall_back_with_their_reason():
+    gen = torch.Generator().manual_seed(32)
+    src = random_rows(SRC_ROWS, (2, 8), torch.bfloat16, gen)
+    dst = random_rows(DST_ROWS, (2, 8), torch.float16, gen)
+    sides = check_sides(src, dst, H2D)
+    for src_idx, dst_idx in _index_pairs(gen).values():
+        if src_idx.dtype.is_floating_point or src_idx.dim() != 1 or src_idx.numel() != 32:
+            continue
+        chosen = plan_for(sides, src_idx, dst_idx)
+        assert (chosen.path, chosen.reason) == (FALLBACK, "dtype_mismatch")
+
+
+def test_a_plan_for_checked_sides_is_kept_with_their_stand_ins():
+    src, dst, src_idx, dst_idx = _device_indexed_case(H2D, torch.randperm(64)[:16], 4)
+    sides = check_sides(src, dst, H2D)
+    chosen = plan_for(sides, src_idx, dst_idx)
+    kept = chosen.without_buffers(sides)
+    assert (kept.src, kept.dst) == sides.stand_ins
+    assert kept.src.shape == (0, *src.shape[1:]) and kept.src.untyped_storage().nbytes() == 0
+    assert sides.stand_ins is sides.stand_ins  # made once for every plan between them
+    # Sides of other buffers lend none of theirs: the plan's own kind of stand-in.
+    others = check_sides(src.view(torch.int16), dst.view(torch.int16), H2D)
+    elsewhere = chosen.without_buffers(others)
+    assert elsewhere.src.dtype == src.dtype and elsewhere.dst.dtype == dst.dtype
+    assert (elsewhere.path, elsewhere.rows, elsewhere.src_idx) == (
+        chosen.path,
+        chosen.rows,
+        chosen.src_idx,
+    )
 
 
 def test_a_plan_without_buffers_keeps_the_decision_and_none_of_the_memory():

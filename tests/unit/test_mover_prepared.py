@@ -7,6 +7,9 @@ written after planning. On a CPU the reference kernels stand for the device's op
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -173,3 +176,34 @@ def test_the_engines_own_copy_of_the_source_rows_stands_in_for_an_upload() -> No
     # One that cannot stand for the rows (another length, another dtype) is not used.
     for unfit in (own[:-1], own.to(torch.int32)):
         assert mover.prepare_layers(first, src_idx_on_device=unfit).rows[0] is not unfit
+
+
+def test_fitted_pairs_are_known_by_identity_and_held_weakly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gen = torch.Generator().manual_seed(17)
+    srcs, dsts = layered(gen)
+    src_idx, dst_idx = scattered(gen)
+    fitted: list[object] = []
+    real_mismatch = mover_module.layers_mismatch
+
+    def counted(plan_: object, pairs: object) -> str | None:
+        fitted.append(pairs)
+        return real_mismatch(plan_, pairs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mover_module, "layers_mismatch", counted)
+    mover = Mover()
+    first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D)
+    prepared = mover.prepare_layers(first)
+    seen, other = layer_pairs(srcs[:1], dsts[:1]), layer_pairs(srcs[1:], dsts[1:])
+    mover.execute_prepared(prepared, seen)
+    # An entry under the other pairs' id (a dead pairs' id, reused) vouches only for its own.
+    prepared.fits[id(other)] = prepared.fits[id(seen)]
+    mover.execute_prepared(prepared, other)
+    mover.execute_prepared(prepared, other)
+    assert fitted == [seen, other]
+    fitted.clear()
+    alive = weakref.ref(seen)
+    del seen
+    gc.collect()
+    assert alive() is None  # the request's entries keep no pairs (nor their buffers) alive

@@ -1027,6 +1027,23 @@ def test_hooks_plan_with_the_installed_release_builders(pool_class, by_release):
         assert transfers._jobs_for(f"{pool_class}.{method}", by_release) == by_release[VERSION]
 
 
+def test_the_builders_of_a_target_are_looked_up_again_only_for_other_records(monkeypatch):
+    """Every request's first call asks for its builders: found once per target, and again
+    where the recorded fingerprints or the builders asked about are others."""
+    target = f"{transfers.MHA_POOL}.{METHODS[0]}"
+    found = transfers._jobs_for(target, pool_jobs.MHA_JOBS)
+    assert found is pool_jobs.MHA_JOBS[VERSION]
+    recorded = guard.FINGERPRINTS
+    unknown = {r: {t: f for t, f in fps.items() if t != target} for r, fps in recorded.items()}
+    monkeypatch.setattr(guard, "FINGERPRINTS", unknown)
+    assert transfers._jobs_for(target, pool_jobs.MHA_JOBS) is None
+    monkeypatch.undo()
+    assert transfers._jobs_for(target, pool_jobs.MHA_JOBS) is found
+    other = {VERSION: pool_jobs.MLA_JOBS[VERSION]}
+    assert transfers._jobs_for(target, other) is other[VERSION]
+    assert transfers._jobs_for(target, pool_jobs.MHA_JOBS) is found
+
+
 def test_plugin_registers_transfer_hooks_over_stock(transfer_hooks):
     status = transfer_hooks()
     assert set(status.patched_targets) >= ALL_TRANSFER_TARGETS
@@ -1111,7 +1128,7 @@ def test_transfers_setting_turns_the_hooks_on(sglang_hooks, monkeypatch):
 
 def _counting_planners(monkeypatch) -> list[str]:
     calls: list[str] = []
-    for name in ("plan", "plan_device_indexed"):
+    for name in ("plan", "plan_for", "plan_device_indexed", "plan_device_indexed_for"):
         real = getattr(transfers, name)
 
         def counted(*args: Any, _real=real, _name=name, **kwargs: Any) -> Any:
@@ -1122,9 +1139,13 @@ def _counting_planners(monkeypatch) -> list[str]:
     return calls
 
 
-def _load_every_layer_and_check(kind: str, pool: Any, host_idx, device_idx, io_backend) -> None:
+def _reload_expected(
+    kind: str, pool: Any, host_idx, device_idx, seed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The pool's device layers, its buffers randomised by ``seed``, and the bytes each
+    must hold once every layer is reloaded."""
     parts = components(kind, pool)
-    randomise(all_tensors(parts), torch.Generator().manual_seed(int(host_idx[0])))
+    randomise(all_tensors(parts), torch.Generator().manual_seed(seed))
     pairs = list(zip(*reference_slots(kind, pool, host_idx, device_idx), strict=True))
     targets = [device for part in parts for device in part.devices]
     expected = as_bytes(targets)
@@ -1134,12 +1155,48 @@ def _load_every_layer_and_check(kind: str, pool: Any, host_idx, device_idx, io_b
                 expected[p * LAYERS + layer][row] = part.row(
                     part.host.view(torch.uint8), layer, slot
                 )
+    return targets, expected
+
+
+def _load_every_layer_and_check(kind: str, pool: Any, host_idx, device_idx, io_backend) -> None:
+    targets, expected = _reload_expected(kind, pool, host_idx, device_idx, int(host_idx[0]))
     for layer in range(LAYERS):
         pool.load_to_device_per_layer(
             device_pool_of(kind, pool), host_idx, device_idx, layer, io_backend
         )
     for target, want in zip(targets, expected, strict=True):
         assert torch.equal(target.view(torch.uint8), want)
+
+
+def test_interleaved_pools_keep_their_own_requests_and_layers(
+    transfer_hooks, small_mover, monkeypatch
+):
+    """SGLang interleaves pools layer by layer (a model's KV pool and its indexer pool):
+    each pool's request, plan and kept layers serve that pool alone, even where both get
+    the very same index tensors."""
+    transfer_hooks()
+    answered = _spy_later_layers(monkeypatch)
+    pools = [pool_for("mha", "layer_first"), mha_host(TOKENS, PAGE, layers=LAYERS, heads=2)]
+    gen = torch.Generator().manual_seed(23)
+    before = fallbacks()
+    for request in range(3):  # the later requests: layers kept, served on the fast path
+        host_idx, device_idx = make_indices("mha", pools[0], "scattered", 120, gen)
+        reloads = [
+            _reload_expected("mha", pool, host_idx, device_idx, 10 * request + p)
+            for p, pool in enumerate(pools)
+        ]
+        for layer in range(LAYERS):
+            for pool in pools:
+                pool.load_to_device_per_layer(
+                    device_pool_of("mha", pool), host_idx, device_idx, layer, "kernel"
+                )
+        for targets, expected in reloads:
+            for target, want in zip(targets, expected, strict=True):
+                assert torch.equal(target.view(torch.uint8), want)
+    # Each pool's first request meets its layers; later ones serve layers 1.. fast.
+    later = [False, False] + [True, True] * (LAYERS - 1)
+    assert answered == [False] * 2 * LAYERS + 2 * later, answered
+    assert fallbacks() == before
 
 
 @pytest.mark.parametrize(("kind", "layout", "io_backend"), SERVED)
@@ -1380,22 +1437,20 @@ def test_a_kept_request_holds_neither_the_pool_nor_its_device_pool():
     policy = PathPolicy()
     pool, device_pool = Pool(), Pool()
     host_idx, device_idx = torch.arange(4, 20), torch.arange(30, 46)
-    requests.start(pool, device_pool, host_idx, device_idx, "direct", False, policy)
-    kept = requests.recall(pool, device_pool, host_idx, device_idx, "direct", False, policy)
-    assert kept is not None
+    kept = requests.start(pool, device_pool, host_idx, device_idx, "direct", False, policy)
+    assert requests.latest(pool, device_pool) is kept
+    assert kept.matches(pool, device_pool, host_idx, device_idx, "direct", False, policy)
     # Any other tensor, version, backend, draft flag or policy is a new request.
-    assert (
-        requests.recall(pool, device_pool, host_idx.clone(), device_idx, "direct", False, policy)
-        is None
-    )
-    assert requests.recall(pool, device_pool, host_idx, device_idx, "kernel", False, policy) is None
-    assert requests.recall(pool, device_pool, host_idx, device_idx, "direct", True, policy) is None
-    assert (
-        requests.recall(pool, device_pool, host_idx, device_idx, "direct", False, PathPolicy())
-        is None
-    )
+    others = [
+        (host_idx.clone(), device_idx, "direct", False, policy),
+        (host_idx, device_idx, "kernel", False, policy),
+        (host_idx, device_idx, "direct", True, policy),
+        (host_idx, device_idx, "direct", False, PathPolicy()),
+    ]
+    for other in others:
+        assert not kept.matches(pool, device_pool, *other)
     host_idx.add_(1)
-    assert requests.recall(pool, device_pool, host_idx, device_idx, "direct", False, policy) is None
+    assert not kept.matches(pool, device_pool, host_idx, device_idx, "direct", False, policy)
 
     alive = [weakref.ref(x) for x in (pool, device_pool)]
     del pool, device_pool, kept
