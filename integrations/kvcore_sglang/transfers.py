@@ -98,6 +98,21 @@ def mover() -> Mover:
         return _mover
 
 
+def use_mover(chosen: Mover | None) -> Mover | None:
+    """Have the hooks copy through ``chosen`` (a benchmark's or a test's mover; None: the
+    process's own, built from the KVCORE_* configuration on next use); returns the one in
+    use until now (None where none was built), for the caller to put back."""
+    global _mover
+    with _mover_lock:
+        previous, _mover = _mover, chosen
+    return previous
+
+
+def built_mover() -> Mover | None:
+    """The mover the hooks use, or None before the first call that needs one."""
+    return _mover
+
+
 _CLASS_NAMES: dict[type, str] = {}
 
 

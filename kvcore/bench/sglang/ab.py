@@ -69,13 +69,14 @@ def bench_mover(*, serve_rule: bool = False) -> Iterator[Mover]:
     from kvcore_sglang import transfers
 
     mover = Mover(policy_from_config(KVCoreConfig.from_env()), metrics=Metrics())
-    saved = transfers._mover, transfers.serve_rule_enabled
-    transfers._mover = mover
+    saved_rule = transfers.serve_rule_enabled
+    saved_mover = transfers.use_mover(mover)
     transfers.serve_rule_enabled = lambda: serve_rule  # type: ignore[assignment]
     try:
         yield mover
     finally:
-        transfers._mover, transfers.serve_rule_enabled = saved
+        transfers.use_mover(saved_mover)
+        transfers.serve_rule_enabled = saved_rule  # type: ignore[method-assign]
 
 
 def run(opts: Options, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:

@@ -158,12 +158,13 @@ def soak_mover() -> Iterator[Mover]:
     from kvcore_sglang import transfers
 
     mover = Mover(policy_from_config(KVCoreConfig.from_env()), metrics=Metrics())
-    saved = transfers._mover, transfers.serve_rule_enabled
-    transfers._mover = mover
+    saved_rule = transfers.serve_rule_enabled
+    saved_mover = transfers.use_mover(mover)
     try:
         yield mover
     finally:
-        transfers._mover, transfers.serve_rule_enabled = saved
+        transfers.use_mover(saved_mover)
+        transfers.serve_rule_enabled = saved_rule  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvcore.bench.sglang.import_stubs import install_torchvision_stub
+from kvcore.mover import Mover
 
 if importlib.util.find_spec("sglang") is not None:
     install_torchvision_stub()
@@ -76,3 +77,22 @@ def _attribute(target: str) -> Any:
 
     owner, name = target.rsplit(".", 1)
     return vars(pkgutil.resolve_name(owner)).get(name)
+
+
+@pytest.fixture
+def use_mover() -> Iterator[Callable[[Mover], Mover]]:
+    """Have the transfer hooks copy through a test's mover; the one in use before is put
+    back afterwards."""
+    from kvcore_sglang import transfers
+
+    before: list[Mover | None] = []
+
+    def use(chosen: Mover) -> Mover:
+        previous = transfers.use_mover(chosen)
+        if not before:
+            before.append(previous)
+        return chosen
+
+    yield use
+    if before:
+        transfers.use_mover(before[0])

@@ -258,9 +258,9 @@ def transfer_hooks(sglang_hooks) -> Iterator[Callable[..., Any]]:
 
 
 @pytest.fixture
-def small_mover(monkeypatch) -> Mover:
+def small_mover(use_mover, monkeypatch) -> Mover:
     chosen = small_policy_mover()
-    monkeypatch.setattr(transfers, "_mover", chosen)
+    use_mover(chosen)
     return chosen
 
 
@@ -324,12 +324,12 @@ def check_served_call(kind, layout, io_backend, direction, shape, n, seed) -> No
     assert fallbacks() == before
 
 
-def test_kernel_backend_calls_plan_around_device_indices(transfer_hooks, monkeypatch):
+def test_kernel_backend_calls_plan_around_device_indices(use_mover, transfer_hooks, monkeypatch):
     """With SGLang's kernel io backend the device indices stay on the GPU: the call is
     planned from the host indices alone (staged or gather) and copies what stock does.
     On a CPU the device indices are CPU tensors, marked opaque as on a GPU."""
     transfer_hooks()
-    monkeypatch.setattr(transfers, "_mover", small_policy_mover())
+    use_mover(small_policy_mover())
     real = transfers._call_indices
 
     def as_on_device(*args: Any) -> Any:
@@ -352,12 +352,12 @@ def test_kernel_backend_calls_plan_around_device_indices(transfer_hooks, monkeyp
 
 
 def test_device_indexed_loads_plan_from_the_sides_kept_with_their_layer(
-    transfer_hooks, monkeypatch
+    use_mover, transfer_hooks, monkeypatch
 ):
     """Each request's first load call checks only its indices: the layer's buffers were
     checked when they were kept, and every later request's job is made of those buffers."""
     transfer_hooks()
-    monkeypatch.setattr(transfers, "_mover", small_policy_mover())
+    use_mover(small_policy_mover())
     real = transfers._call_indices
 
     def as_on_device(*args: Any) -> Any:
@@ -389,12 +389,12 @@ def test_uninstall_restores_every_original_and_forgets_what_the_hooks_kept(trans
         is not STOCK[(MHATokenToKVPoolHost, "load_to_device_per_layer")]
     )
     check_served_call("mha", "layer_first", "direct", "load", "scattered", 64, 1)
-    assert len(transfers.LOAD_REQUESTS) == 1 and transfers._mover is not None
+    assert len(transfers.LOAD_REQUESTS) == 1 and transfers.built_mover() is not None
     plugin.uninstall()
     for (cls, name), original in STOCK.items():
         assert vars(cls)[name] is original, f"{cls.__name__}.{name}"
     assert plugin.applied_status() is None and plugin.INSTALLATION.targets == []
-    assert len(transfers.LOAD_REQUESTS) == 0 and transfers._mover is None
+    assert len(transfers.LOAD_REQUESTS) == 0 and transfers.built_mover() is None
     assert not any(target in HookRegistry._patched for target in transfers.HOOKS)
     # And again, as a new engine instance in the same process would.
     assert transfer_hooks().plugin_applied
@@ -475,13 +475,15 @@ def test_move_indices_hook_remembers_only_what_it_moved_off_the_cpu(monkeypatch)
     assert kept is host and memo.recall(kept) is None  # direct backend: nothing moved
 
 
-def test_a_reload_under_inference_mode_passes_whole_and_exact(transfer_hooks, monkeypatch):
+def test_a_reload_under_inference_mode_passes_whole_and_exact(
+    use_mover, transfer_hooks, monkeypatch
+):
     """SGLang can run under torch.inference_mode (SGLANG_ENABLE_TORCH_INFERENCE_MODE): its
     index tensors then have no version counter, so a kept plan could not see a write
     between layers. Every layer runs stock, the pass is counted once as its own reason
     (not as a failure inside kvcore), and the moved indices are not remembered."""
     transfer_hooks()
-    monkeypatch.setattr(transfers, "_mover", small_policy_mover())
+    use_mover(small_policy_mover())
     memo = transfers.HostIndexMemo()
     monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
     pool = pool_for("mha", "layer_first")
@@ -563,12 +565,10 @@ def test_patched_methods_match_per_index_reference(transfer_hooks, small_mover):
     small=st.booleans(),
 )
 def test_random_calls_match_reference_on_every_path(
-    transfer_hooks, monkeypatch, served, direction, shape, n, seed, small
+    use_mover, transfer_hooks, monkeypatch, served, direction, shape, n, seed, small
 ):
     transfer_hooks()  # idempotent: registers and wraps once
-    monkeypatch.setattr(
-        transfers, "_mover", small_policy_mover() if small else Mover(metrics=METRICS)
-    )
+    use_mover(small_policy_mover() if small else Mover(metrics=METRICS))
     kind, layout, io_backend = served
     check_served_call(kind, layout, io_backend, direction, shape, n, seed)
 
@@ -666,13 +666,15 @@ def test_layer_pairs_are_checked_once_per_pool_and_dropped_with_it():
     assert len(memo._by_pool) == 0
 
 
-def test_merged_load_is_split_into_runs_within_fixed_staging(transfer_hooks, monkeypatch):
+def test_merged_load_is_split_into_runs_within_fixed_staging(
+    use_mover, transfer_hooks, monkeypatch
+):
     """Several loads merged into one call go through as runs; the staging buffer is
     allocated once at its configured size and reused, never grown, across chunks."""
     transfer_hooks()
     small_staging = 2048
     small_mover = small_policy_mover(small_staging)
-    monkeypatch.setattr(transfers, "_mover", small_mover)
+    use_mover(small_mover)
     pool = pool_for("mla", "layer_first")
     parts = components("mla", pool)
     generator = torch.Generator().manual_seed(8)
@@ -1226,7 +1228,7 @@ def test_a_layer_by_layer_reload_plans_once_and_replans_when_the_indices_change(
     assert fallbacks() == before
 
 
-def test_a_memoised_plan_follows_the_mover_policy(transfer_hooks, monkeypatch):
+def test_a_memoised_plan_follows_the_mover_policy(use_mover, transfer_hooks, monkeypatch):
     transfer_hooks()
     calls = _counting_planners(monkeypatch)
     pool = pool_for("mha", "layer_first")
@@ -1234,7 +1236,7 @@ def test_a_memoised_plan_follows_the_mover_policy(transfer_hooks, monkeypatch):
         "mha", pool, "scattered", 150, torch.Generator().manual_seed(6)
     )
     for policy in (SMALL_POLICY, PathPolicy()):
-        monkeypatch.setattr(transfers, "_mover", Mover(policy, metrics=METRICS))
+        use_mover(Mover(policy, metrics=METRICS))
         _load_every_layer_and_check("mha", pool, host_idx, device_idx, "kernel")
     assert len(calls) == 2, calls
 
