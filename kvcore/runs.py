@@ -12,11 +12,12 @@ one index on an engine's load path and checks it once.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kvcore.index_scratch import COUNTING, SCRATCH
 
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -153,7 +154,7 @@ def run_count_of(values: np.ndarray, limit: int) -> int:
 
 def _run_count(values: np.ndarray, count_up_to: int | None) -> int:
     """Runs of ``values`` (two entries or more), exact up to ``count_up_to`` (None: exact)."""
-    steps, _, breaks, _, _ = _SCRATCH.arrays(values.size - 1)
+    steps, _, breaks, _, _ = SCRATCH.arrays(values.size - 1)
     last = values.size - 1
     head = last if count_up_to is None else min(last, COUNT_PREFIX)
     _steps_and_breaks(values[: head + 1], steps[:head], breaks[:head])
@@ -209,7 +210,7 @@ def duplicates_below(values: np.ndarray, span: int) -> bool:
     """:func:`has_duplicates_below` of a checked index's values."""
     if values.size < 2:
         return False
-    steps = _SCRATCH.arrays(values.size - 1)[0]
+    steps = SCRATCH.arrays(values.size - 1)[0]
     np.subtract(values[1:], values[:-1], out=steps)
     return _has_duplicates(values, steps, span)
 
@@ -219,47 +220,12 @@ def duplicates_below(values: np.ndarray, span: int) -> bool:
 _MASK_SLOTS_PER_ENTRY = 64
 
 
-class _Scratch(threading.local):
-    """Per-thread buffers for the temporaries of segmenting an index, grown to the largest
-    index seen and reused.
-
-    A fresh array of a MiB or more is mapped anew by malloc and page-faulted on first
-    touch; on the hosts measured that cost more than the arithmetic (a 128k-row plan:
-    1.4 ms with fresh temporaries, 0.3 ms once malloc kept its memory). Nothing in them
-    outlives the call that fills them.
-    """
-
-    def __init__(self) -> None:
-        self.words = np.empty(0, dtype=np.int64)
-        self.flags = np.empty(0, dtype=np.bool_)
-
-    def arrays(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Two int64 and three bool arrays of ``n`` entries."""
-        if self.words.size < 2 * n:
-            self.words = np.empty(2 * n, dtype=np.int64)
-        if self.flags.size < 3 * n:
-            self.flags = np.empty(3 * n, dtype=np.bool_)
-        words, flags = self.words, self.flags
-        return words[:n], words[n : 2 * n], flags[:n], flags[n : 2 * n], flags[2 * n : 3 * n]
-
-    def mask(self, span: int) -> np.ndarray:
-        """``span`` bools, all False."""
-        if self.flags.size < span:
-            self.flags = np.empty(span, dtype=np.bool_)
-        mask = self.flags[:span]
-        mask[:] = False
-        return mask
-
-
-_SCRATCH = _Scratch()
-
-
 def _has_duplicates(values: np.ndarray, steps: np.ndarray, span: int) -> bool:
     """Duplicates in ``values`` (non-negative, below ``span``) whose ``np.diff`` is ``steps``."""
     if values.size < 2 or bool((steps > 0).all()):
         return False
     if span <= _MASK_SLOTS_PER_ENTRY * values.size:
-        seen = _SCRATCH.mask(span)
+        seen = SCRATCH.mask(span)
         seen[values] = True
         return int(np.count_nonzero(seen)) != values.size
     return int(np.unique(values).size) != values.size
@@ -301,26 +267,6 @@ def _duplicate_destinations(
     return bool((begins[1:] < ends[:-1]).any())
 
 
-class _Counting:
-    """Read-only tensors of 1s and of 0, 1, 2, ... shared by every run set of single rows,
-    grown as needed (a plan of scattered rows has a run per row)."""
-
-    def __init__(self) -> None:
-        self._ones = torch.ones(0, dtype=torch.int64)
-        self._arange = torch.arange(0, dtype=torch.int64)
-        self._lock = threading.Lock()
-
-    def ones_and_arange(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._lock:
-            if self._ones.numel() < n:
-                self._ones = torch.ones(n, dtype=torch.int64)
-                self._arange = torch.arange(n, dtype=torch.int64)
-            return self._ones[:n], self._arange[:n]
-
-
-_COUNTING = _Counting()
-
-
 # numpy does the segmentation: each torch op on a small CPU tensor costs several
 # microseconds of dispatch, numpy a fraction of that, and the views are zero-copy.
 # Each result array is written in place: a plan of scattered rows has a run per row, and
@@ -345,7 +291,7 @@ def _runs_at(
     the starts (no copy) and the lengths and offsets are shared counting tensors."""
     n = sides[0].size
     if int(np.count_nonzero(breaks)) == n - 1:
-        lengths, offsets = _COUNTING.ones_and_arange(n)
+        lengths, offsets = COUNTING.ones_and_arange(n)
         return [torch.from_numpy(side) for side in sides], lengths, offsets
     # ``breaks`` is one-dimensional: its nonzero() is flatnonzero's, without the wrappers.
     at, run_lengths = _segment(n, breaks.nonzero()[0])
@@ -360,7 +306,7 @@ def find_runs(index: torch.Tensor) -> Runs:
         empty = torch.empty(0, dtype=torch.int64)
         return Runs(empty, empty.clone())
     values = index.numpy()
-    steps, _, breaks, _, _ = _SCRATCH.arrays(values.size - 1)
+    steps, _, breaks, _, _ = SCRATCH.arrays(values.size - 1)
     _steps_and_breaks(values, steps, breaks)
     (starts,), lengths, _ = _runs_at(breaks, values)
     return Runs(starts, lengths)
@@ -393,7 +339,7 @@ class _Paired:
 
 def _paired_runs(src: np.ndarray, dst: np.ndarray) -> _Paired:
     """Runs of two non-empty index arrays of one length, split where either side breaks."""
-    src_steps, dst_steps, src_breaks, dst_breaks, either = _SCRATCH.arrays(src.size - 1)
+    src_steps, dst_steps, src_breaks, dst_breaks, either = SCRATCH.arrays(src.size - 1)
     _steps_and_breaks(src, src_steps, src_breaks)
     _steps_and_breaks(dst, dst_steps, dst_breaks)
     np.logical_or(src_breaks, dst_breaks, out=either)
