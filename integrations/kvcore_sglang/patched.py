@@ -18,9 +18,10 @@ then leaves it alone: each hook runs once per call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kvcore.config import engine_config
@@ -71,6 +72,18 @@ def hook(target: str, original: Any) -> Any:
 def hooked_targets() -> tuple[str, ...]:
     """The targets the patched source hooked in this process."""
     return tuple(_hooked)
+
+
+@contextlib.contextmanager
+def hooks_recorded_apart() -> Iterator[None]:
+    """Record the targets hooked inside the block apart from this process's record, which
+    is back afterwards as it was: for a check that binds hooks by hand."""
+    global _hooked
+    saved, _hooked = _hooked, []
+    try:
+        yield
+    finally:
+        _hooked = saved
 
 
 def _implementation(target: str) -> Callable[..., Any] | None:

@@ -96,3 +96,12 @@ def use_mover() -> Iterator[Callable[[Mover], Mover]]:
     yield use
     if before:
         transfers.use_mover(before[0])
+
+
+@pytest.fixture
+def hooks_recorded_apart() -> Iterator[None]:
+    """The patched source's record of hooked targets kept apart for one test."""
+    from kvcore_sglang import patched
+
+    with patched.hooks_recorded_apart():
+        yield

@@ -70,11 +70,10 @@ def test_apply_then_revert_restores_the_installed_bytes(mirrored, use_program):
     assert patched_file_hashes(INSTALLED, PATCH_SET) == installed
 
 
-def test_hook_follows_kvcore_enable(monkeypatch):
+def test_hook_follows_kvcore_enable(hooks_recorded_apart, monkeypatch):
     def original(pool, need_size):
         return "stock"
 
-    monkeypatch.setattr(patched, "_hooked", [])
     saved = set(HookRegistry._patched)
     HookRegistry._patched.clear()  # a patched lane's import claimed the targets already
     try:
@@ -104,14 +103,15 @@ def test_hook_follows_kvcore_enable(monkeypatch):
         HookRegistry._patched.update(saved)
 
 
-def test_plugin_loaded_before_the_patched_module_does_not_hook_again(sglang_hooks, monkeypatch):
+def test_plugin_loaded_before_the_patched_module_does_not_hook_again(
+    sglang_hooks, hooks_recorded_apart
+):
     """The other order (the patched tree's run covers patch first): the plugin registers its
     hooks, then the patched module binds its own, then SGLang applies the registry."""
     from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
     from kvcore_sglang import plugin
 
-    monkeypatch.setattr(patched, "_hooked", [])
     plugin.load()
     assert all(HookRegistry._hooks.get(t) for t in guard.ALLOCATOR_TARGETS)
     for name in host_slots.HOOKS:
