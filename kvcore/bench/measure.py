@@ -16,6 +16,13 @@ from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.kernels.reference import as_row_words
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for everything queued on ``device`` (every stream); nothing to wait for on a
+    CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def scattered_layout(
     rows: int, fragmentation: float, unit: int, generator: torch.Generator
 ) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvcore.bench.measure import sync_device as sync
 from kvcore.direction import Direction
 from kvcore.mover import Mover
 from kvcore.path_policy import TransferPath
@@ -79,11 +80,6 @@ def with_index(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def mover_state(mover: Mover, device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:

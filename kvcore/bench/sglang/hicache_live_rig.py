@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvcore.bench.measure import sync_device as sync
 from kvcore.bench.sglang.hicache_trace import TraceShape
 from kvcore.bench.sglang.kv_content import KVContent
 
@@ -96,11 +97,6 @@ class CacheCounters:
     def reset(self) -> None:
         for name in vars(self):
             setattr(self, name, 0)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass

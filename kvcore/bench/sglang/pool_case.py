@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from kvcore.bench.measure import sync_device
+
 KINDS = ("mha", "mla")
 LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
     "layer_first": ("kernel", "direct"),
@@ -83,12 +85,6 @@ class PoolCase:
             for layer, poison in zip(c.devices, c.poison, strict=True):
                 layer.copy_(poison)
         sync_device(self.opts.device)
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for the device's copies (every stream); nothing to wait for on a CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _random_like(tensor: torch.Tensor, device: torch.device, gen: torch.Generator) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvcore.bench.measure import sync_device
 from kvcore.bench.sglang.pool_case import HOST_LEVELS, PoolCase
 from kvcore.bench.sglang.pool_rows import bytes_equal, check_backup, get_rows
 from kvcore.bench.sglang.sgl_kernel_stub import StockNotRunnable
@@ -25,12 +26,6 @@ from kvcore.bench.sglang.sweep_sides import Side, kvcore_side, rule_off, stock_s
 from kvcore.bench.suite import scattered_layout
 from kvcore.bench.sweep_report import SweepRow
 from kvcore.metrics import Metrics
-
-
-def sync_device(device: torch.device) -> None:
-    # The whole device: whatever streams a side used, its copies are complete.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed_request(
