@@ -150,22 +150,15 @@ class TransferPlan:
             )
         return dataclasses.replace(self, src=src, dst=dst)
 
-    def without_buffers(self, sides: CheckedSides | None = None) -> TransferPlan:
+    def without_buffers(self) -> TransferPlan:
         """This plan with row-less stand-ins for ``src`` and ``dst`` (same devices, dtypes and
-        row shapes), for keeping the decision without keeping the buffers' memory alive; a
-        caller brings the buffers again (:meth:`rebind`, or pairs of each layer).
-
-        ``sides``: the checked buffers the plan was made between (:func:`plan_for`), which
-        keep their stand-ins for every plan between them.
-        """
-        if sides is not None and sides.src is self.src and sides.dst is self.dst:
-            src, dst = sides.stand_ins
-        else:
-            src, dst = no_rows(self.src), no_rows(self.dst)
+        row shapes, shared by every plan of their kind: :func:`no_rows`), for keeping the
+        decision without keeping the buffers' memory alive; a caller brings the buffers
+        again (:meth:`rebind`, or pairs of each layer)."""
         # A request's first call makes one: a shallow copy by its fields' dict costs a
         # fraction of copy.copy's or dataclasses.replace's generic machinery.
         kept = object.__new__(TransferPlan)
-        vars(kept).update(vars(self), src=src, dst=dst)
+        vars(kept).update(vars(self), src=no_rows(self.src), dst=no_rows(self.dst))
         return kept
 
     def describe(self) -> str:
