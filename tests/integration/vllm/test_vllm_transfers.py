@@ -443,6 +443,20 @@ def test_partial_pages_fall_back_to_the_stock_fill_and_copy_op_counted(gpu_to_cp
     assert_tensors_are(gpu, host, expected)
 
 
+def scattered_job_then_one_run(handler, gpu, host, layout, gpu_to_cpu):
+    """A scattered job (the gather's case), then one that is one run per group (one copy:
+    kvcore's either way), each byte-checked; both reported finished."""
+    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
+    one_run = [([4, 5, 6], [8, 9, 10], 0)]
+    expected = reference(gpu, host, layout, scattered, gpu_to_cpu)
+    handler.transfer_async(1, *make_job(scattered, gpu_to_cpu))
+    assert_tensors_are(gpu, host, expected)
+    expected = reference(gpu, host, layout, one_run, gpu_to_cpu)
+    handler.transfer_async(2, *make_job(one_run, gpu_to_cpu))
+    assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
+    assert_tensors_are(gpu, host, expected)
+
+
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
 def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(monkeypatch, gpu_to_cpu):
     monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, stock_kernel_loads=True))
@@ -452,15 +466,7 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(monkeypat
     handler, mover, metrics, issued = logged_handler(
         gpu, host, layout, gpu_to_cpu, wrap=functools.partial
     )
-    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]  # the gather kernel's case
-    one_run = [([4, 5, 6], [8, 9, 10], 0)]  # one copy: kvcore's either way
-    expected = reference(gpu, host, layout, scattered, gpu_to_cpu)
-    handler.transfer_async(1, *make_job(scattered, gpu_to_cpu))
-    assert_tensors_are(gpu, host, expected)
-    expected = reference(gpu, host, layout, one_run, gpu_to_cpu)
-    handler.transfer_async(2, *make_job(one_run, gpu_to_cpu))
-    assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
-    assert_tensors_are(gpu, host, expected)
+    scattered_job_then_one_run(handler, gpu, host, layout, gpu_to_cpu)
     if gpu_to_cpu:  # vLLM never gives stores to its kernel: kvcore serves both
         assert issued == [] and metrics.snapshot()["fallbacks"] == {}
         assert [op for op, *_ in mover.ops] == ["gather_rows", "copy_runs"]
@@ -478,15 +484,7 @@ def test_scattered_loads_of_the_largest_pages_over_one_tensor_stay_with_stocks_d
     layout = Layout(page_bytes=256, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(23))
     handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
-    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
-    one_run = [([4, 5, 6], [8, 9, 10], 0)]
-    expected = reference(gpu, host, layout, scattered, gpu_to_cpu)
-    handler.transfer_async(1, *make_job(scattered, gpu_to_cpu))
-    assert_tensors_are(gpu, host, expected)
-    expected = reference(gpu, host, layout, one_run, gpu_to_cpu)
-    handler.transfer_async(2, *make_job(one_run, gpu_to_cpu))
-    assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
-    assert_tensors_are(gpu, host, expected)
+    scattered_job_then_one_run(handler, gpu, host, layout, gpu_to_cpu)
     if gpu_to_cpu:  # stores have rules of their own: kvcore serves both here
         assert issued == [] and metrics.snapshot()["fallbacks"] == {}
         assert [op for op, *_ in mover.ops] == ["gather_rows", "copy_runs"]
@@ -498,26 +496,18 @@ def test_scattered_loads_of_the_largest_pages_over_one_tensor_stay_with_stocks_d
 def test_scattered_loads_of_the_largest_pages_over_per_layer_tensors_are_kvcores(monkeypatch):
     largest = replace(transfers.RULES, stock_scattered_loads_from_page_bytes=256)
     monkeypatch.setattr(transfers, "RULES", largest)
-    layout = Layout(page_bytes=256, tensors=3, gpu_blocks=16, cpu_chunks=16)
-    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(29))
-    handler, mover, metrics, issued = logged_handler(gpu, host, layout, False)
-    scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
-    expected = reference(gpu, host, layout, scattered, False)
-    handler.transfer_async(1, *make_job(scattered, False))
-    assert [r.job_id for r in handler.get_finished()] == [1]
-    assert_tensors_are(gpu, host, expected)
+    mover, metrics, issued = scattered_load(tensors=3, seed=29)
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
     assert [op for op, *_ in mover.ops] == ["gather_rows"] * 3
 
 
-def scattered_load_past_vllms_kernel(tensors: int, seed: int):
-    """One scattered load through kvcore's handler over a stock one whose copy op is vLLM's
-    Triton kernel (a partial), bytes checked; the mover, metrics and stock's batches."""
+def scattered_load(tensors: int, seed: int, wrap=lambda swap: swap):
+    """One scattered load through kvcore's handler over a stock one whose copy op is
+    ``wrap``'s (``functools.partial``: vLLM's Triton kernel), bytes checked; the mover,
+    metrics and stock's batches."""
     layout = Layout(page_bytes=256, tensors=tensors, gpu_blocks=16, cpu_chunks=16)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(seed))
-    handler, mover, metrics, issued = logged_handler(
-        gpu, host, layout, False, wrap=functools.partial
-    )
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, False, wrap=wrap)
     scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
     expected = reference(gpu, host, layout, scattered, False)
     handler.transfer_async(1, *make_job(scattered, False))
@@ -528,7 +518,7 @@ def scattered_load_past_vllms_kernel(tensors: int, seed: int):
 
 def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel(monkeypatch):
     monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, stock_kernel_loads=True))
-    mover, metrics, issued = scattered_load_past_vllms_kernel(tensors=3, seed=19)
+    mover, metrics, issued = scattered_load(tensors=3, seed=19, wrap=functools.partial)
     # One plan for the three layers, which the CPU kernels gather one by one.
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
     assert [op for op, *_ in mover.ops] == ["gather_rows"] * 3
@@ -686,7 +676,7 @@ def test_handlers_are_installed_only_after_a_warm_up_that_moved_every_byte_right
 
 def test_the_kernel_load_rule_switch_hands_those_loads_to_kvcore():
     # The autouse fixture turned the rule off: one KV tensor, yet kvcore's gather.
-    mover, metrics, issued = scattered_load_past_vllms_kernel(tensors=1, seed=23)
+    mover, metrics, issued = scattered_load(tensors=1, seed=23, wrap=functools.partial)
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
     assert [op for op, *_ in mover.ops] == ["gather_rows"]
 
