@@ -213,10 +213,10 @@ class KVCoreConfig:
     )
     metrics: bool = _setting(True, BOOLEAN, "collect transfer metrics (Prometheus when installed)")
     transfers: bool = _setting(
-        False,
+        True,
         BOOLEAN,
-        "route the engines' host<->device copies through kvcore's mover (proven in a live "
-        "vLLM 0.25.1 engine; SGLang's experimental: not yet run inside a live engine)",
+        "route the engines' host<->device copies through kvcore's mover, each call put to "
+        "the serve-or-pass rule; 0 keeps every copy the engine's own",
     )
     serve_rule: bool = _setting(
         True,

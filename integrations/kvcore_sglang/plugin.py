@@ -46,8 +46,8 @@ def register_hooks(
 
     Only the first call that finds kvcore enabled registers anything; later calls
     return that call's status. ``with_transfers`` adds the host-pool transfer hooks
-    (:mod:`kvcore_sglang.transfers`); by default it follows ``KVCORE_TRANSFERS``, which
-    is off until the hooks are proven on a GPU inside SGLang.
+    (:mod:`kvcore_sglang.transfers`); by default it follows ``KVCORE_TRANSFERS`` (on
+    unless set to 0).
     """
     config = KVCoreConfig.from_env() if config is None else config
     with _lock:

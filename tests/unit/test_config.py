@@ -32,7 +32,7 @@ NON_DEFAULTS: dict[str, tuple[str, object]] = {
     "gather_ctas": ("16", 16),
     "staged_pieces": ("2", 2),
     "metrics": ("false", False),
-    "transfers": ("on", True),
+    "transfers": ("off", False),
     "serve_rule": ("0", False),
     "log_level": ("debug", "DEBUG"),
 }
@@ -369,7 +369,7 @@ def test_to_env_of_defaults():
         "KVCORE_GATHER_CTAS": "8",
         "KVCORE_STAGED_PIECES": "1",
         "KVCORE_METRICS": "1",
-        "KVCORE_TRANSFERS": "0",
+        "KVCORE_TRANSFERS": "1",
         "KVCORE_SERVE_RULE": "1",
         "KVCORE_LOG_LEVEL": "INFO",
     }

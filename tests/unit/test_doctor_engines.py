@@ -122,8 +122,8 @@ def engine_entry(report: dict, engine: str) -> dict:
     return next(e for e in report["engines"] if e["engine"] == engine)
 
 
-def test_sglang_would_patch_every_allocator_target_and_leaves_transfers_off(fake_sglang):
-    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}))
+def test_sglang_with_transfers_off_would_patch_every_allocator_target_alone(fake_sglang):
+    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, transfers=False))
     assert status.would_patch == list(sglang_guard.ALLOCATOR_TARGETS)
     assert status.patched_targets == [] and not status.plugin_applied
     assert status.skipped_targets == []
@@ -134,8 +134,8 @@ def test_sglang_would_patch_every_allocator_target_and_leaves_transfers_off(fake
     assert "sglang" not in sys.modules
 
 
-def test_sglang_with_transfers_would_patch_every_group(fake_sglang):
-    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, transfers=True, serve_rule=False))
+def test_sglang_enabled_alone_would_patch_every_group(fake_sglang):
+    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, serve_rule=False))
     assert status.would_patch == [t for targets in SGLANG_GROUPS.values() for t in targets]
     assert status.groups_off == {} and status.skipped_targets == []
     assert status.settings == {"transfers": True, "serve_rule": False}
@@ -185,7 +185,7 @@ def test_sglang_missing_module_skips_its_group(fake_sglang):
 
 def test_sglang_untested_version_skips_every_target(fake_engine):
     fake_engine("sglang", "0.5.99", SGLANG_CHECKED)
-    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}))
+    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, transfers=False))
     assert not status.supported and status.would_patch == []
     skipped = {s["target"]: s["reason"] for s in status.skipped_targets}
     assert set(skipped) == set(sglang_guard.ALLOCATOR_TARGETS)
@@ -199,7 +199,7 @@ def test_sglang_in_process_shows_patched_beside_would_patch(fake_sglang, monkeyp
     applied.patched_targets = list(sglang_guard.ALLOCATOR_TARGETS[:2])
     applied.skip("sglang.srt.mem_cache.pool_host.mamba.MambaPoolHost", "own allocator", "pools")
     monkeypatch.setattr(sglang_plugin.INSTALLATION, "status", applied)
-    report = doctor_report(KVCoreConfig(enable={"sglang"}))
+    report = doctor_report(KVCoreConfig(enable={"sglang"}, transfers=False))
     entry = engine_entry(report, "sglang")
     assert entry["plugin_applied"]
     assert entry["patched_targets"] == list(sglang_guard.ALLOCATOR_TARGETS[:2])
@@ -242,6 +242,7 @@ def test_vllm_drifted_dependency_skips_everything_by_name(fake_vllm):
 
 def test_doctor_text_groups_targets_and_verbose_lists_them(fake_sglang, capsys, monkeypatch):
     monkeypatch.setenv("KVCORE_ENABLE", "sglang")
+    monkeypatch.setenv("KVCORE_TRANSFERS", "0")
     assert main(["doctor"]) == 0
     lines = capsys.readouterr().out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("sglang "))
@@ -262,7 +263,6 @@ def test_doctor_text_groups_targets_and_verbose_lists_them(fake_sglang, capsys, 
 
 def test_doctor_json_lists_would_patch(fake_sglang, capsys, monkeypatch):
     monkeypatch.setenv("KVCORE_ENABLE", "sglang")
-    monkeypatch.setenv("KVCORE_TRANSFERS", "1")
     assert main(["doctor", "--json"]) == 0
     entry = engine_entry(json.loads(capsys.readouterr().out), "sglang")
     assert entry["would_patch"] == [t for targets in SGLANG_GROUPS.values() for t in targets]

@@ -12,8 +12,8 @@ from kvcore.engine_args import EngineArgs
 from kvcore_sglang import launch_checks as sglang_checks
 from kvcore_vllm import launch_checks as vllm_checks
 
-OFF = KVCoreConfig(enable={"sglang", "vllm"})
-TRANSFERS = KVCoreConfig(enable={"sglang", "vllm"}, transfers=True)
+OFF = KVCoreConfig(enable={"sglang", "vllm"}, transfers=False)
+TRANSFERS = KVCoreConfig(enable={"sglang", "vllm"})
 
 
 def test_engine_args_read_flags_as_the_engines_do():

@@ -43,6 +43,14 @@ def kvcore_warnings(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name.startswith("kvcore") and r.levelname == "WARNING"]
 
 
+@pytest.fixture(autouse=True)
+def transfers_off(monkeypatch) -> None:
+    """These tests cover the plugin's loading and its host-slot allocator, which
+    KVCORE_TRANSFERS=0 leaves alone; test_transfers.py covers the transfer hooks, on by
+    default."""
+    monkeypatch.setenv("KVCORE_TRANSFERS", "0")
+
+
 @pytest.mark.parametrize("enable", [None, "0", "vllm"])
 def test_inactive_unless_enabled_for_sglang(sglang_hooks, monkeypatch, enable):
     if enable is None:

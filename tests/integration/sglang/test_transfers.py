@@ -1054,12 +1054,22 @@ def test_plugin_registers_transfer_hooks_over_stock(transfer_hooks):
         assert vars(cls)[name].__wrapped__ is function
 
 
-def test_entry_point_leaves_transfers_stock(sglang_hooks, monkeypatch):
+def test_entry_point_with_transfers_off_leaves_them_stock(sglang_hooks, monkeypatch):
+    monkeypatch.setenv("KVCORE_TRANSFERS", "0")
     for (cls, name), function in STOCK.items():
         monkeypatch.setattr(cls, name, function)
     status = sglang_hooks()
     assert not ALL_TRANSFER_TARGETS & set(status.patched_targets)
     assert all(vars(cls)[name] is function for (cls, name), function in STOCK.items())
+
+
+def test_entry_point_hooks_transfers_by_default(sglang_hooks, monkeypatch):
+    monkeypatch.delenv("KVCORE_TRANSFERS", raising=False)
+    for (cls, name), function in STOCK.items():
+        monkeypatch.setattr(cls, name, function)
+    status = sglang_hooks()
+    assert set(status.patched_targets) >= ALL_TRANSFER_TARGETS
+    assert all(vars(cls)[name] is not function for (cls, name), function in STOCK.items())
 
 
 # The functions only one transfer group depends on (the registry is every group's).
