@@ -16,7 +16,7 @@ tests are strict xfails there.
 
 classes-gpu mode (scripts/vllm_upstream_gpu.sh, on a GPU) is classes mode with the worker
 too: ``CPUOffloadingWorker`` in vLLM's worker module is stock's worker with its handlers
-replaced the way kvcore's spec replaces them (``KVCORE_TRANSFERS=1`` is required), so vLLM's
+replaced the way kvcore's spec replaces them (``KVCORE_TRANSFERS=0`` is refused), so vLLM's
 own transfer tests copy through kvcore's handler. Those tests read stock's handler state
 (its tensors, layer references and in-flight transfers): kvcore's handler shows them under
 stock's names, read from the very objects it copies with. A collected module that bound
@@ -112,8 +112,8 @@ def _put_kvcore_worker_in_place() -> str:
     config = KVCoreConfig.from_env()
     if not config.transfers:
         raise pytest.UsageError(
-            "classes-gpu mode needs KVCORE_TRANSFERS=1: without it kvcore's spec leaves the "
-            "stock handlers in place"
+            "classes-gpu mode needs kvcore's transfers: KVCORE_TRANSFERS=0 leaves the stock "
+            "handlers in place"
         )
     handler = stock_named_handler(
         transfers.KVCoreOffloadingHandler, installed_shape().name("layer_refs_per_group"), _jobs
