@@ -104,25 +104,38 @@ class Metrics:
         """Fallback counts by reason for one thread to add to, ``tally[reason] += 1``: no
         lock and no call, for a path that counts each job it passes to the engine. Every
         read of these metrics takes in what is new in it, so each count reaches
-        :attr:`fallbacks` once. The metrics keep every tally they hand out (one per
-        handler: a handful in a process)."""
+        :attr:`fallbacks` once. The metrics keep each tally until
+        :meth:`release_tally` (its holder's shutdown)."""
         tally: defaultdict[str, int] = defaultdict(int)
         with self._lock:
             self._tallies.append((tally, {}))
         return tally
 
+    def release_tally(self, tally: defaultdict[str, int]) -> None:
+        """Take in what ``tally`` counted and keep it no longer: its holder counts no more
+        (a handler shut down), so a process that builds handlers again and again keeps no
+        tally of the old ones. A tally these metrics did not hand out is ignored."""
+        with self._lock:
+            kept = [(counts, taken) for counts, taken in self._tallies if counts is tally]
+            for counts, taken in kept:
+                self._take_in(counts, taken)
+            self._tallies = [entry for entry in self._tallies if entry[0] is not tally]
+
     def _take_in_tallies(self) -> None:
         """Add to :attr:`fallbacks` what the tallies counted since the last read (the caller
         holds the lock)."""
         for counts, taken in self._tallies:
-            # A copy in one step: the tally's thread may add a reason meanwhile. It only
-            # ever raises a count, so what this read misses the next one takes in.
-            now = counts.copy()
-            for reason, count in now.items():
-                new = count - taken.get(reason, 0)
-                if new:
-                    self.fallbacks[reason] += new
-            taken.update(now)
+            self._take_in(counts, taken)
+
+    def _take_in(self, counts: defaultdict[str, int], taken: dict[str, int]) -> None:
+        # A copy in one step: the tally's thread may add a reason meanwhile. It only ever
+        # raises a count, so what this read misses the next one takes in.
+        now = counts.copy()
+        for reason, count in now.items():
+            new = count - taken.get(reason, 0)
+            if new:
+                self.fallbacks[reason] += new
+        taken.update(now)
 
     def record_decision(self, decision: str, reason: str) -> None:
         """One request's serve-or-pass decision (``serve`` or ``pass``) and its reason."""

@@ -200,6 +200,7 @@ class KVCoreOffloadingHandler:
         self._jobs = OrderedJobs(streams, name, compute_stream)
         self._queued = self._jobs.queued
         # A pass is counted with no call: the metrics take the tally in when they are read.
+        self._metrics = metrics
         self._passes: defaultdict[str, int] = (
             defaultdict(int) if metrics is None else metrics.fallback_tally()
         )
@@ -455,6 +456,8 @@ class KVCoreOffloadingHandler:
         self._rows.clear()
         self._pairs.clear()
         self._stock.shutdown()
+        if self._metrics is not None:
+            self._metrics.release_tally(self._passes)
         if error is not None:
             raise error
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 
 import pytest
 
@@ -113,6 +114,22 @@ def test_a_tally_reaches_the_fallbacks_once_however_often_they_are_read() -> Non
     assert m.snapshot()["fallbacks"] == {}
     tally["few_pages"] += 1
     assert m.snapshot()["fallbacks"] == {"few_pages": 1}
+
+
+def test_a_released_tally_keeps_its_counts_and_is_kept_no_longer() -> None:
+    m = Metrics()
+    first, second = m.fallback_tally(), m.fallback_tally()
+    first["few_pages"] += 2
+    assert m.snapshot()["fallbacks"] == {"few_pages": 2}
+    first["few_pages"] += 3  # counted after the last read, before the release
+    second["stock_dma_large_pages"] += 1
+    m.release_tally(first)
+    assert [counts for counts, _ in m._tallies] == [second]
+    assert m.snapshot()["fallbacks"] == {"few_pages": 5, "stock_dma_large_pages": 1}
+    first["few_pages"] += 7  # a released tally counts for nothing
+    m.release_tally(first)
+    m.release_tally(defaultdict(int))
+    assert m.snapshot()["fallbacks"] == {"few_pages": 5, "stock_dma_large_pages": 1}
 
 
 def test_tallies_counting_while_others_read_lose_and_double_nothing() -> None:

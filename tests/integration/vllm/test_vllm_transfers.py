@@ -441,6 +441,12 @@ def test_partial_pages_fall_back_to_the_stock_fill_and_copy_op_counted(gpu_to_cp
     assert metrics.snapshot()["fallbacks"] == {"partial_page": 1}
     assert issued == [3 * 2] and mover.ops == []
     assert_tensors_are(gpu, host, expected)
+    # Shut down, the handler's pass tally is taken in and no longer kept by the metrics.
+    handler.transfer_async(5, *make_job(groups, gpu_to_cpu))
+    handler.wait({5})
+    handler.shutdown()
+    assert metrics._tallies == []
+    assert metrics.snapshot()["fallbacks"] == {"partial_page": 2}
 
 
 def scattered_job_then_one_run(handler, gpu, host, layout, gpu_to_cpu):
