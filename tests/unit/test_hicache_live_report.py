@@ -204,4 +204,7 @@ def test_kvcore_entry_point_is_declared_where_no_distribution_declares_it(monkey
     monkeypatch.undo()
     monkeypatch.setattr(sys, "path", [folder, *sys.path])
     assert engine_plugins.declare_kvcore_entry_point() is None
-    assert engine_plugins.MODE_ENV["kvcore"] == {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": "1"}
+    assert engine_plugins.MODE_ENV["kvcore"] == {
+        "KVCORE_ENABLE": "sglang",
+        "KVCORE_TRANSFERS": None,
+    }

@@ -22,10 +22,11 @@ GROUP = "sglang.srt.plugins"
 KVCORE_ENTRY = "kvcore_sglang.plugin:load"
 _PROBE_DIST = "kvcore_live_entry"
 
-# What each mode sets before SGLang loads its plugins.
-MODE_ENV = {
+# What each mode sets before SGLang loads its plugins (None: unset, so kvcore's default
+# holds: the kvcore mode runs what an operator gets from KVCORE_ENABLE alone).
+MODE_ENV: dict[str, dict[str, str | None]] = {
     "stock": {"KVCORE_ENABLE": "0", "KVCORE_TRANSFERS": "0"},
-    "kvcore": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": "1"},
+    "kvcore": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": None},
 }
 
 
@@ -58,7 +59,11 @@ def load_sglang_plugins(mode: str) -> dict[str, Any]:
     kvcore's status in this process (the targets it patched).
     """
     env = MODE_ENV[mode]
-    os.environ.update(env)
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     declared_in = declare_kvcore_entry_point()
     from sglang.srt.plugins import load_plugins
 

@@ -37,9 +37,9 @@ modes (the same evictions, the same hits). Before the trace a short warm-up trac
 own token ids) builds SGLang's JIT kernels and kvcore's, then the cache is reset as
 ``flush_cache`` resets it.
 
-``--mode kvcore`` sets ``KVCORE_ENABLE=sglang`` and ``KVCORE_TRANSFERS=1`` and ``stock``
-sets ``KVCORE_ENABLE=0``; both then load SGLang's plugins as its scheduler does
-(:mod:`.engine_plugins`), before anything is built.
+``--mode kvcore`` sets ``KVCORE_ENABLE=sglang`` and unsets ``KVCORE_TRANSFERS`` (kvcore's
+default: transfers on) and ``stock`` sets ``KVCORE_ENABLE=0``; both then load SGLang's
+plugins as its scheduler does (:mod:`.engine_plugins`), before anything is built.
 """
 
 from __future__ import annotations

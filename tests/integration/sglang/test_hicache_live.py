@@ -95,7 +95,7 @@ def test_stock_trace_loads_back_from_host_and_every_byte_matches(both_modes):
 def test_kvcore_serves_the_same_trace_through_its_hooks(both_modes):
     report = both_modes["kvcore"]
     plugins = report["prepared"]["plugins"]
-    assert plugins["plugin_applied"] and plugins["env"]["KVCORE_TRANSFERS"] == "1"
+    assert plugins["plugin_applied"] and plugins["env"]["KVCORE_TRANSFERS"] is None
     assert any(
         t.endswith("MHATokenToKVPoolHost.load_to_device_per_layer")
         for t in plugins["patched_targets"]
