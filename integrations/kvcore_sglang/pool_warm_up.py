@@ -30,7 +30,7 @@ from torch import device as Device
 
 from kvcore.warm_up import warm_up
 
-from . import transfers
+from . import hook_mover
 
 logger = logging.getLogger("kvcore.sglang")
 
@@ -88,7 +88,7 @@ def warm_up_pool(pool: Any) -> bool | None:
 
 def _run_warm_up(device: torch.device, row_bytes: int) -> tuple[bool, str]:
     try:
-        result = warm_up(transfers.mover(), device, [row_bytes])
+        result = warm_up(hook_mover.mover(), device, [row_bytes])
     except Exception:
         logger.exception("kvcore: warming up the transfer paths failed; the pool stays stock")
         return False, "warm_up_failed"
@@ -96,7 +96,7 @@ def _run_warm_up(device: torch.device, row_bytes: int) -> tuple[bool, str]:
 
 
 def _count(reason: str) -> None:
-    metrics = transfers.mover().metrics
+    metrics = hook_mover.mover().metrics
     if metrics is not None:
         metrics.record_fallback(reason)
 

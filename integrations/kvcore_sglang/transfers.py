@@ -13,10 +13,11 @@ index tensors reach the pool on the CPU (SGLang brings the device indices back i
 With ``kernel`` (SGLang's default) the host indices are moved to the GPU there, and the
 device indices are computed on the GPU by the device allocator: no CPU copy of them
 exists. An AROUND hook on ``move_indices`` remembers the CPU host indices of each moved
-tensor (:class:`HostIndexMemo`); a ``kernel`` call is planned from those alone, the
-device indices staying on the GPU, unread (:func:`kvcore.planning.plan_device_indexed`:
-staged or gather). A ``kernel`` call whose host indices were not remembered runs stock
-(``sglang_indices_on_device``). kvcore never reads a device tensor back to plan.
+tensor (:class:`kvcore_sglang.call_memos.HostIndexMemo`); a ``kernel`` call is planned
+from those alone, the device indices staying on the GPU, unread
+(:func:`kvcore.planning.plan_device_indexed`: staged or gather). A ``kernel`` call whose
+host indices were not remembered runs stock (``sglang_indices_on_device``). kvcore never
+reads a device tensor back to plan.
 
 Which host layer and device buffer a call copies differs between SGLang releases
 (0.5.22 maps layers through the device pool's layer sharding, 0.5.23 through the slot
@@ -26,11 +27,13 @@ fingerprint (:mod:`kvcore_sglang.guard`) the installed method's source has
 runs stock (``sglang_source_unknown``).
 
 SGLang reloads layer by layer with the same two index tensors: the first layer's plan
-(bounds, runs, path) is kept (:class:`PlanMemo`) and rebound to every later layer's
+(bounds, runs, path) is kept with the request
+(:class:`kvcore_sglang.load_requests.LoadRequests`) and rebound to every later layer's
 buffers, so a reload plans once, not once per layer. The pairs of one call (a layer's K
 and V; every layer of a backup) move in one submission where they share a row size
 (:meth:`kvcore.mover.Mover.execute_layers`), their checks kept per pool
-(:class:`LayerPairsMemo`).
+(:class:`kvcore_sglang.call_memos.LayerPairsMemo`). Every hook copies through the process's
+one mover (:mod:`kvcore_sglang.hook_mover`).
 """
 
 from __future__ import annotations
@@ -50,10 +53,9 @@ from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.internal_errors import InternalErrors
-from kvcore.layers import LayerPairs, layer_pairs
-from kvcore.metrics import METRICS
+from kvcore.layers import layer_pairs
 from kvcore.mover import Mover, Submission, submissions
-from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
+from kvcore.path_policy import PathPolicy, TransferPath
 from kvcore.planning import (
     TransferPlan,
     plan,
@@ -61,10 +63,12 @@ from kvcore.planning import (
     plan_device_indexed_for,
     plan_for,
 )
-from kvcore.runs import run_count_up_to, version_of
+from kvcore.runs import run_count_up_to
 from kvcore.transfer_sides import CheckedSides, check_sides
 
 from . import guard, pool_jobs
+from .call_memos import HOST_INDEX_MEMO, LAYER_PAIRS
+from .hook_mover import mover, use_mover
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, layer_in, weakly
 from .pool_jobs import Job, PoolJobs
 from .served_layouts import layout_reason
@@ -78,41 +82,6 @@ _INDEX_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, to
 
 logger = logging.getLogger("kvcore")
 
-_mover: Mover | None = None
-_mover_lock = threading.Lock()
-
-
-def mover() -> Mover:
-    """This process's mover, built from the KVCORE_* configuration on first use."""
-    global _mover
-    built = _mover
-    if built is not None:
-        # Every hook call asks; once built, reading the global needs no lock.
-        return built
-    with _mover_lock:
-        # SGLang's load and backup threads may both arrive first; one staging buffer only.
-        if _mover is None:
-            config = KVCoreConfig.from_env()
-            metrics = METRICS if config.metrics else None
-            _mover = Mover(policy_from_config(config), metrics=metrics)
-        return _mover
-
-
-def use_mover(chosen: Mover | None) -> Mover | None:
-    """Have the hooks copy through ``chosen`` (a benchmark's or a test's mover; None: the
-    process's own, built from the KVCORE_* configuration on next use); returns the one in
-    use until now (None where none was built), for the caller to put back."""
-    global _mover
-    with _mover_lock:
-        previous, _mover = _mover, chosen
-    return previous
-
-
-def built_mover() -> Mover | None:
-    """The mover the hooks use, or None before the first call that needs one."""
-    return _mover
-
-
 _CLASS_NAMES: dict[type, str] = {}
 
 
@@ -124,60 +93,6 @@ def _class_name(pool: Any) -> str:
     if name is None:
         name = _CLASS_NAMES.setdefault(cls, f"{cls.__module__}.{cls.__qualname__}")
     return name
-
-
-class HostIndexMemo:
-    """The CPU host indices of each host-index tensor ``move_indices`` moved to the GPU.
-
-    Held while the moved tensor lives (SGLang keeps it until the transfer is queued);
-    an entry is valid only while neither tensor was written since (their version counters),
-    so that the moved tensor still holds the CPU one's values.
-    Keyed by identity: tensors compare element-wise, so they cannot be dict keys.
-    """
-
-    def __init__(self) -> None:
-        self._moved: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int, int]] = {}
-        self._lock = threading.Lock()
-
-    def remember(self, moved: torch.Tensor, on_cpu: torch.Tensor) -> None:
-        """Keep ``on_cpu`` for ``moved``; not where either has no version counter (an
-        inference tensor), whose later writes could not be seen: such a call runs stock."""
-        on_cpu_version, moved_version = version_of(on_cpu), version_of(moved)
-        if on_cpu_version is None or moved_version is None:
-            return
-        key = id(moved)
-        alive = weakref.ref(moved, lambda _: self._forget(key))
-        with self._lock:
-            self._moved[key] = (alive, on_cpu, on_cpu_version, moved_version)
-
-    def recall(self, moved: torch.Tensor) -> torch.Tensor | None:
-        with self._lock:
-            entry = self._moved.get(id(moved))
-        if (
-            entry is None
-            or entry[0]() is not moved
-            or entry[1]._version != entry[2]
-            or moved._version != entry[3]
-        ):
-            return None
-        return entry[1]
-
-    def _forget(self, key: int) -> None:
-        with self._lock:
-            entry = self._moved.get(key)
-            if entry is not None and entry[0]() is None:
-                del self._moved[key]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._moved.clear()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._moved)
-
-
-HOST_INDEX_MEMO = HostIndexMemo()
 
 
 def move_indices_hook(
@@ -240,51 +155,6 @@ def _call_indices(
         # page_first_direct copies whole pages named by the device indices' values.
         return "sglang_indices_on_device"
     return CallIndices(host, device_indices, opaque)
-
-
-class LayerPairsMemo:
-    """The checked buffer pairs (:class:`kvcore.layers.LayerPairs`) of a pool's calls.
-
-    A backup copies every layer of the pool, a load one layer's K and V: the same buffers
-    call after call, so each set is checked once and its launch table built once (the
-    CUDA kernels keep it per LayerPairs). Entries are keyed by every view's device,
-    address, dtype, shape and strides, and kept per pool, weakly: they hold views of the
-    pool's buffers (so no address in a key can be reused while it is kept), never the pool,
-    and go when SGLang drops the pool.
-    """
-
-    def __init__(self, per_pool: int = 1024) -> None:
-        self._per_pool = per_pool
-        self._by_pool: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], LayerPairs]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._lock = threading.Lock()
-
-    def clear(self) -> None:
-        with self._lock:
-            self._by_pool.clear()
-
-    def pairs(self, pool: Any, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> LayerPairs:
-        key = tuple(
-            (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in (*srcs, *dsts)
-        )
-        with self._lock:
-            try:
-                kept = self._by_pool.setdefault(pool, {})
-            except TypeError:  # a pool without weak references: checked every call
-                return layer_pairs(srcs, dsts)
-            found = kept.get(key)
-        if found is not None:
-            return found
-        found = layer_pairs(srcs, dsts)
-        with self._lock:
-            if len(kept) >= self._per_pool:
-                kept.clear()
-            kept[key] = found
-        return found
-
-
-LAYER_PAIRS = LayerPairsMemo()
 
 
 def _plans(
@@ -540,7 +410,6 @@ def forget() -> None:
     """Drop everything the transfer hooks keep (the mover, the memos of requests, layers
     and moved indices) and give back every stock method bound on a pool: what
     :class:`kvcore_sglang.installation.Installation` does once the hooks are gone."""
-    global _mover
     restore_bypassed()
     LOAD_REQUESTS.clear()
     POOL_LAYERS.clear()
@@ -548,8 +417,7 @@ def forget() -> None:
     HOST_INDEX_MEMO.clear()
     _JOBS_FOUND.clear()
     INTERNAL_ERRORS.forget()
-    with _mover_lock:
-        _mover = None
+    use_mover(None)
 
 
 def _start_load(

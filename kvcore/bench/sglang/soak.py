@@ -155,15 +155,15 @@ def allocator_hooks() -> Iterator[Any]:
 def soak_mover() -> Iterator[Mover]:
     """The hooks' process mover replaced by one counting into its own metrics (as the
     sweep's ``bench_mover`` does); the rule setting is put back on exit."""
-    from kvcore_sglang import transfers
+    from kvcore_sglang import hook_mover, transfers
 
     mover = Mover(policy_from_config(KVCoreConfig.from_env()), metrics=Metrics())
     saved_rule = transfers.serve_rule_enabled
-    saved_mover = transfers.use_mover(mover)
+    saved_mover = hook_mover.use_mover(mover)
     try:
         yield mover
     finally:
-        transfers.use_mover(saved_mover)
+        hook_mover.use_mover(saved_mover)
         transfers.serve_rule_enabled = saved_rule  # type: ignore[method-assign]
 
 

@@ -83,19 +83,19 @@ def _attribute(target: str) -> Any:
 def use_mover() -> Iterator[Callable[[Mover], Mover]]:
     """Have the transfer hooks copy through a test's mover; the one in use before is put
     back afterwards."""
-    from kvcore_sglang import transfers
+    from kvcore_sglang import hook_mover
 
     before: list[Mover | None] = []
 
     def use(chosen: Mover) -> Mover:
-        previous = transfers.use_mover(chosen)
+        previous = hook_mover.use_mover(chosen)
         if not before:
             before.append(previous)
         return chosen
 
     yield use
     if before:
-        transfers.use_mover(before[0])
+        hook_mover.use_mover(before[0])
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, PathPolicy, StagingBuffers
 from kvcore.warm_up import WarmUp
-from kvcore_sglang import guard, plugin, pool_jobs, pool_warm_up, transfers
+from kvcore_sglang import call_memos, guard, hook_mover, plugin, pool_jobs, pool_warm_up, transfers
 
 VERSION = release_of(importlib.metadata.version("sglang"))
 RELEASES = ("0.5.22", "0.5.23")
@@ -389,12 +389,12 @@ def test_uninstall_restores_every_original_and_forgets_what_the_hooks_kept(trans
         is not STOCK[(MHATokenToKVPoolHost, "load_to_device_per_layer")]
     )
     check_served_call("mha", "layer_first", "direct", "load", "scattered", 64, 1)
-    assert len(transfers.LOAD_REQUESTS) == 1 and transfers.built_mover() is not None
+    assert len(transfers.LOAD_REQUESTS) == 1 and hook_mover.built_mover() is not None
     plugin.uninstall()
     for (cls, name), original in STOCK.items():
         assert vars(cls)[name] is original, f"{cls.__name__}.{name}"
     assert plugin.applied_status() is None and plugin.INSTALLATION.targets == []
-    assert len(transfers.LOAD_REQUESTS) == 0 and transfers.built_mover() is None
+    assert len(transfers.LOAD_REQUESTS) == 0 and hook_mover.built_mover() is None
     assert not any(target in HookRegistry._patched for target in transfers.HOOKS)
     # And again, as a new engine instance in the same process would.
     assert transfer_hooks().plugin_applied
@@ -449,7 +449,7 @@ def check_stock_only_call(layer: int) -> None:
 
 
 def test_moved_host_indices_are_recalled_until_changed():
-    memo = transfers.HostIndexMemo()
+    memo = call_memos.HostIndexMemo()
     host = torch.arange(10, 20)
     moved = host.to("meta")  # where SGLang's kernel backend puts them: not the CPU
     memo.remember(moved, host)
@@ -462,7 +462,7 @@ def test_moved_host_indices_are_recalled_until_changed():
 
 
 def test_move_indices_hook_remembers_only_what_it_moved_off_the_cpu(monkeypatch):
-    memo = transfers.HostIndexMemo()
+    memo = call_memos.HostIndexMemo()
     monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
     host, device = torch.arange(8), torch.arange(8).to("meta")
 
@@ -484,7 +484,7 @@ def test_a_reload_under_inference_mode_passes_whole_and_exact(
     (not as a failure inside kvcore), and the moved indices are not remembered."""
     transfer_hooks()
     use_mover(small_policy_mover())
-    memo = transfers.HostIndexMemo()
+    memo = call_memos.HostIndexMemo()
     monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
     pool = pool_for("mha", "layer_first")
     parts = components("mha", pool)
@@ -516,7 +516,7 @@ def test_a_reload_under_inference_mode_passes_whole_and_exact(
 
 
 def test_device_resident_indices_are_served_only_where_they_need_not_be_read(monkeypatch):
-    memo = transfers.HostIndexMemo()
+    memo = call_memos.HostIndexMemo()
     monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
     host = torch.arange(64, 128)
     moved, device = host.to("meta"), torch.arange(64).to("meta")
@@ -650,7 +650,7 @@ def test_layer_pairs_are_checked_once_per_pool_and_dropped_with_it():
     class Pool:
         pass
 
-    memo = transfers.LayerPairsMemo(per_pool=3)
+    memo = call_memos.LayerPairsMemo(per_pool=3)
     pool = Pool()
     host = torch.randint(0, 100, (4, 16, 8), dtype=torch.int16)
     device = [torch.zeros(16, 8, dtype=torch.int16) for _ in range(4)]
