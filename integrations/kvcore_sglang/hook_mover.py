@@ -2,7 +2,8 @@
 
 Built from the ``KVCORE_*`` configuration on the first call that needs it (SGLang's load
 and backup threads may both arrive first: one staging buffer only), or set by a benchmark
-or a test (:func:`use_mover`). Apart from the hooks so that what owns the mover is one
+or a test (:func:`use_mover`), and what a request's pass counts in its metrics
+(:func:`count_request_pass`). Apart from the hooks so that what owns the mover is one
 small module, and the hooks only ask it.
 """
 
@@ -48,3 +49,9 @@ def use_mover(chosen: Mover | None) -> Mover | None:
 def built_mover() -> Mover | None:
     """The mover the hooks use, or None before the first call that needs one."""
     return _mover
+
+
+def count_request_pass(chosen: Mover, reason: str) -> None:
+    """A whole request passed to stock: its decision and its pass, in one count."""
+    if chosen.metrics is not None:
+        chosen.metrics.record_pass(reason)

@@ -40,9 +40,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
-import types
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,10 +65,11 @@ from kvcore.transfer_sides import CheckedSides, check_sides
 
 from . import guard, pool_jobs
 from .call_memos import HOST_INDEX_MEMO, LAYER_PAIRS
-from .hook_mover import mover, use_mover
+from .hook_mover import count_request_pass, mover, use_mover
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, layer_in, weakly
 from .pool_jobs import Job, PoolJobs
 from .served_layouts import layout_reason
+from .stock_binding import bypass_if_never, restore_bypassed
 
 _POOL_PACKAGE = "sglang.srt.mem_cache.pool_host"
 MHA_POOL = f"{_POOL_PACKAGE}.mha.MHATokenToKVPoolHost"
@@ -216,14 +214,8 @@ def _count_pass(chosen_mover: Mover, reason: str) -> None:
         chosen_mover.metrics.record_fallback(reason)
 
 
-def _count_request_pass(chosen_mover: Mover, reason: str) -> None:
-    """A whole request passed to stock: its decision and its pass, in one count."""
-    if chosen_mover.metrics is not None:
-        chosen_mover.metrics.record_pass(reason)
-
-
 def _count_serve(chosen_mover: Mover) -> None:
-    """A request kvcore serves (passes are counted by :func:`_count_request_pass`)."""
+    """A request kvcore serves (passes are counted by :func:`count_request_pass`)."""
     if chosen_mover.metrics is not None:
         chosen_mover.metrics.record_decision("serve", "rule_serves")
 
@@ -337,71 +329,6 @@ def _call_rule(op: str, pool: Any, io_backend: str) -> serve_rule.SGLangRule | N
     return serve_rule.sglang_rule(op, io_backend, layout, page_size, pool=_pool_kind(pool))
 
 
-# Pool -> the methods kvcore gave back to stock on that pool (instance attributes it set).
-BYPASSED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-_bypass_lock = threading.Lock()
-
-
-def _bypass_if_never(
-    original: Callable[..., Any],
-    pool: Any,
-    method: str,
-    rule: serve_rule.SGLangRule | None,
-    io_backend: str,
-) -> bool:
-    """Where the call's ``rule`` never serves (whatever the size), bind stock's method on
-    the pool itself, so that SGLang's later calls reach stock with no kvcore frame at all
-    (only where kvcore's hook is the outermost layer of the method, so the binding skips
-    no other plugin's hook); True when the call should run stock now.
-
-    SGLang's cache controller calls a pool with one io backend for its life; a call with
-    another one also lands in stock, which is always exact. :func:`restore_bypassed`
-    takes the bindings back.
-    """
-    if rule is None or not rule.never:
-        return False
-    if method in BYPASSED.get(pool, ()):
-        return True  # bound already, yet called through the class: decided, counted
-    if _outermost(pool, method, original):
-        try:
-            setattr(pool, method, types.MethodType(original, pool))
-            with _bypass_lock:
-                BYPASSED.setdefault(pool, set()).add(method)
-        except (AttributeError, TypeError):  # a pool that takes no attributes: per call
-            pass
-    _count_request_pass(mover(), rule.reason)
-    logger.info(
-        "kvcore: %s.%s with io backend %s, layout %s, page size %d runs SGLang's stock copy (%s)",
-        type(pool).__name__,
-        method,
-        io_backend,
-        pool.layout,
-        pool.page_size,
-        rule.reason,
-    )
-    return True
-
-
-def _outermost(pool: Any, method: str, original: Callable[..., Any]) -> bool:
-    """Whether kvcore's hook is the outermost layer of the pool class's method, so that
-    binding ``original`` on the pool skips nothing but kvcore: the class attribute is
-    ``original`` itself, or a wrapper of it (SGLang's HookRegistry and kvcore's patched
-    source both wrap with functools.wraps). Another plugin's hook around kvcore's would be
-    skipped by the binding, so then there is none."""
-    bound = getattr(type(pool), method, None)
-    return bound is original or getattr(bound, "__wrapped__", None) is original
-
-
-def restore_bypassed() -> None:
-    """Take back every stock binding :func:`_bypass_if_never` set on a pool."""
-    with _bypass_lock:
-        pools = list(BYPASSED.items())
-        BYPASSED.clear()
-    for pool, methods in pools:
-        for method in methods:
-            pool.__dict__.pop(method, None)
-
-
 LOAD_REQUESTS = LoadRequests()
 POOL_LAYERS = PoolLayers()
 
@@ -451,7 +378,7 @@ def _start_load(
     if reason is None:
         _count_serve(chosen_mover)
     else:
-        _count_request_pass(chosen_mover, reason)
+        count_request_pass(chosen_mover, reason)
     if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
         return reason or "sglang_indices_on_device"
     request = LOAD_REQUESTS.start(
@@ -719,7 +646,7 @@ def _make_load_hook(
         # A later layer of a request that passes costs the first check alone.
         if latest is None or not latest.passing_for(host_indices, device_indices):
             rule = _call_rule("load", pool, io_backend)
-            if not _bypass_if_never(original, pool, _LOAD, rule, io_backend) and _load_layer(
+            if not bypass_if_never(original, pool, _LOAD, rule, io_backend) and _load_layer(
                 _jobs_for(target, by_release),
                 rule,
                 pool_class,
@@ -761,13 +688,13 @@ def _make_backup_hook(
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
         rule = _call_rule("backup", pool, io_backend)
-        if _bypass_if_never(original, pool, _BACKUP, rule, io_backend):
+        if bypass_if_never(original, pool, _BACKUP, rule, io_backend):
             stock()
             return
         tokens = _count_of(host_indices)
         reason = None if rule is None else rule.decision(tokens)
         if reason is not None:
-            _count_request_pass(mover(), reason)
+            count_request_pass(mover(), reason)
             stock()
             return
         jobs = _jobs_for(target, by_release)
@@ -780,7 +707,7 @@ def _make_backup_hook(
             return
         passes = _host_runs_pass(rule, tokens, indices.host, mover().policy)
         if passes is not None:
-            _count_request_pass(mover(), passes)
+            count_request_pass(mover(), passes)
             stock()
             return
         _count_serve(mover())

@@ -19,11 +19,11 @@ from kvcore.mover import Mover
 
 def index_caches() -> tuple[dict[str, Any], dict[str, str]]:
     """Sizes of what kvcore's SGLang adapter keeps between calls."""
-    from kvcore_sglang import transfers
+    from kvcore_sglang import stock_binding, transfers
 
     values: dict[str, Any] = {
         "host_index_memo": len(transfers.HOST_INDEX_MEMO),
-        "bypassed_pools": len(transfers.BYPASSED),
+        "bypassed_pools": len(stock_binding.BYPASSED),
     }
     reads = {"host_index_memo": "public", "bypassed_pools": "public"}
     for name, memo in (

@@ -1,0 +1,87 @@
+"""Stock's method bound on an SGLang pool where the serve-or-pass rule never serves it.
+
+A pool whose calls the rule passes whatever their size (SGLang's ``kernel`` loads at page
+size 64, for one) gets stock's method as an instance attribute, so that SGLang's later
+calls reach stock with no kvcore frame at all; :func:`restore_bypassed` takes every such
+binding back when the hooks go. Apart from the hooks because it is state of its own (the
+bound pools, weakly) and acts on the pool, not on a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from kvcore import serve_rule
+
+from .hook_mover import count_request_pass, mover
+
+logger = logging.getLogger("kvcore")
+
+# Pool -> the methods kvcore gave back to stock on that pool (instance attributes it set).
+BYPASSED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_bypass_lock = threading.Lock()
+
+
+def bypass_if_never(
+    original: Callable[..., Any],
+    pool: Any,
+    method: str,
+    rule: serve_rule.SGLangRule | None,
+    io_backend: str,
+) -> bool:
+    """Where the call's ``rule`` never serves (whatever the size), bind stock's method on
+    the pool itself, so that SGLang's later calls reach stock with no kvcore frame at all
+    (only where kvcore's hook is the outermost layer of the method, so the binding skips
+    no other plugin's hook); True when the call should run stock now.
+
+    SGLang's cache controller calls a pool with one io backend for its life; a call with
+    another one also lands in stock, which is always exact. :func:`restore_bypassed`
+    takes the bindings back.
+    """
+    if rule is None or not rule.never:
+        return False
+    if method in BYPASSED.get(pool, ()):
+        return True  # bound already, yet called through the class: decided, counted
+    if _outermost(pool, method, original):
+        try:
+            setattr(pool, method, types.MethodType(original, pool))
+            with _bypass_lock:
+                BYPASSED.setdefault(pool, set()).add(method)
+        except (AttributeError, TypeError):  # a pool that takes no attributes: per call
+            pass
+    count_request_pass(mover(), rule.reason)
+    logger.info(
+        "kvcore: %s.%s with io backend %s, layout %s, page size %d runs SGLang's stock copy (%s)",
+        type(pool).__name__,
+        method,
+        io_backend,
+        pool.layout,
+        pool.page_size,
+        rule.reason,
+    )
+    return True
+
+
+def _outermost(pool: Any, method: str, original: Callable[..., Any]) -> bool:
+    """Whether kvcore's hook is the outermost layer of the pool class's method, so that
+    binding ``original`` on the pool skips nothing but kvcore: the class attribute is
+    ``original`` itself, or a wrapper of it (SGLang's HookRegistry and kvcore's patched
+    source both wrap with functools.wraps). Another plugin's hook around kvcore's would be
+    skipped by the binding, so then there is none."""
+    bound = getattr(type(pool), method, None)
+    return bound is original or getattr(bound, "__wrapped__", None) is original
+
+
+def restore_bypassed() -> None:
+    """Take back every stock binding :func:`bypass_if_never` set on a pool."""
+    with _bypass_lock:
+        pools = list(BYPASSED.items())
+        BYPASSED.clear()
+    for pool, methods in pools:
+        for method in methods:
+            pool.__dict__.pop(method, None)
