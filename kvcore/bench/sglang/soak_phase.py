@@ -29,6 +29,9 @@ def run_phase(soak: PoolSoak, rule: bool, seconds: float) -> dict[str, Any]:
     soak.transfers.serve_rule_enabled = lambda: rule  # type: ignore[attr-defined]
     assert soak.mover.metrics is not None
     before, counts_before = soak.mover.metrics.snapshot(), soak.tally.to_dict()
+    # Read before and after the traffic: growth between phases is set-up (a pool built),
+    # growth within one is the traffic's.
+    pinned_at_start = pinned_in_use(soak.device)
     started = time.perf_counter()
     deadline = started + seconds
     stop = threading.Event()
@@ -65,7 +68,7 @@ def run_phase(soak: PoolSoak, rule: bool, seconds: float) -> dict[str, Any]:
         "seconds": round(elapsed, 3),
         **{k: counts[k] - counts_before[k] for k in ("loads", "backups", "reloads_checked")},
         "held_at_end": len(soak.held),
-        # Read after every phase: a leak grows with traffic, a one-time cost does not.
+        "pinned_host_in_use_at_start": pinned_at_start,
         "pinned_host_in_use": pinned_in_use(soak.device),
         "kvcore": kvcore_counts(before, after),
     }

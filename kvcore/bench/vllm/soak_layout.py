@@ -261,6 +261,9 @@ class LayoutSoak:
         assert self.mover.metrics is not None
         before, handler_before = self.mover.metrics.snapshot(), handlers.metrics.snapshot()
         counts_before = self.tally.to_dict()
+        # Read before and after the traffic: growth between phases is set-up (handlers
+        # built), growth within one is the traffic's.
+        pinned_at_start = pinned_in_use(self.device)
         stores: dict[int, Job] = {}
         loads: dict[int, Job] = {}
         started = time.perf_counter()
@@ -289,7 +292,7 @@ class LayoutSoak:
             "seconds": round(elapsed, 3),
             **{k: counts[k] - counts_before[k] for k in ("loads", "backups", "reloads_checked")},
             "stored_at_end": sum(not s.evicted for s in self.stored),
-            # Read after every phase: a leak grows with traffic, a one-time cost does not.
+            "pinned_host_in_use_at_start": pinned_at_start,
             "pinned_host_in_use": pinned_in_use(self.device),
             "jobs_left_to_stock": kvcore_counts(handler_before, handlers.metrics.snapshot())[
                 "fallbacks"
