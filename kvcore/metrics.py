@@ -116,9 +116,9 @@ class Metrics:
         (a handler shut down), so a process that builds handlers again and again keeps no
         tally of the old ones. A tally these metrics did not hand out is ignored."""
         with self._lock:
-            kept = [(counts, taken) for counts, taken in self._tallies if counts is tally]
-            for counts, taken in kept:
-                self._take_in(counts, taken)
+            for counts, taken in self._tallies:
+                if counts is tally:
+                    self._take_in(counts, taken)
             self._tallies = [entry for entry in self._tallies if entry[0] is not tally]
 
     def _take_in_tallies(self) -> None:
