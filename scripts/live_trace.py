@@ -24,7 +24,9 @@ A request counts as a CPU-tier hit when it is a later turn and the offload tier 
 bytes for it (where the server's counters are not read, when it is a later turn).
 ``combine`` recomputes each mode's sequential summary from its requests, and
 writes the summary (per mode: TTFT of CPU-tier hits, median and p99, tokens per second,
-whether the sequential outputs equal the first mode's) as docs/bench/h200-live-*.json.
+whether the sequential outputs equal the first mode's, and per first-turn size the hit
+TTFT median's difference from the first mode's with a 95% bootstrap interval) as
+docs/bench/h200-live-*.json.
 Only the standard library is used: the client runs beside the server on the GPU machine.
 """
 
@@ -55,6 +57,8 @@ TOKEN_RANGE = (1000, 120000)
 COUNTED_PREFIXES = ("vllm:kv_offload_", "kvcore_", "vllm:prefix_cache_", "vllm:prompt_tokens")
 LOAD_BYTES = "vllm:kv_offload_load_bytes"
 LOAD_TIME = "vllm:kv_offload_load_time"
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_TAIL = 0.025
 SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
@@ -371,9 +375,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def median_difference_interval(
+    values: Sequence[float], reference: Sequence[float], seed: int = 0
+) -> tuple[float, float]:
+    """A bootstrap interval (the central ``1 - 2 * BOOTSTRAP_TAIL`` of the resamples) of
+    median(values) - median(reference), both resampled independently with replacement."""
+    rng = random.Random(seed)
+    differences = sorted(
+        statistics.median(rng.choices(values, k=len(values)))
+        - statistics.median(rng.choices(reference, k=len(reference)))
+        for _ in range(BOOTSTRAP_RESAMPLES)
+    )
+    low = int(BOOTSTRAP_TAIL * BOOTSTRAP_RESAMPLES)
+    return differences[low], differences[BOOTSTRAP_RESAMPLES - 1 - low]
+
+
+def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[str, Any]]:
+    """Per first-turn size, a mode's CPU-tier-hit TTFT against the reference mode's: the
+    difference of the medians (negative: faster than the reference) with its bootstrap
+    interval, so that a size's gain or loss is told apart from the engine's own spread."""
+    rows = []
+    for size in FIRST_TURN_TOKENS:
+        mine = [r.ttft_s for r in requests if r.cpu_tier_hit and r.first_turn_tokens == size]
+        theirs = [r.ttft_s for r in reference if r.cpu_tier_hit and r.first_turn_tokens == size]
+        if not mine or not theirs:
+            continue
+        low, high = median_difference_interval(mine, theirs, seed=size)
+        rows.append(
+            {
+                "first_turn_tokens": size,
+                "hits": len(mine),
+                "reference_hits": len(theirs),
+                "ttft_ms_p50_difference": _ms(statistics.median(mine) - statistics.median(theirs)),
+                "ttft_ms_difference_interval": [_ms(low), _ms(high)],
+            }
+        )
+    return rows
+
+
 def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[str, Any]:
-    """The summary across modes; outputs are compared with the first report's."""
+    """The summary across modes; outputs and hit TTFT are compared with the first report's."""
     reference = [r["output"] for r in reports[0]["sequential_requests"]]
+    reference_requests = [Result(**r) for r in reports[0]["sequential_requests"]]
     modes = {}
     for report in reports:
         outputs = [r["output"] for r in report["sequential_requests"]]
@@ -387,6 +430,7 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
             "outputs_identical": outputs == reference,
             "sequential": sequential,
             "concurrent": concurrent,
+            "hit_ttft_against_first_mode": compare_hits(requests, reference_requests),
             "kvcore_counters": {
                 k: v for k, v in report["metrics_end"].items() if k.startswith("kvcore_")
             },

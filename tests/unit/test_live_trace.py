@@ -177,3 +177,33 @@ def test_a_first_turn_that_loads_only_a_shared_system_prompt_is_not_a_hit():
     summary = live_trace.summarize([cold_with_system_prompt, hit, miss])
     assert summary["cpu_tier_hits"] == 1 and summary["ttft_ms_p50"] == 50.0
     assert summary["reload_bytes"] == 1e6 and summary["cold_ttft_ms_p50"] == 900.0
+
+
+def _hits(size: int, ttfts_s: list[float]) -> list:
+    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: 1e-3}
+    return [live_trace.Result(i, size, 1, size, t, t, [1], counted) for i, t in enumerate(ttfts_s)]
+
+
+def test_hit_comparison_is_per_size_with_an_interval_that_holds_the_median_difference():
+    stock = _hits(512, [0.050, 0.060, 0.070, 0.055, 0.065]) + _hits(1024, [0.1, 0.1])
+    faster = _hits(512, [0.020, 0.030, 0.040, 0.025, 0.035])
+    rows = live_trace.compare_hits(faster, stock)
+    assert [row["first_turn_tokens"] for row in rows] == [512]
+    (row,) = rows
+    assert row["hits"] == 5 and row["reference_hits"] == 5
+    assert row["ttft_ms_p50_difference"] == pytest.approx(-30.0)
+    low, high = row["ttft_ms_difference_interval"]
+    assert low <= -30.0 <= high and high < 0
+
+
+def test_hit_comparison_interval_spans_zero_for_the_same_spread():
+    same = [0.050, 0.080, 0.055, 0.075, 0.060, 0.070, 0.065]
+    (row,) = live_trace.compare_hits(_hits(2048, same), _hits(2048, list(reversed(same))))
+    low, high = row["ttft_ms_difference_interval"]
+    assert row["ttft_ms_p50_difference"] == 0.0 and low < 0 < high
+
+
+def test_misses_and_first_turns_are_not_compared():
+    counted = {live_trace.LOAD_BYTES: 0.0}
+    miss = live_trace.Result(0, 512, 1, 600, 0.2, 0.2, [1], counted)
+    assert live_trace.compare_hits([miss], _hits(512, [0.05])) == []
