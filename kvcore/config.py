@@ -203,7 +203,14 @@ class KVCoreConfig:
     gather_ctas: int = _setting(
         8,
         _integer(1, 1024),
-        "thread blocks of the UVA gather/scatter kernel (SMs taken from the model)",
+        "thread blocks of the UVA gather kernel where it writes device rows (loads): SMs "
+        "taken from the model while a load runs",
+    )
+    gather_ctas_to_host: int = _setting(
+        4,
+        _integer(1, 1024),
+        "thread blocks of the UVA gather kernel where it writes host rows (backups, "
+        "stores): SMs taken from the model while a backup runs",
     )
     staged_pieces: int = _setting(
         1,

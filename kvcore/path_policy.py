@@ -43,7 +43,11 @@ class PathPolicy:
     long_run_bytes: int = 256 << 10
     """Average run size from which one copy per run (or batched DMA) reaches line rate."""
     gather_ctas: int = 8
-    """CTAs (so SMs) the UVA gather kernel may occupy on CUDA."""
+    """CTAs (so SMs) the UVA gather kernel may occupy on CUDA where it writes device rows."""
+    gather_ctas_to_host: int = 4
+    """The same where it writes host rows: at 4 the device-to-host gathers run as fast as
+    at 8 and leave a concurrent model more SMs; host-to-device gathers need 8
+    (docs/benchmarks.md, the vLLM sweep on 4 CTAs and the gather's SM share)."""
     max_dma_runs: int = 16
     """Most host runs a staged copy takes: each is one torch copy_, whose host time adds up
     (docs/benchmarks.md, "Host time to submit one layer")."""
@@ -61,6 +65,7 @@ class PathPolicy:
             self.staging_bytes,
             self.long_run_bytes,
             self.gather_ctas,
+            self.gather_ctas_to_host,
             self.max_dma_runs,
             self.max_batched_runs,
             self.staged_pieces,
@@ -75,5 +80,6 @@ def policy_from_config(config: KVCoreConfig) -> PathPolicy:
         staging_bytes=config.staging_bytes,
         long_run_bytes=config.long_run_bytes,
         gather_ctas=config.gather_ctas,
+        gather_ctas_to_host=config.gather_ctas_to_host,
         staged_pieces=config.staged_pieces,
     )

@@ -2,12 +2,14 @@
 
 Runs the SGLang engine-shaped sweep's GEMM cells where kvcore serves by its gather
 (token-granular `layer_first` / `kernel`, scattered host slots), in this process, with the
-CTA count kvcore reads from ``KVCORE_GATHER_CTAS``. Run it once per count, e.g. on the
-GPU machine (carry .whl-sglang):
+CTA counts kvcore reads from ``KVCORE_GATHER_CTAS`` (gathers into device rows: loads) and
+``KVCORE_GATHER_CTAS_TO_HOST`` (into host rows: backups). Run it once per count, e.g. on
+the GPU machine (carry .whl-sglang):
 
     source scripts/sglang_device_env.sh
     for ctas in 2 4 8; do
-        KVCORE_GATHER_CTAS=$ctas python3 scripts/gather_ctas_gemm.py --json $OUT/ctas-$ctas.json
+        KVCORE_GATHER_CTAS=$ctas KVCORE_GATHER_CTAS_TO_HOST=$ctas \
+            python3 scripts/gather_ctas_gemm.py --json $OUT/ctas-$ctas.json
     done
 """
 
@@ -37,7 +39,10 @@ def main() -> None:
         gemm=True,
     )
     result = sweep.run(opts)
-    ctas = os.environ.get("KVCORE_GATHER_CTAS", "default")
+    ctas = "/".join(
+        os.environ.get(name, "default")
+        for name in ("KVCORE_GATHER_CTAS", "KVCORE_GATHER_CTAS_TO_HOST")
+    )
     for line in sweep.gemm_summary(result["rows"]):
         print(f"ctas {ctas}: {line}")
     for row in result["rows"]:

@@ -552,6 +552,7 @@ def _policy(rnd: random.Random, row_size: int) -> PathPolicy:
         staging_bytes=row_size * rnd.choice((1, 2, 3, 7, 16, 64, 4096)) + rnd.randrange(row_size),
         long_run_bytes=row_size * rnd.randint(1, 64),
         gather_ctas=rnd.randint(1, 8),
+        gather_ctas_to_host=rnd.randint(1, 8),
         max_dma_runs=rnd.randint(1, 16),
         max_batched_runs=rnd.randint(1, 256),
         staged_pieces=rnd.randint(1, 4),

@@ -82,7 +82,7 @@ KernelFactory = Callable[[PathPolicy], KernelSet]
 def _cuda_kernels(policy: PathPolicy) -> KernelSet:
     from kvcore.kernels.cuda import cuda_kernels
 
-    return cuda_kernels(policy.gather_ctas, policy.staged_pieces)
+    return cuda_kernels(policy.gather_ctas, policy.staged_pieces, policy.gather_ctas_to_host)
 
 
 _BY_DEVICE_TYPE: dict[str, KernelSet | KernelFactory] = {"cuda": _cuda_kernels}

@@ -152,8 +152,9 @@ class _DeviceRows:
 class _CudaIndexedOps:
     """The ops that take index tensors, uploading them through one ring per device."""
 
-    def __init__(self, gather_ctas: int, staged_pieces: int) -> None:
+    def __init__(self, gather_ctas: int, staged_pieces: int, gather_ctas_to_host: int) -> None:
         self.gather_ctas = gather_ctas
+        self.gather_ctas_to_host = gather_ctas_to_host
         self.staged_pieces = staged_pieces
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -173,6 +174,10 @@ class _CudaIndexedOps:
             return self._on(first, device), self._on(second, device)
         on_device = self._uploader(device).upload_all((first, second))
         return on_device[0], on_device[1]
+
+    def ctas_for(self, dst_words: torch.Tensor) -> int:
+        """The gather's CTAs for a copy into ``dst_words`` (by which side it writes)."""
+        return self.gather_ctas_to_host if dst_words.device.type == "cpu" else self.gather_ctas
 
     def _uploader(self, device: torch.device) -> IndexUploader:
         uploader = self._uploaders.get(device)
@@ -202,10 +207,11 @@ class _CudaIndexedOps:
             return functools.partial(_reference_gather, src_words, dst_words, reason)
         launch = row_gather(src_words, dst_words)
         device = launch.device
+        ctas = self.ctas_for(dst_words)
 
         def gather(src_idx: torch.Tensor, dst_idx: torch.Tensor) -> str | None:
             src_on_device, dst_on_device = self._both_on(src_idx, dst_idx, device)
-            launch(src_on_device, dst_on_device, ctas=self.gather_ctas)
+            launch(src_on_device, dst_on_device, ctas=ctas)
             return None
 
         return gather
@@ -283,7 +289,8 @@ class _CudaIndexedOps:
         # The offsets stay on the device for the table's life; their upload is ordered
         # before each stream's first launch.
         offsets = self._uploader(table.device).keep((table.offsets,))
-        return _TableLaunch(LayeredLaunch(table, offsets.on_device[0], self.gather_ctas), offsets)
+        ctas = self.ctas_for(pairs.dst_words[0])
+        return _TableLaunch(LayeredLaunch(table, offsets.on_device[0], ctas), offsets)
 
     def _scatter_stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._scatter_streams.get(device)
@@ -380,10 +387,13 @@ def staging_pieces(rows: int, staging: torch.Tensor, most: int) -> list[tuple[in
     return [(begin, min(begin + step, rows)) for begin in range(0, rows, step)]
 
 
-def cuda_kernels(gather_ctas: int, staged_pieces: int) -> KernelSet:
-    ops = _CudaIndexedOps(gather_ctas, staged_pieces)
+def cuda_kernels(gather_ctas: int, staged_pieces: int, gather_ctas_to_host: int = 4) -> KernelSet:
+    ops = _CudaIndexedOps(gather_ctas, staged_pieces, gather_ctas_to_host)
     return KernelSet(
-        name=f"cuda(gather_ctas={gather_ctas}, staged_pieces={staged_pieces})",
+        name=(
+            f"cuda(gather_ctas={gather_ctas}, gather_ctas_to_host={gather_ctas_to_host}, "
+            f"staged_pieces={staged_pieces})"
+        ),
         copy_runs=copy_runs,
         gather_rows=ops.gather_rows,
         stage_in=ops.stage_in,

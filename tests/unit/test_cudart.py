@@ -60,5 +60,24 @@ def test_layers_whose_host_memory_the_gpu_cannot_reach_are_gathered_one_by_one(m
     monkeypatch.setattr(cuda, "device_address", lambda pointer: None)
     host = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
     device = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
-    ops = cuda._CudaIndexedOps(gather_ctas=4, staged_pieces=2)
+    ops = cuda._CudaIndexedOps(gather_ctas=4, staged_pieces=2, gather_ctas_to_host=2)
     assert ops._launch(layer_pairs(host, device)) == "gather_layers_unavailable:host_pointer"
+
+
+def test_the_gather_takes_its_ctas_by_the_side_it_writes():
+    ops = cuda._CudaIndexedOps(gather_ctas=8, staged_pieces=1, gather_ctas_to_host=3)
+    host = torch.zeros(4, 2, dtype=torch.int64)
+    device_side = torch.empty(4, 2, dtype=torch.int64, device="meta")
+    assert ops.ctas_for(host) == 3
+    assert ops.ctas_for(device_side) == 8
+
+
+def test_the_policy_carries_both_cta_counts_from_the_settings():
+    from kvcore.config import KVCoreConfig
+    from kvcore.path_policy import policy_from_config
+
+    env = {"KVCORE_GATHER_CTAS": "6", "KVCORE_GATHER_CTAS_TO_HOST": "2"}
+    policy = policy_from_config(KVCoreConfig.from_env(env))
+    assert (policy.gather_ctas, policy.gather_ctas_to_host) == (6, 2)
+    defaults = policy_from_config(KVCoreConfig.from_env({}))
+    assert (defaults.gather_ctas, defaults.gather_ctas_to_host) == (8, 4)

@@ -123,6 +123,7 @@ def run(opts: Options, progress: Callable[[str], None] = lambda line: None) -> d
         "layers": opts.layers,
         "load_layer": LOAD_LAYER,
         "gather_ctas": mover.policy.gather_ctas,
+        "gather_ctas_to_host": mover.policy.gather_ctas_to_host,
         "results": results,
         "prefix_reload": prefix,
     }

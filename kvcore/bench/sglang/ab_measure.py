@@ -53,7 +53,11 @@ def _kvcore_sms(mover: Mover, metrics_before: dict[str, Any]) -> tuple[str, list
     parts = []
     for path in paths:
         if path == "gather":
-            parts.append(f"gather kernel, {mover.policy.gather_ctas} CTAs")
+            policy = mover.policy
+            parts.append(
+                f"gather kernel, {policy.gather_ctas} CTAs to device, "
+                f"{policy.gather_ctas_to_host} to host"
+            )
         elif path == "staged":
             parts.append("DMA to staging, 0 SMs on PCIe (+ device index_copy_)")
         else:
