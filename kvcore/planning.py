@@ -294,7 +294,7 @@ def _gather_if_host_rules_out_dma(
     and a gather never reads them: they are found only if asked for (:attr:`TransferPlan.runs`).
     """
     rows = src_values.size
-    if sides.reason is not None or rows <= policy.max_dma_runs or rows != dst_values.size:
+    if sides.reason is not None or rows < 2 or rows != dst_values.size:
         return None
     # Counted before any bounds pass: where a DMA path stays open, plan() segments (and
     # bounds) both sides anyway.
