@@ -17,6 +17,7 @@ from kvcore.runs import (
     find_paired_runs,
     find_runs,
     has_duplicates,
+    has_duplicates_below,
     is_single_run,
     run_count_up_to,
     segment_transfer,
@@ -154,6 +155,44 @@ def test_duplicates_found_by_mask_and_by_sorting_alike(values: list[int]) -> Non
     # Small spans take the mask, spans far larger than the index take the sort.
     index = torch.tensor(values)
     assert has_duplicates(index) == (len(set(values)) != len(values))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    entries=st.integers(2, 300),
+    spread=st.sampled_from([1, 4, 30, 500, 1 << 25]),
+    repeats=st.integers(0, 3),
+    ascending=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_duplicates_below_is_exact_at_every_density(
+    entries: int, spread: int, repeats: int, ascending: bool, seed: int
+) -> None:
+    # Spreads from a dense mask through the skip of an ascending index, the sparse mask and
+    # the stamped positions to the sort past the stamps' largest span.
+    rng = random.Random(seed)
+    span = max(entries, entries * spread // 2)
+    values = rng.sample(range(span), entries)
+    for _ in range(repeats):
+        values[rng.randrange(entries)] = values[rng.randrange(entries)]
+    if ascending:
+        values.sort()
+    index = torch.tensor(values)
+    expected = len(set(values)) != len(values)
+    assert has_duplicates(index) == expected
+    assert has_duplicates_below(index, max(values) + 1) == expected
+    assert has_duplicates_below(index, span) == expected
+
+
+def test_stamped_positions_need_no_clearing_between_indices() -> None:
+    # A slot stamped by one index holds a stale position for the next: it is always
+    # overwritten before it is read, so nothing is found that is not there.
+    span = 1 << 20
+    first = torch.arange(0, span, 4096)
+    assert not has_duplicates_below(first, span)
+    second = torch.cat([first[:10], first[5:6]])
+    assert has_duplicates_below(second, span)
+    assert not has_duplicates_below(first[1:], span)
 
 
 @settings(max_examples=200, deadline=None)
