@@ -156,7 +156,9 @@ def _run_count(values: np.ndarray, count_up_to: int | None) -> int:
     """Runs of ``values`` (two entries or more), exact up to ``count_up_to`` (None: exact)."""
     steps, _, breaks, _, _ = SCRATCH.arrays(values.size - 1)
     last = values.size - 1
-    head = last if count_up_to is None else min(last, COUNT_PREFIX)
+    # A prefix pays where it can spare most of the index: below twice its length, the
+    # second pass's calls cost more than the differences it spares.
+    head = last if count_up_to is None or last <= 2 * COUNT_PREFIX else COUNT_PREFIX
     _steps_and_breaks(values[: head + 1], steps[:head], breaks[:head])
     run_count = int(np.count_nonzero(breaks[:head])) + 1
     # A count of one stays exact whatever the limit: callers take its ends as its bounds.
@@ -167,7 +169,8 @@ def _run_count(values: np.ndarray, count_up_to: int | None) -> int:
 
 
 COUNT_PREFIX = 4096
-"""Differences :func:`span_and_run_count` looks at first when asked for a bounded count."""
+"""Differences :func:`span_and_run_count` looks at first when asked for a bounded count of
+an index of more than twice as many entries."""
 
 
 def span_of(values: np.ndarray, size: int, name: str = "index") -> int:

@@ -265,14 +265,16 @@ def test_a_bounded_run_count_still_bounds_every_entry() -> None:
     scattered = torch.randperm(20_000, generator=torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match="holds 20000, outside"):
         span_and_run_count(torch.cat([scattered, torch.tensor([20_000])]), 20_000, count_up_to=2)
-    # One run as long as the prefix and a break after it: counted past the prefix.
-    index = torch.cat([torch.arange(COUNT_PREFIX + 1), torch.tensor([COUNT_PREFIX + 5])])
-    assert span_and_run_count(index, 10**6, count_up_to=1) == (COUNT_PREFIX + 6, 2)
+    # One run past the prefix (of an index long enough to have one) and a break after it:
+    # counted past the prefix.
+    long_run = 2 * COUNT_PREFIX + 1
+    index = torch.cat([torch.arange(long_run), torch.tensor([long_run + 4])])
+    assert span_and_run_count(index, 10**6, count_up_to=1) == (long_run + 5, 2)
 
 
 def test_a_limit_of_zero_still_bounds_one_long_run_by_every_entry() -> None:
     # One run through the prefix, an out-of-range entry after it: a count of one is exact.
-    index = torch.cat([torch.arange(COUNT_PREFIX + 1), torch.tensor([10**6])])
+    index = torch.cat([torch.arange(2 * COUNT_PREFIX + 1), torch.tensor([10**6])])
     with pytest.raises(ValueError, match="outside"):
         span_and_run_count(index, 10**6, count_up_to=0)
     assert run_count_up_to(index, 0) == 2
