@@ -22,6 +22,8 @@ class Scratch(threading.local):
     def __init__(self) -> None:
         self.words = np.empty(0, dtype=np.int64)
         self.flags = np.empty(0, dtype=np.bool_)
+        self.slots = np.empty(0, dtype=np.int32)
+        self.counting = np.arange(0, dtype=np.int32)
 
     def arrays(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Two int64 and three bool arrays of ``n`` entries."""
@@ -39,6 +41,17 @@ class Scratch(threading.local):
         mask = self.flags[:span]
         mask[:] = False
         return mask
+
+    def stamps(self, span: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``span`` int32 slots of any content (each is written before it is read) and the
+        positions ``0 .. n - 1`` as int32, read-only."""
+        if self.slots.size < span:
+            # Mapped, not touched: only the pages the indices land on are ever faulted in.
+            self.slots = np.empty(span, dtype=np.int32)
+        if self.counting.size < n:
+            self.counting = np.arange(n, dtype=np.int32)
+            self.counting.flags.writeable = False
+        return self.slots[:span], self.counting[:n]
 
 
 SCRATCH = Scratch()

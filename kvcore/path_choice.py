@@ -46,13 +46,13 @@ def host_runs_long(run_count: int, nbytes: int, policy: PathPolicy) -> bool:
 
 
 def rules_out_dma(host_run_count: int, nbytes: int, policy: PathPolicy) -> bool:
-    """Whether :func:`choose_path` picks GATHER whatever the other side's rows: both sides'
-    runs are at least the host side's (a break on either side splits them), so host runs
-    too many for staging, and too many or too short for batched copies, leave only the
-    gather. ``host_run_count`` may be any number past ``max_batched_runs`` once it is."""
-    return host_run_count > policy.max_dma_runs and (
-        host_run_count > policy.max_batched_runs or nbytes < policy.long_run_bytes * host_run_count
-    )
+    """Whether :func:`choose_path` picks GATHER whatever the other side's rows. Both sides'
+    runs are at least the host side's (a break on either side splits them), and a larger
+    paired count only closes paths (single and batched copies), so the gather is certain
+    exactly when it is chosen for paired runs no more than the host's: a few short host
+    runs rule DMA out as surely as many do. ``host_run_count`` may be any number past
+    ``max_dma_runs`` and ``max_batched_runs`` once it is past both."""
+    return choose_path(host_run_count, host_run_count, nbytes, policy) is TransferPath.GATHER
 
 
 def check_forced(

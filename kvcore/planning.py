@@ -150,16 +150,18 @@ class TransferPlan:
             )
         return dataclasses.replace(self, src=src, dst=dst)
 
-    def without_buffers(self) -> TransferPlan:
+    def without_buffers(self, sides: CheckedSides | None = None) -> TransferPlan:
         """This plan with row-less stand-ins for ``src`` and ``dst`` (same devices, dtypes and
         row shapes, shared by every plan of their kind: :func:`no_rows`), for keeping the
         decision without keeping the buffers' memory alive; a caller brings the buffers
-        again (:meth:`rebind`, or pairs of each layer)."""
-        # A request's first call makes one: a shallow copy by its fields' dict costs a
-        # fraction of copy.copy's or dataclasses.replace's generic machinery.
-        kept = object.__new__(TransferPlan)
-        vars(kept).update(vars(self), src=no_rows(self.src), dst=no_rows(self.dst))
-        return kept
+        again (:meth:`rebind`, or pairs of each layer). ``sides``: the checked buffers it
+        was planned between, whose stand-ins are found once for all their plans (others
+        are ignored)."""
+        if sides is not None and sides.src is self.src and sides.dst is self.dst:
+            src, dst = sides.stand_ins
+        else:
+            src, dst = no_rows(self.src), no_rows(self.dst)
+        return _made(vars(self), src=src, dst=dst)
 
     def describe(self) -> str:
         path = self.path.value
@@ -294,7 +296,7 @@ def _gather_if_host_rules_out_dma(
     and a gather never reads them: they are found only if asked for (:attr:`TransferPlan.runs`).
     """
     rows = src_values.size
-    if sides.reason is not None or rows <= policy.max_dma_runs or rows != dst_values.size:
+    if sides.reason is not None or rows < 2 or rows != dst_values.size:
         return None
     # Counted before any bounds pass: where a DMA path stays open, plan() segments (and
     # bounds) both sides anyway.
@@ -348,7 +350,8 @@ def _decided(
         # Rows of no bytes (a valid transfer that moves nothing) all fit one chunk.
         staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1))
     rows = int(src_idx.numel())
-    return TransferPlan(
+    return _made(
+        {},
         path=path,
         direction=sides.direction,
         src=sides.src,
@@ -368,6 +371,21 @@ def _decided(
         device_index_opaque=device_index_opaque,
         index_versions=index_versions,
     )
+
+
+_PLAN_FIELDS = frozenset(field.name for field in dataclasses.fields(TransferPlan))
+
+
+def _made(fields: dict[str, object], **more: object) -> TransferPlan:
+    """A plan of ``fields`` and ``more``, every field named: the frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``, several microseconds on a
+    request's first call, where a plan is made and then kept without its buffers."""
+    made = object.__new__(TransferPlan)
+    values = vars(made)
+    values.update(fields, **more)
+    if values.keys() != _PLAN_FIELDS:
+        raise TypeError(f"a TransferPlan needs its fields: {sorted(_PLAN_FIELDS ^ values.keys())}")
+    return made
 
 
 def plan_device_indexed(

@@ -156,7 +156,9 @@ def _run_count(values: np.ndarray, count_up_to: int | None) -> int:
     """Runs of ``values`` (two entries or more), exact up to ``count_up_to`` (None: exact)."""
     steps, _, breaks, _, _ = SCRATCH.arrays(values.size - 1)
     last = values.size - 1
-    head = last if count_up_to is None else min(last, COUNT_PREFIX)
+    # A prefix pays where it can spare most of the index: below twice its length, the
+    # second pass's calls cost more than the differences it spares.
+    head = last if count_up_to is None or last <= 2 * COUNT_PREFIX else COUNT_PREFIX
     _steps_and_breaks(values[: head + 1], steps[:head], breaks[:head])
     run_count = int(np.count_nonzero(breaks[:head])) + 1
     # A count of one stays exact whatever the limit: callers take its ends as its bounds.
@@ -167,7 +169,8 @@ def _run_count(values: np.ndarray, count_up_to: int | None) -> int:
 
 
 COUNT_PREFIX = 4096
-"""Differences :func:`span_and_run_count` looks at first when asked for a bounded count."""
+"""Differences :func:`span_and_run_count` looks at first when asked for a bounded count of
+an index of more than twice as many entries."""
 
 
 def span_of(values: np.ndarray, size: int, name: str = "index") -> int:
@@ -175,8 +178,9 @@ def span_of(values: np.ndarray, size: int, name: str = "index") -> int:
     all lie in ``[0, size)``, else ValueError."""
     if values.size == 0:
         return 0
-    # Read as unsigned, a negative entry is past any size: one pass checks both ends.
-    high = int(values.view(np.uint64).max())
+    # Read as unsigned, a negative entry is past any size: one pass checks both ends (the
+    # ufunc's own reduce, without ndarray.max's Python-level wrapper).
+    high = int(np.maximum.reduce(values.view(np.uint64)))
     if high < size:
         return high + 1
     return _within(int(values.min()), int(values.max()), size, name)
@@ -195,7 +199,7 @@ def has_duplicates(index: torch.Tensor) -> bool:
     if values.size < 2:
         return False
     if int(values.min()) < 0:
-        return int(np.unique(values).size) != values.size
+        return _sorted_repeats(values)
     return duplicates_below(values, int(values.max()) + 1)
 
 
@@ -210,25 +214,50 @@ def duplicates_below(values: np.ndarray, span: int) -> bool:
     """:func:`has_duplicates_below` of a checked index's values."""
     if values.size < 2:
         return False
+    if span <= _DENSE_SLOTS_PER_ENTRY * values.size:
+        # Marking a span this dense costs less than the pass that finds an ascending index.
+        return _repeats(values, span)
     steps = SCRATCH.arrays(values.size - 1)[0]
     np.subtract(values[1:], values[:-1], out=steps)
     return _has_duplicates(values, steps, span)
 
 
-# A mask of the index's span is linear time; past this many slots per entry, sorting
-# costs less memory than the mask.
+# Slots per entry up to which duplicates are marked in a mask of the span straight away.
+_DENSE_SLOTS_PER_ENTRY = 8
+# Past this many slots per entry, clearing and counting a mask of the span costs more than
+# stamping each entry's position into a table of it, which is never cleared.
 _MASK_SLOTS_PER_ENTRY = 64
+# The largest span stamped (its table, 4 bytes a slot, is kept per thread); past it, sort.
+_MAX_STAMP_SLOTS = 1 << 24
 
 
 def _has_duplicates(values: np.ndarray, steps: np.ndarray, span: int) -> bool:
     """Duplicates in ``values`` (non-negative, below ``span``) whose ``np.diff`` is ``steps``."""
     if values.size < 2 or bool((steps > 0).all()):
         return False
+    return _repeats(values, span)
+
+
+def _repeats(values: np.ndarray, span: int) -> bool:
+    """Duplicates in ``values`` (two or more, non-negative, below ``span``), by the cheapest
+    exact test for how sparse they lie."""
     if span <= _MASK_SLOTS_PER_ENTRY * values.size:
         seen = SCRATCH.mask(span)
         seen[values] = True
         return int(np.count_nonzero(seen)) != values.size
-    return int(np.unique(values).size) != values.size
+    if span <= _MAX_STAMP_SLOTS:
+        # Each slot keeps the last position that named it: a slot named twice sends its
+        # earlier position to a later one, which reads back different.
+        stamps, positions = SCRATCH.stamps(span, values.size)
+        stamps[values] = positions
+        return not np.array_equal(stamps[values], positions)
+    return _sorted_repeats(values)
+
+
+def _sorted_repeats(values: np.ndarray) -> bool:
+    # np.sort and one comparison: np.unique costs several times that.
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 # Rows per run from which duplicates are looked for between runs rather than row by row:

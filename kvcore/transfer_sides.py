@@ -7,6 +7,7 @@ at all do not change between requests, so :mod:`kvcore.planning` takes them chec
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,11 @@ class CheckedSides:
     """Bytes of one source row."""
     reason: str | None
     """Why copying rows between them must take the stock path (:func:`fallback_reason`)."""
+
+    @functools.cached_property
+    def stand_ins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`no_rows` of ``src`` and ``dst``, found once for every plan between them."""
+        return no_rows(self.src), no_rows(self.dst)
 
 
 def check_sides(src: torch.Tensor, dst: torch.Tensor, direction: Direction | None) -> CheckedSides:

@@ -515,7 +515,7 @@ def _serve_layer(
             return first
         # Kept without its buffers (each layer brings its own), so that a request kept after
         # SGLang drops a pool does not keep the pool's memory.
-        request.plan = first.without_buffers()
+        request.plan = first.without_buffers(buffers.first_sides)
     if buffers.layered.reason is None:
         if request.prepared is None:
             request.prepared = chosen_mover.prepare_layers(

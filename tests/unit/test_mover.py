@@ -840,6 +840,34 @@ def test_a_plan_without_buffers_keeps_the_decision_and_none_of_the_memory():
     assert torch.equal(dst, expected)
 
 
+def test_a_plan_without_buffers_takes_its_checked_sides_stand_ins():
+    src, dst, src_idx, dst_idx = _device_indexed_case(H2D, torch.randperm(64)[:16], 4)
+    sides = check_sides(src, dst, H2D)
+    chosen = plan_device_indexed_for(sides, src_idx, dst_idx)
+    kept = chosen.without_buffers(sides)
+    assert (kept.src, kept.dst) == sides.stand_ins and sides.stand_ins is sides.stand_ins
+    assert kept.src is chosen.without_buffers().src
+    # Sides of other buffers are not this plan's: its own stand-ins are found instead.
+    others = check_sides(torch.zeros(8, 3), torch.zeros(8, 3), H2D)
+    elsewhere = chosen.without_buffers(others)
+    assert elsewhere.src.shape[1:] == src.shape[1:] and elsewhere.src.dtype == src.dtype
+
+
+def test_every_planner_makes_plans_with_every_field_and_no_other():
+    fields = {field.name for field in dataclasses.fields(TransferPlan)}
+    src, dst, src_idx, dst_idx = _device_indexed_case(H2D, torch.randperm(64)[:16], 4)
+    sides = check_sides(src, dst, H2D)
+    plans = [
+        plan_for(sides, src_idx, torch.randperm(src.shape[0])[:16]),
+        plan_for(sides, torch.arange(16), torch.arange(16)),
+        plan_device_indexed_for(sides, src_idx, dst_idx),
+    ]
+    plans.append(plans[0].without_buffers(sides))
+    for made in plans:
+        assert set(vars(made)) == fields
+        assert dataclasses.replace(made).path is made.path
+
+
 def test_device_indexed_plans_check_what_they_can_read():
     host = torch.zeros(16, *ROW, dtype=torch.uint8)
     device = torch.zeros(16, *ROW, dtype=torch.uint8)

@@ -33,6 +33,23 @@ def test_host_runs_that_rule_out_dma_leave_the_gather_whatever_the_other_side(
         assert choose_path(paired, host, nbytes, policy) is TransferPath.GATHER
 
 
+@settings(max_examples=400, deadline=None)
+@given(
+    host=st.integers(0, 600),
+    nbytes=st.integers(0, 1 << 30),
+    staging=st.sampled_from([1 << 10, 1 << 20, 64 << 20]),
+    max_dma_runs=st.sampled_from([1, 16, 300]),
+)
+def test_host_runs_that_leave_dma_open_have_a_paired_count_that_takes_it(
+    host, nbytes, staging, max_dma_runs
+):
+    policy = PathPolicy(staging_bytes=staging, max_dma_runs=max_dma_runs)
+    # Exact, not only safe: where the host rows do not rule DMA out, paired runs as few as
+    # the host's (a device side that breaks nowhere else) take a DMA path.
+    if not rules_out_dma(host, nbytes, policy):
+        assert choose_path(max(host, 1), host, nbytes, policy) is not TransferPath.GATHER
+
+
 def _scattered(rows: int, size: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randperm(size, generator=gen)[:rows]
 
@@ -64,11 +81,26 @@ def test_a_gather_decided_from_the_host_rows_matches_the_full_segmentation(direc
     assert chosen.paired_runs_found is chosen.runs
 
 
-def test_few_host_runs_still_segment_both_sides():
-    gen = torch.Generator().manual_seed(3)
+def test_few_short_host_runs_decide_the_gather_without_segmenting():
+    gen = torch.Generator().manual_seed(4)
     host = torch.randint(0, 256, (4096, 64), dtype=torch.uint8, generator=gen)
     device = torch.zeros((4096, 64), dtype=torch.uint8)
-    # Four host runs of 256 rows: staging stays open, so both sides are segmented.
+    # Eight host pages of 64 rows of 64 B: too short for DMA at line rate, so the gather.
+    host_idx = torch.cat([torch.arange(s, s + 64) for s in range(0, 4096, 512)])
+    device_idx = _scattered(512, 4096, gen)
+    chosen = plan(host, device, host_idx, device_idx, direction=Direction.H2D)
+    assert chosen.path is TransferPath.GATHER
+    assert chosen.paired_runs_found is None and chosen.host_runs_found is None
+    assert chosen.host_runs.count == 8
+    assert (chosen.src_span, chosen.dst_span) == (3584 + 64, int(device_idx.max()) + 1)
+
+
+def test_few_host_runs_still_segment_both_sides():
+    gen = torch.Generator().manual_seed(3)
+    host = torch.randint(0, 256, (4096, 1024), dtype=torch.uint8, generator=gen)
+    device = torch.zeros((4096, 1024), dtype=torch.uint8)
+    # Four host runs of 256 rows of 1 KiB, long enough for DMA: staging stays open, so
+    # both sides are segmented.
     host_idx = torch.cat([torch.arange(s, s + 256) for s in (0, 1024, 2048, 3072)])
     chosen = plan(host, device, host_idx, _scattered(1024, 4096, gen), direction=Direction.H2D)
     assert chosen.paired_runs_found is not None and chosen.host_runs_found is not None

@@ -17,6 +17,7 @@ from kvcore.runs import (
     find_paired_runs,
     find_runs,
     has_duplicates,
+    has_duplicates_below,
     is_single_run,
     run_count_up_to,
     segment_transfer,
@@ -156,6 +157,44 @@ def test_duplicates_found_by_mask_and_by_sorting_alike(values: list[int]) -> Non
     assert has_duplicates(index) == (len(set(values)) != len(values))
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    entries=st.integers(2, 300),
+    spread=st.sampled_from([1, 4, 30, 500, 1 << 25]),
+    repeats=st.integers(0, 3),
+    ascending=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_duplicates_below_is_exact_at_every_density(
+    entries: int, spread: int, repeats: int, ascending: bool, seed: int
+) -> None:
+    # Spreads from a dense mask through the skip of an ascending index, the sparse mask and
+    # the stamped positions to the sort past the stamps' largest span.
+    rng = random.Random(seed)
+    span = max(entries, entries * spread // 2)
+    values = rng.sample(range(span), entries)
+    for _ in range(repeats):
+        values[rng.randrange(entries)] = values[rng.randrange(entries)]
+    if ascending:
+        values.sort()
+    index = torch.tensor(values)
+    expected = len(set(values)) != len(values)
+    assert has_duplicates(index) == expected
+    assert has_duplicates_below(index, max(values) + 1) == expected
+    assert has_duplicates_below(index, span) == expected
+
+
+def test_stamped_positions_need_no_clearing_between_indices() -> None:
+    # A slot stamped by one index holds a stale position for the next: it is always
+    # overwritten before it is read, so nothing is found that is not there.
+    span = 1 << 20
+    first = torch.arange(0, span, 4096)
+    assert not has_duplicates_below(first, span)
+    second = torch.cat([first[:10], first[5:6]])
+    assert has_duplicates_below(second, span)
+    assert not has_duplicates_below(first[1:], span)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60),
@@ -226,14 +265,16 @@ def test_a_bounded_run_count_still_bounds_every_entry() -> None:
     scattered = torch.randperm(20_000, generator=torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match="holds 20000, outside"):
         span_and_run_count(torch.cat([scattered, torch.tensor([20_000])]), 20_000, count_up_to=2)
-    # One run as long as the prefix and a break after it: counted past the prefix.
-    index = torch.cat([torch.arange(COUNT_PREFIX + 1), torch.tensor([COUNT_PREFIX + 5])])
-    assert span_and_run_count(index, 10**6, count_up_to=1) == (COUNT_PREFIX + 6, 2)
+    # One run past the prefix (of an index long enough to have one) and a break after it:
+    # counted past the prefix.
+    long_run = 2 * COUNT_PREFIX + 1
+    index = torch.cat([torch.arange(long_run), torch.tensor([long_run + 4])])
+    assert span_and_run_count(index, 10**6, count_up_to=1) == (long_run + 5, 2)
 
 
 def test_a_limit_of_zero_still_bounds_one_long_run_by_every_entry() -> None:
     # One run through the prefix, an out-of-range entry after it: a count of one is exact.
-    index = torch.cat([torch.arange(COUNT_PREFIX + 1), torch.tensor([10**6])])
+    index = torch.cat([torch.arange(2 * COUNT_PREFIX + 1), torch.tensor([10**6])])
     with pytest.raises(ValueError, match="outside"):
         span_and_run_count(index, 10**6, count_up_to=0)
     assert run_count_up_to(index, 0) == 2
