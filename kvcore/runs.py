@@ -246,8 +246,8 @@ def _repeats(values: np.ndarray, span: int) -> bool:
         seen[values] = True
         return int(np.count_nonzero(seen)) != values.size
     if span <= _MAX_STAMP_SLOTS:
-        # Each slot keeps the last position that named it: a slot named twice sends its
-        # earlier position to a later one, which reads back different.
+        # A slot named twice keeps one of the positions that named it (NumPy does not say
+        # which), so the other position reads back a value not its own.
         stamps, positions = SCRATCH.stamps(span, values.size)
         stamps[values] = positions
         return not np.array_equal(stamps[values], positions)
