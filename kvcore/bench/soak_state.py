@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvcore.bench.measure import sync_device as sync
+from kvcore.bench.soak_report import OBSERVED
 from kvcore.direction import Direction
 from kvcore.mover import Mover
 from kvcore.path_policy import TransferPath
@@ -148,6 +149,7 @@ def memory_state(device: torch.device) -> tuple[dict[str, Any], dict[str, str]]:
     values["pinned_host_in_use"] = pinned
     values["pinned_tensors_alive"] = pinned_census()
     reads = dict.fromkeys(values, "public")
+    reads["pinned_host_in_use"] = OBSERVED
     return values, reads
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcore.bench import soak, soak_state
-from kvcore.bench.soak_report import Accounting, Tally, document, kvcore_counts
+from kvcore.bench.soak_report import OBSERVED, Accounting, Tally, document, kvcore_counts
 from kvcore.bench.soak_state import PhaseClock, RandomPages, mover_state, settle
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
@@ -39,6 +39,22 @@ def test_unreadable_state_is_listed_as_not_checked_never_passed():
     accounting.compare({"a": 1, "b": None, "c": 3}, {"a": 1, "b": 2, "c": None}, {"a": "public"})
     assert [i.name for i in accounting.items] == ["a"]
     assert set(accounting.not_checked) == {"b", "c"}
+
+
+def test_an_observed_counter_is_reported_with_why_but_not_judged():
+    accounting = Accounting()
+    reads = {"pinned_host_in_use": OBSERVED, "pinned_tensors_alive": "public"}
+    accounting.compare(
+        {"pinned_host_in_use": 100, "pinned_tensors_alive": 2},
+        {"pinned_host_in_use": 900, "pinned_tensors_alive": 3},
+        reads,
+    )
+    assert accounting.leaks == 1
+    assert [i.name for i in accounting.items] == ["pinned_tensors_alive"]
+    (observed,) = accounting.to_dict()["observed"]
+    assert observed["name"] == "pinned_host_in_use"
+    assert (observed["baseline"], observed["end"], observed["ok"]) == (100, 900, None)
+    assert "pinned_growth_probe" in observed["note"]
 
 
 def test_the_document_is_ok_only_without_mismatches_leaks_or_errors():
