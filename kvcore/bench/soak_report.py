@@ -25,10 +25,9 @@ OBSERVED = "observed"
 
 OBSERVED_WHY = {
     "pinned_host_in_use": (
-        "torch's pinned allocator keeps counting a pinned block freed while a stream used "
-        "it: 2000 uploads from per-call pinned tensors, in a process holding none of them, "
-        "left it 43 MB higher (scripts/pinned_growth_probe.py, H200, 2026-12-02); the "
-        "pinned tensors alive and kvcore's index ring are judged exactly instead"
+        "torch's pinned allocator keeps counting pinned blocks that nothing holds once a "
+        "stream used them (docs/soak.md, scripts/pinned_growth_probe.py); the pinned "
+        "tensors alive and kvcore's index ring are judged exactly instead"
     ),
 }
 
