@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from kvcore.bench import sweep_report
+from kvcore.bench.gemm_share import gemm_summary
 from kvcore.bench.sglang.ab import bench_mover
 from kvcore.bench.sglang.jit_kernels import on_stream, warm_jit
 from kvcore.bench.sglang.pool_case import Options, PoolCase, pool_case
@@ -189,23 +190,6 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         sweep_report.plot(rows, args.plot, title="SGLang: kvcore / stock, whole requests")
     return 1 if any(not row.identical for row in rows) else 0
-
-
-def gemm_summary(rows: Sequence[SweepRow]) -> list[str]:
-    """A line per cell that timed GEMMs beside its request: their throughput kept."""
-    lines = []
-    for row in rows:
-        alone = row.extra.get("gemm_alone_ms")
-        if not alone:
-            continue
-        kept = {
-            side: alone / row.extra[f"gemm_with_{side}_ms"]
-            for side in ("stock", "kvcore", "own")
-            if row.extra.get(f"gemm_with_{side}_ms")
-        }
-        shares = ", ".join(f"{side} {100 * share:.0f}%" for side, share in kept.items())
-        lines.append(f"GEMM throughput kept during {row.case} {row.tokens}: {shares}")
-    return lines
 
 
 def _print_err(line: str) -> None:

@@ -10,6 +10,7 @@ sweep over pools so that the host-cost bench times the same requests the same wa
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvcore.bench.gemm_share import GemmBatch
 from kvcore.bench.measure import sync_device
 from kvcore.bench.sglang.pool_case import HOST_LEVELS, PoolCase
 from kvcore.bench.sglang.pool_rows import bytes_equal, check_backup, get_rows
@@ -184,7 +186,6 @@ def measure_cell(
 
 
 GEMM_MIN_TOKENS = 4096
-_GEMM_SIZE = 4096
 
 
 def gemm_interference(
@@ -193,42 +194,16 @@ def gemm_interference(
     device: torch.device,
     request_ms: float,
 ) -> dict[str, float]:
-    """Milliseconds a batch of bf16 GEMMs takes on a stream of its own, alone and while
-    each side's request runs on the load stream, the batch sized to last about as long as
-    the request. A copy engine's DMA leaves the GEMMs' SMs alone; a copy kernel takes
-    some of them."""
+    """Milliseconds a GEMM batch (:class:`kvcore.bench.gemm_share.GemmBatch`) takes alone
+    and while each side's request runs on the load stream; nothing off CUDA."""
     if device.type != "cuda":
         return {}
-    a = torch.randn(_GEMM_SIZE, _GEMM_SIZE, device=device, dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    c = torch.empty_like(a)
-    compute = torch.cuda.Stream(device)
-
-    def batch(count: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(compute):
-            start.record()
-            for _ in range(count):
-                torch.mm(a, b, out=c)
-            end.record()
-        return start, end
-
-    start, end = batch(8)
-    sync_device(device)
-    each_ms = start.elapsed_time(end) / 8
-    count = max(8, round(request_ms / each_ms))
-    start, end = batch(count)
-    sync_device(device)
-    out = {"gemm_count": float(count), "gemm_alone_ms": start.elapsed_time(end)}
+    batch = GemmBatch(device, request_ms)
+    out = {"gemm_count": float(batch.count), "gemm_alone_ms": batch.alone_ms()}
     for side in sides:
         assert side.call is not None
         given = side.prepare(cpu[0].clone(), cpu[1].clone())
-        sync_device(device)
-        start, end = batch(count)
-        side.call(given)
-        sync_device(device)
-        out[f"gemm_with_{side.name}_ms"] = start.elapsed_time(end)
+        out[f"gemm_with_{side.name}_ms"] = batch.beside_ms(functools.partial(side.call, given))
     return out
 
 

@@ -26,18 +26,20 @@ alone on host tensors, its stock fallbacks copying with a memmove per descriptor
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvcore.bench import sweep_report
+from kvcore.bench.gemm_share import GemmBatch, gemm_summary
 from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.bench.sweep_report import SweepRow
 from kvcore.bench.vllm.offload_handlers import compiled_ops_loaded, stock_handler
@@ -181,6 +183,7 @@ class _Sweep:
         stock_jobs = sum(passed.values())
         served = repeats * jobs - stock_jobs
         stock, mine = samples.get("stock", Samples()), samples["kvcore"]
+        gemm = self._gemm(op, (frag, jobs, blocks), nbytes, pools, drawer, sides, samples)
         return SweepRow(
             engine="vllm",
             case=f"{model.name}/host-{frag:.0%}/{op}/{jobs}-job{'s' if jobs > 1 else ''}",
@@ -209,8 +212,36 @@ class _Sweep:
                 "kvcore_degraded": dict(kvcore.degraded() - degraded_before),
                 "identical_by_side": {name: s.ok for name, s in samples.items()},
                 "errors": [e for s in samples.values() for e in s.errors][:5],
+                **gemm,
             },
         )
+
+    def _gemm(
+        self,
+        op: str,
+        cell: tuple[float, int, int],
+        nbytes: int,
+        pools: Pools,
+        drawer: RequestDrawer,
+        sides: list[Side],
+        samples: dict[str, Samples],
+    ) -> dict[str, float]:
+        """A GEMM batch's time alone and beside one more request of each side (each checked
+        like the timed ones), where the plan asks and the cell is large enough."""
+        frag, jobs, blocks = cell
+        if not self.plan.gemm or self.device.type != "cuda" or nbytes < self.plan.gemm_min_bytes:
+            return {}
+        timed = samples.get("stock", samples["kvcore"])
+        batch = GemmBatch(self.device, timed.median_ms(timed.wall))
+        out = {"gemm_count": float(batch.count), "gemm_alone_ms": batch.alone_ms()}
+        for side in sides:
+            request = drawer.draw(blocks, frag, jobs, gpu_to_cpu=op == "store")
+            kept = Samples()
+            out[f"gemm_with_{side.name}_ms"] = batch.beside_ms(
+                functools.partial(self._request, [side], pools, request, {side.name: kept})
+            )
+            samples[side.name].errors += kept.errors
+        return out
 
     def _request(
         self, order: Sequence[Side], pools: Pools, request: Request, samples: dict[str, Samples]
@@ -310,6 +341,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvcore bench --sweep: {device}", file=sys.stderr)
         return 2
     plan = QUICK if args.quick else FULL
+    if getattr(args, "gemm", False):
+        plan = replace(plan, gemm=True)
     started = time.perf_counter()
     result = run(
         plan, device, progress=not args.no_progress, budget_s=getattr(args, "budget_s", None)
@@ -318,6 +351,8 @@ def main(args: argparse.Namespace) -> int:
     print(sweep_report.format_table(rows))
     print(sweep_report.LEGEND)
     print(sweep_report.summary(rows))
+    for line in gemm_summary(rows):
+        print(line)
     if device.type != "cuda":
         print("stock: vLLM's handler cannot run on a CPU; kvcore's ran alone (times NaN)")
     if result.skipped:
@@ -367,6 +402,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--budget-s", type=float, help="skip the cells left after this many seconds"
+    )
+    parser.add_argument(
+        "--gemm",
+        action="store_true",
+        help="time a concurrent GEMM batch beside one more request of each side (CUDA)",
     )
     return parser
 

@@ -69,6 +69,10 @@ class SweepPlan:
     repeat_bytes: int = 1 << 30
     """Requests moving less than this get more repeats, up to ``max_repeats``."""
     seed: int = 0
+    gemm: bool = False
+    """Time a GEMM batch beside one more request of each side, in cells of at least
+    ``gemm_min_bytes`` on CUDA (:mod:`kvcore.bench.gemm_share`)."""
+    gemm_min_bytes: int = 256 << 20
 
     def cells(self, op: str) -> Iterator[tuple[float, int, int]]:
         """(frag, jobs, blocks) of one pass; several jobs in flight only while they move no

@@ -282,3 +282,19 @@ def test_the_full_sweep_is_refused_on_a_cpu(tmp_path, capsys):
     assert sweep.main(_args(tmp_path, quick=False)) == 2
     assert "needs a GPU" in capsys.readouterr().err
     assert not (tmp_path / "sweep.json").exists()
+
+
+def test_gemm_cells_are_cuda_only_and_asked_for_by_the_plan(monkeypatch, tmp_path):
+    asked: list[sweep.SweepPlan] = []
+    real_run = sweep.run
+
+    def recording_run(plan, device, **kwargs):
+        asked.append(plan)
+        return real_run(replace(plan, gemm_min_bytes=0), device, **kwargs)
+
+    monkeypatch.setattr(sweep, "run", recording_run)
+    assert sweep.main(_args(tmp_path, gemm=True, budget_s=None)) == 0
+    assert [plan.gemm for plan in asked] == [True]
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert rows and not any("gemm_alone_ms" in row["extra"] for row in rows)
+    assert sweep._parser().parse_args(["--gemm"]).gemm
