@@ -387,7 +387,7 @@ def staging_pieces(rows: int, staging: torch.Tensor, most: int) -> list[tuple[in
     return [(begin, min(begin + step, rows)) for begin in range(0, rows, step)]
 
 
-def cuda_kernels(gather_ctas: int, staged_pieces: int, gather_ctas_to_host: int = 4) -> KernelSet:
+def cuda_kernels(gather_ctas: int, staged_pieces: int, gather_ctas_to_host: int) -> KernelSet:
     ops = _CudaIndexedOps(gather_ctas, staged_pieces, gather_ctas_to_host)
     return KernelSet(
         name=(
