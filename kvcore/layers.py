@@ -19,8 +19,9 @@ plan's destination rows against them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,6 +54,13 @@ class LayerPairs:
     """Destinations that share memory at whole-row offsets, one group per region: each
     group's offsets in rows from its first, ascending and distinct. Empty where every
     destination has memory of its own, so that no plan needs a look at its rows."""
+    fitted_kind: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]] = field(
+        default_factory=list, repr=False
+    )
+    """The buffers (held weakly) and row size of the plans these pairs were last found to
+    fit, at most one entry: what :meth:`kvcore.mover.Mover.execute_prepared` keeps of
+    :func:`kvcore.mover.layers_mismatch` across requests (kept here, so that it goes with
+    the pairs and no reused id can name it)."""
 
     def __len__(self) -> int:
         return len(self.srcs)

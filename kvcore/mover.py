@@ -94,9 +94,12 @@ class PreparedLayers:
     :meth:`Mover.execute_layers` (paths other than the gather, kernels without the op)."""
     gather: GatherPrepared | None
     fits: dict[int, weakref.ref[LayerPairs]] = dataclasses.field(default_factory=dict)
-    """Pairs already found to fit the plan (:func:`layers_mismatch`), by id, each held
-    weakly so that an id names its pairs only while they live (a plain dict and weak
-    references cost a request a fraction of a WeakSet's Python-level methods)."""
+    """Pairs whose destinations share memory already found to fit the plan
+    (:func:`layers_mismatch`), by id, each held weakly so that an id names its pairs only
+    while they live (a plain dict and weak references cost a request a fraction of a
+    WeakSet's Python-level methods). Whether the plan's rows collide there depends on the
+    request's indices, so this answer is the request's alone; other pairs keep theirs
+    across requests (:func:`_fits`)."""
 
 
 @dataclass(frozen=True)
@@ -233,15 +236,15 @@ class Mover:
 
     def execute_prepared(self, prepared: PreparedLayers, pairs: LayerPairs) -> None:
         """:meth:`execute_layers` for one layer of a prepared request; raises as it does,
-        but checks that ``pairs`` fit the plan only the first time it meets them."""
+        but looks at all :func:`layers_mismatch` asks only where no earlier answer holds
+        (:func:`_fits`)."""
         plan = prepared.plan
         plan.check_indices()
-        fitted = prepared.fits.get(id(pairs))
-        if fitted is None or fitted() is not pairs:
+        if not _fits(prepared, plan, pairs):
             problem = layers_mismatch(plan, pairs)
             if problem is not None:
                 raise ValueError(problem)
-            prepared.fits[id(pairs)] = weakref.ref(pairs)
+            _remember_fit(prepared, plan, pairs)
         started = time.perf_counter()
         degraded = None
         if prepared.rows is not None and prepared.gather is not None:
@@ -402,6 +405,41 @@ def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
                 "share: one submission would write a byte twice"
             )
     return None
+
+
+def _fits(prepared: PreparedLayers, plan: TransferPlan, pairs: LayerPairs) -> bool:
+    """Whether an earlier :func:`layers_mismatch` found nothing that would still hold.
+
+    Apart from the plan's fallback reason and spans, which are compared here, its answer
+    depends on the pairs (frozen), the devices of ``plan.src`` and ``plan.dst`` (fixed for
+    a tensor's life) and ``plan.row_bytes``, unless the pairs' destinations share memory:
+    then it depends on the plan's destination rows too, and holds for one request only. A
+    request's plan keeps row-less stand-ins shared by every plan of their kind
+    (:meth:`TransferPlan.without_buffers`), so one answer serves every later request.
+    """
+    if pairs.shared_dsts:
+        fitted = prepared.fits.get(id(pairs))
+        return fitted is not None and fitted() is pairs
+    kept = pairs.fitted_kind
+    if not kept or plan.reason is not None:
+        return False
+    src, dst, kept_row_bytes = kept[-1]
+    return (
+        src() is plan.src
+        and dst() is plan.dst
+        and kept_row_bytes == plan.row_bytes
+        and pairs.src_rows >= plan.src_span
+        and pairs.dst_rows >= plan.dst_span
+    )
+
+
+def _remember_fit(prepared: PreparedLayers, plan: TransferPlan, pairs: LayerPairs) -> None:
+    """Keep what :func:`_fits` reads, once ``pairs`` were found to fit ``plan``."""
+    if pairs.shared_dsts:
+        prepared.fits[id(pairs)] = weakref.ref(pairs)
+    else:
+        # One tuple, replaced whole: a thread reading the list sees one answer or another.
+        pairs.fitted_kind[:] = ((weakref.ref(plan.src), weakref.ref(plan.dst), plan.row_bytes),)
 
 
 def _stand_in_on(

@@ -78,7 +78,9 @@ def check_index(index: torch.Tensor, name: str = "index") -> torch.Tensor:
     """
     if not isinstance(index, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(index).__name__}")
-    if index.device.type != "cpu":
+    # is_cpu reads a flag; .device builds a torch.device, and this runs on every index of
+    # a request's first call.
+    if not index.is_cpu:
         raise TypeError(
             f"{name} is on {index.device}; kvcore plans from CPU index tensors only, "
             "because reading a device tensor back would synchronise the GPU. "

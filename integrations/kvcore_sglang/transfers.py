@@ -545,19 +545,14 @@ def _load_layer(
     layer_id: int,
     io_backend: str,
     is_draft: bool,
-    latest: LoadRequest | None,
+    request: LoadRequest | None,
 ) -> bool:
     """Move one layer of a reload on kvcore's paths; False when the call must run stock
     (the request passes, this layer cannot be served, or kvcore failed: counted).
     ``rule``: the rule's row for the call (:func:`_call_rule`), which a new request is
-    decided by; ``latest``: the pools' latest request, which the call continues where it
-    matches."""
+    decided by; ``request``: the request the call continues (:meth:`LoadRequest.matches`
+    said so), None for a new one."""
     chosen_mover = mover()
-    request = None
-    if latest is not None and latest.matches(
-        pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
-    ):
-        request = latest
     try:
         if request is None:
             started = _start_load(
@@ -592,27 +587,38 @@ def _load_layer(
     return reason is None
 
 
-def _later_layer_served(
-    request: LoadRequest | None,
+def _continued(
+    latest: LoadRequest | None,
     pool: Any,
     device_pool: Any,
     host_indices: Any,
     device_indices: Any,
-    layer_id: int,
     io_backend: str,
     is_draft: bool,
+) -> LoadRequest | None:
+    """``latest`` (the pools' latest request) where kvcore serves it and the call continues
+    it; None otherwise. Asked once per call: a request that passes is recognised by
+    :meth:`LoadRequest.passing_for` alone, and no other call can continue it (a call that
+    matches it has its index tensors, so passing_for sends it to stock)."""
+    if latest is None or latest.passes is not None:
+        return None
+    if latest.matches(
+        pool, device_pool, host_indices, device_indices, io_backend, is_draft, mover().policy
+    ):
+        return latest
+    return None
+
+
+def _later_layer_served(
+    request: LoadRequest, device_pool: Any, layer_id: int, is_draft: bool
 ) -> bool:
-    """A later layer of ``request`` (the pools' latest) where kvcore serves it and this pool
-    has shown the layer's buffers before: one launch, nothing decided again. False for any
-    other call (the full path decides it), and where kvcore fails (counted; the request
-    then passes)."""
-    if request is None or request.prepared is None or request.passes is not None:
+    """A later layer of ``request`` (one the call continues, :func:`_continued`) where
+    kvcore serves it and this pool has shown the layer's buffers before: one launch, nothing
+    decided again. False for any other call (the full path decides it), and where kvcore
+    fails (counted; the request then passes)."""
+    if request.prepared is None:
         return False
     chosen_mover = mover()
-    if not request.matches(
-        pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
-    ):
-        return False
     buffers = request.kept_layer(device_pool, (layer_id, is_draft))
     if buffers is None or buffers.layered.reason is not None:
         return False
@@ -639,9 +645,10 @@ def _make_load_hook(
         is_draft: bool = False,
     ) -> None:
         latest = LOAD_REQUESTS.latest(pool, device_pool)
-        if _later_layer_served(
-            latest, pool, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft
-        ):
+        request = _continued(
+            latest, pool, device_pool, host_indices, device_indices, io_backend, is_draft
+        )
+        if request is not None and _later_layer_served(request, device_pool, layer_id, is_draft):
             return
         # A later layer of a request that passes costs the first check alone.
         if latest is None or not latest.passing_for(host_indices, device_indices):
@@ -657,7 +664,7 @@ def _make_load_hook(
                 layer_id,
                 io_backend,
                 is_draft,
-                latest,
+                request,
             ):
                 return
         original(

@@ -178,32 +178,87 @@ def test_the_engines_own_copy_of_the_source_rows_stands_in_for_an_upload() -> No
         assert mover.prepare_layers(first, src_idx_on_device=unfit).rows[0] is not unfit
 
 
-def test_fitted_pairs_are_known_by_identity_and_held_weakly(
+def _count_mismatch_checks(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The pairs each :func:`layers_mismatch` call was asked about."""
+    asked: list[object] = []
+    real_mismatch = mover_module.layers_mismatch
+
+    def counted(plan_: object, pairs: object) -> str | None:
+        asked.append(pairs)
+        return real_mismatch(plan_, pairs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mover_module, "layers_mismatch", counted)
+    return asked
+
+
+def _request(
+    mover: Mover, srcs: list[torch.Tensor], dsts: list[torch.Tensor], gen: torch.Generator
+) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """A request as an engine keeps it: new indices, the plan kept without its buffers."""
+    src_idx, dst_idx = scattered(gen)
+    first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D)
+    return mover.prepare_layers(first.without_buffers()), src_idx, dst_idx
+
+
+def test_pairs_found_to_fit_a_kind_of_plan_are_not_checked_again_by_later_requests(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gen = torch.Generator().manual_seed(17)
     srcs, dsts = layered(gen)
-    src_idx, dst_idx = scattered(gen)
-    fitted: list[object] = []
-    real_mismatch = mover_module.layers_mismatch
-
-    def counted(plan_: object, pairs: object) -> str | None:
-        fitted.append(pairs)
-        return real_mismatch(plan_, pairs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(mover_module, "layers_mismatch", counted)
+    asked = _count_mismatch_checks(monkeypatch)
     mover = Mover()
-    first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D)
-    prepared = mover.prepare_layers(first)
-    seen, other = layer_pairs(srcs[:1], dsts[:1]), layer_pairs(srcs[1:], dsts[1:])
-    mover.execute_prepared(prepared, seen)
-    # An entry under the other pairs' id (a dead pairs' id, reused) vouches only for its own.
-    prepared.fits[id(other)] = prepared.fits[id(seen)]
-    mover.execute_prepared(prepared, other)
-    mover.execute_prepared(prepared, other)
-    assert fitted == [seen, other]
-    fitted.clear()
-    alive = weakref.ref(seen)
-    del seen
+    pairs = [layer_pairs([src], [dst]) for src, dst in zip(srcs, dsts, strict=True)]
+    for _ in range(3):  # three requests, each with indices of its own
+        prepared, src_idx, dst_idx = _request(mover, srcs, dsts, gen)
+        want = expected(srcs, dsts, src_idx, dst_idx)
+        for each in pairs:
+            mover.execute_prepared(prepared, each)
+        for got, wanted in zip(dsts, want, strict=True):
+            assert torch.equal(got, wanted)
+    assert asked == pairs  # the first request's look at each layer serves the later ones
+
+
+def test_a_fit_kept_across_requests_never_vouches_for_what_it_did_not_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gen = torch.Generator().manual_seed(18)
+    srcs, dsts = layered(gen)
+    asked = _count_mismatch_checks(monkeypatch)
+    mover = Mover()
+    # Pairs shorter than the first layer: a request's rows may reach past them.
+    short = layer_pairs([srcs[1]], [dsts[1][: ROWS // 2]])
+    low = torch.arange(ROWS // 2)
+    first = plan(srcs[0], dsts[0], low, low.flip(0), direction=Direction.H2D)
+    mover.execute_prepared(mover.prepare_layers(first.without_buffers()), short)
+    assert asked == [short]
+    # A later request whose destination rows reach past them: refused, nothing copied.
+    kept = short.dsts[0].clone()
+    high = torch.arange(ROWS // 2 - 4, ROWS // 2 + 4)
+    beyond = plan(srcs[0], dsts[0], high, high, direction=Direction.H2D)
+    with pytest.raises(ValueError, match="destination rows"):
+        mover.execute_prepared(mover.prepare_layers(beyond.without_buffers()), short)
+    assert torch.equal(short.dsts[0], kept)
+    # A plan of another kind (rows of another size) is looked at in full, and refused.
+    wide = [torch.zeros(ROWS, 2 * WIDTH, dtype=torch.int16) for _ in range(2)]
+    other = plan(wide[0], wide[1], low, low, direction=Direction.H2D)
+    with pytest.raises(ValueError, match="rows of"):
+        mover.execute_prepared(mover.prepare_layers(other.without_buffers()), short)
+    assert asked[-1] is short and len(asked) == 3
+    assert torch.equal(short.dsts[0], kept)
+
+
+def test_a_kept_fit_holds_its_plans_buffers_weakly() -> None:
+    gen = torch.Generator().manual_seed(19)
+    srcs, dsts = layered(gen)
+    src_idx, dst_idx = scattered(gen)
+    mover = Mover()
+    src, dst = srcs[0].clone(), dsts[0].clone()
+    pairs = layer_pairs(srcs[1:], dsts[1:])
+    mover.execute_prepared(
+        mover.prepare_layers(plan(src, dst, src_idx, dst_idx, direction=Direction.H2D)), pairs
+    )
+    assert pairs.fitted_kind
+    alive = weakref.ref(dst)
+    del src, dst
     gc.collect()
-    assert alive() is None  # the request's entries keep no pairs (nor their buffers) alive
+    assert alive() is None  # the pairs' entry keeps no plan's buffers alive

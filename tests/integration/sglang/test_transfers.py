@@ -1205,9 +1205,10 @@ def test_interleaved_pools_keep_their_own_requests_and_layers(
         for targets, expected in reloads:
             for target, want in zip(targets, expected, strict=True):
                 assert torch.equal(target.view(torch.uint8), want)
-    # Each pool's first request meets its layers; later ones serve layers 1.. fast.
-    later = [False, False] + [True, True] * (LAYERS - 1)
-    assert answered == [False] * 2 * LAYERS + 2 * later, answered
+    # A request's first layer is not asked. Each pool's first request meets layers 1..;
+    # later ones serve them fast.
+    later = [True, True] * (LAYERS - 1)
+    assert answered == [False] * 2 * (LAYERS - 1) + 2 * later, answered
     assert fallbacks() == before
 
 
@@ -1277,9 +1278,10 @@ def test_later_layers_of_a_request_take_one_launch_each(
     for _ in range(3):
         host_idx, device_idx = make_indices(kind, pool, "scattered", 120, gen)
         _load_every_layer_and_check(kind, pool, host_idx, device_idx, io_backend)
-    # Request 1 meets every layer for the first time; requests 2 and 3 serve layers 1.. fast.
-    first_sight = [False] * LAYERS
-    assert answered == first_sight + 2 * ([False] + [True] * (LAYERS - 1)), answered
+    # A request's first layer is new, so the fast path is not asked. Request 1 meets layers
+    # 1.. for the first time; requests 2 and 3 serve them fast.
+    first_sight = [False] * (LAYERS - 1)
+    assert answered == first_sight + 2 * [True] * (LAYERS - 1), answered
 
 
 def test_a_failure_on_the_fast_path_runs_that_layer_stock_and_passes_the_rest(
@@ -1310,7 +1312,9 @@ def test_a_failure_on_the_fast_path_runs_that_layer_stock_and_passes_the_rest(
         _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
     assert fallbacks().get("internal_error:RuntimeError", 0) == before + 1
     assert calls == 2
-    assert answered[-LAYERS:] == [False, False, False]
+    # Request 1's layers 1 and 2 (first sight), request 2's layer 1 (it fails); request 2's
+    # layer 2 passes without asking.
+    assert answered == [False, False, False], answered
 
 
 # --- 0.5.22's layer mapping: MTP draft layers and layer sharding ------------------------------
