@@ -166,6 +166,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale", type=int, default=1, help="divide every trace length by this")
     parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument(
+        "--tree-core",
+        choices=("python", "rust"),
+        default="python",
+        help="SGLang's radix tree implementation (its Rust one panics on the GPU image's torch)",
+    )
     return parser.parse_args(argv)
 
 
@@ -192,6 +198,7 @@ def options_for(args: argparse.Namespace) -> LiveOptions:
         trace=trace,
         seconds=args.seconds,
         warmup=not args.no_warmup,
+        tree_core=args.tree_core,
     )
 
 

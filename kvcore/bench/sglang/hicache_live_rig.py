@@ -42,6 +42,11 @@ class LiveOptions:
     seconds: float = 60.0
     """No request starts after this much of the trace's time."""
     warmup: bool = True
+    tree_core: str = "python"
+    """SGLang's radix tree implementation: its pure-Python TreeCore, or its bundled Rust one
+    (SGLang's own default), which on the GPU machine's torch 2.11 panics with "Unsupported
+    TypeMeta" in stock and kvcore modes alike. The tree indexes prefixes; the transfers
+    measured here do not pass through it."""
 
     @property
     def token_bytes(self) -> int:
@@ -217,6 +222,7 @@ def build_rig(opts: LiveOptions) -> Rig:
         page_size=opts.page_size,
         disable=False,
         tree_components=(ComponentType.FULL,),
+        tree_core_backend=opts.tree_core,
     )
     cache = UnifiedRadixCache(params=params)
     # The budget check samples free host memory, which a lent VM reports low until used.
@@ -236,6 +242,7 @@ def build_rig(opts: LiveOptions) -> Rig:
         "allocator": type(allocator).__name__,
         "write_through_threshold": cache.write_through_threshold,
         "load_back_threshold": cache.load_back_threshold,
+        "tree_core": opts.tree_core,
     }
     if host_pool.layout != opts.layout or controller.io_backend != opts.io_backend:
         raise RuntimeError(f"SGLang resolved another layout or backend than asked: {settings}")

@@ -76,6 +76,8 @@ def test_stock_trace_loads_back_from_host_and_every_byte_matches(both_modes):
     summary = report["summary"]
     assert report["cache"]["host_pool"] == "MHATokenToKVPoolHost"
     assert report["cache"]["io_backend"] == "direct"
+    # SGLang's Python radix tree unless asked (its bundled Rust one panics on the GPU image).
+    assert report["cache"]["tree_core"] == "python"
     assert report["prepared"]["plugins"]["patched_targets"] == []
     assert report["warmup"]["failed_checks"] == 0
     assert not summary["cut_short"] and summary["requests"] == summary["trace_requests"] == 42
