@@ -20,6 +20,7 @@ import torch
 
 from kvcore.bench.gemm_share import GemmBatch
 from kvcore.bench.measure import sync_device
+from kvcore.bench.paired_speed import paired_speed
 from kvcore.bench.sglang.pool_case import HOST_LEVELS, PoolCase
 from kvcore.bench.sglang.pool_rows import bytes_equal, check_backup, get_rows
 from kvcore.bench.sglang.sgl_kernel_stub import StockNotRunnable
@@ -170,6 +171,7 @@ def measure_cell(
         kvcore_served=min(calls, round(served)),
         pass_reasons=reasons,
         paths=sorted(paths),
+        paired=paired_speed([t for t, _ in times["stock"]], [t for t, _ in times["kvcore"]]),
         extra={
             "op": op,
             "kind": case.kind,

@@ -41,6 +41,7 @@ import torch
 from kvcore.bench import sweep_report
 from kvcore.bench.gemm_share import GemmBatch, gemm_summary
 from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
+from kvcore.bench.paired_speed import paired_speed
 from kvcore.bench.sweep_report import SweepRow
 from kvcore.bench.vllm.offload_handlers import compiled_ops_loaded, stock_handler
 from kvcore.bench.vllm.offload_layout import job_specs
@@ -200,6 +201,7 @@ class _Sweep:
             pass_reasons={reason: round(n / repeats) for reason, n in sorted(passed.items())},
             paths=[f"kvcore:{path}" for path in sorted(kvcore.mover_paths() - paths_before)]
             + (["kvcore:stock-fallback"] if stock_jobs else []),
+            paired=paired_speed(stock.wall, mine.wall) if stock.wall else None,
             extra={
                 "op": op,
                 "blocks": blocks,

@@ -104,3 +104,12 @@ def test_short_requests_get_more_repeats_on_a_gpu_and_long_ones_fewer():
     assert repeats_for(5, 512, cuda) == 20 and repeats_for(5, 2048, cuda) == 20
     assert repeats_for(5, 8192, cuda) == 5 and repeats_for(5, 32768, cuda) == 3
     assert repeats_for(5, 512, cpu) == 5 and repeats_for(1, 65536, cpu) == 2
+
+
+def test_cells_of_several_repeats_carry_the_paired_speed():
+    result = sweep.run(_options(tokens=(SIZES[0],), repeats=3))
+    for row in result["rows"]:
+        assert row.paired is not None and row.paired.pairs == row.extra["repeats"] >= 2
+        assert row.paired.low <= row.paired.median <= row.paired.high
+    for row in result["document"]["rows"]:
+        assert row["paired"]["pairs"] == row["extra"]["repeats"]

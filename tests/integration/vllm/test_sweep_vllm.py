@@ -81,6 +81,7 @@ def test_quick_sweep_has_every_size_and_moves_every_byte(quick_report):
         assert row["kvcore_ms"] > 0 and row["kvcore_host_ms"] > 0
         # vLLM's handler cannot run here: said so, never timed.
         assert math.isnan(row["stock_ms"]) and row["paths"][0].startswith("stock:not runnable")
+        assert row["paired"] is None
     cells = {(_layout_of(r), r["extra"]["op"], r["extra"]["jobs_in_flight"]) for r in rows}
     assert len(cells) == 2 * 2 * 2
     for layout, op, jobs in cells:
