@@ -1,7 +1,7 @@
 """What vLLM's reload counter sees of one load job, stock's handler against kvcore's.
 
     python scripts/vllm_job_window.py [--tokens 2048,4096] [--jobs 20] [--trace DIR]
-        [--json FILE]
+        [--idle-ms 0] [--json FILE]
 
 A live vLLM 0.25.1 engine with its CPU tier times each reload from an event recorded
 before the job's copies to one after them (``kv_offload_load_time``). This script builds
@@ -11,7 +11,9 @@ runs ``--jobs`` load jobs of each size through each handler, each with new block
 waited for before the next, and reports per handler the medians of that event window, of
 the job's wall-clock (from ``transfer_async`` until it is collected), of the host time in
 ``transfer_async``, and the window over the link-bound time (bytes at 55 GB/s).
-kvcore's paths and stock passes are counted. ``--trace DIR`` also writes a torch profiler
+kvcore's paths and stock passes are counted. ``--idle-ms`` leaves the GPU idle that long
+before each job, as the gaps between a sequential trace's requests do (the clocks may
+drop in them). ``--trace DIR`` also writes a torch profiler
 trace of three jobs of the first size per handler, and prints each job's device activity
 against its host calls. Needs vLLM importable and ``integrations`` on the path.
 """
@@ -55,6 +57,22 @@ def _run(handler: Any, specs: tuple[Any, Any], job_id: int) -> tuple[float, floa
     while not results:
         results = handler.get_finished()
     return time.perf_counter() - started, submitted - started, results[0].transfer_time
+
+
+def _poisoned(gpu: list[torch.Tensor], gpu_ids: np.ndarray) -> None:
+    """The job's destination pages overwritten, so that each handler's copy is seen."""
+    rows = torch.from_numpy(gpu_ids).to(gpu[0].device)
+    for tensor in gpu:
+        tensor[rows] = -1
+    if gpu[0].device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _copied(gpu: list[torch.Tensor], host: list[torch.Tensor], ids: tuple[np.ndarray, ...]) -> bool:
+    """Every tensor's destination pages equal their host pages."""
+    gpu_rows = torch.from_numpy(ids[0]).to(gpu[0].device)
+    host_rows = torch.from_numpy(ids[1])
+    return all(torch.equal(g[gpu_rows].cpu(), h[host_rows]) for g, h in zip(gpu, host, strict=True))
 
 
 def _medians(runs: list[tuple[float, float, float | None]], nbytes: int) -> dict[str, Any]:
@@ -106,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--gpu-blocks", type=int, default=2560)
     parser.add_argument("--own", action="store_true", help="rules off: kvcore copies every job")
+    parser.add_argument("--idle-ms", type=float, default=0.0, help="GPU idle before each job")
     parser.add_argument("--trace", type=Path, help="folder for profiler traces")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -133,14 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in sizes:
         nbytes = -(-tokens // args.block_tokens) * layout.page_bytes * layout.tensors
         runs: dict[str, list[tuple[float, float, float | None]]] = {n: [] for n in handlers}
+        wrong = {name: 0 for name in handlers}
         taken.clear()
         for job_id in range(args.jobs):
             gpu_ids, cpu_ids = _job_ids(tokens, args.block_tokens, layout, rng)
             specs = job_specs(gpu_ids, cpu_ids, gpu_to_cpu=False)
             # Alternated job by job, so that both see the same machine.
             for name, handler in handlers.items():
+                _poisoned(gpu, gpu_ids)
+                time.sleep(args.idle_ms / 1e3)
                 runs[name].append(_run(handler, specs, job_id))
-        row = {"tokens": tokens, "bytes": nbytes, "kvcore_paths": dict(taken)}
+                wrong[name] += not _copied(gpu, host, (gpu_ids, cpu_ids))
+        row = {"tokens": tokens, "bytes": nbytes, "idle_ms": args.idle_ms}
+        row["kvcore_paths"] = dict(taken)
+        row["jobs_with_wrong_bytes"] = wrong
         row |= {name: _medians(r[len(r) // 5 :], nbytes) for name, r in runs.items()}
         row["kvcore_passes"] = dict(kvcore._passes)
         rows.append(row)

@@ -9,7 +9,9 @@ layout, and check that reference against the stock descriptors executed by memmo
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -35,7 +37,7 @@ from kvcore.warm_up import WarmUp
 from kvcore_vllm import transfers
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 from kvcore_vllm.stock_copies import StockCopies
-from kvcore_vllm.transfers import install_handlers
+from kvcore_vllm.transfers import KVCoreOffloadingHandler, install_handlers
 from tests.support.manual_streams import ManualStreams
 from tests.support.scripts import load_script
 
@@ -644,6 +646,46 @@ def test_host_profile_script_dry_run_on_cpu(capsys):
     out = capsys.readouterr().out
     assert "cpu: 512 pages of 1 KiB x 2 tensors, 50% fragmented, load" in out
     assert "kvcore transfer_async:" in out and "_plan" in out and "Ordered by" in out
+
+
+def test_job_window_runs_both_handlers_on_the_live_layout_and_checks_every_job(tmp_path):
+    module = load_script("vllm_job_window")
+    out = tmp_path / "window.json"
+    argv = ["--tokens", "16,512", "--jobs", "3", "--tensors", "2", "--page-kib", "4"]
+    assert module.main([*argv, "--gpu-blocks", "64", "--idle-ms", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["tokens"] for row in rows] == [16, 512]
+    for row in rows:
+        assert row["jobs_with_wrong_bytes"] == {"stock": 0, "kvcore": 0}
+        assert row["bytes"] == row["tokens"] // 16 * 4096 * 2 and row["idle_ms"] == 1.0
+    # Every job either took a kvcore path or passed to stock; 32 scattered pages gather.
+    first_paths, first_passes = rows[0]["kvcore_paths"], rows[0]["kvcore_passes"]
+    assert sum(first_paths.values()) + sum(first_passes.values()) == 3
+    assert rows[1]["kvcore_paths"] == {"gather": 3}
+
+
+def test_job_window_counts_a_job_whose_pages_did_not_arrive(tmp_path, monkeypatch):
+    module = load_script("vllm_job_window")
+    poison, run = module._poisoned, module._run
+    last: dict[str, Any] = {}
+
+    def remembered(gpu, gpu_ids):
+        last.update(gpu=gpu, gpu_ids=gpu_ids)
+        poison(gpu, gpu_ids)
+
+    def lost_by_kvcore(handler, specs, job_id):
+        timed = run(handler, specs, job_id)
+        if isinstance(handler, KVCoreOffloadingHandler):
+            poison(last["gpu"], last["gpu_ids"])
+        return timed
+
+    monkeypatch.setattr(module, "_poisoned", remembered)
+    monkeypatch.setattr(module, "_run", lost_by_kvcore)
+    out = tmp_path / "window.json"
+    argv = ["--tokens", "512", "--jobs", "2", "--tensors", "2", "--page-kib", "4"]
+    assert module.main([*argv, "--gpu-blocks", "64", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["jobs_with_wrong_bytes"] == {"stock": 0, "kvcore": 2}
 
 
 def test_host_profile_timing_keeps_keyword_arguments():
