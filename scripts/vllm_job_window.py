@@ -171,9 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row))
     if args.trace is not None:
-        tokens = sizes[0]
-        specs = [job_specs(*_job_ids(tokens, args.block_tokens, layout, rng), gpu_to_cpu=False)]
-        _trace(handlers, specs * 3, args.trace)
+        traced = job_specs(*_job_ids(sizes[0], args.block_tokens, layout, rng), gpu_to_cpu=False)
+        _trace(handlers, [traced] * 3, args.trace)
     if args.json is not None:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         args.json.write_text(json.dumps({"device": name, "rows": rows}, indent=1) + "\n")
