@@ -31,7 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock, stock_handler
+from kvcore.bench.measure import sync_device
+from kvcore.bench.vllm.offload_handlers import (
+    kvcore_handler,
+    runnable_stock,
+    stock_handler,
+    submit_and_collect,
+)
 from kvcore.bench.vllm.offload_layout import Layout, job_specs
 
 LINK_BYTES_PER_S = 55e9
@@ -48,15 +54,12 @@ def _job_ids(
 
 
 def _run(handler: Any, specs: tuple[Any, Any], job_id: int) -> tuple[float, float, float | None]:
-    """(wall seconds, host seconds in transfer_async, event-window seconds) of one job."""
+    """(wall seconds, host seconds in transfer_async, event-window seconds) of one job,
+    driven as vLLM's worker drives it (:func:`submit_and_collect`)."""
+    host: list[float] = []
     started = time.perf_counter()
-    handler.transfer_async(job_id, *specs)
-    submitted = time.perf_counter()
-    handler.wait({job_id})
-    results: list[Any] = []
-    while not results:
-        results = handler.get_finished()
-    return time.perf_counter() - started, submitted - started, results[0].transfer_time
+    results = submit_and_collect(handler, [(job_id, specs)], host)
+    return time.perf_counter() - started, host[0], results[0].transfer_time
 
 
 def _poisoned(gpu: list[torch.Tensor], gpu_ids: np.ndarray) -> None:
@@ -64,8 +67,7 @@ def _poisoned(gpu: list[torch.Tensor], gpu_ids: np.ndarray) -> None:
     rows = torch.from_numpy(gpu_ids).to(gpu[0].device)
     for tensor in gpu:
         tensor[rows] = -1
-    if gpu[0].device.type == "cuda":
-        torch.cuda.synchronize()
+    sync_device(gpu[0].device)
 
 
 def _copied(gpu: list[torch.Tensor], host: list[torch.Tensor], ids: tuple[np.ndarray, ...]) -> bool:
