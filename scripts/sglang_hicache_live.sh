@@ -13,9 +13,8 @@ set -uo pipefail
 OUT=${OUT:-out/sglang_hicache_live}
 # shellcheck source=scripts/sglang_device_env.sh
 source scripts/sglang_device_env.sh || exit $?
-# SGLang's Rust radix-tree core is built against its pinned torch; on the image's older
-# torch it crashed reading a tensor's dtype (segfault in validate_insert_value).
-export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-python}
+# SGLang's radix tree is its Python TreeCore unless --tree-core rust is passed (the bench's
+# LiveOptions.tree_core says why).
 log="$OUT/hicache_live.log"
 started=$(date +%s)
 rc=0
