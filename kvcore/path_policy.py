@@ -48,6 +48,13 @@ class PathPolicy:
     """The same where it writes host rows: at 4 the device-to-host gathers run as fast as
     at 8 and leave a concurrent model more SMs; host-to-device gathers need 8
     (docs/benchmarks.md, the vLLM sweep on 4 CTAs and the gather's SM share)."""
+    gather_ctas_short_rows: int = 4
+    """The same where it writes device rows shorter than :attr:`short_row_bytes`: token
+    rows of MLA (1152 B) moved as fast on 4 CTAs as on 8, and a concurrent model kept its
+    share of the GPU only on 4; MHA's 2 KiB rows lose a third on 4 (docs/benchmarks.md,
+    "The gather's SM share at 4, 6 and 8 CTAs")."""
+    short_row_bytes: int = 2048
+    """Device rows under this many bytes take :attr:`gather_ctas_short_rows`."""
     max_dma_runs: int = 16
     """Most host runs a staged copy takes: each is one torch copy_, whose host time adds up
     (docs/benchmarks.md, "Host time to submit one layer")."""
@@ -66,6 +73,8 @@ class PathPolicy:
             self.long_run_bytes,
             self.gather_ctas,
             self.gather_ctas_to_host,
+            self.gather_ctas_short_rows,
+            self.short_row_bytes,
             self.max_dma_runs,
             self.max_batched_runs,
             self.staged_pieces,
@@ -81,5 +90,6 @@ def policy_from_config(config: KVCoreConfig) -> PathPolicy:
         long_run_bytes=config.long_run_bytes,
         gather_ctas=config.gather_ctas,
         gather_ctas_to_host=config.gather_ctas_to_host,
+        gather_ctas_short_rows=config.gather_ctas_short_rows,
         staged_pieces=config.staged_pieces,
     )

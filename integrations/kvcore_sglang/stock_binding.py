@@ -1,8 +1,11 @@
-"""Stock's method bound on an SGLang pool where the serve-or-pass rule never serves it.
+"""Stock's method bound on an SGLang pool where the serve-or-pass rule passes its calls.
 
 A pool whose calls the rule passes whatever their size (SGLang's ``kernel`` loads at page
 size 64, for one) gets stock's method as an instance attribute, so that SGLang's later
-calls reach stock with no kvcore frame at all; :func:`restore_bypassed` takes every such
+calls reach stock with no kvcore frame at all. A pool whose loads pass at some sizes only
+gets, once a reload passes, a binding for that reload's later layers
+(:func:`bind_passing_reload`): one frame that compares the index tensors and calls stock,
+instead of the whole hook on every layer. :func:`restore_bypassed` takes every such
 binding back when the hooks go. Apart from the hooks because it is state of its own (the
 bound pools, weakly) and acts on the pool, not on a copy.
 """
@@ -24,6 +27,8 @@ logger = logging.getLogger("kvcore")
 
 # Pool -> the methods kvcore gave back to stock on that pool (instance attributes it set).
 BYPASSED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+# Pool -> the methods bound for the later layers of a reload that passes.
+PASSING: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 _bypass_lock = threading.Lock()
 
 
@@ -77,11 +82,64 @@ def _outermost(pool: Any, method: str, original: Callable[..., Any]) -> bool:
     return bound is original or getattr(bound, "__wrapped__", None) is original
 
 
-def restore_bypassed() -> None:
-    """Take back every stock binding :func:`bypass_if_never` set on a pool."""
+def bind_passing_reload(
+    hook: Callable[..., Any],
+    original: Callable[..., Any],
+    pool: Any,
+    method: str,
+    host_indices: Any,
+    device_indices: Any,
+) -> None:
+    """Bind, on the pool, the later layers of a reload that passes (its first call was
+    decided and counted): a call with the reload's two index tensors runs stock at once;
+    any other call is a new reload, which takes the binding off and goes to ``hook`` (kvcore's
+    AROUND hook, ``original`` as the stock method it wraps) to be decided.
+
+    Only where kvcore's hook is the outermost layer of the method (another plugin's hook
+    would be skipped otherwise) and the pool takes attributes. The index tensors are held
+    weakly: identity alone decides, and a wrong match only sends a call to stock, which is
+    always exact.
+    """
+    if not _outermost(pool, method, original):
+        return
+    try:
+        host_ref, device_ref = weakref.ref(host_indices), weakref.ref(device_indices)
+    except TypeError:
+        return
+    stock = types.MethodType(original, pool)
+
+    def later_layer(
+        device_pool: Any,
+        host: Any,
+        device: Any,
+        layer_id: int,
+        io_backend: str,
+        *,
+        is_draft: bool = False,
+    ) -> Any:
+        if host is host_ref() and device is device_ref():
+            return stock(device_pool, host, device, layer_id, io_backend, is_draft=is_draft)
+        if pool.__dict__.get(method) is later_layer:
+            pool.__dict__.pop(method, None)
+        return hook(
+            original, pool, device_pool, host, device, layer_id, io_backend, is_draft=is_draft
+        )
+
+    try:
+        setattr(pool, method, later_layer)
+    except (AttributeError, TypeError):  # a pool that takes no attributes: the hook decides
+        return
     with _bypass_lock:
-        pools = list(BYPASSED.items())
+        PASSING.setdefault(pool, set()).add(method)
+
+
+def restore_bypassed() -> None:
+    """Take back every stock binding :func:`bypass_if_never` and
+    :func:`bind_passing_reload` set on a pool."""
+    with _bypass_lock:
+        pools = [*BYPASSED.items(), *PASSING.items()]
         BYPASSED.clear()
+        PASSING.clear()
     for pool, methods in pools:
         for method in methods:
             pool.__dict__.pop(method, None)

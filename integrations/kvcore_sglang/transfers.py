@@ -69,7 +69,7 @@ from .hook_mover import count_request_pass, mover, use_mover
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, layer_in, weakly
 from .pool_jobs import Job, PoolJobs
 from .served_layouts import layout_reason
-from .stock_binding import bypass_if_never, restore_bypassed
+from .stock_binding import bind_passing_reload, bypass_if_never, restore_bypassed
 
 _POOL_PACKAGE = "sglang.srt.mem_cache.pool_host"
 MHA_POOL = f"{_POOL_PACKAGE}.mha.MHATokenToKVPoolHost"
@@ -630,6 +630,12 @@ def _later_layer_served(
     return True
 
 
+def _passes_from_here(pool: Any, device_pool: Any, host_indices: Any, device_indices: Any) -> bool:
+    """Whether the reload these index tensors name passes to stock from this call on."""
+    latest = LOAD_REQUESTS.latest(pool, device_pool)
+    return latest is not None and latest.passing_for(host_indices, device_indices)
+
+
 def _make_load_hook(
     pool_class: str, target: str, by_release: dict[str, PoolJobs]
 ) -> Callable[..., None]:
@@ -650,10 +656,13 @@ def _make_load_hook(
         )
         if request is not None and _later_layer_served(request, device_pool, layer_id, is_draft):
             return
-        # A later layer of a request that passes costs the first check alone.
+        # A later layer of a request that passes costs the first check alone (none at all
+        # once its binding is on the pool).
         if latest is None or not latest.passing_for(host_indices, device_indices):
             rule = _call_rule("load", pool, io_backend)
-            if not bypass_if_never(original, pool, _LOAD, rule, io_backend) and _load_layer(
+            if bypass_if_never(original, pool, _LOAD, rule, io_backend):
+                pass
+            elif _load_layer(
                 _jobs_for(target, by_release),
                 rule,
                 pool_class,
@@ -667,6 +676,8 @@ def _make_load_hook(
                 request,
             ):
                 return
+            elif _passes_from_here(pool, device_pool, host_indices, device_indices):
+                bind_passing_reload(load_hook, original, pool, _LOAD, host_indices, device_indices)
         original(
             pool,
             device_pool,

@@ -82,7 +82,12 @@ KernelFactory = Callable[[PathPolicy], KernelSet]
 def _cuda_kernels(policy: PathPolicy) -> KernelSet:
     from kvcore.kernels.cuda import cuda_kernels
 
-    return cuda_kernels(policy.gather_ctas, policy.staged_pieces, policy.gather_ctas_to_host)
+    return cuda_kernels(
+        policy.gather_ctas,
+        policy.staged_pieces,
+        policy.gather_ctas_to_host,
+        short_rows=(policy.gather_ctas_short_rows, policy.short_row_bytes),
+    )
 
 
 _BY_DEVICE_TYPE: dict[str, KernelSet | KernelFactory] = {"cuda": _cuda_kernels}

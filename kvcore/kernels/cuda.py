@@ -152,9 +152,17 @@ class _DeviceRows:
 class _CudaIndexedOps:
     """The ops that take index tensors, uploading them through one ring per device."""
 
-    def __init__(self, gather_ctas: int, staged_pieces: int, gather_ctas_to_host: int) -> None:
+    def __init__(
+        self,
+        gather_ctas: int,
+        staged_pieces: int,
+        gather_ctas_to_host: int,
+        short_rows: tuple[int, int] | None = None,
+    ) -> None:
         self.gather_ctas = gather_ctas
         self.gather_ctas_to_host = gather_ctas_to_host
+        # (CTAs, bytes): device rows under that many bytes take that many CTAs.
+        self.short_rows = short_rows
         self.staged_pieces = staged_pieces
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -176,8 +184,14 @@ class _CudaIndexedOps:
         return on_device[0], on_device[1]
 
     def ctas_for(self, dst_words: torch.Tensor) -> int:
-        """The gather's CTAs for a copy into ``dst_words`` (by which side it writes)."""
-        return self.gather_ctas_to_host if dst_words.device.type == "cpu" else self.gather_ctas
+        """The gather's CTAs for a copy into ``dst_words``: by the side it writes, and on
+        the device by the length of its rows."""
+        if dst_words.device.type == "cpu":
+            return self.gather_ctas_to_host
+        short = self.short_rows
+        if short is not None and dst_words.shape[-1] * dst_words.element_size() < short[1]:
+            return short[0]
+        return self.gather_ctas
 
     def _uploader(self, device: torch.device) -> IndexUploader:
         uploader = self._uploaders.get(device)
@@ -387,12 +401,21 @@ def staging_pieces(rows: int, staging: torch.Tensor, most: int) -> list[tuple[in
     return [(begin, min(begin + step, rows)) for begin in range(0, rows, step)]
 
 
-def cuda_kernels(gather_ctas: int, staged_pieces: int, gather_ctas_to_host: int) -> KernelSet:
-    ops = _CudaIndexedOps(gather_ctas, staged_pieces, gather_ctas_to_host)
+def cuda_kernels(
+    gather_ctas: int,
+    staged_pieces: int,
+    gather_ctas_to_host: int,
+    *,
+    short_rows: tuple[int, int] | None = None,
+) -> KernelSet:
+    """``short_rows``: (CTAs, bytes), the gather's CTAs for device rows under that many
+    bytes (None: ``gather_ctas`` for every device row)."""
+    ops = _CudaIndexedOps(gather_ctas, staged_pieces, gather_ctas_to_host, short_rows)
+    short = "" if short_rows is None else f", short_rows={short_rows[0]}@<{short_rows[1]}B"
     return KernelSet(
         name=(
-            f"cuda(gather_ctas={gather_ctas}, gather_ctas_to_host={gather_ctas_to_host}, "
-            f"staged_pieces={staged_pieces})"
+            f"cuda(gather_ctas={gather_ctas}, gather_ctas_to_host={gather_ctas_to_host}"
+            f"{short}, staged_pieces={staged_pieces})"
         ),
         copy_runs=copy_runs,
         gather_rows=ops.gather_rows,

@@ -72,12 +72,31 @@ def test_the_gather_takes_its_ctas_by_the_side_it_writes():
     assert ops.ctas_for(device_side) == 8
 
 
+def test_device_rows_under_the_short_row_bytes_take_the_short_row_ctas():
+    ops = cuda._CudaIndexedOps(
+        gather_ctas=8, staged_pieces=1, gather_ctas_to_host=3, short_rows=(4, 2048)
+    )
+    mla_rows = torch.empty(4, 288, dtype=torch.int32, device="meta")  # 1152 B
+    mha_rows = torch.empty(4, 256, dtype=torch.int64, device="meta")  # 2048 B
+    host_rows = torch.zeros(4, 2, dtype=torch.int64)
+    assert [ops.ctas_for(t) for t in (mla_rows, mha_rows, host_rows)] == [4, 8, 3]
+
+
 def test_the_policy_carries_both_cta_counts_from_the_settings():
     from kvcore.config import KVCoreConfig
     from kvcore.path_policy import policy_from_config
 
-    env = {"KVCORE_GATHER_CTAS": "6", "KVCORE_GATHER_CTAS_TO_HOST": "2"}
+    env = {
+        "KVCORE_GATHER_CTAS": "6",
+        "KVCORE_GATHER_CTAS_TO_HOST": "2",
+        "KVCORE_GATHER_CTAS_SHORT_ROWS": "3",
+    }
     policy = policy_from_config(KVCoreConfig.from_env(env))
-    assert (policy.gather_ctas, policy.gather_ctas_to_host) == (6, 2)
+    assert (policy.gather_ctas, policy.gather_ctas_to_host, policy.gather_ctas_short_rows) == (
+        6,
+        2,
+        3,
+    )
     defaults = policy_from_config(KVCoreConfig.from_env({}))
     assert (defaults.gather_ctas, defaults.gather_ctas_to_host) == (8, 4)
+    assert (defaults.gather_ctas_short_rows, defaults.short_row_bytes) == (4, 2048)

@@ -24,8 +24,13 @@ def index_caches() -> tuple[dict[str, Any], dict[str, str]]:
     values: dict[str, Any] = {
         "host_index_memo": len(transfers.HOST_INDEX_MEMO),
         "bypassed_pools": len(stock_binding.BYPASSED),
+        "passing_reload_pools": len(stock_binding.PASSING),
     }
-    reads = {"host_index_memo": "public", "bypassed_pools": "public"}
+    reads = {
+        "host_index_memo": "public",
+        "bypassed_pools": "public",
+        "passing_reload_pools": "public",
+    }
     for name, memo in (
         ("pool_layers", transfers.POOL_LAYERS),
         ("layer_pairs", transfers.LAYER_PAIRS),

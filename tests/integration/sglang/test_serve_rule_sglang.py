@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from hicache_cpu import transfer_kv_direct
 from test_transfers import (
     LAYERS,
     POOL_CLASSES,
@@ -133,7 +134,52 @@ def test_a_small_request_passes_once_and_every_layer_reaches_stock():
         after_fallbacks, after_decisions = _counts()
         assert after_fallbacks.get(reason, 0) == fallbacks.get(reason, 0) + 1
         assert after_decisions.get(("pass", reason), 0) == decisions.get(("pass", reason), 0) + 1
-    assert "load_to_device_per_layer" not in pool.__dict__  # sized decisions bind nothing
+    # The stock method here is not the class's, so no binding could skip only kvcore.
+    assert "load_to_device_per_layer" not in pool.__dict__
+
+
+def test_a_passing_reload_binds_its_later_layers_and_the_next_reload_is_decided_again(
+    monkeypatch,
+    transfer_hooks,  # noqa: F811
+    small_mover,  # noqa: F811
+    direct_served_from,
+):
+    """A reload that passes at its size binds stock for its later layers, so they reach
+    stock through one frame; the next reload (new index tensors) takes the binding off and
+    is decided on its own, served or passed, with every byte exact."""
+    from sglang.srt.mem_cache.pool_host import mha
+
+    # Stock's direct copy is sgl-kernel's, absent here: a torch copy of the same rows.
+    monkeypatch.setattr(mha, "transfer_kv_direct", transfer_kv_direct, raising=False)
+    direct_served_from(64)
+    transfer_hooks()
+    decided: list[int] = []
+    real_start = transfers._start_load
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        decided.append(1)
+        return real_start(*args, **kwargs)
+
+    monkeypatch.setattr(transfers, "_start_load", start)
+    pool = pool_for("mha", "layer_first")
+    parts = components("mha", pool)
+    gen = torch.Generator().manual_seed(31)
+    randomise(all_tensors(parts), gen)
+    name = "load_to_device_per_layer"
+    for size, served in ((40, False), (120, True), (30, False), (50, False), (100, True)):
+        fallbacks, decisions = _counts()
+        decided.clear()
+        host_idx, device_idx = make_indices("mha", pool, "scattered", size, gen)
+        _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
+        assert len(decided) == 1, size  # the first call alone reached kvcore's decision
+        after_fallbacks, after_decisions = _counts()
+        key = ("serve", "rule_serves") if served else ("pass", "r")
+        assert after_decisions.get(key, 0) == decisions.get(key, 0) + 1, size
+        assert (name in pool.__dict__) is not served, size
+        if not served:
+            assert after_fallbacks.get("r", 0) == fallbacks.get("r", 0) + 1
+    transfers.restore_bypassed()
+    assert name not in pool.__dict__
 
 
 def test_a_request_the_rule_serves_is_copied_exactly(
