@@ -29,6 +29,10 @@ logger = logging.getLogger("kvcore")
 BYPASSED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 # Pool -> the methods bound for the later layers of a reload that passes.
 PASSING: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+# Pool -> its binding for passing reloads and the two index tensors that binding answers.
+_PASSING_LAYERS: weakref.WeakKeyDictionary[Any, tuple[Callable[..., Any], list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 _bypass_lock = threading.Lock()
 
 
@@ -96,17 +100,33 @@ def bind_passing_reload(
     AROUND hook, ``original`` as the stock method it wraps) to be decided.
 
     Only where kvcore's hook is the outermost layer of the method (another plugin's hook
-    would be skipped otherwise) and the pool takes attributes. The index tensors are held
-    weakly: identity alone decides, and a wrong match only sends a call to stock, which is
-    always exact.
+    would be skipped otherwise) and the pool takes attributes. Identity alone decides: a
+    wrong match only sends a call to stock, which is always exact. The binding holds the two
+    tensors until the next reload comes, as the pool's latest request does.
     """
     if not _outermost(pool, method, original):
         return
+    found = _PASSING_LAYERS.get(pool)
+    if found is None:
+        found = _passing_layers(hook, original, pool, method)
+        if found is None:
+            return
+    later_layer, held = found
+    held[0], held[1] = host_indices, device_indices
+    pool.__dict__[method] = later_layer
+
+
+def _passing_layers(
+    hook: Callable[..., Any], original: Callable[..., Any], pool: Any, method: str
+) -> tuple[Callable[..., Any], list[Any]] | None:
+    """The pool's binding for passing reloads and the index tensors it answers, made once
+    per pool; None for a pool that takes no attributes. It holds the pool weakly, so that
+    :data:`_PASSING_LAYERS` keeps no pool alive."""
+    held: list[Any] = [None, None]
     try:
-        host_ref, device_ref = weakref.ref(host_indices), weakref.ref(device_indices)
+        pool_ref = weakref.ref(pool)
     except TypeError:
-        return
-    stock = types.MethodType(original, pool)
+        return None
 
     def later_layer(
         device_pool: Any,
@@ -117,20 +137,28 @@ def bind_passing_reload(
         *,
         is_draft: bool = False,
     ) -> Any:
-        if host is host_ref() and device is device_ref():
-            return stock(device_pool, host, device, layer_id, io_backend, is_draft=is_draft)
-        if pool.__dict__.get(method) is later_layer:
-            pool.__dict__.pop(method, None)
+        bound = pool_ref()
+        if host is held[0] and device is held[1]:
+            if is_draft:
+                return original(
+                    bound, device_pool, host, device, layer_id, io_backend, is_draft=True
+                )
+            return original(bound, device_pool, host, device, layer_id, io_backend)
+        held[0] = held[1] = None
+        if bound.__dict__.get(method) is later_layer:
+            del bound.__dict__[method]
         return hook(
-            original, pool, device_pool, host, device, layer_id, io_backend, is_draft=is_draft
+            original, bound, device_pool, host, device, layer_id, io_backend, is_draft=is_draft
         )
 
     try:
         setattr(pool, method, later_layer)
     except (AttributeError, TypeError):  # a pool that takes no attributes: the hook decides
-        return
+        return None
     with _bypass_lock:
         PASSING.setdefault(pool, set()).add(method)
+        _PASSING_LAYERS[pool] = (later_layer, held)
+    return later_layer, held
 
 
 def restore_bypassed() -> None:
@@ -140,6 +168,7 @@ def restore_bypassed() -> None:
         pools = [*BYPASSED.items(), *PASSING.items()]
         BYPASSED.clear()
         PASSING.clear()
+        _PASSING_LAYERS.clear()
     for pool, methods in pools:
         for method in methods:
             pool.__dict__.pop(method, None)

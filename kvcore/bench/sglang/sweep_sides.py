@@ -165,21 +165,20 @@ def kvcore_side(
     name = METHOD_NAMES[op]
 
     pool, device_pool = case.pool, case.device_pool
+    # As Python looks the method up: a binding kvcore set on the pool comes first, with no
+    # frame of its own; else SGLang's HookRegistry wrapper, one frame around the hook.
+    bindings: dict[str, Any] = {} if direct else pool.__dict__
 
-    def method(*args: Any) -> Any:
-        # As Python looks the method up: a binding kvcore set on the pool comes first.
-        bound = None if direct else pool.__dict__.get(name)
-        if bound is not None:
-            return bound(*args)
+    def through_registry(*args: Any) -> Any:
         return hook(original, pool, *args)
 
     def request(indices: tuple[torch.Tensor, torch.Tensor]) -> None:
         host, device = indices
         if op == "backup":
-            method(device_pool, host, device, backend)
+            (bindings.get(name) or through_registry)(device_pool, host, device, backend)
             return
         for layer in range(layers):
-            method(device_pool, host, device, layer, backend)
+            (bindings.get(name) or through_registry)(device_pool, host, device, layer, backend)
 
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Where SGLang's controller puts the indices (stock's side says), the host indices

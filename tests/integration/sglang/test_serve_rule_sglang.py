@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from hicache_cpu import transfer_kv_direct
+from sglang_pools import mha_host
 from test_transfers import (
     LAYERS,
     POOL_CLASSES,
@@ -340,3 +341,28 @@ def test_the_rule_sees_each_served_pool_by_its_kind():
     assert transfers._pool_kind(pool_for("mha", "layer_first")) == "mha"
     assert transfers._pool_kind(pool_for("mla", "layer_first")) == "mla"
     assert transfers._pool_kind(object()) == ""
+
+
+def test_a_passing_reloads_binding_keeps_no_pool_alive(monkeypatch, direct_served_from):
+    import gc
+    import weakref
+
+    from kvcore_sglang import stock_binding
+
+    direct_served_from(1 << 20)  # every reload of these small pools passes
+    pool = mha_host(64, 16, "layer_first", layers=LAYERS, heads=2)  # not pool_for's, kept
+    calls: list[int] = []
+
+    def stock_method(*args: Any, **kwargs: Any) -> None:
+        calls.append(args[4])  # the layer alone: nothing here may hold the pool
+
+    monkeypatch.setattr(type(pool), "load_to_device_per_layer", stock_method)
+    host_idx, device_idx = torch.arange(32), torch.arange(1, 33)
+    _load_hook()(stock_method, pool, device_pool_of("mha", pool), host_idx, device_idx, 0, "direct")
+    pool.load_to_device_per_layer(device_pool_of("mha", pool), host_idx, device_idx, 1, "direct")
+    assert calls == [0, 1] and pool in stock_binding.PASSING
+    gone = weakref.ref(pool)
+    transfers.LOAD_REQUESTS.clear()
+    del pool
+    gc.collect()
+    assert gone() is None
