@@ -103,27 +103,16 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
     SGLangRule(
         "load",
         "kernel",
-        "layer_first",
-        _TOKEN_PAGES,
-        8192,
-        "stock_kernel_small_mla_load",
-        "token-granular MLA layer_first reloads: stock's kernel at 37-43 GB/s; kvcore's "
-        "gather 1.09-1.27x from 8k tokens, and on 4 CTAs (its count for rows under 2 KiB) "
-        "as fast as on 8 while a concurrent GEMM kept 79% against stock's 71-77% (H200, "
-        "32k tokens). Below 8k a request's first call costs more than the copy gains",
-        pool="mla",
-    ),
-    SGLangRule(
-        "load",
-        "kernel",
         ANY,
         _ALL_PAGES,
         None,
         "stock_kernel_near_link",
         "SGLang's JIT load kernel moves paged reloads at 50-51 GB/s from 4k tokens up, for "
         "19-26 us of host time a layer; kvcore's own loads 0.97-1.04x from 8k tokens (H200 "
-        "engine sweep). Token-granular MHA reloads: the gather is no faster than stock's "
-        "kernel on 8 CTAs and a third slower on 4",
+        "engine sweep). Token-granular MLA reloads (stock at 37-43 GB/s) ran 1.13-1.29x on "
+        "kvcore's gather from 8k tokens on 4 CTAs, but a 512-token pass on a pool that serves "
+        "some sizes cost 0.94x (H200, 2026-12-03), so they stay stock until that pass is "
+        "cheaper; token-granular MHA reloads: the gather is no faster than stock's kernel",
     ),
     SGLangRule(
         "backup",
