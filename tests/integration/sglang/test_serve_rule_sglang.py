@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 from hicache_cpu import transfer_kv_direct
-from sglang_pools import mha_host
 from test_transfers import (
     LAYERS,
     POOL_CLASSES,
@@ -346,6 +345,8 @@ def test_the_rule_sees_each_served_pool_by_its_kind():
 def test_a_passing_reloads_binding_keeps_no_pool_alive(monkeypatch, direct_served_from):
     import gc
     import weakref
+
+    from sglang_pools import mha_host
 
     from kvcore_sglang import stock_binding
 
