@@ -103,6 +103,19 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
     SGLangRule(
         "load",
         "kernel",
+        "layer_first",
+        _TOKEN_PAGES,
+        8192,
+        "stock_kernel_small_mla_load",
+        "token-granular MLA layer_first reloads: stock's kernel at 37-43 GB/s; kvcore's "
+        "gather 1.12-1.29x from 8k tokens on 4 CTAs (its count for rows under 2 KiB), while a "
+        "concurrent GEMM kept 85%/76% against stock's 87%/80% (H200 engine sweep). Below 8k a "
+        "request's first call costs more than the copy gains",
+        pool="mla",
+    ),
+    SGLangRule(
+        "load",
+        "kernel",
         ANY,
         _ALL_PAGES,
         None,

@@ -5,9 +5,11 @@ size 64, for one) gets stock's method as an instance attribute, so that SGLang's
 calls reach stock with no kvcore frame at all. A pool whose loads pass at some sizes only
 gets, once a reload passes, a binding for that reload's later layers
 (:func:`bind_passing_reload`): one frame that compares the index tensors and calls stock,
-instead of the whole hook on every layer. :func:`restore_bypassed` takes every such
-binding back when the hooks go. Apart from the hooks because it is state of its own (the
-bound pools, weakly) and acts on the pool, not on a copy.
+instead of the whole hook on every layer. A new reload that the rule passes by its size
+alone is decided and counted there too; any other goes back to the hook.
+:func:`restore_bypassed` takes every such binding back when the hooks go. Apart from the
+hooks because it is state of its own (the bound pools, weakly) and acts on the pool, not on
+a copy.
 """
 
 from __future__ import annotations
@@ -86,6 +88,11 @@ def _outermost(pool: Any, method: str, original: Callable[..., Any]) -> bool:
     return bound is original or getattr(bound, "__wrapped__", None) is original
 
 
+RulePass = Callable[[Any, Any, str], bool]
+"""``(pool, host_indices, io_backend)``: whether the serve-or-pass rule passes a new reload
+by its size alone, the pass counted; False where kvcore's hook must decide it."""
+
+
 def bind_passing_reload(
     hook: Callable[..., Any],
     original: Callable[..., Any],
@@ -93,11 +100,14 @@ def bind_passing_reload(
     method: str,
     host_indices: Any,
     device_indices: Any,
+    rule_pass: RulePass,
 ) -> None:
     """Bind, on the pool, the later layers of a reload that passes (its first call was
-    decided and counted): a call with the reload's two index tensors runs stock at once;
-    any other call is a new reload, which takes the binding off and goes to ``hook`` (kvcore's
-    AROUND hook, ``original`` as the stock method it wraps) to be decided.
+    decided and counted): a call with the reload's two index tensors runs stock at once.
+    Any other call is a new reload: where ``rule_pass`` passes it (counted there), the
+    binding answers it and its later layers; otherwise the binding takes itself off and the
+    call goes to ``hook`` (kvcore's AROUND hook, ``original`` as the stock method it wraps)
+    to be decided in full.
 
     Only where kvcore's hook is the outermost layer of the method (another plugin's hook
     would be skipped otherwise) and the pool takes attributes. Identity alone decides: a
@@ -108,7 +118,7 @@ def bind_passing_reload(
         return
     found = _PASSING_LAYERS.get(pool)
     if found is None:
-        found = _passing_layers(hook, original, pool, method)
+        found = _passing_layers(hook, original, pool, method, rule_pass)
         if found is None:
             return
     later_layer, held = found
@@ -117,7 +127,11 @@ def bind_passing_reload(
 
 
 def _passing_layers(
-    hook: Callable[..., Any], original: Callable[..., Any], pool: Any, method: str
+    hook: Callable[..., Any],
+    original: Callable[..., Any],
+    pool: Any,
+    method: str,
+    rule_pass: RulePass,
 ) -> tuple[Callable[..., Any], list[Any]] | None:
     """The pool's binding for passing reloads and the index tensors it answers, made once
     per pool; None for a pool that takes no attributes. It holds the pool weakly, so that
@@ -138,18 +152,25 @@ def _passing_layers(
         is_draft: bool = False,
     ) -> Any:
         bound = pool_ref()
-        if host is held[0] and device is held[1]:
-            if is_draft:
-                return original(
-                    bound, device_pool, host, device, layer_id, io_backend, is_draft=True
+        if host is not held[0] or device is not held[1]:
+            if not rule_pass(bound, host, io_backend):
+                held[0] = held[1] = None
+                if bound.__dict__.get(method) is later_layer:
+                    del bound.__dict__[method]
+                return hook(
+                    original,
+                    bound,
+                    device_pool,
+                    host,
+                    device,
+                    layer_id,
+                    io_backend,
+                    is_draft=is_draft,
                 )
-            return original(bound, device_pool, host, device, layer_id, io_backend)
-        held[0] = held[1] = None
-        if bound.__dict__.get(method) is later_layer:
-            del bound.__dict__[method]
-        return hook(
-            original, bound, device_pool, host, device, layer_id, io_backend, is_draft=is_draft
-        )
+            held[0], held[1] = host, device
+        if is_draft:
+            return original(bound, device_pool, host, device, layer_id, io_backend, is_draft=True)
+        return original(bound, device_pool, host, device, layer_id, io_backend)
 
     try:
         setattr(pool, method, later_layer)

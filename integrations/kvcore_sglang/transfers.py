@@ -630,6 +630,21 @@ def _later_layer_served(
     return True
 
 
+def _rule_passes_reload(pool: Any, host_indices: Any, io_backend: str) -> bool:
+    """Whether the serve-or-pass rule passes a new reload by its size alone, counted as its
+    first call through the hook would count it: what a pool's binding for passing reloads
+    asks (:func:`~kvcore_sglang.stock_binding.bind_passing_reload`). False where the hook
+    must decide (the rule is off or would serve this size)."""
+    rule = _call_rule("load", pool, io_backend)
+    if rule is None:
+        return False
+    reason = rule.decision(_count_of(host_indices))
+    if reason is None:
+        return False
+    count_request_pass(mover(), reason)
+    return True
+
+
 def _passes_from_here(pool: Any, device_pool: Any, host_indices: Any, device_indices: Any) -> bool:
     """Whether the reload these index tensors name passes to stock from this call on."""
     latest = LOAD_REQUESTS.latest(pool, device_pool)
@@ -677,7 +692,15 @@ def _make_load_hook(
             ):
                 return
             elif _passes_from_here(pool, device_pool, host_indices, device_indices):
-                bind_passing_reload(load_hook, original, pool, _LOAD, host_indices, device_indices)
+                bind_passing_reload(
+                    load_hook,
+                    original,
+                    pool,
+                    _LOAD,
+                    host_indices,
+                    device_indices,
+                    _rule_passes_reload,
+                )
         original(
             pool,
             device_pool,

@@ -189,3 +189,22 @@ def test_mha_layer_first_backups_on_few_host_runs_are_served_from_32k_tokens(pag
     # MLA's dense backups ran under 0.97x of stock: they stay stock.
     assert mla.host_decision(1 << 20, few_host_runs=True) is not SERVE
     assert mla.dense_min_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("pool", "layout", "page", "tokens", "expected"),
+    [
+        # Token-granular MLA layer_first reloads: served from 8k tokens.
+        ("mla", "layer_first", 1, 8191, "stock_kernel_small_mla_load"),
+        ("mla", "layer_first", 1, 8192, SERVE),
+        # Paged, page_first, or another pool kind: stock's kernel at any size.
+        ("mla", "layer_first", 64, 1 << 20, "stock_kernel_near_link"),
+        ("mla", "page_first", 1, 1 << 20, "stock_kernel_near_link"),
+        ("mha", "layer_first", 1, 1 << 20, "stock_kernel_near_link"),
+        ("dsa", "layer_first", 1, 1 << 20, "stock_kernel_near_link"),
+    ],
+)
+def test_kernel_loads_serve_only_token_granular_mla_layer_first_from_8k_tokens(
+    pool, layout, page, tokens, expected
+):
+    assert sglang_decision("load", "kernel", layout, page, tokens, pool=pool) == expected

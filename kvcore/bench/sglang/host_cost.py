@@ -9,6 +9,9 @@ uploads the indices) and of its later calls (where kvcore should issue one launc
 the path kvcore took. On CUDA the copies are queued, so host time is what the engine's
 load thread spends; on a CPU the copies run inside the calls, so ``--no-copy`` swaps the
 CPU kernels for ones that copy nothing, leaving kvcore's own cost (stock is not run there).
+With ``--rule`` the serve-or-pass rule stays on and kvcore's calls go through the pool's
+attribute first, as SGLang's lookup does: a reload that passes is then timed through the
+stock binding kvcore sets on the pool, and ``bound_share`` says how many later calls found it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class CostRow:
     later_us: float
     later_p90_us: float
     paths: list[str]
+    bound_share: float = 0.0
+    """The share of later calls that found a method bound on the pool (``--rule`` only)."""
 
 
 def _no_copy(_: Any, *__: Any) -> None:
@@ -122,6 +127,36 @@ def _row(
     )
 
 
+def _kvcore_calls(
+    case: PoolCase,
+    hook: Callable[..., Any],
+    original: Callable[..., Any],
+    pools: tuple[Any, ...],
+    backend: str,
+    through_pool: bool,
+    bound: list[int],
+) -> list[Callable[[], Any]]:
+    """One request's calls to kvcore: its hook as SGLang's HookRegistry calls it, or with
+    ``through_pool`` whatever the pool's attribute holds first (a binding kvcore set on the
+    pool, counted in ``bound``), as SGLang's ``pool.load_to_device_per_layer`` finds it."""
+    if not through_pool:
+        return [
+            functools.partial(hook, original, *pools, n, backend) for n in range(case.opts.layers)
+        ]
+    pool, rest = pools[0], pools[1:]
+    name = sweep_sides.METHOD_NAMES["load"]
+
+    def call(layer: int) -> Any:
+        binding = pool.__dict__.get(name)
+        if binding is None:
+            return hook(original, pool, *rest, layer, backend)
+        if layer:
+            bound[0] += 1
+        return binding(*rest, layer, backend)
+
+    return [functools.partial(call, n) for n in range(case.opts.layers)]
+
+
 def measure_case(
     case: PoolCase,
     backend: str,
@@ -129,8 +164,11 @@ def measure_case(
     requests: int,
     stock: bool,
     host_frag: str = "100%",
+    *,
+    through_pool: bool = False,
 ) -> list[CostRow]:
-    """Stock's and kvcore's per-call host time over ``requests`` requests of ``tokens``."""
+    """Stock's and kvcore's per-call host time over ``requests`` requests of ``tokens``;
+    ``through_pool``: kvcore's calls as :func:`_kvcore_calls` says."""
     device = case.opts.device
     layers = case.opts.layers
     label = f"{case.kind}/{case.layout}/{backend}/p{case.page_size}"
@@ -146,6 +184,7 @@ def measure_case(
         if side.call is None or side.label == sweep_sides.MODEL:
             continue  # stock not runnable here, or only its Python model: no host figure
         firsts, laters = [], []
+        bound = [0]
         before = METRICS.snapshot()
         # The first request pays one-time costs (JIT compiles, each layer's checks): not kept.
         for request in range(requests + 1):
@@ -153,16 +192,19 @@ def measure_case(
             if name == "stock":
                 calls = [functools.partial(original, *pools, n, backend) for n in range(layers)]
             else:
-                args = (original, *pools)
-                calls = [functools.partial(hook, *args, n, backend) for n in range(layers)]
+                calls = _kvcore_calls(case, hook, original, pools, backend, through_pool, bound)
             times = _call_times(calls, device)
+            if not request:
+                bound[0] = 0
             if request:
                 firsts.append(times[0])
                 laters.extend(times[1:])
         row = _row(label, tokens, layers, host_frag, name, firsts, laters)
         if name == "kvcore":
             row = dataclasses.replace(
-                row, paths=sweep_cells.paths_taken(before, METRICS.snapshot())
+                row,
+                paths=sweep_cells.paths_taken(before, METRICS.snapshot()),
+                bound_share=bound[0] / len(laters) if laters else 0.0,
             )
         rows.append(row)
     return rows
@@ -215,7 +257,8 @@ def run(args: argparse.Namespace) -> list[CostRow]:
     install_sgl_kernel_stub()
     install_torchvision_stub()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(sweep_sides.serve_rule_off())
+        if not args.rule:
+            stack.enter_context(sweep_sides.serve_rule_off())
         if args.no_copy:
             saved = kernels.unregister_kernels("cpu")
             kernels.register_kernels("cpu", NO_COPY)
@@ -238,7 +281,9 @@ def run(args: argparse.Namespace) -> list[CostRow]:
                     )
                 for count in tokens:
                     for frag in args.host_frag:
-                        for row in measure_case(case, backend, count, args.requests, stock, frag):
+                        for row in measure_case(
+                            case, backend, count, args.requests, stock, frag, through_pool=args.rule
+                        ):
                             rows.append(row)
                             print(_line(row), file=sys.stderr, flush=True)
             sweep.release_pools()
@@ -261,7 +306,8 @@ def _line(row: CostRow) -> str:
     return (
         f"{row.case:28} {row.tokens:>7} {row.host_frag:>4} {row.side:7} "
         f"first {row.first_us:8.1f} us  "
-        f"later {row.later_us:7.1f} us (p90 {row.later_p90_us:7.1f})  {','.join(row.paths)}"
+        f"later {row.later_us:7.1f} us (p90 {row.later_p90_us:7.1f})  "
+        f"bound {row.bound_share:4.2f}  {','.join(row.paths)}"
     )
 
 
@@ -279,6 +325,11 @@ def parser() -> argparse.ArgumentParser:
         help="host slot fragmentation levels, comma-separated (0%%: one run, served staged)",
     )
     p.add_argument("--no-copy", action="store_true", help="CPU kernels that copy nothing")
+    p.add_argument(
+        "--rule",
+        action="store_true",
+        help="keep the serve-or-pass rule on and call through the pool's attribute first",
+    )
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--profile", help="write a cProfile of kvcore's calls here")
     p.add_argument(

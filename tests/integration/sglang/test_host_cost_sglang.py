@@ -50,3 +50,25 @@ def test_each_reload_call_is_timed_and_the_profile_has_both_kinds(tmp_path: Path
     totals = [float(line.split()[1]) for line in first_table.splitlines() if "transfers.py" in line]
     assert max(totals) > 1.0
     assert kernels.registered("cpu") is before  # the copy-free kernels are taken back
+
+
+def test_with_the_rule_on_a_passing_reload_runs_its_later_layers_through_the_binding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hicache_cpu import transfer_kv_direct
+    from sglang.srt.mem_cache.pool_host import mha
+
+    from kvcore_sglang import stock_binding
+
+    # SGLang imports sgl_kernel's direct copy only on CUDA; stock's passes need one here.
+    monkeypatch.setattr(mha, "transfer_kv_direct", transfer_kv_direct, raising=False)
+    out = tmp_path / "cost.json"
+    argv = ["--device", "cpu", "--no-copy", "--rule", "--tokens", "128,4096", "--layers", "4"]
+    argv += ["--requests", "2", "--cases", "mha/layer_first/direct/p64", "--json", str(out)]
+    assert host_cost.main(argv) == 0
+    rows = {r["tokens"]: r for r in json.loads(out.read_text())["rows"]}
+    # Direct page-64 reloads pass below 4k tokens: every later layer found stock bound on
+    # the pool and nothing was served; from 4k kvcore serves each layer through its hook.
+    assert rows[128]["bound_share"] == 1.0 and rows[128]["paths"] == []
+    assert rows[4096]["bound_share"] == 0.0 and rows[4096]["paths"]
+    assert not stock_binding.PASSING  # the pools are gone, and their bindings with them

@@ -145,33 +145,51 @@ def test_a_passing_reload_binds_its_later_layers_and_the_next_reload_is_decided_
     direct_served_from,
 ):
     """A reload that passes at its size binds stock for its later layers, so they reach
-    stock through one frame; the next reload (new index tensors) takes the binding off and
-    is decided on its own, served or passed, with every byte exact."""
+    stock through one frame. The next reload (new index tensors) is decided once: by the
+    binding where the rule passes its size, else by the hook, which the binding gives way to;
+    served or passed, every byte is exact."""
     from sglang.srt.mem_cache.pool_host import mha
 
     # Stock's direct copy is sgl-kernel's, absent here: a torch copy of the same rows.
     monkeypatch.setattr(mha, "transfer_kv_direct", transfer_kv_direct, raising=False)
     direct_served_from(64)
     transfer_hooks()
-    decided: list[int] = []
-    real_start = transfers._start_load
+    decided: list[str] = []
+    real_start, real_rule_pass = transfers._start_load, transfers._rule_passes_reload
 
     def start(*args: Any, **kwargs: Any) -> Any:
-        decided.append(1)
+        decided.append("hook")
         return real_start(*args, **kwargs)
 
+    def rule_pass(*args: Any) -> bool:
+        passes = real_rule_pass(*args)
+        if passes:
+            decided.append("binding")
+        return passes
+
     monkeypatch.setattr(transfers, "_start_load", start)
+    monkeypatch.setattr(transfers, "_rule_passes_reload", rule_pass)
     pool = pool_for("mha", "layer_first")
     parts = components("mha", pool)
     gen = torch.Generator().manual_seed(31)
     randomise(all_tensors(parts), gen)
     name = "load_to_device_per_layer"
-    for size, served in ((40, False), (120, True), (30, False), (50, False), (100, True)):
+    # (size, served, who decided): the first pass has no binding yet; a served reload takes
+    # the binding off, so the pass after it is the hook's again.
+    reloads = (
+        (40, False, "hook"),
+        (120, True, "hook"),
+        (30, False, "hook"),
+        (50, False, "binding"),
+        (20, False, "binding"),
+        (100, True, "hook"),
+    )
+    for size, served, decider in reloads:
         fallbacks, decisions = _counts()
         decided.clear()
         host_idx, device_idx = make_indices("mha", pool, "scattered", size, gen)
         _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
-        assert len(decided) == 1, size  # the first call alone reached kvcore's decision
+        assert decided == [decider], size  # the first call alone was decided
         after_fallbacks, after_decisions = _counts()
         key = ("serve", "rule_serves") if served else ("pass", "r")
         assert after_decisions.get(key, 0) == decisions.get(key, 0) + 1, size
