@@ -189,6 +189,7 @@ def measure_case(
         # The first request pays one-time costs (JIT compiles, each layer's checks): not kept.
         for request in range(requests + 1):
             pools = _request_pools(case, side, tokens, gen, host_frag)
+            calls: list[Callable[[], Any]]
             if name == "stock":
                 calls = [functools.partial(original, *pools, n, backend) for n in range(layers)]
             else:
