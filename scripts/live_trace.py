@@ -57,6 +57,8 @@ TOKEN_RANGE = (1000, 120000)
 COUNTED_PREFIXES = ("vllm:kv_offload_", "kvcore_", "vllm:prefix_cache_", "vllm:prompt_tokens")
 LOAD_BYTES = "vllm:kv_offload_load_bytes"
 LOAD_TIME = "vllm:kv_offload_load_time"
+# The load-size histogram's sample count: the load jobs the tier ran for the request.
+LOAD_JOBS = "vllm:kv_offload_load_size_count"
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_TAIL = 0.025
 SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -330,7 +332,10 @@ def summarize(results: list[Result], wall_s: float | None = None) -> dict[str, A
 
 
 def _by_size(hits: list[Result]) -> list[dict[str, Any]]:
-    """Per first-turn size: hit TTFT and reload time medians, the reload's GB/s."""
+    """Per first-turn size: hit TTFT and reload time medians, the reload's GB/s, the
+    median of each hit's TTFT less its reload time (the engine's own steps around the
+    reload), and the load jobs a hit took (median and most: a reload split over two jobs
+    waits for both)."""
     rows = []
     for size in FIRST_TURN_TOKENS:
         group = [r for r in hits if r.first_turn_tokens == size]
@@ -346,9 +351,20 @@ def _by_size(hits: list[Result]) -> list[dict[str, Any]]:
                 "reload_ms_p50": _ms(reload_s),
                 "reload_bytes_p50": loaded,
                 "reload_gb_per_s": round(loaded / reload_s / 1e9, 2) if reload_s else None,
+                "other_ms_p50": _ms(
+                    statistics.median([r.ttft_s - r.counted.get(LOAD_TIME, 0.0) for r in group])
+                ),
+                "load_jobs_p50": _jobs(group, statistics.median),
+                "load_jobs_max": _jobs(group, max),
             }
         )
     return rows
+
+
+def _jobs(group: list[Result], pick: Any) -> float | None:
+    """``pick`` over the hits' load-job counts; None where the tier reported none."""
+    counts = [r.counted[LOAD_JOBS] for r in group if LOAD_JOBS in r.counted]
+    return pick(counts) if counts else None
 
 
 def _ms(seconds: float | None) -> float | None:

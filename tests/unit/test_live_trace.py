@@ -7,6 +7,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,20 @@ def test_misses_and_first_turns_are_not_compared():
     counted = {live_trace.LOAD_BYTES: 0.0}
     miss = live_trace.Result(0, 512, 1, 600, 0.2, 0.2, [1], counted)
     assert live_trace.compare_hits([miss], _hits(512, [0.05])) == []
+
+
+def test_each_size_splits_hit_ttft_into_reload_and_the_rest_and_counts_load_jobs():
+    def hit(size: int, ttft_s: float, load_s: float, jobs: float | None) -> Any:
+        counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: load_s}
+        if jobs is not None:
+            counted[live_trace.LOAD_JOBS] = jobs
+        return live_trace.Result(0, size, 1, size, ttft_s, ttft_s, [1], counted)
+
+    hits = [hit(512, 0.050, 0.010, 1), hit(512, 0.070, 0.020, 2), hit(512, 0.060, 0.030, 1)]
+    hits.append(hit(1024, 0.080, 0.040, None))
+    by_size = {row["first_turn_tokens"]: row for row in live_trace.summarize(hits)["by_size"]}
+    # TTFT less reload: 40, 50, 30 ms; the median is 40.
+    assert by_size[512]["other_ms_p50"] == pytest.approx(40.0)
+    assert by_size[512]["load_jobs_p50"] == 1 and by_size[512]["load_jobs_max"] == 2
+    # A tier that reports no load-size histogram: no job count, not zero.
+    assert by_size[1024]["load_jobs_p50"] is None and by_size[1024]["load_jobs_max"] is None
