@@ -6,7 +6,10 @@ calls reach stock with no kvcore frame at all. A pool whose loads pass at some s
 gets, once a reload passes, a binding for that reload's later layers
 (:func:`bind_passing_reload`): one frame that compares the index tensors and calls stock,
 instead of the whole hook on every layer. A new reload that the rule passes by its size
-alone is decided and counted there too; any other goes back to the hook.
+alone is decided and counted there too; any other goes back to the hook. Where SGLang's
+cache controller moves each transfer's indices first (kvcore's ``move_indices`` hook tells
+:func:`indices_moved`), a passing reload's later layers get stock's method itself, no frame
+at all, until the next move.
 :func:`restore_bypassed` takes every such binding back when the hooks go. Apart from the
 hooks because it is state of its own (the bound pools, weakly) and acts on the pool, not on
 a copy.
@@ -35,6 +38,12 @@ PASSING: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 _PASSING_LAYERS: weakref.WeakKeyDictionary[Any, tuple[Callable[..., Any], list[Any]]] = (
     weakref.WeakKeyDictionary()
 )
+# Pools whose reloads SGLang's cache controller fronts with ``move_indices`` (kvcore's hook
+# saw it move indices for the pool): a passing reload there binds stock's method itself for
+# its later layers, no frame at all, and the next move puts the checking binding back.
+_MOVED_FIRST: weakref.WeakSet[Any] = weakref.WeakSet()
+# Pools that carry stock's method itself for the rest of a passing reload.
+_SKIPPING: weakref.WeakSet[Any] = weakref.WeakSet()
 _bypass_lock = threading.Lock()
 
 
@@ -124,6 +133,38 @@ def bind_passing_reload(
     later_layer, held = found
     held[0], held[1] = host_indices, device_indices
     pool.__dict__[method] = later_layer
+    _skip_later_layers(pool, method, original)
+
+
+def _skip_later_layers(pool: Any, method: str, original: Callable[..., Any]) -> None:
+    """Where the pool's reloads come after a ``move_indices`` (:func:`indices_moved`), bind
+    stock's method itself for the rest of the passing reload just decided: its later layers
+    then cost SGLang's own lookup alone. The next move takes it off again."""
+    if pool in _MOVED_FIRST:
+        pool.__dict__[method] = types.MethodType(original, pool)
+        _SKIPPING.add(pool)
+
+
+def indices_moved(pool: Any) -> None:
+    """SGLang's cache controller moved the indices of its next transfer on ``pool`` (kvcore's
+    ``move_indices`` hook says so, before stock's layers could run): from now on a passing
+    reload on the pool may bind stock's method itself (:func:`_skip_later_layers`), and one
+    that did goes back to its checking binding, so that the next reload reaches kvcore to be
+    decided. That binding still holds the last passing reload's index tensors: a later layer
+    of it (were a move to come in its midst) still runs stock, counted once."""
+    try:
+        _MOVED_FIRST.add(pool)
+    except TypeError:  # a pool that takes no weak reference: its passes keep the checking binding
+        return
+    if pool in _SKIPPING:
+        _SKIPPING.discard(pool)
+        found = _PASSING_LAYERS.get(pool)
+        methods = PASSING.get(pool, ())
+        for method in methods:
+            if found is None:
+                pool.__dict__.pop(method, None)
+            else:
+                pool.__dict__[method] = found[0]
 
 
 def _passing_layers(
@@ -168,6 +209,7 @@ def _passing_layers(
                     is_draft=is_draft,
                 )
             held[0], held[1] = host, device
+            _skip_later_layers(bound, method, original)
         if is_draft:
             return original(bound, device_pool, host, device, layer_id, io_backend, is_draft=True)
         return original(bound, device_pool, host, device, layer_id, io_backend)
@@ -190,6 +232,8 @@ def restore_bypassed() -> None:
         BYPASSED.clear()
         PASSING.clear()
         _PASSING_LAYERS.clear()
+        _MOVED_FIRST.clear()
+        _SKIPPING.clear()
     for pool, methods in pools:
         for method in methods:
             pool.__dict__.pop(method, None)

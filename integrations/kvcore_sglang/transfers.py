@@ -69,7 +69,12 @@ from .hook_mover import count_request_pass, mover, use_mover
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, layer_in, weakly
 from .pool_jobs import Job, PoolJobs
 from .served_layouts import layout_reason
-from .stock_binding import bind_passing_reload, bypass_if_never, restore_bypassed
+from .stock_binding import (
+    bind_passing_reload,
+    bypass_if_never,
+    indices_moved,
+    restore_bypassed,
+)
 
 _POOL_PACKAGE = "sglang.srt.mem_cache.pool_host"
 MHA_POOL = f"{_POOL_PACKAGE}.mha.MHATokenToKVPoolHost"
@@ -96,12 +101,17 @@ def _class_name(pool: Any) -> str:
 def move_indices_hook(
     original: Callable[..., Any], controller: Any, host_indices: Any, device_indices: Any
 ) -> Any:
-    """AROUND ``HiCacheController.move_indices``: remember host indices moved to the GPU.
+    """AROUND ``HiCacheController.move_indices``: remember host indices moved to the GPU,
+    and tell the controller's host pool's stock bindings a new transfer comes
+    (:func:`~kvcore_sglang.stock_binding.indices_moved`).
     Stock's move has run first; a failure of kvcore's own part after it only leaves the
     indices unremembered (their transfer then runs stock), counted."""
     moved = original(controller, host_indices, device_indices)
     moved_host = moved[0] if isinstance(moved, tuple) and moved else None
     try:
+        host_pool = getattr(controller, "mem_pool_host", None)
+        if host_pool is not None:
+            indices_moved(host_pool)
         if (
             isinstance(host_indices, torch.Tensor)
             and host_indices.device.type == "cpu"

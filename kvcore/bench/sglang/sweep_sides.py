@@ -10,6 +10,7 @@ because the host-cost bench drives the same sides.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -155,8 +156,8 @@ def kvcore_side(
     case: PoolCase, op: str, backend: str, layers: int, *, direct: bool = False
 ) -> Side:
     """The AROUND hook as SGLang's HookRegistry calls it, the stock method as ``original``;
-    with ``kernel`` on CUDA the host indices go through the ``move_indices`` hook, as SGLang
-    moves them (the move itself is not timed on either side)."""
+    a reload's indices go through the ``move_indices`` hook first, as SGLang moves them
+    (the move itself is not timed on either side)."""
     from kvcore_sglang import transfers
 
     hook = pool_hook(case, op)
@@ -180,17 +181,21 @@ def kvcore_side(
         for layer in range(layers):
             (bindings.get(name) or through_registry)(device_pool, host, device, layer, backend)
 
+    # What the hook reads of SGLang's cache controller: the host pool it moves indices for.
+    controller = types.SimpleNamespace(mem_pool_host=pool)
+
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Where SGLang's controller puts the indices (stock's side says), the host indices
-        # moved through kvcore's move_indices hook, which remembers the CPU ones.
+        # Where SGLang's controller puts the indices (stock's side says), through kvcore's
+        # move_indices hook, as SGLang moves every reload's (which remembers the CPU host
+        # indices of those moved to the GPU); a backup's only where SGLang moves them.
         stock_h, stock_d = stock_indices(case, op, backend, h, d)
-        if stock_h is h:
+        if stock_h is h and op == "backup":
             return h, stock_d
 
-        def to_device(controller: Any, host: torch.Tensor, device: torch.Tensor) -> Any:
-            return host.to(case.opts.device), stock_d
+        def to_place(controller: Any, host: torch.Tensor, device: torch.Tensor) -> Any:
+            return stock_h, stock_d
 
-        moved = transfers.move_indices_hook(to_device, None, h, d)
+        moved = transfers.move_indices_hook(to_place, controller, h, d)
         return moved[0], moved[1]
 
     return Side("kvcore", request, prepare, label="kvcore")

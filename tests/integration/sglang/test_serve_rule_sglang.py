@@ -7,6 +7,7 @@ Pools are built the way SGLang builds them (sglang_pools.py); the stock methods 
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from test_transfers import (
     POOL_CLASSES,
     Recorder,
     _load_every_layer_and_check,
+    _reload_expected,
     all_tensors,
     as_bytes,
     components,
@@ -196,6 +198,67 @@ def test_a_passing_reload_binds_its_later_layers_and_the_next_reload_is_decided_
         assert (name in pool.__dict__) is not served, size
         if not served:
             assert after_fallbacks.get("r", 0) == fallbacks.get("r", 0) + 1
+    transfers.restore_bypassed()
+    assert name not in pool.__dict__
+
+
+def test_after_a_move_a_passing_reloads_later_layers_run_stock_itself_until_the_next_move(
+    monkeypatch,
+    transfer_hooks,  # noqa: F811
+    small_mover,  # noqa: F811
+    direct_served_from,
+):
+    """Where SGLang's controller moves each reload's indices first (kvcore's move_indices
+    hook sees it), a passing reload's later layers find stock's own method bound on the
+    pool, no kvcore frame. The next move puts the checking binding back, so that the next
+    reload is decided, once; a move in the midst of a passing reload does not count it
+    again. Every byte matches stock's."""
+    from sglang.srt.mem_cache.pool_host import mha
+
+    monkeypatch.setattr(mha, "transfer_kv_direct", transfer_kv_direct, raising=False)
+    direct_served_from(64)
+    transfer_hooks()
+    pool = pool_for("mha", "layer_first")
+    device_pool = device_pool_of("mha", pool)
+    controller = types.SimpleNamespace(mem_pool_host=pool)
+    name = "load_to_device_per_layer"
+    gen = torch.Generator().manual_seed(37)
+
+    def move(host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
+        transfers.move_indices_hook(lambda c, h, d: (h, d), controller, host_idx, device_idx)
+
+    def stock_itself() -> bool:
+        bound = pool.__dict__.get(name)
+        return isinstance(bound, types.MethodType) and bound.__self__ is pool
+
+    for size, served in ((40, False), (120, True), (30, False), (50, False)):
+        fallbacks, decisions = _counts()
+        host_idx, device_idx = make_indices("mha", pool, "scattered", size, gen)
+        move(host_idx, device_idx)
+        # After a move nothing answers a call without deciding it first.
+        assert not stock_itself(), size
+        _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
+        after_fallbacks, after_decisions = _counts()
+        key = ("serve", "rule_serves") if served else ("pass", "r")
+        assert after_decisions.get(key, 0) == decisions.get(key, 0) + 1, size
+        assert stock_itself() is not served, size
+
+    # A move in the midst of a passing reload (another transfer's): its later layers still
+    # run stock, not decided or counted again.
+    fallbacks, decisions = _counts()
+    host_idx, device_idx = make_indices("mha", pool, "scattered", 20, gen)
+    targets, expected = _reload_expected("mha", pool, host_idx, device_idx, 41)
+    move(host_idx, device_idx)
+    for layer in range(LAYERS):
+        if layer == 1:
+            move(*make_indices("mha", pool, "scattered", 200, gen))
+            assert not stock_itself()
+        pool.load_to_device_per_layer(device_pool, host_idx, device_idx, layer, "direct")
+    for target, want in zip(targets, expected, strict=True):
+        assert torch.equal(target.view(torch.uint8), want)
+    after_fallbacks, after_decisions = _counts()
+    assert after_decisions.get(("pass", "r"), 0) == decisions.get(("pass", "r"), 0) + 1
+    assert after_fallbacks.get("r", 0) == fallbacks.get("r", 0) + 1
     transfers.restore_bypassed()
     assert name not in pool.__dict__
 
