@@ -34,16 +34,10 @@ logger = logging.getLogger("kvcore")
 BYPASSED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 # Pool -> the methods bound for the later layers of a reload that passes.
 PASSING: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-# Pool -> its binding for passing reloads and the two index tensors that binding answers.
-_PASSING_LAYERS: weakref.WeakKeyDictionary[Any, tuple[Callable[..., Any], list[Any]]] = (
-    weakref.WeakKeyDictionary()
-)
-# Pools whose reloads SGLang's cache controller fronts with ``move_indices`` (kvcore's hook
-# saw it move indices for the pool): a passing reload there binds stock's method itself for
-# its later layers, no frame at all, and the next move puts the checking binding back.
+# Pool -> its state for passing reloads (:class:`_Passing`).
+_PASSING_LAYERS: weakref.WeakKeyDictionary[Any, _Passing] = weakref.WeakKeyDictionary()
+# Pools kvcore's move_indices hook saw moved before any of their reloads passed.
 _MOVED_FIRST: weakref.WeakSet[Any] = weakref.WeakSet()
-# Pools that carry stock's method itself for the rest of a passing reload.
-_SKIPPING: weakref.WeakSet[Any] = weakref.WeakSet()
 _bypass_lock = threading.Lock()
 
 
@@ -97,9 +91,32 @@ def _outermost(pool: Any, method: str, original: Callable[..., Any]) -> bool:
     return bound is original or getattr(bound, "__wrapped__", None) is original
 
 
-RulePass = Callable[[Any, Any, str], bool]
-"""``(pool, host_indices, io_backend)``: whether the serve-or-pass rule passes a new reload
-by its size alone, the pass counted; False where kvcore's hook must decide it."""
+RuleFor = Callable[[Any, str], Any]
+"""``(pool, io_backend)``: the serve-or-pass rule's row for the pool's loads with that io
+backend, or None where kvcore's hook must decide every call."""
+RowPasses = Callable[[Any, Any], bool]
+"""``(row, host_indices)``: whether ``row`` passes a new reload of these host indices by
+its size alone, the pass counted; False where kvcore's hook must decide it."""
+
+
+class _Passing:
+    """One pool's state for its passing reloads, read by its binding on every new reload."""
+
+    __slots__ = ("device", "host", "later_layer", "method", "moved_first", "rows", "skipping")
+
+    def __init__(self, method: str, moved_first: bool) -> None:
+        self.method = method
+        self.host: Any = None
+        self.device: Any = None
+        """The index tensors of the pool's latest passing reload, until the next reload."""
+        self.moved_first = moved_first
+        """Whether SGLang's controller moves the indices of each of the pool's transfers
+        first (:func:`indices_moved`)."""
+        self.skipping = False
+        """Whether stock's method itself is bound on the pool now."""
+        self.rows: dict[str, Any] = {}
+        """The rule's row per io backend (a pool's layout, page size and kind are fixed)."""
+        self.later_layer: Callable[..., Any] | None = None
 
 
 def bind_passing_reload(
@@ -109,14 +126,17 @@ def bind_passing_reload(
     method: str,
     host_indices: Any,
     device_indices: Any,
-    rule_pass: RulePass,
+    rule_for: RuleFor,
+    row_passes: RowPasses,
 ) -> None:
     """Bind, on the pool, the later layers of a reload that passes (its first call was
     decided and counted): a call with the reload's two index tensors runs stock at once.
-    Any other call is a new reload: where ``rule_pass`` passes it (counted there), the
-    binding answers it and its later layers; otherwise the binding takes itself off and the
-    call goes to ``hook`` (kvcore's AROUND hook, ``original`` as the stock method it wraps)
-    to be decided in full.
+    Any other call is a new reload: where the rule's row (``rule_for``, asked once per io
+    backend) passes it by its size (``row_passes``, which counts it), the binding answers it
+    and its later layers; otherwise the binding takes itself off and the call goes to
+    ``hook`` (kvcore's AROUND hook, ``original`` as the stock method it wraps) to be decided
+    in full. Where the pool's reloads come after a move (:func:`indices_moved`), a passing
+    reload's later layers get stock's method itself instead, no frame at all.
 
     Only where kvcore's hook is the outermost layer of the method (another plugin's hook
     would be skipped otherwise) and the pool takes attributes. Identity alone decides: a
@@ -125,46 +145,44 @@ def bind_passing_reload(
     """
     if not _outermost(pool, method, original):
         return
-    found = _PASSING_LAYERS.get(pool)
-    if found is None:
-        found = _passing_layers(hook, original, pool, method, rule_pass)
-        if found is None:
+    state = _PASSING_LAYERS.get(pool)
+    if state is None:
+        state = _passing_layers(hook, original, pool, method, rule_for, row_passes)
+        if state is None:
             return
-    later_layer, held = found
-    held[0], held[1] = host_indices, device_indices
-    pool.__dict__[method] = later_layer
-    _skip_later_layers(pool, method, original)
+    state.host, state.device = host_indices, device_indices
+    _bind_later_layers(pool, state, original)
 
 
-def _skip_later_layers(pool: Any, method: str, original: Callable[..., Any]) -> None:
-    """Where the pool's reloads come after a ``move_indices`` (:func:`indices_moved`), bind
-    stock's method itself for the rest of the passing reload just decided: its later layers
-    then cost SGLang's own lookup alone. The next move takes it off again."""
-    if pool in _MOVED_FIRST:
-        pool.__dict__[method] = types.MethodType(original, pool)
-        _SKIPPING.add(pool)
+def _bind_later_layers(pool: Any, state: _Passing, original: Callable[..., Any]) -> None:
+    """For the rest of the passing reload just decided: stock's method itself where a move
+    comes before the pool's next reload (which takes it off again), else the checking
+    binding."""
+    if state.moved_first:
+        pool.__dict__[state.method] = types.MethodType(original, pool)
+        state.skipping = True
+    else:
+        pool.__dict__[state.method] = state.later_layer
 
 
 def indices_moved(pool: Any) -> None:
     """SGLang's cache controller moved the indices of its next transfer on ``pool`` (kvcore's
     ``move_indices`` hook says so, before stock's layers could run): from now on a passing
-    reload on the pool may bind stock's method itself (:func:`_skip_later_layers`), and one
-    that did goes back to its checking binding, so that the next reload reaches kvcore to be
-    decided. That binding still holds the last passing reload's index tensors: a later layer
-    of it (were a move to come in its midst) still runs stock, counted once."""
+    reload on the pool may bind stock's method itself for its later layers, and one that did
+    goes back to its checking binding, so that the next reload reaches kvcore to be decided.
+    That binding still holds the last passing reload's index tensors: a later layer of it
+    (were a move to come in its midst) still runs stock, counted once."""
     try:
-        _MOVED_FIRST.add(pool)
-    except TypeError:  # a pool that takes no weak reference: its passes keep the checking binding
+        state = _PASSING_LAYERS.get(pool)
+        if state is None:
+            _MOVED_FIRST.add(pool)
+            return
+    except TypeError:  # a pool that takes no weak reference: its passes keep the hook
         return
-    if pool in _SKIPPING:
-        _SKIPPING.discard(pool)
-        found = _PASSING_LAYERS.get(pool)
-        methods = PASSING.get(pool, ())
-        for method in methods:
-            if found is None:
-                pool.__dict__.pop(method, None)
-            else:
-                pool.__dict__[method] = found[0]
+    state.moved_first = True
+    if state.skipping:
+        state.skipping = False
+        pool.__dict__[state.method] = state.later_layer
 
 
 def _passing_layers(
@@ -172,16 +190,18 @@ def _passing_layers(
     original: Callable[..., Any],
     pool: Any,
     method: str,
-    rule_pass: RulePass,
-) -> tuple[Callable[..., Any], list[Any]] | None:
-    """The pool's binding for passing reloads and the index tensors it answers, made once
-    per pool; None for a pool that takes no attributes. It holds the pool weakly, so that
+    rule_for: RuleFor,
+    row_passes: RowPasses,
+) -> _Passing | None:
+    """The pool's state for passing reloads and its checking binding, made once per pool;
+    None for a pool that takes no attributes. The binding holds the pool weakly, so that
     :data:`_PASSING_LAYERS` keeps no pool alive."""
-    held: list[Any] = [None, None]
     try:
         pool_ref = weakref.ref(pool)
     except TypeError:
         return None
+    state = _Passing(method, pool in _MOVED_FIRST)
+    rows = state.rows
 
     def later_layer(
         device_pool: Any,
@@ -193,9 +213,12 @@ def _passing_layers(
         is_draft: bool = False,
     ) -> Any:
         bound = pool_ref()
-        if host is not held[0] or device is not held[1]:
-            if not rule_pass(bound, host, io_backend):
-                held[0] = held[1] = None
+        if host is not state.host or device is not state.device:
+            row = rows.get(io_backend)
+            if row is None and io_backend not in rows:
+                row = rows[io_backend] = rule_for(bound, io_backend)
+            if row is None or not row_passes(row, host):
+                state.host = state.device = None
                 if bound.__dict__.get(method) is later_layer:
                     del bound.__dict__[method]
                 return hook(
@@ -208,20 +231,23 @@ def _passing_layers(
                     io_backend,
                     is_draft=is_draft,
                 )
-            held[0], held[1] = host, device
-            _skip_later_layers(bound, method, original)
+            state.host, state.device = host, device
+            if state.moved_first:
+                bound.__dict__[method] = types.MethodType(original, bound)
+                state.skipping = True
         if is_draft:
             return original(bound, device_pool, host, device, layer_id, io_backend, is_draft=True)
         return original(bound, device_pool, host, device, layer_id, io_backend)
 
+    state.later_layer = later_layer
     try:
         setattr(pool, method, later_layer)
     except (AttributeError, TypeError):  # a pool that takes no attributes: the hook decides
         return None
     with _bypass_lock:
         PASSING.setdefault(pool, set()).add(method)
-        _PASSING_LAYERS[pool] = (later_layer, held)
-    return later_layer, held
+        _PASSING_LAYERS[pool] = state
+    return state
 
 
 def restore_bypassed() -> None:
@@ -233,7 +259,6 @@ def restore_bypassed() -> None:
         PASSING.clear()
         _PASSING_LAYERS.clear()
         _MOVED_FIRST.clear()
-        _SKIPPING.clear()
     for pool, methods in pools:
         for method in methods:
             pool.__dict__.pop(method, None)

@@ -640,15 +640,19 @@ def _later_layer_served(
     return True
 
 
-def _rule_passes_reload(pool: Any, host_indices: Any, io_backend: str) -> bool:
-    """Whether the serve-or-pass rule passes a new reload by its size alone, counted as its
-    first call through the hook would count it: what a pool's binding for passing reloads
-    asks (:func:`~kvcore_sglang.stock_binding.bind_passing_reload`). False where the hook
-    must decide (the rule is off or would serve this size)."""
-    rule = _call_rule("load", pool, io_backend)
-    if rule is None:
+def _load_row(pool: Any, io_backend: str) -> serve_rule.SGLangRule | None:
+    """The rule's row for the pool's loads with ``io_backend``, which a pool's binding for
+    passing reloads keeps (:func:`~kvcore_sglang.stock_binding.bind_passing_reload`)."""
+    return _call_rule("load", pool, io_backend)
+
+
+def _row_passes(row: serve_rule.SGLangRule, host_indices: Any) -> bool:
+    """Whether ``row`` passes a new reload by its size alone, counted as its first call
+    through the hook would count it: what a pool's binding for passing reloads asks. False
+    where the hook must decide (the rule is off, or the row would serve this size)."""
+    if not serve_rule_enabled():
         return False
-    reason = rule.decision(_count_of(host_indices))
+    reason = row.decision(_count_of(host_indices))
     if reason is None:
         return False
     count_request_pass(mover(), reason)
@@ -709,7 +713,8 @@ def _make_load_hook(
                     _LOAD,
                     host_indices,
                     device_indices,
-                    _rule_passes_reload,
+                    _load_row,
+                    _row_passes,
                 )
         original(
             pool,

@@ -157,20 +157,20 @@ def test_a_passing_reload_binds_its_later_layers_and_the_next_reload_is_decided_
     direct_served_from(64)
     transfer_hooks()
     decided: list[str] = []
-    real_start, real_rule_pass = transfers._start_load, transfers._rule_passes_reload
+    real_start, real_row_passes = transfers._start_load, transfers._row_passes
 
     def start(*args: Any, **kwargs: Any) -> Any:
         decided.append("hook")
         return real_start(*args, **kwargs)
 
-    def rule_pass(*args: Any) -> bool:
-        passes = real_rule_pass(*args)
+    def row_passes(*args: Any) -> bool:
+        passes = real_row_passes(*args)
         if passes:
             decided.append("binding")
         return passes
 
     monkeypatch.setattr(transfers, "_start_load", start)
-    monkeypatch.setattr(transfers, "_rule_passes_reload", rule_pass)
+    monkeypatch.setattr(transfers, "_row_passes", row_passes)
     pool = pool_for("mha", "layer_first")
     parts = components("mha", pool)
     gen = torch.Generator().manual_seed(31)
