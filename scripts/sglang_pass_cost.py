@@ -58,6 +58,27 @@ def _no_copy(*_: Any, **__: Any) -> None:
 
 
 @contextmanager
+def _copy_stand_in(device: torch.device) -> Iterator[None]:
+    """On a CPU, stock's ``direct`` copy (sgl-kernel's, absent there) as one that copies
+    nothing, while inside; SGLang's module as it was afterwards."""
+    if device.type != "cpu":
+        yield
+        return
+    from sglang.srt.mem_cache.pool_host import mha
+
+    missing = object()
+    before = getattr(mha, "transfer_kv_direct", missing)
+    mha.transfer_kv_direct = _no_copy  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if before is missing:
+            del mha.transfer_kv_direct
+        else:
+            mha.transfer_kv_direct = before  # type: ignore[attr-defined]
+
+
+@contextmanager
 def _hooked(case: Any, kvcore: bool) -> Iterator[None]:
     """The pool class's load method as SGLang's hook registry leaves it: kvcore's hook
     around stock's (``kvcore``), or stock's alone; put back, with every binding kvcore set
@@ -217,20 +238,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     kind, layout, backend, page = name.split("/")
     page_size = int(page.removeprefix("p"))
-    if device.type == "cpu":
-        from sglang.srt.mem_cache.pool_host import mha
-
-        mha.transfer_kv_direct = _no_copy  # type: ignore[attr-defined]
     rows = []
     opts = Options(tokens=max(args.tokens), layers=args.layers, device=device)
-    with pool_case(kind, layout, page_size, opts) as case:
+    with _copy_stand_in(device), pool_case(kind, layout, page_size, opts) as case:
         for tokens in args.tokens:
             row = {"case": name, **measure(case, backend, tokens, args.requests, args.rounds)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": str(device), "rows": rows}, fh, indent=2)
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            json.dump({"device": gpu, "rows": rows}, fh, indent=2)
     return 0
 
 
