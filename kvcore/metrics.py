@@ -70,6 +70,8 @@ class Metrics:
         self._lock = threading.Lock()
         self._tallies: list[tuple[defaultdict[str, int], dict[str, int]]] = []
         """Each tally handed out, with the counts of it already in :attr:`fallbacks`."""
+        self._pass_tallies: set[int] = set()
+        """The ids of the tallies that count whole-request passes (:meth:`pass_tally`)."""
         self.resets = -1
         self.reset()
 
@@ -111,6 +113,14 @@ class Metrics:
             self._tallies.append((tally, {}))
         return tally
 
+    def pass_tally(self) -> defaultdict[str, int]:
+        """A :meth:`fallback_tally` whose counts are whole requests passed to the engine:
+        each is taken in as a ``pass`` decision too, as :meth:`record_pass` counts one."""
+        tally = self.fallback_tally()
+        with self._lock:
+            self._pass_tallies.add(id(tally))
+        return tally
+
     def release_tally(self, tally: defaultdict[str, int]) -> None:
         """Take in what ``tally`` counted and keep it no longer: its holder counts no more
         (a handler shut down), so a process that builds handlers again and again keeps no
@@ -120,6 +130,7 @@ class Metrics:
                 if counts is tally:
                     self._take_in(counts, taken)
             self._tallies = [entry for entry in self._tallies if entry[0] is not tally]
+            self._pass_tallies.discard(id(tally))
 
     def _take_in_tallies(self) -> None:
         """Add to :attr:`fallbacks` what the tallies counted since the last read (the caller
@@ -131,10 +142,13 @@ class Metrics:
         # A copy in one step: the tally's thread may add a reason meanwhile. It only ever
         # raises a count, so what this read misses the next one takes in.
         now = counts.copy()
+        passes = id(counts) in self._pass_tallies
         for reason, count in now.items():
             new = count - taken.get(reason, 0)
             if new:
                 self.fallbacks[reason] += new
+                if passes:
+                    self.decisions[("pass", reason)] += new
         taken.update(now)
 
     def record_decision(self, decision: str, reason: str) -> None:

@@ -63,12 +63,18 @@ class SGLangRule:
         """Whether a served call's host slots still decide (:meth:`host_decision`)."""
         return not self.dense_host or self.dense_min_tokens is not None
 
-    def decision(self, tokens: int) -> str | None:
-        """:data:`SERVE` for a call of ``tokens`` tokens this row may serve (where it
-        :attr:`reads_host_runs`, :meth:`host_decision` has the last word), else its reason."""
+    @property
+    def serves_from(self) -> int | None:
+        """The fewest tokens a call this row may serve has (host slots aside); None: never."""
         lowest, dense = self.min_tokens, self.dense_min_tokens
         if dense is not None and (lowest is None or dense < lowest):
             lowest = dense
+        return lowest
+
+    def decision(self, tokens: int) -> str | None:
+        """:data:`SERVE` for a call of ``tokens`` tokens this row may serve (where it
+        :attr:`reads_host_runs`, :meth:`host_decision` has the last word), else its reason."""
+        lowest = self.serves_from
         return SERVE if lowest is not None and tokens >= lowest else self.reason
 
     def host_decision(self, tokens: int, few_host_runs: bool) -> str | None:

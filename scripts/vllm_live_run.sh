@@ -12,7 +12,8 @@
 #   bash scripts/vllm_live_run.sh [MODE...]     (default: all three)
 # Settings: VSITE, KSITE (as vllm_live_setup.sh), MODEL_DIR (/tmp/llama-8b), PORT (8000),
 # CONVERSATIONS (28), TURNS (3), CONCURRENCY (8), GPU_BLOCKS (2560: 40960 tokens of GPU KV
-# cache, so conversations leave it between turns), CPU_GIB (48), MAX_LEN (33792),
+# cache, so conversations leave it between turns), CPU_GIB (48; at most half the host's
+# memory), MAX_LEN (33792),
 # START_TIMEOUT_S (300), PYTHON (python3).
 set -euo pipefail
 
@@ -34,6 +35,16 @@ serve_args=(
     --kv-offloading-size "${CPU_GIB:-48}" --gpu-memory-utilization 0.85
     --host 127.0.0.1 --port "$port"
 )
+
+# vLLM pins the whole CPU tier at start-up; past about half the host's memory the engine
+# core was killed while "Allocating 32 CPU tensors" (CPU_GIB=72 of 128 GiB, 2026-12-03),
+# with no reason in its log. Say so before starting anything.
+mem_gib=$(awk '/^MemTotal:/ {print int($2 / 1048576)}' /proc/meminfo)
+if ((${CPU_GIB:-48} * 2 > mem_gib)); then
+    echo "CPU_GIB=${CPU_GIB:-48} is over half of this host's ${mem_gib} GiB: vLLM would" \
+        "pin it all at start-up and its engine core be killed; use at most $((mem_gib / 2))" >&2
+    exit 2
+fi
 
 mkdir -p "$out"
 logs="$(mktemp -d)"

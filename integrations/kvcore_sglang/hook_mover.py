@@ -3,21 +3,28 @@
 Built from the ``KVCORE_*`` configuration on the first call that needs it (SGLang's load
 and backup threads may both arrive first: one staging buffer only), or set by a benchmark
 or a test (:func:`use_mover`), and what a request's pass counts in its metrics
-(:func:`count_request_pass`). Apart from the hooks so that what owns the mover is one
+(:func:`count_request_pass`, or :data:`PASS_COUNTS` where no call may be spent). Apart
+from the hooks so that what owns the mover is one
 small module, and the hooks only ask it.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 
 from kvcore.config import KVCoreConfig
-from kvcore.metrics import METRICS
+from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover
 from kvcore.path_policy import policy_from_config
 
 _mover: Mover | None = None
 _mover_lock = threading.Lock()
+PASS_COUNTS: list[defaultdict[str, int] | None] = [None]
+"""The mover in use's :meth:`~kvcore.metrics.Metrics.pass_tally`, None where it counts
+nothing (or none is in use yet): a binding that passes whole requests adds to it with no
+call and no lock."""
+_counted_by: list[Metrics | None] = [None]
 
 
 def mover() -> Mover:
@@ -33,6 +40,7 @@ def mover() -> Mover:
             config = KVCoreConfig.from_env()
             metrics = METRICS if config.metrics else None
             _mover = Mover(policy_from_config(config), metrics=metrics)
+            _count_passes_in(_mover)
         return _mover
 
 
@@ -43,7 +51,19 @@ def use_mover(chosen: Mover | None) -> Mover | None:
     global _mover
     with _mover_lock:
         previous, _mover = _mover, chosen
+        _count_passes_in(chosen)
     return previous
+
+
+def _count_passes_in(chosen: Mover | None) -> None:
+    """Point :data:`PASS_COUNTS` at a new pass tally of ``chosen``'s metrics, giving the
+    last one back to its metrics (the caller holds the lock)."""
+    old, owner = PASS_COUNTS[0], _counted_by[0]
+    if old is not None and owner is not None:
+        owner.release_tally(old)
+    metrics = None if chosen is None else chosen.metrics
+    PASS_COUNTS[0] = None if metrics is None else metrics.pass_tally()
+    _counted_by[0] = metrics
 
 
 def built_mover() -> Mover | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvcore import serve_rule
 
-from .hook_mover import count_request_pass, mover
+from .hook_mover import PASS_COUNTS, count_request_pass, mover
 
 logger = logging.getLogger("kvcore")
 
@@ -91,18 +91,16 @@ def _outermost(pool: Any, method: str, original: Callable[..., Any]) -> bool:
     return bound is original or getattr(bound, "__wrapped__", None) is original
 
 
-RuleFor = Callable[[Any, str], Any]
-"""``(pool, io_backend)``: the serve-or-pass rule's row for the pool's loads with that io
-backend, or None where kvcore's hook must decide every call."""
-RowPasses = Callable[[Any, Any], bool]
-"""``(row, host_indices)``: whether ``row`` passes a new reload of these host indices by
-its size alone, the pass counted; False where kvcore's hook must decide it."""
+PassLimit = Callable[[Any, str], tuple[int, str]]
+"""``(pool, io_backend)``: the fewest tokens from which the serve-or-pass rule may serve
+the pool's loads with that io backend, and its reason to pass below; ``(0, "")`` where
+kvcore's hook must decide every reload."""
 
 
 class _Passing:
     """One pool's state for its passing reloads, read by its binding on every new reload."""
 
-    __slots__ = ("device", "host", "later_layer", "method", "moved_first", "rows", "skipping")
+    __slots__ = ("device", "host", "later_layer", "limits", "method", "moved_first", "skipping")
 
     def __init__(self, method: str, moved_first: bool) -> None:
         self.method = method
@@ -114,8 +112,9 @@ class _Passing:
         first (:func:`indices_moved`)."""
         self.skipping = False
         """Whether stock's method itself is bound on the pool now."""
-        self.rows: dict[str, Any] = {}
-        """The rule's row per io backend (a pool's layout, page size and kind are fixed)."""
+        self.limits: dict[str, tuple[int, str]] = {}
+        """The rule's :data:`PassLimit` per io backend, asked once: a pool's layout, page
+        size and kind are fixed, and so is the rule's setting in an engine's life."""
         self.later_layer: Callable[..., Any] | None = None
 
 
@@ -126,14 +125,15 @@ def bind_passing_reload(
     method: str,
     host_indices: Any,
     device_indices: Any,
-    rule_for: RuleFor,
-    row_passes: RowPasses,
+    pass_limit: PassLimit,
+    count_pass: Callable[[str], None],
 ) -> None:
     """Bind, on the pool, the later layers of a reload that passes (its first call was
     decided and counted): a call with the reload's two index tensors runs stock at once.
-    Any other call is a new reload: where the rule's row (``rule_for``, asked once per io
-    backend) passes it by its size (``row_passes``, which counts it), the binding answers it
-    and its later layers; otherwise the binding takes itself off and the call goes to
+    Any other call is a new reload: where the rule passes it by its size alone
+    (``pass_limit``, asked once per io backend), the binding counts the pass (in the
+    mover's :data:`~kvcore_sglang.hook_mover.PASS_COUNTS`, else ``count_pass``) and answers
+    it and its later layers; otherwise the binding takes itself off and the call goes to
     ``hook`` (kvcore's AROUND hook, ``original`` as the stock method it wraps) to be decided
     in full. Where the pool's reloads come after a move (:func:`indices_moved`), a passing
     reload's later layers get stock's method itself instead, no frame at all.
@@ -147,7 +147,7 @@ def bind_passing_reload(
         return
     state = _PASSING_LAYERS.get(pool)
     if state is None:
-        state = _passing_layers(hook, original, pool, method, rule_for, row_passes)
+        state = _passing_layers(hook, original, pool, method, pass_limit, count_pass)
         if state is None:
             return
     state.host, state.device = host_indices, device_indices
@@ -190,8 +190,8 @@ def _passing_layers(
     original: Callable[..., Any],
     pool: Any,
     method: str,
-    rule_for: RuleFor,
-    row_passes: RowPasses,
+    pass_limit: PassLimit,
+    count_pass: Callable[[str], None],
 ) -> _Passing | None:
     """The pool's state for passing reloads and its checking binding, made once per pool;
     None for a pool that takes no attributes. The binding holds the pool weakly, so that
@@ -201,7 +201,7 @@ def _passing_layers(
     except TypeError:
         return None
     state = _Passing(method, pool in _MOVED_FIRST)
-    rows = state.rows
+    limits = state.limits
 
     def later_layer(
         device_pool: Any,
@@ -214,10 +214,15 @@ def _passing_layers(
     ) -> Any:
         bound = pool_ref()
         if host is not state.host or device is not state.device:
-            row = rows.get(io_backend)
-            if row is None and io_backend not in rows:
-                row = rows[io_backend] = rule_for(bound, io_backend)
-            if row is None or not row_passes(row, host):
+            limit = limits.get(io_backend)
+            if limit is None:
+                limit = limits[io_backend] = pass_limit(bound, io_backend)
+            serves_from, reason = limit
+            try:
+                tokens = host.numel()
+            except AttributeError:  # not a tensor: the hook decides
+                tokens = serves_from
+            if tokens >= serves_from:
                 state.host = state.device = None
                 if bound.__dict__.get(method) is later_layer:
                     del bound.__dict__[method]
@@ -231,6 +236,11 @@ def _passing_layers(
                     io_backend,
                     is_draft=is_draft,
                 )
+            counts = PASS_COUNTS[0]
+            if counts is None:
+                count_pass(reason)
+            else:
+                counts[reason] += 1
             state.host, state.device = host, device
             if state.moved_first:
                 bound.__dict__[method] = types.MethodType(original, bound)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -640,23 +641,20 @@ def _later_layer_served(
     return True
 
 
-def _load_row(pool: Any, io_backend: str) -> serve_rule.SGLangRule | None:
-    """The rule's row for the pool's loads with ``io_backend``, which a pool's binding for
-    passing reloads keeps (:func:`~kvcore_sglang.stock_binding.bind_passing_reload`)."""
-    return _call_rule("load", pool, io_backend)
+def _load_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
+    """(the fewest tokens the rule's row for the pool's loads with ``io_backend`` may serve,
+    its reason to pass below that): what a pool's binding for passing reloads keeps
+    (:func:`~kvcore_sglang.stock_binding.bind_passing_reload`); ``(0, "")`` where the hook
+    must decide every reload (the rule is off, or no row matches)."""
+    row = _call_rule("load", pool, io_backend)
+    if row is None:
+        return 0, ""
+    lowest = row.serves_from
+    return (sys.maxsize if lowest is None else lowest), row.reason
 
 
-def _row_passes(row: serve_rule.SGLangRule, host_indices: Any) -> bool:
-    """Whether ``row`` passes a new reload by its size alone, counted as its first call
-    through the hook would count it: what a pool's binding for passing reloads asks. False
-    where the hook must decide (the rule is off, or the row would serve this size)."""
-    if not serve_rule_enabled():
-        return False
-    reason = row.decision(_count_of(host_indices))
-    if reason is None:
-        return False
+def _count_request_pass(reason: str) -> None:
     count_request_pass(mover(), reason)
-    return True
 
 
 def _passes_from_here(pool: Any, device_pool: Any, host_indices: Any, device_indices: Any) -> bool:
@@ -713,8 +711,8 @@ def _make_load_hook(
                     _LOAD,
                     host_indices,
                     device_indices,
-                    _load_row,
-                    _row_passes,
+                    _load_pass_limit,
+                    _count_request_pass,
                 )
         original(
             pool,

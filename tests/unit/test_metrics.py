@@ -132,6 +132,30 @@ def test_a_released_tally_keeps_its_counts_and_is_kept_no_longer() -> None:
     assert m.snapshot()["fallbacks"] == {"few_pages": 5, "stock_dma_large_pages": 1}
 
 
+def test_a_pass_tally_counts_each_request_as_a_pass_decision_and_a_fallback() -> None:
+    m = Metrics()
+    passes, fallbacks = m.pass_tally(), m.fallback_tally()
+    m.record_pass("small_request")
+    passes["small_request"] += 2
+    passes["stock_kernel_near_link"] += 1
+    fallbacks["few_pages"] += 1  # a plain tally: a fallback, no decision
+    for _ in range(2):  # read twice: taken in once
+        snapshot = m.snapshot()
+        assert snapshot["fallbacks"] == {
+            "few_pages": 1,
+            "small_request": 3,
+            "stock_kernel_near_link": 1,
+        }
+        decisions = {(d["decision"], d["reason"]): d["count"] for d in snapshot["decisions"]}
+        assert decisions == {("pass", "small_request"): 3, ("pass", "stock_kernel_near_link"): 1}
+    passes["small_request"] += 4  # counted before the release, taken in by it
+    m.release_tally(passes)
+    passes["small_request"] += 9  # released: counts for nothing
+    decisions = {(d["decision"], d["reason"]): d["count"] for d in m.snapshot()["decisions"]}
+    assert decisions[("pass", "small_request")] == 7
+    assert m._pass_tallies == set()
+
+
 def test_tallies_counting_while_others_read_lose_and_double_nothing() -> None:
     m = Metrics()
     reads: list[int] = []

@@ -203,7 +203,10 @@ def kvcore_side(
 
 @contextmanager
 def serve_rule_off() -> Iterator[None]:
-    """kvcore's SGLang hooks with the serve-or-pass rule off while inside."""
+    """kvcore's SGLang hooks with the serve-or-pass rule off while inside, for calls made
+    to the hook itself: a binding kvcore left on a pool keeps deciding by the rule (an
+    engine's setting is fixed for its life), so that the rule-on side's bindings outlive
+    the rule-off side's turns, as they would in an engine."""
     from kvcore_sglang import transfers
 
     saved = transfers.serve_rule_enabled

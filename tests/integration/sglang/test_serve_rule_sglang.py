@@ -157,20 +157,13 @@ def test_a_passing_reload_binds_its_later_layers_and_the_next_reload_is_decided_
     direct_served_from(64)
     transfer_hooks()
     decided: list[str] = []
-    real_start, real_row_passes = transfers._start_load, transfers._row_passes
+    real_start = transfers._start_load
 
     def start(*args: Any, **kwargs: Any) -> Any:
         decided.append("hook")
         return real_start(*args, **kwargs)
 
-    def row_passes(*args: Any) -> bool:
-        passes = real_row_passes(*args)
-        if passes:
-            decided.append("binding")
-        return passes
-
     monkeypatch.setattr(transfers, "_start_load", start)
-    monkeypatch.setattr(transfers, "_row_passes", row_passes)
     pool = pool_for("mha", "layer_first")
     parts = components("mha", pool)
     gen = torch.Generator().manual_seed(31)
@@ -191,7 +184,8 @@ def test_a_passing_reload_binds_its_later_layers_and_the_next_reload_is_decided_
         decided.clear()
         host_idx, device_idx = make_indices("mha", pool, "scattered", size, gen)
         _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
-        assert decided == [decider], size  # the first call alone was decided
+        # The hook decided the first call, or the binding did (with no call to count).
+        assert decided == ([decider] if decider == "hook" else []), size
         after_fallbacks, after_decisions = _counts()
         key = ("serve", "rule_serves") if served else ("pass", "r")
         assert after_decisions.get(key, 0) == decisions.get(key, 0) + 1, size
