@@ -9,7 +9,8 @@ instead of the whole hook on every layer. A new reload that the rule passes by i
 alone is decided and counted there too; any other goes back to the hook. Where SGLang's
 cache controller moves each transfer's indices first (kvcore's ``move_indices`` hook tells
 :func:`indices_moved`), a passing reload's later layers get stock's method itself, no frame
-at all, until the next move.
+at all, until the next move. A pool whose backups pass below some size gets a gate for
+them (:func:`bind_backup_gate`), deciding each backup by its size alone.
 :func:`restore_bypassed` takes every such binding back when the hooks go. Apart from the
 hooks because it is state of its own (the bound pools, weakly) and acts on the pool, not on
 a copy.
@@ -258,6 +259,56 @@ def _passing_layers(
         PASSING.setdefault(pool, set()).add(method)
         _PASSING_LAYERS[pool] = state
     return state
+
+
+def bind_backup_gate(
+    hook: Callable[..., Any],
+    original: Callable[..., Any],
+    pool: Any,
+    method: str,
+    pass_limit: PassLimit,
+    count_pass: Callable[[str], None],
+) -> None:
+    """Where a backup passed by its size (decided and counted by ``hook``), bind on the pool
+    a gate for its later backups, each a request of its own: one of fewer tokens than the
+    rule serves from (``pass_limit``, asked once per io backend) runs stock at once, counted
+    as the hook counts it (in the mover's :data:`~kvcore_sglang.hook_mover.PASS_COUNTS`,
+    else ``count_pass``); any other goes to ``hook``, which decides it in full, and the gate
+    stays. Once per pool, only where kvcore's hook is the outermost layer of the method and
+    the pool takes attributes; the gate holds the pool weakly."""
+    if method in PASSING.get(pool, ()) or not _outermost(pool, method, original):
+        return
+    try:
+        pool_ref = weakref.ref(pool)
+    except TypeError:
+        return
+    limits: dict[str, tuple[int, str]] = {}
+
+    def gate(device_pool: Any, host: Any, device: Any, io_backend: str) -> Any:
+        bound = pool_ref()
+        limit = limits.get(io_backend)
+        if limit is None:
+            limit = limits[io_backend] = pass_limit(bound, io_backend)
+        serves_from, reason = limit
+        try:
+            tokens = host.numel()
+        except AttributeError:  # not a tensor: the hook decides
+            tokens = serves_from
+        if tokens >= serves_from:
+            return hook(original, bound, device_pool, host, device, io_backend)
+        counts = PASS_COUNTS[0]
+        if counts is None:
+            count_pass(reason)
+        else:
+            counts[reason] += 1
+        return original(bound, device_pool, host, device, io_backend)
+
+    try:
+        setattr(pool, method, gate)
+    except (AttributeError, TypeError):  # a pool that takes no attributes: the hook decides
+        return
+    with _bypass_lock:
+        PASSING.setdefault(pool, set()).add(method)
 
 
 def restore_bypassed() -> None:

@@ -71,6 +71,7 @@ from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, 
 from .pool_jobs import Job, PoolJobs
 from .served_layouts import layout_reason
 from .stock_binding import (
+    bind_backup_gate,
     bind_passing_reload,
     bypass_if_never,
     indices_moved,
@@ -641,16 +642,24 @@ def _later_layer_served(
     return True
 
 
-def _load_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
-    """(the fewest tokens the rule's row for the pool's loads with ``io_backend`` may serve,
-    its reason to pass below that): what a pool's binding for passing reloads keeps
-    (:func:`~kvcore_sglang.stock_binding.bind_passing_reload`); ``(0, "")`` where the hook
-    must decide every reload (the rule is off, or no row matches)."""
-    row = _call_rule("load", pool, io_backend)
+def _pass_limit(op: str, pool: Any, io_backend: str) -> tuple[int, str]:
+    """(the fewest tokens the rule's row for the pool's ``op`` with ``io_backend`` may serve,
+    its reason to pass below that): what a pool's binding for passing calls keeps
+    (:mod:`~kvcore_sglang.stock_binding`); ``(0, "")`` where the hook must decide every call
+    (the rule is off, or no row matches)."""
+    row = _call_rule(op, pool, io_backend)
     if row is None:
         return 0, ""
     lowest = row.serves_from
     return (sys.maxsize if lowest is None else lowest), row.reason
+
+
+def _load_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
+    return _pass_limit("load", pool, io_backend)
+
+
+def _backup_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
+    return _pass_limit("backup", pool, io_backend)
 
 
 def _count_request_pass(reason: str) -> None:
@@ -749,6 +758,9 @@ def _make_backup_hook(
         reason = None if rule is None else rule.decision(tokens)
         if reason is not None:
             count_request_pass(mover(), reason)
+            bind_backup_gate(
+                backup_hook, original, pool, _BACKUP, _backup_pass_limit, _count_request_pass
+            )
             stock()
             return
         jobs = _jobs_for(target, by_release)

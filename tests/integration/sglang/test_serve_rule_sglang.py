@@ -257,6 +257,54 @@ def test_after_a_move_a_passing_reloads_later_layers_run_stock_itself_until_the_
     assert name not in pool.__dict__
 
 
+def test_after_a_backup_passes_a_gate_decides_each_later_backup_by_its_size(
+    monkeypatch,
+    transfer_hooks,  # noqa: F811
+    small_mover,  # noqa: F811
+    direct_served_from,
+):
+    """Once a backup passes by its size, the pool gets a gate: a later backup under the
+    rule's size runs stock with no hook, counted once; a larger one goes to the hook and is
+    served; the gate stays for the next. Every backed-up row lands where stock puts it."""
+    from sglang.srt.mem_cache.pool_host import mha
+
+    monkeypatch.setattr(mha, "transfer_kv_direct", transfer_kv_direct, raising=False)
+    direct_served_from(64)
+    transfer_hooks()
+    entered: list[int] = []
+    real_bypass = transfers.bypass_if_never
+
+    def bypass(*args: Any) -> bool:  # the backup hook's first step
+        entered.append(1)
+        return real_bypass(*args)
+
+    monkeypatch.setattr(transfers, "bypass_if_never", bypass)
+    pool = pool_for("mha", "layer_first")
+    device_pool = device_pool_of("mha", pool)
+    gen = torch.Generator().manual_seed(43)
+    name = "backup_from_device_all_layer"
+    for size, served, through_hook in ((20, False, True), (30, False, False), (100, True, True)):
+        randomise(all_tensors(components("mha", pool)), gen)
+        host_idx = torch.randperm(400, generator=gen)[:size]
+        device_idx = torch.randperm(200, generator=gen)[:size] + 1
+        entered.clear()
+        fallbacks, decisions = _counts()
+        pool.backup_from_device_all_layer(device_pool, host_idx, device_idx, "direct")
+        assert bool(entered) is through_hook, size
+        after_fallbacks, after_decisions = _counts()
+        key = ("serve", "rule_serves") if served else ("pass", "r")
+        assert after_decisions.get(key, 0) == decisions.get(key, 0) + 1, size
+        assert after_fallbacks.get("r", 0) == fallbacks.get("r", 0) + (not served), size
+        assert name in pool.__dict__, size  # the gate stays once bound
+        for part in components("mha", pool):
+            for layer, device in enumerate(part.devices):
+                for slot, row in zip(host_idx.tolist(), device_idx.tolist(), strict=True):
+                    host_bytes = part.row(part.host.view(torch.uint8), layer, slot)
+                    assert torch.equal(host_bytes, device.view(torch.uint8)[row]), size
+    transfers.restore_bypassed()
+    assert name not in pool.__dict__
+
+
 def test_a_request_the_rule_serves_is_copied_exactly(
     transfer_hooks,  # noqa: F811
     small_mover,  # noqa: F811
