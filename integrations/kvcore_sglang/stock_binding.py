@@ -285,6 +285,8 @@ def bind_backup_gate(
     limits: dict[str, tuple[int, str]] = {}
 
     def gate(device_pool: Any, host: Any, device: Any, io_backend: str) -> Any:
+        # The size check and count of a passing reload's binding, written out again: a
+        # helper both called would add a frame to every pass, which is what they save.
         bound = pool_ref()
         limit = limits.get(io_backend)
         if limit is None:
