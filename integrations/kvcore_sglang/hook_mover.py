@@ -23,7 +23,9 @@ _mover_lock = threading.Lock()
 PASS_COUNTS: list[defaultdict[str, int] | None] = [None]
 """The mover in use's :meth:`~kvcore.metrics.Metrics.pass_tally`, None where it counts
 nothing (or none is in use yet): a binding that passes whole requests adds to it with no
-call and no lock."""
+call and no lock. SGLang 0.5.23 makes its loads and backups from one thread (the
+scheduler's); were two threads to add to one reason at once, a pass could go uncounted,
+never a byte moved otherwise."""
 _counted_by: list[Metrics | None] = [None]
 
 
