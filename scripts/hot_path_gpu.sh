@@ -8,7 +8,8 @@
 #   OUT=<dir> bash scripts/hot_path_gpu.sh [sweep args...]
 #
 # The host-cost run covers scattered host slots (the gather) and, for the two MHA
-# page-64 cases, host slots in one run (the staged path).
+# page-64 cases, host slots in one run (the staged path); then scripts/sglang_pass_cost.py
+# times passing MLA token reloads the way SGLang calls them.
 #
 # Writes under $OUT: env.txt, gpu-tests.log, host_cost.json, host_cost_staged.json,
 # host_cost.log, host_cost_profile.txt (the kernel and direct MHA page-64 cases' calls at
@@ -32,6 +33,9 @@ timeout 200 python3 -m kvcore.bench.sglang.host_cost --json "$OUT/host_cost.json
 timeout 100 python3 -m kvcore.bench.sglang.host_cost --host-frag 0% \
     --cases mha/layer_first/kernel/p64 mha/layer_first/direct/p64 \
     --json "$OUT/host_cost_staged.json" 2>&1 | grep -v '^INFO' >> "$OUT/host_cost.log" || rc=1
+# Passes as SGLang 0.5.23 calls them (its rows, one JSON line a size, go to host_cost.log).
+timeout 120 python3 scripts/sglang_pass_cost.py --device cuda --tokens 512,2048 \
+    --requests 40 --rounds 5 2>&1 | grep '^{' | tee -a "$OUT/host_cost.log" || rc=1
 grep -E ' (stock|kvcore) ' "$OUT/host_cost.log"
 timeout "${SWEEP_SECONDS:-240}" python3 -m kvcore bench --engine sglang --sweep \
     --layouts layer_first/kernel --sizes "${SWEEP_SIZES:-512,2048,8192,32768}" \
