@@ -158,7 +158,9 @@ def bind_passing_reload(
 def _bind_later_layers(pool: Any, state: _Passing, original: Callable[..., Any]) -> None:
     """For the rest of the passing reload just decided: stock's method itself where a move
     comes before the pool's next reload (which takes it off again), else the checking
-    binding."""
+    binding. A reload on such a pool with no move before it (none in SGLang 0.5.23's load
+    path; the hook only marks the pool its cache controller names) would run stock unasked:
+    exact, but neither decided nor counted."""
     if state.moved_first:
         pool.__dict__[state.method] = types.MethodType(original, pool)
         state.skipping = True
