@@ -26,6 +26,8 @@ nothing (or none is in use yet): a binding that passes whole requests adds to it
 call and no lock. SGLang 0.5.23 makes its loads and backups from one thread (the
 scheduler's); were two threads to add to one reason at once, a pass could go uncounted,
 never a byte moved otherwise."""
+# The metrics PASS_COUNTS' tally came from, kept apart from the mover: warm-up sets a
+# mover's metrics aside for a while (kvcore.warm_up), so they cannot be read back from it.
 _counted_by: list[Metrics | None] = [None]
 
 

@@ -195,11 +195,11 @@ def measure_case(
             else:
                 calls = _kvcore_calls(case, hook, original, pools, backend, through_pool, bound)
             times = _call_times(calls, device)
-            if not request:
-                bound[0] = 0
             if request:
                 firsts.append(times[0])
                 laters.extend(times[1:])
+            else:
+                bound[0] = 0
         row = _row(label, tokens, layers, host_frag, name, firsts, laters)
         if name == "kvcore":
             row = dataclasses.replace(
