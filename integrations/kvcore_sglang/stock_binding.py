@@ -98,6 +98,17 @@ the pool's loads with that io backend, and its reason to pass below; ``(0, "")``
 kvcore's hook must decide every reload."""
 
 
+def _limit_or_hook(pass_limit: PassLimit, pool: Any, io_backend: str) -> tuple[int, str]:
+    """``pass_limit``'s answer, asked once per pool and io backend; where asking fails,
+    ``(0, "")``: every call then goes to kvcore's hook, which counts its own failures and
+    runs stock."""
+    try:
+        return pass_limit(pool, io_backend)
+    except Exception:
+        logger.exception("kvcore: the serve-or-pass rule's size for %s failed", io_backend)
+        return 0, ""
+
+
 class _Passing:
     """One pool's state for its passing reloads, read by its binding on every new reload."""
 
@@ -219,7 +230,7 @@ def _passing_layers(
         if host is not state.host or device is not state.device:
             limit = limits.get(io_backend)
             if limit is None:
-                limit = limits[io_backend] = pass_limit(bound, io_backend)
+                limit = limits[io_backend] = _limit_or_hook(pass_limit, bound, io_backend)
             serves_from, reason = limit
             try:
                 tokens = host.numel()
@@ -292,7 +303,7 @@ def bind_backup_gate(
         bound = pool_ref()
         limit = limits.get(io_backend)
         if limit is None:
-            limit = limits[io_backend] = pass_limit(bound, io_backend)
+            limit = limits[io_backend] = _limit_or_hook(pass_limit, bound, io_backend)
         serves_from, reason = limit
         try:
             tokens = host.numel()

@@ -305,6 +305,48 @@ def test_after_a_backup_passes_a_gate_decides_each_later_backup_by_its_size(
     assert name not in pool.__dict__
 
 
+def test_a_binding_whose_rule_lookup_fails_sends_every_reload_to_the_hook(
+    monkeypatch,
+    transfer_hooks,  # noqa: F811
+    small_mover,  # noqa: F811
+    direct_served_from,
+):
+    """Where the binding cannot read the rule's size, it does not raise into SGLang: the
+    reload goes to kvcore's hook, which decides it (once) and copies it exactly."""
+    from sglang.srt.mem_cache.pool_host import mha
+
+    monkeypatch.setattr(mha, "transfer_kv_direct", transfer_kv_direct, raising=False)
+    direct_served_from(64)
+    transfer_hooks()
+    pool = pool_for("mha", "layer_first")
+    gen = torch.Generator().manual_seed(47)
+    host_idx, device_idx = make_indices("mha", pool, "scattered", 40, gen)
+    _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")  # binds
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("rule lookup broke")
+
+    monkeypatch.setattr(transfers, "_load_pass_limit", broken)
+    transfers.restore_bypassed()
+    _load_every_layer_and_check(
+        "mha", pool, *make_indices("mha", pool, "scattered", 30, gen), "direct"
+    )
+    decided: list[int] = []
+    real_start = transfers._start_load
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        decided.append(1)
+        return real_start(*args, **kwargs)
+
+    monkeypatch.setattr(transfers, "_start_load", start)
+    _, decisions = _counts()
+    host_idx, device_idx = make_indices("mha", pool, "scattered", 20, gen)
+    _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
+    assert decided == [1]  # the hook decided it, once
+    _, after_decisions = _counts()
+    assert after_decisions.get(("pass", "r"), 0) == decisions.get(("pass", "r"), 0) + 1
+
+
 def test_a_request_the_rule_serves_is_copied_exactly(
     transfer_hooks,  # noqa: F811
     small_mover,  # noqa: F811
