@@ -111,12 +111,16 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "kernel",
         "layer_first",
         _TOKEN_PAGES,
-        8192,
+        32768,
         "stock_kernel_small_mla_load",
-        "token-granular MLA layer_first reloads: stock's kernel at 37-43 GB/s; kvcore's "
-        "gather 1.12-1.29x from 8k tokens on 4 CTAs (its count for rows under 2 KiB), while a "
-        "concurrent GEMM kept 85%/76% against stock's 87%/80% (H200 engine sweep). Below 8k a "
-        "request's first call costs more than the copy gains",
+        "token-granular MLA layer_first reloads: stock's kernel at 37-43 GB/s. On few long "
+        "host runs kvcore's staged copy (DMA, then a scatter on the device) ran 1.20-1.22x "
+        "from 8k tokens and left a concurrent GEMM 96-98% of its throughput (stock's kernel "
+        "73-87%). On scattered host slots its gather (4 CTAs) ran 1.14-1.18x, and at 8k left "
+        "the GEMM 70-85% against stock's 87%, at 32k 76-79% against 74-80% (H200 engine "
+        "sweeps, 2026-12-03); so scattered reloads are served from 32k. Below 8k a request's "
+        "first call costs more than the copy gains",
+        dense_min_tokens=8192,
         pool="mla",
     ),
     SGLangRule(
@@ -128,10 +132,8 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "stock_kernel_near_link",
         "SGLang's JIT load kernel moves paged reloads at 50-51 GB/s from 4k tokens up, for "
         "19-26 us of host time a layer; kvcore's own loads 0.97-1.04x from 8k tokens (H200 "
-        "engine sweep). Token-granular MLA reloads (stock at 37-43 GB/s) ran 1.13-1.29x on "
-        "kvcore's gather from 8k tokens on 4 CTAs, but a 512-token pass on a pool that serves "
-        "some sizes cost 0.94x (H200, 2026-12-03), so they stay stock until that pass is "
-        "cheaper; token-granular MHA reloads: the gather is no faster than stock's kernel",
+        "engine sweep). Token-granular MLA reloads have the row above; token-granular MHA "
+        "reloads: the gather is no faster than stock's kernel",
     ),
     SGLangRule(
         "backup",

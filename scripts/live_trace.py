@@ -62,6 +62,7 @@ LOAD_JOBS = "vllm:kv_offload_load_size_count"
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_TAIL = 0.025
 SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+GAUGE_LINE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) gauge\s*$")
 
 
 @dataclass
@@ -138,9 +139,16 @@ def turn_orders(count: int, turns: int, seed: int) -> list[list[int]]:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Counted series of a Prometheus text page, summed over label sets, by name."""
+    """Counted series of a Prometheus text page, by name: counters and histograms summed over
+    label sets (each engine process adds its own); a gauge (``# TYPE ... gauge``, such as a
+    share per process) its lowest value, since a sum of shares is no share."""
     totals: dict[str, float] = {}
+    gauges: set[str] = set()
     for line in text.splitlines():
+        declared = GAUGE_LINE.match(line)
+        if declared is not None:
+            gauges.add(declared.group(1))
+            continue
         match = SAMPLE_LINE.match(line)
         if match is None or not match.group(1).startswith(COUNTED_PREFIXES):
             continue
@@ -150,9 +158,13 @@ def parse_metrics(text: str) -> dict[str, float]:
         for suffix in ("_total", "_sum"):
             name = name.removesuffix(suffix)
         try:
-            totals[name] = totals.get(name, 0.0) + float(match.group(3))
+            value = float(match.group(3))
         except ValueError:
             continue
+        if name in gauges and name in totals:
+            totals[name] = min(totals[name], value)
+        else:
+            totals[name] = totals.get(name, 0.0) + value
     return totals
 
 

@@ -5,10 +5,12 @@
 #
 #   OUT=... bash scripts/sglang_hicache_live.sh [hicache_live args...]   e.g. --layout page_first
 #
-# Needs .whl-sglang/ carried (built as scripts/sglang_ab.sh says). The two modes run as
-# separate processes, same seed, same trace, stock first; then one summary. Writes under
-# $OUT (default out/sglang_hicache_live): env.txt, hicache_live.log, live-stock.json,
-# live-kvcore.json and h200-live-sglang.json.
+# Needs .whl-sglang/ carried (built as scripts/sglang_ab.sh says). The modes run as separate
+# processes, same seed, same trace, in the order MODES gives (default "stock kvcore"; modes:
+# stock, kvcore, kvcore-allocator); a mode given again runs again as <mode>-2, -3..., so
+# "stock kvcore stock kvcore" tells a mode's difference from the machine's drift between
+# runs. Then one summary. Writes under $OUT (default out/sglang_hicache_live): env.txt,
+# hicache_live.log, live-<run>.json for each run and h200-live-sglang.json.
 set -uo pipefail
 OUT=${OUT:-out/sglang_hicache_live}
 # shellcheck source=scripts/sglang_device_env.sh
@@ -18,15 +20,21 @@ source scripts/sglang_device_env.sh || exit $?
 log="$OUT/hicache_live.log"
 started=$(date +%s)
 rc=0
-for mode in stock kvcore; do
+reports=()
+declare -A seen=()
+for mode in ${MODES:-stock kvcore}; do
+    seen[$mode]=$((${seen[$mode]:-0} + 1))
+    label=$mode
+    [ "${seen[$mode]}" -eq 1 ] || label="$mode-${seen[$mode]}"
+    reports+=("$OUT/live-$label.json")
     timeout "${MODE_TIMEOUT:-200}" python3 -m kvcore.bench.sglang.hicache_live --mode "$mode" \
-        --json "$OUT/live-$mode.json" "$@" 2>&1 | tee -a "$log"
+        --label "$label" --json "$OUT/live-$label.json" "$@" 2>&1 | tee -a "$log"
     mode_rc=${PIPESTATUS[0]}
-    echo "hicache_live $mode: rc=$mode_rc after $(($(date +%s) - started)) s" | tee -a "$log"
+    echo "hicache_live $label: rc=$mode_rc after $(($(date +%s) - started)) s" | tee -a "$log"
     [ "$mode_rc" -eq 0 ] || rc=$mode_rc
 done
-python3 -m kvcore.bench.sglang.hicache_live_combine "$OUT/live-stock.json" \
-    "$OUT/live-kvcore.json" --out "$OUT/h200-live-sglang.json" 2>&1 | tee -a "$log"
+python3 -m kvcore.bench.sglang.hicache_live_combine "${reports[@]}" \
+    --out "$OUT/h200-live-sglang.json" 2>&1 | tee -a "$log"
 combine_rc=${PIPESTATUS[0]}
 [ "$combine_rc" -eq 0 ] || [ "$rc" -ne 0 ] || rc=$combine_rc
 echo "sglang_hicache_live: rc=$rc after $(($(date +%s) - started)) s" | tee -a "$log"

@@ -374,11 +374,13 @@ def _start_load(
     """Decide a new reload on its first call: a request kvcore serves, or why it passes.
 
     The rule comes first (it reads the pool's layout and the request's size, nothing
-    else), so a request that passes costs a lookup. A request is kept only when its index
+    else), so a request that passes costs a lookup; a row that tells few long host runs
+    from scattered slots then reads the host indices once. A request is kept only when its index
     tensors are tensors (their identity names it); its pass is counted once, here.
     """
     indices: CallIndices | str | None = None
-    reason = None if rule is None else rule.decision(_count_of(host_indices))
+    tokens = _count_of(host_indices)
+    reason = None if rule is None else rule.decision(tokens)
     if reason is None and _inference_indices(host_indices, device_indices):
         reason = INFERENCE_INDICES
     if reason is None:
@@ -386,7 +388,10 @@ def _start_load(
             reason = _SOURCE_UNKNOWN
         else:
             indices = _call_indices(pool, pool_class, host_indices, device_indices, io_backend)
-            reason = indices if isinstance(indices, str) else None
+            if isinstance(indices, str):
+                reason = indices
+            else:
+                reason = _host_runs_pass(rule, tokens, indices.host, chosen_mover.policy)
     if reason is None:
         _count_serve(chosen_mover)
     else:

@@ -52,10 +52,11 @@ def test_summary_counts_load_backs_mismatches_and_what_the_cache_did():
         result(2, 512, 520, 4.0),
         result(3, 8192, 8000, 10.0, mismatched_bytes=3),
         result(4, 8192, 0, None, device_hit=64, resident_mismatched_bytes=2),
-        result(5, 8192, 64, 1.0, settled_mismatched_bytes=4),
+        result(5, 8192, 64, 1.0, settled_mismatched_bytes=4, start_loading_ms=0.05),
     ]
     summary = summarize(results, counters, TOKEN_BYTES)
     assert summary["loadbacks"] == 4
+    assert summary["issue_ms_p50"] == 0.3 and summary["start_loading_ms_p50"] == 0.05
     assert summary["loadback_ms_p50"] == 3.0 and summary["loadback_ms_p99"] == 10.0
     assert summary["mismatched_bytes"] == 5 and summary["settled_mismatched_bytes"] == 4
     assert summary["checks_failed"] == 3
@@ -114,6 +115,8 @@ def test_command_line_defaults_are_the_model_shaped_run():
         parse_args(["--mode", "stock", "--json", "x", "--scale", "64", "--page-size", "4"])
     )
     assert small.device_tokens == 640 and small.trace.scale == 64
+    labelled = parse_args(["--mode", "kvcore-allocator", "--json", "x", "--label", "alloc-2"])
+    assert options_for(labelled).label == "alloc-2"
     with pytest.raises(SystemExit):
         parse_args(["--mode", "other", "--json", "x"])
 
@@ -168,6 +171,22 @@ def test_combine_gives_each_mode_and_the_ratio_per_size_over_requests_loaded_in_
     assert not summary["same_hits"], "request 3 loaded in one mode only"
 
 
+def test_combine_sets_every_other_run_against_stock_with_both_runs_issue_times():
+    stock = report("stock", {0: 2.0, 1: 4.0, 2: 40.0})
+    kvcore = report("kvcore", {0: 3.0, 1: 5.0, 2: 40.0})
+    again = {**report("stock", {0: 2.5, 1: 4.5, 2: 42.0}), "label": "stock-2"}
+    allocator = {**report("kvcore-allocator", {0: 4.0, 1: 4.0, 2: 44.0})}
+    summary = hicache_live_combine.combine([stock, kvcore, again, allocator])
+    assert set(summary["modes"]) == {"stock", "kvcore", "stock-2", "kvcore-allocator"}
+    small = summary["by_size"][0]
+    assert (small["stock_issue_ms_p50"], small["kvcore_issue_ms_p50"]) == (0.3, 0.4)
+    assert set(summary["against_stock"]) == {"stock-2", "kvcore-allocator"}
+    drift_small, drift_large = summary["against_stock"]["stock-2"]
+    assert (drift_small["stock_ms_p50"], drift_small["stock-2_ms_p50"]) == (3.0, 3.5)
+    assert drift_small["stock-2_issue_ms_p50"] == 0.35 and drift_large["ratio"] == 1.05
+    assert summary["against_stock"]["kvcore-allocator"][1]["ratio"] == 1.1
+
+
 def test_combine_main_writes_the_summary_and_fails_on_a_mismatch_or_a_missing_mode(
     tmp_path, capsys
 ):
@@ -208,3 +227,4 @@ def test_kvcore_entry_point_is_declared_where_no_distribution_declares_it(monkey
         "KVCORE_ENABLE": "sglang",
         "KVCORE_TRANSFERS": None,
     }
+    assert engine_plugins.MODE_ENV["kvcore-allocator"]["KVCORE_TRANSFERS"] == "0"

@@ -114,6 +114,23 @@ def test_metrics_page_sums_label_sets_and_drops_buckets_and_other_series():
     }
 
 
+def test_metrics_page_takes_a_gauge_of_several_processes_at_its_lowest_not_their_sum():
+    page = "\n".join(
+        [
+            "# TYPE kvcore_allocator_one_run_fraction gauge",
+            'kvcore_allocator_one_run_fraction{pid="1"} 1.0',
+            'kvcore_allocator_one_run_fraction{pid="2"} 0.75',
+            "# TYPE kvcore_transfers_total counter",
+            'kvcore_transfers_total{pid="1"} 3',
+            'kvcore_transfers_total{pid="2"} 4',
+        ]
+    )
+    assert live_trace.parse_metrics(page) == {
+        "kvcore_allocator_one_run_fraction": 0.75,
+        "kvcore_transfers": 7.0,
+    }
+
+
 def test_sequential_pass_times_streams_and_marks_cpu_tier_hits(serve, tmp_path):
     stand_in = StandIn()
     url = serve(stand_in)

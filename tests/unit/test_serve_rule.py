@@ -208,3 +208,21 @@ def test_kernel_loads_serve_only_token_granular_mla_layer_first_from_8k_tokens(
     pool, layout, page, tokens, expected
 ):
     assert sglang_decision("load", "kernel", layout, page, tokens, pool=pool) == expected
+
+
+@pytest.mark.parametrize(
+    ("tokens", "few_host_runs", "expected"),
+    [
+        (8191, True, "stock_kernel_small_mla_load"),
+        (8192, True, SERVE),
+        (8192, False, "stock_kernel_small_mla_load"),
+        (32767, False, "stock_kernel_small_mla_load"),
+        (32768, False, SERVE),
+    ],
+)
+def test_token_granular_mla_reloads_are_served_from_8k_on_few_host_runs_and_32k_scattered(
+    tokens, few_host_runs, expected
+):
+    rule = serve_rule.sglang_rule("load", "kernel", "layer_first", 1, pool="mla")
+    assert rule is not None and rule.reads_host_runs and rule.serves_from == 8192
+    assert rule.host_decision(tokens, few_host_runs) == expected

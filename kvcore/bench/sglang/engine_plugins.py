@@ -27,6 +27,8 @@ _PROBE_DIST = "kvcore_live_entry"
 MODE_ENV: dict[str, dict[str, str | None]] = {
     "stock": {"KVCORE_ENABLE": "0", "KVCORE_TRANSFERS": "0"},
     "kvcore": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": None},
+    # kvcore's host-slot allocator alone: tells its share of a difference from the hooks'.
+    "kvcore-allocator": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": "0"},
 }
 
 

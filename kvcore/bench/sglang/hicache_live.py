@@ -38,7 +38,8 @@ own token ids) builds SGLang's JIT kernels and kvcore's, then the cache is reset
 ``flush_cache`` resets it.
 
 ``--mode kvcore`` sets ``KVCORE_ENABLE=sglang`` and unsets ``KVCORE_TRANSFERS`` (kvcore's
-default: transfers on) and ``stock`` sets ``KVCORE_ENABLE=0``; both then load SGLang's
+default: transfers on), ``kvcore-allocator`` sets ``KVCORE_TRANSFERS=0`` as well (kvcore's
+host-slot allocator alone) and ``stock`` sets ``KVCORE_ENABLE=0``; each then loads SGLang's
 plugins as its scheduler does (:mod:`.engine_plugins`), before anything is built.
 """
 
@@ -55,6 +56,7 @@ from typing import Any
 
 import torch
 
+from kvcore.bench.sglang.engine_plugins import MODE_ENV, load_sglang_plugins
 from kvcore.bench.sglang.hicache_live_rig import (
     DEVICE_TOKENS,
     HOST_RATIO,
@@ -66,7 +68,7 @@ from kvcore.bench.sglang.hicache_live_serve import run_trace, warm_up
 from kvcore.bench.sglang.hicache_live_summary import summarize
 from kvcore.bench.sglang.hicache_trace import TraceShape, make_trace
 
-MODES = ("stock", "kvcore")
+MODES = tuple(MODE_ENV)
 LAYOUTS = ("layer_first", "page_first")
 
 
@@ -92,8 +94,6 @@ def prepare(opts: LiveOptions) -> dict[str, Any]:
 
         done["sgl_kernel"] = "stub (not installed)" if install_sgl_kernel_stub() else "installed"
         done["jit"] = warm_jit(Options(device=torch.device(opts.device)))
-    from kvcore.bench.sglang.engine_plugins import load_sglang_plugins
-
     done["plugins"] = load_sglang_plugins(opts.mode)
     return done
 
@@ -116,6 +116,7 @@ def run(opts: LiveOptions, progress: Callable[[str], None] = lambda line: None) 
         release(rig)
     return {
         "mode": opts.mode,
+        "label": opts.label or opts.mode,
         "layout": opts.layout,
         "io_backend": opts.io_backend,
         "device": _device_name(rig.device),
@@ -136,7 +137,7 @@ def run(opts: LiveOptions, progress: Callable[[str], None] = lambda line: None) 
         "warmup": warm,
         "summary": summary,
         "requests": [r.to_dict() for r in results],
-        "kvcore_counters": _kvcore_counters() if opts.mode == "kvcore" else None,
+        "kvcore_counters": None if opts.mode == "stock" else _kvcore_counters(),
     }
 
 
@@ -147,6 +148,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--json", type=Path, required=True, help="where the report goes")
+    parser.add_argument(
+        "--label",
+        default="",
+        help="the run's name in the combined summary (default: the mode), e.g. stock-2 for a "
+        "second stock run that tells the machine's drift from a mode's difference",
+    )
     parser.add_argument("--layout", choices=LAYOUTS, default="layer_first")
     parser.add_argument("--seconds", type=float, default=60.0, help="the trace's time budget")
     parser.add_argument("--io-backend", choices=("kernel", "direct"), default="kernel")
@@ -186,6 +193,7 @@ def options_for(args: argparse.Namespace) -> LiveOptions:
     device_tokens = args.device_tokens or trace.length(DEVICE_TOKENS)
     return LiveOptions(
         mode=args.mode,
+        label=args.label,
         layout=args.layout,
         io_backend=args.io_backend,
         device=args.device,

@@ -1,11 +1,15 @@
 """One summary of the live HiCache run's modes (:mod:`kvcore.bench.sglang.hicache_live`).
 
-    python -m kvcore.bench.sglang.hicache_live_combine STOCK.json KVCORE.json --out SUMMARY.json
+    python -m kvcore.bench.sglang.hicache_live_combine STOCK.json KVCORE.json [MORE.json ...] \
+        --out SUMMARY.json
 
-Per mode: the load-back times (median, p99), the mismatched bytes and failed checks, what
-the cache did, and kvcore's counters. Then, per first-turn size bucket, kvcore's median
-load-back time over stock's, taken over the requests that loaded back in both modes (same
-trace, same seed: the same requests hit the host tier in both, which ``same_hits`` checks).
+Per run (its ``label``, else its mode): the load-back times (median, p99), the mismatched
+bytes and failed checks, what the cache did, and kvcore's counters. Then, per first-turn
+size bucket, kvcore's median load-back time over stock's, taken over the requests that
+loaded back in both modes (same trace, same seed: the same requests hit the host tier in
+both, which ``same_hits`` checks), with both runs' issue times; the same for every other
+run against stock's (``against_stock``: a second stock run there shows how far the machine
+drifts between runs).
 A report that is missing (its mode did not finish) is named in ``missing``.
 """
 
@@ -28,6 +32,7 @@ def mode_summary(report: dict[str, Any]) -> dict[str, Any]:
         "loadback_ms_p50": summary["loadback_ms_p50"],
         "loadback_ms_p99": summary["loadback_ms_p99"],
         "issue_ms_p50": summary.get("issue_ms_p50"),
+        "start_loading_ms_p50": summary.get("start_loading_ms_p50"),
         "loadbacks": summary["loadbacks"],
         "loaded_tokens": summary["loaded_tokens"],
         "mismatches": summary["mismatched_bytes"],
@@ -51,8 +56,12 @@ def _median(values: Sequence[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def by_size(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per first-turn size: both modes' median load-back over the requests loaded in both."""
+def by_size(
+    baseline: dict[str, Any], candidate: dict[str, Any], name: str = CANDIDATE
+) -> list[dict[str, Any]]:
+    """Per first-turn size: both runs' median load-back and issue times (the host time of
+    ``load_back`` and ``ready_to_load_host_cache``) over the requests loaded in both; the
+    candidate's keys carry ``name``."""
     base, cand = _loads(baseline), _loads(candidate)
     paired = sorted(set(base) & set(cand))
     rows = []
@@ -60,17 +69,28 @@ def by_size(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[dict[st
         group = [i for i in paired if base[i]["first_turn_tokens"] == size]
         base_ms = _median([base[i]["loadback_ms"] for i in group])
         cand_ms = _median([cand[i]["loadback_ms"] for i in group])
+        issue = {
+            f"{run}_issue_ms_p50": _median(
+                [loads[i]["issue_ms"] for i in group if loads[i].get("issue_ms") is not None]
+            )
+            for run, loads in ((BASELINE, base), (name, cand))
+        }
         rows.append(
             {
                 "first_turn_tokens": size,
                 "loadbacks": len(group),
                 "loaded_tokens_p50": statistics.median(base[i]["loaded_tokens"] for i in group),
                 f"{BASELINE}_ms_p50": base_ms,
-                f"{CANDIDATE}_ms_p50": cand_ms,
+                f"{name}_ms_p50": cand_ms,
                 "ratio": round(cand_ms / base_ms, 3) if base_ms and cand_ms is not None else None,
+                **issue,
             }
         )
     return rows
+
+
+def _label(report: dict[str, Any]) -> str:
+    return str(report.get("label") or report["mode"])
 
 
 def same_hits(reports: Sequence[dict[str, Any]]) -> bool:
@@ -95,7 +115,7 @@ def combine(reports: Sequence[dict[str, Any]], missing: Sequence[str] = ()) -> d
     if not reports:
         return {"engine": "sglang", "modes": {}, "missing": list(missing)}
     first = reports[0]
-    by_mode = {report["mode"]: report for report in reports}
+    by_mode = {_label(report): report for report in reports}
     summary: dict[str, Any] = {
         "device": first["device"],
         "engine": "sglang",
@@ -114,6 +134,12 @@ def combine(reports: Sequence[dict[str, Any]], missing: Sequence[str] = ()) -> d
     }
     if BASELINE in by_mode and CANDIDATE in by_mode:
         summary["by_size"] = by_size(by_mode[BASELINE], by_mode[CANDIDATE])
+    if BASELINE in by_mode:
+        summary["against_stock"] = {
+            label: by_size(by_mode[BASELINE], report, label)
+            for label, report in by_mode.items()
+            if label not in (BASELINE, CANDIDATE)
+        }
     return summary
 
 
@@ -133,11 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{mode}: p50 {row['loadback_ms_p50']} ms, p99 {row['loadback_ms_p99']} ms, "
             f"{row['loadbacks']} load-backs, mismatched bytes {row['mismatches']}"
         )
-    for row in summary.get("by_size", []):
-        print(
-            f"  {row['first_turn_tokens']:>6} tokens: {BASELINE} {row[f'{BASELINE}_ms_p50']} ms, "
-            f"{CANDIDATE} {row[f'{CANDIDATE}_ms_p50']} ms, ratio {row['ratio']}"
-        )
+    runs = {CANDIDATE: summary.get("by_size", []), **summary.get("against_stock", {})}
+    for label, rows in runs.items():
+        for row in rows:
+            print(
+                f"  {row['first_turn_tokens']:>6} tokens: {BASELINE} {row[f'{BASELINE}_ms_p50']} "
+                f"ms, {label} {row[f'{label}_ms_p50']} ms, ratio {row['ratio']}; issue "
+                f"{row[f'{BASELINE}_issue_ms_p50']} / {row[f'{label}_issue_ms_p50']} ms"
+            )
     return 0 if summary.get("all_checks_passed") and not missing else 1
 
 

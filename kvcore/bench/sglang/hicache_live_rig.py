@@ -29,6 +29,8 @@ HOST_RATIO = 6.0
 @dataclass(frozen=True)
 class LiveOptions:
     mode: str = "stock"
+    label: str = ""
+    """The run's name in the combined summary; empty: the mode."""
     layout: str = "layer_first"
     io_backend: str = "kernel"
     device: str = "cuda"

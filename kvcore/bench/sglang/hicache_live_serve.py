@@ -36,6 +36,9 @@ class RequestResult:
     loadback_ms: float | None = None
     issue_ms: float | None = None
     """Host time of ``load_back`` and ``ready_to_load_host_cache`` (every layer's copy issued)."""
+    start_loading_ms: float | None = None
+    """Host time of ``ready_to_load_host_cache`` alone (moving the indices and every
+    layer's load call)."""
     loadback_declined: bool = False
     mismatched_bytes: int = 0
     """Loaded tokens' bytes that differ from their content, every layer's K and V, as read
@@ -89,6 +92,7 @@ def serve(rig: Rig, request: Request) -> RequestResult:
     resident = match.device_prefix_len
     started = time.perf_counter()
     loading = match.host_hit_length > 0 and cache.load_back(match.best_match_node)
+    queued = time.perf_counter()
     consumer = cache.ready_to_load_host_cache()
     issued = time.perf_counter()
     if loading:
@@ -102,6 +106,7 @@ def serve(rig: Rig, request: Request) -> RequestResult:
     if loading:
         result.loadback_ms = (finished - started) * 1e3
         result.issue_ms = (issued - started) * 1e3
+        result.start_loading_ms = (issued - queued) * 1e3
     result.loadback_declined = match.host_hit_length > 0 and not loading
     result.loaded_tokens = len(prefix) - resident
     lock = cache.inc_lock_ref(anchor).to_dec_params()

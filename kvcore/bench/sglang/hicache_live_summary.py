@@ -56,6 +56,7 @@ def summarize(
     loads = [r for r in results if r.loadback_ms is not None]
     ms = [r.loadback_ms for r in loads if r.loadback_ms is not None]
     issue = [r.issue_ms for r in loads if r.issue_ms is not None]
+    start_loading = [r.start_loading_ms for r in loads if r.start_loading_ms is not None]
     return {
         "requests": len(results),
         "loadbacks": len(loads),
@@ -63,6 +64,9 @@ def summarize(
         "loadback_ms_p50": _round(statistics.median(ms)) if ms else None,
         "loadback_ms_p99": _round(percentile(ms, 0.99)),
         "issue_ms_p50": _round(statistics.median(issue)) if issue else None,
+        "start_loading_ms_p50": (
+            _round(statistics.median(start_loading)) if start_loading else None
+        ),
         "loaded_tokens": sum(r.loaded_tokens for r in results),
         "device_hit_tokens": sum(r.device_hit_tokens for r in results),
         "host_hit_tokens": sum(r.host_hit_tokens for r in results),

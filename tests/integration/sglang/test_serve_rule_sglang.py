@@ -501,6 +501,57 @@ def test_a_backup_row_for_dense_host_runs_serves_them_and_passes_scattered_slots
                     assert torch.equal(host_bytes, device.view(torch.uint8)[row])
 
 
+@pytest.mark.parametrize(
+    ("slots", "tokens", "served"),
+    [("one_run", 32, True), ("scattered", 32, False), ("scattered", 64, True)],
+)
+def test_a_load_row_for_dense_host_runs_serves_them_sooner_than_scattered_slots(
+    transfer_hooks,  # noqa: F811
+    small_mover,  # noqa: F811
+    monkeypatch,
+    slots,
+    tokens,
+    served,
+):
+    """A load row that serves few long host runs from fewer tokens than scattered slots
+    (token-granular MLA reloads, as the rule has them): a reload is decided on its host
+    slots once, on its first call; served, every layer is copied byte for byte by kvcore;
+    passed, every layer reaches stock and the pass is counted once."""
+    rule = serve_rule.SGLangRule(
+        "load", "*", "*", (1, 1 << 30), 64, "scattered_r", "test", dense_min_tokens=16
+    )
+    monkeypatch.setattr(serve_rule, "SGLANG_RULES", (rule,))
+    serve_rule._sglang_rule.cache_clear()
+    transfer_hooks()
+    pool = pool_for("mha", "layer_first")
+    gen = torch.Generator().manual_seed(12)
+    host_idx = (
+        torch.arange(40, 40 + tokens)
+        if slots == "one_run"
+        else torch.randperm(400, generator=gen)[:tokens]
+    )
+    device_idx = torch.randperm(200, generator=gen)[:tokens] + 1
+    before, decided = _counts()
+    try:
+        if served:
+            _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
+        else:
+            stock = Recorder()
+            for layer in range(LAYERS):
+                _load_hook()(
+                    stock, pool, device_pool_of("mha", pool), host_idx, device_idx, layer, "direct"
+                )
+            assert len(stock.calls) == LAYERS
+    finally:
+        serve_rule._sglang_rule.cache_clear()
+    after, after_decided = _counts()
+    passed = after.get("scattered_r", 0) - before.get("scattered_r", 0)
+    serves = after_decided.get(("serve", "rule_serves"), 0) - decided.get(
+        ("serve", "rule_serves"), 0
+    )
+    assert (serves, passed) == ((1, 0) if served else (0, 1))
+
+
 def test_the_rule_sees_each_served_pool_by_its_kind():
     assert transfers._pool_kind(pool_for("mha", "layer_first")) == "mha"
     assert transfers._pool_kind(pool_for("mla", "layer_first")) == "mla"
