@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from kvcore.bench.process_state import process_state
 from kvcore.bench.sglang.engine_plugins import MODE_ENV, load_sglang_plugins
 from kvcore.bench.sglang.hicache_live_rig import (
     DEVICE_TOKENS,
@@ -107,9 +108,11 @@ def run(opts: LiveOptions, progress: Callable[[str], None] = lambda line: None) 
     requests = make_trace(opts.trace)
     try:
         warm = warm_up(rig, requests) if opts.warmup else None
+        state = {"before_trace": process_state(rig.device)}
         started = time.perf_counter()
         results, cut_short = run_trace(rig, requests, opts.seconds, progress)
         wall = time.perf_counter() - started
+        state["after_trace"] = process_state(rig.device)
         summary = summarize(results, rig.counters, opts.token_bytes)
         summary.update(wall_s=round(wall, 3), cut_short=cut_short, trace_requests=len(requests))
     finally:
@@ -135,6 +138,7 @@ def run(opts: LiveOptions, progress: Callable[[str], None] = lambda line: None) 
         "cache": rig.settings,
         "prepared": prepared,
         "warmup": warm,
+        "process_state": state,
         "summary": summary,
         "requests": [r.to_dict() for r in results],
         "kvcore_counters": None if opts.mode == "stock" else _kvcore_counters(),

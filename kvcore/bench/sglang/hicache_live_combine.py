@@ -44,6 +44,7 @@ def mode_summary(report: dict[str, Any]) -> dict[str, Any]:
         "write_throughs": summary["write_throughs"],
         "patched_targets": len(patched),
         "counters": report.get("kvcore_counters"),
+        "process_state": report.get("process_state"),
     }
 
 
@@ -159,6 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{mode}: p50 {row['loadback_ms_p50']} ms, p99 {row['loadback_ms_p99']} ms, "
             f"{row['loadbacks']} load-backs, mismatched bytes {row['mismatches']}"
         )
+        state = (row.get("process_state") or {}).get("before_trace")
+        if state:
+            print(
+                f"  process: {state['python_call_us']} us per 1000 Python calls, tracer "
+                f"{state['tracer']}, profiler {state['profiler']}, monitoring "
+                f"{state['monitoring_tools']}, {len(state['threads'])} threads, "
+                f"{state['gc_tracked_objects']} gc objects, default stream "
+                f"{state['current_stream_is_default']}"
+            )
     runs = {CANDIDATE: summary.get("by_size", []), **summary.get("against_stock", {})}
     for label, rows in runs.items():
         for row in rows:

@@ -117,6 +117,11 @@ def test_combined_summary_pairs_the_modes(both_modes):
     sizes = [row["first_turn_tokens"] for row in summary["by_size"]]
     assert sizes == sorted(sizes) and len(sizes) >= 5
     assert all(row["ratio"] > 0 for row in summary["by_size"])
+    assert all(row["kvcore_issue_ms_p50"] > 0 for row in summary["by_size"])
+    for mode in ("stock", "kvcore"):
+        state = summary["modes"][mode]["process_state"]
+        assert state["before_trace"]["python_call_us"] > 0
+        assert not state["after_trace"]["tracer"]
 
 
 def test_one_flipped_byte_in_a_load_back_is_found(tmp_path):
