@@ -36,9 +36,9 @@ serve_args=(
     --host 127.0.0.1 --port "$port"
 )
 
-# vLLM pins the whole CPU tier at start-up; past about half the host's memory the engine
-# core was killed while "Allocating 32 CPU tensors" (CPU_GIB=72 of 128 GiB, 2026-12-03),
-# with no reason in its log. Say so before starting anything.
+# vLLM pins the whole CPU tier at start-up; past about half the host's memory its engine
+# core is killed while allocating the tier's tensors, with no reason in its log
+# (docs/benchmarks.md, session 23). Say so before starting anything.
 mem_gib=$(awk '/^MemTotal:/ {print int($2 / 1048576)}' /proc/meminfo)
 if ((${CPU_GIB:-48} * 2 > mem_gib)); then
     echo "CPU_GIB=${CPU_GIB:-48} is over half of this host's ${mem_gib} GiB: vLLM would" \
