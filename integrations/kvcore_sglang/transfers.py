@@ -375,8 +375,8 @@ def _start_load(
 
     The rule comes first (it reads the pool's layout and the request's size, nothing
     else), so a request that passes costs a lookup; a row that tells few long host runs
-    from scattered slots then reads the host indices once. A request is kept only when its index
-    tensors are tensors (their identity names it); its pass is counted once, here.
+    from scattered slots then reads the host indices once. A request is kept only when its
+    index tensors are tensors (their identity names it); its pass is counted once, here.
     """
     indices: CallIndices | str | None = None
     tokens = _count_of(host_indices)
