@@ -7,7 +7,7 @@
 #
 # Needs .whl-sglang/ carried (built as scripts/sglang_ab.sh says). The modes run as separate
 # processes, same seed, same trace, in the order MODES gives (default "stock kvcore"; modes:
-# stock, kvcore, kvcore-allocator); a mode given again runs again as <mode>-2, -3..., so
+# stock, kvcore, kvcore-allocator, kvcore-no-warm-up); a mode given again runs again as <mode>-2, -3..., so
 # "stock kvcore stock kvcore" tells a mode's difference from the machine's drift between
 # runs. Then one summary. Writes under $OUT (default out/sglang_hicache_live): env.txt,
 # hicache_live.log, live-<run>.json for each run and h200-live-sglang.json.

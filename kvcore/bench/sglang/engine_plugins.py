@@ -29,7 +29,10 @@ MODE_ENV: dict[str, dict[str, str | None]] = {
     "kvcore": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": None},
     # kvcore's host-slot allocator alone: tells its share of a difference from the hooks'.
     "kvcore-allocator": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": "0"},
+    # kvcore with its transfers, its pools' warm-up skipped: tells the warm-up's share.
+    "kvcore-no-warm-up": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": None},
 }
+NO_WARM_UP_MODES = frozenset({"kvcore-no-warm-up"})
 
 
 def kvcore_entry_declared() -> bool:
@@ -54,6 +57,11 @@ def declare_kvcore_entry_point() -> str | None:
     return str(root)
 
 
+def _skip_warm_up(pool: Any) -> None:
+    """Stands in for :func:`kvcore_sglang.pool_warm_up.warm_up_pool`: the pool's paths
+    are set up on their first use instead."""
+
+
 def load_sglang_plugins(mode: str) -> dict[str, Any]:
     """Set ``mode``'s KVCORE_* variables, then run SGLang's ``load_plugins()``.
 
@@ -72,6 +80,10 @@ def load_sglang_plugins(mode: str) -> dict[str, Any]:
     load_plugins()
     import kvcore_sglang
 
+    if mode in NO_WARM_UP_MODES:
+        from kvcore_sglang import pool_warm_up
+
+        pool_warm_up.warm_up_pool = _skip_warm_up
     status = kvcore_sglang.status()
     return {
         "env": dict(env),

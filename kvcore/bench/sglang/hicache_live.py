@@ -39,7 +39,8 @@ own token ids) builds SGLang's JIT kernels and kvcore's, then the cache is reset
 
 ``--mode kvcore`` sets ``KVCORE_ENABLE=sglang`` and unsets ``KVCORE_TRANSFERS`` (kvcore's
 default: transfers on), ``kvcore-allocator`` sets ``KVCORE_TRANSFERS=0`` as well (kvcore's
-host-slot allocator alone) and ``stock`` sets ``KVCORE_ENABLE=0``; each then loads SGLang's
+host-slot allocator alone), ``kvcore-no-warm-up`` is ``kvcore`` with the pools' warm-up
+skipped, and ``stock`` sets ``KVCORE_ENABLE=0``; each then loads SGLang's
 plugins as its scheduler does (:mod:`.engine_plugins`), before anything is built.
 """
 
