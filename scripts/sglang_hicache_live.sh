@@ -9,8 +9,10 @@
 # processes, same seed, same trace, in the order MODES gives (default "stock kvcore"; modes:
 # stock, kvcore, kvcore-allocator, kvcore-no-warm-up); a mode given again runs again as <mode>-2, -3..., so
 # "stock kvcore stock kvcore" tells a mode's difference from the machine's drift between
-# runs. Then one summary. Writes under $OUT (default out/sglang_hicache_live): env.txt,
-# hicache_live.log, live-<run>.json for each run and h200-live-sglang.json.
+# runs (the summary's paired_processes pairs the n-th stock run with the n-th kvcore one).
+# Then one summary. Writes under $OUT (default out/sglang_hicache_live): env.txt,
+# hicache_live.log, h200-live-sglang.json and live-runs.tar.gz holding live-<run>.json for
+# each run (one file, so that any number of runs comes back from the GPU machine).
 set -uo pipefail
 OUT=${OUT:-out/sglang_hicache_live}
 # shellcheck source=scripts/sglang_device_env.sh
@@ -36,6 +38,11 @@ done
 python3 -m kvcore.bench.sglang.hicache_live_combine "${reports[@]}" \
     --out "$OUT/h200-live-sglang.json" 2>&1 | tee -a "$log"
 combine_rc=${PIPESTATUS[0]}
+present=()
+for report in "${reports[@]}"; do [ -f "$report" ] && present+=("$(basename "$report")"); done
+if [ "${#present[@]}" -gt 0 ]; then
+    tar -czf "$OUT/live-runs.tar.gz" -C "$OUT" "${present[@]}" && (cd "$OUT" && rm -f "${present[@]}")
+fi
 [ "$combine_rc" -eq 0 ] || [ "$rc" -ne 0 ] || rc=$combine_rc
 echo "sglang_hicache_live: rc=$rc after $(($(date +%s) - started)) s" | tee -a "$log"
 exit "$rc"

@@ -187,6 +187,26 @@ def test_combine_sets_every_other_run_against_stock_with_both_runs_issue_times()
     assert summary["against_stock"]["kvcore-allocator"][1]["ratio"] == 1.1
 
 
+def test_combine_pairs_processes_of_stock_and_kvcore_in_the_order_they_ran():
+    runs = []
+    for n, (stock_ms, kvcore_ms) in enumerate(((2.0, 3.0), (4.0, 2.0), (3.0, 6.0)), start=1):
+        suffix = "" if n == 1 else f"-{n}"
+        # Request 1 loaded back in one kvcore process only: left out of every process.
+        kvcore_times = {0: kvcore_ms, 1: None if n == 2 else 9.0, 2: 40.0}
+        runs.append({**report("stock", {0: stock_ms, 1: 1.0, 2: 40.0}), "label": f"stock{suffix}"})
+        runs.append({**report("kvcore", kvcore_times), "label": f"kvcore{suffix}"})
+    summary = hicache_live_combine.combine(runs)
+    small, large = summary["paired_processes"]
+    assert small["processes"] == 3 and small["loadbacks"] == 1
+    assert (small["stock_ms_p50"], small["kvcore_ms_p50"]) == ([2.0, 4.0, 3.0], [3.0, 2.0, 6.0])
+    # Pair ratios 2/3, 2 and 1/2: their median, not the ratio of the modes' medians (1.0).
+    assert small["speed"] == round(2 / 3, 3)
+    assert small["speed_low"] <= small["speed"] <= small["speed_high"]
+    assert small["stock_spread"] == 2.0
+    assert large["speed"] == 1.0 and large["stock_spread"] == 1.0
+    assert "paired_processes" not in hicache_live_combine.combine(runs[:3])
+
+
 def test_combine_main_writes_the_summary_and_fails_on_a_mismatch_or_a_missing_mode(
     tmp_path, capsys
 ):

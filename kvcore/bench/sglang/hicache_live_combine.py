@@ -9,7 +9,11 @@ size bucket, kvcore's median load-back time over stock's, taken over the request
 loaded back in both modes (same trace, same seed: the same requests hit the host tier in
 both, which ``same_hits`` checks), with both runs' issue times; the same for every other
 run against stock's (``against_stock``: a second stock run there shows how far the machine
-drifts between runs).
+drifts between runs). Where stock and kvcore each ran more than once (``MODES="stock kvcore
+stock kvcore ..."``), ``paired_processes`` pairs the n-th stock process with the n-th
+kvcore one and gives, per size, each process's median and kvcore's speed over stock's as
+the median of the pairs' ratios with a bootstrap interval: a host-bound load-back's
+median moves between processes of one mode as much as between modes.
 A report that is missing (its mode did not finish) is named in ``missing``.
 """
 
@@ -21,6 +25,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from kvcore.bench.paired_speed import paired_speed
 
 BASELINE, CANDIDATE = "stock", "kvcore"
 
@@ -90,6 +96,41 @@ def by_size(
     return rows
 
 
+def paired_processes(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Per first-turn size, the n-th stock process against the n-th kvcore one (runs in
+    the order given), over the requests every one of them loaded back; None where either
+    mode ran fewer than twice."""
+    stock = [_loads(r) for r in reports if r["mode"] == BASELINE]
+    kvcore = [_loads(r) for r in reports if r["mode"] == CANDIDATE]
+    pairs = min(len(stock), len(kvcore))
+    if pairs < 2:
+        return None
+    stock, kvcore = stock[:pairs], kvcore[:pairs]
+    common = set.intersection(*(set(loads) for loads in (*stock, *kvcore)))
+    rows = []
+    for size in sorted({stock[0][i]["first_turn_tokens"] for i in common}):
+        group = [i for i in common if stock[0][i]["first_turn_tokens"] == size]
+        stock_ms = [_median([loads[i]["loadback_ms"] for i in group]) for loads in stock]
+        kvcore_ms = [_median([loads[i]["loadback_ms"] for i in group]) for loads in kvcore]
+        speed = paired_speed(
+            [float(ms or 0) for ms in stock_ms], [float(ms or 0) for ms in kvcore_ms]
+        )
+        rows.append(
+            {
+                "first_turn_tokens": size,
+                "loadbacks": len(group),
+                "processes": pairs,
+                "stock_ms_p50": stock_ms,
+                "kvcore_ms_p50": kvcore_ms,
+                "speed": None if speed is None else round(speed.median, 3),
+                "speed_low": None if speed is None else round(speed.low, 3),
+                "speed_high": None if speed is None else round(speed.high, 3),
+                "stock_spread": round(max(stock_ms) / min(stock_ms), 3) if all(stock_ms) else None,
+            }
+        )
+    return rows
+
+
 def _label(report: dict[str, Any]) -> str:
     return str(report.get("label") or report["mode"])
 
@@ -141,6 +182,9 @@ def combine(reports: Sequence[dict[str, Any]], missing: Sequence[str] = ()) -> d
             for label, report in by_mode.items()
             if label not in (BASELINE, CANDIDATE)
         }
+    paired = paired_processes(reports)
+    if paired is not None:
+        summary["paired_processes"] = paired
     return summary
 
 
@@ -177,6 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"ms, {label} {row[f'{label}_ms_p50']} ms, ratio {row['ratio']}; issue "
                 f"{row[f'{BASELINE}_issue_ms_p50']} / {row[f'{label}_issue_ms_p50']} ms"
             )
+    for row in summary.get("paired_processes", []):
+        print(
+            f"  {row['first_turn_tokens']:>6} tokens, {row['processes']} process pairs: "
+            f"speed {row['speed']} ({row['speed_low']}-{row['speed_high']}), stock's own "
+            f"spread {row['stock_spread']}x; stock {row['stock_ms_p50']} ms, kvcore "
+            f"{row['kvcore_ms_p50']} ms"
+        )
     return 0 if summary.get("all_checks_passed") and not missing else 1
 
 
