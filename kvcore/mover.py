@@ -14,6 +14,7 @@ own modules, and their public names are re-exported here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 import weakref
@@ -29,6 +30,7 @@ from kvcore.kernels import (
     KernelFactory,
     KernelSet,
     PreparedGather,
+    StageInPrepared,
     registered,
 )
 from kvcore.kernels.reference import (
@@ -86,13 +88,17 @@ class Submission:
 class PreparedLayers:
     """A plan made ready once for every layer of one request (an engine's reload comes as
     one call per layer, all with the same indices): :meth:`Mover.prepare_layers` puts its
-    indices on the device where its kernels gather, so that a layer costs one launch."""
+    indices on the device where its kernels gather, so that a layer costs one launch, and
+    a staged page-in's chunks in the form its copies take them, so that a layer costs its
+    copies and one scatter."""
 
     plan: TransferPlan
     rows: object | None
-    """The kernel set's prepared indices; None where each layer runs
-    :meth:`Mover.execute_layers` (paths other than the gather, kernels without the op)."""
-    gather: GatherPrepared | None
+    """The kernel set's prepared indices (a gather's, or a staged page-in's chunks); None
+    where each layer runs :meth:`Mover.execute_layers` (other paths, kernels without the
+    op)."""
+    run: GatherPrepared | None
+    """Copies one layer's pairs with ``rows``; set with them."""
     fits: dict[int, weakref.ref[LayerPairs]] = dataclasses.field(default_factory=dict)
     """Pairs whose destinations share memory already found to fit the plan
     (:func:`layers_mismatch`), by id, each held weakly so that an id names its pairs only
@@ -225,14 +231,43 @@ class Mover:
         where the plan's indices were written since planning.
         """
         plan.check_indices()
-        if plan.path is TransferPath.GATHER and plan.rows and plan.row_bytes:
-            device = plan.device
-            kernels = self.kernels(device)
+        if not (plan.rows and plan.row_bytes):
+            return PreparedLayers(plan, None, None)
+        device = plan.device
+        kernels = self.kernels(device)
+        if plan.path is TransferPath.GATHER:
             if kernels.prepare_rows is not None and kernels.gather_prepared is not None:
                 src_idx = _stand_in_on(src_idx_on_device, plan.src_idx, device)
                 rows = kernels.prepare_rows(src_idx, plan.dst_idx, device)
                 return PreparedLayers(plan, rows, kernels.gather_prepared)
+        elif plan.path is TransferPath.STAGED and plan.direction is Direction.H2D:
+            prepare, stage_in = kernels.prepare_stage_in, kernels.stage_in_prepared
+            if prepare is not None and stage_in is not None:
+                chunks = prepare(self._chunks_fitting(plan), plan.dst_idx, device)
+                return PreparedLayers(plan, chunks, functools.partial(self._stage_in, stage_in))
         return PreparedLayers(plan, None, None)
+
+    def _stage_in(
+        self, stage_in: StageInPrepared, pairs: LayerPairs, prepared: object
+    ) -> str | None:
+        """A prepared staged page-in of one layer, through one lease of the staging buffer."""
+        with self.staging.lease(pairs.dsts[0].device) as buffer:
+            stage_in(pairs, prepared, buffer)
+        return None
+
+    def _chunks_fitting(self, plan: TransferPlan) -> tuple[StagedChunk, ...]:
+        """The plan's staged chunks, cut again where this mover's staging buffer is smaller
+        than the plan's policy assumed; ValueError where one row does not fit it."""
+        chunk_rows = self.staging.capacity_bytes // plan.row_bytes
+        if chunk_rows == 0:
+            raise ValueError(
+                f"a row of {plan.row_bytes} B does not fit the "
+                f"{self.staging.capacity_bytes} B staging buffer"
+            )
+        chunks = plan.staged_chunks
+        if not chunks or chunks[0].end - chunks[0].begin > chunk_rows:
+            return tuple(staged_chunks(plan.host_runs, chunk_rows))
+        return chunks
 
     def execute_prepared(self, prepared: PreparedLayers, pairs: LayerPairs) -> None:
         """:meth:`execute_layers` for one layer of a prepared request; raises as it does,
@@ -247,8 +282,8 @@ class Mover:
             _remember_fit(prepared, plan, pairs)
         started = time.perf_counter()
         degraded = None
-        if prepared.rows is not None and prepared.gather is not None:
-            degraded = prepared.gather(pairs, prepared.rows)
+        if prepared.rows is not None and prepared.run is not None:
+            degraded = prepared.run(pairs, prepared.rows)
         elif plan.rows and plan.row_bytes:
             degraded = self._copy_layers(plan, pairs)
         self._record_layers(plan, pairs, time.perf_counter() - started, degraded)
@@ -325,17 +360,8 @@ class Mover:
     ) -> None:
         """The staged copy of ``plan``'s rows for each (source, destination) in word views,
         one after another through one lease of the device's staging buffer."""
-        chunk_rows = self.staging.capacity_bytes // plan.row_bytes
-        if chunk_rows == 0:
-            raise ValueError(
-                f"a row of {plan.row_bytes} B does not fit the "
-                f"{self.staging.capacity_bytes} B staging buffer"
-            )
         page_in = plan.direction is Direction.H2D
-        chunks = plan.staged_chunks
-        if not chunks or chunks[0].end - chunks[0].begin > chunk_rows:
-            # A mover whose staging buffer is smaller than the plan's policy assumed.
-            chunks = staged_chunks(plan.host_runs, chunk_rows)
+        chunks = self._chunks_fitting(plan)
         with self.staging.lease(plan.device) as buffer:
             for src_words, dst_words in word_pairs:
                 for chunk in chunks:

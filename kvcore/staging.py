@@ -9,12 +9,14 @@ given it, and its lease is the one part of a staged copy that is not a kernel ca
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 import torch
 
 from kvcore.path_policy import PathPolicy
+
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_MAX_KEPT_STREAMS = 64
 
 
 class StagingBuffers:
@@ -34,6 +36,9 @@ class StagingBuffers:
         self._locks: dict[torch.device, threading.Lock] = {}
         self._last_use: dict[torch.device, torch.cuda.Event] = {}
         self._last_stream: dict[torch.device, int] = {}
+        # (device index, raw handle) -> the Stream object for it (torch never frees its
+        # pool's streams; a handle reused by a new external stream names that stream).
+        self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
         self._guard = threading.Lock()
 
     @property
@@ -41,30 +46,92 @@ class StagingBuffers:
         with self._guard:
             return self.capacity_bytes * len(self._buffers)
 
-    @contextmanager
-    def lease(self, device: torch.device) -> Iterator[torch.Tensor]:
-        with self._guard:
-            lock = self._locks.setdefault(device, threading.Lock())
-        with lock:
-            buffer = self._buffers.get(device)
-            if buffer is None:
-                buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
-                with self._guard:
-                    self._buffers[device] = buffer
-            if device.type != "cuda":
-                yield buffer
-                return
+    def lease(self, device: torch.device) -> _Lease:
+        """A context manager holding ``device``'s buffer (a flat uint8 tensor) while open."""
+        return _Lease(self, device)
+
+    def _lock_for(self, device: torch.device) -> threading.Lock:
+        lock = self._locks.get(device)
+        if lock is None:
+            with self._guard:
+                lock = self._locks.setdefault(device, threading.Lock())
+        return lock
+
+    def _buffer_for(self, device: torch.device) -> torch.Tensor:
+        """The device's buffer, allocated on first use; called with the device's lock held."""
+        buffer = self._buffers.get(device)
+        if buffer is None:
+            buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
+            with self._guard:
+                self._buffers[device] = buffer
+        return buffer
+
+    def _current_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, int]:
+        """The current stream on ``device`` and its raw handle; the Stream object is built
+        once per handle (a few microseconds on every lease otherwise)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if _current_raw_stream is None:
             stream = torch.cuda.current_stream(device)
-            last_use = self._last_use.get(device)
-            if last_use is None:
-                last_use = self._last_use[device] = torch.cuda.Event()
-            elif self._last_stream[device] != stream.cuda_stream:
-                # The same stream is ordered already; another one waits on the GPU.
-                stream.wait_event(last_use)
-            try:
-                yield buffer
-            finally:
-                # One event per device serves every lease: a wait holds the record issued
-                # before it, and the device lock keeps each record after the previous wait.
-                last_use.record(stream)
-                self._last_stream[device] = stream.cuda_stream
+            return stream, int(stream.cuda_stream)
+        handle = int(_current_raw_stream(index))
+        stream = self._streams.get((index, handle))
+        if stream is None:
+            stream = torch.cuda.current_stream(device)
+            if len(self._streams) >= _MAX_KEPT_STREAMS:
+                self._streams.clear()
+            self._streams[(index, handle)] = stream
+        return stream, handle
+
+
+class _Lease:
+    """One lease of a device's staging buffer (:meth:`StagingBuffers.lease`): a class
+    rather than a generator, as it is entered on every layer of a staged reload.
+
+    On CUDA the stream that takes the buffer waits on the GPU for the stream that used it
+    last, where that is another one; one event per device serves every lease: a wait
+    holds the record issued before it, and the device lock keeps each record after the
+    previous wait.
+    """
+
+    __slots__ = ("_buffers", "_device", "_handle", "_lock", "_stream")
+
+    def __init__(self, buffers: StagingBuffers, device: torch.device) -> None:
+        self._buffers = buffers
+        self._device = device
+        self._lock = buffers._lock_for(device)
+        self._stream: torch.cuda.Stream | None = None
+        self._handle = 0
+
+    def __enter__(self) -> torch.Tensor:
+        self._lock.acquire()
+        try:
+            owner, device = self._buffers, self._device
+            buffer = owner._buffer_for(device)
+            if device.type == "cuda":
+                stream, handle = owner._current_stream(device)
+                last_use = owner._last_use.get(device)
+                if last_use is None:
+                    owner._last_use[device] = torch.cuda.Event()
+                elif owner._last_stream[device] != handle:
+                    # The same stream is ordered already; another one waits on the GPU.
+                    stream.wait_event(last_use)
+                self._stream, self._handle = stream, handle
+        except BaseException:
+            self._lock.release()
+            raise
+        return buffer
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            stream = self._stream
+            if stream is not None:
+                owner, device = self._buffers, self._device
+                owner._last_use[device].record(stream)
+                owner._last_stream[device] = self._handle
+        finally:
+            self._lock.release()

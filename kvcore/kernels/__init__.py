@@ -10,7 +10,7 @@ place of either; :func:`unregister_kernels` takes an entry out again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,7 @@ from kvcore.runs import PairedRuns, Runs
 
 if TYPE_CHECKING:
     from kvcore.layers import LayerPairs
+    from kvcore.planning import StagedChunk
 
 # copy_runs and gather_rows return None, or the reason they had to take a slower
 # way (a refused batch submission, a missing kernel), which the mover counts.
@@ -39,6 +40,10 @@ GatherLayers = Callable[["LayerPairs", torch.Tensor, torch.Tensor], str | None]
 # request; what comes back is the kernel set's own, handed back to gather_prepared.
 PrepareRows = Callable[[torch.Tensor, torch.Tensor, torch.device], object]
 GatherPrepared = Callable[["LayerPairs", object], str | None]
+# A staged page-in's (chunks, dst_idx) made ready on its device once for every layer of one
+# request; what comes back is handed to stage_in_prepared with the leased staging buffer.
+PrepareStageIn = Callable[[Sequence["StagedChunk"], torch.Tensor, torch.device], object]
+StageInPrepared = Callable[["LayerPairs", object, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,12 @@ class KernelSet:
     each layer's ``gather_layers`` (or ``gather_rows``) call takes the indices as they are."""
     gather_prepared: GatherPrepared | None = None
     """``gather_layers`` with indices from ``prepare_rows``; set with it."""
+    prepare_stage_in: PrepareStageIn | None = None
+    """A staged page-in's chunks made ready once for every layer of a request, where each
+    layer's ``stage_in`` would issue the same ops (one piece). None: each layer's chunks
+    go through ``stage_in``."""
+    stage_in_prepared: StageInPrepared | None = None
+    """``stage_in`` for every pair and chunk with what ``prepare_stage_in`` made; set with it."""
 
 
 REFERENCE = KernelSet(
@@ -72,6 +83,8 @@ REFERENCE = KernelSet(
     stage_out=reference.stage_out,
     prepare_rows=reference.prepare_rows,
     gather_prepared=reference.gather_prepared,
+    prepare_stage_in=reference.prepare_stage_in,
+    stage_in_prepared=reference.stage_in_prepared,
 )
 
 

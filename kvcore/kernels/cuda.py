@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +30,9 @@ from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.kernels.triton_rows import row_gather
 from kvcore.layers import LayerPairs
 from kvcore.runs import PairedRuns, Runs, slice_runs
+
+if TYPE_CHECKING:
+    from kvcore.planning import StagedChunk
 
 # Below this many runs one copy_ per run costs less host time than building a batch.
 _FEW_RUNS = 4
@@ -147,6 +152,15 @@ class _DeviceRows:
     def ready(self) -> None:
         for upload in self.uploads:
             upload.order_current_stream()
+
+
+@dataclass(frozen=True, eq=False)
+class _StageInRows:
+    """A staged page-in's prepared chunks and the upload their destination rows came from
+    (none where they were on the device)."""
+
+    chunks: reference.PreparedStageIn
+    uploads: tuple[KeptUpload, ...]
 
 
 class _CudaIndexedOps:
@@ -345,6 +359,28 @@ class _CudaIndexedOps:
                 dst_words.index_copy_(0, device_idx[begin:end], piece)
         copies.wait_stream(scatter)
 
+    def prepare_stage_in(
+        self, chunks: Sequence[StagedChunk], dst_idx: torch.Tensor, device: torch.device
+    ) -> _StageInRows:
+        """A staged page-in's chunks, their destination rows on ``device`` once (uploaded
+        where they are not there), for every layer of a request."""
+        if dst_idx.device == device:
+            return _StageInRows(reference.prepare_stage_in(chunks, dst_idx, device), ())
+        kept = self._uploader(device).keep((dst_idx,))
+        prepared = reference.prepare_stage_in(chunks, kept.on_device[0], device)
+        return _StageInRows(prepared, (kept,))
+
+    def stage_in_prepared(self, pairs: LayerPairs, prepared: object, staging: torch.Tensor) -> None:
+        """:meth:`stage_in` of every pair with chunks from :meth:`prepare_stage_in`: one
+        piece each, all on the current stream."""
+        if not isinstance(prepared, _StageInRows):
+            raise TypeError(
+                f"prepared must come from prepare_stage_in, got {type(prepared).__name__}"
+            )
+        for upload in prepared.uploads:
+            upload.order_current_stream()
+        reference.stage_in_prepared(pairs, prepared.chunks, staging)
+
     def stage_out(
         self,
         src_words: torch.Tensor,
@@ -426,4 +462,7 @@ def cuda_kernels(
         prepare_gather=ops.prepare_gather,
         prepare_rows=ops.prepare_rows,
         gather_prepared=ops.gather_prepared,
+        # In pieces, a layer's scatters go on a second stream: stage_in orders them itself.
+        prepare_stage_in=ops.prepare_stage_in if staged_pieces == 1 else None,
+        stage_in_prepared=ops.stage_in_prepared if staged_pieces == 1 else None,
     )

@@ -12,6 +12,8 @@ keeps NaN payloads, fp8 and bf16 bit-exact.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +22,7 @@ from kvcore.runs import PairedRuns, Runs
 
 if TYPE_CHECKING:
     from kvcore.layers import LayerPairs
+    from kvcore.planning import StagedChunk
 
 _WORD_DTYPES: dict[int, torch.dtype] = {
     8: torch.int64,
@@ -224,3 +227,57 @@ def index_copy_rows(
         )
     rows = src[src_idx.to(src.device)]
     dst[dst_idx.to(dst.device)] = rows.to(dst.device)
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedStageIn:
+    """A staged page-in made ready once for every layer of one request: each chunk's host
+    runs as Python ints and its destination rows on the device, so that a layer costs its
+    copies and one scatter per chunk, with nothing segmented, sliced or uploaded again."""
+
+    chunks: tuple[tuple[tuple[tuple[int, int], ...], torch.Tensor, int], ...]
+    """Per chunk: its host runs ``(start, length)``, its destination rows, its row count."""
+    views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = field(default_factory=dict)
+    """Per staging buffer address and word view: each chunk's rows of the buffer, made on
+    the first layer that needs them (a request's layers share one view)."""
+
+
+def prepare_stage_in(
+    chunks: Sequence[StagedChunk], dst_idx: torch.Tensor, device: torch.device
+) -> PreparedStageIn:
+    """``chunks`` of a staged page-in into rows ``dst_idx`` of ``device``, for
+    :func:`stage_in_prepared` on each layer."""
+    on_device = index_on(dst_idx, device)
+    return PreparedStageIn(
+        tuple(
+            (
+                tuple(chunk.host_runs.as_list()),
+                on_device[chunk.begin : chunk.end],
+                chunk.end - chunk.begin,
+            )
+            for chunk in chunks
+        )
+    )
+
+
+def stage_in_prepared(pairs: LayerPairs, prepared: object, staging: torch.Tensor) -> None:
+    """:func:`stage_in` of every chunk for every pair of ``pairs``, through ``staging`` (a
+    flat uint8 buffer the caller holds), with chunks from :func:`prepare_stage_in`."""
+    if not isinstance(prepared, PreparedStageIn):
+        raise TypeError(f"prepared must come from prepare_stage_in, got {type(prepared).__name__}")
+    chunks = prepared.chunks
+    address = staging.data_ptr()
+    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+        key = (address, src_words.dtype, src_words.shape[1])
+        views = prepared.views.get(key)
+        if views is None:
+            views = [staging_words(staging, rows, src_words) for _, _, rows in chunks]
+            prepared.views[key] = views
+        for (host_runs, rows_on_device, _), staged in zip(chunks, views, strict=True):
+            position = 0
+            for start, length in host_runs:
+                staged[position : position + length].copy_(
+                    src_words[start : start + length], non_blocking=True
+                )
+                position += length
+            dst_words.index_copy_(0, rows_on_device, staged)

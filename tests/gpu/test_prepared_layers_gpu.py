@@ -17,7 +17,7 @@ from kvcore.kernels import triton_tile
 from kvcore.kernels.triton_kernels import triton_available
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, TransferPath, plan
+from kvcore.mover import Mover, PathPolicy, TransferPath, plan, plan_device_indexed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -141,3 +141,62 @@ def test_layered_gathers_under_inference_mode_copy_exactly_and_never_reuse_a_sta
             for got, wanted in zip(device, want, strict=True):
                 assert torch.equal(_bytes(got), _bytes(wanted))
     assert metrics.snapshot()["fallbacks"] == {}
+
+
+@pytest.mark.parametrize("rows_on_gpu", [True, False])
+def test_prepared_staged_page_ins_between_other_streams_copy_exactly(rows_on_gpu):
+    """Each layer of a prepared staged page-in goes through the shared staging buffer in
+    chunks, while another stream's staged page-ins use the same buffer between layers:
+    the lease must order them, whether the destination rows came on the GPU (SGLang's
+    ``kernel`` backend) or were uploaded once."""
+    row_bytes, count = 1152, 2500
+    host = [_random(ROWS, row_bytes, host=True) for _ in range(LAYERS)]
+    device = [_random(ROWS, row_bytes, host=False) for _ in range(LAYERS)]
+    other_host = _random(ROWS, row_bytes, host=True)
+    other_device = _random(ROWS, row_bytes, host=False)
+    gen = torch.Generator().manual_seed(29)
+    src_idx = torch.cat([torch.arange(100, 1100), torch.arange(2000, 3500)])
+    dst_idx = torch.randperm(ROWS, generator=gen)[:count]
+    other_src, other_dst = torch.arange(0, 3000), torch.randperm(ROWS, generator=gen)[:3000]
+    want = [t.clone() for t in device]
+    for src, dst in zip(host, want, strict=True):
+        dst[dst_idx.cuda()] = src[src_idx].cuda()
+    other_want = other_device.clone()
+    other_want[other_dst.cuda()] = other_host[other_src].cuda()
+    sources = [t.clone() for t in host]
+    mover = Mover(PathPolicy(staging_bytes=1000 * row_bytes), metrics=Metrics())
+    rows = dst_idx.cuda() if rows_on_gpu else dst_idx
+    plan_for = plan_device_indexed if rows_on_gpu else plan
+    first = plan_for(
+        host[0],
+        device[0],
+        src_idx,
+        rows,
+        direction=Direction.H2D,
+        policy=mover.policy,
+        force=TransferPath.STAGED,
+    )
+    prepared = mover.prepare_layers(first)
+    assert prepared.rows is not None
+    other_plan = plan(
+        other_host,
+        other_device,
+        other_src,
+        other_dst,
+        direction=Direction.H2D,
+        policy=mover.policy,
+        force=TransferPath.STAGED,
+    )
+    load, other = torch.cuda.Stream(), torch.cuda.Stream()
+    for layer in range(LAYERS):
+        with torch.cuda.stream(load):
+            torch.cuda._sleep(200_000)  # the load stream runs behind: the other must wait
+            mover.execute_prepared(prepared, layer_pairs([host[layer]], [device[layer]]))
+        with torch.cuda.stream(other):
+            mover.execute(other_plan)
+    torch.cuda.synchronize()
+    for got, wanted in zip(device, want, strict=True):
+        assert torch.equal(_bytes(got), _bytes(wanted))
+    for src, kept in zip(host, sources, strict=True):
+        assert torch.equal(_bytes(src), _bytes(kept))
+    assert torch.equal(_bytes(other_device), _bytes(other_want))

@@ -7,6 +7,7 @@ written after planning. On a CPU the reference kernels stand for the device's op
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -15,6 +16,7 @@ import torch
 
 from kvcore import mover as mover_module
 from kvcore.direction import Direction
+from kvcore.kernels import REFERENCE, reference
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, StalePlanError, TransferPath, plan
@@ -116,6 +118,8 @@ def test_staged_layers_move_every_pair_in_chunks_and_are_fitted_once(
     )
     assert first.path is TransferPath.STAGED and len(first.staged_chunks) == 4
     prepared = mover.prepare_layers(first)
+    # A page-in's chunks are made ready once; a page-out runs stage_out a chunk at a time.
+    assert (prepared.rows is not None) == h2d
     both = layer_pairs(srcs[1:], dsts[1:])
     for pairs in (layer_pairs(srcs[:1], dsts[:1]), both, both):
         mover.execute_prepared(prepared, pairs)
@@ -125,6 +129,52 @@ def test_staged_layers_move_every_pair_in_chunks_and_are_fitted_once(
     for src, kept in zip(srcs, sources, strict=True):
         assert torch.equal(src, kept)
     assert mover.staging.bytes_reserved == 8 * WIDTH * 2
+
+
+@pytest.mark.parametrize("prepared_ops", [True, False])
+def test_staged_page_in_of_several_host_runs_through_a_smaller_buffer_matches_stock(
+    prepared_ops: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(17)
+    srcs, dsts = layered(gen)
+    # Three host runs, the rows landing scattered on the device.
+    src_idx = torch.cat([torch.arange(2, 9), torch.arange(20, 31), torch.arange(40, 44)])
+    dst_idx = torch.randperm(ROWS, generator=gen)[: src_idx.numel()]
+    want = expected(srcs, dsts, src_idx, dst_idx)
+    sources = [src.clone() for src in srcs]
+    if not prepared_ops:
+        monkeypatch.setattr(
+            mover_module,
+            "registered",
+            lambda device_type: dataclasses.replace(
+                REFERENCE, prepare_stage_in=None, stage_in_prepared=None
+            ),
+        )
+    first = plan(
+        srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D, force=TransferPath.STAGED
+    )
+    # The plan was cut for the default buffer; this mover's holds 5 rows.
+    mover = Mover(PathPolicy(staging_bytes=5 * WIDTH * 2))
+    assert len(first.staged_chunks) == 1
+    prepared = mover.prepare_layers(first.without_buffers())
+    assert (prepared.rows is not None) == prepared_ops
+    if prepared_ops:
+        assert [rows for _, _, rows in prepared.rows.chunks] == [5, 5, 5, 5, 2]
+    for layer in range(LAYERS):
+        mover.execute_prepared(prepared, layer_pairs([srcs[layer]], [dsts[layer]]))
+    for got, wanted in zip(dsts, want, strict=True):
+        assert torch.equal(got, wanted)
+    for src, kept in zip(srcs, sources, strict=True):
+        assert torch.equal(src, kept)
+
+
+def test_a_prepared_page_in_refuses_what_another_kernel_set_prepared() -> None:
+    gen = torch.Generator().manual_seed(18)
+    srcs, dsts = layered(gen)
+    with pytest.raises(TypeError, match="prepare_stage_in"):
+        reference.stage_in_prepared(
+            layer_pairs(srcs[:1], dsts[:1]), object(), torch.empty(64, dtype=torch.uint8)
+        )
 
 
 def test_indices_written_after_preparing_are_refused_and_nothing_is_copied() -> None:
