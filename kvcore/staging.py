@@ -74,13 +74,13 @@ class StagingBuffers:
             stream = torch.cuda.current_stream(device)
             return stream, int(stream.cuda_stream)
         handle = int(_current_raw_stream(index))
-        stream = self._streams.get((index, handle))
-        if stream is None:
-            stream = torch.cuda.current_stream(device)
+        kept = self._streams.get((index, handle))
+        if kept is None:
+            kept = torch.cuda.current_stream(device)
             if len(self._streams) >= _MAX_KEPT_STREAMS:
                 self._streams.clear()
-            self._streams[(index, handle)] = stream
-        return stream, handle
+            self._streams[(index, handle)] = kept
+        return kept, handle
 
 
 class _Lease:

@@ -96,6 +96,10 @@ def by_size(
     return rows
 
 
+def _group_median(loads: dict[int, dict[str, Any]], group: Sequence[int]) -> float:
+    return round(statistics.median(loads[i]["loadback_ms"] for i in group), 3)
+
+
 def paired_processes(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
     """Per first-turn size, the n-th stock process against the n-th kvcore one (runs in
     the order given), over the requests every one of them loaded back; None where either
@@ -110,11 +114,9 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]] 
     rows = []
     for size in sorted({stock[0][i]["first_turn_tokens"] for i in common}):
         group = [i for i in common if stock[0][i]["first_turn_tokens"] == size]
-        stock_ms = [_median([loads[i]["loadback_ms"] for i in group]) for loads in stock]
-        kvcore_ms = [_median([loads[i]["loadback_ms"] for i in group]) for loads in kvcore]
-        speed = paired_speed(
-            [float(ms or 0) for ms in stock_ms], [float(ms or 0) for ms in kvcore_ms]
-        )
+        stock_ms = [_group_median(loads, group) for loads in stock]
+        kvcore_ms = [_group_median(loads, group) for loads in kvcore]
+        speed = paired_speed(stock_ms, kvcore_ms)
         rows.append(
             {
                 "first_turn_tokens": size,
