@@ -308,6 +308,11 @@ class Mover:
         if plan.path is TransferPath.GATHER and kernels.gather_layers is not None:
             return kernels.gather_layers(pairs, plan.src_idx, plan.dst_idx)
         if plan.path is TransferPath.STAGED:
+            prepare, stage_in = kernels.prepare_stage_in, kernels.stage_in_prepared
+            if plan.direction is Direction.H2D and prepare is not None and stage_in is not None:
+                # Every pair takes the same chunks: made ready once, not once per pair.
+                chunks = prepare(self._chunks_fitting(plan), plan.dst_idx, plan.device)
+                return self._stage_in(stage_in, pairs, chunks)
             self._staged_pairs(
                 plan, kernels, list(zip(pairs.src_words, pairs.dst_words, strict=True))
             )
