@@ -19,7 +19,14 @@ from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE, reference
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, PathPolicy, StalePlanError, TransferPath, plan
+from kvcore.mover import (
+    Mover,
+    PathPolicy,
+    PreparedLayers,
+    StalePlanError,
+    TransferPath,
+    plan,
+)
 
 ROWS, WIDTH, LAYERS = 64, 48, 3
 
@@ -47,6 +54,24 @@ def expected(
     return out
 
 
+def each_layer_then_check(
+    mover: Mover,
+    prepared: PreparedLayers,
+    srcs: list[torch.Tensor],
+    dsts: list[torch.Tensor],
+    want: list[torch.Tensor],
+    sources: list[torch.Tensor],
+) -> None:
+    """Run ``prepared`` on every layer in turn: each destination as wanted, each source as
+    it was."""
+    for layer in range(LAYERS):
+        mover.execute_prepared(prepared, layer_pairs([srcs[layer]], [dsts[layer]]))
+    for got, wanted in zip(dsts, want, strict=True):
+        assert torch.equal(got, wanted)
+    for src, kept in zip(srcs, sources, strict=True):
+        assert torch.equal(src, kept)
+
+
 @pytest.mark.parametrize("path", [TransferPath.GATHER, TransferPath.SINGLE_COPY, None])
 def test_each_layer_gets_exactly_the_planned_rows(path: TransferPath | None) -> None:
     gen = torch.Generator().manual_seed(11)
@@ -62,12 +87,7 @@ def test_each_layer_gets_exactly_the_planned_rows(path: TransferPath | None) -> 
     first = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D, force=path)
     prepared = mover.prepare_layers(first)
     assert (prepared.rows is not None) == (first.path is TransferPath.GATHER)
-    for layer in range(LAYERS):
-        mover.execute_prepared(prepared, layer_pairs([srcs[layer]], [dsts[layer]]))
-    for got, wanted in zip(dsts, want, strict=True):
-        assert torch.equal(got, wanted)
-    for src, kept in zip(srcs, sources, strict=True):
-        assert torch.equal(src, kept)
+    each_layer_then_check(mover, prepared, srcs, dsts, want, sources)
     done = metrics.snapshot()["transfers"]
     assert sum(t["count"] for t in done) == LAYERS
     assert sum(t["bytes"] for t in done) == LAYERS * first.nbytes
@@ -160,12 +180,7 @@ def test_staged_page_in_of_several_host_runs_through_a_smaller_buffer_matches_st
     assert (prepared.rows is not None) == prepared_ops
     if prepared_ops:
         assert [rows for _, _, rows in prepared.rows.chunks] == [5, 5, 5, 5, 2]
-    for layer in range(LAYERS):
-        mover.execute_prepared(prepared, layer_pairs([srcs[layer]], [dsts[layer]]))
-    for got, wanted in zip(dsts, want, strict=True):
-        assert torch.equal(got, wanted)
-    for src, kept in zip(srcs, sources, strict=True):
-        assert torch.equal(src, kept)
+    each_layer_then_check(mover, prepared, srcs, dsts, want, sources)
 
 
 def test_a_prepared_page_in_refuses_what_another_kernel_set_prepared() -> None:
