@@ -266,7 +266,7 @@ class Mover:
             )
         chunks = plan.staged_chunks
         if not chunks or chunks[0].end - chunks[0].begin > chunk_rows:
-            return tuple(staged_chunks(plan.host_runs, chunk_rows))
+            return tuple(staged_chunks(plan.host_runs, chunk_rows, plan.rows))
         return chunks
 
     def execute_prepared(self, prepared: PreparedLayers, pairs: LayerPairs) -> None:

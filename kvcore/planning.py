@@ -344,12 +344,12 @@ def _decided(
     chunks here."""
     src_row_bytes = sides.row_bytes
     staged: tuple[StagedChunk, ...] = ()
+    rows = int(src_idx.numel())
     if path is TransferPath.STAGED:
         if host_runs is None:
             host_runs = _host_runs_of(sides.direction, src_idx, dst_idx)
         # Rows of no bytes (a valid transfer that moves nothing) all fit one chunk.
-        staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1))
-    rows = int(src_idx.numel())
+        staged = staged_chunks(host_runs, policy.staging_bytes // max(src_row_bytes, 1), rows)
     return _made(
         {},
         path=path,
@@ -512,9 +512,14 @@ class StagedChunk:
     host_runs: Runs
 
 
-def staged_chunks(host_runs: Runs, chunk_rows: int) -> tuple[StagedChunk, ...]:
-    """The host runs cut into chunks of at most ``chunk_rows`` rows (a staging buffer's worth)."""
-    rows = host_runs.total
+def staged_chunks(
+    host_runs: Runs, chunk_rows: int, rows: int | None = None
+) -> tuple[StagedChunk, ...]:
+    """The host runs cut into chunks of at most ``chunk_rows`` rows (a staging buffer's
+    worth). ``rows``: their total where the caller knows it (a transfer's index length),
+    which spares a torch reduction on a request's first call."""
+    if rows is None:
+        rows = host_runs.total
     if rows <= chunk_rows:
         return (StagedChunk(0, rows, host_runs),)
     bounds = [(begin, min(begin + chunk_rows, rows)) for begin in range(0, rows, chunk_rows)]
