@@ -114,12 +114,12 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         32768,
         "stock_kernel_small_mla_load",
         "token-granular MLA layer_first reloads: stock's kernel at 37-43 GB/s. On few long "
-        "host runs kvcore's staged copy (DMA, then a scatter on the device) ran 1.20-1.22x "
+        "host runs kvcore's staged copy (DMA, then a scatter on the device) ran 1.18-1.29x "
         "from 8k tokens and left a concurrent GEMM 96-98% of its throughput (stock's kernel "
-        "73-87%). On scattered host slots its gather (4 CTAs) ran 1.14-1.18x, and at 8k left "
-        "the GEMM 70-85% against stock's 87%, at 32k 76-79% against 74-80% (H200 engine "
-        "sweeps, 2026-12-03); so scattered reloads are served from 32k. Below 8k a request's "
-        "first call costs more than the copy gains",
+        "71-87%). On scattered host slots its gather (4 CTAs) ran 1.14-1.19x, and left the "
+        "GEMM 70-85% against stock's 86-87% at 8k, 82% against 76% at 16k (one run), 68-80% "
+        "against 72-80% at 32k (H200 engine sweeps, 2026-12-03); so scattered reloads are "
+        "served from 32k. Below 8k a request's first call costs more than the copy gains",
         dense_min_tokens=8192,
         pool="mla",
     ),
