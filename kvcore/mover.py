@@ -240,12 +240,22 @@ class Mover:
                 src_idx = _stand_in_on(src_idx_on_device, plan.src_idx, device)
                 rows = kernels.prepare_rows(src_idx, plan.dst_idx, device)
                 return PreparedLayers(plan, rows, kernels.gather_prepared)
-        elif plan.path is TransferPath.STAGED and plan.direction is Direction.H2D:
-            prepare, stage_in = kernels.prepare_stage_in, kernels.stage_in_prepared
-            if prepare is not None and stage_in is not None:
-                chunks = prepare(self._chunks_fitting(plan), plan.dst_idx, device)
+        elif plan.path is TransferPath.STAGED:
+            ready = self._stage_in_ready(plan, kernels)
+            if ready is not None:
+                chunks, stage_in = ready
                 return PreparedLayers(plan, chunks, functools.partial(self._stage_in, stage_in))
         return PreparedLayers(plan, None, None)
+
+    def _stage_in_ready(
+        self, plan: TransferPlan, kernels: KernelSet
+    ) -> tuple[object, StageInPrepared] | None:
+        """A staged page-in's chunks made ready by ``kernels`` and the op that takes them;
+        None for a page-out, or kernels without the ops."""
+        prepare, stage_in = kernels.prepare_stage_in, kernels.stage_in_prepared
+        if plan.direction is not Direction.H2D or prepare is None or stage_in is None:
+            return None
+        return prepare(self._chunks_fitting(plan), plan.dst_idx, plan.device), stage_in
 
     def _stage_in(
         self, stage_in: StageInPrepared, pairs: LayerPairs, prepared: object
@@ -266,7 +276,7 @@ class Mover:
             )
         chunks = plan.staged_chunks
         if not chunks or chunks[0].end - chunks[0].begin > chunk_rows:
-            return tuple(staged_chunks(plan.host_runs, chunk_rows, plan.rows))
+            return staged_chunks(plan.host_runs, chunk_rows, plan.rows)
         return chunks
 
     def execute_prepared(self, prepared: PreparedLayers, pairs: LayerPairs) -> None:
@@ -308,10 +318,10 @@ class Mover:
         if plan.path is TransferPath.GATHER and kernels.gather_layers is not None:
             return kernels.gather_layers(pairs, plan.src_idx, plan.dst_idx)
         if plan.path is TransferPath.STAGED:
-            prepare, stage_in = kernels.prepare_stage_in, kernels.stage_in_prepared
-            if plan.direction is Direction.H2D and prepare is not None and stage_in is not None:
+            ready = self._stage_in_ready(plan, kernels)
+            if ready is not None:
                 # Every pair takes the same chunks: made ready once, not once per pair.
-                chunks = prepare(self._chunks_fitting(plan), plan.dst_idx, plan.device)
+                chunks, stage_in = ready
                 return self._stage_in(stage_in, pairs, chunks)
             self._staged_pairs(
                 plan, kernels, list(zip(pairs.src_words, pairs.dst_words, strict=True))

@@ -12,7 +12,7 @@ keeps NaN payloads, fp8 and bf16 bit-exact.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -163,8 +163,19 @@ def runs_to_staging(
     host_words: torch.Tensor, host_runs: Runs, staging: torch.Tensor, *, into_staging: bool
 ) -> None:
     """One copy per host run between the runs and ``staging``, where they lie back to back."""
+    listed_runs_to_staging(host_words, host_runs.as_list(), staging, into_staging=into_staging)
+
+
+def listed_runs_to_staging(
+    host_words: torch.Tensor,
+    host_runs: Iterable[tuple[int, int]],
+    staging: torch.Tensor,
+    *,
+    into_staging: bool,
+) -> None:
+    """:func:`runs_to_staging` of runs already listed as ``(start, length)``."""
     position = 0
-    for start, length in host_runs.as_list():
+    for start, length in host_runs:
         host = host_words[start : start + length]
         staged = staging[position : position + length]
         if into_staging:
@@ -274,10 +285,5 @@ def stage_in_prepared(pairs: LayerPairs, prepared: object, staging: torch.Tensor
             views = [staging_words(staging, rows, src_words) for _, _, rows in chunks]
             prepared.views[key] = views
         for (host_runs, rows_on_device, _), staged in zip(chunks, views, strict=True):
-            position = 0
-            for start, length in host_runs:
-                staged[position : position + length].copy_(
-                    src_words[start : start + length], non_blocking=True
-                )
-                position += length
+            listed_runs_to_staging(src_words, host_runs, staged, into_staging=True)
             dst_words.index_copy_(0, rows_on_device, staged)
