@@ -1,8 +1,7 @@
 """Wall-clock of one page-in over many layer pairs, a vLLM load job's shape, by each way
 kvcore could move it: the staged copy with its chunks made ready once for every pair (the
-mover's default), staged pair by pair, the layered gather, and a prototype of a staged copy
-whose DMA of pair k+1 overlaps the scatter of pair k (two staging halves, the DMAs on a
-second stream; measuring code only, to size the change before the mover gets it).
+mover's default, whose DMAs alternate two halves of the staging buffer on a second stream
+beside the previous pair's scatter), staged pair by pair in turn, and the layered gather.
 
     python scripts/staged_job_cost.py [--tokens 2048,4096] [--layers 32] [--row-kib 32]
         [--jobs 20] [--json FILE]
@@ -59,41 +58,6 @@ def _through_mover(mover: Mover, path: TransferPath) -> Way:
     return move
 
 
-class _OverlapPrototype:
-    """Staged pair by pair through two halves of one buffer: pair k's DMA on a second
-    stream into half k % 2, its scatter on the current stream; a half is refilled once the
-    scatter that read it is done (host runs: one, the job's layout)."""
-
-    def __init__(self, rows: int, words: int) -> None:
-        self.halves = [torch.empty(rows, words, dtype=torch.int16, device="cuda") for _ in "ab"]
-        self.filled = [torch.cuda.Event() for _ in "ab"]
-        self.freed = [torch.cuda.Event() for _ in "ab"]
-        self.dma = torch.cuda.Stream()
-
-    def __call__(
-        self,
-        hosts: list[torch.Tensor],
-        gpus: list[torch.Tensor],
-        src: torch.Tensor,
-        dst: torch.Tensor,
-    ) -> None:
-        current = torch.cuda.current_stream()
-        rows = dst.cuda(non_blocking=False)
-        start, count = int(src[0]), src.numel()
-        self.dma.wait_stream(current)
-        for k, (host, gpu) in enumerate(zip(hosts, gpus, strict=True)):
-            half = k % 2
-            staged = self.halves[half][:count]
-            # An event never recorded is no wait: the first use of each half.
-            self.dma.wait_event(self.freed[half])
-            with torch.cuda.stream(self.dma):
-                staged.copy_(host[start : start + count], non_blocking=True)
-                self.filled[half].record(self.dma)
-            current.wait_event(self.filled[half])
-            gpu.index_copy_(0, rows, staged)
-            self.freed[half].record(current)
-
-
 def _job(
     move: Way, hosts: list[torch.Tensor], gpus: list[torch.Tensor], blocks: int, seed: int
 ) -> tuple[float, torch.Tensor]:
@@ -124,7 +88,6 @@ def run(tokens: Sequence[int], layers: int, row_kib: int, jobs: int) -> list[dic
             "staged": _through_mover(Mover(), TransferPath.STAGED),
             "staged_pair_by_pair": _through_mover(_PairByPair(), TransferPath.STAGED),
             "gather": _through_mover(Mover(), TransferPath.GATHER),
-            "staged_overlap_prototype": _OverlapPrototype(blocks, words),
         }
         hosts = [
             torch.randint(-(2**15), 2**15, (blocks, words), dtype=torch.int16).pin_memory()

@@ -40,6 +40,13 @@ _FEW_RUNS = 4
 # scatter (or gather) of one piece runs while the next crosses PCIe; only the last piece's
 # scatter is exposed. Pieces smaller than this gain less from overlap than they cost.
 _MIN_PIECE_BYTES = 8 << 20
+# A prepared staged page-in of several pairs (or chunks) alternates two halves of the
+# staging buffer, so that one unit's DMA runs while the previous unit's scatter does. Each
+# unit then costs two stream switches and four event calls of host time: units shorter
+# than this cross PCIe faster than the host issues them, and stay in one stream.
+_OVERLAP_MIN_UNIT_BYTES = 1 << 20
+# Halves start on this boundary, so that every word view of the second half is aligned.
+_HALF_ALIGN = 256
 
 
 def _host_side(src_words: torch.Tensor, dst_words: torch.Tensor) -> torch.Tensor:
@@ -163,6 +170,33 @@ class _StageInRows:
     uploads: tuple[KeptUpload, ...]
 
 
+class _StageInLanes:
+    """A device's second stream and events for overlapped staged page-ins: each half of
+    the staging buffer has a "filled" event (its DMA done) and a "freed" event (the
+    scatter that read it done). Used only under the device's staging lease."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.dma = torch.cuda.Stream(device=device)
+        self.filled = (torch.cuda.Event(), torch.cuda.Event())
+        self.freed = (torch.cuda.Event(), torch.cuda.Event())
+
+
+def overlap_half_bytes(
+    staging_bytes: int, chunk_rows: Sequence[int], row_bytes: int, pairs: int
+) -> int | None:
+    """The bytes of each half of a staging buffer of ``staging_bytes`` that a page-in of
+    ``pairs`` pairs of ``row_bytes`` rows, in chunks of ``chunk_rows``, can alternate
+    between, one unit (a pair's chunk) per half; None where it should stay serial: one
+    unit, a unit under ``_OVERLAP_MIN_UNIT_BYTES``, or a chunk larger than a half."""
+    if pairs * len(chunk_rows) < 2 or not chunk_rows:
+        return None
+    half = staging_bytes // 2 // _HALF_ALIGN * _HALF_ALIGN
+    smallest, largest = min(chunk_rows) * row_bytes, max(chunk_rows) * row_bytes
+    if smallest < _OVERLAP_MIN_UNIT_BYTES or largest > half:
+        return None
+    return half
+
+
 class _CudaIndexedOps:
     """The ops that take index tensors, uploading them through one ring per device."""
 
@@ -180,6 +214,7 @@ class _CudaIndexedOps:
         self.staged_pieces = staged_pieces
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lanes: dict[torch.device, _StageInLanes] = {}
         self._launches: weakref.WeakKeyDictionary[LayerPairs, _TableLaunch | str] = (
             weakref.WeakKeyDictionary()
         )
@@ -379,7 +414,56 @@ class _CudaIndexedOps:
             )
         for upload in prepared.uploads:
             upload.order_current_stream()
-        reference.stage_in_prepared(pairs, prepared.chunks, staging)
+        chunks = prepared.chunks
+        src_words = pairs.src_words[0]
+        half = overlap_half_bytes(
+            staging.numel(),
+            [rows for _, _, rows in chunks.chunks],
+            src_words.shape[1] * src_words.element_size(),
+            len(pairs.src_words),
+        )
+        if half is None:
+            reference.stage_in_prepared(pairs, chunks, staging)
+        else:
+            self._stage_in_overlapped(pairs, chunks, staging[:half], staging[half : 2 * half])
+
+    def _stage_in_overlapped(
+        self,
+        pairs: LayerPairs,
+        prepared: reference.PreparedStageIn,
+        first_half: torch.Tensor,
+        second_half: torch.Tensor,
+    ) -> None:
+        """Every pair's chunks, one unit after another through alternate halves: a unit's
+        DMA on the device's second stream, its scatter on the current one, so that each
+        DMA runs beside the previous unit's scatter. The second stream first waits for the
+        current one (the engine's earlier work, an earlier lease's scatters), and the
+        current stream's last scatter waits for the last DMA: the call ends joined."""
+        device = first_half.device
+        lanes = self._lanes.get(device)
+        if lanes is None:
+            lanes = self._lanes.setdefault(device, _StageInLanes(device))
+        current = torch.cuda.current_stream(device)
+        dma = lanes.dma
+        dma.wait_stream(current)
+        halves = (first_half, second_half)
+        unit = 0
+        for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+            views = [reference.chunk_views(prepared, half, src_words) for half in halves]
+            for index, (host_runs, rows_on_device, _) in enumerate(prepared.chunks):
+                side = unit % 2
+                staged = views[side][index]
+                if unit >= 2:
+                    dma.wait_event(lanes.freed[side])
+                with torch.cuda.stream(dma):
+                    reference.listed_runs_to_staging(
+                        src_words, host_runs, staged, into_staging=True
+                    )
+                lanes.filled[side].record(dma)
+                current.wait_event(lanes.filled[side])
+                dst_words.index_copy_(0, rows_on_device, staged)
+                lanes.freed[side].record(current)
+                unit += 1
 
     def stage_out(
         self,

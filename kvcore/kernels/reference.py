@@ -271,19 +271,27 @@ def prepare_stage_in(
     )
 
 
+def chunk_views(
+    prepared: PreparedStageIn, staging: torch.Tensor, like: torch.Tensor
+) -> list[torch.Tensor]:
+    """Each chunk's rows of ``staging`` (a flat uint8 buffer) as words like ``like``, made
+    once per buffer address and word view and kept in ``prepared``."""
+    key = (staging.data_ptr(), like.dtype, like.shape[1])
+    views = prepared.views.get(key)
+    if views is None:
+        views = [staging_words(staging, rows, like) for _, _, rows in prepared.chunks]
+        prepared.views[key] = views
+    return views
+
+
 def stage_in_prepared(pairs: LayerPairs, prepared: object, staging: torch.Tensor) -> None:
     """:func:`stage_in` of every chunk for every pair of ``pairs``, through ``staging`` (a
     flat uint8 buffer the caller holds), with chunks from :func:`prepare_stage_in`."""
     if not isinstance(prepared, PreparedStageIn):
         raise TypeError(f"prepared must come from prepare_stage_in, got {type(prepared).__name__}")
     chunks = prepared.chunks
-    address = staging.data_ptr()
     for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-        key = (address, src_words.dtype, src_words.shape[1])
-        views = prepared.views.get(key)
-        if views is None:
-            views = [staging_words(staging, rows, src_words) for _, _, rows in chunks]
-            prepared.views[key] = views
+        views = chunk_views(prepared, staging, src_words)
         for (host_runs, rows_on_device, _), staged in zip(chunks, views, strict=True):
             listed_runs_to_staging(src_words, host_runs, staged, into_staging=True)
             dst_words.index_copy_(0, rows_on_device, staged)

@@ -200,3 +200,47 @@ def test_prepared_staged_page_ins_between_other_streams_copy_exactly(rows_on_gpu
     for src, kept in zip(host, sources, strict=True):
         assert torch.equal(_bytes(src), _bytes(kept))
     assert torch.equal(_bytes(other_device), _bytes(other_want))
+
+
+@pytest.mark.parametrize(("staging_rows", "overlapped"), [(4096, True), (3000, False)])
+def test_staged_page_ins_of_many_pairs_back_to_back_copy_exactly(staging_rows, overlapped):
+    """A vLLM-shaped load job: every layer's pair in one call, through alternate halves of
+    the staging buffer where a pair's rows fit one (the DMAs on a second stream), else in
+    turn. Calls follow each other on a stream held back on the GPU, with new host bytes
+    and new destination rows each time: a DMA that ran ahead of the scatter reading its
+    half, or of the engine's earlier work, would leave wrong bytes."""
+    row_bytes, count, layers = 1152, 1800, 6
+    device = [_random(ROWS, row_bytes, host=False) for _ in range(layers)]
+    mover = Mover(PathPolicy(staging_bytes=staging_rows * row_bytes), metrics=Metrics())
+    gen = torch.Generator().manual_seed(staging_rows)
+    load = torch.cuda.Stream()
+    want = [t.clone() for t in device]
+    sources = []
+    for call in range(4):
+        host = [_random(ROWS, row_bytes, host=True) for _ in range(layers)]
+        sources.append((host, [t.clone() for t in host]))
+        start = call * 500
+        src_idx = torch.arange(start, start + count)
+        dst_idx = torch.randperm(ROWS, generator=gen)[:count]
+        for src, dst in zip(host, want, strict=True):
+            dst[dst_idx.cuda()] = src[src_idx].cuda()
+        chosen = plan(
+            host[0],
+            device[0],
+            src_idx,
+            dst_idx,
+            direction=Direction.H2D,
+            policy=mover.policy,
+            force=TransferPath.STAGED,
+        )
+        with torch.cuda.stream(load):
+            torch.cuda._sleep(500_000)
+            mover.execute_layers(chosen, layer_pairs(host, device))
+    torch.cuda.synchronize()
+    for got, wanted in zip(device, want, strict=True):
+        assert torch.equal(_bytes(got), _bytes(wanted))
+    for host, kept in sources:
+        for src, copy in zip(host, kept, strict=True):
+            assert torch.equal(_bytes(src), _bytes(copy))
+    lanes = mover.kernels(torch.device("cuda")).stage_in_prepared.__self__._lanes
+    assert bool(lanes) is overlapped

@@ -100,3 +100,20 @@ def test_the_policy_carries_both_cta_counts_from_the_settings():
     defaults = policy_from_config(KVCoreConfig.from_env({}))
     assert (defaults.gather_ctas, defaults.gather_ctas_to_host) == (8, 4)
     assert (defaults.gather_ctas_short_rows, defaults.short_row_bytes) == (4, 2048)
+
+
+def test_a_staged_page_in_alternates_halves_only_where_units_are_long_and_fit_one():
+    mib = 1 << 20
+    half = cuda.overlap_half_bytes(256 * mib, [128], 32 * 1024, pairs=64)
+    assert half == 128 * mib
+    # Halves start on an aligned boundary even for an odd buffer.
+    assert cuda.overlap_half_bytes(8 * mib + 1001, [64], 32 * 1024, pairs=2) == 4 * mib + 256
+    # One unit: nothing to overlap.
+    assert cuda.overlap_half_bytes(256 * mib, [128], 32 * 1024, pairs=1) is None
+    # Two chunks of one pair alternate as two pairs do.
+    assert cuda.overlap_half_bytes(256 * mib, [64, 64], 32 * 1024, pairs=1) == 128 * mib
+    # A unit under 1 MiB (an SGLang layer of a short request) stays in one stream.
+    assert cuda.overlap_half_bytes(256 * mib, [31], 32 * 1024, pairs=64) is None
+    # A chunk larger than a half (a request near the buffer's size) goes in turn.
+    assert cuda.overlap_half_bytes(256 * mib, [4097], 32 * 1024, pairs=2) is None
+    assert cuda.overlap_half_bytes(256 * mib, [], 32 * 1024, pairs=2) is None
