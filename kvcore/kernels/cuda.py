@@ -40,13 +40,14 @@ _FEW_RUNS = 4
 # scatter (or gather) of one piece runs while the next crosses PCIe; only the last piece's
 # scatter is exposed. Pieces smaller than this gain less from overlap than they cost.
 _MIN_PIECE_BYTES = 8 << 20
-# A prepared staged page-in of several pairs (or chunks) alternates two halves of the
-# staging buffer, so that one unit's DMA runs while the previous unit's scatter does. Each
-# unit then costs two stream switches and four event calls of host time: units shorter
-# than this cross PCIe faster than the host issues them, and stay in one stream.
+# A prepared staged page-in of many pairs (a vLLM job: every layer's K and V) goes through
+# a ring of slots of the staging buffer, one pair's chunk (a unit) a slot, so that the DMAs
+# run on a second stream back to back while each unit's scatter follows its own DMA. With
+# fewer units (SGLang's per-layer calls: K and V) at most one scatter would hide, behind
+# a stream switch and event calls added to every layer's host time.
+_OVERLAP_MIN_UNITS = 4
+# Units shorter than this cross PCIe faster than the host issues them: nothing to hide.
 _OVERLAP_MIN_UNIT_BYTES = 1 << 20
-# Halves start on this boundary, so that every word view of the second half is aligned.
-_HALF_ALIGN = 256
 
 
 def _host_side(src_words: torch.Tensor, dst_words: torch.Tensor) -> torch.Tensor:
@@ -171,30 +172,38 @@ class _StageInRows:
 
 
 class _StageInLanes:
-    """A device's second stream and events for overlapped staged page-ins: each half of
+    """A device's second stream and events for overlapped staged page-ins: each slot of
     the staging buffer has a "filled" event (its DMA done) and a "freed" event (the
     scatter that read it done). Used only under the device's staging lease."""
 
     def __init__(self, device: torch.device) -> None:
         self.dma = torch.cuda.Stream(device=device)
-        self.filled = (torch.cuda.Event(), torch.cuda.Event())
-        self.freed = (torch.cuda.Event(), torch.cuda.Event())
+        self.filled: list[torch.cuda.Event] = []
+        self.freed: list[torch.cuda.Event] = []
+
+    def events_for(self, slots: int) -> None:
+        while len(self.filled) < slots:
+            self.filled.append(torch.cuda.Event())
+            self.freed.append(torch.cuda.Event())
 
 
-def overlap_half_bytes(
+def overlap_slots(
     staging_bytes: int, chunk_rows: Sequence[int], row_bytes: int, pairs: int
-) -> int | None:
-    """The bytes of each half of a staging buffer of ``staging_bytes`` that a page-in of
-    ``pairs`` pairs of ``row_bytes`` rows, in chunks of ``chunk_rows``, can alternate
-    between, one unit (a pair's chunk) per half; None where it should stay serial: one
-    unit, a unit under ``_OVERLAP_MIN_UNIT_BYTES``, or a chunk larger than a half."""
-    if pairs * len(chunk_rows) < 2 or not chunk_rows:
+) -> tuple[int, int] | None:
+    """``(rows, count)`` of the slots a staging buffer of ``staging_bytes`` holds for a
+    page-in of ``pairs`` pairs of ``row_bytes`` rows in chunks of ``chunk_rows`` (a unit is
+    one pair's chunk, a slot as many rows as the longest; never more slots than units);
+    None where the units should go in turn on one stream: fewer than
+    ``_OVERLAP_MIN_UNITS``, shorter than ``_OVERLAP_MIN_UNIT_BYTES`` on average, or fewer
+    than two slots fit."""
+    units = pairs * len(chunk_rows)
+    if units < _OVERLAP_MIN_UNITS:
         return None
-    half = staging_bytes // 2 // _HALF_ALIGN * _HALF_ALIGN
-    smallest, largest = min(chunk_rows) * row_bytes, max(chunk_rows) * row_bytes
-    if smallest < _OVERLAP_MIN_UNIT_BYTES or largest > half:
+    if sum(chunk_rows) * row_bytes < _OVERLAP_MIN_UNIT_BYTES * len(chunk_rows):
         return None
-    return half
+    slot_rows = max(chunk_rows)
+    count = min(staging_bytes // (slot_rows * row_bytes), units)
+    return (slot_rows, count) if count >= 2 else None
 
 
 class _CudaIndexedOps:
@@ -416,54 +425,57 @@ class _CudaIndexedOps:
             upload.order_current_stream()
         chunks = prepared.chunks
         src_words = pairs.src_words[0]
-        half = overlap_half_bytes(
+        slots = overlap_slots(
             staging.numel(),
             [rows for _, _, rows in chunks.chunks],
             src_words.shape[1] * src_words.element_size(),
             len(pairs.src_words),
         )
-        if half is None:
+        if slots is None:
             reference.stage_in_prepared(pairs, chunks, staging)
         else:
-            self._stage_in_overlapped(pairs, chunks, staging[:half], staging[half : 2 * half])
+            self._stage_in_overlapped(pairs, chunks, staging, *slots)
 
     def _stage_in_overlapped(
         self,
         pairs: LayerPairs,
         prepared: reference.PreparedStageIn,
-        first_half: torch.Tensor,
-        second_half: torch.Tensor,
+        staging: torch.Tensor,
+        slot_rows: int,
+        slots: int,
     ) -> None:
-        """Every pair's chunks, one unit after another through alternate halves: a unit's
-        DMA on the device's second stream, its scatter on the current one, so that each
-        DMA runs beside the previous unit's scatter. The second stream first waits for the
-        current one (the engine's earlier work, an earlier lease's scatters), and the
-        current stream's last scatter waits for the last DMA: the call ends joined."""
-        device = first_half.device
+        """Every pair's chunks through a ring of ``slots`` slots, in rounds of one unit a
+        slot: a round's DMAs on the device's second stream (each after the previous
+        round's scatter from its slot), then its scatters on the current stream (each
+        after its own DMA). The second stream first waits for the current one (the
+        engine's earlier work, an earlier lease's scatters), and the last scatter waits
+        for the last DMA: the call ends joined to the current stream."""
+        device = staging.device
         lanes = self._lanes.get(device)
         if lanes is None:
             lanes = self._lanes.setdefault(device, _StageInLanes(device))
+        lanes.events_for(slots)
+        filled, freed = lanes.filled, lanes.freed
+        units = _staged_units(pairs, prepared, staging, slot_rows, slots)
         current = torch.cuda.current_stream(device)
         dma = lanes.dma
         dma.wait_stream(current)
-        halves = (first_half, second_half)
-        unit = 0
-        for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-            views = [reference.chunk_views(prepared, half, src_words) for half in halves]
-            for index, (host_runs, rows_on_device, _) in enumerate(prepared.chunks):
-                side = unit % 2
-                staged = views[side][index]
-                if unit >= 2:
-                    dma.wait_event(lanes.freed[side])
-                with torch.cuda.stream(dma):
+        for start in range(0, len(units), slots):
+            batch = units[start : start + slots]
+            with torch.cuda.stream(dma):
+                for slot, (src_words, host_runs, staged, _, _) in enumerate(batch):
+                    if start:
+                        dma.wait_event(freed[slot])
                     reference.listed_runs_to_staging(
                         src_words, host_runs, staged, into_staging=True
                     )
-                lanes.filled[side].record(dma)
-                current.wait_event(lanes.filled[side])
+                    filled[slot].record(dma)
+            refilled = start + slots < len(units)
+            for slot, (_, _, staged, dst_words, rows_on_device) in enumerate(batch):
+                current.wait_event(filled[slot])
                 dst_words.index_copy_(0, rows_on_device, staged)
-                lanes.freed[side].record(current)
-                unit += 1
+                if refilled:
+                    freed[slot].record(current)
 
     def stage_out(
         self,
@@ -494,6 +506,35 @@ class _CudaIndexedOps:
             reference.runs_to_staging(
                 dst_words, slice_runs(host_runs, begin, end), piece, into_staging=False
             )
+
+
+_Unit = tuple[torch.Tensor, tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _staged_units(
+    pairs: LayerPairs,
+    prepared: reference.PreparedStageIn,
+    staging: torch.Tensor,
+    slot_rows: int,
+    slots: int,
+) -> list[_Unit]:
+    """Each (pair, chunk) of a page-in in order: its host words, host runs, staging rows
+    (in slot ``unit % slots`` of ``slot_rows`` rows), destination words and rows."""
+    units: list[_Unit] = []
+    chunks = prepared.chunks
+    rows_of: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+        words = src_words.shape[1]
+        typed = rows_of.get((src_words.dtype, words))
+        if typed is None:
+            # The buffer as rows of this pair's words: a unit's staging rows are one slice.
+            typed = reference.staging_words(staging, slot_rows * slots, src_words)
+            rows_of[(src_words.dtype, words)] = typed
+        for host_runs, rows_on_device, rows in chunks:
+            begin = len(units) % slots * slot_rows
+            staged = typed[begin : begin + rows]
+            units.append((src_words, host_runs, staged, dst_words, rows_on_device))
+    return units
 
 
 @dataclass(frozen=True, eq=False)

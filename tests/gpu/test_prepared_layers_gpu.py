@@ -202,13 +202,16 @@ def test_prepared_staged_page_ins_between_other_streams_copy_exactly(rows_on_gpu
     assert torch.equal(_bytes(other_device), _bytes(other_want))
 
 
-@pytest.mark.parametrize(("staging_rows", "overlapped"), [(4096, True), (3000, False)])
+@pytest.mark.parametrize(
+    ("staging_rows", "overlapped"), [(20000, True), (4096, True), (3000, False)]
+)
 def test_staged_page_ins_of_many_pairs_back_to_back_copy_exactly(staging_rows, overlapped):
-    """A vLLM-shaped load job: every layer's pair in one call, through alternate halves of
-    the staging buffer where a pair's rows fit one (the DMAs on a second stream), else in
-    turn. Calls follow each other on a stream held back on the GPU, with new host bytes
-    and new destination rows each time: a DMA that ran ahead of the scatter reading its
-    half, or of the engine's earlier work, would leave wrong bytes."""
+    """A vLLM-shaped load job: every layer's pair in one call, through a ring of slots of
+    the staging buffer where two or more fit (the DMAs on a second stream; one round, or
+    rounds that reuse the slots), else in turn. Calls follow each other on a stream held
+    back on the GPU, with new host bytes and new destination rows each time: a DMA that
+    ran ahead of the scatter reading its slot, or of the engine's earlier work, would
+    leave wrong bytes."""
     row_bytes, count, layers = 1152, 1800, 6
     device = [_random(ROWS, row_bytes, host=False) for _ in range(layers)]
     mover = Mover(PathPolicy(staging_bytes=staging_rows * row_bytes), metrics=Metrics())

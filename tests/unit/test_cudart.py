@@ -102,18 +102,19 @@ def test_the_policy_carries_both_cta_counts_from_the_settings():
     assert (defaults.gather_ctas_short_rows, defaults.short_row_bytes) == (4, 2048)
 
 
-def test_a_staged_page_in_alternates_halves_only_where_units_are_long_and_fit_one():
-    mib = 1 << 20
-    half = cuda.overlap_half_bytes(256 * mib, [128], 32 * 1024, pairs=64)
-    assert half == 128 * mib
-    # Halves start on an aligned boundary even for an odd buffer.
-    assert cuda.overlap_half_bytes(8 * mib + 1001, [64], 32 * 1024, pairs=2) == 4 * mib + 256
-    # One unit: nothing to overlap.
-    assert cuda.overlap_half_bytes(256 * mib, [128], 32 * 1024, pairs=1) is None
-    # Two chunks of one pair alternate as two pairs do.
-    assert cuda.overlap_half_bytes(256 * mib, [64, 64], 32 * 1024, pairs=1) == 128 * mib
-    # A unit under 1 MiB (an SGLang layer of a short request) stays in one stream.
-    assert cuda.overlap_half_bytes(256 * mib, [31], 32 * 1024, pairs=64) is None
-    # A chunk larger than a half (a request near the buffer's size) goes in turn.
-    assert cuda.overlap_half_bytes(256 * mib, [4097], 32 * 1024, pairs=2) is None
-    assert cuda.overlap_half_bytes(256 * mib, [], 32 * 1024, pairs=2) is None
+def test_a_staged_page_in_of_many_long_units_goes_through_a_ring_of_slots():
+    mib, kib32 = 1 << 20, 32 * 1024
+    # vLLM's 2048-token job: 64 units of 4 MiB fill a 256 MiB buffer, a slot each.
+    assert cuda.overlap_slots(256 * mib, [128], kib32, pairs=64) == (128, 64)
+    # Longer units: as many slots as fit, reused round after round.
+    assert cuda.overlap_slots(256 * mib, [512], kib32, pairs=64) == (512, 16)
+    assert cuda.overlap_slots(256 * mib, [4096, 100], kib32, pairs=8) == (4096, 2)
+    # Never more slots than units.
+    assert cuda.overlap_slots(256 * mib, [64], kib32, pairs=4) == (64, 4)
+    # Fewer than four units (SGLang's per-layer K and V): in turn.
+    assert cuda.overlap_slots(256 * mib, [128], kib32, pairs=2) is None
+    # Units under 1 MiB on average: in turn.
+    assert cuda.overlap_slots(256 * mib, [31], kib32, pairs=64) is None
+    # Fewer than two slots fit: in turn.
+    assert cuda.overlap_slots(256 * mib, [4097], kib32, pairs=8) is None
+    assert cuda.overlap_slots(256 * mib, [], kib32, pairs=8) is None
