@@ -59,6 +59,7 @@ LOAD_BYTES = "vllm:kv_offload_load_bytes"
 LOAD_TIME = "vllm:kv_offload_load_time"
 # The load-size histogram's sample count: the load jobs the tier ran for the request.
 LOAD_JOBS = "vllm:kv_offload_load_size_count"
+BASELINE_MODE = "stock"
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_TAIL = 0.025
 SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -388,6 +389,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = ("conversations", "turns", "max_tokens", "concurrency", "seed")
     report: dict[str, Any] = {
         "mode": args.mode,
+        "label": args.label or args.mode,
         "settings": {name: getattr(args, name) for name in settings},
     }
     sequential = make_conversations(args.conversations, args.turns, args.seed)
@@ -441,8 +443,79 @@ def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[s
     return rows
 
 
+def paired_ratio(stock: Sequence[float], other: Sequence[float], seed: int = 0) -> dict[str, Any]:
+    """Stock's time over the other's per pair (aligned by position), the median of those
+    ratios (above 1: the other is faster) and a bootstrap interval of it."""
+    ratios = [a / b for a, b in zip(stock, other, strict=True)]
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP_RESAMPLES)
+    )
+    low = int(BOOTSTRAP_TAIL * BOOTSTRAP_RESAMPLES)
+    return {
+        "speed": round(statistics.median(ratios), 3),
+        "speed_interval": [
+            round(medians[low], 3),
+            round(medians[BOOTSTRAP_RESAMPLES - 1 - low], 3),
+        ],
+    }
+
+
+def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per mode other than stock that ran in two or more processes, as stock did: per
+    first-turn size, the n-th stock process's hit TTFT median against the n-th of that
+    mode's (processes in the order given, so that each pair ran side by side in time),
+    with stock's own spread across its processes. One process a mode cannot tell kvcore
+    from the engine's drift between processes, which has moved hit TTFT as much as kvcore
+    does (docs/benchmarks.md, session 25)."""
+    runs: dict[str, list[list[Result]]] = {}
+    for report in reports:
+        requests = [Result(**r) for r in report["sequential_requests"]]
+        runs.setdefault(report["mode"], []).append([r for r in requests if r.cpu_tier_hit])
+    stock = runs.get(BASELINE_MODE, [])
+    compared = {}
+    for mode, processes in runs.items():
+        pairs = min(len(stock), len(processes))
+        if mode == BASELINE_MODE or pairs < 2:
+            continue
+        rows = []
+        for size in FIRST_TURN_TOKENS:
+            medians = {}
+            for side, group in (("stock", stock[:pairs]), ("other", processes[:pairs])):
+                per_process = [[r for r in hits if r.first_turn_tokens == size] for hits in group]
+                if not all(per_process):
+                    break
+                medians[side] = [
+                    (
+                        statistics.median(r.ttft_s for r in hits),
+                        statistics.median(r.counted.get(LOAD_TIME, 0.0) for r in hits),
+                    )
+                    for hits in per_process
+                ]
+            if len(medians) < 2:
+                continue
+            stock_ttft = [ttft for ttft, _ in medians["stock"]]
+            other_ttft = [ttft for ttft, _ in medians["other"]]
+            rows.append(
+                {
+                    "first_turn_tokens": size,
+                    "processes": pairs,
+                    "stock_ttft_ms_p50": [_ms(t) for t in stock_ttft],
+                    "ttft_ms_p50": [_ms(t) for t in other_ttft],
+                    "stock_reload_ms_p50": [_ms(r) for _, r in medians["stock"]],
+                    "reload_ms_p50": [_ms(r) for _, r in medians["other"]],
+                    **paired_ratio(stock_ttft, other_ttft, seed=size),
+                    "stock_spread": round(max(stock_ttft) / min(stock_ttft), 3),
+                }
+            )
+        compared[mode] = rows
+    return compared
+
+
 def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[str, Any]:
-    """The summary across modes; outputs and hit TTFT are compared with the first report's."""
+    """The summary across runs (keyed by label: a mode run again is ``<mode>-2``, ...);
+    outputs and hit TTFT are compared with the first report's, and modes run in several
+    processes with stock's in pairs (:func:`paired_processes`)."""
     reference = [r["output"] for r in reports[0]["sequential_requests"]]
     reference_requests = [Result(**r) for r in reports[0]["sequential_requests"]]
     modes = {}
@@ -451,7 +524,7 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
         requests = [Result(**r) for r in report["sequential_requests"]]
         sequential = summarize(requests, report["sequential"].get("wall_s"))
         concurrent = report.get("concurrent", {})
-        modes[report["mode"]] = {
+        modes[report.get("label") or report["mode"]] = {
             "ttft_ms_p50": sequential["ttft_ms_p50"],
             "ttft_ms_p99": sequential["ttft_ms_p99"],
             "tokens_per_s": concurrent.get("tokens_per_s", sequential.get("tokens_per_s")),
@@ -463,7 +536,11 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
                 k: v for k, v in report["metrics_end"].items() if k.startswith("kvcore_")
             },
         }
-    return {"device": device, "engine": "vllm", "version": version, "modes": modes}
+    summary = {"device": device, "engine": "vllm", "version": version, "modes": modes}
+    paired = paired_processes(reports)
+    if paired:
+        summary["paired_processes"] = paired
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--url", default="http://127.0.0.1:8000")
     one.add_argument("--model", required=True, help="the served model's name (its path)")
     one.add_argument("--mode", required=True, help="what the server runs, e.g. stock")
+    one.add_argument("--label", help="this run's name in the summary (default: the mode)")
     one.add_argument("--out", type=Path, required=True)
     one.add_argument("--conversations", type=int, default=14)
     one.add_argument("--turns", type=int, default=3)

@@ -10,6 +10,9 @@
 # page and kvcore log lines).
 #
 #   bash scripts/vllm_live_run.sh [MODE...]     (default: all three)
+# A mode may repeat: its later runs are labelled MODE-2, MODE-3, ... (live-MODE-2.json), and
+# the summary pairs the n-th stock run with the n-th run of each other mode that ran twice
+# or more (`paired_processes`), e.g. `stock kvcore-transfers stock kvcore-transfers`.
 # Settings: VSITE, KSITE (as vllm_live_setup.sh), MODEL_DIR (/tmp/llama-8b), PORT (8000),
 # CONVERSATIONS (28), TURNS (3), CONCURRENCY (8), GPU_BLOCKS (2560: 40960 tokens of GPU KV
 # cache, so conversations leave it between turns), CPU_GIB (48; at most half the host's
@@ -69,7 +72,7 @@ stop_server() {
 trap stop_server EXIT
 
 start_server() {
-    local mode="$1" log="$logs/server-$1.log"
+    local mode="$1" label="$2" log="$logs/server-$2.log"
     case "$mode" in
         stock)
             # The same metrics set-up kvcore launch makes, so the modes differ only in kvcore.
@@ -92,40 +95,44 @@ start_server() {
     until "$python" -c "import urllib.request as u; u.urlopen('$url/health', timeout=2)" \
         2> /dev/null; do
         if ! kill -0 "$server_pid" 2> /dev/null; then
-            echo "$mode: the server exited while starting; its log's end:" >&2
+            echo "$label: the server exited while starting; its log's end:" >&2
             tail -40 "$log" >&2
             server_pid=""
             return 1
         fi
         if ((SECONDS - started > ${START_TIMEOUT_S:-300})); then
-            echo "$mode: not up after ${START_TIMEOUT_S:-300} s" >&2
+            echo "$label: not up after ${START_TIMEOUT_S:-300} s" >&2
             tail -40 "$log" >&2
             return 1
         fi
         sleep 2
     done
-    echo "$mode: up after $((SECONDS - started)) s"
+    echo "$label: up after $((SECONDS - started)) s"
 }
 
 reports=()
+declare -A runs_of=()
 for mode in "${modes[@]}"; do
-    if start_server "$mode"; then
+    runs_of[$mode]=$((${runs_of[$mode]:-0} + 1))
+    label="$mode"
+    ((runs_of[$mode] == 1)) || label="$mode-${runs_of[$mode]}"
+    if start_server "$mode" "$label"; then
         started=$SECONDS
         if "$python" "$repo/scripts/live_trace.py" run --url "$url" --model "$model" \
-            --mode "$mode" --out "$out/live-$mode.json" \
+            --mode "$mode" --label "$label" --out "$out/live-$label.json" \
             --conversations "${CONVERSATIONS:-28}" --turns "${TURNS:-3}" \
-            --concurrency "${CONCURRENCY:-8}" > "$logs/trace-$mode.txt" 2>&1; then
-            reports+=("$out/live-$mode.json")
+            --concurrency "${CONCURRENCY:-8}" > "$logs/trace-$label.txt" 2>&1; then
+            reports+=("$out/live-$label.json")
         else
-            echo "$mode: the trace failed:" >&2
-            tail -20 "$logs/trace-$mode.txt" >&2
+            echo "$label: the trace failed:" >&2
+            tail -20 "$logs/trace-$label.txt" >&2
         fi
-        echo "$mode: trace took $((SECONDS - started)) s"
+        echo "$label: trace took $((SECONDS - started)) s"
         "$python" -c "import urllib.request as u; print(u.urlopen('$url/metrics').read().decode())" \
-            > "$logs/metrics-$mode.txt" 2>&1 || true
+            > "$logs/metrics-$label.txt" 2>&1 || true
     fi
     stop_server
-    grep -i "kvcore" "$logs/server-$mode.log" | head -40 > "$logs/kvcore-lines-$mode.txt" || true
+    grep -i "kvcore" "$logs/server-$label.log" | head -40 > "$logs/kvcore-lines-$label.txt" || true
 done
 
 tar -czf "$out/logs.tar.gz" -C "$logs" .

@@ -242,3 +242,54 @@ def test_each_size_splits_hit_ttft_into_reload_and_the_rest_and_counts_load_jobs
     assert by_size[512]["load_jobs_p50"] == 1 and by_size[512]["load_jobs_max"] == 2
     # A tier that reports no load-size histogram: no job count, not zero.
     assert by_size[1024]["load_jobs_p50"] is None and by_size[1024]["load_jobs_max"] is None
+
+
+def _report(mode: str, label: str, ttfts_s: dict[int, list[float]], load_s: float) -> dict:
+    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: load_s}
+    requests = [
+        live_trace.Result(i, size, 1, size, t, t, [1], counted)
+        for size, times in ttfts_s.items()
+        for i, t in enumerate(times)
+    ]
+    return {
+        "mode": mode,
+        "label": label,
+        "sequential": {"wall_s": 1.0},
+        "sequential_requests": [live_trace.asdict(r) for r in requests],
+        "metrics_end": {},
+    }
+
+
+def test_repeated_modes_are_paired_with_stock_process_by_process():
+    # Process drift: the second pair runs 20% slower on both sides; kvcore is 10% faster
+    # than the stock process beside it at 512 tokens, and no faster at 1024.
+    reports = []
+    for drift in (1.0, 1.2, 1.1):
+        stock = {512: [0.050 * drift, 0.060 * drift, 0.055 * drift], 1024: [0.07 * drift] * 3}
+        mine = {512: [t / 1.1 for t in stock[512]], 1024: list(stock[1024])}
+        reports.append(_report("stock", f"stock-{drift}", stock, 0.004))
+        reports.append(_report("kvcore-transfers", f"kvcore-{drift}", mine, 0.003))
+    reports.append(_report("kvcore", "kvcore", {512: [0.05]}, 0.004))
+    summary = live_trace.combine(reports, "d", "v")
+    assert set(summary["modes"]) == {r["label"] for r in reports}
+    paired = summary["paired_processes"]
+    # A mode that ran once is not paired.
+    assert list(paired) == ["kvcore-transfers"]
+    rows = {row["first_turn_tokens"]: row for row in paired["kvcore-transfers"]}
+    assert rows[512]["processes"] == 3
+    assert rows[512]["speed"] == pytest.approx(1.1, abs=1e-3)
+    low, high = rows[512]["speed_interval"]
+    assert low == pytest.approx(1.1, abs=1e-3) and high == pytest.approx(1.1, abs=1e-3)
+    assert rows[1024]["speed"] == pytest.approx(1.0)
+    assert rows[512]["stock_spread"] == pytest.approx(1.2)
+    assert rows[512]["stock_ttft_ms_p50"] == [55.0, 66.0, 60.5]
+    assert rows[512]["reload_ms_p50"] == [3.0, 3.0, 3.0]
+    assert rows[512]["stock_reload_ms_p50"] == [4.0, 4.0, 4.0]
+
+
+def test_one_process_a_mode_has_no_pairs():
+    reports = [
+        _report("stock", "stock", {512: [0.05, 0.06]}, 0.004),
+        _report("kvcore-transfers", "kvcore-transfers", {512: [0.05, 0.06]}, 0.003),
+    ]
+    assert "paired_processes" not in live_trace.combine(reports, "d", "v")
