@@ -67,6 +67,23 @@ class _InTurn(Mover):
         return dataclasses.replace(kernels, stage_in_prepared=in_turn)
 
 
+class _RingOf(Mover):
+    """The mover's prepared staged page-in with its ring held to ``slots`` slots."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__()
+        self.slots = slots
+
+    def kernels(self, device: torch.device) -> Any:
+        kernels = super().kernels(device)
+        # The CUDA set's ops object, which the prepared page-in is a method of.
+        ops = getattr(kernels.stage_in_prepared, "__self__", None)
+        if ops is None:
+            raise RuntimeError("the kernel set has no CUDA prepared staged page-in")
+        ops.overlap_max_slots = self.slots
+        return kernels
+
+
 def _through_mover(mover: Mover, path: TransferPath) -> Way:
     def move(
         pairs: LayerPairs,
@@ -110,6 +127,10 @@ def run(tokens: Sequence[int], layers: int, row_kib: int, jobs: int) -> list[dic
         ways: dict[str, Way] = {
             "staged": _through_mover(Mover(), TransferPath.STAGED),
             "staged_in_turn": _through_mover(_InTurn(), TransferPath.STAGED),
+            **{
+                f"staged_ring_{slots}": _through_mover(_RingOf(slots), TransferPath.STAGED)
+                for slots in (2, 4, 8)
+            },
             "staged_pair_by_pair": _through_mover(_PairByPair(), TransferPath.STAGED),
             "gather": _through_mover(Mover(), TransferPath.GATHER),
         }

@@ -46,6 +46,9 @@ _MIN_PIECE_BYTES = 8 << 20
 # fewer units (SGLang's per-layer calls: K and V) at most one scatter would hide, behind
 # a stream switch and event calls added to every layer's host time.
 _OVERLAP_MIN_UNITS = 4
+# The most slots a page-in's ring uses: each round issues its DMAs before its scatters, so
+# a longer round issues its scatters later after their DMAs.
+OVERLAP_MAX_SLOTS = 1 << 16
 # Units shorter than this cross PCIe faster than the host issues them: nothing to hide.
 _OVERLAP_MIN_UNIT_BYTES = 1 << 20
 
@@ -188,11 +191,16 @@ class _StageInLanes:
 
 
 def overlap_slots(
-    staging_bytes: int, chunk_rows: Sequence[int], row_bytes: int, pairs: int
+    staging_bytes: int,
+    chunk_rows: Sequence[int],
+    row_bytes: int,
+    pairs: int,
+    most: int = OVERLAP_MAX_SLOTS,
 ) -> tuple[int, int] | None:
     """``(rows, count)`` of the slots a staging buffer of ``staging_bytes`` holds for a
     page-in of ``pairs`` pairs of ``row_bytes`` rows in chunks of ``chunk_rows`` (a unit is
-    one pair's chunk, a slot as many rows as the longest; never more slots than units);
+    one pair's chunk, a slot as many rows as the longest; never more slots than units or
+    ``most``);
     None where the units should go in turn on one stream: fewer than
     ``_OVERLAP_MIN_UNITS``, shorter than ``_OVERLAP_MIN_UNIT_BYTES`` on average, or fewer
     than two slots fit."""
@@ -202,7 +210,7 @@ def overlap_slots(
     if sum(chunk_rows) * row_bytes < _OVERLAP_MIN_UNIT_BYTES * len(chunk_rows):
         return None
     slot_rows = max(chunk_rows)
-    count = min(staging_bytes // (slot_rows * row_bytes), units)
+    count = min(staging_bytes // (slot_rows * row_bytes), units, most)
     return (slot_rows, count) if count >= 2 else None
 
 
@@ -224,6 +232,7 @@ class _CudaIndexedOps:
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._lanes: dict[torch.device, _StageInLanes] = {}
+        self.overlap_max_slots = OVERLAP_MAX_SLOTS
         self._launches: weakref.WeakKeyDictionary[LayerPairs, _TableLaunch | str] = (
             weakref.WeakKeyDictionary()
         )
@@ -430,6 +439,7 @@ class _CudaIndexedOps:
             [rows for _, _, rows in chunks.chunks],
             src_words.shape[1] * src_words.element_size(),
             len(pairs.src_words),
+            self.overlap_max_slots,
         )
         if slots is None:
             reference.stage_in_prepared(pairs, chunks, staging)
