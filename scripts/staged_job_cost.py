@@ -1,8 +1,9 @@
 """Wall-clock of one page-in over many layer pairs, a vLLM load job's shape, by each way
 kvcore could move it: the staged copy with its chunks made ready once for every pair (the
-mover's default, whose DMAs alternate two halves of the staging buffer on a second stream
-beside the previous pair's scatter), the same with its pairs in turn on one stream, staged
-pair by pair, and the layered gather.
+mover's default, whose DMAs run on a second stream through a ring of staging slots while
+each pair's scatter follows its own DMA), the same with its ring held to 2, 4 or 8 slots,
+the same with its pairs in turn on one stream, staged pair by pair, and the layered
+gather.
 
     python scripts/staged_job_cost.py [--tokens 2048,4096] [--layers 32] [--row-kib 32]
         [--jobs 20] [--json FILE]
