@@ -524,7 +524,11 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
         requests = [Result(**r) for r in report["sequential_requests"]]
         sequential = summarize(requests, report["sequential"].get("wall_s"))
         concurrent = report.get("concurrent", {})
-        modes[report.get("label") or report["mode"]] = {
+        label = report.get("label") or report["mode"]
+        if label in modes:
+            # Reports of several calls, each labelling its runs from the start again.
+            label = f"{label}#{sum(1 for m in modes if m.split('#')[0] == label) + 1}"
+        modes[label] = {
             "ttft_ms_p50": sequential["ttft_ms_p50"],
             "ttft_ms_p99": sequential["ttft_ms_p99"],
             "tokens_per_s": concurrent.get("tokens_per_s", sequential.get("tokens_per_s")),

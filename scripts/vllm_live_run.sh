@@ -13,6 +13,11 @@
 # A mode may repeat: its later runs are labelled MODE-2, MODE-3, ... (live-MODE-2.json), and
 # the summary pairs the n-th stock run with the n-th run of each other mode that ran twice
 # or more (`paired_processes`), e.g. `stock kvcore-transfers stock kvcore-transfers`.
+# A server takes 75-130 s to come up, so more runs than fit one call go over several
+# calls made back to back (the install stays on a warm machine), e.g. `stock
+# kvcore-transfers stock`, then `kvcore-transfers stock kvcore-transfers`; combine their
+# live-*.json here in the order they ran (`live_trace.py combine`; a label seen again
+# becomes LABEL#2).
 # Settings: VSITE, KSITE (as vllm_live_setup.sh), MODEL_DIR (/tmp/llama-8b), PORT (8000),
 # CONVERSATIONS (28), TURNS (3), CONCURRENCY (8), GPU_BLOCKS (2560: 40960 tokens of GPU KV
 # cache, so conversations leave it between turns), CPU_GIB (48; at most half the host's

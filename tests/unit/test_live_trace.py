@@ -293,3 +293,11 @@ def test_one_process_a_mode_has_no_pairs():
         _report("kvcore-transfers", "kvcore-transfers", {512: [0.05, 0.06]}, 0.003),
     ]
     assert "paired_processes" not in live_trace.combine(reports, "d", "v")
+
+
+def test_reports_of_two_calls_keep_every_run_under_its_own_label():
+    first_call = [_report("stock", "stock", {512: [0.05]}, 0.004)]
+    second_call = [_report("stock", "stock", {512: [0.06]}, 0.004)] * 2
+    summary = live_trace.combine(first_call + second_call, "d", "v")
+    assert list(summary["modes"]) == ["stock", "stock#2", "stock#3"]
+    assert summary["modes"]["stock#2"]["ttft_ms_p50"] == 60.0
