@@ -31,7 +31,7 @@ from kvcore.runs import (
     run_count_of,
     segment_values,
     slice_runs,
-    span_and_run_count_of,
+    span_and_runs_of,
     span_of,
 )
 from kvcore.transfer_sides import CheckedSides, check_sides, no_rows
@@ -446,7 +446,7 @@ def plan_device_indexed_for(
         device_idx = _watchable(device_idx)
     # The path needs to know only whether the host runs are few (at most max_dma_runs).
     host_values = host_idx.numpy()
-    host_span, host_run_count = span_and_run_count_of(
+    host_span, host_run_count, host_runs = span_and_runs_of(
         host_values, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
     )
     if not page_in and duplicates_below(host_values, host_span):
@@ -475,7 +475,7 @@ def plan_device_indexed_for(
         src_idx,
         dst_idx,
         _NO_RUNS,
-        None,
+        host_runs,
         reason,
         policy,
         src_span=host_span if page_in else 0,

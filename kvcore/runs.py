@@ -142,6 +142,44 @@ def span_and_run_count_of(
     return span_of(values, size, name), run_count
 
 
+def span_and_runs_of(
+    values: np.ndarray, size: int, name: str, *, count_up_to: int
+) -> tuple[int, int, Runs | None]:
+    """:func:`span_and_run_count_of` of a checked index's values, and its runs where there
+    are at most ``count_up_to`` (None past it), found from the differences the count took:
+    a plan that stages few host runs needs them, and the index is not differenced twice."""
+    if values.size < 2:
+        span = span_of(values, size, name)
+        return span, values.size, _runs_of_values(values)
+    run_count = _run_count(values, count_up_to)
+    if run_count == 1:
+        span = _within(int(values[0]), int(values[-1]), size, name)
+        return span, 1, _one_run(values)
+    span = span_of(values, size, name)
+    if run_count > count_up_to:
+        return span, run_count, None
+    # _run_count differenced every entry (a count within the limit reads the whole index),
+    # and span_of left the per-thread scratch alone.
+    breaks = SCRATCH.arrays(values.size - 1)[2]
+    (starts,), lengths, _ = _runs_at(breaks, values)
+    return span, run_count, Runs(starts, lengths)
+
+
+def _one_run(values: np.ndarray) -> Runs:
+    return Runs(
+        torch.tensor([int(values[0])], dtype=torch.int64),
+        torch.tensor([values.size], dtype=torch.int64),
+    )
+
+
+def _runs_of_values(values: np.ndarray) -> Runs:
+    """The runs of fewer than two entries: none, or one of one row."""
+    if values.size == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return Runs(empty, empty.clone())
+    return _one_run(values)
+
+
 def run_count_up_to(index: torch.Tensor, limit: int) -> int:
     """The number of runs :func:`find_runs` would find where it is at most ``limit``; past
     it, any number above ``limit`` (read from a prefix, as :func:`span_and_run_count`

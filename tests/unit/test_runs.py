@@ -23,6 +23,7 @@ from kvcore.runs import (
     segment_transfer,
     slice_runs,
     span_and_run_count,
+    span_and_runs_of,
 )
 
 index_lists = st.lists(st.integers(min_value=0, max_value=60), max_size=80)
@@ -404,3 +405,42 @@ def test_duplicates_between_page_runs_are_found_by_their_intervals(
     else:
         assert found.runs.count * 8 <= len(dst_rows)
     assert found.dst_has_duplicates == (len(set(dst_rows)) != len(dst_rows))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=9), max_size=40),
+    st.integers(min_value=0, max_value=6),
+    st.integers(min_value=0, max_value=3),
+)
+def test_runs_found_with_the_count_are_find_runs_up_to_the_bound(
+    run_lengths: list[int], bound: int, seed: int
+) -> None:
+    """Long indices (past the count's prefix) and short ones: up to ``bound`` runs the
+    runs come back as find_runs finds them, with the span and count of
+    span_and_run_count; past it, no runs and a count above the bound."""
+    rng = random.Random(seed)
+    values: list[int] = []
+    for length in run_lengths:
+        start = rng.randrange(0, 90_000)
+        values += range(start, start + max(length * 700, 1))
+    index = torch.tensor(values, dtype=torch.int64)
+    span, count, runs = span_and_runs_of(index.numpy(), 100_000, "index", count_up_to=bound)
+    assert (span, count) == span_and_run_count(index, 100_000, count_up_to=bound)
+    exact = find_runs(index)
+    if exact.count <= max(bound, 1) or index.numel() < 2:
+        assert runs is not None
+        assert runs.starts.tolist() == exact.starts.tolist()
+        assert runs.lengths.tolist() == exact.lengths.tolist()
+    else:
+        assert runs is None and count > bound
+
+
+def test_runs_found_with_the_count_still_bound_every_entry() -> None:
+    long_run = 2 * COUNT_PREFIX + 1
+    index = torch.cat([torch.arange(long_run), torch.tensor([long_run + 4])])
+    span, count, runs = span_and_runs_of(index.numpy(), 10**6, "host", count_up_to=2)
+    assert (span, count) == (long_run + 5, 2)
+    assert runs is not None and runs.lengths.tolist() == [long_run, 1]
+    with pytest.raises(ValueError, match=f"host holds {long_run + 4}, outside"):
+        span_and_runs_of(index.numpy(), long_run + 2, "host", count_up_to=2)
