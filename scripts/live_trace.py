@@ -518,16 +518,17 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
     processes with stock's in pairs (:func:`paired_processes`)."""
     reference = [r["output"] for r in reports[0]["sequential_requests"]]
     reference_requests = [Result(**r) for r in reports[0]["sequential_requests"]]
-    modes = {}
+    modes: dict[str, dict[str, Any]] = {}
     for report in reports:
         outputs = [r["output"] for r in report["sequential_requests"]]
         requests = [Result(**r) for r in report["sequential_requests"]]
         sequential = summarize(requests, report["sequential"].get("wall_s"))
         concurrent = report.get("concurrent", {})
-        label = report.get("label") or report["mode"]
+        label = str(report.get("label") or report["mode"])
         if label in modes:
             # Reports of several calls, each labelling its runs from the start again.
-            label = f"{label}#{sum(1 for m in modes if m.split('#')[0] == label) + 1}"
+            seen = [m for m in modes if m.split("#")[0] == label]
+            label = f"{label}#{len(seen) + 1}"
         modes[label] = {
             "ttft_ms_p50": sequential["ttft_ms_p50"],
             "ttft_ms_p99": sequential["ttft_ms_p99"],
