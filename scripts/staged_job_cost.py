@@ -6,7 +6,7 @@ the same with its pairs in turn on one stream, staged pair by pair, and the laye
 gather.
 
     python scripts/staged_job_cost.py [--tokens 2048,4096] [--layers 32] [--row-kib 32]
-        [--jobs 20] [--json FILE]
+        [--jobs 20] [--timelines 3] [--json FILE]
 
 Each layer has 16-token blocks of 8 KV heads x 128, bf16: with ``--row-kib 32`` a K and a
 V tensor per layer (two pairs a layer, a block's K a row), with 64 one tensor whose row is
@@ -111,6 +111,53 @@ def _job(move: Way, pairs: LayerPairs, blocks: int, seed: int) -> tuple[float, f
     return (time.perf_counter() - started) * 1e3, (issued - started) * 1e3, dst_idx
 
 
+def timeline_parts(
+    job: tuple[float, float],
+    copies: Sequence[tuple[float, float]],
+    kernels: Sequence[tuple[float, float]],
+) -> dict[str, float] | None:
+    """Where a job's wall-clock goes, from a profiler's timeline (µs, one clock): ``lead``
+    from the job's host start to its first host-to-device copy, the copies' ``dma_busy``
+    time and the ``dma_gaps`` between them (span less busy: the link idle mid-job), and
+    the ``tail`` from the last copy's end to the job's last device op. Copies under a
+    fifth of the median copy's time (index uploads) are left out. None without copies."""
+    if not copies:
+        return None
+    shortest = statistics.median(end - start for start, end in copies) / 5
+    copies = [(start, end) for start, end in copies if end - start >= shortest]
+    first = min(start for start, _ in copies)
+    last = max(end for _, end in copies)
+    busy = sum(end - start for start, end in copies)
+    finish = max([last, *(end for _, end in kernels)])
+    return {
+        "lead_us": round(first - job[0], 1),
+        "dma_busy_us": round(busy, 1),
+        "dma_gaps_us": round(last - first - busy, 1),
+        "tail_us": round(finish - last, 1),
+    }
+
+
+def _profiled_job(move: Way, pairs: LayerPairs, blocks: int, seed: int) -> dict[str, float] | None:
+    """:func:`timeline_parts` of one job under torch's profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof, record_function("staged_job"):
+        _job(move, pairs, blocks, seed)
+    job, copies, kernels = None, [], []
+    for event in prof.events():
+        span = (event.time_range.start, event.time_range.end)
+        if event.device_type == DeviceType.CUDA:
+            if event.name.startswith("Memcpy HtoD"):
+                copies.append(span)
+            elif not event.name.startswith(("Memcpy", "Memset")):
+                kernels.append(span)
+        elif event.name == "staged_job":
+            job = span
+    return None if job is None else timeline_parts(job, copies, kernels)
+
+
 def _exact(hosts: list[torch.Tensor], gpus: list[torch.Tensor], dst_idx: torch.Tensor) -> bool:
     rows = dst_idx.cuda()
     return all(
@@ -119,7 +166,9 @@ def _exact(hosts: list[torch.Tensor], gpus: list[torch.Tensor], dst_idx: torch.T
     )
 
 
-def run(tokens: Sequence[int], layers: int, row_kib: int, jobs: int) -> list[dict[str, Any]]:
+def run(
+    tokens: Sequence[int], layers: int, row_kib: int, jobs: int, timelines: int = 0
+) -> list[dict[str, Any]]:
     words = row_kib * 1024 // 2
     pair_count = layers * (64 // row_kib)
     rows = []
@@ -172,6 +221,11 @@ def run(tokens: Sequence[int], layers: int, row_kib: int, jobs: int) -> list[dic
             row[f"{name}_x_link"] = round(ms / link_ms, 3)
             row[f"{name}_host_ms"] = round(statistics.median(host_times[name]), 3)
             row[f"{name}_identical"] = exact[name]
+        for name, move in ways.items() if timelines else ():
+            parts = [_profiled_job(move, pairs, blocks, seed=9000 + t) for t in range(timelines)]
+            found = [part for part in parts if part is not None]
+            for key in found[0] if found else ():
+                row[f"{name}_{key}"] = round(statistics.median(part[key] for part in found), 1)
         rows.append(row)
     return rows
 
@@ -182,11 +236,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--row-kib", type=int, choices=(32, 64), default=32)
     parser.add_argument("--jobs", type=int, default=20)
+    parser.add_argument(
+        "--timelines",
+        type=int,
+        default=0,
+        help="jobs per way profiled after the timed ones, for where the time goes (lead, "
+        "DMA busy and gaps, tail; medians)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    rows = run([int(t) for t in args.tokens.split(",")], args.layers, args.row_kib, args.jobs)
+    rows = run(
+        [int(t) for t in args.tokens.split(",")],
+        args.layers,
+        args.row_kib,
+        args.jobs,
+        args.timelines,
+    )
     for row in rows:
         print(json.dumps(row))
     if args.json is not None:
