@@ -425,7 +425,8 @@ class _CudaIndexedOps:
 
     def stage_in_prepared(self, pairs: LayerPairs, prepared: object, staging: torch.Tensor) -> None:
         """:meth:`stage_in` of every pair with chunks from :meth:`prepare_stage_in`: one
-        piece each, all on the current stream."""
+        piece each; through a ring of slots (:func:`overlap_slots`) where the units are
+        many and long, else all on the current stream."""
         if not isinstance(prepared, _StageInRows):
             raise TypeError(
                 f"prepared must come from prepare_stage_in, got {type(prepared).__name__}"
@@ -433,14 +434,18 @@ class _CudaIndexedOps:
         for upload in prepared.uploads:
             upload.order_current_stream()
         chunks = prepared.chunks
-        src_words = pairs.src_words[0]
-        slots = overlap_slots(
-            staging.numel(),
-            [rows for _, _, rows in chunks.chunks],
-            src_words.shape[1] * src_words.element_size(),
-            len(pairs.src_words),
-            self.overlap_max_slots,
-        )
+        pair_count = len(pairs.src_words)
+        slots = None
+        # An SGLang layer (one or two pairs) leaves here, for no more host time than this.
+        if pair_count * len(chunks.chunks) >= _OVERLAP_MIN_UNITS:
+            src_words = pairs.src_words[0]
+            slots = overlap_slots(
+                staging.numel(),
+                [rows for _, _, rows in chunks.chunks],
+                src_words.shape[1] * src_words.element_size(),
+                pair_count,
+                self.overlap_max_slots,
+            )
         if slots is None:
             reference.stage_in_prepared(pairs, chunks, staging)
         else:
