@@ -7,8 +7,10 @@ import ctypes
 import pytest
 import torch
 
-from kvcore.kernels import cuda, cudart
+from kvcore.kernels import cuda, cudart, reference
 from kvcore.layers import layer_pairs
+from kvcore.planning import staged_chunks
+from kvcore.runs import Runs
 
 
 def test_without_a_loaded_driver_there_is_no_device_address(monkeypatch):
@@ -118,3 +120,24 @@ def test_a_staged_page_in_of_many_long_units_goes_through_a_ring_of_slots():
     # Fewer than two slots fit: in turn.
     assert cuda.overlap_slots(256 * mib, [4097], kib32, pairs=8) is None
     assert cuda.overlap_slots(256 * mib, [], kib32, pairs=8) is None
+
+
+def test_a_rings_units_take_the_slots_in_turn_each_its_own_rows_of_the_buffer():
+    rows_per_pair, words, slots, slot_rows = 6, 4, 3, 8
+    host = [torch.arange(p * 100, p * 100 + 40 * words).view(40, words) for p in range(5)]
+    device = [torch.zeros(40, words, dtype=torch.int64) for _ in range(5)]
+    pairs = layer_pairs(host, device)
+    dst_rows = torch.tensor([7, 3, 30, 12, 0, 25])
+    host_runs = Runs(torch.tensor([2]), torch.tensor([rows_per_pair]))
+    chunks = staged_chunks(host_runs, rows_per_pair, rows_per_pair)
+    prepared = reference.prepare_stage_in(chunks, dst_rows, torch.device("cpu"))
+    staging = torch.zeros(slots * slot_rows * words * 8, dtype=torch.uint8)
+    units = cuda._staged_units(pairs, prepared, staging, slot_rows, slots)
+    assert len(units) == 5
+    base = staging.data_ptr()
+    for number, (src_words, runs, staged, dst_words, rows) in enumerate(units):
+        assert src_words is pairs.src_words[number] and dst_words is pairs.dst_words[number]
+        assert runs == ((2, rows_per_pair),) and rows is prepared.chunks[0][1]
+        # Unit n takes slot n % 3: its rows start that slot's rows into the buffer.
+        assert staged.shape == (rows_per_pair, words)
+        assert staged.data_ptr() - base == (number % slots) * slot_rows * words * 8
