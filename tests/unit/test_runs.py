@@ -33,6 +33,17 @@ def expand(starts: list[int], lengths: list[int]) -> list[int]:
     return [s + j for s, n in zip(starts, lengths, strict=True) for j in range(n)]
 
 
+def runs_in_random_places(run_lengths: list[int], seed: int) -> torch.Tensor:
+    """An index of runs of ``700 * length`` rows (1 for a length of 0) at random starts
+    below 90 000: long enough that a bounded count reads a prefix of it."""
+    rng = random.Random(seed)
+    values: list[int] = []
+    for length in run_lengths:
+        start = rng.randrange(0, 90_000)
+        values += range(start, start + max(length * 700, 1))
+    return torch.tensor(values, dtype=torch.int64)
+
+
 def reference_runs(values: list[int]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for v in values:
@@ -246,12 +257,7 @@ def test_a_bounded_run_count_is_exact_up_to_its_bound(
     """Runs of the given lengths (0: a scattered entry) in random places of a long index:
     at most ``bound`` runs come back exact, more come back as some count above it; the
     bounds are the whole index's either way."""
-    rng = random.Random(seed)
-    values: list[int] = []
-    for length in run_lengths:
-        start = rng.randrange(0, 90_000)
-        values += range(start, start + max(length * 700, 1))
-    index = torch.tensor(values, dtype=torch.int64)
+    index = runs_in_random_places(run_lengths, seed)
     exact = span_and_run_count(index, 100_000)
     found = span_and_run_count(index, 100_000, count_up_to=bound)
     assert found[0] == exact[0]
@@ -419,12 +425,7 @@ def test_runs_found_with_the_count_are_find_runs_up_to_the_bound(
     """Long indices (past the count's prefix) and short ones: up to ``bound`` runs the
     runs come back as find_runs finds them, with the span and count of
     span_and_run_count; past it, no runs and a count above the bound."""
-    rng = random.Random(seed)
-    values: list[int] = []
-    for length in run_lengths:
-        start = rng.randrange(0, 90_000)
-        values += range(start, start + max(length * 700, 1))
-    index = torch.tensor(values, dtype=torch.int64)
+    index = runs_in_random_places(run_lengths, seed)
     span, count, runs = span_and_runs_of(index.numpy(), 100_000, "index", count_up_to=bound)
     assert (span, count) == span_and_run_count(index, 100_000, count_up_to=bound)
     exact = find_runs(index)
