@@ -2,8 +2,9 @@
 kvcore could move it: the staged copy with its chunks made ready once for every pair (the
 mover's default, whose DMAs run on a second stream through a ring of staging slots while
 each pair's scatter follows its own DMA), the same with its ring held to 2, 4 or 8 slots,
-the same with its pairs in turn on one stream, staged pair by pair, and the layered
-gather.
+the same with its pairs in turn on one stream, staged pair by pair, the layered
+gather, and a prototype of DMAs into per-pair staging followed by one layered scatter
+launch per group of pairs (measuring code only).
 
     python scripts/staged_job_cost.py [--tokens 2048,4096] [--layers 32] [--row-kib 32]
         [--jobs 20] [--timelines 3] [--json FILE]
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from kvcore.direction import Direction
+from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.mover import Mover, TransferPath, plan
 
@@ -83,6 +85,61 @@ class _RingOf(Mover):
             raise RuntimeError("the kernel set has no CUDA prepared staged page-in")
         ops.overlap_max_slots = self.slots
         return kernels
+
+
+class _LayeredScatterPrototype:
+    """Measuring code only, to size a change before the mover gets it: every pair's DMA
+    into a staging area of its own (one per pair, on a second stream), and the scatter of
+    each group of pairs in one layered launch (kvcore's Triton row gather, device to
+    device) once that group's DMAs are done; a job is planned as the mover's are."""
+
+    def __init__(self, pairs: LayerPairs, blocks: int, groups: int, ctas: int) -> None:
+        words = pairs.dst_words[0]
+        staging = torch.empty(
+            len(pairs.dsts), blocks, words.shape[1], dtype=words.dtype, device="cuda"
+        )
+        self.staging = [staging[p] for p in range(len(pairs.dsts))]
+        per_group = -(-len(self.staging) // groups)
+        self.groups = [
+            range(start, min(start + per_group, len(self.staging)))
+            for start in range(0, len(self.staging), per_group)
+        ]
+        self.launches = []
+        for group in self.groups:
+            table = layer_table(
+                [self.staging[p] for p in group], [pairs.dst_words[p] for p in group]
+            )
+            self.launches.append(LayeredLaunch(table, table.offsets.cuda(), ctas))
+        self.staged_rows = torch.arange(blocks, device="cuda")
+        self.done = [torch.cuda.Event() for _ in self.groups]
+        self.dma = torch.cuda.Stream()
+
+    def __call__(
+        self,
+        pairs: LayerPairs,
+        host: torch.Tensor,
+        gpu: torch.Tensor,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+    ) -> None:
+        chosen = plan(host, gpu, src, dst, direction=Direction.H2D, force=TransferPath.STAGED)
+        rows = dst.pin_memory().cuda(non_blocking=True)
+        host_runs = chosen.host_runs.as_list()
+        if len(host_runs) != 1:
+            raise ValueError("the prototype takes host blocks in one run, the job's layout")
+        ((start, length),) = host_runs
+        current = torch.cuda.current_stream()
+        self.dma.wait_stream(current)
+        with torch.cuda.stream(self.dma):
+            for group, done in zip(self.groups, self.done, strict=True):
+                for p in group:
+                    self.staging[p][:length].copy_(
+                        pairs.src_words[p][start : start + length], non_blocking=True
+                    )
+                done.record()
+        for done, launch in zip(self.done, self.launches, strict=True):
+            current.wait_event(done)
+            launch(self.staged_rows[:length], rows)
 
 
 def _through_mover(mover: Mover, path: TransferPath) -> Way:
@@ -194,6 +251,10 @@ def run(
         ]
         # Built once, as vLLM's handler keeps its layers' pairs.
         pairs = layer_pairs(hosts, gpus)
+        for groups in (1, 4):
+            ways[f"staged_layered_prototype_{groups}"] = _LayeredScatterPrototype(
+                pairs, blocks, groups, ctas=132
+            )
         times: dict[str, list[float]] = {name: [] for name in ways}
         host_times: dict[str, list[float]] = {name: [] for name in ways}
         exact = {}
