@@ -79,6 +79,8 @@ NO_COPY = KernelSet(
     gather_layers=_no_copy,
     prepare_rows=lambda src_idx, dst_idx, device: (src_idx, dst_idx),
     gather_prepared=_no_copy,
+    prepare_stage_in=lambda chunks, dst_idx, device: (chunks, dst_idx),
+    stage_in_prepared=_no_copy,
 )
 
 
