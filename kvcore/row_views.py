@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcore.runs import check_bounds, check_index
+from kvcore.runs import check_index, span_of
 
 
 def dense_rows(tensor: torch.Tensor, row_shape: Sequence[int]) -> torch.Tensor:
@@ -35,6 +35,10 @@ def dense_rows(tensor: torch.Tensor, row_shape: Sequence[int]) -> torch.Tensor:
     for dim in range(len(shape) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * shape[dim + 1]
     return tensor.as_strided(shape, strides)
+
+
+# Rows per unit up to which rows_of_array adds row by row rather than by broadcast.
+_ROW_LOOP_WIDTH = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +81,11 @@ class RowMap:
         index = check_index(index, self.index_name)
         if self.identity:
             return index
-        check_bounds(index, self.units, self.index_name)
-        if self.width != 1:
-            first = (index // self.group) * self.period + index % self.group * self.width
-            return (first[:, None] + torch.arange(self.width)).reshape(-1)
-        if self.group == 1:
-            return index * self.period
-        return (index // self.group) * self.period + index % self.group
+        values = index.numpy()
+        span_of(values, self.units, self.index_name)
+        # NumPy: each torch op on a CPU index costs several microseconds of dispatch, and
+        # this runs on a reload's first call.
+        return torch.from_numpy(self.rows_of_array(values))
 
     def rows_of_array(self, index: np.ndarray) -> np.ndarray:
         """:meth:`rows_of` for an int64 array of units the engine's own allocator handed
@@ -93,8 +95,17 @@ class RowMap:
         if self.group == 1:
             first = index * self.period
         else:
-            groups, within = np.divmod(index, self.group)
-            first = groups * self.period + within * self.width
+            # groups * period + within * width, with within = index - groups * group.
+            first = index // self.group
+            first *= self.period - self.group * self.width
+            first += index if self.width == 1 else index * self.width
         if self.width == 1:
             return first
-        return (first[:, None] + np.arange(self.width, dtype=np.int64)).ravel()
+        if self.width > _ROW_LOOP_WIDTH:
+            return (first[:, None] + np.arange(self.width, dtype=np.int64)).ravel()
+        # One strided add per row of a unit: NumPy's broadcast add over [n, width] costs
+        # several times that for the few rows per unit the engines use.
+        rows = np.empty((first.size, self.width), dtype=np.int64)
+        for row in range(self.width):
+            np.add(first, row, out=rows[:, row])
+        return rows.reshape(-1)

@@ -146,3 +146,17 @@ def test_span_counts_the_rows_up_to_the_last_units_last_row():
     assert RowMap(6, group=2, period=7, width=3).span == 2 * 7 + 1 * 3 + 3
     assert RowMap(5, group=2, period=7, width=3).span == 2 * 7 + 0 * 3 + 3
     assert RowMap(0, group=0, period=0).span == 0
+
+
+@pytest.mark.parametrize("width", [2, 16, 17, 40])
+def test_units_of_many_rows_map_to_the_same_rows_either_way(width):
+    # Up to 16 rows a unit are added row by row, wider units by broadcast.
+    *_, row_map = grouped_buffer(3, 4, width, 1, 1, width)
+    index = torch.tensor([11, 0, 5, 6, 3], dtype=torch.int64)
+    starts = [(i // 4) * row_map.period + (i % 4) * width for i in index.tolist()]
+    expected = [start + row for start in starts for row in range(width)]
+    assert row_map.rows_of(index).tolist() == expected
+    assert row_map.rows_of_array(index.numpy()).tolist() == expected
+    with torch.inference_mode():
+        inferred = index.clone()
+    assert row_map.rows_of(inferred).tolist() == expected
