@@ -48,7 +48,7 @@ _MIN_PIECE_BYTES = 8 << 20
 _OVERLAP_MIN_UNITS = 4
 # The most slots a page-in's ring uses: each round issues its DMAs before its scatters, so
 # a longer round issues its scatters later after their DMAs.
-OVERLAP_MAX_SLOTS = 1 << 16
+_OVERLAP_MAX_SLOTS = 1 << 16
 # Units shorter than this cross PCIe faster than the host issues them: nothing to hide.
 _OVERLAP_MIN_UNIT_BYTES = 1 << 20
 
@@ -195,13 +195,12 @@ def overlap_slots(
     chunk_rows: Sequence[int],
     row_bytes: int,
     pairs: int,
-    most: int = OVERLAP_MAX_SLOTS,
+    most: int = _OVERLAP_MAX_SLOTS,
 ) -> tuple[int, int] | None:
     """``(rows, count)`` of the slots a staging buffer of ``staging_bytes`` holds for a
     page-in of ``pairs`` pairs of ``row_bytes`` rows in chunks of ``chunk_rows`` (a unit is
     one pair's chunk, a slot as many rows as the longest; never more slots than units or
-    ``most``);
-    None where the units should go in turn on one stream: fewer than
+    ``most``). None where the units should go in turn on one stream: fewer than
     ``_OVERLAP_MIN_UNITS``, shorter than ``_OVERLAP_MIN_UNIT_BYTES`` on average, or fewer
     than two slots fit."""
     units = pairs * len(chunk_rows)
@@ -232,7 +231,7 @@ class _CudaIndexedOps:
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._lanes: dict[torch.device, _StageInLanes] = {}
-        self.overlap_max_slots = OVERLAP_MAX_SLOTS
+        self.overlap_max_slots = _OVERLAP_MAX_SLOTS
         self._launches: weakref.WeakKeyDictionary[LayerPairs, _TableLaunch | str] = (
             weakref.WeakKeyDictionary()
         )
@@ -463,8 +462,8 @@ class _CudaIndexedOps:
         slot: a round's DMAs on the device's second stream (each after the previous
         round's scatter from its slot), then its scatters on the current stream (each
         after its own DMA). The second stream first waits for the current one (the
-        engine's earlier work, an earlier lease's scatters), and the last scatter waits
-        for the last DMA: the call ends joined to the current stream."""
+        engine's earlier work, an earlier lease's scatters), and the current one ends
+        waiting for the second (after a failure too): the call ends joined to it."""
         device = staging.device
         lanes = self._lanes.get(device)
         if lanes is None:
@@ -475,22 +474,27 @@ class _CudaIndexedOps:
         current = torch.cuda.current_stream(device)
         dma = lanes.dma
         dma.wait_stream(current)
-        for start in range(0, len(units), slots):
-            batch = units[start : start + slots]
-            with torch.cuda.stream(dma):
-                for slot, (src_words, host_runs, staged, _, _) in enumerate(batch):
-                    if start:
-                        dma.wait_event(freed[slot])
-                    reference.listed_runs_to_staging(
-                        src_words, host_runs, staged, into_staging=True
-                    )
-                    filled[slot].record(dma)
-            refilled = start + slots < len(units)
-            for slot, (_, _, staged, dst_words, rows_on_device) in enumerate(batch):
-                current.wait_event(filled[slot])
-                dst_words.index_copy_(0, rows_on_device, staged)
-                if refilled:
-                    freed[slot].record(current)
+        try:
+            for start in range(0, len(units), slots):
+                batch = units[start : start + slots]
+                with torch.cuda.stream(dma):
+                    for slot, (src_words, host_runs, staged, _, _) in enumerate(batch):
+                        if start:
+                            dma.wait_event(freed[slot])
+                        reference.listed_runs_to_staging(
+                            src_words, host_runs, staged, into_staging=True
+                        )
+                        filled[slot].record(dma)
+                refilled = start + slots < len(units)
+                for slot, (_, _, staged, dst_words, rows_on_device) in enumerate(batch):
+                    current.wait_event(filled[slot])
+                    dst_words.index_copy_(0, rows_on_device, staged)
+                    if refilled:
+                        freed[slot].record(current)
+        finally:
+            # Whatever was issued, the lease's next holder waits for it: a DMA left
+            # running by a failed call would otherwise write into its staging rows.
+            current.wait_stream(dma)
 
     def stage_out(
         self,
