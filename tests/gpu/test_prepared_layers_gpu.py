@@ -247,3 +247,53 @@ def test_staged_page_ins_of_many_pairs_back_to_back_copy_exactly(staging_rows, o
             assert torch.equal(_bytes(src), _bytes(copy))
     lanes = mover.kernels(torch.device("cuda")).stage_in_prepared.__self__._lanes
     assert bool(lanes) is overlapped
+
+
+def test_a_staged_ring_that_fails_midway_leaves_the_next_page_in_exact(monkeypatch):
+    """A ring whose third DMA raises has DMAs of its first two units issued on the second
+    stream: the call must still end with the current stream waiting for them, so that
+    the next page-in through the same staging rows reads its own bytes."""
+    from kvcore.kernels import reference
+
+    row_bytes, count, layers = 1152, 1800, 6
+    host = [_random(ROWS, row_bytes, host=True) for _ in range(layers)]
+    device = [_random(ROWS, row_bytes, host=False) for _ in range(layers)]
+    mover = Mover(PathPolicy(staging_bytes=20000 * row_bytes), metrics=Metrics())
+    gen = torch.Generator().manual_seed(41)
+
+    def job() -> tuple[torch.Tensor, torch.Tensor]:
+        src_idx = torch.arange(100, 100 + count)
+        dst_idx = torch.randperm(ROWS, generator=gen)[:count]
+        chosen = plan(
+            host[0],
+            device[0],
+            src_idx,
+            dst_idx,
+            direction=Direction.H2D,
+            policy=mover.policy,
+            force=TransferPath.STAGED,
+        )
+        mover.execute_layers(chosen, layer_pairs(host, device))
+        return src_idx, dst_idx
+
+    issued = []
+    real = reference.listed_runs_to_staging
+
+    def third_fails(*args, **kwargs):
+        issued.append(None)
+        if len(issued) == 3:
+            raise RuntimeError("injected")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "listed_runs_to_staging", third_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        job()
+    monkeypatch.setattr(reference, "listed_runs_to_staging", real)
+    torch.cuda._sleep(1_000_000)
+    want = [t.clone() for t in device]
+    src_idx, dst_idx = job()
+    for src, dst in zip(host, want, strict=True):
+        dst[dst_idx.cuda()] = src[src_idx].cuda()
+    torch.cuda.synchronize()
+    for got, wanted in zip(device, want, strict=True):
+        assert torch.equal(_bytes(got), _bytes(wanted))
