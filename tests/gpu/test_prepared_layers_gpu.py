@@ -17,7 +17,14 @@ from kvcore.kernels import triton_tile
 from kvcore.kernels.triton_kernels import triton_available
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, PathPolicy, TransferPath, plan, plan_device_indexed
+from kvcore.mover import (
+    Mover,
+    PathPolicy,
+    TransferPath,
+    TransferPlan,
+    plan,
+    plan_device_indexed,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,6 +38,25 @@ LAYERS, ROWS = 4, 4096
 def _random(rows: int, row_bytes: int, *, host: bool) -> torch.Tensor:
     raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, device="cuda")
     return raw.view(torch.bfloat16).cpu().pin_memory() if host else raw.view(torch.bfloat16)
+
+
+def _staged_page_in(
+    mover: Mover,
+    host: torch.Tensor,
+    device: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+) -> TransferPlan:
+    """The mover's staged page-in plan for these rows."""
+    return plan(
+        host,
+        device,
+        src_idx,
+        dst_idx,
+        direction=Direction.H2D,
+        policy=mover.policy,
+        force=TransferPath.STAGED,
+    )
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -178,15 +204,7 @@ def test_prepared_staged_page_ins_between_other_streams_copy_exactly(rows_on_gpu
     )
     prepared = mover.prepare_layers(first)
     assert prepared.rows is not None
-    other_plan = plan(
-        other_host,
-        other_device,
-        other_src,
-        other_dst,
-        direction=Direction.H2D,
-        policy=mover.policy,
-        force=TransferPath.STAGED,
-    )
+    other_plan = _staged_page_in(mover, other_host, other_device, other_src, other_dst)
     load, other = torch.cuda.Stream(), torch.cuda.Stream()
     for layer in range(LAYERS):
         with torch.cuda.stream(load):
@@ -227,15 +245,7 @@ def test_staged_page_ins_of_many_pairs_back_to_back_copy_exactly(staging_rows, o
         dst_idx = torch.randperm(ROWS, generator=gen)[:count]
         for src, dst in zip(host, want, strict=True):
             dst[dst_idx.cuda()] = src[src_idx].cuda()
-        chosen = plan(
-            host[0],
-            device[0],
-            src_idx,
-            dst_idx,
-            direction=Direction.H2D,
-            policy=mover.policy,
-            force=TransferPath.STAGED,
-        )
+        chosen = _staged_page_in(mover, host[0], device[0], src_idx, dst_idx)
         with torch.cuda.stream(load):
             torch.cuda._sleep(500_000)
             mover.execute_layers(chosen, layer_pairs(host, device))
@@ -264,15 +274,7 @@ def test_a_staged_ring_that_fails_midway_leaves_the_next_page_in_exact(monkeypat
     def job() -> tuple[torch.Tensor, torch.Tensor]:
         src_idx = torch.arange(100, 100 + count)
         dst_idx = torch.randperm(ROWS, generator=gen)[:count]
-        chosen = plan(
-            host[0],
-            device[0],
-            src_idx,
-            dst_idx,
-            direction=Direction.H2D,
-            policy=mover.policy,
-            force=TransferPath.STAGED,
-        )
+        chosen = _staged_page_in(mover, host[0], device[0], src_idx, dst_idx)
         mover.execute_layers(chosen, layer_pairs(host, device))
         return src_idx, dst_idx
 
