@@ -3,8 +3,9 @@ kvcore could move it: the staged copy with its chunks made ready once for every 
 mover's default, whose DMAs run on a second stream through a ring of staging slots while
 each pair's scatter follows its own DMA), the same with its ring held to 2, 4 or 8 slots,
 the same with its pairs in turn on one stream, staged pair by pair, the layered
-gather, and a prototype of DMAs into per-pair staging followed by one layered scatter
-launch per group of pairs (measuring code only).
+gather, and a prototype of DMAs into per-pair staging (one copy each, or one batched
+call a group where the CUDA runtime has it) followed by one layered scatter launch per
+group of pairs (measuring code only).
 
     python scripts/staged_job_cost.py [--tokens 2048,4096] [--layers 32] [--row-kib 32]
         [--jobs 20] [--timelines 3] [--json FILE]
@@ -30,9 +31,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcore.direction import Direction
+from kvcore.kernels.batch_copy import batch_copy_available, copy_pointers_batched
 from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.mover import Mover, TransferPath, plan
@@ -93,7 +96,9 @@ class _LayeredScatterPrototype:
     each group of pairs in one layered launch (kvcore's Triton row gather, device to
     device) once that group's DMAs are done; a job is planned as the mover's are."""
 
-    def __init__(self, pairs: LayerPairs, blocks: int, groups: int, ctas: int) -> None:
+    def __init__(
+        self, pairs: LayerPairs, blocks: int, groups: int, ctas: int, batched: bool = False
+    ) -> None:
         words = pairs.dst_words[0]
         staging = torch.empty(
             len(pairs.dsts), blocks, words.shape[1], dtype=words.dtype, device="cuda"
@@ -113,6 +118,11 @@ class _LayeredScatterPrototype:
         self.staged_rows = torch.arange(blocks, device="cuda")
         self.done = [torch.cuda.Event() for _ in self.groups]
         self.dma = torch.cuda.Stream()
+        # With ``batched``, each group's DMAs go in one cudaMemcpyBatchAsync call.
+        self.batched = batched
+        self.row_bytes = pairs.row_bytes
+        self.src_bases = np.array([w.data_ptr() for w in pairs.src_words], dtype=np.uint64)
+        self.staging_bases = np.array([t.data_ptr() for t in self.staging], dtype=np.uint64)
 
     def __call__(
         self,
@@ -132,10 +142,21 @@ class _LayeredScatterPrototype:
         self.dma.wait_stream(current)
         with torch.cuda.stream(self.dma):
             for group, done in zip(self.groups, self.done, strict=True):
-                for p in group:
-                    self.staging[p][:length].copy_(
-                        pairs.src_words[p][start : start + length], non_blocking=True
+                if self.batched:
+                    first, end = group.start, group.stop
+                    copy_pointers_batched(
+                        self.staging_bases[first:end],
+                        self.src_bases[first:end] + np.uint64(start * self.row_bytes),
+                        np.full(end - first, length * self.row_bytes, dtype=np.uint64),
+                        torch.device("cuda", torch.cuda.current_device()),
+                        host_pinned=True,
+                        stream=self.dma,
                     )
+                else:
+                    for p in group:
+                        self.staging[p][:length].copy_(
+                            pairs.src_words[p][start : start + length], non_blocking=True
+                        )
                 done.record()
         for done, launch in zip(self.done, self.launches, strict=True):
             current.wait_event(done)
@@ -254,6 +275,10 @@ def run(
         for groups in (1, 4):
             ways[f"staged_layered_prototype_{groups}"] = _LayeredScatterPrototype(
                 pairs, blocks, groups, ctas=132
+            )
+        if batch_copy_available():
+            ways["staged_layered_batched_prototype_4"] = _LayeredScatterPrototype(
+                pairs, blocks, 4, ctas=132, batched=True
             )
         times: dict[str, list[float]] = {name: [] for name in ways}
         host_times: dict[str, list[float]] = {name: [] for name in ways}
