@@ -150,7 +150,7 @@ def span_and_runs_of(
     a plan that stages few host runs needs them, and the index is not differenced twice."""
     if values.size < 2:
         span = span_of(values, size, name)
-        return span, values.size, _runs_of_values(values)
+        return span, values.size, _one_run(values) if values.size else _no_runs()
     run_count = _run_count(values, count_up_to)
     if run_count == 1:
         span = _within(int(values[0]), int(values[-1]), size, name)
@@ -172,12 +172,9 @@ def _one_run(values: np.ndarray) -> Runs:
     )
 
 
-def _runs_of_values(values: np.ndarray) -> Runs:
-    """The runs of fewer than two entries: none, or one of one row."""
-    if values.size == 0:
-        empty = torch.empty(0, dtype=torch.int64)
-        return Runs(empty, empty.clone())
-    return _one_run(values)
+def _no_runs() -> Runs:
+    empty = torch.empty(0, dtype=torch.int64)
+    return Runs(empty, empty.clone())
 
 
 def run_count_up_to(index: torch.Tensor, limit: int) -> int:
@@ -372,8 +369,7 @@ def find_runs(index: torch.Tensor) -> Runs:
     """Split ``index`` into maximal ascending unit-stride runs, in order."""
     index = check_index(index)
     if index.numel() == 0:
-        empty = torch.empty(0, dtype=torch.int64)
-        return Runs(empty, empty.clone())
+        return _no_runs()
     values = index.numpy()
     steps, _, breaks, _, _ = SCRATCH.arrays(values.size - 1)
     _steps_and_breaks(values, steps, breaks)
@@ -507,8 +503,7 @@ def slice_runs(runs: Runs, begin: int, end: int) -> Runs:
     if not 0 <= begin <= end <= runs.total:
         raise ValueError(f"[{begin}, {end}) is not within [0, {runs.total}]")
     if begin == end:
-        empty = torch.empty(0, dtype=torch.int64)
-        return Runs(empty, empty.clone())
+        return _no_runs()
     lengths = runs.lengths.numpy()
     run_ends = np.cumsum(lengths)
     run_begins = run_ends - lengths
