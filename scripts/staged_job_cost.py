@@ -55,27 +55,9 @@ class _PairByPair(Mover):
         return dataclasses.replace(kernels, prepare_stage_in=None, stage_in_prepared=None)
 
 
-class _InTurn(Mover):
-    """The mover's prepared staged page-in with its units in turn on one stream: the op
-    sees a staging buffer too short for two units, so it alternates no halves."""
-
-    def kernels(self, device: torch.device) -> Any:
-        kernels = super().kernels(device)
-        overlapping = kernels.stage_in_prepared
-        if overlapping is None:
-            raise RuntimeError("the kernel set has no prepared staged page-in")
-
-        def in_turn(pairs: LayerPairs, prepared: Any, staging: torch.Tensor) -> None:
-            words = pairs.src_words[0]
-            unit = max(rows for _, _, rows in prepared.chunks.chunks)
-            unit_bytes = unit * words.shape[1] * words.element_size()
-            overlapping(pairs, prepared, staging[: unit_bytes + unit_bytes // 2])
-
-        return dataclasses.replace(kernels, stage_in_prepared=in_turn)
-
-
 class _RingOf(Mover):
-    """The mover's prepared staged page-in with its ring held to ``slots`` slots."""
+    """The mover's prepared staged page-in with its ring held to ``slots`` slots (one: the
+    units in turn on one stream, as a ring needs two slots)."""
 
     def __init__(self, slots: int) -> None:
         super().__init__()
@@ -271,7 +253,7 @@ def run(
         blocks = count // BLOCK_TOKENS
         ways: dict[str, Way] = {
             "staged": _through_mover(Mover(), TransferPath.STAGED),
-            "staged_in_turn": _through_mover(_InTurn(), TransferPath.STAGED),
+            "staged_in_turn": _through_mover(_RingOf(1), TransferPath.STAGED),
             **{
                 f"staged_ring_{slots}": _through_mover(_RingOf(slots), TransferPath.STAGED)
                 for slots in (2, 4, 8)
