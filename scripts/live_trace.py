@@ -27,7 +27,8 @@ writes the summary (per mode: TTFT of CPU-tier hits, median and p99, tokens per 
 whether the sequential outputs equal the first mode's, and per first-turn size the hit
 TTFT median's difference from the first mode's with a 95% bootstrap interval) as
 docs/bench/h200-live-*.json.
-Only the standard library is used: the client runs beside the server on the GPU machine.
+``run`` uses only the standard library: the client runs beside the server on the GPU
+machine; ``combine`` also takes kvcore's paired speed (kvcore is installed there too).
 """
 
 from __future__ import annotations
@@ -443,31 +444,15 @@ def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[s
     return rows
 
 
-def paired_ratio(stock: Sequence[float], other: Sequence[float], seed: int = 0) -> dict[str, Any]:
-    """Stock's time over the other's per pair (aligned by position), the median of those
-    ratios (above 1: the other is faster) and a bootstrap interval of it."""
-    ratios = [a / b for a, b in zip(stock, other, strict=True)]
-    rng = random.Random(seed)
-    medians = sorted(
-        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP_RESAMPLES)
-    )
-    low = int(BOOTSTRAP_TAIL * BOOTSTRAP_RESAMPLES)
-    return {
-        "speed": round(statistics.median(ratios), 3),
-        "speed_interval": [
-            round(medians[low], 3),
-            round(medians[BOOTSTRAP_RESAMPLES - 1 - low], 3),
-        ],
-    }
-
-
 def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Per mode other than stock that ran in two or more processes, as stock did: per
     first-turn size, the n-th stock process's hit TTFT median against the n-th of that
     mode's (processes in the order given, so that each pair ran side by side in time),
     with stock's own spread across its processes. One process a mode cannot tell kvcore
     from the engine's drift between processes, which has moved hit TTFT as much as kvcore
-    does (docs/benchmarks.md, session 25)."""
+    does (docs/benchmarks.md, session 25). The pairs' speed is kvcore's paired_speed
+    (the median of the pairs' ratios and its bootstrap interval), imported here so that
+    ``run`` stays on the standard library, and only where there are pairs."""
     runs: dict[str, list[list[Result]]] = {}
     for report in reports:
         requests = [Result(**r) for r in report["sequential_requests"]]
@@ -478,6 +463,8 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[s
         pairs = min(len(stock), len(processes))
         if mode == BASELINE_MODE or pairs < 2:
             continue
+        from kvcore.bench.paired_speed import paired_speed
+
         rows = []
         for size in FIRST_TURN_TOKENS:
             medians = {}
@@ -496,6 +483,7 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[s
                 continue
             stock_ttft = [ttft for ttft, _ in medians["stock"]]
             other_ttft = [ttft for ttft, _ in medians["other"]]
+            speed = paired_speed(stock_ttft, other_ttft, seed=size)
             rows.append(
                 {
                     "first_turn_tokens": size,
@@ -504,7 +492,10 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[s
                     "ttft_ms_p50": [_ms(t) for t in other_ttft],
                     "stock_reload_ms_p50": [_ms(r) for _, r in medians["stock"]],
                     "reload_ms_p50": [_ms(r) for _, r in medians["other"]],
-                    **paired_ratio(stock_ttft, other_ttft, seed=size),
+                    "speed": None if speed is None else round(speed.median, 3),
+                    "speed_interval": None
+                    if speed is None
+                    else [round(speed.low, 3), round(speed.high, 3)],
                     "stock_spread": round(max(stock_ttft) / min(stock_ttft), 3),
                 }
             )
