@@ -118,6 +118,21 @@ def _integer(low: int, high: int) -> ValueKind:
     return ValueKind(f"an integer from {low} to {high}", f"integer {low}..{high}", parse, str)
 
 
+def _parse_share(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"expected a number or a string, not {type(value).__name__}")
+    try:
+        share = float(value)
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not 0.0 <= share <= 1.0:
+        raise ValueError("out of range")
+    return share
+
+
+SHARE = ValueKind("a number from 0 to 1 (e.g. 0, 0.5, 1)", "share 0..1", _parse_share, repr)
+
+
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
@@ -236,6 +251,13 @@ class KVCoreConfig:
         BOOLEAN,
         "pass each engine call to the engine's stock copy where that is faster "
         "(kvcore.serve_rule); 0 makes kvcore serve every call it can copy exactly",
+    )
+    stock_share: float = _setting(
+        0.0,
+        SHARE,
+        "share of the vLLM loads kvcore would serve that go to vLLM's own copy instead, "
+        "drawn per job and each logged: an A/B of the two copies inside one engine process "
+        "(scripts/live_trace.py attributes the requests); 0 outside such a measurement",
     )
     log_level: str = _setting("INFO", LOG_LEVEL, "level of the 'kvcore' logger")
 

@@ -141,6 +141,7 @@ class Job:
     nbytes: int
     start: Any
     end: Any
+    planned_s: float
 
 
 class OrderedJobs:
@@ -166,9 +167,15 @@ class OrderedJobs:
     def __iter__(self) -> Iterator[Job]:
         return iter(self.queued)
 
-    def submit(self, job_id: int, nbytes: int, work: Callable[[], None]) -> None:
+    def submit(
+        self, job_id: int, nbytes: int, work: Callable[[], None], planned_s: float = 0.0
+    ) -> None:
         """Queue the copies ``work`` issues, after the work queued on the compute stream now.
 
+        ``planned_s``: host seconds the caller spent on the job before this call, added to
+        the time it is reported with, so that the time runs from the job's hand-over: exact
+        where the stream is idle at submission, an upper bound where an earlier job still
+        runs on it (the planning then overlapped that job).
         If ``work`` raises, no job is queued and the exception propagates; what it issued
         before raising stays queued on the stream (:meth:`settle` waits for it).
         """
@@ -185,17 +192,18 @@ class OrderedJobs:
         except BaseException:
             streams.release(start)
             raise
-        self.queued.append(Job(job_id, nbytes, start, streams.record(stream)))
+        self.queued.append(Job(job_id, nbytes, start, streams.record(stream), planned_s))
 
     def finished(self, report: Callable[[int, int, float | None], T]) -> list[T]:
         """``report(job_id, nbytes, seconds)`` for each job finished since the last call, in
-        submission order; ``seconds`` is the copies' GPU time, None where events do not time."""
+        submission order; ``seconds`` is the copies' GPU time and the job's planning (see
+        :meth:`submit`), None where events do not time."""
         jobs, streams = self.queued, self._streams
         reports: list[T] = []
         while jobs and streams.query(jobs[0].end):
             job = jobs.popleft()
             elapsed = getattr(job.start, "elapsed_time", None)
-            seconds = None if elapsed is None else elapsed(job.end) * 1e-3
+            seconds = None if elapsed is None else elapsed(job.end) * 1e-3 + job.planned_s
             reports.append(report(job.job_id, job.nbytes, seconds))
             streams.release(job.start)
             streams.release(job.end)

@@ -61,6 +61,11 @@ LOAD_TIME = "vllm:kv_offload_load_time"
 # The load-size histogram's sample count: the load jobs the tier ran for the request.
 LOAD_JOBS = "vllm:kv_offload_load_size_count"
 BASELINE_MODE = "stock"
+# What kvcore's vLLM handler logs for each load while it shares loads with stock
+# (KVCORE_STOCK_SHARE; kvcore_vllm.transfers.AB_LOG_PREFIX): job id, blocks, the copy.
+AB_LINE = re.compile(r"kvcore A/B: load job (\d+), (\d+) blocks: (\S+)")
+KVCORE_COPY = "kvcore"
+STOCK_SHARE = "stock_share"
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_TAIL = 0.025
 SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -98,6 +103,10 @@ class Result:
     output: list[int]
     counted: dict[str, float] = field(default_factory=dict)
     """Change of each counted /metrics series over the request (sequential pass only)."""
+    copies: list[str] = field(default_factory=list)
+    """The copy each of the request's load jobs got, from the server's A/B log lines
+    (``run --ab-log``; sequential pass only): ``kvcore``, ``stock_share`` (stock's, drawn),
+    or the reason kvcore's rule passed it."""
 
     @property
     def cpu_tier_hit(self) -> bool:
@@ -385,6 +394,68 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
+def ab_copies(log: Path, offset: int) -> list[str]:
+    """The copies the server's A/B lines name, in order, from byte ``offset`` of ``log``."""
+    with log.open("rb") as stream:
+        stream.seek(offset)
+        text = stream.read().decode("utf-8", "replace")
+    return [match.group(3) for match in AB_LINE.finditer(text)]
+
+
+def attribute_copies(results: list[Result], copies: list[str]) -> str | None:
+    """Give each request the copies of its load jobs (as many as the tier counted for it),
+    in order; what went wrong where the counts and the lines disagree (nothing is given)."""
+    counts = [int(r.counted.get(LOAD_JOBS, 0.0)) for r in results]
+    if sum(counts) != len(copies):
+        return f"{len(copies)} A/B lines for {sum(counts)} load jobs; copies not attributed"
+    taken = 0
+    for result, count in zip(results, counts, strict=True):
+        result.copies = copies[taken : taken + count]
+        taken += count
+    return None
+
+
+def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
+    """Per first-turn size, the CPU-tier hits of one process whose loads kvcore copied
+    against those whose loads were drawn for stock's copy (``stock_share``): TTFT and
+    reload medians of each, and kvcore's TTFT median less stock's with its bootstrap
+    interval. Both arms share the process, its engine and its drift."""
+    rows = []
+    for size in FIRST_TURN_TOKENS:
+        hits = [r for r in requests if r.cpu_tier_hit and r.first_turn_tokens == size]
+        arms = {
+            copy: [r for r in hits if r.copies and set(r.copies) == {copy}]
+            for copy in (KVCORE_COPY, STOCK_SHARE)
+        }
+        kvcore, stock = arms[KVCORE_COPY], arms[STOCK_SHARE]
+        if not kvcore or not stock:
+            continue
+        low, high = median_difference_interval(
+            [r.ttft_s for r in kvcore], [r.ttft_s for r in stock], seed=size
+        )
+        rows.append(
+            {
+                "first_turn_tokens": size,
+                "kvcore_hits": len(kvcore),
+                "stock_hits": len(stock),
+                "kvcore_ttft_ms_p50": _ms(statistics.median(r.ttft_s for r in kvcore)),
+                "stock_ttft_ms_p50": _ms(statistics.median(r.ttft_s for r in stock)),
+                "kvcore_reload_ms_p50": _ms(
+                    statistics.median(r.counted.get(LOAD_TIME, 0.0) for r in kvcore)
+                ),
+                "stock_reload_ms_p50": _ms(
+                    statistics.median(r.counted.get(LOAD_TIME, 0.0) for r in stock)
+                ),
+                "ttft_ms_p50_difference": _ms(
+                    statistics.median(r.ttft_s for r in kvcore)
+                    - statistics.median(r.ttft_s for r in stock)
+                ),
+                "ttft_ms_difference_interval": [_ms(low), _ms(high)],
+            }
+        )
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     server = Server(args.url, args.model, args.max_tokens)
     settings = ("conversations", "turns", "max_tokens", "concurrency", "seed")
@@ -394,9 +465,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {name: getattr(args, name) for name in settings},
     }
     sequential = make_conversations(args.conversations, args.turns, args.seed)
+    ab_offset = args.ab_log.stat().st_size if args.ab_log is not None else 0
     started = time.perf_counter()
     results = run_sequential(server, sequential, args.seed)
-    report["sequential"] = summarize(results, time.perf_counter() - started)
+    wall_s = time.perf_counter() - started
+    if args.ab_log is not None:
+        problem = attribute_copies(results, ab_copies(args.ab_log, ab_offset))
+        report["ab_attribution"] = problem or "every load job's copy attributed"
+    report["sequential"] = summarize(results, wall_s)
     report["sequential_requests"] = [asdict(r) for r in results]
     if args.concurrency > 1:
         concurrent = make_conversations(args.conversations, args.turns, args.seed + 1000)
@@ -532,6 +608,8 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
                 k: v for k, v in report["metrics_end"].items() if k.startswith("kvcore_")
             },
         }
+        if any(r.copies for r in requests):
+            modes[label]["in_process_ab"] = in_process_ab(requests)
     summary = {"device": device, "engine": "vllm", "version": version, "modes": modes}
     paired = paired_processes(reports)
     if paired:
@@ -553,6 +631,12 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--max-tokens", type=int, default=16)
     one.add_argument("--concurrency", type=int, default=8)
     one.add_argument("--seed", type=int, default=0)
+    one.add_argument(
+        "--ab-log",
+        type=Path,
+        help="the server's log, where kvcore logs each load's copy (KVCORE_STOCK_SHARE): "
+        "the sequential requests get their loads' copies, and combine compares the arms",
+    )
     both = commands.add_parser("combine", help="one summary of several modes' reports")
     both.add_argument("reports", type=Path, nargs="+")
     both.add_argument("--out", type=Path, required=True)
@@ -574,6 +658,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{mode:>18}: hit TTFT p50 {row['ttft_ms_p50']} ms p99 {row['ttft_ms_p99']} ms, "
             f"{row['tokens_per_s']} tok/s, outputs identical: {row['outputs_identical']}"
         )
+        for ab in row.get("in_process_ab", []):
+            print(
+                f"{'':>20}A/B {ab['first_turn_tokens']:>5} tokens: kvcore "
+                f"{ab['kvcore_ttft_ms_p50']} ms ({ab['kvcore_hits']}) against stock "
+                f"{ab['stock_ttft_ms_p50']} ms ({ab['stock_hits']}), difference "
+                f"{ab['ttft_ms_p50_difference']} {ab['ttft_ms_difference_interval']}"
+            )
     return 0
 
 

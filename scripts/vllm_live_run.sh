@@ -4,6 +4,10 @@
 #   stock             python -m vllm.entrypoints.cli.main serve ...
 #   kvcore            kvcore launch vllm --kvcore-transfers 0 -- serve ...   (manager, spec)
 #   kvcore-transfers  kvcore launch vllm --kvcore-transfers 1 -- serve ...   (and the copies)
+#   kvcore-ab         the same with --kvcore-stock-share AB_SHARE (0.5): that share of the
+#                     loads kvcore would copy get vLLM's copy instead, each logged, so the
+#                     summary compares the two copies' hits inside one process
+#                     (`in_process_ab`), free of the drift between processes
 # Each server is started, its trace sent, its /metrics and log kept, and stopped before the
 # next starts. Writes under $OUT: live-MODE.json, doctor.txt, the summary h200-live-vllm.json
 # (live_trace.py combine) and logs.tar.gz (each mode's server log, trace output, /metrics
@@ -22,7 +26,7 @@
 # CONVERSATIONS (28), TURNS (3), CONCURRENCY (8), GPU_BLOCKS (2560: 40960 tokens of GPU KV
 # cache, so conversations leave it between turns), CPU_GIB (48; at most half the host's
 # memory), MAX_LEN (33792),
-# START_TIMEOUT_S (300), PYTHON (python3).
+# START_TIMEOUT_S (300), AB_SHARE (0.5), PYTHON (python3).
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -51,6 +55,12 @@ mem_gib=$(awk '/^MemTotal:/ {print int($2 / 1048576)}' /proc/meminfo)
 if ((${CPU_GIB:-48} * 2 > mem_gib)); then
     echo "CPU_GIB=${CPU_GIB:-48} is over half of this host's ${mem_gib} GiB: vLLM would" \
         "pin it all at start-up and its engine core be killed; use at most $((mem_gib / 2))" >&2
+    exit 2
+fi
+
+if ! "$python" -c "import vllm" 2> /dev/null; then
+    echo "vLLM does not import from PYTHONPATH=$PYTHONPATH: install it first with" \
+        "scripts/vllm_live_setup.sh device N (a machine gone cold has lost it)" >&2
     exit 2
 fi
 
@@ -84,11 +94,12 @@ start_server() {
             PROMETHEUS_MULTIPROC_DIR="$(mktemp -d)" \
                 "$python" -m vllm.entrypoints.cli.main "${serve_args[@]}" > "$log" 2>&1 &
             ;;
-        kvcore | kvcore-transfers)
-            local transfers=0
-            [[ "$mode" == kvcore-transfers ]] && transfers=1
+        kvcore | kvcore-transfers | kvcore-ab)
+            local transfers=1 share=0
+            [[ "$mode" == kvcore ]] && transfers=0
+            [[ "$mode" == kvcore-ab ]] && share="${AB_SHARE:-0.5}"
             "$python" -m kvcore launch vllm --kvcore-transfers "$transfers" \
-                -- "${serve_args[@]}" > "$log" 2>&1 &
+                --kvcore-stock-share "$share" -- "${serve_args[@]}" > "$log" 2>&1 &
             ;;
         *)
             echo "unknown mode $mode" >&2
@@ -123,8 +134,10 @@ for mode in "${modes[@]}"; do
     ((runs_of[$mode] == 1)) || label="$mode-${runs_of[$mode]}"
     if start_server "$mode" "$label"; then
         started=$SECONDS
+        ab=()
+        [[ "$mode" == kvcore-ab ]] && ab=(--ab-log "$logs/server-$label.log")
         if "$python" "$repo/scripts/live_trace.py" run --url "$url" --model "$model" \
-            --mode "$mode" --label "$label" --out "$out/live-$label.json" \
+            --mode "$mode" --label "$label" --out "$out/live-$label.json" "${ab[@]}" \
             --conversations "${CONVERSATIONS:-28}" --turns "${TURNS:-3}" \
             --concurrency "${CONCURRENCY:-8}" > "$logs/trace-$label.txt" 2>&1; then
             reports+=("$out/live-$label.json")
@@ -137,7 +150,8 @@ for mode in "${modes[@]}"; do
             > "$logs/metrics-$label.txt" 2>&1 || true
     fi
     stop_server
-    grep -i "kvcore" "$logs/server-$label.log" | head -40 > "$logs/kvcore-lines-$label.txt" || true
+    grep -i "kvcore" "$logs/server-$label.log" | grep -v "kvcore A/B" | head -40 \
+        > "$logs/kvcore-lines-$label.txt" || true
 done
 
 tar -czf "$out/logs.tar.gz" -C "$logs" .

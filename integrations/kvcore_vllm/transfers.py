@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -65,6 +67,9 @@ INTERNAL_ERRORS = InternalErrors("vLLM", logger)
 
 # When stock's batched copy costs less than kvcore's (the measurements are in kvcore.serve_rule).
 RULES = serve_rule.VLLM_RULES
+
+# Starts the line logged for each load while loads are shared with stock (``stock_share``).
+AB_LOG_PREFIX = "kvcore A/B: load"
 
 # The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
 HANDLER_ATTRIBUTES = ("_store_handler", "_load_handler", "_expedited_load_handler")
@@ -173,6 +178,11 @@ class KVCoreOffloadingHandler:
     ``stock_rules=False`` turns off the rules that leave jobs to stock because stock's
     copy would cost less (:meth:`_stock_is_cheaper`), so that benchmarks can measure
     kvcore's own paths on those jobs; correctness fallbacks always apply.
+    ``stock_share`` (loads only): that share of the loads kvcore would serve go to stock
+    instead (counted ``stock_share``), drawn per job from a generator seeded with
+    ``ab_seed``, and every load is logged with the copy it got (:data:`AB_LOG_PREFIX`):
+    an A/B of the two copies in one engine process, which its requests' timings
+    are matched to afterwards.
     """
 
     def __init__(
@@ -185,6 +195,8 @@ class KVCoreOffloadingHandler:
         name: str,
         metrics: Metrics | None = None,
         stock_rules: bool = True,
+        stock_share: float = 0.0,
+        ab_seed: int = 0,
     ) -> None:
         self._stock = StockCopies(stock)
         # Bound once: every job passes through them (vLLM never swaps a handler's methods).
@@ -208,6 +220,8 @@ class KVCoreOffloadingHandler:
         self._pairs: dict[tuple[int, ...], LayerPairs] = {}
         self._batches_by_groups: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
         self._stock_rules = stock_rules
+        self._ab_share = 0.0 if self.gpu_to_cpu else stock_share
+        self._ab_draws = random.Random(ab_seed)
         self._groups: list[_Group | str] = self._describe_groups()
         self._page_bytes = max(_page_bytes(t) for t in self._stock.gpu_tensors)
         self._max_tensors = max(
@@ -250,6 +264,14 @@ class KVCoreOffloadingHandler:
         else:
             cpu_spec = dst_spec if self.gpu_to_cpu else src_spec
             reason = self._take(job_id, gpu_spec, cpu_spec)
+        if self._ab_share:
+            logger.info(
+                "%s job %d, %d blocks: %s",
+                AB_LOG_PREFIX,
+                job_id,
+                len(gpu_spec.block_ids),  # type: ignore[attr-defined]
+                reason or "kvcore",
+            )
         if reason is not None:
             self._passes[reason] += 1
             self._stock_transfer_async(job_id, src_spec, dst_spec)
@@ -259,6 +281,7 @@ class KVCoreOffloadingHandler:
         """Queue the job on kvcore's paths; the reason it goes to stock instead, if any."""
         if not isinstance(gpu_spec, GPULoadStoreSpec):
             raise TypeError(f"the GPU side of job {job_id} is a {type(gpu_spec).__name__}")
+        handed_over = perf_counter()
         segments = split_groups(
             np.asarray(gpu_spec.block_ids),
             np.asarray(cpu_spec.block_ids),  # type: ignore[attr-defined]
@@ -267,7 +290,7 @@ class KVCoreOffloadingHandler:
             self.blocks_per_chunk,
         )
         try:
-            return self._serve(job_id, segments)
+            return self._serve(job_id, segments, handed_over)
         except Exception as exc:
             reason = INTERNAL_ERRORS.reason(exc)
             # Part of the job may be queued on kvcore's stream; stock's copy runs on
@@ -288,18 +311,24 @@ class KVCoreOffloadingHandler:
         # blocks * tensors < min_pages, as a block count.
         return "few_pages", -(-RULES.min_pages(self._page_bytes) // self._max_tensors)
 
-    def _serve(self, job_id: int, segments: list[Segment]) -> str | None:
-        """Submit the job on kvcore's paths; the reason it goes to stock instead, if any."""
+    def _serve(self, job_id: int, segments: list[Segment], handed_over: float) -> str | None:
+        """Submit the job on kvcore's paths; the reason it goes to stock instead, if any.
+        ``handed_over``: the job's arrival (``perf_counter``); its reported time runs
+        from there, so that it holds kvcore's planning (stock's holds its copy only, not
+        the building of its descriptors, a NumPy pass per KV tensor)."""
         reason = self._unsupported_group(segments)
         if reason is None:
             reason = self._stock_is_cheaper(segments)
+        if reason is None and self._ab_share and self._ab_draws.random() < self._ab_share:
+            reason = "stock_share"
         if reason is not None:
             return reason
         work, reason = self._plan(segments)
         if reason is not None:
             return reason
         nbytes = sum(s.pages * self._group(s).page_bytes for s in segments)
-        self._jobs.submit(job_id, nbytes, lambda: self._execute(work))
+        planned_s = perf_counter() - handed_over
+        self._jobs.submit(job_id, nbytes, lambda: self._execute(work), planned_s)
         return None
 
     def _group(self, segment: Segment) -> _Group:
@@ -506,6 +535,7 @@ def install_handlers(
             name=attribute,
             metrics=metrics,
             stock_rules=config.serve_rule,
+            stock_share=config.stock_share,
         )
         INSTALLATION.replace_handler(worker, attribute, handler)
     return list(stocks)

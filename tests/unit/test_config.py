@@ -36,6 +36,7 @@ NON_DEFAULTS: dict[str, tuple[str, object]] = {
     "metrics": ("false", False),
     "transfers": ("off", False),
     "serve_rule": ("0", False),
+    "stock_share": ("0.25", 0.25),
     "log_level": ("debug", "DEBUG"),
 }
 
@@ -51,6 +52,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "metrics": ("maybe", "yes/no"),
     "transfers": ("sometimes", "yes/no"),
     "serve_rule": ("when faster", "yes/no"),
+    "stock_share": ("1.5", "from 0 to 1"),
     "log_level": ("LOUD", "WARNING"),
 }
 
@@ -365,6 +367,13 @@ def test_config_is_frozen_and_checked():
         KVCoreConfig(enable=["sglang", "tgi"])
 
 
+@pytest.mark.parametrize("text", ["nan", "-0.1", "half", "inf"])
+def test_a_stock_share_is_a_number_from_0_to_1(text):
+    with pytest.raises(ConfigError, match="KVCORE_STOCK_SHARE"):
+        KVCoreConfig.from_env({"KVCORE_STOCK_SHARE": text})
+    assert KVCoreConfig.from_env({"KVCORE_STOCK_SHARE": "1"}).stock_share == 1.0
+
+
 def test_to_env_of_defaults():
     assert KVCoreConfig().to_env() == {
         "KVCORE_ENABLE": "0",
@@ -377,6 +386,7 @@ def test_to_env_of_defaults():
         "KVCORE_METRICS": "1",
         "KVCORE_TRANSFERS": "1",
         "KVCORE_SERVE_RULE": "1",
+        "KVCORE_STOCK_SHARE": "0.0",
         "KVCORE_LOG_LEVEL": "INFO",
     }
 
@@ -396,6 +406,7 @@ configs = st.builds(
     gather_ctas_to_host=st.integers(1, 1024),
     staged_pieces=st.integers(1, 16),
     metrics=st.booleans(),
+    stock_share=st.floats(0.0, 1.0),
     log_level=st.sampled_from(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]),
 )
 

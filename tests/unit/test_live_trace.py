@@ -301,3 +301,85 @@ def test_reports_of_two_calls_keep_every_run_under_its_own_label():
     summary = live_trace.combine(first_call + second_call, "d", "v")
     assert list(summary["modes"]) == ["stock", "stock#2", "stock#3"]
     assert summary["modes"]["stock#2"]["ttft_ms_p50"] == 60.0
+
+
+class SharingStandIn(StandIn):
+    """A stand-in whose every load is one load job, logged as kvcore's handler logs it
+    while it shares loads with stock: every third job drawn for stock's copy."""
+
+    def __init__(self, log) -> None:
+        super().__init__()
+        self.log = log
+        self.copies: list[str] = []
+
+    def answer(self, prompt: list[int], count: int) -> list[int]:
+        loaded = self.load_bytes
+        output = super().answer(prompt, count)
+        if self.load_bytes != loaded:
+            copy = "stock_share" if len(self.copies) % 3 == 2 else "kvcore"
+            self.copies.append(copy)
+            with self.log.open("a") as log:
+                log.write(f"INFO kvcore A/B: load job {len(self.copies)}, 12 blocks: {copy}\n")
+        return output
+
+    def metrics(self) -> str:
+        return f"{super().metrics()}\nvllm:kv_offload_load_size_count {len(self.copies)}.0"
+
+
+def test_ab_log_gives_each_hit_its_loads_copy_and_combine_compares_the_arms(serve, tmp_path):
+    log = tmp_path / "server.log"
+    # Lines from before the trace (start-up, another pass) are not the trace's.
+    log.write_text("INFO kvcore A/B: load job 0, 3 blocks: few_pages\nINFO other\n")
+    stand_in = SharingStandIn(log)
+    out = tmp_path / "ab.json"
+    argv = ["run", "--url", serve(stand_in), "--model", "m", "--mode", "kvcore-ab"]
+    argv += ["--out", str(out), "--ab-log", str(log), "--conversations", "14"]
+    assert live_trace.main([*argv, "--concurrency", "1"]) == 0
+    report = json.loads(out.read_text())
+    assert report["ab_attribution"] == "every load job's copy attributed"
+    requests = report["sequential_requests"]
+    assert [c for r in requests for c in r["copies"]] == stand_in.copies
+    assert all(len(r["copies"]) == (r["turn"] > 0) for r in requests)
+    summary_path = tmp_path / "summary.json"
+    assert live_trace.main(["combine", str(out), "--out", str(summary_path)]) == 0
+    rows = json.loads(summary_path.read_text())["modes"]["kvcore-ab"]["in_process_ab"]
+    arms: dict[int, list[str]] = {}
+    for r in requests:
+        arms.setdefault(r["first_turn_tokens"], []).extend(r["copies"])
+    # A size is compared where both arms have hits, with every hit of the size in one.
+    both = {size: copies for size, copies in arms.items() if len(set(copies)) == 2}
+    assert both and [row["first_turn_tokens"] for row in rows] == sorted(both)
+    for row in rows:
+        copies = both[row["first_turn_tokens"]]
+        assert row["kvcore_hits"] == copies.count("kvcore")
+        assert row["stock_hits"] == copies.count("stock_share")
+
+
+def test_copies_are_not_attributed_where_the_log_and_the_job_counts_disagree():
+    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_JOBS: 2.0}
+    results = [live_trace.Result(0, 512, 1, 600, 0.05, 0.06, [1], dict(counted))]
+    problem = live_trace.attribute_copies(results, ["kvcore"])
+    assert problem == "1 A/B lines for 2 load jobs; copies not attributed"
+    assert results[0].copies == []
+    assert live_trace.attribute_copies(results, ["kvcore", "stock_share"]) is None
+    assert results[0].copies == ["kvcore", "stock_share"]
+
+
+def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_out():
+    def hit(ttft_s: float, copies: list[str], size: int = 2048) -> Any:
+        counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: ttft_s / 10}
+        return live_trace.Result(0, size, 1, size, ttft_s, ttft_s, [1], counted, copies)
+
+    requests = [hit(t, ["kvcore"]) for t in (0.050, 0.052, 0.054)]
+    requests += [hit(t, ["stock_share"]) for t in (0.060, 0.062)]
+    # Mixed copies, a rule's pass, and a size with one arm only: in neither arm.
+    requests += [hit(0.001, ["kvcore", "stock_share"]), hit(0.001, ["few_pages"])]
+    requests.append(hit(0.070, ["kvcore"], size=4096))
+    (row,) = live_trace.in_process_ab(requests)
+    assert row["first_turn_tokens"] == 2048
+    assert (row["kvcore_hits"], row["stock_hits"]) == (3, 2)
+    assert row["kvcore_ttft_ms_p50"] == 52.0 and row["stock_ttft_ms_p50"] == 61.0
+    assert row["kvcore_reload_ms_p50"] == 5.2 and row["stock_reload_ms_p50"] == 6.1
+    assert row["ttft_ms_p50_difference"] == pytest.approx(-9.0)
+    low, high = row["ttft_ms_difference_interval"]
+    assert low <= -9.0 <= high < 0

@@ -211,6 +211,24 @@ def test_timing_events_give_the_jobs_seconds() -> None:
     assert jobs.finished(as_tuple) == [(1, 8, 0.003), (2, 8, 0.0005)]
 
 
+def test_a_jobs_planning_time_is_added_to_its_copy_time_when_timed() -> None:
+    clock = iter([0.0, 2.0, 5.0])
+
+    class Timed(CpuSyncStreams):
+        def record(self, stream: Any) -> Any:
+            return TimedEvent(next(clock))
+
+    streams = Timed()
+    jobs = OrderedJobs(streams, "copies", lambda: streams.stream("compute"))
+    jobs.submit(1, 8, lambda: None, planned_s=0.25)  # copy 2 ms to 5 ms, planned 250 ms
+    ((job_id, nbytes, seconds),) = jobs.finished(as_tuple)
+    assert (job_id, nbytes) == (1, 8) and seconds == pytest.approx(0.253)
+    # Events that do not time leave the job untimed, whatever its planning took.
+    untimed = OrderedJobs(CpuSyncStreams(), "copies", lambda: None)
+    untimed.submit(2, 8, lambda: None, planned_s=0.25)
+    assert untimed.finished(as_tuple) == [(2, 8, None)]
+
+
 def test_cpu_sync_streams_run_at_once_and_name_one_stream_once() -> None:
     streams = CpuSyncStreams()
     assert streams.stream("h2d") is streams.stream("h2d")

@@ -84,6 +84,7 @@ def kvcore_handler(
     mover: Mover | None = None,
     streams: NamedStreams | None = None,
     stock_rules: bool = True,
+    stock_share: float = 0.0,
 ) -> KVCoreOffloadingHandler:
     """kvcore's handler in place of ``stock``, on CUDA streams or, on a CPU, run at once;
     ``policy`` defaults to the one the environment (KVCORE_*) asks for."""
@@ -103,6 +104,7 @@ def kvcore_handler(
         name="store" if stock.gpu_to_cpu else "load",
         metrics=metrics,
         stock_rules=stock_rules,
+        stock_share=stock_share,
     )
 
 

@@ -33,6 +33,7 @@ from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover, PathPolicy
+from kvcore.streams import CpuSyncStreams
 from kvcore.warm_up import WarmUp
 from kvcore_vllm import transfers
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
@@ -385,6 +386,34 @@ def test_jobs_wait_for_compute_and_finish_in_order_once():
     assert torch.equal(host[1][30], gpu[1][6])
 
 
+class _TimedEvent:
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, end: _TimedEvent) -> float:
+        return end.ms - self.ms
+
+
+def test_a_served_jobs_time_holds_its_planning_and_its_copy(monkeypatch):
+    layout = Layout(page_bytes=256, tensors=2, gpu_blocks=32, cpu_chunks=32)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(5))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=False)
+    events = iter([0.0, 1.0, 3.0])  # compute ready, copy start, copy end (ms)
+
+    class TimedStreams(CpuSyncStreams):
+        def record(self, stream: Any) -> Any:
+            return _TimedEvent(next(events))
+
+    handler = kvcore_handler(stock, policy=SMALL, streams=TimedStreams())
+    clock = iter([50.0, 50.004])  # the job handed over, then submitted (s)
+    monkeypatch.setattr(transfers, "perf_counter", lambda: next(clock))
+    handler.transfer_async(1, *make_job([([0, 1, 2, 3], [10, 11, 12, 13], 0)], False))
+    (result,) = handler.get_finished()
+    # 2 ms of copy after 4 ms of planning.
+    assert result.job_id == 1 and result.transfer_time == pytest.approx(0.006)
+    assert torch.equal(gpu[0][0:4], host[0][10:14])
+
+
 def test_shutdown_drains_queued_jobs_and_releases_tensors():
     layout = Layout(page_bytes=256, gpu_blocks=8, cpu_chunks=8)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(2))
@@ -530,6 +559,76 @@ def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel
     # One plan for the three layers, which the CPU kernels gather one by one.
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
     assert [op for op, *_ in mover.ops] == ["gather_rows"] * 3
+
+
+def shared_loads(share: float, seed: int, caplog) -> tuple[list[str], dict[str, int], list[int]]:
+    """Twenty scattered loads through a handler that shares ``share`` of them with stock,
+    bytes checked after each: the copies the log names per job, the fallbacks, and the
+    descriptors stock's copy op got."""
+    layout = Layout(page_bytes=256, tensors=2, gpu_blocks=64, cpu_chunks=64)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(seed))
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=False)
+    issued: list[int] = []
+    stock._swap_blocks_batch = memmove_batch(issued)
+    metrics = Metrics()
+    handler = kvcore_handler(stock, policy=SMALL, metrics=metrics, stock_share=share)
+    rng = np.random.default_rng(seed)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kvcore.vllm"):
+        for job_id in range(20):
+            ids = rng.choice(64, size=6, replace=False).tolist()
+            chunks = rng.choice(64, size=6, replace=False).tolist()
+            job = [(ids, chunks, 0)]
+            expected = reference(gpu, host, layout, job, False)
+            handler.transfer_async(job_id, *make_job(job, False))
+            assert [r.job_id for r in handler.get_finished()] == [job_id]
+            assert_tensors_are(gpu, host, expected)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvcore A/B")]
+    assert [line.split(",")[0] for line in lines] == [
+        f"{transfers.AB_LOG_PREFIX} job {job_id}" for job_id in range(20)
+    ]
+    # The lines are what scripts/live_trace.py reads back.
+    matches = [load_script("live_trace").AB_LINE.fullmatch(line) for line in lines]
+    assert all(m is not None and m.group(2) == "6" for m in matches)
+    arms = [m.group(3) for m in matches if m is not None]
+    return arms, metrics.snapshot()["fallbacks"], issued
+
+
+def test_a_stock_share_sends_drawn_loads_to_stocks_copy_and_logs_every_load(caplog):
+    arms, fallbacks, issued = shared_loads(0.5, seed=41, caplog=caplog)
+    to_stock = arms.count("stock_share")
+    assert set(arms) == {"kvcore", "stock_share"} and 0 < to_stock < 20
+    assert fallbacks == {"stock_share": to_stock}
+    # Each job stock copied went through its own copy op: 6 pages of 2 tensors.
+    assert len(issued) == to_stock and set(issued) == {12}
+    # The draws come from a seeded generator: the same loads get the same copies.
+    again, _, _ = shared_loads(0.5, seed=41, caplog=caplog)
+    assert again == arms
+    everything, fallbacks, _ = shared_loads(1.0, seed=41, caplog=caplog)
+    assert set(everything) == {"stock_share"} and fallbacks == {"stock_share": 20}
+
+
+def test_without_a_stock_share_no_load_is_logged_or_shared(caplog):
+    layout = Layout(page_bytes=256, tensors=2, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(3))
+    metrics = Metrics()
+    load = kvcore_handler(
+        stock_handler(gpu, host, layout, gpu_to_cpu=False), policy=SMALL, metrics=metrics
+    )
+    store = kvcore_handler(
+        stock_handler(gpu, host, layout, gpu_to_cpu=True),
+        policy=SMALL,
+        metrics=metrics,
+        stock_share=1.0,
+    )
+    with caplog.at_level("INFO", logger="kvcore.vllm"):
+        load.transfer_async(1, *make_job([([3, 1], [5, 9], 0)], False))
+        store.transfer_async(2, *make_job([([4, 2], [6, 8], 0)], True))
+    assert [r.job_id for r in load.get_finished()] == [1]
+    assert [r.job_id for r in store.get_finished()] == [2]
+    # Stores are never shared: the share is for loads, where a request waits.
+    assert not [r for r in caplog.records if "A/B" in r.getMessage()]
+    assert metrics.snapshot()["fallbacks"] == {}
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
