@@ -73,8 +73,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def _epilog() -> str:
     engines = [
-        f"  {engine:<7} python -m {module}\n          kvcore acts with "
-        + importlib.import_module(ADAPTERS[engine] + ".launch_checks").NEEDS
+        f"  {engine:<7} python -m {module}\n          kvcore acts with {_needs(engine)}"
         for engine, module in ENGINE_ENTRY_MODULES.items()
     ]
     return (
@@ -83,6 +82,16 @@ def _epilog() -> str:
         + "\n\nkvcore settings (flag [variable; accepts; default]):\n"
         + settings_help()
     )
+
+
+def _needs(engine: str) -> str:
+    """What the engine needs for kvcore to act, from its adapter; where the adapter does not
+    import (a broken install), that fact, so that every other command still runs."""
+    module = ADAPTERS[engine] + ".launch_checks"
+    try:
+        return str(importlib.import_module(module).NEEDS)
+    except ImportError as exc:
+        return f"nothing here: {module} does not import ({exc}); reinstall kvcore"
 
 
 class _EngineArguments(argparse.Action):
@@ -169,8 +178,14 @@ def idle_warnings(
     engine: str, engine_args: Sequence[str], config: KVCoreConfig, environ: Mapping[str, str]
 ) -> list[str]:
     """One line per reason kvcore would do nothing in ``engine`` started this way."""
-    adapter = importlib.import_module(ADAPTERS[engine])
-    checks = importlib.import_module(ADAPTERS[engine] + ".launch_checks")
+    try:
+        adapter = importlib.import_module(ADAPTERS[engine])
+        checks = importlib.import_module(ADAPTERS[engine] + ".launch_checks")
+    except ImportError as exc:
+        raise LaunchError(
+            f"kvcore's {engine} adapter ({ADAPTERS[engine]}) does not import: {exc}; "
+            "reinstall kvcore, which ships it"
+        ) from exc
     status = adapter.status(config)
     warnings: list[str] = []
     if status.installed and not status.supported:

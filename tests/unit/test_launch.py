@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcore import launch
 from kvcore.config import SETTINGS
 from kvcore.launch import ENGINE_ENTRY_MODULES
 
@@ -294,3 +295,15 @@ def test_metrics_get_a_fresh_multiprocess_directory_unless_one_is_set_or_metrics
     assert seen["metrics_dir"] == own
     off = engine_saw(kvcore(*argv, env={"KVCORE_METRICS": "0"}, path=(engines,)))
     assert off["metrics_dir"] is None
+
+
+def test_an_adapter_that_does_not_import_leaves_help_working_and_stops_its_launch(
+    monkeypatch,
+):
+    monkeypatch.setitem(launch.ADAPTERS, "vllm", "kvcore_no_such_adapter")
+    epilog = launch._epilog()
+    assert "kvcore_no_such_adapter.launch_checks does not import" in epilog
+    # The other engine's line is its adapter's own.
+    assert "--enable-hierarchical-cache" in epilog
+    with pytest.raises(launch.LaunchError, match=r"vllm adapter \(kvcore_no_such_adapter\)"):
+        launch.idle_warnings("vllm", ["serve", "m"], launch.KVCoreConfig(), {})
