@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -470,22 +470,27 @@ class _CudaIndexedOps:
             lanes = self._lanes.setdefault(device, _StageInLanes(device))
         lanes.events_for(slots)
         filled, freed = lanes.filled, lanes.freed
+        total = len(pairs.src_words) * len(prepared.chunks)
+        # Made one by one as their DMAs are issued: the first DMA waits for one unit's
+        # set-up, not for every unit's.
         units = _staged_units(pairs, prepared, staging, slot_rows, slots)
         current = torch.cuda.current_stream(device)
         dma = lanes.dma
         dma.wait_stream(current)
         try:
-            for start in range(0, len(units), slots):
-                batch = units[start : start + slots]
+            for start in range(0, total, slots):
+                batch: list[_Unit] = []
                 with torch.cuda.stream(dma):
-                    for slot, (src_words, host_runs, staged, _, _) in enumerate(batch):
+                    # The range first: zip stops on it without drawing a unit too many.
+                    for slot, unit in zip(range(slots), units, strict=False):
                         if start:
                             dma.wait_event(freed[slot])
                         reference.listed_runs_to_staging(
-                            src_words, host_runs, staged, into_staging=True
+                            unit[0], unit[1], unit[2], into_staging=True
                         )
                         filled[slot].record(dma)
-                refilled = start + slots < len(units)
+                        batch.append(unit)
+                refilled = start + slots < total
                 for slot, (_, _, staged, dst_words, rows_on_device) in enumerate(batch):
                     current.wait_event(filled[slot])
                     dst_words.index_copy_(0, rows_on_device, staged)
@@ -536,10 +541,10 @@ def _staged_units(
     staging: torch.Tensor,
     slot_rows: int,
     slots: int,
-) -> list[_Unit]:
+) -> Iterator[_Unit]:
     """Each (pair, chunk) of a page-in in order: its host words, host runs, staging rows
     (in slot ``unit % slots`` of ``slot_rows`` rows), destination words and rows."""
-    units: list[_Unit] = []
+    unit = 0
     chunks = prepared.chunks
     rows_of: dict[tuple[torch.dtype, int], torch.Tensor] = {}
     for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
@@ -550,10 +555,9 @@ def _staged_units(
             typed = reference.staging_words(staging, slot_rows * slots, src_words)
             rows_of[(src_words.dtype, words)] = typed
         for host_runs, rows_on_device, rows in chunks:
-            begin = len(units) % slots * slot_rows
-            staged = typed[begin : begin + rows]
-            units.append((src_words, host_runs, staged, dst_words, rows_on_device))
-    return units
+            begin = unit % slots * slot_rows
+            yield src_words, host_runs, typed[begin : begin + rows], dst_words, rows_on_device
+            unit += 1
 
 
 @dataclass(frozen=True, eq=False)

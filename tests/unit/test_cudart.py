@@ -132,7 +132,7 @@ def test_a_rings_units_take_the_slots_in_turn_each_its_own_rows_of_the_buffer():
     chunks = staged_chunks(host_runs, rows_per_pair, rows_per_pair)
     prepared = reference.prepare_stage_in(chunks, dst_rows, torch.device("cpu"))
     staging = torch.zeros(slots * slot_rows * words * 8, dtype=torch.uint8)
-    units = cuda._staged_units(pairs, prepared, staging, slot_rows, slots)
+    units = list(cuda._staged_units(pairs, prepared, staging, slot_rows, slots))
     assert len(units) == 5
     base = staging.data_ptr()
     for number, (src_words, runs, staged, dst_words, rows) in enumerate(units):
