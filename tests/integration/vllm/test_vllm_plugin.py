@@ -175,6 +175,21 @@ def test_activation_is_one_info_line_naming_what_is_active(monkeypatch, caplog, 
     ]
 
 
+def test_a_stock_share_is_warned_of_once_and_shown_in_the_status(monkeypatch, caplog):
+    monkeypatch.setenv("KVCORE_ENABLE", "vllm")
+    monkeypatch.setenv("KVCORE_STOCK_SHARE", "0.5")
+    caplog.set_level(logging.INFO, logger="kvcore")
+    for _ in range(3):
+        plugin.register()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("kvcore: KVCORE_STOCK_SHARE=0.5:")
+    assert kvcore_vllm.status().settings == {
+        "transfers": True,
+        "serve_rule": True,
+        "stock_share": 0.5,
+    }
+
+
 def test_status_before_loading_reports_nothing_patched_and_the_guard_passing():
     status = kvcore_vllm.status(ENABLED)
     assert status.active
