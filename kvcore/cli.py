@@ -215,13 +215,19 @@ def _describe_cuda(cuda: dict[str, Any]) -> str:
     return f"CUDA {cuda['version']}, {cuda['device_count']} device(s): {names}"
 
 
+def _setting_text(value: bool | float) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 def _describe_engine(status: dict[str, Any], verbose: bool) -> str:
     """The summary line, then a line per target group and, ``verbose``, per target."""
     line = EngineStatus(**status).summary()
     if status["settings"]:
         line += "; " + ", ".join(
-            f"{name.replace('_', ' ')} {'on' if on else 'off'}"
-            for name, on in status["settings"].items()
+            f"{name.replace('_', ' ')} {_setting_text(value)}"
+            for name, value in status["settings"].items()
         )
     skipped_by_group: dict[str, list[dict[str, str]]] = {}
     for entry in status["skipped_targets"]:

@@ -37,7 +37,7 @@ class EngineStatus:
     would_patch: list[str] = field(default_factory=list)
     target_groups: dict[str, list[str]] = field(default_factory=dict)
     groups_off: dict[str, str] = field(default_factory=dict)
-    settings: dict[str, bool] = field(default_factory=dict)
+    settings: dict[str, bool | float] = field(default_factory=dict)
     plugin_applied: bool = False
     # Wall time of the guard's check in this call; None where it did not run.
     guard_seconds: float | None = None

@@ -51,3 +51,10 @@ def test_doctor_names_a_drifted_function_and_imports_no_vllm():
     )
     assert group_line.startswith(f"{plugin.SPEC_GROUP} (7 targets): would patch 0; skipped 1: ")
     assert f"{PREPARE_STORE}: source changed" in group_line
+
+
+def test_doctor_shows_a_stock_share_with_its_value():
+    result = run_doctor(["-m", "kvcore", "doctor"], KVCORE_ENABLE="vllm", KVCORE_STOCK_SHARE="0.25")
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("vllm "))
+    assert line.endswith("; transfers on, serve rule on, stock share 0.25")
