@@ -37,6 +37,7 @@ import argparse
 import http.client
 import json
 import math
+import platform
 import random
 import re
 import statistics
@@ -394,6 +395,15 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
+def machine_id() -> str:
+    """This machine's boot id (a fresh one for each machine lent, each boot), else its
+    name: reports that share it ran on one machine."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="utf-8").strip()
+    except OSError:
+        return platform.node()
+
+
 def ab_copies(log: Path, offset: int) -> list[str]:
     """The copies the server's A/B lines name, in order, from byte ``offset`` of ``log``."""
     with log.open("rb") as stream:
@@ -462,6 +472,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "mode": args.mode,
         "label": args.label or args.mode,
+        "machine": machine_id(),
         "settings": {name: getattr(args, name) for name in settings},
     }
     sequential = make_conversations(args.conversations, args.turns, args.seed)
@@ -520,31 +531,68 @@ def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[s
     return rows
 
 
+def unique_labels(reports: Sequence[dict[str, Any]]) -> list[str]:
+    """Each report's label (its mode where it has none); a label seen again, as in the
+    reports of several calls that each label their runs from the start, becomes
+    ``LABEL#2``, ``LABEL#3``, ..."""
+    labels: list[str] = []
+    for report in reports:
+        label = str(report.get("label") or report["mode"])
+        if label in labels:
+            seen = [known for known in labels if known.split("#")[0] == label]
+            label = f"{label}#{len(seen) + 1}"
+        labels.append(label)
+    return labels
+
+
 def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Per mode other than stock that ran in two or more processes, as stock did: per
-    first-turn size, the n-th stock process's hit TTFT median against the n-th of that
-    mode's (processes in the order given, so that each pair ran side by side in time),
-    with stock's own spread across its processes. One process a mode cannot tell kvcore
-    from the engine's drift between processes, which has moved hit TTFT as much as kvcore
-    does (docs/benchmarks.md, session 25). The pairs' speed is kvcore's paired_speed
-    (the median of the pairs' ratios and its bootstrap interval), imported here so that
-    ``run`` stays on the standard library, and only where there are pairs."""
-    runs: dict[str, list[list[Result]]] = {}
-    for report in reports:
+    first-turn size, each pair's hit TTFT medians, stock's process against the mode's,
+    with stock's own spread across its processes. Pairs never cross machines (a report's
+    ``machine``: machines differ in speed more than kvcore moves a hit): on each machine
+    the n-th stock process goes with the n-th of the mode's, in the order given, the
+    fewer side's processes taken again in turn where the two counts differ. One process a
+    mode cannot tell kvcore from the engine's drift between processes, which has moved
+    hit TTFT as much as kvcore does (docs/benchmarks.md, sessions 25 and 26). The pairs'
+    speed is kvcore's paired_speed (the median of the pairs' ratios and its bootstrap
+    interval), imported here so that ``run`` stays on the standard library, and only
+    where there are pairs."""
+    machines: dict[Any, dict[str, list[tuple[str, list[Result]]]]] = {}
+    for report, label in zip(reports, unique_labels(reports), strict=True):
         requests = [Result(**r) for r in report["sequential_requests"]]
-        runs.setdefault(report["mode"], []).append([r for r in requests if r.cpu_tier_hit])
-    stock = runs.get(BASELINE_MODE, [])
+        hits = [r for r in requests if r.cpu_tier_hit]
+        by_mode = machines.setdefault(report.get("machine"), {})
+        by_mode.setdefault(report["mode"], []).append((label, hits))
+    modes = dict.fromkeys(m for by_mode in machines.values() for m in by_mode)
     compared = {}
-    for mode, processes in runs.items():
-        pairs = min(len(stock), len(processes))
-        if mode == BASELINE_MODE or pairs < 2:
+    for mode in modes:
+        if mode == BASELINE_MODE:
+            continue
+        paired: list[tuple[tuple[str, list[Result]], tuple[str, list[Result]]]] = []
+        for by_mode in machines.values():
+            stock_runs, mode_runs = by_mode.get(BASELINE_MODE, []), by_mode.get(mode, [])
+            if stock_runs and mode_runs:
+                count = max(len(stock_runs), len(mode_runs))
+                paired += [
+                    (stock_runs[i % len(stock_runs)], mode_runs[i % len(mode_runs)])
+                    for i in range(count)
+                ]
+        runs_of = [
+            sum(len(by_mode.get(name, [])) for by_mode in machines.values())
+            for name in (BASELINE_MODE, mode)
+        ]
+        if min(runs_of) < 2 or len(paired) < 2:
             continue
         from kvcore.bench.paired_speed import paired_speed
 
+        stock = [hits for (_, hits), _ in paired]
+        processes = [hits for _, (_, hits) in paired]
+        pairs = len(paired)
+        labels = [[stock_label, mode_label] for (stock_label, _), (mode_label, _) in paired]
         rows = []
         for size in FIRST_TURN_TOKENS:
             medians = {}
-            for side, group in (("stock", stock[:pairs]), ("other", processes[:pairs])):
+            for side, group in (("stock", stock), ("other", processes)):
                 per_process = [[r for r in hits if r.first_turn_tokens == size] for hits in group]
                 if not all(per_process):
                     break
@@ -564,6 +612,7 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[s
                 {
                     "first_turn_tokens": size,
                     "processes": pairs,
+                    "pairs": labels,
                     "stock_ttft_ms_p50": [_ms(t) for t in stock_ttft],
                     "ttft_ms_p50": [_ms(t) for t in other_ttft],
                     "stock_reload_ms_p50": [_ms(r) for _, r in medians["stock"]],
@@ -586,16 +635,11 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
     reference = [r["output"] for r in reports[0]["sequential_requests"]]
     reference_requests = [Result(**r) for r in reports[0]["sequential_requests"]]
     modes: dict[str, dict[str, Any]] = {}
-    for report in reports:
+    for report, label in zip(reports, unique_labels(reports), strict=True):
         outputs = [r["output"] for r in report["sequential_requests"]]
         requests = [Result(**r) for r in report["sequential_requests"]]
         sequential = summarize(requests, report["sequential"].get("wall_s"))
         concurrent = report.get("concurrent", {})
-        label = str(report.get("label") or report["mode"])
-        if label in modes:
-            # Reports of several calls, each labelling its runs from the start again.
-            seen = [m for m in modes if m.split("#")[0] == label]
-            label = f"{label}#{len(seen) + 1}"
         modes[label] = {
             "ttft_ms_p50": sequential["ttft_ms_p50"],
             "ttft_ms_p99": sequential["ttft_ms_p99"],
@@ -650,7 +694,13 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         print(json.dumps({"mode": args.mode, **report["sequential"]}, indent=1))
         return 0
-    reports = [json.loads(path.read_text(encoding="utf-8")) for path in args.reports]
+    reports = []
+    for path in args.reports:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        # Reports written before they named their machine: one call's reports share its
+        # folder, and one call runs on one machine.
+        report.setdefault("machine", str(path.resolve().parent))
+        reports.append(report)
     summary = combine(reports, args.device, args.version)
     args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     for mode, row in summary["modes"].items():

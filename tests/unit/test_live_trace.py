@@ -383,3 +383,61 @@ def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_o
     assert row["ttft_ms_p50_difference"] == pytest.approx(-9.0)
     low, high = row["ttft_ms_difference_interval"]
     assert low <= -9.0 <= high < 0
+
+
+def test_processes_are_paired_on_their_own_machine_only():
+    # Machine "b" runs everything 20% slower; on each machine kvcore is 10% faster than
+    # stock. Paired across machines (by order alone) the pairs would disagree.
+    def on(machine: str, mode: str, label: str, ttft_s: float) -> dict:
+        report = _report(mode, label, {512: [ttft_s] * 3}, 0.004)
+        report["machine"] = machine
+        return report
+
+    reports = [
+        on("a", "stock", "stock", 0.050),
+        on("a", "kvcore-transfers", "kvcore-transfers", 0.050 / 1.1),
+        on("a", "stock", "stock-2", 0.050),
+        on("b", "kvcore-transfers", "kvcore-transfers", 0.060 / 1.1),
+        on("b", "stock", "stock", 0.060),
+        on("b", "kvcore-transfers", "kvcore-transfers-2", 0.060 / 1.1),
+    ]
+    (row,) = live_trace.combine(reports, "d", "v")["paired_processes"]["kvcore-transfers"]
+    assert row["pairs"] == [
+        ["stock", "kvcore-transfers"],
+        ["stock-2", "kvcore-transfers"],
+        ["stock#2", "kvcore-transfers#2"],
+        ["stock#2", "kvcore-transfers-2"],
+    ]
+    assert row["speed"] == pytest.approx(1.1, abs=1e-3)
+    assert row["speed_interval"] == [pytest.approx(1.1, abs=1e-3)] * 2
+
+
+def test_a_report_names_the_machine_it_ran_on_and_combine_falls_back_to_its_folder(serve, tmp_path):
+    assert live_trace.machine_id()
+    paths = []
+    for call in ("one", "two"):
+        out = tmp_path / call / "live-stock.json"
+        out.parent.mkdir()
+        argv = ["run", "--url", serve(StandIn()), "--model", "m", "--mode", "stock"]
+        live_trace.main([*argv, "--out", str(out), "--conversations", "2", "--concurrency", "1"])
+        report = json.loads(out.read_text())
+        assert report["machine"] == live_trace.machine_id()
+        del report["machine"]  # as written before reports named it
+        out.write_text(json.dumps(report))
+        paths.append(str(out))
+    for call in ("one", "two"):
+        for label in ("kvcore-transfers", "kvcore-transfers-2"):
+            path = tmp_path / call / f"live-{label}.json"
+            report = json.loads((tmp_path / call / "live-stock.json").read_text())
+            path.write_text(json.dumps({**report, "mode": "kvcore-transfers", "label": label}))
+            paths.append(str(path))
+    summary_path = tmp_path / "summary.json"
+    assert live_trace.main(["combine", *paths, "--out", str(summary_path)]) == 0
+    rows = json.loads(summary_path.read_text())["paired_processes"]["kvcore-transfers"]
+    # Each call's folder is its machine: its one stock process goes with both of its own.
+    assert rows[0]["pairs"] == [
+        ["stock", "kvcore-transfers"],
+        ["stock", "kvcore-transfers-2"],
+        ["stock#2", "kvcore-transfers#2"],
+        ["stock#2", "kvcore-transfers-2#2"],
+    ]
