@@ -15,8 +15,9 @@
 #
 #   bash scripts/vllm_live_run.sh [MODE...]     (default: all three)
 # A mode may repeat: its later runs are labelled MODE-2, MODE-3, ... (live-MODE-2.json), and
-# the summary pairs the n-th stock run with the n-th run of each other mode that ran twice
-# or more (`paired_processes`), e.g. `stock kvcore-transfers stock kvcore-transfers`.
+# the summary pairs stock's runs with those of each other mode that ran twice or more, on
+# the same machine only (`paired_processes`), e.g. `stock kvcore-transfers stock
+# kvcore-transfers`.
 # A server takes 75-130 s to come up, so more runs than fit one call go over several
 # calls made back to back (the install stays on a warm machine), e.g. `stock
 # kvcore-transfers stock`, then `kvcore-transfers stock kvcore-transfers`; combine their
