@@ -255,9 +255,9 @@ class KVCoreConfig:
     stock_share: float = _setting(
         0.0,
         SHARE,
-        "share of the vLLM loads kvcore would serve that go to vLLM's own copy instead, "
-        "drawn per job and each logged: an A/B of the two copies inside one engine process "
-        "(scripts/live_trace.py attributes the requests); 0 outside such a measurement",
+        "share of the reloads kvcore would serve (vLLM load jobs, SGLang load-backs) that go "
+        "to the engine's own copy instead, drawn per reload (vLLM logs each load): an A/B of "
+        "the two copies inside one engine process; 0 outside such a measurement",
     )
     log_level: str = _setting("INFO", LOG_LEVEL, "level of the 'kvcore' logger")
 

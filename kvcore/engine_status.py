@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvcore.config import KVCoreConfig
+
 
 @dataclass
 class EngineStatus:
@@ -89,6 +91,30 @@ def announce_activation(
         "on" if transfers else "off",
         "on" if serve_rule else "off",
     )
+
+
+def announce_stock_share(logger: logging.Logger, engine: str, share: float) -> None:
+    """One warning where reloads kvcore would serve are shared with the engine's own copy
+    (``KVCORE_STOCK_SHARE``): a measurement setting, never one to serve with."""
+    if share:
+        logger.warning(
+            "kvcore: KVCORE_STOCK_SHARE=%s: that share of the %s reloads kvcore would copy "
+            "gets %s's own copy (an A/B measurement); unset it to serve",
+            share,
+            engine,
+            engine,
+        )
+
+
+def settings_shown(config: KVCoreConfig) -> dict[str, bool | float]:
+    """The settings an engine's status shows: the switches, and a stock share where set."""
+    shown: dict[str, bool | float] = {
+        "transfers": config.transfers,
+        "serve_rule": config.serve_rule,
+    }
+    if config.stock_share:
+        shown["stock_share"] = config.stock_share
+    return shown
 
 
 def release_of(version: str) -> str:

@@ -28,7 +28,8 @@ whether the sequential outputs equal the first mode's, and per first-turn size t
 TTFT median's difference from the first mode's with a 95% bootstrap interval) as
 docs/bench/h200-live-*.json.
 ``run`` uses only the standard library: the client runs beside the server on the GPU
-machine; ``combine`` also takes kvcore's paired speed (kvcore is installed there too).
+machine; ``combine`` also takes kvcore's paired speed and median difference (kvcore is
+installed there too).
 """
 
 from __future__ import annotations
@@ -67,8 +68,6 @@ BASELINE_MODE = "stock"
 AB_LINE = re.compile(r"kvcore A/B: load job (\d+), (\d+) blocks: (\S+)")
 KVCORE_COPY = "kvcore"
 STOCK_SHARE = "stock_share"
-BOOTSTRAP_RESAMPLES = 2000
-BOOTSTRAP_TAIL = 0.025
 SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 GAUGE_LINE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) gauge\s*$")
 
@@ -440,6 +439,8 @@ def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
         kvcore, stock = arms[KVCORE_COPY], arms[STOCK_SHARE]
         if not kvcore or not stock:
             continue
+        from kvcore.bench.median_difference import median_difference_interval
+
         low, high = median_difference_interval(
             [r.ttft_s for r in kvcore], [r.ttft_s for r in stock], seed=size
         )
@@ -493,21 +494,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def median_difference_interval(
-    values: Sequence[float], reference: Sequence[float], seed: int = 0
-) -> tuple[float, float]:
-    """A bootstrap interval (the central ``1 - 2 * BOOTSTRAP_TAIL`` of the resamples) of
-    median(values) - median(reference), both resampled independently with replacement."""
-    rng = random.Random(seed)
-    differences = sorted(
-        statistics.median(rng.choices(values, k=len(values)))
-        - statistics.median(rng.choices(reference, k=len(reference)))
-        for _ in range(BOOTSTRAP_RESAMPLES)
-    )
-    low = int(BOOTSTRAP_TAIL * BOOTSTRAP_RESAMPLES)
-    return differences[low], differences[BOOTSTRAP_RESAMPLES - 1 - low]
-
-
 def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[str, Any]]:
     """Per first-turn size, a mode's CPU-tier-hit TTFT against the reference mode's: the
     difference of the medians (negative: faster than the reference) with its bootstrap
@@ -518,6 +504,8 @@ def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[s
         theirs = [r.ttft_s for r in reference if r.cpu_tier_hit and r.first_turn_tokens == size]
         if not mine or not theirs:
             continue
+        from kvcore.bench.median_difference import median_difference_interval
+
         low, high = median_difference_interval(mine, theirs, seed=size)
         rows.append(
             {

@@ -7,10 +7,11 @@
 #
 # Needs .whl-sglang/ carried (built as scripts/sglang_ab.sh says). The modes run as separate
 # processes, same seed, same trace, in the order MODES gives (default "stock kvcore"; modes:
-# stock, kvcore, kvcore-allocator, kvcore-no-warm-up); a mode given again runs again as
-# <mode>-2, -3..., so "stock kvcore stock kvcore" tells a mode's difference from the
-# machine's drift between runs (the summary's paired_processes pairs the n-th stock run with
-# the n-th kvcore one).
+# stock, kvcore, kvcore-allocator, kvcore-no-warm-up, kvcore-ab: the two copies drawn per
+# load-back inside one process, compared in its summary's in_process_ab); a mode given
+# again runs again as <mode>-2, -3..., so "stock kvcore stock kvcore" tells a mode's
+# difference from the machine's drift between runs (the summary's paired_processes pairs
+# the n-th stock run with the n-th kvcore one).
 # Then one summary. Writes under $OUT (default out/sglang_hicache_live): env.txt,
 # hicache_live.log, h200-live-sglang.json and live-runs.tar.gz holding live-<run>.json for
 # each run (one file, so that any number of runs comes back from the GPU machine).

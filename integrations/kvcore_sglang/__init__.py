@@ -13,7 +13,7 @@ import copy
 import time
 
 from kvcore.config import KVCoreConfig
-from kvcore.engine_status import EngineStatus, probe_engine, release_of
+from kvcore.engine_status import EngineStatus, probe_engine, release_of, settings_shown
 
 ENGINE = "sglang"
 DISTRIBUTION = "sglang"
@@ -47,7 +47,7 @@ def status(config: KVCoreConfig | None = None) -> EngineStatus:
 def _add_guard_verdict(found: EngineStatus, config: KVCoreConfig) -> None:
     from kvcore_sglang import guard
 
-    found.settings = {"transfers": config.transfers, "serve_rule": config.serve_rule}
+    found.settings = settings_shown(config)
     every = {**guard.TARGET_GROUPS, **guard.TRANSFER_GROUPS}
     found.target_groups = {group: list(targets) for group, targets in every.items()}
     checked = dict(guard.TARGET_GROUPS)

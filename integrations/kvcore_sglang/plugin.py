@@ -14,7 +14,13 @@ import threading
 from collections.abc import Mapping
 
 from kvcore.config import KVCoreConfig, engine_config
-from kvcore.engine_status import EngineStatus, announce_activation, probe_engine, release_of
+from kvcore.engine_status import (
+    EngineStatus,
+    announce_activation,
+    announce_stock_share,
+    probe_engine,
+    release_of,
+)
 from kvcore.metrics_export import start_multiprocess_export
 
 from . import DISTRIBUTION, ENGINE, SUPPORTED_VERSIONS
@@ -67,6 +73,8 @@ def register_hooks(
         if transfers:
             _register_transfers(status, release_of(status.version or ""))
         announce_activation(logger, "SGLang", status, transfers, config.serve_rule)
+        if transfers:
+            announce_stock_share(logger, "SGLang", config.stock_share)
         if config.metrics:
             # Scheduler processes reach SGLang's /metrics (served by the HTTP process)
             # only through prometheus_client's multiprocess files (--enable-metrics).

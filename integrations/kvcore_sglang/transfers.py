@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -312,12 +313,23 @@ _SOURCE_UNKNOWN = "sglang_source_unknown"
 
 def serve_rule_enabled() -> bool:
     """Whether the serve-or-pass rule applies (``KVCORE_SERVE_RULE``, read once)."""
-    return _rule_setting()
+    return _settings().serve_rule
+
+
+def stock_share() -> float:
+    """The share of the reloads kvcore would serve that go to stock's copy instead
+    (``KVCORE_STOCK_SHARE``, read once): an A/B of the two copies in one process."""
+    return _settings().stock_share
 
 
 @functools.cache
-def _rule_setting() -> bool:
-    return KVCoreConfig.from_env().serve_rule
+def _settings() -> KVCoreConfig:
+    return KVCoreConfig.from_env()
+
+
+STOCK_SHARE = "stock_share"
+# Seeded: two runs of one trace draw the same reloads for stock.
+STOCK_SHARE_DRAWS = random.Random(0)
 
 
 # The pool classes kvcore serves, by the kind the rule's rows name.
@@ -392,6 +404,8 @@ def _start_load(
                 reason = indices
             else:
                 reason = _host_runs_pass(rule, tokens, indices.host, chosen_mover.policy)
+    if reason is None and (share := stock_share()) and STOCK_SHARE_DRAWS.random() < share:
+        reason = STOCK_SHARE
     if reason is None:
         _count_serve(chosen_mover)
     else:

@@ -23,8 +23,10 @@ from kvcore.config import KVCoreConfig, engine_config
 from kvcore.engine_status import (
     EngineStatus,
     announce_activation,
+    announce_stock_share,
     probe_engine,
     release_of,
+    settings_shown,
 )
 from kvcore.metrics_export import start_multiprocess_export
 from kvcore_vllm.guard import (
@@ -110,13 +112,8 @@ def _decide(config: KVCoreConfig, fingerprints: Mapping[str, Mapping[str, str]])
         install_spec()
         status.patched_targets = spec_targets(status.version)
         announce_activation(logger, "vLLM", status, config.transfers, config.serve_rule)
-        if config.transfers and config.stock_share:
-            logger.warning(
-                "kvcore: KVCORE_STOCK_SHARE=%s: that share of the loads kvcore would copy "
-                "gets vLLM's own copy, and every load is logged (an A/B measurement); "
-                "unset it to serve",
-                config.stock_share,
-            )
+        if config.transfers:
+            announce_stock_share(logger, "vLLM", config.stock_share)
         if config.metrics:
             # vLLM's workers are processes of their own: their counts reach /metrics through
             # prometheus_client's multiprocess files, when vLLM turns that mode on.
@@ -137,9 +134,7 @@ def check(
     )
     if not (status.installed and status.enabled and status.version is not None):
         return status
-    status.settings = {"transfers": config.transfers, "serve_rule": config.serve_rule}
-    if config.stock_share:
-        status.settings["stock_share"] = config.stock_share
+    status.settings = settings_shown(config)
     status.target_groups = {SPEC_GROUP: spec_targets(status.version)}
     started = time.perf_counter()
     refused = refusals(release_of(status.version), fingerprints)

@@ -246,5 +246,9 @@ def test_kvcore_entry_point_is_declared_where_no_distribution_declares_it(monkey
     assert engine_plugins.MODE_ENV["kvcore"] == {
         "KVCORE_ENABLE": "sglang",
         "KVCORE_TRANSFERS": None,
+        "KVCORE_STOCK_SHARE": None,
     }
     assert engine_plugins.MODE_ENV["kvcore-allocator"]["KVCORE_TRANSFERS"] == "0"
+    # Only the A/B mode shares load-backs with stock; every other mode unsets the share.
+    shares = {mode: env["KVCORE_STOCK_SHARE"] for mode, env in engine_plugins.MODE_ENV.items()}
+    assert {mode: share for mode, share in shares.items() if share} == {"kvcore-ab": "0.5"}

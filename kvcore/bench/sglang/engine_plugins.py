@@ -24,13 +24,17 @@ _PROBE_DIST = "kvcore_live_entry"
 
 # What each mode sets before SGLang loads its plugins (None: unset, so kvcore's default
 # holds: the kvcore mode runs what an operator gets from KVCORE_ENABLE alone).
+_SHARE = "KVCORE_STOCK_SHARE"
 MODE_ENV: dict[str, dict[str, str | None]] = {
-    "stock": {"KVCORE_ENABLE": "0", "KVCORE_TRANSFERS": "0"},
-    "kvcore": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": None},
+    "stock": {"KVCORE_ENABLE": "0", "KVCORE_TRANSFERS": "0", _SHARE: None},
+    "kvcore": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": None, _SHARE: None},
     # kvcore's host-slot allocator alone: tells its share of a difference from the hooks'.
-    "kvcore-allocator": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": "0"},
+    "kvcore-allocator": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": "0", _SHARE: None},
     # kvcore with its transfers, its pools' warm-up skipped: tells the warm-up's share.
-    "kvcore-no-warm-up": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": None},
+    "kvcore-no-warm-up": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": None, _SHARE: None},
+    # Half the load-backs kvcore would serve drawn for stock's copy: the two copies
+    # compared inside one process, free of the drift between processes.
+    "kvcore-ab": {"KVCORE_ENABLE": "sglang", "KVCORE_TRANSFERS": None, _SHARE: "0.5"},
 }
 NO_WARM_UP_MODES = frozenset({"kvcore-no-warm-up"})
 

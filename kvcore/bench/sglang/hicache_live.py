@@ -40,8 +40,11 @@ own token ids) builds SGLang's JIT kernels and kvcore's, then the cache is reset
 ``--mode kvcore`` sets ``KVCORE_ENABLE=sglang`` and unsets ``KVCORE_TRANSFERS`` (kvcore's
 default: transfers on), ``kvcore-allocator`` sets ``KVCORE_TRANSFERS=0`` as well (kvcore's
 host-slot allocator alone), ``kvcore-no-warm-up`` is ``kvcore`` with the pools' warm-up
-skipped, and ``stock`` sets ``KVCORE_ENABLE=0``; each then loads SGLang's
-plugins as its scheduler does (:mod:`.engine_plugins`), before anything is built.
+skipped, ``kvcore-ab`` is ``kvcore`` with ``KVCORE_STOCK_SHARE=0.5`` (half the load-backs
+kvcore would serve drawn for stock's copy; each load-back's ``copy`` says whose it got, and
+the summary's ``in_process_ab`` compares the two inside the process), and ``stock`` sets
+``KVCORE_ENABLE=0``; each then loads SGLang's plugins as its scheduler does
+(:mod:`.engine_plugins`), before anything is built.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ class RequestResult:
     """Host time of ``ready_to_load_host_cache`` alone (moving the indices and every
     layer's load call)."""
     loadback_declined: bool = False
+    copy: str | None = None
+    """Whose copy loaded it back: ``kvcore`` (kvcore's transfers ran), ``stock_share``
+    (drawn for stock's, ``KVCORE_STOCK_SHARE``) or ``stock``; None without a load-back."""
     mismatched_bytes: int = 0
     """Loaded tokens' bytes that differ from their content, every layer's K and V, as read
     right after the layer's wait."""
@@ -90,6 +93,7 @@ def serve(rig: Rig, request: Request) -> RequestResult:
     )
     anchor = match.last_device_node
     resident = match.device_prefix_len
+    counted = _load_counts()
     started = time.perf_counter()
     loading = match.host_hit_length > 0 and cache.load_back(match.best_match_node)
     queued = time.perf_counter()
@@ -107,6 +111,7 @@ def serve(rig: Rig, request: Request) -> RequestResult:
         result.loadback_ms = (finished - started) * 1e3
         result.issue_ms = (issued - started) * 1e3
         result.start_loading_ms = (issued - queued) * 1e3
+        result.copy = _copy_since(counted)
     result.loadback_declined = match.host_hit_length > 0 and not loading
     result.loaded_tokens = len(prefix) - resident
     lock = cache.inc_lock_ref(anchor).to_dec_params()
@@ -119,6 +124,22 @@ def serve(rig: Rig, request: Request) -> RequestResult:
         # run's differences from a live scheduler).
         cache.flush_pending_backups()
     return result
+
+
+def _load_counts() -> tuple[int, int]:
+    """kvcore's host-to-device transfers and its stock-share passes, counted so far."""
+    from kvcore.metrics import METRICS
+
+    snapshot = METRICS.snapshot()
+    transfers = sum(row["count"] for row in snapshot["transfers"] if row["direction"] == "h2d")
+    return transfers, snapshot["fallbacks"].get("stock_share", 0)
+
+
+def _copy_since(counted: tuple[int, int]) -> str:
+    transfers, shared = _load_counts()
+    if shared > counted[1]:
+        return "stock_share"
+    return "kvcore" if transfers > counted[0] else "stock"
 
 
 def _check(

@@ -2,7 +2,8 @@
 
 :func:`summarize` reduces the requests' results and the cache's counters to the load-back
 times (median, p99 by nearest rank), tokens, wrong bytes, evictions and write-throughs,
-with :func:`by_size` per first-turn size; :mod:`kvcore.bench.sglang.hicache_live_combine`
+with :func:`by_size` per first-turn size, and, where load-backs were shared with stock's
+copy inside the process, :func:`in_process_ab`; :mod:`kvcore.bench.sglang.hicache_live_combine`
 puts the modes' summaries side by side.
 """
 
@@ -13,6 +14,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from kvcore.bench.median_difference import median_difference_interval
 from kvcore.bench.sglang.hicache_live_rig import CacheCounters
 from kvcore.bench.sglang.hicache_live_serve import RequestResult
 
@@ -45,6 +47,44 @@ def by_size(results: Sequence[RequestResult], token_bytes: int) -> list[dict[str
                 "loaded_tokens_p50": tokens,
                 "loadback_ms_p50": _round(ms),
                 "gb_per_s": _round(tokens * token_bytes / ms / 1e6) if ms else None,
+            }
+        )
+    return rows
+
+
+def in_process_ab(results: Sequence[RequestResult]) -> list[dict[str, Any]]:
+    """Per first-turn size, the load-backs kvcore copied against those drawn for stock's
+    copy in the same process (``KVCORE_STOCK_SHARE``): counts, loaded tokens and times
+    (medians), and kvcore's median less stock's with its bootstrap interval."""
+    rows = []
+    for size in sorted({r.first_turn_tokens for r in results}):
+        arms = {
+            copy: [
+                r
+                for r in results
+                if r.first_turn_tokens == size and r.copy == copy and r.loadback_ms is not None
+            ]
+            for copy in ("kvcore", "stock_share")
+        }
+        kvcore, stock = arms["kvcore"], arms["stock_share"]
+        if not kvcore or not stock:
+            continue
+        kvcore_ms = [r.loadback_ms for r in kvcore if r.loadback_ms is not None]
+        stock_ms = [r.loadback_ms for r in stock if r.loadback_ms is not None]
+        low, high = median_difference_interval(kvcore_ms, stock_ms, seed=size)
+        rows.append(
+            {
+                "first_turn_tokens": size,
+                "kvcore_loadbacks": len(kvcore),
+                "stock_loadbacks": len(stock),
+                "kvcore_tokens_p50": statistics.median(r.loaded_tokens for r in kvcore),
+                "stock_tokens_p50": statistics.median(r.loaded_tokens for r in stock),
+                "kvcore_ms_p50": _round(statistics.median(kvcore_ms)),
+                "stock_ms_p50": _round(statistics.median(stock_ms)),
+                "ms_p50_difference": _round(
+                    statistics.median(kvcore_ms) - statistics.median(stock_ms)
+                ),
+                "ms_difference_interval": [_round(low), _round(high)],
             }
         )
     return rows
@@ -86,4 +126,9 @@ def summarize(
             "tokens": counters.write_through_tokens,
         },
         "by_size": by_size(results, token_bytes),
+        **(
+            {"in_process_ab": in_process_ab(results)}
+            if any(r.copy == "stock_share" for r in results)
+            else {}
+        ),
     }

@@ -131,3 +131,26 @@ def test_one_flipped_byte_in_a_load_back_is_found(tmp_path):
     assert first_load["mismatched_bytes"] == 1 and not first_load["check_passed"]
     assert first_load["settled_mismatched_bytes"] == 1
     assert report["summary"]["checks_failed"] >= 1
+
+
+def test_an_ab_run_shares_its_load_backs_and_compares_the_copies_in_one_process(tmp_path):
+    rc, report, output = run_driver(tmp_path, "kvcore-ab", env={"KVCORE_SERVE_RULE": "0"})
+    assert rc == 0, output[-4000:]
+    assert report["prepared"]["plugins"]["env"]["KVCORE_STOCK_SHARE"] == "0.5"
+    summary = report["summary"]
+    assert summary["checks_failed"] == 0 and summary["mismatched_bytes"] == 0
+    loads = [r for r in report["requests"] if r["loadback_ms"] is not None]
+    assert {r["copy"] for r in loads} == {"kvcore", "stock_share"}
+    assert all(r["copy"] is None for r in report["requests"] if r["loadback_ms"] is None)
+    # The warm-up's load-backs draw too, so the counter holds at least the trace's.
+    shared = sum(r["copy"] == "stock_share" for r in loads)
+    assert report["kvcore_counters"]["fallbacks"]["stock_share"] >= shared
+    rows = summary["in_process_ab"]
+    assert rows
+    for row in rows:
+        size = [r for r in loads if r["first_turn_tokens"] == row["first_turn_tokens"]]
+        assert row["kvcore_loadbacks"] == sum(r["copy"] == "kvcore" for r in size)
+        assert row["stock_loadbacks"] == sum(r["copy"] == "stock_share" for r in size)
+        low, high = row["ms_difference_interval"]
+        assert low <= high
+    assert combine([report])["modes"]["kvcore-ab"]["in_process_ab"] == rows

@@ -515,6 +515,52 @@ def test_a_reload_under_inference_mode_passes_whole_and_exact(
     assert len(memo) == 0 and moved is not host_idx
 
 
+def shared_reloads(requests: int) -> tuple[dict[str, int], int]:
+    """``requests`` whole reloads (every layer, new scattered indices each), bytes checked:
+    the fallbacks counted and kvcore's transfers."""
+    pool = pool_for("mha", "layer_first")
+    parts = components("mha", pool)
+    generator = torch.Generator().manual_seed(9)
+    before, served_before = fallbacks(), sum(paths_taken().values())
+    with cpu_hicache():  # stock's direct copy, in torch, here
+        for _ in range(requests):
+            randomise(all_tensors(parts), generator)
+            host_idx, device_idx = make_indices("mha", pool, "scattered", 64, generator)
+            pairs = list(zip(*reference_slots("mha", pool, host_idx, device_idx), strict=True))
+            expected = as_bytes([device for part in parts for device in part.devices])
+            for layer in range(LAYERS):
+                for p, part in enumerate(parts):
+                    for slot, row in pairs:
+                        want = expected[p * LAYERS + layer]
+                        want[row] = part.row(part.host.view(torch.uint8), layer, slot)
+                pool.load_to_device_per_layer(
+                    device_pool_of("mha", pool), host_idx, device_idx, layer, "direct"
+                )
+            devices = [device for part in parts for device in part.devices]
+            for device, want in zip(devices, expected, strict=True):
+                assert torch.equal(device.view(torch.uint8), want)
+    new = {k: v - before.get(k, 0) for k, v in fallbacks().items() if v != before.get(k, 0)}
+    return new, sum(paths_taken().values()) - served_before
+
+
+def test_a_stock_share_passes_drawn_reloads_whole_and_counts_each_once(
+    use_mover, transfer_hooks, monkeypatch
+):
+    transfer_hooks()
+    use_mover(small_policy_mover())
+    monkeypatch.setattr(transfers, "stock_share", lambda: 1.0)
+    passed, served = shared_reloads(requests=3)
+    # Each reload is one pass, its layers all stock's.
+    assert passed == {transfers.STOCK_SHARE: 3} and served == 0
+    monkeypatch.setattr(transfers, "stock_share", lambda: 0.5)
+    monkeypatch.setattr(transfers, "STOCK_SHARE_DRAWS", transfers.random.Random(0))
+    passed, served = shared_reloads(requests=8)
+    to_stock = passed.get(transfers.STOCK_SHARE, 0)
+    assert set(passed) <= {transfers.STOCK_SHARE} and 0 < to_stock < 8
+    # kvcore's reloads: one transfer a layer.
+    assert served == (8 - to_stock) * LAYERS
+
+
 def test_device_resident_indices_are_served_only_where_they_need_not_be_read(monkeypatch):
     memo = call_memos.HostIndexMemo()
     monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
