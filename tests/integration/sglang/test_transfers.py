@@ -475,6 +475,24 @@ def test_move_indices_hook_remembers_only_what_it_moved_off_the_cpu(monkeypatch)
     assert kept is host and memo.recall(kept) is None  # direct backend: nothing moved
 
 
+def reload_every_layer(pool: Any, parts: list[Component], host_idx, device_idx) -> None:
+    """An MHA pool's reload, layer by layer as SGLang calls it (the ``direct`` backend),
+    every device buffer then checked against the rows the host slots hold."""
+    pairs = list(zip(*reference_slots("mha", pool, host_idx, device_idx), strict=True))
+    expected = as_bytes([device for part in parts for device in part.devices])
+    for layer in range(LAYERS):
+        for p, part in enumerate(parts):
+            for slot, row in pairs:
+                want = expected[p * LAYERS + layer]
+                want[row] = part.row(part.host.view(torch.uint8), layer, slot)
+        pool.load_to_device_per_layer(
+            device_pool_of("mha", pool), host_idx, device_idx, layer, "direct"
+        )
+    devices = [device for part in parts for device in part.devices]
+    for device, want in zip(devices, expected, strict=True):
+        assert torch.equal(device.view(torch.uint8), want)
+
+
 def test_a_reload_under_inference_mode_passes_whole_and_exact(
     use_mover, transfer_hooks, monkeypatch
 ):
@@ -494,22 +512,10 @@ def test_a_reload_under_inference_mode_passes_whole_and_exact(
     with cpu_hicache(), torch.inference_mode():  # stock's direct copy, in torch, here
         host_idx, device_idx = make_indices("mha", pool, "scattered", 64, generator)
         assert host_idx.is_inference()
-        pairs = list(zip(*reference_slots("mha", pool, host_idx, device_idx), strict=True))
-        expected = as_bytes([device for part in parts for device in part.devices])
-        for layer in range(LAYERS):
-            for p, part in enumerate(parts):
-                for slot, row in pairs:
-                    want = expected[p * LAYERS + layer]
-                    want[row] = part.row(part.host.view(torch.uint8), layer, slot)
-            pool.load_to_device_per_layer(
-                device_pool_of("mha", pool), host_idx, device_idx, layer, "direct"
-            )
+        reload_every_layer(pool, parts, host_idx, device_idx)
         moved, _ = transfers.move_indices_hook(
             lambda c, h, d: (h.clone(), d), None, host_idx, device_idx
         )
-    devices = [device for part in parts for device in part.devices]
-    for device, want in zip(devices, expected, strict=True):
-        assert torch.equal(device.view(torch.uint8), want)
     new = {k: v - before.get(k, 0) for k, v in fallbacks().items() if v != before.get(k, 0)}
     assert new == {transfers.INFERENCE_INDICES: 1}
     assert len(memo) == 0 and moved is not host_idx
@@ -526,19 +532,7 @@ def shared_reloads(requests: int) -> tuple[dict[str, int], int]:
         for _ in range(requests):
             randomise(all_tensors(parts), generator)
             host_idx, device_idx = make_indices("mha", pool, "scattered", 64, generator)
-            pairs = list(zip(*reference_slots("mha", pool, host_idx, device_idx), strict=True))
-            expected = as_bytes([device for part in parts for device in part.devices])
-            for layer in range(LAYERS):
-                for p, part in enumerate(parts):
-                    for slot, row in pairs:
-                        want = expected[p * LAYERS + layer]
-                        want[row] = part.row(part.host.view(torch.uint8), layer, slot)
-                pool.load_to_device_per_layer(
-                    device_pool_of("mha", pool), host_idx, device_idx, layer, "direct"
-                )
-            devices = [device for part in parts for device in part.devices]
-            for device, want in zip(devices, expected, strict=True):
-                assert torch.equal(device.view(torch.uint8), want)
+            reload_every_layer(pool, parts, host_idx, device_idx)
     new = {k: v - before.get(k, 0) for k, v in fallbacks().items() if v != before.get(k, 0)}
     return new, sum(paths_taken().values()) - served_before
 
