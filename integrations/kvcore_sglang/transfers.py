@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +62,8 @@ from kvcore.planning import (
     plan_for,
 )
 from kvcore.runs import run_count_up_to
+from kvcore.stock_share import REASON as STOCK_SHARE
+from kvcore.stock_share import StockShare
 from kvcore.transfer_sides import CheckedSides, check_sides
 
 from . import guard, pool_jobs
@@ -316,20 +317,16 @@ def serve_rule_enabled() -> bool:
     return _settings().serve_rule
 
 
-def stock_share() -> float:
-    """The share of the reloads kvcore would serve that go to stock's copy instead
+@functools.cache
+def stock_share() -> StockShare:
+    """The draws of the reloads kvcore would serve that go to stock's copy instead
     (``KVCORE_STOCK_SHARE``, read once): an A/B of the two copies in one process."""
-    return _settings().stock_share
+    return StockShare(_settings().stock_share)
 
 
 @functools.cache
 def _settings() -> KVCoreConfig:
     return KVCoreConfig.from_env()
-
-
-STOCK_SHARE = "stock_share"
-# Seeded: two runs of one trace draw the same reloads for stock.
-STOCK_SHARE_DRAWS = random.Random(0)
 
 
 # The pool classes kvcore serves, by the kind the rule's rows name.
@@ -404,7 +401,7 @@ def _start_load(
                 reason = indices
             else:
                 reason = _host_runs_pass(rule, tokens, indices.host, chosen_mover.policy)
-    if reason is None and (share := stock_share()) and STOCK_SHARE_DRAWS.random() < share:
+    if reason is None and stock_share().drawn():
         reason = STOCK_SHARE
     if reason is None:
         _count_serve(chosen_mover)

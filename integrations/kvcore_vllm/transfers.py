@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -55,6 +54,8 @@ from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import policy_from_config
 from kvcore.planning import plan
 from kvcore.runs import has_duplicates
+from kvcore.stock_share import REASON as STOCK_SHARE
+from kvcore.stock_share import StockShare
 from kvcore.streams import CudaStreams, NamedStreams, OrderedJobs
 from kvcore.warm_up import warm_up
 from kvcore_vllm.installation import INSTALLATION
@@ -220,8 +221,7 @@ class KVCoreOffloadingHandler:
         self._pairs: dict[tuple[int, ...], LayerPairs] = {}
         self._batches_by_groups: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
         self._stock_rules = stock_rules
-        self._ab_share = 0.0 if self.gpu_to_cpu else stock_share
-        self._ab_draws = random.Random(ab_seed)
+        self._stock_share = StockShare(0.0 if self.gpu_to_cpu else stock_share, ab_seed)
         self._groups: list[_Group | str] = self._describe_groups()
         self._page_bytes = max(_page_bytes(t) for t in self._stock.gpu_tensors)
         self._max_tensors = max(
@@ -264,7 +264,7 @@ class KVCoreOffloadingHandler:
         else:
             cpu_spec = dst_spec if self.gpu_to_cpu else src_spec
             reason = self._take(job_id, gpu_spec, cpu_spec)
-        if self._ab_share:
+        if self._stock_share.share:
             logger.info(
                 "%s job %d, %d blocks: %s",
                 AB_LOG_PREFIX,
@@ -319,8 +319,8 @@ class KVCoreOffloadingHandler:
         reason = self._unsupported_group(segments)
         if reason is None:
             reason = self._stock_is_cheaper(segments)
-        if reason is None and self._ab_share and self._ab_draws.random() < self._ab_share:
-            reason = "stock_share"
+        if reason is None and self._stock_share.drawn():
+            reason = STOCK_SHARE
         if reason is not None:
             return reason
         work, reason = self._plan(segments)

@@ -20,6 +20,7 @@ import torch
 
 from kvcore.bench.sglang.hicache_live_rig import LayerReads, Rig, sync
 from kvcore.bench.sglang.hicache_trace import Request, last_token_id, make_trace
+from kvcore.stock_share import REASON as STOCK_SHARE
 
 
 @dataclass
@@ -132,13 +133,13 @@ def _load_counts() -> tuple[int, int]:
 
     snapshot = METRICS.snapshot()
     transfers = sum(row["count"] for row in snapshot["transfers"] if row["direction"] == "h2d")
-    return transfers, snapshot["fallbacks"].get("stock_share", 0)
+    return transfers, snapshot["fallbacks"].get(STOCK_SHARE, 0)
 
 
 def _copy_since(counted: tuple[int, int]) -> str:
     transfers, shared = _load_counts()
     if shared > counted[1]:
-        return "stock_share"
+        return STOCK_SHARE
     return "kvcore" if transfers > counted[0] else "stock"
 
 

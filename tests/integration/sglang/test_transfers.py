@@ -38,6 +38,7 @@ from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover, PathPolicy, StagingBuffers
+from kvcore.stock_share import StockShare
 from kvcore.warm_up import WarmUp
 from kvcore_sglang import call_memos, guard, hook_mover, plugin, pool_jobs, pool_warm_up, transfers
 
@@ -542,12 +543,13 @@ def test_a_stock_share_passes_drawn_reloads_whole_and_counts_each_once(
 ):
     transfer_hooks()
     use_mover(small_policy_mover())
-    monkeypatch.setattr(transfers, "stock_share", lambda: 1.0)
+    every = StockShare(1.0)
+    monkeypatch.setattr(transfers, "stock_share", lambda: every)
     passed, served = shared_reloads(requests=3)
     # Each reload is one pass, its layers all stock's.
     assert passed == {transfers.STOCK_SHARE: 3} and served == 0
-    monkeypatch.setattr(transfers, "stock_share", lambda: 0.5)
-    monkeypatch.setattr(transfers, "STOCK_SHARE_DRAWS", transfers.random.Random(0))
+    half = StockShare(0.5)
+    monkeypatch.setattr(transfers, "stock_share", lambda: half)
     passed, served = shared_reloads(requests=8)
     to_stock = passed.get(transfers.STOCK_SHARE, 0)
     assert set(passed) <= {transfers.STOCK_SHARE} and 0 < to_stock < 8
