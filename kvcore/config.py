@@ -308,11 +308,21 @@ class KVCoreConfig:
         if not log.handlers and not logging.getLogger().handlers:
             # Engines configure their own loggers, not the root: without a handler Python
             # prints warnings and errors only, and kvcore's activation line would be lost.
-            handler = logging.StreamHandler()
+            handler = _UntilRootPrints()
             handler.setFormatter(
                 logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S")
             )
             log.addHandler(handler)
+
+
+class _UntilRootPrints(logging.StreamHandler):  # type: ignore[type-arg]
+    """kvcore's own handler, silent once the root logger has a handler: a process may
+    configure the root after kvcore did (vLLM's engine core does), and the record, which
+    still propagates, must not print twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ BASELINE_MODE = "stock"
 AB_LINE = re.compile(r"kvcore A/B: load job (\d+), (\d+) blocks: (\S+)")
 KVCORE_COPY = "kvcore"
 STOCK_SHARE = "stock_share"
+ATTRIBUTED = "every load job's copy attributed"
 SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 GAUGE_LINE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) gauge\s*$")
 
@@ -404,11 +405,16 @@ def machine_id() -> str:
 
 
 def ab_copies(log: Path, offset: int) -> list[str]:
-    """The copies the server's A/B lines name, in order, from byte ``offset`` of ``log``."""
+    """The copies the server's A/B lines name, one a load job in the order first logged,
+    from byte ``offset`` of ``log``. A job's line may be there more than once (a process
+    whose root logger prints it beside another handler, workers of one engine)."""
     with log.open("rb") as stream:
         stream.seek(offset)
         text = stream.read().decode("utf-8", "replace")
-    return [match.group(3) for match in AB_LINE.finditer(text)]
+    by_job: dict[str, str] = {}
+    for match in AB_LINE.finditer(text):
+        by_job.setdefault(match.group(1), match.group(3))
+    return list(by_job.values())
 
 
 def attribute_copies(results: list[Result], copies: list[str]) -> str | None:
@@ -422,6 +428,24 @@ def attribute_copies(results: list[Result], copies: list[str]) -> str | None:
         result.copies = copies[taken : taken + count]
         taken += count
     return None
+
+
+def attribution(results: list[Result], log: Path, offset: int) -> str:
+    """Attribute the copies of ``log`` (from ``offset``) to ``results``; what came of it."""
+    problem = attribute_copies(results, ab_copies(log, offset))
+    return problem or ATTRIBUTED
+
+
+def reattribute(report: dict[str, Any], log: Path) -> dict[str, Any]:
+    """``report`` with its sequential requests' copies taken again from the server's saved
+    ``log`` (from the offset the run recorded; 0 for reports written before they did)."""
+    results = [Result(**request) for request in report["sequential_requests"]]
+    outcome = attribution(results, log, int(report.get("ab_log_offset", 0)))
+    return {
+        **report,
+        "ab_attribution": outcome,
+        "sequential_requests": [asdict(r) for r in results],
+    }
 
 
 def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
@@ -482,8 +506,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = run_sequential(server, sequential, args.seed)
     wall_s = time.perf_counter() - started
     if args.ab_log is not None:
-        problem = attribute_copies(results, ab_copies(args.ab_log, ab_offset))
-        report["ab_attribution"] = problem or "every load job's copy attributed"
+        report["ab_log_offset"] = ab_offset
+        report["ab_attribution"] = attribution(results, args.ab_log, ab_offset)
     report["sequential"] = summarize(results, wall_s)
     report["sequential_requests"] = [asdict(r) for r in results]
     if args.concurrency > 1:
@@ -649,6 +673,16 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
     return summary
 
 
+def print_ab(rows: list[dict[str, Any]]) -> None:
+    for ab in rows:
+        print(
+            f"{'':>20}A/B {ab['first_turn_tokens']:>5} tokens: kvcore "
+            f"{ab['kvcore_ttft_ms_p50']} ms ({ab['kvcore_hits']}) against stock "
+            f"{ab['stock_ttft_ms_p50']} ms ({ab['stock_hits']}), difference "
+            f"{ab['ttft_ms_p50_difference']} {ab['ttft_ms_difference_interval']}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -669,6 +703,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the server's log, where kvcore logs each load's copy (KVCORE_STOCK_SHARE): "
         "the sequential requests get their loads' copies, and combine compares the arms",
     )
+    again = commands.add_parser(
+        "attribute",
+        help="a run's report with its loads' copies taken again from the saved server log",
+    )
+    again.add_argument("report", type=Path)
+    again.add_argument("--ab-log", type=Path, required=True)
+    again.add_argument("--out", type=Path, required=True)
     both = commands.add_parser("combine", help="one summary of several modes' reports")
     both.add_argument("reports", type=Path, nargs="+")
     both.add_argument("--out", type=Path, required=True)
@@ -682,6 +723,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         print(json.dumps({"mode": args.mode, **report["sequential"]}, indent=1))
         return 0
+    if args.command == "attribute":
+        report = reattribute(json.loads(args.report.read_text(encoding="utf-8")), args.ab_log)
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        print(f"{report['label']}: {report['ab_attribution']}")
+        return 0 if report["ab_attribution"] == ATTRIBUTED else 1
     reports = []
     for path in args.reports:
         report = json.loads(path.read_text(encoding="utf-8"))
@@ -696,13 +742,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{mode:>18}: hit TTFT p50 {row['ttft_ms_p50']} ms p99 {row['ttft_ms_p99']} ms, "
             f"{row['tokens_per_s']} tok/s, outputs identical: {row['outputs_identical']}"
         )
-        for ab in row.get("in_process_ab", []):
-            print(
-                f"{'':>20}A/B {ab['first_turn_tokens']:>5} tokens: kvcore "
-                f"{ab['kvcore_ttft_ms_p50']} ms ({ab['kvcore_hits']}) against stock "
-                f"{ab['stock_ttft_ms_p50']} ms ({ab['stock_hits']}), difference "
-                f"{ab['ttft_ms_p50_difference']} {ab['ttft_ms_difference_interval']}"
-            )
+        print_ab(row.get("in_process_ab", []))
     return 0
 
 

@@ -490,22 +490,25 @@ def test_a_retired_setting_is_named_as_such_and_ignored(name, caplog, monkeypatc
 def test_logging_gets_a_handler_only_where_nothing_would_print_info():
     """In an engine process nothing configures the root logger, and Python alone prints
     only warnings: kvcore's own handler shows its info lines, once each, however often
-    logging is configured; where the root has a handler, kvcore adds none."""
+    logging is configured; where the root has a handler, kvcore adds none; where the root
+    gets one later (vLLM's engine core), each line still prints once, through the root."""
     script = (
         "import logging, sys\n"
         "from kvcore.config import KVCoreConfig\n"
         "if sys.argv[1] == 'rooted': logging.basicConfig(format='root %(message)s')\n"
         "for _ in range(3): KVCoreConfig().configure_logging()\n"
+        "if sys.argv[1] == 'rooted later': logging.basicConfig(format='root %(message)s')\n"
         "logging.getLogger('kvcore.x').info('kvcore: hello')\n"
         "print(len(logging.getLogger('kvcore').handlers))\n"
     )
-    lone, rooted = (
+    lone, rooted, rooted_later = (
         subprocess.run(
             [sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60
         )
-        for mode in ("lone", "rooted")
+        for mode in ("lone", "rooted", "rooted later")
     )
     assert lone.stdout == "1\n" and lone.stderr.count("kvcore: hello") == 1
     assert lone.stderr.startswith("INFO ")
     # The engine's root handler prints it, once.
     assert rooted.stdout == "0\n" and rooted.stderr == "root kvcore: hello\n"
+    assert rooted_later.stdout == "1\n" and rooted_later.stderr == "root kvcore: hello\n"

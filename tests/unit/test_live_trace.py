@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -363,6 +364,57 @@ def test_copies_are_not_attributed_where_the_log_and_the_job_counts_disagree():
     assert results[0].copies == []
     assert live_trace.attribute_copies(results, ["kvcore", "stock_share"]) is None
     assert results[0].copies == ["kvcore", "stock_share"]
+
+
+def test_a_load_jobs_line_logged_twice_counts_once(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "INFO kvcore A/B: load job 0, 3 blocks: few_pages\n"
+        "(EngineCore) INFO kvcore A/B: load job 4, 9 blocks: kvcore\n"
+        "(EngineCore) INFO:kvcore.vllm:kvcore A/B: load job 4, 9 blocks: kvcore\n"
+        "(EngineCore) INFO kvcore A/B: load job 7, 9 blocks: stock_share\n"
+        "(EngineCore) INFO:kvcore.vllm:kvcore A/B: load job 7, 9 blocks: stock_share\n"
+    )
+    assert live_trace.ab_copies(log, 0) == ["few_pages", "kvcore", "stock_share"]
+    offset = len(log.read_text().splitlines()[0]) + 1
+    assert live_trace.ab_copies(log, offset) == ["kvcore", "stock_share"]
+
+
+def test_attribute_takes_the_copies_again_from_the_saved_log(tmp_path):
+    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_JOBS: 1.0}
+    requests = [
+        live_trace.Result(c, 2048, 1, 2200, 0.07, 0.08, [c], dict(counted)) for c in range(3)
+    ]
+    log = tmp_path / "server.log"
+    log.write_text(
+        "INFO kvcore A/B: load job 1, 3 blocks: few_pages\n"
+        + "".join(
+            f"INFO kvcore A/B: load job {job}, 9 blocks: {copy}\n" * 2
+            for job, copy in ((5, "kvcore"), (6, "stock_share"), (8, "kvcore"))
+        )
+    )
+    report = {
+        "label": "kvcore-ab",
+        "ab_log_offset": len("INFO kvcore A/B: load job 1, 3 blocks: few_pages\n"),
+        "ab_attribution": "6 A/B lines for 3 load jobs; copies not attributed",
+        "sequential_requests": [asdict(r) for r in requests],
+    }
+    path, out = tmp_path / "report.json", tmp_path / "again.json"
+    path.write_text(json.dumps(report))
+    argv = ["attribute", str(path), "--ab-log", str(log), "--out", str(out)]
+    assert live_trace.main(argv) == 0
+    again = json.loads(out.read_text())
+    assert again["ab_attribution"] == live_trace.ATTRIBUTED
+    assert [r["copies"] for r in again["sequential_requests"]] == [
+        ["kvcore"],
+        ["stock_share"],
+        ["kvcore"],
+    ]
+    # Without the recorded offset the start-up line is counted, and nothing is attributed.
+    del report["ab_log_offset"]
+    path.write_text(json.dumps(report))
+    assert live_trace.main(argv) == 1
+    assert json.loads(out.read_text())["sequential_requests"][0]["copies"] == []
 
 
 def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_out():
