@@ -69,6 +69,25 @@ def test_summary_counts_load_backs_mismatches_and_what_the_cache_did():
     assert large["loadbacks"] == 2
 
 
+def test_an_ab_run_counts_each_copy_and_compares_only_where_stock_was_drawn():
+    passed = [result(i, 512, 500, 2.0 + i, copy="stock") for i in range(3)]
+    summary = summarize([*passed, result(3, 512, 0, None)], CacheCounters(), TOKEN_BYTES)
+    assert summary["loadback_copies"] == {"stock": 3} and "in_process_ab" not in summary
+    drawn = [
+        result(0, 512, 500, 2.0, copy="kvcore"),
+        result(1, 512, 500, 3.0, copy="stock_share"),
+        result(2, 512, 500, 5.0, copy="stock_share"),
+        result(3, 8192, 8000, 9.0, copy="stock"),
+    ]
+    summary = summarize(drawn, CacheCounters(), TOKEN_BYTES)
+    assert summary["loadback_copies"] == {"kvcore": 1, "stock": 1, "stock_share": 2}
+    (row,) = summary["in_process_ab"]
+    assert (row["kvcore_loadbacks"], row["stock_loadbacks"]) == (1, 2)
+    assert row["ms_p50_difference"] == -2.0
+    plain = summarize([result(0, 512, 500, 2.0)], CacheCounters(), TOKEN_BYTES)
+    assert "loadback_copies" not in plain and "in_process_ab" not in plain
+
+
 def test_counters_wrap_the_cache_methods_and_still_return_their_results():
     class Evicted:
         num_tokens_evicted = 64

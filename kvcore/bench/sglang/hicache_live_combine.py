@@ -48,6 +48,7 @@ def mode_summary(report: dict[str, Any]) -> dict[str, Any]:
         "cut_short": summary.get("cut_short", False),
         "evictions": summary["evictions"],
         "write_throughs": summary["write_throughs"],
+        "loadback_copies": summary.get("loadback_copies"),
         "in_process_ab": summary.get("in_process_ab"),
         "patched_targets": len(patched),
         "counters": report.get("kvcore_counters"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,9 +127,16 @@ def summarize(
             "tokens": counters.write_through_tokens,
         },
         "by_size": by_size(results, token_bytes),
-        **(
-            {"in_process_ab": in_process_ab(results)}
-            if any(r.copy == "stock_share" for r in results)
-            else {}
-        ),
+        **(copies_compared(loads) if any(r.copy is not None for r in loads) else {}),
     }
+
+
+def copies_compared(loads: Sequence[RequestResult]) -> dict[str, Any]:
+    """How many load-backs each copy made and, where both kvcore's and the drawn stock
+    copy made some, :func:`in_process_ab`: a run whose rule passed every load-back to
+    SGLang's copy says so (all ``stock``) rather than leaving the comparison empty."""
+    copies = dict(sorted(Counter(r.copy for r in loads if r.copy is not None).items()))
+    compared: dict[str, Any] = {"loadback_copies": copies}
+    if "stock_share" in copies:
+        compared["in_process_ab"] = in_process_ab(loads)
+    return compared

@@ -141,6 +141,9 @@ def test_an_ab_run_shares_its_load_backs_and_compares_the_copies_in_one_process(
     assert summary["checks_failed"] == 0 and summary["mismatched_bytes"] == 0
     loads = [r for r in report["requests"] if r["loadback_ms"] is not None]
     assert {r["copy"] for r in loads} == {"kvcore", "stock_share"}
+    assert summary["loadback_copies"] == {
+        copy: sum(r["copy"] == copy for r in loads) for copy in ("kvcore", "stock_share")
+    }
     assert all(r["copy"] is None for r in report["requests"] if r["loadback_ms"] is None)
     # The warm-up's load-backs draw too, so the counter holds at least the trace's.
     shared = sum(r["copy"] == "stock_share" for r in loads)
