@@ -453,6 +453,8 @@ def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
     against those whose loads were drawn for stock's copy (``stock_share``): TTFT and
     reload medians of each, and kvcore's TTFT median less stock's with its bootstrap
     interval. Both arms share the process, its engine and its drift."""
+    from kvcore.bench.median_difference import median_difference_interval
+
     rows = []
     for size in FIRST_TURN_TOKENS:
         hits = [r for r in requests if r.cpu_tier_hit and r.first_turn_tokens == size]
@@ -463,8 +465,6 @@ def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
         kvcore, stock = arms[KVCORE_COPY], arms[STOCK_SHARE]
         if not kvcore or not stock:
             continue
-        from kvcore.bench.median_difference import median_difference_interval
-
         low, high = median_difference_interval(
             [r.ttft_s for r in kvcore], [r.ttft_s for r in stock], seed=size
         )
@@ -522,14 +522,14 @@ def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[s
     """Per first-turn size, a mode's CPU-tier-hit TTFT against the reference mode's: the
     difference of the medians (negative: faster than the reference) with its bootstrap
     interval, so that a size's gain or loss is told apart from the engine's own spread."""
+    from kvcore.bench.median_difference import median_difference_interval
+
     rows = []
     for size in FIRST_TURN_TOKENS:
         mine = [r.ttft_s for r in requests if r.cpu_tier_hit and r.first_turn_tokens == size]
         theirs = [r.ttft_s for r in reference if r.cpu_tier_hit and r.first_turn_tokens == size]
         if not mine or not theirs:
             continue
-        from kvcore.bench.median_difference import median_difference_interval
-
         low, high = median_difference_interval(mine, theirs, seed=size)
         rows.append(
             {
@@ -673,16 +673,6 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
     return summary
 
 
-def print_ab(rows: list[dict[str, Any]]) -> None:
-    for ab in rows:
-        print(
-            f"{'':>20}A/B {ab['first_turn_tokens']:>5} tokens: kvcore "
-            f"{ab['kvcore_ttft_ms_p50']} ms ({ab['kvcore_hits']}) against stock "
-            f"{ab['stock_ttft_ms_p50']} ms ({ab['stock_hits']}), difference "
-            f"{ab['ttft_ms_p50_difference']} {ab['ttft_ms_difference_interval']}"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -742,7 +732,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{mode:>18}: hit TTFT p50 {row['ttft_ms_p50']} ms p99 {row['ttft_ms_p99']} ms, "
             f"{row['tokens_per_s']} tok/s, outputs identical: {row['outputs_identical']}"
         )
-        print_ab(row.get("in_process_ab", []))
+        for ab in row.get("in_process_ab", []):
+            print(
+                f"{'':>20}A/B {ab['first_turn_tokens']:>5} tokens: kvcore "
+                f"{ab['kvcore_ttft_ms_p50']} ms ({ab['kvcore_hits']}) against stock "
+                f"{ab['stock_ttft_ms_p50']} ms ({ab['stock_hits']}), difference "
+                f"{ab['ttft_ms_p50_difference']} {ab['ttft_ms_difference_interval']}"
+            )
     return 0
 
 
