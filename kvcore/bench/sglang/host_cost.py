@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kvcore import kernels
+from kvcore.bench import phase_timer
 from kvcore.bench.sglang import sweep, sweep_cells, sweep_sides
 from kvcore.bench.sglang.import_stubs import install_torchvision_stub
 from kvcore.bench.sglang.pool_case import Options, PoolCase, pool_case
@@ -48,6 +49,47 @@ CASES: tuple[tuple[str, str, str, int], ...] = (
     ("mha", "page_first", "kernel", 1),
 )
 TOKENS = (512, 2048, 8192, 32768)
+
+_HOOK = "kvcore_sglang.transfers"
+PHASES: tuple[str, ...] = (
+    f"{_HOOK}:_continued",
+    f"{_HOOK}:_later_layer_served",
+    f"{_HOOK}:_call_rule",
+    f"{_HOOK}:_load_layer",
+    f"{_HOOK}:_start_load",
+    f"{_HOOK}:_call_indices",
+    f"{_HOOK}:_host_runs_pass",
+    f"{_HOOK}:_serve_layer",
+    f"{_HOOK}:_layer_buffers",
+    f"{_HOOK}:_kept_layer_job",
+    f"{_HOOK}:_first_plan",
+    f"{_HOOK}:plan_device_indexed_for",
+    f"{_HOOK}:plan_for",
+    "kvcore.planning:span_and_runs_of",
+    "kvcore.planning:_gather_if_host_rules_out_dma",
+    "kvcore.planning:segment_values",
+    "kvcore.planning:_decided",
+    "kvcore.planning:TransferPlan.without_buffers",
+    f"{_HOOK}:_moved_host_rows",
+    "kvcore.mover:Mover.prepare_layers",
+    "kvcore.kernels.reference:prepare_stage_in",
+    "kvcore.kernels.index_upload:IndexUploader.keep",
+    "kvcore.mover:Mover.execute_prepared",
+    "kvcore.mover:Mover._stage_in",
+    "kvcore.staging:_Lease.__enter__",
+    "kvcore.staging:_Lease.__exit__",
+    "kvcore.kernels.reference:stage_in_prepared",
+    "kvcore.kernels.reference:chunk_views",
+    "kvcore.kernels.reference:listed_runs_to_staging",
+    "torch:Tensor.copy_",
+    "torch:Tensor.index_copy_",
+    "kvcore.kernels.cuda:_DeviceRows.ready",
+    "kvcore.kernels.cuda:_CudaIndexedOps._launch",
+    "kvcore.kernels.triton_layers:LayeredLaunch.__call__",
+    "kvcore.mover:Mover._record_layers",
+)
+"""What ``--phases`` times in kvcore's calls: the steps of a load's first call and of a
+later one, outermost first (the times are inclusive)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +280,38 @@ def profile_case(
             fh.write(profile_table(pstats.Stats(profile), requests))
 
 
+def phase_case(
+    case: PoolCase, backend: str, tokens: int, requests: int, path: str, host_frag: str
+) -> None:
+    """Time in each of :data:`PHASES` (and the whole call) over kvcore's first calls and,
+    apart, its later calls (:mod:`kvcore.bench.phase_timer`), added to ``path``."""
+    side = sweep_sides.kvcore_side(case, "load", backend, 1)
+    hook, original = sweep_sides.pool_hook(case, "load"), sweep_sides.pool_method(case, "load")
+    gen = torch.Generator().manual_seed(case.opts.seed)
+    whole = "the whole call"
+    with phase_timer.timing(PHASES) as first, phase_timer.timing(PHASES) as later:
+        for request in range(requests + 1):
+            pools = _request_pools(case, side, tokens, gen, host_frag)
+            sweep_cells.sync_device(case.opts.device)
+            for layer in range(case.opts.layers):
+                times = first if layer == 0 else later
+                times.on = request > 0
+                started = time.perf_counter()
+                hook(original, *pools, layer, backend)
+                elapsed = time.perf_counter() - started
+                if times.on:
+                    times.seconds[whole] = times.seconds.get(whole, 0.0) + elapsed
+                    times.calls[whole] = times.calls.get(whole, 0) + 1
+                times.on = False
+            sweep_cells.sync_device(case.opts.device)
+    label = f"{case.kind}/{case.layout}/{backend}/p{case.page_size} {tokens} tokens"
+    with open(path, "a") as fh:
+        for name, times in (("first calls", first), ("later calls", later)):
+            fh.write(f"== {label}, host slots {host_frag}: {name} of {requests} requests, ")
+            fh.write("inclusive microseconds per request\n")
+            fh.write(times.table(requests, (whole, *PHASES)) + "\n")
+
+
 def profile_table(stats: pstats.Stats, requests: int, top: int = 30) -> str:
     """The ``top`` functions by own time, as microseconds per request (pstats prints
     seconds to three places, which rounds every call of this hot path to 0)."""
@@ -271,17 +345,22 @@ def run(args: argparse.Namespace) -> list[CostRow]:
                 stack.callback(kernels.register_kernels, "cpu", saved)
         cases = _cases(args.cases)
         profiled_cases = set(args.profile_cases) or ({_name(cases[0])} if cases else set())
-        if args.profile:
-            open(args.profile, "w").close()
+        for path in (args.profile, args.phases):
+            if path:
+                open(path, "w").close()
         for kind, layout, backend, page in cases:
             tokens = [t for t in args.tokens if t % page == 0]
             opts = Options(tokens=max(tokens), layers=args.layers, device=device)
             with pool_case(kind, layout, page, opts) as case:
-                if args.profile and _name((kind, layout, backend, page)) in profiled_cases:
-                    profiled = args.profile_tokens if args.profile_tokens in tokens else tokens[0]
+                looked_at = _name((kind, layout, backend, page)) in profiled_cases
+                profiled = args.profile_tokens if args.profile_tokens in tokens else tokens[0]
+                if args.profile and looked_at:
                     profile_case(
                         case, backend, profiled, args.requests, args.profile, args.host_frag[0]
                     )
+                if args.phases and looked_at:
+                    for frag in args.host_frag:
+                        phase_case(case, backend, profiled, args.requests, args.phases, frag)
                 for count in tokens:
                     for frag in args.host_frag:
                         for row in measure_case(
@@ -336,10 +415,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--profile", help="write a cProfile of kvcore's calls here")
     p.add_argument(
+        "--phases",
+        help="write the time in each step of kvcore's calls here (every --host-frag level)",
+    )
+    p.add_argument(
         "--profile-cases",
         nargs="*",
         default=[],
-        help="the cases --profile profiles, one after another (default: the first case)",
+        help="the cases --profile and --phases look at, one after another (default: the first)",
     )
     p.add_argument(
         "--profile-tokens",

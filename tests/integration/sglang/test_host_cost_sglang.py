@@ -72,3 +72,28 @@ def test_with_the_rule_on_a_passing_reload_runs_its_later_layers_through_the_bin
     assert rows[128]["bound_share"] == 1.0 and rows[128]["paths"] == []
     assert rows[4096]["bound_share"] == 0.0 and rows[4096]["paths"]
     assert not stock_binding.PASSING  # the pools are gone, and their bindings with them
+
+
+def test_phases_break_down_first_and_later_calls_at_each_host_level(tmp_path: Path) -> None:
+    phases = tmp_path / "phases.txt"
+    argv = ["--device", "cpu", "--no-copy", "--tokens", "128", "--layers", "3", "--requests"]
+    argv += ["2", "--cases", "mla/layer_first/kernel/p1", "--host-frag", "0%,100%"]
+    assert host_cost.main([*argv, "--phases", str(phases)]) == 0
+    sections = phases.read_text().split("== ")[1:]
+    titles = [s.splitlines()[0] for s in sections]
+    assert [t.split(": ")[0] for t in titles] == [
+        f"mla/layer_first/kernel/p1 128 tokens, host slots {level}"
+        for level in ("0%", "0%", "100%", "100%")
+    ]
+    assert [t.split(": ")[1].split(" of ")[0] for t in titles] == ["first calls", "later calls"] * 2
+
+    def calls(section: str, name: str) -> float:
+        line = next(x for x in section.splitlines() if x.endswith(f" {name}"))
+        return float(line.split()[1])
+
+    plan = f"{host_cost._HOOK}:_first_plan"
+    for first, later in (sections[0:2], sections[2:4]):
+        # Per request: one first call that plans, two later calls that plan nothing.
+        assert calls(first, "the whole call") == 1.0 and calls(later, "the whole call") == 2.0
+        assert calls(first, plan) == 1.0 and calls(later, plan) == 0.0
+        assert calls(later, f"{host_cost._HOOK}:_later_layer_served") == 2.0
