@@ -195,8 +195,11 @@ def _run_count(values: np.ndarray, count_up_to: int | None) -> int:
     steps, _, breaks, _, _ = SCRATCH.arrays(values.size - 1)
     last = values.size - 1
     # A prefix pays where it can spare most of the index: below twice its length, the
-    # second pass's calls cost more than the differences it spares.
-    head = last if count_up_to is None or last <= 2 * COUNT_PREFIX else COUNT_PREFIX
+    # second pass's calls cost more than the differences it spares. Ends a whole run
+    # apart (what one run has, and a staged plan's host slots mostly are) skip it: the
+    # prefix would find no break, and the rest would be read anyway.
+    whole = count_up_to is None or last <= 2 * COUNT_PREFIX or values[last] - values[0] == last
+    head = last if whole else COUNT_PREFIX
     _steps_and_breaks(values[: head + 1], steps[:head], breaks[:head])
     run_count = int(np.count_nonzero(breaks[:head])) + 1
     # A count of one stays exact whatever the limit: callers take its ends as its bounds.

@@ -8,8 +8,9 @@
 #   OUT=<dir> bash scripts/first_call_gpu.sh
 #
 # Settings: CASES (host_cost cases, mla/layer_first/kernel/p1), TOKENS (the CUDA rows' sizes,
-# 8192,131072; the phases are taken at the first), GPU_TESTS_S (the tests' limit, 400; 0
-# skips them). Writes under $OUT: env.txt, host_cost.log, phases_cpu.txt, phases_cuda.txt,
+# 8192,131072; the phases are taken at the first), CPU_PHASES (0 skips the CPU run),
+# GPU_TESTS (the test paths, in order: tests/gpu), GPU_TESTS_S (their limit, 400; 0 skips
+# them). Writes under $OUT: env.txt, host_cost.log, phases_cpu.txt, phases_cuda.txt,
 # host_cost_cpu.json, host_cost_cuda.json, pytest-gpu.log.
 set -uo pipefail
 OUT=${OUT:-out/first-call}
@@ -21,16 +22,20 @@ read -r -a cases <<<"${CASES:-mla/layer_first/kernel/p1}"
 tokens=${TOKENS:-8192,131072}
 common=(--cases "${cases[@]}" --layers 61 --host-frag 0%,100% --requests 20)
 common+=(--profile-cases "${cases[@]}" --profile-tokens "${tokens%%,*}")
-timeout 120 python3 -m kvcore.bench.sglang.host_cost --device cpu --no-copy "${common[@]}" \
-    --tokens "${tokens%%,*}" --phases "$OUT/phases_cpu.txt" --json "$OUT/host_cost_cpu.json" \
-    2>&1 | grep -v '^INFO' >"$OUT/host_cost.log" || rc=1
+: >"$OUT/host_cost.log"
+if [ "${CPU_PHASES:-1}" != 0 ]; then
+    timeout 120 python3 -m kvcore.bench.sglang.host_cost --device cpu --no-copy "${common[@]}" \
+        --tokens "${tokens%%,*}" --phases "$OUT/phases_cpu.txt" \
+        --json "$OUT/host_cost_cpu.json" 2>&1 | grep -v '^INFO' >>"$OUT/host_cost.log" || rc=1
+fi
 timeout 200 python3 -m kvcore.bench.sglang.host_cost --device cuda "${common[@]}" \
     --tokens "$tokens" --phases "$OUT/phases_cuda.txt" --json "$OUT/host_cost_cuda.json" \
     2>&1 | grep -v '^INFO' >>"$OUT/host_cost.log" || rc=1
 grep -E ' (stock|kvcore) ' "$OUT/host_cost.log"
 if [ "${GPU_TESTS_S:-400}" != 0 ]; then
-    timeout "${GPU_TESTS_S:-400}" python3 -m pytest -q -p no:cacheprovider tests/gpu -m gpu \
-        >"$OUT/pytest-gpu.log" 2>&1 || rc=1
+    read -r -a test_paths <<<"${GPU_TESTS:-tests/gpu}"
+    timeout "${GPU_TESTS_S:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+        "${test_paths[@]}" >"$OUT/pytest-gpu.log" 2>&1 || rc=1
     tail -n 5 "$OUT/pytest-gpu.log"
 fi
 echo "first_call_gpu: rc=$rc after $(($(date +%s) - started)) s"

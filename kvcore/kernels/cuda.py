@@ -552,7 +552,7 @@ def _staged_units(
         typed = rows_of.get((src_words.dtype, words))
         if typed is None:
             # The buffer as rows of this pair's words: a unit's staging rows are one slice.
-            typed = reference.staging_words(staging, slot_rows * slots, src_words)
+            typed = reference.buffer_rows(staging, slot_rows * slots, src_words)
             rows_of[(src_words.dtype, words)] = typed
         for host_runs, rows_on_device, rows in chunks:
             begin = unit % slots * slot_rows

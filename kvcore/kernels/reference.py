@@ -119,6 +119,40 @@ def staging_words(staging: torch.Tensor, rows: int, like: torch.Tensor) -> torch
     return staging[:needed].view(like.dtype).view(rows, words)
 
 
+_KEPT_ROWS = "_kvcore_rows_by_word"
+"""The attribute of a staging buffer's tensor that holds :func:`buffer_rows`' views."""
+
+
+def buffer_rows(staging: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """:func:`staging_words`, made from whole-buffer rows kept on the buffer's tensor, one
+    set per word view: a request's first layer then slices once instead of viewing three
+    times. The kept rows are set on the buffer's storage, not viewed from its tensor: a
+    view would hold the tensor, and a tensor's attribute holding its own view is a cycle
+    the collector cannot see, which would keep the buffer's memory for good."""
+    words, size = like.shape[1], like.element_size()
+    key = (like.dtype, words)
+    kept = staging.__dict__.get(_KEPT_ROWS)
+    whole = None if kept is None else kept.get(key)
+    if whole is None:
+        offset, row_bytes = staging.storage_offset(), words * size
+        if staging.dtype != torch.uint8 or not staging.is_contiguous() or offset % size:
+            return staging_words(staging, rows, like)
+        whole = torch.empty(0, dtype=like.dtype, device=staging.device).set_(
+            staging.untyped_storage(),
+            offset // size,
+            (staging.numel() // row_bytes, words),
+            (words, 1),
+        )
+        if kept is None:
+            kept = {}
+            setattr(staging, _KEPT_ROWS, kept)
+        kept[key] = whole
+    if rows > whole.shape[0]:
+        needed = rows * words * size
+        raise ValueError(f"{needed} bytes do not fit a staging buffer of {staging.numel()}")
+    return whole[:rows]
+
+
 def copy_runs(src_words: torch.Tensor, dst_words: torch.Tensor, runs: PairedRuns) -> None:
     """One copy per paired run."""
     for src_start, dst_start, length in zip(
@@ -175,9 +209,12 @@ def listed_runs_to_staging(
 ) -> None:
     """:func:`runs_to_staging` of runs already listed as ``(start, length)``."""
     position = 0
+    rows = staging.shape[0]
     for start, length in host_runs:
         host = host_words[start : start + length]
-        staged = staging[position : position + length]
+        # A chunk of one run fills its staging rows: no slice of them to make.
+        whole = length == rows and not position
+        staged = staging if whole else staging[position : position + length]
         if into_staging:
             staged.copy_(host, non_blocking=True)
         else:
@@ -259,11 +296,15 @@ def prepare_stage_in(
     """``chunks`` of a staged page-in into rows ``dst_idx`` of ``device``, for
     :func:`stage_in_prepared` on each layer."""
     on_device = index_on(dst_idx, device)
+    entries = on_device.shape[0]
     return PreparedStageIn(
         tuple(
             (
                 tuple(chunk.host_runs.as_list()),
-                on_device[chunk.begin : chunk.end],
+                # A request's one chunk takes the whole index: no slice to make.
+                on_device
+                if chunk.begin == 0 and chunk.end == entries
+                else on_device[chunk.begin : chunk.end],
                 chunk.end - chunk.begin,
             )
             for chunk in chunks
@@ -279,7 +320,7 @@ def chunk_views(
     key = (staging.data_ptr(), like.dtype, like.shape[1])
     views = prepared.views.get(key)
     if views is None:
-        views = [staging_words(staging, rows, like) for _, _, rows in prepared.chunks]
+        views = [buffer_rows(staging, rows, like) for _, _, rows in prepared.chunks]
         prepared.views[key] = views
     return views
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from kvcore.kernels import (
 )
 from kvcore.kernels.reference import (
     as_row_words,
+    buffer_rows,
     copy_runs,
     gather_rows,
     index_copy_rows,
@@ -145,6 +148,40 @@ def test_staging_words_views_the_buffer_front():
     assert view.data_ptr() == buffer.data_ptr()
     with pytest.raises(ValueError):
         staging_words(buffer, 9, like)
+
+
+def test_buffer_rows_are_staging_words_kept_on_the_buffer_without_holding_it():
+    gen = torch.Generator().manual_seed(5)
+    buffer = random_bytes(100, gen)
+    like = torch.zeros(3, 6, dtype=torch.int16)
+    first = buffer_rows(buffer, 8, like)
+    assert torch.equal(first, staging_words(buffer, 8, like))
+    assert first.data_ptr() == buffer.data_ptr() and first.shape == (8, 6)
+    # Another request's rows come from the same kept rows; writes land in the buffer.
+    again = buffer_rows(buffer, 5, like)
+    assert again._base is first._base and again._base is not None
+    again.fill_(7)
+    assert torch.equal(buffer[:60], torch.full((30,), 7, dtype=torch.int16).view(torch.uint8))
+    with pytest.raises(ValueError, match="do not fit"):
+        buffer_rows(buffer, 9, like)
+    # The kept rows do not keep the buffer's tensor: it goes once dropped, with no collector.
+    gone = weakref.ref(buffer)
+    del buffer, first, again
+    assert gone() is None
+
+
+def test_buffer_rows_of_a_buffer_that_starts_inside_its_storage_start_there_too():
+    base = torch.arange(102, dtype=torch.int64).to(torch.uint8)
+    inner = base[2:]
+    rows = buffer_rows(inner, 8, torch.zeros(1, 6, dtype=torch.int16))
+    assert rows.data_ptr() == inner.data_ptr()
+    assert torch.equal(rows.reshape(-1).view(torch.uint8), base[2:98])
+    # A buffer strided over its storage gets plain views, and nothing kept on it.
+    strided = base[::2]
+    assert torch.equal(
+        buffer_rows(strided, 2, torch.zeros(1, 6, dtype=torch.uint8)), strided[:12].view(2, 6)
+    )
+    assert "_kvcore_rows_by_word" not in vars(strided)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int16, torch.uint8])

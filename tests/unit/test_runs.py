@@ -279,6 +279,23 @@ def test_a_bounded_run_count_still_bounds_every_entry() -> None:
     assert span_and_run_count(index, 10**6, count_up_to=1) == (long_run + 5, 2)
 
 
+def test_a_bounded_count_of_ends_one_run_apart_reads_the_whole_index() -> None:
+    # First and last entry a run apart, but the middle shuffled: counted over every entry
+    # in one pass (no prefix), exact within the bound and above it past the bound.
+    n = 4 * COUNT_PREFIX
+    middle = torch.randperm(n - 2, generator=torch.Generator().manual_seed(4)) + 1
+    shuffled = torch.cat([torch.tensor([0]), middle, torch.tensor([n - 1])])
+    assert shuffled[-1] - shuffled[0] == n - 1
+    exact = find_runs(shuffled).count
+    assert run_count_up_to(shuffled, 3) > 3 and run_count_up_to(shuffled, n) == exact
+    # One entry moved near the end: three breaks, all past the prefix, counted exactly.
+    swapped = torch.cat([torch.arange(3 * COUNT_PREFIX), torch.arange(3 * COUNT_PREFIX, n)[1:]])
+    swapped = torch.cat([swapped[:-1], torch.tensor([3 * COUNT_PREFIX]), swapped[-1:]])
+    assert swapped[-1] - swapped[0] == n - 1
+    assert run_count_up_to(swapped, 8) == find_runs(swapped).count == 4
+    assert span_and_run_count(swapped, n, count_up_to=8) == (n, 4)
+
+
 def test_a_limit_of_zero_still_bounds_one_long_run_by_every_entry() -> None:
     # One run through the prefix, an out-of-range entry after it: a count of one is exact.
     index = torch.cat([torch.arange(2 * COUNT_PREFIX + 1), torch.tensor([10**6])])
