@@ -61,7 +61,10 @@ class StagingBuffers:
         """The device's buffer, allocated on first use; called with the device's lock held."""
         buffer = self._buffers.get(device)
         if buffer is None:
-            buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
+            # Never an inference tensor, whatever mode the first lease comes in: one could
+            # not be written outside inference mode, and every later copy would fail.
+            with torch.inference_mode(False):
+                buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
             with self._guard:
                 self._buffers[device] = buffer
         return buffer

@@ -103,7 +103,10 @@ class IndexUploader:
         self.device = device
         self._device_index = torch.cuda._get_device_index(device, optional=True)
         self.slot_entries = slot_entries
-        self._host = torch.empty(slots, slot_entries, dtype=torch.int64).pin_memory()
+        # Never an inference tensor, whatever mode the first upload comes in: the ring is
+        # written on every upload, and one could not be written outside inference mode.
+        with torch.inference_mode(False):
+            self._host = torch.empty(slots, slot_entries, dtype=torch.int64).pin_memory()
         self._done: list[torch.cuda.Event | None] = [None] * slots
         self._next = 0
         self._stream = torch.cuda.Stream(device=device)

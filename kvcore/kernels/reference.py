@@ -137,12 +137,14 @@ def buffer_rows(staging: torch.Tensor, rows: int, like: torch.Tensor) -> torch.T
         offset, row_bytes = staging.storage_offset(), words * size
         if staging.dtype != torch.uint8 or not staging.is_contiguous() or offset % size:
             return staging_words(staging, rows, like)
-        whole = torch.empty(0, dtype=like.dtype, device=staging.device).set_(
-            staging.untyped_storage(),
-            offset // size,
-            (staging.numel() // row_bytes, words),
-            (words, 1),
-        )
+        # Kept for later calls, which may run outside inference mode: a normal tensor.
+        with torch.inference_mode(False):
+            whole = torch.empty(0, dtype=like.dtype, device=staging.device).set_(
+                staging.untyped_storage(),
+                offset // size,
+                (staging.numel() // row_bytes, words),
+                (words, 1),
+            )
         if kept is None:
             kept = {}
             setattr(staging, _KEPT_ROWS, kept)

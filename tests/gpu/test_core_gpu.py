@@ -264,6 +264,30 @@ def test_index_uploads_do_not_wait_for_queued_copies() -> None:
     assert torch.equal(uploader.upload(big).cpu(), big)  # larger than a slot
 
 
+def test_an_uploader_and_staging_made_in_inference_mode_serve_outside_it() -> None:
+    """vLLM's model runner calls under inference mode, other callers do not: the pinned
+    ring and the staging buffer a first call makes must take writes in either mode."""
+    from kvcore.kernels.index_upload import IndexUploader
+    from kvcore.kernels.reference import buffer_rows
+    from kvcore.staging import StagingBuffers
+
+    cuda = torch.device("cuda")
+    staging = StagingBuffers(1 << 20)
+    like = torch.empty(1, 576, dtype=torch.bfloat16, device=cuda)
+    with torch.inference_mode():
+        uploader = IndexUploader(cuda, slots=2, slot_entries=1 << 12)
+        inside = torch.arange(100)
+        assert torch.equal(uploader.upload(inside).cpu(), inside)
+        with staging.lease(cuda) as buffer:
+            buffer_rows(buffer, 8, like).fill_(1)
+    outside = torch.randperm(3000, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(uploader.upload(outside).cpu(), outside)
+    with staging.lease(cuda) as buffer:
+        rows = buffer_rows(buffer, 8, like)
+        rows.fill_(2)
+        assert torch.equal(rows.cpu(), torch.full((8, 576), 2.0, dtype=torch.bfloat16))
+
+
 def test_index_upload_is_reused_per_layer_until_the_index_changes() -> None:
     from kvcore.kernels.index_upload import IndexUploader
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE, KernelSet
+from kvcore.kernels.reference import buffer_rows
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import (
     FALLBACK_REASONS,
@@ -929,3 +930,19 @@ def test_a_plan_executed_again_reuses_its_gather_set_up_until_the_plan_goes(swap
     del chosen, other
     gc.collect()
     assert len(mover._prepared) == 0
+
+
+def test_a_staging_buffer_first_leased_in_inference_mode_takes_writes_outside_it() -> None:
+    # vLLM's model runner runs under inference mode, other callers do not: the buffer, and
+    # the rows kept on it, must take writes in both, whichever mode made them.
+    staging = StagingBuffers(16 * 1152)
+    like = torch.empty(1, 576, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    with torch.inference_mode(), staging.lease(cpu) as buffer:
+        buffer_rows(buffer, 8, like).fill_(1)
+    with staging.lease(cpu) as buffer:
+        assert not buffer.is_inference()
+        buffer[:4].copy_(torch.arange(4, dtype=torch.uint8))
+        rows = buffer_rows(buffer, 8, like)
+        rows.fill_(2)
+        assert torch.equal(buffer[: 8 * 1152].view(torch.bfloat16), torch.full((8 * 576,), 2.0))
