@@ -11,6 +11,7 @@ work, so it sits apart from :mod:`kvcore.mover`, which executes plans.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ from kvcore.runs import (
     slice_runs,
     span_and_runs_of,
     span_of,
+    version_of,
 )
 from kvcore.transfer_sides import CheckedSides, check_sides, no_rows
 
@@ -388,6 +390,44 @@ def _made(fields: dict[str, object], **more: object) -> TransferPlan:
     return made
 
 
+@dataclass(frozen=True, eq=False)
+class HostRunsFound:
+    """A host index's span, its run count up to ``count_up_to`` and its runs where there are
+    that many or fewer (:func:`kvcore.runs.span_and_runs_of`), found before planning: an
+    engine's serve-or-pass rule reads the count on a request's first call, and
+    :func:`plan_device_indexed_for` takes them rather than reading the index again. They
+    hold for ``index`` itself while its version counter is unchanged."""
+
+    index: torch.Tensor
+    version: int
+    count_up_to: int
+    span: int
+    count: int
+    runs: Runs | None
+
+    def hold_for(self, index: torch.Tensor, count_up_to: int) -> bool:
+        return (
+            self.index is index
+            and self.count_up_to == count_up_to
+            and version_of(index) == self.version
+        )
+
+
+def find_host_runs(index: torch.Tensor, count_up_to: int) -> HostRunsFound | None:
+    """:class:`HostRunsFound` of a CPU host index, bounded by nothing yet (the plan checks its
+    buffer's rows); None for an inference tensor (no version counter to hold them by).
+    Raises as :func:`plan_device_indexed` would for an index it refuses: not a 1-D integer
+    CPU tensor, or a negative entry."""
+    values = check_index(index, "the host index").numpy()
+    version = version_of(index)
+    if version is None:
+        return None
+    span, count, runs = span_and_runs_of(
+        values, sys.maxsize, "the host index", count_up_to=count_up_to
+    )
+    return HostRunsFound(index, version, count_up_to, span, count, runs)
+
+
 def plan_device_indexed(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -418,11 +458,16 @@ def plan_device_indexed_for(
     *,
     policy: PathPolicy = PathPolicy(),
     force: TransferPath | None = None,
+    host_found: HostRunsFound | None = None,
 ) -> TransferPlan:
-    """:func:`plan_device_indexed` between buffers :func:`check_sides` has checked."""
+    """:func:`plan_device_indexed` between buffers :func:`check_sides` has checked.
+    ``host_found``: the host index's runs where the caller found them
+    (:func:`find_host_runs`), used where they hold for it."""
     page_in = sides.direction is Direction.H2D
     host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
     host, device = (sides.src, sides.dst) if page_in else (sides.dst, sides.src)
+    if host_found is not None and not host_found.hold_for(host_idx, policy.max_dma_runs):
+        host_found = None
     host_idx = _watchable(check_index(host_idx, "host index"))
     if not isinstance(device_idx, torch.Tensor):
         raise TypeError(f"the device index must be a torch.Tensor, got {type(device_idx).__name__}")
@@ -446,9 +491,14 @@ def plan_device_indexed_for(
         device_idx = _watchable(device_idx)
     # The path needs to know only whether the host runs are few (at most max_dma_runs).
     host_values = host_idx.numpy()
-    host_span, host_run_count, host_runs = span_and_runs_of(
-        host_values, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
-    )
+    if host_found is None:
+        host_span, host_run_count, host_runs = span_and_runs_of(
+            host_values, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
+        )
+    else:
+        host_span, host_run_count, host_runs = host_found.span, host_found.count, host_found.runs
+        if host_span > host.shape[0]:
+            raise ValueError(f"the host index holds {host_span - 1}, outside [0, {host.shape[0]})")
     if not page_in and duplicates_below(host_values, host_span):
         raise ValueError("the host index holds duplicate destinations")
     src_row_bytes = sides.row_bytes

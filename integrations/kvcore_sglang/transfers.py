@@ -55,7 +55,9 @@ from kvcore.layers import layer_pairs
 from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import PathPolicy, TransferPath
 from kvcore.planning import (
+    HostRunsFound,
     TransferPlan,
+    find_host_runs,
     plan,
     plan_device_indexed,
     plan_device_indexed_for,
@@ -199,10 +201,12 @@ def _first_plan(
     chosen_mover: Mover,
     device_opaque: bool,
     kept_sides: CheckedSides | None = None,
+    host_runs: HostRunsFound | None = None,
 ) -> TransferPlan | str:
     """The plan of the job's first pair, or why the call must run stock. ``kept_sides``:
     that pair as checked when its layer's buffers were kept, used where the job's first
-    pair is those very buffers (the plan then checks only the indices)."""
+    pair is those very buffers (the plan then checks only the indices). ``host_runs``:
+    the host rows' runs where the rule found them (used where they are the job's)."""
     page_in = direction is Direction.H2D
     host, device = job.pairs[0]
     src, dst = (host, device) if page_in else (device, host)
@@ -212,8 +216,12 @@ def _first_plan(
         )
         policy = chosen_mover.policy
         if kept_sides is not None and kept_sides.src is src and kept_sides.dst is dst:
-            planner_for = plan_device_indexed_for if device_opaque else plan_for
-            first = planner_for(kept_sides, src_idx, dst_idx, policy=policy)
+            if device_opaque:
+                first = plan_device_indexed_for(
+                    kept_sides, src_idx, dst_idx, policy=policy, host_found=host_runs
+                )
+            else:
+                first = plan_for(kept_sides, src_idx, dst_idx, policy=policy)
         else:
             planner = plan_device_indexed if device_opaque else plan
             first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=policy)
@@ -388,6 +396,7 @@ def _start_load(
     index tensors are tensors (their identity names it); its pass is counted once, here.
     """
     indices: CallIndices | str | None = None
+    host_runs: HostRunsFound | None = None
     tokens = _count_of(host_indices)
     reason = None if rule is None else rule.decision(tokens)
     if reason is None and _inference_indices(host_indices, device_indices):
@@ -400,7 +409,7 @@ def _start_load(
             if isinstance(indices, str):
                 reason = indices
             else:
-                reason = _host_runs_pass(rule, tokens, indices.host, chosen_mover.policy)
+                reason, host_runs = _host_runs_pass(rule, tokens, indices.host, chosen_mover.policy)
     if reason is None and stock_share().drawn():
         reason = STOCK_SHARE
     if reason is None:
@@ -414,6 +423,7 @@ def _start_load(
     )
     request.passes = reason
     request.call_indices = indices
+    request.host_runs = host_runs
     return request
 
 
@@ -430,15 +440,21 @@ def _inference_indices(host_indices: Any, device_indices: Any) -> bool:
 
 def _host_runs_pass(
     rule: serve_rule.SGLangRule | None, tokens: int, host: torch.Tensor, policy: PathPolicy
-) -> str | None:
+) -> tuple[str | None, HostRunsFound | None]:
     """Why the call's ``rule`` passes a request with these host slots (on the CPU), or
     None: few long runs are what kvcore's planner moves by DMA, holding no SMs, and what
     stock's kernel copies fastest; the same slots in another order are as scattered as
-    any (a permutation of one span, for one)."""
+    any (a permutation of one span, for one). With it, the runs it found, for the plan
+    (None where it found none to keep)."""
     if rule is None or not rule.reads_host_runs:
-        return None
+        return None, None
     limit = policy.max_dma_runs
-    return rule.host_decision(tokens, run_count_up_to(host, limit) <= limit)
+    try:
+        found = find_host_runs(host, limit)
+    except ValueError:
+        found = None  # a negative slot: the plan refuses the request, as it always did
+    count = run_count_up_to(host, limit) if found is None else found.count
+    return rule.host_decision(tokens, count <= limit), found
 
 
 def _count_of(indices: Any) -> int:
@@ -536,7 +552,12 @@ def _serve_layer(
         if isinstance(planned_from, str):
             return planned_from
         first = _first_plan(
-            planned_from, Direction.H2D, chosen_mover, indices.device_opaque, buffers.first_sides
+            planned_from,
+            Direction.H2D,
+            chosen_mover,
+            indices.device_opaque,
+            buffers.first_sides,
+            request.host_runs,
         )
         if isinstance(first, str):
             request.passes = first
@@ -787,7 +808,7 @@ def _make_backup_hook(
         if isinstance(indices, str):
             _serve(stock, pool, indices, Direction.D2H, False)
             return
-        passes = _host_runs_pass(rule, tokens, indices.host, mover().policy)
+        passes, _ = _host_runs_pass(rule, tokens, indices.host, mover().policy)
         if passes is not None:
             count_request_pass(mover(), passes)
             stock()

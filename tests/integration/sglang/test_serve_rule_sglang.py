@@ -6,6 +6,7 @@ Pools are built the way SGLang builds them (sglang_pools.py); the stock methods 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Iterator
@@ -583,3 +584,46 @@ def test_a_passing_reloads_binding_keeps_no_pool_alive(monkeypatch, direct_serve
     del pool
     gc.collect()
     assert gone() is None
+
+
+def test_a_served_device_indexed_reload_plans_from_the_runs_its_rule_found(
+    transfer_hooks,  # noqa: F811
+    small_mover,  # noqa: F811
+    monkeypatch,
+):
+    """The rule reads a reload's host slots on its first call (few long runs or not); the
+    plan takes the runs it found instead of reading the slots again, and every layer is
+    still copied byte for byte (tests/unit/test_mover.py: runs that no longer hold)."""
+    from kvcore import planning
+
+    rule = serve_rule.SGLangRule(
+        "load", "*", "*", (1, 1 << 30), 64, "scattered_r", "test", dense_min_tokens=16
+    )
+    monkeypatch.setattr(serve_rule, "SGLANG_RULES", (rule,))
+    serve_rule._sglang_rule.cache_clear()
+    real = transfers._call_indices
+
+    def as_on_device(*args: Any) -> Any:
+        found = real(*args)
+        return found if isinstance(found, str) else dataclasses.replace(found, device_opaque=True)
+
+    monkeypatch.setattr(transfers, "_call_indices", as_on_device)
+    read: list[int] = []
+    segment = planning.span_and_runs_of
+    monkeypatch.setattr(
+        planning,
+        "span_and_runs_of",
+        lambda values, *args, **kwargs: (
+            read.append(values.size) or segment(values, *args, **kwargs)
+        ),
+    )
+    transfer_hooks()
+    pool = pool_for("mha", "layer_first")
+    gen = torch.Generator().manual_seed(13)
+    try:
+        host_idx = torch.arange(40, 72)
+        device_idx = torch.randperm(200, generator=gen)[:32] + 1
+        _load_every_layer_and_check("mha", pool, host_idx, device_idx, "kernel")
+        assert read == [32]  # the rule's look; the plan took what it found
+    finally:
+        serve_rule._sglang_rule.cache_clear()
