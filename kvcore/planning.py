@@ -32,6 +32,7 @@ from kvcore.runs import (
     run_count_of,
     segment_values,
     slice_runs,
+    span_and_one_run,
     span_and_runs_of,
     span_of,
     version_of,
@@ -391,41 +392,31 @@ def _made(fields: dict[str, object], **more: object) -> TransferPlan:
 
 
 @dataclass(frozen=True, eq=False)
-class HostRunsFound:
-    """A host index's span, its run count up to ``count_up_to`` and its runs where there are
-    that many or fewer (:func:`kvcore.runs.span_and_runs_of`), found before planning: an
-    engine's serve-or-pass rule reads the count on a request's first call, and
-    :func:`plan_device_indexed_for` takes them rather than reading the index again. They
+class HostRunFound:
+    """A host index that is one ascending run, found so before planning (an engine's
+    serve-or-pass rule counts its runs on a request's first call): its span and its run,
+    which :func:`plan_device_indexed_for` takes rather than reading the index again. They
     hold for ``index`` itself while its version counter is unchanged."""
 
     index: torch.Tensor
-    version: int
-    count_up_to: int
+    version: int | None
     span: int
-    count: int
-    runs: Runs | None
+    runs: Runs
 
-    def hold_for(self, index: torch.Tensor, count_up_to: int) -> bool:
+    def holds_for(self, index: torch.Tensor) -> bool:
         return (
-            self.index is index
-            and self.count_up_to == count_up_to
-            and version_of(index) == self.version
+            self.version is not None and self.index is index and version_of(index) == self.version
         )
 
 
-def find_host_runs(index: torch.Tensor, count_up_to: int) -> HostRunsFound | None:
-    """:class:`HostRunsFound` of a CPU host index, bounded by nothing yet (the plan checks its
-    buffer's rows); None for an inference tensor (no version counter to hold them by).
-    Raises as :func:`plan_device_indexed` would for an index it refuses: not a 1-D integer
-    CPU tensor, or a negative entry."""
+def one_host_run(index: torch.Tensor) -> HostRunFound:
+    """:class:`HostRunFound` of a CPU host index of two or more entries that its run count
+    says is one run, bounded by nothing yet (the plan checks its buffer's rows). Raises as
+    :func:`plan_device_indexed` would for an index it refuses: not a 1-D integer CPU
+    tensor, or a negative start."""
     values = check_index(index, "the host index").numpy()
-    version = version_of(index)
-    if version is None:
-        return None
-    span, count, runs = span_and_runs_of(
-        values, sys.maxsize, "the host index", count_up_to=count_up_to
-    )
-    return HostRunsFound(index, version, count_up_to, span, count, runs)
+    span, runs = span_and_one_run(values, sys.maxsize, "the host index")
+    return HostRunFound(index, version_of(index), span, runs)
 
 
 def plan_device_indexed(
@@ -458,15 +449,15 @@ def plan_device_indexed_for(
     *,
     policy: PathPolicy = PathPolicy(),
     force: TransferPath | None = None,
-    host_found: HostRunsFound | None = None,
+    host_found: HostRunFound | None = None,
 ) -> TransferPlan:
     """:func:`plan_device_indexed` between buffers :func:`check_sides` has checked.
-    ``host_found``: the host index's runs where the caller found them
-    (:func:`find_host_runs`), used where they hold for it."""
+    ``host_found``: the host index as one run where the caller found it so
+    (:func:`one_host_run`), used where it holds for the index."""
     page_in = sides.direction is Direction.H2D
     host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
     host, device = (sides.src, sides.dst) if page_in else (sides.dst, sides.src)
-    if host_found is not None and not host_found.hold_for(host_idx, policy.max_dma_runs):
+    if host_found is not None and not host_found.holds_for(host_idx):
         host_found = None
     host_idx = _watchable(check_index(host_idx, "host index"))
     if not isinstance(device_idx, torch.Tensor):
@@ -496,7 +487,7 @@ def plan_device_indexed_for(
             host_values, host.shape[0], "the host index", count_up_to=policy.max_dma_runs
         )
     else:
-        host_span, host_run_count, host_runs = host_found.span, host_found.count, host_found.runs
+        host_span, host_run_count, host_runs = host_found.span, 1, host_found.runs
         if host_span > host.shape[0]:
             raise ValueError(f"the host index holds {host_span - 1}, outside [0, {host.shape[0]})")
     if not page_in and duplicates_below(host_values, host_span):

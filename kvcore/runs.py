@@ -153,8 +153,8 @@ def span_and_runs_of(
         return span, values.size, _one_run(values) if values.size else _no_runs()
     run_count = _run_count(values, count_up_to)
     if run_count == 1:
-        span = _within(int(values[0]), int(values[-1]), size, name)
-        return span, 1, _one_run(values)
+        span, run = span_and_one_run(values, size, name)
+        return span, 1, run
     span = span_of(values, size, name)
     if run_count > count_up_to:
         return span, run_count, None
@@ -163,6 +163,12 @@ def span_and_runs_of(
     breaks = SCRATCH.arrays(values.size - 1)[2]
     (starts,), lengths, _ = _runs_at(breaks, values)
     return span, run_count, Runs(starts, lengths)
+
+
+def span_and_one_run(values: np.ndarray, size: int, name: str) -> tuple[int, Runs]:
+    """:func:`span_and_runs_of` of a checked index's values (two or more) already counted as
+    one run: its ends are its bounds, so nothing is read again."""
+    return _within(int(values[0]), int(values[-1]), size, name), _one_run(values)
 
 
 def _one_run(values: np.ndarray) -> Runs:

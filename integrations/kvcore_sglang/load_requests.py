@@ -21,7 +21,7 @@ import torch
 from kvcore.layers import LayerPairs
 from kvcore.mover import PreparedLayers
 from kvcore.path_policy import PathPolicy
-from kvcore.planning import HostRunsFound, TransferPlan
+from kvcore.planning import HostRunFound, TransferPlan
 from kvcore.runs import version_of
 from kvcore.transfer_sides import CheckedSides
 
@@ -73,8 +73,8 @@ class LoadRequest:
     """Planned on the first layer kvcore serves, for every layer after it."""
     call_indices: Any = None
     """The indices kvcore plans from (the adapter's CallIndices), found on the first call."""
-    host_runs: HostRunsFound | None = None
-    """The host slots' runs where the serve-or-pass rule found them, for the plan."""
+    host_runs: HostRunFound | None = None
+    """The host slots as one run where the serve-or-pass rule found them so, for the plan."""
     prepared: PreparedLayers | None = None
     """``plan`` made ready for every later layer (:meth:`kvcore.mover.Mover.prepare_layers`)."""
     pool_layers: dict[Hashable, LayerBuffers] | None = None

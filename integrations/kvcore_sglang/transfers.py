@@ -55,9 +55,9 @@ from kvcore.layers import layer_pairs
 from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import PathPolicy, TransferPath
 from kvcore.planning import (
-    HostRunsFound,
+    HostRunFound,
     TransferPlan,
-    find_host_runs,
+    one_host_run,
     plan,
     plan_device_indexed,
     plan_device_indexed_for,
@@ -201,7 +201,7 @@ def _first_plan(
     chosen_mover: Mover,
     device_opaque: bool,
     kept_sides: CheckedSides | None = None,
-    host_runs: HostRunsFound | None = None,
+    host_runs: HostRunFound | None = None,
 ) -> TransferPlan | str:
     """The plan of the job's first pair, or why the call must run stock. ``kept_sides``:
     that pair as checked when its layer's buffers were kept, used where the job's first
@@ -396,7 +396,7 @@ def _start_load(
     index tensors are tensors (their identity names it); its pass is counted once, here.
     """
     indices: CallIndices | str | None = None
-    host_runs: HostRunsFound | None = None
+    host_runs: HostRunFound | None = None
     tokens = _count_of(host_indices)
     reason = None if rule is None else rule.decision(tokens)
     if reason is None and _inference_indices(host_indices, device_indices):
@@ -440,21 +440,23 @@ def _inference_indices(host_indices: Any, device_indices: Any) -> bool:
 
 def _host_runs_pass(
     rule: serve_rule.SGLangRule | None, tokens: int, host: torch.Tensor, policy: PathPolicy
-) -> tuple[str | None, HostRunsFound | None]:
+) -> tuple[str | None, HostRunFound | None]:
     """Why the call's ``rule`` passes a request with these host slots (on the CPU), or
     None: few long runs are what kvcore's planner moves by DMA, holding no SMs, and what
     stock's kernel copies fastest; the same slots in another order are as scattered as
-    any (a permutation of one span, for one). With it, the runs it found, for the plan
-    (None where it found none to keep)."""
+    any (a permutation of one span, for one). With it, for a request it serves whose
+    slots are one run, that run for the plan (its ends say its bounds: no second read)."""
     if rule is None or not rule.reads_host_runs:
         return None, None
     limit = policy.max_dma_runs
+    count = run_count_up_to(host, limit)
+    reason = rule.host_decision(tokens, count <= limit)
+    if reason is not None or count != 1 or host.numel() < 2:
+        return reason, None
     try:
-        found = find_host_runs(host, limit)
+        return None, one_host_run(host)
     except ValueError:
-        found = None  # a negative slot: the plan refuses the request, as it always did
-    count = run_count_up_to(host, limit) if found is None else found.count
-    return rule.host_decision(tokens, count <= limit), found
+        return None, None  # a negative slot: the plan refuses the request, as it always did
 
 
 def _count_of(indices: Any) -> int:

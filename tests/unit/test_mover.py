@@ -26,7 +26,7 @@ from kvcore.mover import (
     plan,
     plan_device_indexed,
 )
-from kvcore.planning import TransferPlan, find_host_runs, plan_device_indexed_for, plan_for
+from kvcore.planning import TransferPlan, one_host_run, plan_device_indexed_for, plan_for
 from kvcore.runs import find_runs
 from kvcore.transfer_sides import check_sides
 
@@ -948,7 +948,7 @@ def test_a_staging_buffer_first_leased_in_inference_mode_takes_writes_outside_it
         assert torch.equal(buffer[: 8 * 1152].view(torch.bfloat16), torch.full((8 * 576,), 2.0))
 
 
-def test_a_device_indexed_plan_takes_host_runs_found_before_only_where_they_hold() -> None:
+def test_a_device_indexed_plan_takes_a_host_run_found_before_only_where_it_holds() -> None:
     gen = torch.Generator().manual_seed(17)
     host = torch.randint(0, 256, (64, 1, 1152), dtype=torch.uint8, generator=gen).view(
         torch.bfloat16
@@ -957,38 +957,30 @@ def test_a_device_indexed_plan_takes_host_runs_found_before_only_where_they_hold
     sides = check_sides(host, device, H2D)
     host_idx, device_idx = torch.arange(8, 40), torch.randperm(64, generator=gen)[:32]
     policy = CHOICE_POLICY
-    found = find_host_runs(host_idx, policy.max_dma_runs)
-    assert found is not None and (found.span, found.count) == (40, 1)
+    found = one_host_run(host_idx)
+    assert found.span == 40 and found.runs.as_list() == [(8, 32)]
     fresh = plan_device_indexed_for(sides, host_idx, device_idx, policy=policy)
     taken = plan_device_indexed_for(sides, host_idx, device_idx, policy=policy, host_found=found)
     assert (taken.path, taken.src_span) == (fresh.path, fresh.src_span) == (STAGED, 40)
     assert taken.host_runs is found.runs  # not read again
-    # Another tensor of the same values, or another bound: read again.
+    # Another tensor of the same values: read again.
     same_values = plan_device_indexed_for(
         sides, host_idx.clone(), device_idx, policy=policy, host_found=found
     )
     assert same_values.host_runs is not found.runs
-    other_bound = dataclasses.replace(policy, max_dma_runs=policy.max_dma_runs + 1)
-    bounded = plan_device_indexed_for(
-        sides, host_idx, device_idx, policy=other_bound, host_found=found
-    )
-    assert bounded.host_runs is not found.runs
-    host_idx[0] = 63  # no longer one run
+    host_idx[0] = 63  # written since: no longer one run
     rewritten = plan_device_indexed_for(
         sides, host_idx, device_idx, policy=policy, host_found=found
     )
     assert rewritten.host_runs.count == 2 and rewritten.src_span == 64  # read again
-    # Runs found before any buffer was known still meet the buffer's bound.
+    # A run found before any buffer was known still meets the buffer's bound.
     past = torch.arange(40, 72)
     with pytest.raises(ValueError, match="holds 71, outside"):
         plan_device_indexed_for(
-            sides,
-            past,
-            device_idx,
-            policy=policy,
-            host_found=find_host_runs(past, policy.max_dma_runs),
+            sides, past, device_idx, policy=policy, host_found=one_host_run(past)
         )
     with torch.inference_mode():
-        assert find_host_runs(torch.arange(4), 8) is None  # no counter to hold them by
+        made_inside = torch.arange(4)
+    assert not one_host_run(made_inside).holds_for(made_inside)  # no counter to hold it by
     with pytest.raises(ValueError, match="holds -1"):
-        find_host_runs(torch.tensor([3, -1]), 8)
+        one_host_run(torch.tensor([-1, 0]))

@@ -591,9 +591,10 @@ def test_a_served_device_indexed_reload_plans_from_the_runs_its_rule_found(
     small_mover,  # noqa: F811
     monkeypatch,
 ):
-    """The rule reads a reload's host slots on its first call (few long runs or not); the
-    plan takes the runs it found instead of reading the slots again, and every layer is
-    still copied byte for byte (tests/unit/test_mover.py: runs that no longer hold)."""
+    """The rule counts a reload's host runs on its first call; where the slots are one run,
+    the plan takes that run from its ends instead of reading the slots again, and every
+    layer is still copied byte for byte (tests/unit/test_mover.py: a run that no longer
+    holds)."""
     from kvcore import planning
 
     rule = serve_rule.SGLangRule(
@@ -624,6 +625,15 @@ def test_a_served_device_indexed_reload_plans_from_the_runs_its_rule_found(
         host_idx = torch.arange(40, 72)
         device_idx = torch.randperm(200, generator=gen)[:32] + 1
         _load_every_layer_and_check("mha", pool, host_idx, device_idx, "kernel")
-        assert read == [32]  # the rule's look; the plan took what it found
+        assert read == []  # the rule counted one run; the plan took it from its ends
+        # Two runs: the rule's count does not keep them, and the plan reads the slots.
+        _load_every_layer_and_check(
+            "mha",
+            pool,
+            torch.cat([torch.arange(100, 116), torch.arange(40, 56)]),
+            device_idx,
+            "kernel",
+        )
+        assert read == [32]
     finally:
         serve_rule._sglang_rule.cache_clear()
