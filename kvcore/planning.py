@@ -411,10 +411,13 @@ class HostRunFound:
 
 def one_host_run(index: torch.Tensor) -> HostRunFound:
     """:class:`HostRunFound` of a CPU host index of two or more entries that its run count
-    says is one run, bounded by nothing yet (the plan checks its buffer's rows). Raises as
-    :func:`plan_device_indexed` would for an index it refuses: not a 1-D integer CPU
-    tensor, or a negative start."""
+    says is one run, bounded by nothing yet (the plan checks its buffer's rows). Raises
+    ValueError where its ends are not a run apart, and as :func:`plan_device_indexed`
+    would for an index it refuses: not a 1-D integer CPU tensor, or a negative start."""
     values = check_index(index, "the host index").numpy()
+    # Ends a run apart are all a run needs of its ends; the count said the rest.
+    if values.size < 2 or int(values[-1]) - int(values[0]) != values.size - 1:
+        raise ValueError("the host index is not one run of two or more entries")
     span, runs = span_and_one_run(values, sys.maxsize, "the host index")
     return HostRunFound(index, version_of(index), span, runs)
 

@@ -206,7 +206,8 @@ def _first_plan(
     """The plan of the job's first pair, or why the call must run stock. ``kept_sides``:
     that pair as checked when its layer's buffers were kept, used where the job's first
     pair is those very buffers (the plan then checks only the indices). ``host_runs``:
-    the host rows' runs where the rule found them (used where they are the job's)."""
+    the host rows as one run where the rule found them so (used where they are the
+    job's own)."""
     page_in = direction is Direction.H2D
     host, device = job.pairs[0]
     src, dst = (host, device) if page_in else (device, host)

@@ -984,3 +984,6 @@ def test_a_device_indexed_plan_takes_a_host_run_found_before_only_where_it_holds
     assert not one_host_run(made_inside).holds_for(made_inside)  # no counter to hold it by
     with pytest.raises(ValueError, match="holds -1"):
         one_host_run(torch.tensor([-1, 0]))
+    for not_one_run in (torch.tensor([5]), torch.tensor([3, 9, 4])):
+        with pytest.raises(ValueError, match="not one run"):
+            one_host_run(not_one_run)
