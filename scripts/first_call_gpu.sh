@@ -10,7 +10,8 @@
 # Settings: CASES (host_cost cases, mla/layer_first/kernel/p1), TOKENS (the CUDA rows' sizes,
 # 8192,131072; the phases are taken at the first), CPU_PHASES (0 skips the CPU run),
 # GPU_TESTS (the test paths, in order: tests/gpu), GPU_TESTS_S (their limit, 400; 0 skips
-# them). Writes under $OUT: env.txt, host_cost.log, phases_cpu.txt, phases_cuda.txt,
+# them), HOST_COST_ARGS (more host_cost options for both runs, such as --rule: the rule on,
+# as deployed). Writes under $OUT: env.txt, host_cost.log, phases_cpu.txt, phases_cuda.txt,
 # host_cost_cpu.json, host_cost_cuda.json, pytest-gpu.log.
 set -uo pipefail
 OUT=${OUT:-out/first-call}
@@ -22,6 +23,8 @@ read -r -a cases <<<"${CASES:-mla/layer_first/kernel/p1}"
 tokens=${TOKENS:-8192,131072}
 common=(--cases "${cases[@]}" --layers 61 --host-frag 0%,100% --requests 20)
 common+=(--profile-cases "${cases[@]}" --profile-tokens "${tokens%%,*}")
+read -r -a extra <<<"${HOST_COST_ARGS:-}"
+common+=("${extra[@]}")
 : >"$OUT/host_cost.log"
 if [ "${CPU_PHASES:-1}" != 0 ]; then
     timeout 120 python3 -m kvcore.bench.sglang.host_cost --device cpu --no-copy "${common[@]}" \
