@@ -336,6 +336,10 @@ def run(args: argparse.Namespace) -> list[CostRow]:
     with contextlib.ExitStack() as stack:
         if not args.rule:
             stack.enter_context(sweep_sides.serve_rule_off())
+        if args.device_indices_unread:
+            if device.type != "cpu":
+                raise SystemExit("--device-indices-unread is for a CPU run: a GPU plans so")
+            stack.enter_context(sweep_sides.device_indices_unread())
         if args.no_copy:
             saved = kernels.unregister_kernels("cpu")
             kernels.register_kernels("cpu", NO_COPY)
@@ -407,6 +411,12 @@ def parser() -> argparse.ArgumentParser:
         help="host slot fragmentation levels, comma-separated (0%%: one run, served staged)",
     )
     p.add_argument("--no-copy", action="store_true", help="CPU kernels that copy nothing")
+    p.add_argument(
+        "--device-indices-unread",
+        action="store_true",
+        help="on a CPU, plan the kernel backend's calls around their device indices, as on "
+        "a GPU (the same Python as there)",
+    )
     p.add_argument(
         "--rule",
         action="store_true",

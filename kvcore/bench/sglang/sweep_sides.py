@@ -217,6 +217,29 @@ def serve_rule_off() -> Iterator[None]:
         transfers.serve_rule_enabled = saved  # type: ignore[assignment]
 
 
+@contextmanager
+def device_indices_unread() -> Iterator[None]:
+    """kvcore's SGLang hooks planning every call around its device indices, as they do on
+    a GPU with the ``kernel`` backend (SGLang moves those indices to the GPU itself, and
+    kvcore never reads them back): on a CPU the same Python then runs as on the GPU
+    machine, the device indices being CPU tensors left unread."""
+    import dataclasses
+
+    from kvcore_sglang import transfers
+
+    saved = transfers._call_indices
+
+    def unread(*args: Any) -> Any:
+        found = saved(*args)
+        return found if isinstance(found, str) else dataclasses.replace(found, device_opaque=True)
+
+    transfers._call_indices = unread  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        transfers._call_indices = saved  # type: ignore[assignment]
+
+
 def rule_off(case: PoolCase, op: str, backend: str, layers: int) -> Side:
     """kvcore's hook called directly with the serve-or-pass rule off: its own paths
     wherever it can copy exactly, to read off where the rule should serve."""

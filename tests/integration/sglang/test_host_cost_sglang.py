@@ -97,3 +97,22 @@ def test_phases_break_down_first_and_later_calls_at_each_host_level(tmp_path: Pa
         assert calls(first, "the whole call") == 1.0 and calls(later, "the whole call") == 2.0
         assert calls(first, plan) == 1.0 and calls(later, plan) == 0.0
         assert calls(later, f"{host_cost._HOOK}:_later_layer_served") == 2.0
+
+
+def test_device_indices_unread_plans_on_a_cpu_as_the_kernel_backend_does_on_a_gpu(
+    tmp_path: Path,
+) -> None:
+    phases = tmp_path / "phases.txt"
+    argv = ["--device", "cpu", "--no-copy", "--device-indices-unread", "--tokens", "128"]
+    argv += ["--layers", "2", "--requests", "2", "--cases", "mla/layer_first/kernel/p1"]
+    argv += ["--host-frag", "0%", "--phases", str(phases), "--json", str(tmp_path / "c.json")]
+    assert host_cost.main(argv) == 0
+    first = phases.read_text().split("later calls")[0]
+    rows = [line.split() for line in first.splitlines() if ":" in line and "==" not in line]
+    counts = {row[-1]: float(row[1]) for row in rows}
+    assert counts[f"{host_cost._HOOK}:plan_device_indexed_for"] == 1.0
+    assert counts[f"{host_cost._HOOK}:plan_for"] == 0.0
+    (row,) = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert row["paths"] == ["staged"]
+    with pytest.raises(SystemExit, match="for a CPU run"):
+        host_cost.main(["--device", "cuda", "--device-indices-unread", "--tokens", "64"])
