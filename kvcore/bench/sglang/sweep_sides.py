@@ -10,6 +10,7 @@ because the host-cost bench drives the same sides.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -223,8 +224,6 @@ def device_indices_unread() -> Iterator[None]:
     a GPU with the ``kernel`` backend (SGLang moves those indices to the GPU itself, and
     kvcore never reads them back): on a CPU the same Python then runs as on the GPU
     machine, the device indices being CPU tensors left unread."""
-    import dataclasses
-
     from kvcore_sglang import transfers
 
     saved = transfers._call_indices

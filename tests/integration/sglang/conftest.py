@@ -23,6 +23,16 @@ if importlib.util.find_spec("sglang") is not None:
 
 
 @pytest.fixture
+def device_indices_unread() -> Iterator[None]:
+    """The hooks plan every call around its device indices, left unread, as on a GPU with
+    SGLang's ``kernel`` backend (the device indices are CPU tensors here)."""
+    from kvcore.bench.sglang.sweep_sides import device_indices_unread as unread
+
+    with unread():
+        yield
+
+
+@pytest.fixture
 def sglang_hooks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
     """A function that runs the plugin with KVCORE_ENABLE=sglang and applies its hooks
     (returns the status). Afterwards the plugin's own uninstall takes them back, and the

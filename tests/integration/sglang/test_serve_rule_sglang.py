@@ -6,7 +6,6 @@ Pools are built the way SGLang builds them (sglang_pools.py); the stock methods 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import types
 from collections.abc import Iterator
@@ -590,6 +589,7 @@ def test_a_served_device_indexed_reload_plans_from_the_runs_its_rule_found(
     transfer_hooks,  # noqa: F811
     small_mover,  # noqa: F811
     monkeypatch,
+    device_indices_unread,
 ):
     """The rule counts a reload's host runs on its first call; where the slots are one run,
     the plan takes that run from its ends instead of reading the slots again, and every
@@ -602,13 +602,6 @@ def test_a_served_device_indexed_reload_plans_from_the_runs_its_rule_found(
     )
     monkeypatch.setattr(serve_rule, "SGLANG_RULES", (rule,))
     serve_rule._sglang_rule.cache_clear()
-    real = transfers._call_indices
-
-    def as_on_device(*args: Any) -> Any:
-        found = real(*args)
-        return found if isinstance(found, str) else dataclasses.replace(found, device_opaque=True)
-
-    monkeypatch.setattr(transfers, "_call_indices", as_on_device)
     read: list[int] = []
     segment = planning.span_and_runs_of
     monkeypatch.setattr(

@@ -325,21 +325,14 @@ def check_served_call(kind, layout, io_backend, direction, shape, n, seed) -> No
     assert fallbacks() == before
 
 
-def test_kernel_backend_calls_plan_around_device_indices(use_mover, transfer_hooks, monkeypatch):
+def test_kernel_backend_calls_plan_around_device_indices(
+    use_mover, transfer_hooks, device_indices_unread
+):
     """With SGLang's kernel io backend the device indices stay on the GPU: the call is
     planned from the host indices alone (staged or gather) and copies what stock does.
     On a CPU the device indices are CPU tensors, marked opaque as on a GPU."""
     transfer_hooks()
     use_mover(small_policy_mover())
-    real = transfers._call_indices
-
-    def as_on_device(*args: Any) -> Any:
-        found = real(*args)
-        if isinstance(found, str):
-            return found
-        return dataclasses.replace(found, device_opaque=True)
-
-    monkeypatch.setattr(transfers, "_call_indices", as_on_device)
     before = paths_taken()
     cases = [("contiguous", 100), ("scattered", 150), ("merged", 200)]
     for kind, layout, io_backend in SERVED:
@@ -353,18 +346,12 @@ def test_kernel_backend_calls_plan_around_device_indices(use_mover, transfer_hoo
 
 
 def test_device_indexed_loads_plan_from_the_sides_kept_with_their_layer(
-    use_mover, transfer_hooks, monkeypatch
+    use_mover, transfer_hooks, monkeypatch, device_indices_unread
 ):
     """Each request's first load call checks only its indices: the layer's buffers were
     checked when they were kept, and every later request's job is made of those buffers."""
     transfer_hooks()
     use_mover(small_policy_mover())
-    real = transfers._call_indices
-
-    def as_on_device(*args: Any) -> Any:
-        found = real(*args)
-        return found if isinstance(found, str) else dataclasses.replace(found, device_opaque=True)
-
     planners: list[str] = []
     for name in ("plan_device_indexed", "plan_device_indexed_for"):
         planner = getattr(transfers, name)
@@ -374,7 +361,6 @@ def test_device_indexed_loads_plan_from_the_sides_kept_with_their_layer(
             return _planner(*args, **kwargs)
 
         monkeypatch.setattr(transfers, name, spy)
-    monkeypatch.setattr(transfers, "_call_indices", as_on_device)
     for seed, shape in enumerate(["scattered", "contiguous", "scattered"]):
         check_served_call("mha", "layer_first", "kernel", "load", shape, 120, seed)
     assert planners == ["plan_device_indexed_for"] * 3
