@@ -27,6 +27,11 @@ class PhaseTimes:
     seconds: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
 
+    def add(self, target: str, seconds: float) -> None:
+        """One call of ``target`` that took ``seconds``."""
+        self.seconds[target] = self.seconds.get(target, 0.0) + seconds
+        self.calls[target] = self.calls.get(target, 0) + 1
+
     def table(self, per: int, targets: Sequence[str]) -> str:
         """The targets in the order given, as microseconds and calls per ``per`` (requests)."""
         lines = [f"{'incl us':>9} {'calls':>7}  function"]
@@ -57,8 +62,6 @@ def _owner_and_name(target: str) -> tuple[Any, str]:
 
 
 def _timed(function: Callable[..., Any], target: str, times: PhaseTimes) -> Callable[..., Any]:
-    seconds, calls = times.seconds, times.calls
-
     @functools.wraps(function)
     def timed(*args: Any, **kwargs: Any) -> Any:
         if not times.on:
@@ -67,8 +70,7 @@ def _timed(function: Callable[..., Any], target: str, times: PhaseTimes) -> Call
         try:
             return function(*args, **kwargs)
         finally:
-            seconds[target] = seconds.get(target, 0.0) + time.perf_counter() - started
-            calls[target] = calls.get(target, 0) + 1
+            times.add(target, time.perf_counter() - started)
 
     return timed
 

@@ -26,7 +26,7 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -255,24 +255,34 @@ def measure_case(
     return rows
 
 
-def profile_case(
-    case: PoolCase, backend: str, tokens: int, requests: int, path: str, host_frag: str
-) -> None:
-    """cProfile of kvcore's first calls and of its later calls, apart, added to ``path``."""
+def _layer_calls(
+    case: PoolCase, backend: str, tokens: int, requests: int, host_frag: str
+) -> Iterator[tuple[int, int, Callable[[], None]]]:
+    """``(request, layer, call)`` for every load call kvcore's hook gets over ``requests``
+    requests and one before them (request 0, which pays one-time costs), each request
+    with new indices and the device synced before and after it."""
     side = sweep_sides.kvcore_side(case, "load", backend, 1)
     hook, original = sweep_sides.pool_hook(case, "load"), sweep_sides.pool_method(case, "load")
     gen = torch.Generator().manual_seed(case.opts.seed)
-    first, later = cProfile.Profile(), cProfile.Profile()
     for request in range(requests + 1):
         pools = _request_pools(case, side, tokens, gen, host_frag)
         sweep_cells.sync_device(case.opts.device)
         for layer in range(case.opts.layers):
-            profile = first if layer == 0 else later
-            if request:
-                profile.enable()
-            hook(original, *pools, layer, backend)
-            profile.disable()
+            yield request, layer, functools.partial(hook, original, *pools, layer, backend)
         sweep_cells.sync_device(case.opts.device)
+
+
+def profile_case(
+    case: PoolCase, backend: str, tokens: int, requests: int, path: str, host_frag: str
+) -> None:
+    """cProfile of kvcore's first calls and of its later calls, apart, added to ``path``."""
+    first, later = cProfile.Profile(), cProfile.Profile()
+    for request, layer, call in _layer_calls(case, backend, tokens, requests, host_frag):
+        profile = first if layer == 0 else later
+        if request:
+            profile.enable()
+        call()
+        profile.disable()
     with open(path, "a") as fh:
         for name, profile in (("first calls", first), ("later calls", later)):
             fh.write(f"== {case.kind}/{case.layout}/{backend}/p{case.page_size} {tokens} tokens: ")
@@ -285,25 +295,16 @@ def phase_case(
 ) -> None:
     """Time in each of :data:`PHASES` (and the whole call) over kvcore's first calls and,
     apart, its later calls (:mod:`kvcore.bench.phase_timer`), added to ``path``."""
-    side = sweep_sides.kvcore_side(case, "load", backend, 1)
-    hook, original = sweep_sides.pool_hook(case, "load"), sweep_sides.pool_method(case, "load")
-    gen = torch.Generator().manual_seed(case.opts.seed)
     whole = "the whole call"
     with phase_timer.timing(PHASES) as first, phase_timer.timing(PHASES) as later:
-        for request in range(requests + 1):
-            pools = _request_pools(case, side, tokens, gen, host_frag)
-            sweep_cells.sync_device(case.opts.device)
-            for layer in range(case.opts.layers):
-                times = first if layer == 0 else later
-                times.on = request > 0
-                started = time.perf_counter()
-                hook(original, *pools, layer, backend)
-                elapsed = time.perf_counter() - started
-                if times.on:
-                    times.seconds[whole] = times.seconds.get(whole, 0.0) + elapsed
-                    times.calls[whole] = times.calls.get(whole, 0) + 1
-                times.on = False
-            sweep_cells.sync_device(case.opts.device)
+        for request, layer, call in _layer_calls(case, backend, tokens, requests, host_frag):
+            times = first if layer == 0 else later
+            times.on = request > 0
+            started = time.perf_counter()
+            call()
+            if times.on:
+                times.add(whole, time.perf_counter() - started)
+            times.on = False
     label = f"{case.kind}/{case.layout}/{backend}/p{case.page_size} {tokens} tokens"
     with open(path, "a") as fh:
         for name, times in (("first calls", first), ("later calls", later)):
