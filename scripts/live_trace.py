@@ -120,14 +120,21 @@ def tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(*TOKEN_RANGE) for _ in range(count)]
 
 
-def make_conversations(count: int, turns: int, seed: int) -> list[Conversation]:
-    """``count`` conversations whose first turns cycle through FIRST_TURN_TOKENS."""
+def make_conversations(
+    count: int, turns: int, seed: int, first_turns: Sequence[int] = FIRST_TURN_TOKENS
+) -> list[Conversation]:
+    """``count`` conversations whose first turns cycle through ``first_turns``."""
+    if not first_turns or min(first_turns) < max(SYSTEM_PROMPT_TOKENS):
+        raise ValueError(
+            f"first turns must be at least {max(SYSTEM_PROMPT_TOKENS)} tokens (the longest "
+            f"system prompt), got {list(first_turns)}"
+        )
     rng = random.Random(seed)
     systems = [tokens(rng, n) for n in SYSTEM_PROMPT_TOKENS]
     conversations = []
     for index in range(count):
         system = systems[index % len(systems)]
-        first = FIRST_TURN_TOKENS[index % len(FIRST_TURN_TOKENS)]
+        first = first_turns[index % len(first_turns)]
         conversations.append(
             Conversation(
                 index,
@@ -321,6 +328,11 @@ def _turns(conversations: list[Conversation]) -> int:
     return 1 + len(conversations[0].later_users)
 
 
+def sizes(results: Sequence[Result]) -> list[int]:
+    """The first-turn sizes the results hold, smallest first."""
+    return sorted({r.first_turn_tokens for r in results})
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-quantile by the nearest rank; None for no values."""
     if not values:
@@ -361,7 +373,7 @@ def _by_size(hits: list[Result]) -> list[dict[str, Any]]:
     reload), and the load jobs a hit took (median and most: a reload split over two jobs
     waits for both)."""
     rows = []
-    for size in FIRST_TURN_TOKENS:
+    for size in sizes(hits):
         group = [r for r in hits if r.first_turn_tokens == size]
         if not group:
             continue
@@ -456,7 +468,7 @@ def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
     from kvcore.bench.median_difference import median_difference_interval
 
     rows = []
-    for size in FIRST_TURN_TOKENS:
+    for size in sizes(requests):
         hits = [r for r in requests if r.cpu_tier_hit and r.first_turn_tokens == size]
         arms = {
             copy: [r for r in hits if r.copies and set(r.copies) == {copy}]
@@ -467,6 +479,11 @@ def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
             continue
         low, high = median_difference_interval(
             [r.ttft_s for r in kvcore], [r.ttft_s for r in stock], seed=size
+        )
+        reload_low, reload_high = median_difference_interval(
+            [r.counted.get(LOAD_TIME, 0.0) for r in kvcore],
+            [r.counted.get(LOAD_TIME, 0.0) for r in stock],
+            seed=size,
         )
         rows.append(
             {
@@ -486,6 +503,7 @@ def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
                     - statistics.median(r.ttft_s for r in stock)
                 ),
                 "ttft_ms_difference_interval": [_ms(low), _ms(high)],
+                "reload_ms_difference_interval": [_ms(reload_low), _ms(reload_high)],
             }
         )
     return rows
@@ -493,14 +511,16 @@ def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     server = Server(args.url, args.model, args.max_tokens)
-    settings = ("conversations", "turns", "max_tokens", "concurrency", "seed")
+    settings = ("conversations", "turns", "max_tokens", "concurrency", "seed", "first_turn_tokens")
     report: dict[str, Any] = {
         "mode": args.mode,
         "label": args.label or args.mode,
         "machine": machine_id(),
         "settings": {name: getattr(args, name) for name in settings},
     }
-    sequential = make_conversations(args.conversations, args.turns, args.seed)
+    sequential = make_conversations(
+        args.conversations, args.turns, args.seed, args.first_turn_tokens
+    )
     ab_offset = args.ab_log.stat().st_size if args.ab_log is not None else 0
     started = time.perf_counter()
     results = run_sequential(server, sequential, args.seed)
@@ -511,7 +531,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["sequential"] = summarize(results, wall_s)
     report["sequential_requests"] = [asdict(r) for r in results]
     if args.concurrency > 1:
-        concurrent = make_conversations(args.conversations, args.turns, args.seed + 1000)
+        concurrent = make_conversations(
+            args.conversations, args.turns, args.seed + 1000, args.first_turn_tokens
+        )
         results, wall = run_concurrent(server, concurrent, args.seed + 1000, args.concurrency)
         report["concurrent"] = summarize(results, wall)
     report["metrics_end"] = server.metrics()
@@ -525,7 +547,7 @@ def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[s
     from kvcore.bench.median_difference import median_difference_interval
 
     rows = []
-    for size in FIRST_TURN_TOKENS:
+    for size in sizes(requests):
         mine = [r.ttft_s for r in requests if r.cpu_tier_hit and r.first_turn_tokens == size]
         theirs = [r.ttft_s for r in reference if r.cpu_tier_hit and r.first_turn_tokens == size]
         if not mine or not theirs:
@@ -602,7 +624,7 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[s
         pairs = len(paired)
         labels = [[stock_label, mode_label] for (stock_label, _), (mode_label, _) in paired]
         rows = []
-        for size in FIRST_TURN_TOKENS:
+        for size in sizes([r for pair in paired for _, hits in pair for r in hits]):
             medians = {}
             for side, group in (("stock", stock), ("other", processes)):
                 per_process = [[r for r in hits if r.first_turn_tokens == size] for hits in group]
@@ -673,6 +695,20 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
     return summary
 
 
+def _token_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from None
+    if not counts or min(counts) < max(SYSTEM_PROMPT_TOKENS):
+        raise argparse.ArgumentTypeError(
+            f"each first turn must be at least {max(SYSTEM_PROMPT_TOKENS)} tokens: {text!r}"
+        )
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -687,6 +723,13 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--max-tokens", type=int, default=16)
     one.add_argument("--concurrency", type=int, default=8)
     one.add_argument("--seed", type=int, default=0)
+    one.add_argument(
+        "--first-turn-tokens",
+        type=_token_counts,
+        default=list(FIRST_TURN_TOKENS),
+        help="first-turn sizes the conversations cycle through, comma-separated "
+        f"(default {','.join(map(str, FIRST_TURN_TOKENS))})",
+    )
     one.add_argument(
         "--ab-log",
         type=Path,

@@ -26,7 +26,8 @@
 # Settings: VSITE, KSITE (as vllm_live_setup.sh), MODEL_DIR (/tmp/llama-8b), PORT (8000),
 # CONVERSATIONS (28), TURNS (3), CONCURRENCY (8), GPU_BLOCKS (2560: 40960 tokens of GPU KV
 # cache, so conversations leave it between turns), CPU_GIB (48; at most half the host's
-# memory), MAX_LEN (33792),
+# memory), MAX_LEN (33792), FIRST_TURNS (comma-separated first-turn sizes the conversations
+# cycle through; empty: live_trace.py's own, 512 to 32000),
 # START_TIMEOUT_S (300), AB_SHARE (0.5), PYTHON (python3).
 set -euo pipefail
 
@@ -135,10 +136,11 @@ for mode in "${modes[@]}"; do
     ((runs_of[$mode] == 1)) || label="$mode-${runs_of[$mode]}"
     if start_server "$mode" "$label"; then
         started=$SECONDS
-        ab=()
-        [[ "$mode" == kvcore-ab ]] && ab=(--ab-log "$logs/server-$label.log")
+        trace_args=()
+        [[ "$mode" == kvcore-ab ]] && trace_args=(--ab-log "$logs/server-$label.log")
+        [[ -n "${FIRST_TURNS:-}" ]] && trace_args+=(--first-turn-tokens "$FIRST_TURNS")
         if "$python" "$repo/scripts/live_trace.py" run --url "$url" --model "$model" \
-            --mode "$mode" --label "$label" --out "$out/live-$label.json" "${ab[@]}" \
+            --mode "$mode" --label "$label" --out "$out/live-$label.json" "${trace_args[@]}" \
             --conversations "${CONVERSATIONS:-28}" --turns "${TURNS:-3}" \
             --concurrency "${CONCURRENCY:-8}" > "$logs/trace-$label.txt" 2>&1; then
             reports+=("$out/live-$label.json")

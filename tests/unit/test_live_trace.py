@@ -435,6 +435,43 @@ def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_o
     assert row["ttft_ms_p50_difference"] == pytest.approx(-9.0)
     low, high = row["ttft_ms_difference_interval"]
     assert low <= -9.0 <= high < 0
+    low, high = row["reload_ms_difference_interval"]
+    assert low <= -0.9 <= high < 0
+
+
+def test_a_trace_of_chosen_first_turns_is_summarized_at_those_sizes_only():
+    conversations = live_trace.make_conversations(6, 2, seed=1, first_turns=[768, 1536])
+    assert [c.size for c in conversations] == [768, 1536] * 3
+
+    def hit(size: int, ttft_s: float, copies: list[str]) -> Any:
+        counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: ttft_s / 10}
+        return live_trace.Result(0, size, 1, size, ttft_s, ttft_s, [1], counted, copies)
+
+    requests = [
+        hit(size, t, [copy])
+        for size in (768, 1536)
+        for t, copy in ((0.010, "kvcore"), (0.011, "kvcore"), (0.012, "stock_share"))
+    ]
+    assert [row["first_turn_tokens"] for row in live_trace.in_process_ab(requests)] == [
+        768,
+        1536,
+    ]
+    assert [
+        row["first_turn_tokens"] for row in live_trace.summarize(requests, None)["by_size"]
+    ] == [
+        768,
+        1536,
+    ]
+
+
+@pytest.mark.parametrize("text", ["", "1024,abc", "256,1024"])
+def test_first_turn_sizes_refuse_what_no_conversation_could_hold(text: str) -> None:
+    with pytest.raises(SystemExit):
+        live_trace.main(
+            ["run", "--model", "m", "--mode", "stock", "--out", "x", "--first-turn-tokens", text]
+        )
+    with pytest.raises(ValueError, match="at least 512"):
+        live_trace.make_conversations(2, 2, seed=0, first_turns=[256])
 
 
 def test_processes_are_paired_on_their_own_machine_only():
