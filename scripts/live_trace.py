@@ -120,15 +120,20 @@ def tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(*TOKEN_RANGE) for _ in range(count)]
 
 
-def make_conversations(
-    count: int, turns: int, seed: int, first_turns: Sequence[int] = FIRST_TURN_TOKENS
-) -> list[Conversation]:
-    """``count`` conversations whose first turns cycle through ``first_turns``."""
+def check_first_turns(first_turns: Sequence[int]) -> None:
+    """Raises ValueError unless every first turn holds the longest system prompt."""
     if not first_turns or min(first_turns) < max(SYSTEM_PROMPT_TOKENS):
         raise ValueError(
             f"first turns must be at least {max(SYSTEM_PROMPT_TOKENS)} tokens (the longest "
             f"system prompt), got {list(first_turns)}"
         )
+
+
+def make_conversations(
+    count: int, turns: int, seed: int, first_turns: Sequence[int] = FIRST_TURN_TOKENS
+) -> list[Conversation]:
+    """``count`` conversations whose first turns cycle through ``first_turns``."""
+    check_first_turns(first_turns)
     rng = random.Random(seed)
     systems = [tokens(rng, n) for n in SYSTEM_PROMPT_TOKENS]
     conversations = []
@@ -375,8 +380,6 @@ def _by_size(hits: list[Result]) -> list[dict[str, Any]]:
     rows = []
     for size in sizes(hits):
         group = [r for r in hits if r.first_turn_tokens == size]
-        if not group:
-            continue
         reload_s = statistics.median([r.counted.get(LOAD_TIME, 0.0) for r in group])
         loaded = statistics.median([r.counted.get(LOAD_BYTES, 0.0) for r in group])
         rows.append(
@@ -702,10 +705,10 @@ def _token_counts(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"not a comma-separated list of integers: {text!r}"
         ) from None
-    if not counts or min(counts) < max(SYSTEM_PROMPT_TOKENS):
-        raise argparse.ArgumentTypeError(
-            f"each first turn must be at least {max(SYSTEM_PROMPT_TOKENS)} tokens: {text!r}"
-        )
+    try:
+        check_first_turns(counts)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return counts
 
 

@@ -417,16 +417,18 @@ def test_attribute_takes_the_copies_again_from_the_saved_log(tmp_path):
     assert json.loads(out.read_text())["sequential_requests"][0]["copies"] == []
 
 
-def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_out():
-    def hit(ttft_s: float, copies: list[str], size: int = 2048) -> Any:
-        counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: ttft_s / 10}
-        return live_trace.Result(0, size, 1, size, ttft_s, ttft_s, [1], counted, copies)
+def _hit(ttft_s: float, copies: list[str], size: int = 2048) -> Any:
+    """A CPU-tier hit whose reload took a tenth of its TTFT."""
+    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: ttft_s / 10}
+    return live_trace.Result(0, size, 1, size, ttft_s, ttft_s, [1], counted, copies)
 
-    requests = [hit(t, ["kvcore"]) for t in (0.050, 0.052, 0.054)]
-    requests += [hit(t, ["stock_share"]) for t in (0.060, 0.062)]
+
+def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_out():
+    requests = [_hit(t, ["kvcore"]) for t in (0.050, 0.052, 0.054)]
+    requests += [_hit(t, ["stock_share"]) for t in (0.060, 0.062)]
     # Mixed copies, a rule's pass, and a size with one arm only: in neither arm.
-    requests += [hit(0.001, ["kvcore", "stock_share"]), hit(0.001, ["few_pages"])]
-    requests.append(hit(0.070, ["kvcore"], size=4096))
+    requests += [_hit(0.001, ["kvcore", "stock_share"]), _hit(0.001, ["few_pages"])]
+    requests.append(_hit(0.070, ["kvcore"], size=4096))
     (row,) = live_trace.in_process_ab(requests)
     assert row["first_turn_tokens"] == 2048
     assert (row["kvcore_hits"], row["stock_hits"]) == (3, 2)
@@ -442,13 +444,8 @@ def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_o
 def test_a_trace_of_chosen_first_turns_is_summarized_at_those_sizes_only():
     conversations = live_trace.make_conversations(6, 2, seed=1, first_turns=[768, 1536])
     assert [c.size for c in conversations] == [768, 1536] * 3
-
-    def hit(size: int, ttft_s: float, copies: list[str]) -> Any:
-        counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: ttft_s / 10}
-        return live_trace.Result(0, size, 1, size, ttft_s, ttft_s, [1], counted, copies)
-
     requests = [
-        hit(size, t, [copy])
+        _hit(t, [copy], size)
         for size in (768, 1536)
         for t, copy in ((0.010, "kvcore"), (0.011, "kvcore"), (0.012, "stock_share"))
     ]
