@@ -290,7 +290,9 @@ class VLLMRules:
     """The same threshold for large pages, where stock's batched DMA is near the link: in
     vLLM 0.25.1 serving an 8B-shaped model on the H200 (64 KiB pages, 32 layers), reloads of
     512 tokens (1024 pages) took 1.10x stock's device time through kvcore, 1024 tokens
-    (2048 pages) 0.85x, 2048 and more 0.73-0.85x."""
+    (2048 pages) 0.85x, 2048 and more 0.73-0.85x. Checked again with the staged ring,
+    both copies drawn inside one live process: reloads of 832 and 1088 pages were
+    resolvably slower through kvcore (about 3 ms against 2.1 and 2.6), 1344 pages level."""
     stock_stores_from_page_bytes: int | None = 64 << 10
     """Stores of pages this large stay stock (None: kvcore may take any store). Stock's
     batched DMA holds no SMs; in the same live run its stores moved 52 GB/s of device time
