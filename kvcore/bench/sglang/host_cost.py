@@ -8,7 +8,8 @@ reports the median host time of a request's first call (where kvcore decides, pl
 uploads the indices) and of its later calls (where kvcore should issue one launch), with
 the path kvcore took. On CUDA the copies are queued, so host time is what the engine's
 load thread spends; on a CPU the copies run inside the calls, so ``--no-copy`` swaps the
-CPU kernels for ones that copy nothing, leaving kvcore's own cost (stock is not run there).
+CPU kernels for ones that copy nothing, leaving kvcore's own cost (stock is not timed
+there, and the SGLang copies of a call kvcore passes copy nothing either).
 With ``--rule`` the serve-or-pass rule stays on and kvcore's calls go through the pool's
 attribute first, as SGLang's lookup does: a reload that passes is then timed through the
 stock binding kvcore sets on the pool, and ``bound_share`` says how many later calls found it.
@@ -21,8 +22,11 @@ import contextlib
 import cProfile
 import dataclasses
 import functools
+import importlib
+import inspect
 import json
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -109,6 +113,38 @@ class CostRow:
 
 def _no_copy(_: Any, *__: Any) -> None:
     return None
+
+
+def _stock_copy_left_out(*_: Any, **__: Any) -> None:
+    return None
+
+
+_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla")
+
+
+@contextlib.contextmanager
+def stock_copies_left_out() -> Iterator[None]:
+    """SGLang's host pools with every ``transfer_kv_*`` copy they call copying nothing.
+
+    Its CPU build imports none of them, so a call kvcore passes to stock would raise
+    there; with these it costs stock's Python and kvcore's decision, as kvcore's own
+    copies under ``--no-copy`` do. The stock methods stay the pools' own, so kvcore's
+    bindings of a passing reload's later layers are made as in a served engine."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for name in _POOL_MODULES:
+            module = importlib.import_module(name)
+            source = inspect.getsource(module)
+            for kernel in sorted(set(re.findall(r"\b(transfer_kv_\w+)\(", source))):
+                saved.append((module, kernel, module.__dict__.get(kernel)))
+                setattr(module, kernel, _stock_copy_left_out)
+        yield
+    finally:
+        for module, kernel, before in reversed(saved):
+            if before is None:
+                delattr(module, kernel)
+            else:
+                setattr(module, kernel, before)
 
 
 NO_COPY = KernelSet(
@@ -342,6 +378,8 @@ def run(args: argparse.Namespace) -> list[CostRow]:
                 raise SystemExit("--device-indices-unread is for a CPU run: a GPU plans so")
             stack.enter_context(sweep_sides.device_indices_unread())
         if args.no_copy:
+            if device.type == "cpu":
+                stack.enter_context(stock_copies_left_out())
             saved = kernels.unregister_kernels("cpu")
             kernels.register_kernels("cpu", NO_COPY)
             if saved is None:

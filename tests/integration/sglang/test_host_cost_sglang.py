@@ -53,15 +53,10 @@ def test_each_reload_call_is_timed_and_the_profile_has_both_kinds(tmp_path: Path
 
 
 def test_with_the_rule_on_a_passing_reload_runs_its_later_layers_through_the_binding(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    from hicache_cpu import transfer_kv_direct
-    from sglang.srt.mem_cache.pool_host import mha
-
     from kvcore_sglang import stock_binding
 
-    # SGLang imports sgl_kernel's direct copy only on CUDA; stock's passes need one here.
-    monkeypatch.setattr(mha, "transfer_kv_direct", transfer_kv_direct, raising=False)
     out = tmp_path / "cost.json"
     argv = ["--device", "cpu", "--no-copy", "--rule", "--tokens", "128,4096", "--layers", "4"]
     argv += ["--requests", "2", "--cases", "mha/layer_first/direct/p64", "--json", str(out)]
@@ -72,6 +67,28 @@ def test_with_the_rule_on_a_passing_reload_runs_its_later_layers_through_the_bin
     assert rows[128]["bound_share"] == 1.0 and rows[128]["paths"] == []
     assert rows[4096]["bound_share"] == 0.0 and rows[4096]["paths"]
     assert not stock_binding.PASSING  # the pools are gone, and their bindings with them
+
+
+def test_with_no_copy_a_pass_runs_no_sglang_kernel_on_a_cpu(tmp_path: Path) -> None:
+    # SGLang's kernel-backend copies exist only in its CUDA build: a pass reaching them on a
+    # CPU would raise, so --no-copy lends the pools stand-ins for the run, and only for it.
+    from sglang.srt.mem_cache.pool_host import mla
+
+    def kernels_named() -> dict[str, object]:
+        return {k: v for k, v in vars(mla).items() if k.startswith("transfer_kv_")}
+
+    before = kernels_named()
+    out, phases = tmp_path / "cost.json", tmp_path / "phases.txt"
+    argv = ["--device", "cpu", "--no-copy", "--device-indices-unread", "--rule", "--tokens"]
+    argv += ["8192", "--layers", "3", "--requests", "2", "--cases", "mla/layer_first/kernel/p1"]
+    argv += ["--host-frag", "0%,100%", "--phases", str(phases), "--json", str(out)]
+    assert host_cost.main(argv) == 0
+    rows = {r["host_frag"]: r for r in json.loads(out.read_text())["rows"]}
+    # At 8k tokens, token-granular MLA slots in one run are staged; scattered ones pass.
+    assert rows["0%"]["paths"] == ["staged"] and rows["100%"]["paths"] == []
+    assert rows["100%"]["first_us"] > 0
+    assert phases.read_text().count("host slots 100%") == 2
+    assert kernels_named() == before
 
 
 def test_phases_break_down_first_and_later_calls_at_each_host_level(tmp_path: Path) -> None:
