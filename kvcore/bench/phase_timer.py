@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcore.bench.attribute_swap import swapped_attributes
+
 
 @dataclass
 class PhaseTimes:
@@ -40,10 +42,6 @@ class PhaseTimes:
             calls = self.calls.get(target, 0)
             lines.append(f"{seconds * 1e6 / per:9.1f} {calls / per:7.1f}  {target}")
         return "\n".join(lines) + "\n"
-
-
-_INHERITED = object()
-"""Stands for an attribute the owner takes from a base class: restored by deleting it."""
 
 
 def _owner_and_name(target: str) -> tuple[Any, str]:
@@ -81,19 +79,11 @@ def timing(targets: Sequence[str]) -> Iterator[PhaseTimes]:
     up where its callers find it: a function imported by name into another module is
     named there. Set ``on`` around what should count."""
     times = PhaseTimes()
-    patched: list[tuple[Any, str, Any]] = []
-    try:
+    with swapped_attributes() as swap:
         for target in targets:
             owner, name = _owner_and_name(target)
-            own = vars(owner).get(name, _INHERITED)
+            own = vars(owner).get(name)
             if isinstance(own, (staticmethod, classmethod)):
                 raise ValueError(f"{target}: static and class methods are not timed")
-            setattr(owner, name, _timed(getattr(owner, name), target, times))
-            patched.append((owner, name, own))
+            swap(owner, name, _timed(getattr(owner, name), target, times))
         yield times
-    finally:
-        for owner, name, own in reversed(patched):
-            if own is _INHERITED:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, own)

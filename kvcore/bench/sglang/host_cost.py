@@ -37,6 +37,7 @@ import torch
 
 from kvcore import kernels
 from kvcore.bench import phase_timer
+from kvcore.bench.attribute_swap import swapped_attributes
 from kvcore.bench.sglang import sweep, sweep_cells, sweep_sides
 from kvcore.bench.sglang.import_stubs import install_torchvision_stub
 from kvcore.bench.sglang.pool_case import Options, PoolCase, pool_case
@@ -130,21 +131,13 @@ def stock_copies_left_out() -> Iterator[None]:
     there; with these it costs stock's Python and kvcore's decision, as kvcore's own
     copies under ``--no-copy`` do. The stock methods stay the pools' own, so kvcore's
     bindings of a passing reload's later layers are made as in a served engine."""
-    saved: list[tuple[Any, str, Any]] = []
-    try:
+    with swapped_attributes() as swap:
         for name in _POOL_MODULES:
             module = importlib.import_module(name)
             source = inspect.getsource(module)
             for kernel in sorted(set(re.findall(r"\b(transfer_kv_\w+)\(", source))):
-                saved.append((module, kernel, module.__dict__.get(kernel)))
-                setattr(module, kernel, _stock_copy_left_out)
+                swap(module, kernel, _stock_copy_left_out)
         yield
-    finally:
-        for module, kernel, before in reversed(saved):
-            if before is None:
-                delattr(module, kernel)
-            else:
-                setattr(module, kernel, before)
 
 
 NO_COPY = KernelSet(
