@@ -29,8 +29,28 @@ from kvcore.patching.status import installed_patch_states
 ADAPTERS: tuple[str, ...] = ("kvcore_sglang", "kvcore_vllm")
 
 
+# What a shell reports for a writer killed by SIGPIPE (128 + 13): `set -o pipefail` sees
+# the output cut short, as it would for any other command whose reader went away.
+BROKEN_PIPE_STATUS = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one ``kvcore`` command; returns the exit status (2 for a usage or config error)."""
+    """Run one ``kvcore`` command; returns the exit status (2 for a usage or config error,
+    141 where the reader of stdout went away: ``kvcore doctor | head -3``)."""
+    try:
+        status = _run(argv)
+        # Buffered output still unwritten would break the pipe at exit, past any handler.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's own flush at exit would fail on the same pipe: point stdout elsewhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE_STATUS
+    return status
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(with_bench_options=_command_of(args_list) == "bench")
     try:
@@ -41,10 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        KVCoreConfig.from_env().configure_logging()
+        if args.command != "launch":
+            # launch reads the variables with its --kvcore-* flags over them, and reports
+            # the bad ones of both at once.
+            KVCoreConfig.from_env().configure_logging()
         return int(args.handler(args))
     except ConfigError as exc:
-        print(f"kvcore {args.command}: {exc}", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"kvcore {args.command}: {problem}", file=sys.stderr)
         return 2
 
 

@@ -32,7 +32,15 @@ logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
-    """A setting has a value kvcore does not accept; the message names the setting."""
+    """Settings kvcore does not accept: one problem per bad setting, each naming it; the
+    message is the problems, a line each."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__(*problems)
+        self.problems: tuple[str, ...] = problems
+
+    def __str__(self) -> str:
+        return "\n".join(self.problems)
 
 
 @dataclass(frozen=True)
@@ -92,16 +100,26 @@ def format_size(nbytes: int) -> str:
     return str(nbytes)
 
 
-def _size(minimum: int) -> ValueKind:
+def _size(minimum: int, maximum: int | None = None, why_maximum: str = "") -> ValueKind:
     def parse(value: object) -> int:
         nbytes = parse_size(value)
         if nbytes < minimum:
             raise ValueError(f"below the minimum of {minimum}")
+        if maximum is not None and nbytes > maximum:
+            raise ValueError(f"above the maximum of {format_size(maximum)} ({why_maximum})")
         return nbytes
 
     limit = f"; at least {minimum}" if minimum else ""
     summary = f"size >= {minimum}" if minimum else "size"
+    if maximum is not None:
+        limit += f", at most {format_size(maximum)}"
+        summary = f"size {minimum}..{format_size(maximum)}"
     return ValueKind(_SIZE_SYNTAX + limit, summary, parse, format_size)
+
+
+# The staging buffer is device memory, one on every device: no GPU holds a tebibyte, so a
+# larger value is a typo (99999999T) that would otherwise surface as a failed allocation.
+STAGING_MAX_BYTES = TiB
 
 
 def _integer(low: int, high: int) -> ValueKind:
@@ -208,7 +226,9 @@ class KVCoreConfig:
         frozenset(), ENGINE_SET, "engines kvcore patches; it patches nothing unless named here"
     )
     staging_bytes: int = _setting(
-        256 * MiB, _size(1), "device staging buffer, per device, for scattered device-side rows"
+        256 * MiB,
+        _size(1, STAGING_MAX_BYTES, "it is device memory, on every device: no GPU holds that"),
+        "device staging buffer, per device, for scattered device-side rows",
     )
     long_run_bytes: int = _setting(
         256 * KiB,
@@ -262,14 +282,15 @@ class KVCoreConfig:
     log_level: str = _setting("INFO", LOG_LEVEL, "level of the 'kvcore' logger")
 
     def __post_init__(self) -> None:
-        for setting in SETTINGS:
-            object.__setattr__(self, setting.name, setting.parse(getattr(self, setting.name)))
+        values = _parse_all((s, getattr(self, s.name), None) for s in SETTINGS)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KVCoreConfig:
         """Settings from ``KVCORE_*`` variables; an empty variable counts as unset."""
         env = os.environ if environ is None else environ
-        values = {s.name: s.parse(env[s.env], s.env) for s in SETTINGS if env.get(s.env, "")}
+        values = _parse_all((s, env[s.env], s.env) for s in SETTINGS if env.get(s.env, ""))
         _warn_unknown_variables(env)
         return cls(**values)
 
@@ -282,8 +303,14 @@ class KVCoreConfig:
         Flags are ``--kvcore-x=v`` or ``--kvcore-x v``; a boolean flag alone means true.
         Scanning stops at ``--``. Returns the config and every other argument, in order.
         """
-        overrides, remaining = _scan_flags(argv)
-        return replace(cls.from_env(environ), **overrides), remaining
+        overrides, remaining, problems = _scan_flags(argv)
+        try:
+            config = cls.from_env(environ)
+        except ConfigError as exc:
+            problems += exc.problems
+        if problems:
+            raise ConfigError(*problems)
+        return replace(config, **overrides), remaining
 
     def to_env(self) -> dict[str, str]:
         """Every setting as a ``KVCORE_*`` variable; ``from_env`` reads back an equal config."""
@@ -366,6 +393,21 @@ class Setting:
         return self.kind.render(self.default)
 
 
+def _parse_all(values: Iterable[tuple[Setting, object, str | None]]) -> dict[str, Any]:
+    """Name -> checked value of each (setting, value, source); one ConfigError naming every
+    bad one, so that fixing them takes one round, not one per setting."""
+    parsed: dict[str, Any] = {}
+    problems: list[str] = []
+    for setting, value, source in values:
+        try:
+            parsed[setting.name] = setting.parse(value, source)
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems:
+        raise ConfigError(*problems)
+    return parsed
+
+
 SETTINGS: tuple[Setting, ...] = tuple(
     Setting(f.name, f.metadata["kind"], f.default, f.metadata["help"]) for f in fields(KVCoreConfig)
 )
@@ -373,9 +415,11 @@ _BY_FLAG = {s.flag: s for s in SETTINGS}
 _BY_ENV = {s.env: s for s in SETTINGS}
 
 
-def _scan_flags(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+def _scan_flags(argv: Sequence[str]) -> tuple[dict[str, Any], list[str], tuple[str, ...]]:
+    """(checked overrides, the other arguments, a problem per bad flag)."""
     overrides: dict[str, Any] = {}
     remaining: list[str] = []
+    problems: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -389,7 +433,9 @@ def _scan_flags(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         flag, has_value, text = arg.partition("=")
         setting = _BY_FLAG.get(flag)
         if setting is None:
-            raise ConfigError(_unknown_message("flag", flag, list(_BY_FLAG)))
+            problems.append(_unknown_message("flag", flag, list(_BY_FLAG)))
+            i += 1
+            continue
         following = argv[i + 1] if i + 1 < len(argv) else None
         if has_value:
             i += 1
@@ -402,12 +448,26 @@ def _scan_flags(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
                 text = "1"
                 i += 1
         elif following is None or following.startswith("--"):
-            raise ConfigError(f"{flag} needs a value; allowed: {setting.kind.allowed}")
+            problems.append(f"{flag} needs a value; allowed: {setting.kind.allowed}")
+            i += 1
+            continue
         else:
             text = following
             i += 2
-        overrides[setting.name] = setting.parse(text, flag)
-    return overrides, remaining
+        try:
+            overrides[setting.name] = setting.parse(text, flag)
+        except ConfigError as exc:
+            problems += exc.problems
+    return overrides, remaining, tuple(problems)
+
+
+def flag_overrides(argv: Sequence[str]) -> dict[str, Any]:
+    """Setting name -> checked value of each ``--kvcore-*`` flag in ``argv`` (scanned as
+    :meth:`KVCoreConfig.from_args` scans it): what the flags alone say."""
+    overrides, _, problems = _scan_flags(argv)
+    if problems:
+        raise ConfigError(*problems)
+    return overrides
 
 
 def _unknown_message(what: str, name: str, known: list[str]) -> str:
@@ -459,14 +519,15 @@ def _warn_unknown_variables(env: Mapping[str, str]) -> None:
 def engine_config(engine: str, environ: Mapping[str, str] | None = None) -> KVCoreConfig | None:
     """The configuration for code running inside ``engine`` (a name for people, e.g. "vLLM").
 
-    None when a variable is bad, after one logged line (once per process) that names it,
-    its value and the fix, and says the engine runs stock: inside an engine a traceback
-    would bury that among the engine's own logs, and the engine must carry on.
+    None when a variable is bad, after one logged line per bad variable (once per process)
+    that names it, its value and the fix, and says the engine runs stock: inside an engine a
+    traceback would bury that among the engine's own logs, and the engine must carry on.
     """
     try:
         return KVCoreConfig.from_env(environ)
     except ConfigError as exc:
-        _report_once(logging.ERROR, f"kvcore: {exc}; {engine} runs stock")
+        for problem in exc.problems:
+            _report_once(logging.ERROR, f"kvcore: {problem}; {engine} runs stock")
         return None
 
 

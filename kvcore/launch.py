@@ -5,8 +5,10 @@ Before the engine starts, every kvcore setting (``KVCORE_*`` variables overridde
 thing in the engine's arguments or environment that would leave kvcore with nothing
 to do gets one warning line, and the launch goes on: the user may know better. Then
 this process becomes the engine's own server, with the settings as ``KVCORE_*``
-variables so that every process the engine spawns reads them. Only the standard
-library and kvcore's torch-free modules are imported: the engine should not wait for torch.
+variables so that every process the engine spawns reads them (an explicit
+``--kvcore-enable 0`` is kept: the engine starts stock, after a note saying so). Only the
+standard library and kvcore's torch-free modules are imported: the engine should not wait
+for torch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvcore.config import ENGINES, ConfigError, KVCoreConfig, settings_help
+from kvcore.config import (
+    ENGINES,
+    SETTINGS,
+    ConfigError,
+    KVCoreConfig,
+    flag_overrides,
+    settings_help,
+)
 from kvcore.engine_args import EngineArgs
 from kvcore.metrics_export import MULTIPROC_ENV, multiprocess_dir
 
@@ -33,6 +42,7 @@ ENGINE_ENTRY_MODULES: dict[str, str] = {
 # Engine -> its adapter package; ``<adapter>.launch_checks`` knows what the engine needs.
 ADAPTERS: dict[str, str] = {"sglang": "kvcore_sglang", "vllm": "kvcore_vllm"}
 HELP_FLAGS = frozenset({"-h", "--help"})
+ENABLE_SETTING = next(s for s in SETTINGS if s.name == "enable")
 SEPARATOR = "--"
 
 
@@ -48,7 +58,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         usage="kvcore launch ENGINE [--kvcore-...] [--dry-run] -- ENGINE_ARGS...",
         description=(
             "Check kvcore's settings (--kvcore-* flags over KVCORE_* variables already set)\n"
-            "and ENGINE_ARGS, enable kvcore for ENGINE, and replace this process with the\n"
+            "and ENGINE_ARGS, enable kvcore for ENGINE (unless --kvcore-enable 0 keeps it\n"
+            "off: then the engine starts stock), and replace this process with the\n"
             "engine's own server. A bad setting stops the launch; engine arguments that\n"
             "would leave kvcore idle get a warning, and the launch goes on. With no '--',\n"
             "every argument that is not kvcore's goes to the engine. The engine's own help:\n"
@@ -120,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
     """Check, warn, then exec the engine (or print the plan); 2 for a usage or config error."""
     try:
         return _launch(args.engine, args.rest, args.dry_run)
-    except (ConfigError, LaunchError) as exc:
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"kvcore launch: {problem}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
         print(f"kvcore launch: {exc}", file=sys.stderr)
         return 2
 
@@ -132,9 +147,18 @@ def _launch(engine: str | None, rest: list[str], dry_run: bool) -> int:
     if engine not in ENGINE_ENTRY_MODULES:
         raise LaunchError(f"unknown engine {engine!r}; choose {choices}")
     config, engine_args, dry_run_flag = split_args(rest)
-    config = replace(config, enable=config.enable | {engine})
-    for warning in idle_warnings(engine, engine_args, config, os.environ):
-        print(f"kvcore launch: warning: {warning}", file=sys.stderr)
+    config.configure_logging()
+    turned_off = _turned_off(rest, os.environ)
+    if turned_off is None:
+        config = replace(config, enable=config.enable | {engine})
+        for warning in idle_warnings(engine, engine_args, config, os.environ):
+            print(f"kvcore launch: warning: {warning}", file=sys.stderr)
+    else:
+        print(
+            f"kvcore launch: note: {turned_off} turns kvcore off: {engine} starts stock, "
+            "without kvcore (drop it to start with kvcore)",
+            file=sys.stderr,
+        )
     command = [sys.executable, "-m", ENGINE_ENTRY_MODULES[engine], *engine_args]
     variables = config.to_env()
     installed = engine_installed(engine)
@@ -145,7 +169,7 @@ def _launch(engine: str | None, rest: list[str], dry_run: bool) -> int:
         return 0
     if not installed:
         raise LaunchError(f"{engine} is not installed for {sys.executable}; pip install {engine}")
-    if config.metrics and multiprocess_dir(os.environ) is None:
+    if turned_off is None and config.metrics and multiprocess_dir(os.environ) is None:
         # kvcore counts in the engine's worker processes; the engine serves /metrics from
         # another one, which reads them only in prometheus_client's multiprocess mode. A
         # fresh directory per launch, so no earlier run's values are summed in.
@@ -153,6 +177,24 @@ def _launch(engine: str | None, rest: list[str], dry_run: bool) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(command[0], command, {**os.environ, **variables})
+
+
+def _turned_off(rest: list[str], environ: Mapping[str, str]) -> str | None:
+    """How the launch was told to keep kvcore off (``--kvcore-enable 0``, or
+    ``KVCORE_ENABLE=0`` with no flag over it), else None.
+
+    Only an explicit off counts: a setting that names other engines still has ENGINE
+    added, as it always has, and an unset or empty variable means "not said".
+    """
+    setting = ENABLE_SETTING
+    flags = flag_overrides(rest[: rest.index(SEPARATOR)] if SEPARATOR in rest else rest)
+    if setting.name in flags:
+        off = not flags[setting.name]
+        return f"{setting.flag} {setting.kind.render(flags[setting.name])}" if off else None
+    value = environ.get(setting.env, "")
+    if value and not setting.parse(value, setting.env):
+        return f"{setting.env}={value}"
+    return None
 
 
 def split_args(rest: list[str]) -> tuple[KVCoreConfig, list[str], bool]:

@@ -17,6 +17,14 @@ from kvcore.path_policy import PathPolicy
 
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _MAX_KEPT_STREAMS = 64
+_LEASE_NUMBER = "_kvcore_lease_number"
+
+
+def lease_number(buffer: torch.Tensor) -> int:
+    """How many leases of ``buffer``'s device were taken up to and including the one that
+    handed it out: a user that keeps copies in flight across its leases (a ring of staging
+    slots) tells from a gap that another user held the buffer in between."""
+    return int(buffer.__dict__.get(_LEASE_NUMBER, 0))
 
 
 class StagingBuffers:
@@ -36,6 +44,7 @@ class StagingBuffers:
         self._locks: dict[torch.device, threading.Lock] = {}
         self._last_use: dict[torch.device, torch.cuda.Event] = {}
         self._last_stream: dict[torch.device, int] = {}
+        self._lease_numbers: dict[torch.device, int] = {}
         # (device index, raw handle) -> the Stream object for it (torch never frees its
         # pool's streams; a handle reused by a new external stream names that stream).
         self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
@@ -110,6 +119,9 @@ class _Lease:
         try:
             owner, device = self._buffers, self._device
             buffer = owner._buffer_for(device)
+            number = owner._lease_numbers.get(device, 0) + 1
+            owner._lease_numbers[device] = number
+            buffer.__dict__[_LEASE_NUMBER] = number
             if device.type == "cuda":
                 stream, handle = owner._current_stream(device)
                 last_use = owner._last_use.get(device)

@@ -1,14 +1,19 @@
 """``kvcore bench``'s options and dispatch: the core suite, or an engine's A/B or sweep.
 
 Each engine's module is imported only when ``--engine`` names it, so the core suite runs
-without SGLang or vLLM installed.
+without SGLang or vLLM installed. Every option is checked before anything runs: a bad one
+ends the command with one line per problem on stderr and exit status 2, not a traceback
+minutes into a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import os
 import sys
+from pathlib import Path
 
 from kvcore.bench import suite
 
@@ -20,6 +25,9 @@ ENGINE_SWEEPS: dict[str, str] = {
     "sglang": "kvcore.bench.sglang.sweep",
     "vllm": "kvcore.bench.vllm.sweep",
 }
+
+# `kvcore bench --engine NAME --sweep --beside-compute` -> reloads beside a model's forward.
+BESIDE_COMPUTE: dict[str, str] = {"sglang": "kvcore.bench.sglang.beside"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
-        "--repeats", type=int, default=0, help="with --sweep: timed requests per cell"
+        "--repeats",
+        type=int,
+        help="with --sweep: timed requests per cell, at least 1 (default: the sweep's own)",
     )
     parser.add_argument(
         "--sizes", help="with --sweep: comma list of request sizes in tokens (vLLM: blocks)"
@@ -54,6 +64,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --sweep: time a concurrent GEMM batch during each request (CUDA)",
     )
     parser.add_argument(
+        "--beside-compute",
+        action="store_true",
+        help=(
+            "with --engine sglang --sweep: reloads through SGLang's L2TransferEngine alone, "
+            "beside another batch's forward and feeding the hit's own forward (CUDA)"
+        ),
+    )
+    parser.add_argument(
+        "--compute",
+        help="with --beside-compute: comma list of decode-64, decode-256, prefill-4096",
+    )
+    parser.add_argument(
+        "--pages", help="with --beside-compute: comma list of page sizes (default 64,16,1)"
+    )
+    parser.add_argument(
         "--no-rule",
         action="store_true",
         help="with --sweep: kvcore serves every call it can (serve-or-pass rule off)",
@@ -61,12 +86,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run what the options ask for; 2 for an engine/--sweep combination that has no bench."""
+    """Run what the options ask for; 2 for a bad option, an engine that is not installed or
+    an engine/--sweep combination that has no bench."""
+    problems = argument_problems(args)
+    for problem in problems:
+        print(f"kvcore bench: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     engine = getattr(args, "engine", None)
+    if engine is not None and importlib.util.find_spec(engine) is None:
+        # The engine's bench modules import it at the top: say so before they do.
+        print(f"kvcore bench: --engine {engine}: {_not_installed(engine)}", file=sys.stderr)
+        return 2
     if getattr(args, "sweep", False):
         if engine is None:
             print("kvcore bench: --sweep needs --engine (sglang or vllm)", file=sys.stderr)
             return 2
+        if getattr(args, "beside_compute", False):
+            if engine not in BESIDE_COMPUTE:
+                print(
+                    f"kvcore bench: --beside-compute runs for {', '.join(BESIDE_COMPUTE)}",
+                    file=sys.stderr,
+                )
+                return 2
+            return int(importlib.import_module(BESIDE_COMPUTE[engine]).main(args))
         return int(importlib.import_module(ENGINE_SWEEPS[engine]).main(args))
     if engine is not None:
         if engine not in ENGINE_ABS:
@@ -74,3 +117,103 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return int(importlib.import_module(ENGINE_ABS[engine]).main(args))
     return suite.main(args)
+
+
+def argument_problems(args: argparse.Namespace) -> list[str]:
+    """One line per option ``args`` holds that no bench could run with, each naming the
+    value and what to give instead."""
+    problems = [
+        _tokens_problem(getattr(args, "tokens", None), per_page=not getattr(args, "sweep", False)),
+        _repeats_problem(getattr(args, "repeats", None)),
+        _sizes_problem(getattr(args, "sizes", None)),
+        _output_problem("--json", getattr(args, "json", None)),
+        _output_problem("--plot", getattr(args, "plot", None)),
+        _plot_format_problem(getattr(args, "plot", None)),
+    ]
+    return [problem for problem in problems if problem is not None]
+
+
+def _tokens_problem(tokens: int | None, *, per_page: bool) -> str | None:
+    if tokens is None:
+        return None
+    if not per_page:
+        # A sweep's request size, as in --sizes: a page-size-1 pool takes any count.
+        return None if tokens >= 1 else f"--tokens {tokens}: give a request size of 1 or more"
+    if tokens < suite.PAGE or tokens % suite.PAGE:
+        # Host and device layouts are built from whole pages of PAGE rows on both sides.
+        return (
+            f"--tokens {tokens}: give a multiple of {suite.PAGE} rows (one page), at least "
+            f"{suite.PAGE}, or leave it out for the default"
+        )
+    return None
+
+
+def _repeats_problem(repeats: int | None) -> str | None:
+    if repeats is None or repeats >= 1:
+        return None
+    return f"--repeats {repeats}: give 1 or more timed requests per cell, or leave it out"
+
+
+def _sizes_problem(sizes: str | None) -> str | None:
+    if sizes is None:
+        return None
+    for entry in sizes.split(","):
+        try:
+            size = int(entry)
+        except ValueError:
+            size = 0
+        if size < 1:
+            return (
+                f"--sizes {sizes}: {entry.strip() or 'an empty entry'!r} is not a request size; "
+                "give a comma list of whole numbers of 1 or more, e.g. 2048,8192"
+            )
+    return None
+
+
+def _output_problem(option: str, path: str | None) -> str | None:
+    """Why ``path`` cannot be written, checked now so that a run is not lost at its end."""
+    if path is None:
+        return None
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        return f"{option} {path}: is a folder; give a file name in it"
+    if not folder.is_dir():
+        return f"{option} {path}: the folder {folder} does not exist; create it first"
+    if not os.access(folder, os.W_OK):
+        return f"{option} {path}: the folder {folder} is not writable; pick another one"
+    return None
+
+
+def _plot_format_problem(path: str | None) -> str | None:
+    suffix = Path(path).suffix.lower().lstrip(".") if path else ""
+    if not suffix:
+        # matplotlib writes its default format (PNG) and adds the extension itself.
+        return None
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        # The run goes on and says that no plot was written, as it always has.
+        return None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix in formats:
+        return None
+    known = ", ".join(f".{name}" for name in sorted(formats))
+    return f"--plot {path}: matplotlib cannot write .{suffix} files; end the name in one of {known}"
+
+
+# How to get each engine; the lanes' scripts pin a CPU torch so that pip cannot swap it for
+# a CUDA build while it resolves the engine's dependencies.
+ENGINE_INSTALLS: dict[str, str] = {
+    "sglang": "ci/install_sglang.sh",
+    "vllm": "ci/install_vllm.sh",
+}
+
+
+def _not_installed(engine: str) -> str:
+    versions = importlib.import_module(f"kvcore_{engine}").SUPPORTED_VERSIONS
+    return (
+        f"{engine} is not installed for {sys.executable}; install a release kvcore supports "
+        f"({', '.join(versions)}) into this environment, or from a kvcore checkout run "
+        f"{ENGINE_INSTALLS[engine]} for a CPU venv with it, and run kvcore bench from that venv"
+    )

@@ -82,7 +82,7 @@ def options_for(args: argparse.Namespace) -> BenchOptions:
     device = _pick_device(args.device)
     quick = args.quick
     return BenchOptions(
-        tokens=args.tokens or (16384 if quick else 131072),
+        tokens=args.tokens if args.tokens is not None else (16384 if quick else 131072),
         row_kinds=_choice(args.rows, ROW_KINDS, ("mla-1152B", "mha-4KiB") if quick else None),
         host_levels=_choice(
             args.host_levels, HOST_FRAGMENTATION, ("0%", "50%", "100%") if quick else None
@@ -425,7 +425,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a chart, one panel per row kind and direction (needs matplotlib)",
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--tokens", type=int, default=0, help="rows per transfer")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        help=f"rows per transfer, a multiple of {PAGE} (default 131072; --quick: 16384)",
+    )
     parser.add_argument("--rows", help=f"comma list of row kinds: {', '.join(ROW_KINDS)}")
     # argparse expands % in help strings: the levels' own % signs are doubled.
     levels = ", ".join(HOST_FRAGMENTATION).replace("%", "%%")
@@ -467,10 +471,44 @@ def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
     return report
 
 
+class ReportError(ValueError):
+    """A file given to ``--from-json`` is not a report ``--json`` wrote; the message says why."""
+
+
+# What format_table reads of a report; reports older than these keys do not exist.
+REPORT_KEYS = ("device", "ceiling_gbps", "page_out_host_syncs", "results", "allocator")
+
+
+def load_report(path: str) -> dict[str, Any]:
+    """The report ``--json`` saved at ``path``; ReportError names the file and the problem."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            report = json.load(fh)
+    except OSError as exc:
+        raise ReportError(f"--from-json {path}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise ReportError(f"--from-json {path}: not JSON ({exc})") from None
+    if not isinstance(report, dict):
+        problem = f"it holds a JSON {type(report).__name__}, not an object"
+    elif missing := [key for key in REPORT_KEYS if key not in report]:
+        problem = f"it lacks {', '.join(missing)}"
+    elif not isinstance(report["results"], list):
+        problem = "its results are not a list"
+    else:
+        return report
+    raise ReportError(
+        f"--from-json {path}: not a report of kvcore bench --json ({problem}); give a file "
+        "that kvcore bench --json wrote"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     if args.from_json:
-        with open(args.from_json) as fh:
-            report = json.load(fh)
+        try:
+            report = load_report(args.from_json)
+        except ReportError as exc:
+            print(f"kvcore bench: {exc}", file=sys.stderr)
+            return 2
     else:
         report = run(options_for(args), progress=not args.no_progress)
     print(format_table(report, full=args.full))

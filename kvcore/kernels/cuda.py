@@ -30,6 +30,7 @@ from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.kernels.triton_rows import row_gather
 from kvcore.layers import LayerPairs
 from kvcore.runs import PairedRuns, Runs, slice_runs
+from kvcore.staging import lease_number
 
 if TYPE_CHECKING:
     from kvcore.planning import StagedChunk
@@ -51,6 +52,9 @@ _OVERLAP_MIN_UNITS = 4
 _OVERLAP_MAX_SLOTS = 1 << 16
 # Units shorter than this cross PCIe faster than the host issues them: nothing to hide.
 _OVERLAP_MIN_UNIT_BYTES = 1 << 20
+# The most slots the layer ring (_LayerRing) cycles through: enough for a reload's DMAs to
+# run layers ahead of a scatter held back by the model's kernels, few enough events.
+_RING_MAX_SLOTS = 16
 
 
 def _host_side(src_words: torch.Tensor, dst_words: torch.Tensor) -> torch.Tensor:
@@ -190,6 +194,54 @@ class _StageInLanes:
             self.freed.append(torch.cuda.Event())
 
 
+class _LayerRing:
+    """A device's staged page-ins across calls: a request's layers copied by the copy engine
+    into a ring of staging slots on a stream of their own, each slot scattered to its rows on
+    a high-priority stream, the caller's stream waiting only for the scatters.
+
+    The model's kernels hold the SMs while a reload runs beside them; a scatter queued on the
+    caller's stream behind them would hold back every later layer's DMA. Here a layer's DMA
+    waits only for its slot's last scatter, and the scatter, at the device's highest stream
+    priority, takes SMs as soon as any free up. A request's first call (or any call after
+    another user of the staging buffer, or a new buffer) orders the DMAs after the caller's
+    earlier work; its later layers read host rows that call already ordered.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.dma = torch.cuda.Stream(device=device)
+        self.scatter = torch.cuda.Stream(device=device, priority=_highest_priority())
+        self.start = torch.cuda.Event()
+        self.done = torch.cuda.Event()
+        self.filled: list[torch.cuda.Event] = []
+        self.freed: list[torch.cuda.Event] = []
+        self.armed: list[bool] = []
+        self.cursor = 0
+        self.geometry: tuple[int, int, int] = (0, 0, 0)
+        """(staging address, slot bytes, slots) the slots were cut for."""
+        self.request: weakref.ref[object] | None = None
+        self.lease = -1
+
+    def shape(self, staging: torch.Tensor, slot_bytes: int, slots: int) -> bool:
+        """Cut the slots for this call; whether they were cut anew (the DMAs must then wait
+        for the caller's stream, which waited for every earlier scatter)."""
+        geometry = (staging.data_ptr(), slot_bytes, slots)
+        if geometry == self.geometry:
+            return False
+        self.geometry = geometry
+        while len(self.filled) < slots:
+            self.filled.append(torch.cuda.Event())
+            self.freed.append(torch.cuda.Event())
+        self.armed = [False] * slots
+        self.cursor = 0
+        return True
+
+
+def _highest_priority() -> int:
+    # A static method at run time, typed as an instance method in torch's stubs.
+    _least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
+    return int(greatest)
+
+
 def overlap_slots(
     staging_bytes: int,
     chunk_rows: Sequence[int],
@@ -231,6 +283,7 @@ class _CudaIndexedOps:
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._lanes: dict[torch.device, _StageInLanes] = {}
+        self._rings: dict[torch.device, _LayerRing] = {}
         self.overlap_max_slots = _OVERLAP_MAX_SLOTS
         self._launches: weakref.WeakKeyDictionary[LayerPairs, _TableLaunch | str] = (
             weakref.WeakKeyDictionary()
@@ -446,9 +499,81 @@ class _CudaIndexedOps:
                 self.overlap_max_slots,
             )
         if slots is None:
-            reference.stage_in_prepared(pairs, chunks, staging)
+            if not self._stage_in_ring(pairs, prepared, staging):
+                reference.stage_in_prepared(pairs, chunks, staging)
         else:
             self._stage_in_overlapped(pairs, chunks, staging, *slots)
+
+    def _stage_in_ring(
+        self, pairs: LayerPairs, prepared: _StageInRows, staging: torch.Tensor
+    ) -> bool:
+        """One call of a request through the device's :class:`_LayerRing`; False (nothing
+        issued) where fewer than two slots of the call's largest unit fit the buffer."""
+        chunks = prepared.chunks
+        src_words = pairs.src_words[0]
+        row_bytes = src_words.shape[1] * src_words.element_size()
+        if any(s.shape[1] * s.element_size() != row_bytes for s in pairs.src_words):
+            return False
+        slot_rows = max(rows for _, _, rows in chunks.chunks)
+        slot_bytes = slot_rows * row_bytes
+        slots = min(staging.numel() // slot_bytes, _RING_MAX_SLOTS)
+        if slots < 2:
+            return False
+        device = staging.device
+        ring = self._rings.get(device)
+        if ring is None:
+            ring = self._rings.setdefault(device, _LayerRing(device))
+        current = torch.cuda.current_stream(device)
+        lease = lease_number(staging)
+        later_layer = (
+            ring.request is not None and ring.request() is prepared and ring.lease == lease - 1
+        )
+        fresh = ring.shape(staging, slot_bytes, slots)
+        ring.request, ring.lease = weakref.ref(prepared), lease
+        ring.start.record(current)
+        if fresh or not later_layer:
+            ring.dma.wait_event(ring.start)
+            for _, rows_on_device, _ in chunks.chunks:
+                rows_on_device.record_stream(ring.scatter)
+        scatter = ring.scatter
+        scatter.wait_event(ring.start)
+        typed: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        completed = False
+        try:
+            for src, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+                key = (src.dtype, src.shape[1])
+                rows_of = typed.get(key)
+                if rows_of is None:
+                    rows_of = reference.buffer_rows(staging, slot_rows * slots, src)
+                    typed[key] = rows_of
+                for host_runs, rows_on_device, rows in chunks.chunks:
+                    slot = ring.cursor
+                    ring.cursor = (slot + 1) % slots
+                    begin = slot * slot_rows
+                    staged = rows_of[begin : begin + rows]
+                    with torch.cuda.stream(ring.dma):
+                        if ring.armed[slot]:
+                            ring.dma.wait_event(ring.freed[slot])
+                        reference.listed_runs_to_staging(src, host_runs, staged, into_staging=True)
+                        ring.filled[slot].record(ring.dma)
+                    scatter.wait_event(ring.filled[slot])
+                    with torch.cuda.stream(scatter):
+                        dst_words.index_copy_(0, rows_on_device, staged)
+                    ring.freed[slot].record(scatter)
+                    ring.armed[slot] = True
+            completed = True
+        finally:
+            # The caller's stream goes on after every scatter issued: the engine's per-layer
+            # event after this call covers them, and the buffer's next lease (kept after the
+            # caller's stream) covers the DMAs they waited for. A failed call may have left a
+            # DMA with no scatter after it: the caller waits for that too, and the next call
+            # orders its DMAs afresh.
+            ring.done.record(scatter)
+            current.wait_event(ring.done)
+            if not completed:
+                current.wait_stream(ring.dma)
+                ring.request = None
+        return True
 
     def _stage_in_overlapped(
         self,

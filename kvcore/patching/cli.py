@@ -1,7 +1,8 @@
 """``kvcore patches {list,check,apply,revert,generate}``: the patch sets against engine trees.
 
 Exit status: 0 done (check: every file applied, or every file pristine); 1 refused,
-mixed, or drifted; 2 a usage error, no such tree, or a release with no patch set.
+mixed, or drifted; 2 a usage error, no such tree, a release with no patch set, or (list)
+no patch set at all.
 """
 
 from __future__ import annotations
@@ -123,8 +124,20 @@ def _change(
 
 def _list(args: argparse.Namespace) -> int:
     engines = [args.engine] if args.engine else sorted(ADAPTER_SPECS)
-    for engine in engines:
-        versions = available_versions(args.patches, engine)
+    found = {engine: available_versions(args.patches, engine) for engine in engines}
+    if not any(found.values()):
+        fix = (
+            "the patch sets kvcore ships are missing from this install: reinstall kvcore"
+            if args.patches == DEFAULT_PATCHES_DIR
+            else "give --patches the folder that holds <engine>/<version>/manifest.json"
+        )
+        print(
+            f"kvcore patches list: no patch sets for {' or '.join(engines)} in "
+            f"{args.patches}; {fix}",
+            file=sys.stderr,
+        )
+        return 2
+    for engine, versions in found.items():
         print(f"{engine}: {', '.join(versions) or 'no patch sets'}")
         for version in versions:
             patch_set, _ = load_set(args.patches, engine, version)

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "manifest.json"
-# The repository's patches/, next to the kvcore package in a source checkout.
-DEFAULT_PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
+# The package's sets/: in a checkout (and so in an editable install) a link to the
+# repository's patches/, which `kvcore patches generate` writes; a wheel holds a copy.
+DEFAULT_PATCHES_DIR = (Path(__file__).resolve().parent / "sets").resolve()
 
 
 class NoPatchSet(LookupError):

@@ -299,3 +299,63 @@ def test_a_staged_ring_that_fails_midway_leaves_the_next_page_in_exact(monkeypat
     torch.cuda.synchronize()
     for got, wanted in zip(device, want, strict=True):
         assert torch.equal(_bytes(got), _bytes(wanted))
+
+
+@pytest.mark.parametrize("slots", [2, 5])
+def test_layer_ring_reloads_copy_exactly_behind_a_held_back_stream(slots):
+    """SGLang-shaped reloads (K and V a layer, one call a layer) through the layer ring: the
+    DMAs of later layers run ahead on their own stream while each layer's scatter waits for
+    the load stream, held back on the GPU and writing every destination layer just before
+    its call; another stream's staged page-in takes the staging buffer between some layers.
+    A DMA into a slot whose scatter has not run, or a scatter before the load stream's own
+    write, would leave wrong bytes."""
+    row_bytes, count, layers = 1152, 1500, 6
+    device = [[_random(ROWS, row_bytes, host=False) for _ in range(2)] for _ in range(layers)]
+    poison = [[t.clone() for t in pair] for pair in device]
+    mover = Mover(PathPolicy(staging_bytes=slots * count * row_bytes), metrics=Metrics())
+    gen = torch.Generator().manual_seed(slots)
+    other_host = _random(ROWS, row_bytes, host=True)
+    other_device = _random(ROWS, row_bytes, host=False)
+    other_src, other_dst = torch.arange(0, 600), torch.randperm(ROWS, generator=gen)[:600]
+    other_want = other_device.clone()
+    other_want[other_dst.cuda()] = other_host[other_src].cuda()
+    other_plan = _staged_page_in(mover, other_host, other_device, other_src, other_dst)
+    load, other = torch.cuda.Stream(), torch.cuda.Stream()
+    for request in range(3):
+        host = [[_random(ROWS, row_bytes, host=True) for _ in range(2)] for _ in range(layers)]
+        kept = [[t.clone() for t in pair] for pair in host]
+        start = request * 700
+        src_idx = torch.arange(start, start + count)
+        dst_idx = torch.randperm(ROWS, generator=gen)[:count]
+        chosen = plan_device_indexed(
+            host[0][0],
+            device[0][0],
+            src_idx,
+            dst_idx.cuda(),
+            direction=Direction.H2D,
+            policy=mover.policy,
+            force=TransferPath.STAGED,
+        )
+        prepared = mover.prepare_layers(chosen)
+        for layer in range(layers):
+            with torch.cuda.stream(load):
+                torch.cuda._sleep(300_000)
+                for got, clean in zip(device[layer], poison[layer], strict=True):
+                    got.copy_(clean)
+                mover.execute_prepared(prepared, layer_pairs(host[layer], device[layer]))
+            if layer == 2:
+                with torch.cuda.stream(other):
+                    mover.execute(other_plan)
+        load.synchronize()
+        for layer in range(layers):
+            for got, clean, src in zip(device[layer], poison[layer], host[layer], strict=True):
+                want = clean.clone()
+                want[dst_idx.cuda()] = src[src_idx].cuda()
+                assert torch.equal(_bytes(got), _bytes(want)), (request, layer)
+        for pair, copies in zip(host, kept, strict=True):
+            for src, copy in zip(pair, copies, strict=True):
+                assert torch.equal(_bytes(src), _bytes(copy))
+    torch.cuda.synchronize()
+    assert torch.equal(_bytes(other_device), _bytes(other_want))
+    rings = mover.kernels(torch.device("cuda")).stage_in_prepared.__self__._rings
+    assert rings, "the reloads did not take the layer ring"

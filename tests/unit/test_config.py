@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvcore.config import (
     ENGINES,
     SETTINGS,
+    STAGING_MAX_BYTES,
     ConfigError,
     KVCoreConfig,
     format_size,
@@ -128,8 +129,8 @@ def test_every_field_from_flags(name, joined):
 )
 def test_size_units(text, expected):
     assert parse_size(text) == expected
-    if expected:  # the staging buffer takes a byte at least
-        assert KVCoreConfig.from_env({"KVCORE_STAGING_BYTES": text}).staging_bytes == expected
+    if expected:  # a run takes a byte at least; the staging buffer has a maximum besides
+        assert KVCoreConfig.from_env({"KVCORE_LONG_RUN_BYTES": text}).long_run_bytes == expected
 
 
 @pytest.mark.parametrize(
@@ -400,7 +401,7 @@ sizes = st.one_of(
 configs = st.builds(
     KVCoreConfig,
     enable=st.frozensets(st.sampled_from(ENGINES)),
-    staging_bytes=sizes.map(lambda n: n + 1),
+    staging_bytes=sizes.map(lambda n: min(n + 1, STAGING_MAX_BYTES)),
     long_run_bytes=sizes.map(lambda n: n + 1),
     gather_ctas=st.integers(1, 1024),
     gather_ctas_to_host=st.integers(1, 1024),
