@@ -105,6 +105,11 @@ _PAGED = (2, 1 << 30)
 _TOKEN_PAGES = (1, 1)
 
 # First match wins, so specific entries come before general ones.
+BESIDE_COMPUTE_EVIDENCE = "docs/bench/h200-beside-compute-sglang-2026-12-04.json"
+"""The beside-compute rows (SGLang 0.5.23 through its L2TransferEngine, H200) that the load
+rows below are judged from: kvcore serves where its reload beside the model's forward is
+faster than stock's and neither forward beside it is slower."""
+
 SGLANG_RULES: tuple[SGLangRule, ...] = (
     SGLangRule(
         "load",
@@ -113,14 +118,44 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         _TOKEN_PAGES,
         32768,
         "stock_kernel_small_mla_load",
-        "token-granular MLA layer_first reloads: stock's kernel at 37-43 GB/s. On few long "
-        "host runs kvcore's staged copy (DMA, then a scatter on the device) ran 1.18-1.29x "
-        "from 8k tokens and left a concurrent GEMM 96-98% of its throughput (stock's kernel "
-        "71-87%). On scattered host slots its gather (4 CTAs) ran 1.14-1.19x, and left the "
-        "GEMM 70-85% against stock's 86-87% at 8k, 82% against 76% at 16k (one run), 68-80% "
-        "against 72-80% at 32k (H200 engine sweeps, 2026-12-03); so scattered reloads are "
-        "served from 32k. Below 8k a request's first call costs more than the copy gains",
-        dense_min_tokens=8192,
+        "token-granular MLA layer_first reloads. On few long host runs (the layer ring: DMA, "
+        "then a high-priority scatter), beside compute: at 32k tokens kvcore's reload 44-46 ms "
+        "against stock's 79-153 (link 41.6) and the hit's decode forward done at 43.9 ms "
+        "against 70.3; at 8k faster alone and beside other batches (11.8 against 28.2 ms) "
+        "but the hit's decode forward done at 30.1 ms against 22.5, the ring's host time per "
+        f"layer holding it back ({BESIDE_COMPUTE_EVIDENCE}, mla/.../p1). Scattered host slots "
+        "take the gather (4 CTAs), 1.14-1.19x alone, served from 32k (H200 engine sweeps, "
+        "2026-12-03)",
+        dense_min_tokens=32768,
+        pool="mla",
+    ),
+    SGLangRule(
+        "load",
+        "kernel",
+        "layer_first",
+        _ALL_PAGES,
+        None,
+        "stock_kernel_near_link",
+        "MHA and paged MLA layer_first reloads on few long host runs, beside compute at 32k "
+        "tokens (the layer ring): MHA page 64 reloads 79.0-84.8 ms against stock's 86.4-107.9 "
+        "(link 77.7), another batch's prefill 87.6 ms against 95.4 (alone 82.7), the hit's "
+        "forward done at 103.8 against 112.5 (ideal 96.9); page 1 alike; MLA page 64 43.2-45.6 "
+        "against 48.3-112.7 (link 41.6). At 8k the reload is faster too (MHA 21.8 against "
+        "30.7 beside a prefill) but the hit's own prefill finished 1-5% later than with "
+        f"stock's, and paged MLA's decode at 35.0 ms against 30.0 ({BESIDE_COMPUTE_EVIDENCE}). "
+        "Scattered host slots stay stock's: kvcore's gather is no faster",
+        dense_min_tokens=32768,
+        pool="mha",
+    ),
+    SGLangRule(
+        "load",
+        "kernel",
+        "layer_first",
+        _PAGED,
+        None,
+        "stock_kernel_near_link",
+        "the row above, for MLA's paged reloads",
+        dense_min_tokens=32768,
         pool="mla",
     ),
     SGLangRule(
@@ -132,8 +167,7 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "stock_kernel_near_link",
         "SGLang's JIT load kernel moves paged reloads at 50-51 GB/s from 4k tokens up, for "
         "19-26 us of host time a layer; kvcore's own loads 0.97-1.04x from 8k tokens (H200 "
-        "engine sweep). Token-granular MLA reloads have the row above; token-granular MHA "
-        "reloads: the gather is no faster than stock's kernel",
+        "engine sweep). The layer_first rows above serve few long host runs from 32k tokens",
     ),
     SGLangRule(
         "backup",

@@ -23,7 +23,7 @@ from kvcore.kernels.batch_copy import (
     copy_runs_batched,
     copy_runs_each,
 )
-from kvcore.kernels.cudart import device_address
+from kvcore.kernels.cudart import StreamCalls, device_address, stream_calls
 from kvcore.kernels.index_upload import IndexUploader, KeptUpload
 from kvcore.kernels.triton_kernels import triton_available
 from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
@@ -204,20 +204,26 @@ class _LayerRing:
     waits only for its slot's last scatter, and the scatter, at the device's highest stream
     priority, takes SMs as soon as any free up. A request's first call (or any call after
     another user of the staging buffer, or a new buffer) orders the DMAs after the caller's
-    earlier work; its later layers read host rows that call already ordered.
+    earlier work; its later layers read host rows that call already ordered. The copies and
+    events go through the CUDA runtime directly (:class:`~kvcore.kernels.cudart.StreamCalls`):
+    SGLang queues the hit's forward only once every layer's call has returned, so the ring's
+    host time per layer delays the model.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, calls: StreamCalls) -> None:
+        self.calls = calls
         self.dma = torch.cuda.Stream(device=device)
         self.scatter = torch.cuda.Stream(device=device, priority=_highest_priority())
-        self.start = torch.cuda.Event()
-        self.done = torch.cuda.Event()
-        self.filled: list[torch.cuda.Event] = []
-        self.freed: list[torch.cuda.Event] = []
+        self.dma_handle, self.scatter_handle = self.dma.cuda_stream, self.scatter.cuda_stream
+        self.start, self.done = calls.event(), calls.event()
+        self.filled: list[int] = []
+        self.freed: list[int] = []
         self.armed: list[bool] = []
         self.cursor = 0
         self.geometry: tuple[int, int, int] = (0, 0, 0)
         """(staging address, slot bytes, slots) the slots were cut for."""
+        self.views: dict[tuple[torch.dtype, int, int, int], torch.Tensor] = {}
+        """Each slot's rows as a word view, by (dtype, words, slot, rows): made once."""
         self.request: weakref.ref[object] | None = None
         self.lease = -1
 
@@ -229,11 +235,24 @@ class _LayerRing:
             return False
         self.geometry = geometry
         while len(self.filled) < slots:
-            self.filled.append(torch.cuda.Event())
-            self.freed.append(torch.cuda.Event())
+            self.filled.append(self.calls.event())
+            self.freed.append(self.calls.event())
         self.armed = [False] * slots
         self.cursor = 0
+        self.views.clear()
         return True
+
+    def slot_view(
+        self, staging: torch.Tensor, like: torch.Tensor, slot: int, rows: int
+    ) -> torch.Tensor:
+        key = (like.dtype, like.shape[1], slot, rows)
+        view = self.views.get(key)
+        if view is None:
+            slot_rows = self.geometry[1] // (like.shape[1] * like.element_size())
+            whole = reference.buffer_rows(staging, slot_rows * (slot + 1), like)
+            view = whole[slot * slot_rows : slot * slot_rows + rows]
+            self.views[key] = view
+        return view
 
 
 def _highest_priority() -> int:
@@ -508,11 +527,15 @@ class _CudaIndexedOps:
         self, pairs: LayerPairs, prepared: _StageInRows, staging: torch.Tensor
     ) -> bool:
         """One call of a request through the device's :class:`_LayerRing`; False (nothing
-        issued) where fewer than two slots of the call's largest unit fit the buffer."""
+        issued) where fewer than two slots of the call's largest unit fit the buffer, the
+        pairs' rows differ in size, or no CUDA runtime is reachable."""
+        calls = stream_calls()
         chunks = prepared.chunks
         src_words = pairs.src_words[0]
         row_bytes = src_words.shape[1] * src_words.element_size()
-        if any(s.shape[1] * s.element_size() != row_bytes for s in pairs.src_words):
+        if calls is None or any(
+            s.shape[1] * s.element_size() != row_bytes for s in pairs.src_words
+        ):
             return False
         slot_rows = max(rows for _, _, rows in chunks.chunks)
         slot_bytes = slot_rows * row_bytes
@@ -522,45 +545,42 @@ class _CudaIndexedOps:
         device = staging.device
         ring = self._rings.get(device)
         if ring is None:
-            ring = self._rings.setdefault(device, _LayerRing(device))
-        current = torch.cuda.current_stream(device)
+            ring = self._rings.setdefault(device, _LayerRing(device, calls))
+        current = torch.cuda.current_stream(device).cuda_stream
         lease = lease_number(staging)
         later_layer = (
             ring.request is not None and ring.request() is prepared and ring.lease == lease - 1
         )
         fresh = ring.shape(staging, slot_bytes, slots)
         ring.request, ring.lease = weakref.ref(prepared), lease
-        ring.start.record(current)
+        dma, scatter = ring.dma_handle, ring.scatter_handle
+        calls.record(ring.start, current)
         if fresh or not later_layer:
-            ring.dma.wait_event(ring.start)
+            calls.wait(dma, ring.start)
             for _, rows_on_device, _ in chunks.chunks:
                 rows_on_device.record_stream(ring.scatter)
-        scatter = ring.scatter
-        scatter.wait_event(ring.start)
-        typed: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        calls.wait(scatter, ring.start)
+        base = staging.data_ptr()
         completed = False
         try:
-            for src, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-                key = (src.dtype, src.shape[1])
-                rows_of = typed.get(key)
-                if rows_of is None:
-                    rows_of = reference.buffer_rows(staging, slot_rows * slots, src)
-                    typed[key] = rows_of
-                for host_runs, rows_on_device, rows in chunks.chunks:
-                    slot = ring.cursor
-                    ring.cursor = (slot + 1) % slots
-                    begin = slot * slot_rows
-                    staged = rows_of[begin : begin + rows]
-                    with torch.cuda.stream(ring.dma):
+            with torch.cuda.stream(ring.scatter):
+                for src, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+                    host = src.data_ptr()
+                    for host_runs, rows_on_device, rows in chunks.chunks:
+                        slot = ring.cursor
+                        ring.cursor = (slot + 1) % slots
                         if ring.armed[slot]:
-                            ring.dma.wait_event(ring.freed[slot])
-                        reference.listed_runs_to_staging(src, host_runs, staged, into_staging=True)
-                        ring.filled[slot].record(ring.dma)
-                    scatter.wait_event(ring.filled[slot])
-                    with torch.cuda.stream(scatter):
+                            calls.wait(dma, ring.freed[slot])
+                        into = base + slot * slot_bytes
+                        for start, length in host_runs:
+                            calls.copy(into, host + start * row_bytes, length * row_bytes, dma)
+                            into += length * row_bytes
+                        calls.record(ring.filled[slot], dma)
+                        calls.wait(scatter, ring.filled[slot])
+                        staged = ring.slot_view(staging, src, slot, rows)
                         dst_words.index_copy_(0, rows_on_device, staged)
-                    ring.freed[slot].record(scatter)
-                    ring.armed[slot] = True
+                        calls.record(ring.freed[slot], scatter)
+                        ring.armed[slot] = True
             completed = True
         finally:
             # The caller's stream goes on after every scatter issued: the engine's per-layer
@@ -568,10 +588,11 @@ class _CudaIndexedOps:
             # caller's stream) covers the DMAs they waited for. A failed call may have left a
             # DMA with no scatter after it: the caller waits for that too, and the next call
             # orders its DMAs afresh.
-            ring.done.record(scatter)
-            current.wait_event(ring.done)
+            calls.record(ring.done, scatter)
+            calls.wait(current, ring.done)
             if not completed:
-                current.wait_stream(ring.dma)
+                calls.record(ring.done, dma)
+                calls.wait(current, ring.done)
                 ring.request = None
         return True
 

@@ -359,3 +359,60 @@ def test_layer_ring_reloads_copy_exactly_behind_a_held_back_stream(slots):
     assert torch.equal(_bytes(other_device), _bytes(other_want))
     rings = mover.kernels(torch.device("cuda")).stage_in_prepared.__self__._rings
     assert rings, "the reloads did not take the layer ring"
+
+
+def test_a_layer_ring_call_that_fails_midway_leaves_the_next_request_exact(monkeypatch):
+    """A ring call whose second DMA is refused has issued a DMA into a slot with no scatter
+    after it: the call raises, the caller's stream still waits for what was issued, and the
+    next request (its DMAs ordered afresh) copies exactly."""
+    from kvcore.kernels.cudart import CudaCallError, StreamCalls
+
+    row_bytes, count, layers = 1152, 1500, 3
+    host = [[_random(ROWS, row_bytes, host=True) for _ in range(2)] for _ in range(layers)]
+    device = [[_random(ROWS, row_bytes, host=False) for _ in range(2)] for _ in range(layers)]
+    mover = Mover(PathPolicy(staging_bytes=3 * count * row_bytes), metrics=Metrics())
+    gen = torch.Generator().manual_seed(7)
+
+    def prepared_request() -> tuple[object, torch.Tensor, torch.Tensor]:
+        src_idx = torch.arange(300, 300 + count)
+        dst_idx = torch.randperm(ROWS, generator=gen)[:count]
+        chosen = plan_device_indexed(
+            host[0][0],
+            device[0][0],
+            src_idx,
+            dst_idx.cuda(),
+            direction=Direction.H2D,
+            policy=mover.policy,
+            force=TransferPath.STAGED,
+        )
+        return mover.prepare_layers(chosen), src_idx, dst_idx
+
+    real_copy = StreamCalls.copy
+    copies: list[None] = []
+
+    def second_refused(self, *args):
+        copies.append(None)
+        if len(copies) == 2:
+            raise CudaCallError("cudaMemcpyAsync", 1)
+        real_copy(self, *args)
+
+    load = torch.cuda.Stream()
+    failing, _, _ = prepared_request()
+    monkeypatch.setattr(StreamCalls, "copy", second_refused)
+    with torch.cuda.stream(load), pytest.raises(CudaCallError):
+        mover.execute_prepared(failing, layer_pairs(host[0], device[0]))
+    monkeypatch.setattr(StreamCalls, "copy", real_copy)
+    torch.cuda.synchronize()  # what the failed call did write is the starting point
+    prepared, src_idx, dst_idx = prepared_request()
+    want = [[t.clone() for t in pair] for pair in device]
+    for pair, wanted in zip(host, want, strict=True):
+        for src, dst in zip(pair, wanted, strict=True):
+            dst[dst_idx.cuda()] = src[src_idx].cuda()
+    with torch.cuda.stream(load):
+        torch.cuda._sleep(500_000)
+        for layer in range(layers):
+            mover.execute_prepared(prepared, layer_pairs(host[layer], device[layer]))
+    torch.cuda.synchronize()
+    for pair, wanted in zip(device, want, strict=True):
+        for got, expected in zip(pair, wanted, strict=True):
+            assert torch.equal(_bytes(got), _bytes(expected))

@@ -138,7 +138,7 @@ def test_doctor_says_when_the_rule_is_off():
         # A row for MLA pools decides theirs alone; the others meet the rows for any pool.
         ("mla", 8191, "stock_kernel_small_load"),
         ("mla", 8192, SERVE),
-        ("mha", 1 << 20, "stock_kernel_near_link"),
+        ("dsa", 1 << 20, "stock_kernel_near_link"),
         ("", 1 << 20, "stock_kernel_near_link"),
     ],
 )
@@ -152,8 +152,8 @@ def test_rows_for_one_pool_kind_decide_only_that_kind(monkeypatch, pool, tokens,
         assert sglang_decision("load", "kernel", "layer_first", 1, tokens, pool=pool) == expected
         never = _never("load", "kernel", "layer_first", 1, pool=pool)
         assert (never is None) == (pool == "mla")
-        # Paged MLA reloads stay stock's at any size.
-        assert _never("load", "kernel", "layer_first", 64, pool="mla")
+        # A kind no row names stays stock's at any size, paged or not.
+        assert _never("load", "kernel", "layer_first", 64, pool="dsa")
     finally:
         serve_rule._sglang_rule.cache_clear()
 
@@ -194,35 +194,53 @@ def test_mha_layer_first_backups_on_few_host_runs_are_served_from_32k_tokens(pag
 @pytest.mark.parametrize(
     ("pool", "layout", "page", "tokens", "expected"),
     [
-        # Token-granular MLA layer_first reloads: served from 8k tokens.
-        ("mla", "layer_first", 1, 8191, "stock_kernel_small_mla_load"),
-        ("mla", "layer_first", 1, 8192, SERVE),
-        # Paged, page_first, or another pool kind: stock's kernel at any size.
-        ("mla", "layer_first", 64, 1 << 20, "stock_kernel_near_link"),
+        # layer_first reloads of MHA and MLA pools, any page size: from 32k tokens (on few
+        # long host runs, which host_decision then asks).
+        ("mla", "layer_first", 1, 32767, "stock_kernel_small_mla_load"),
+        ("mla", "layer_first", 1, 32768, SERVE),
+        ("mla", "layer_first", 64, 32767, "stock_kernel_near_link"),
+        ("mla", "layer_first", 64, 32768, SERVE),
+        ("mha", "layer_first", 64, 32768, SERVE),
+        ("mha", "layer_first", 1, 1 << 20, SERVE),
+        ("mha", "layer_first", 16, 8192, "stock_kernel_near_link"),
+        # page_first, or another pool kind: stock's kernel at any size.
         ("mla", "page_first", 1, 1 << 20, "stock_kernel_near_link"),
-        ("mha", "layer_first", 1, 1 << 20, "stock_kernel_near_link"),
+        ("mha", "page_first", 64, 1 << 20, "stock_kernel_near_link"),
         ("dsa", "layer_first", 1, 1 << 20, "stock_kernel_near_link"),
     ],
 )
-def test_kernel_loads_serve_only_token_granular_mla_layer_first_from_8k_tokens(
+def test_kernel_loads_serve_layer_first_mha_and_mla_from_32k_tokens(
     pool, layout, page, tokens, expected
 ):
     assert sglang_decision("load", "kernel", layout, page, tokens, pool=pool) == expected
 
 
+@pytest.mark.parametrize(("pool", "page"), [("mha", 64), ("mha", 1), ("mla", 64), ("mla", 1)])
+def test_layer_first_kernel_loads_are_served_only_on_few_long_host_runs(pool, page):
+    """Judged beside the model's compute: the layer ring (DMA, then a high-priority scatter)
+    beats stock's kernel only where the host slots are a few long runs; scattered slots
+    would take the gather, which is no faster for paged reloads."""
+    rule = serve_rule.sglang_rule("load", "kernel", "layer_first", page, pool=pool)
+    assert rule is not None and rule.reads_host_runs
+    assert rule.host_decision(32768, few_host_runs=True) is SERVE
+    assert rule.host_decision(32767, few_host_runs=True) is not SERVE
+    scattered = rule.host_decision(1 << 20, few_host_runs=False)
+    assert (scattered is SERVE) == (pool == "mla" and page == 1)
+    assert serve_rule.BESIDE_COMPUTE_EVIDENCE in rule.evidence or page > 1
+
+
 @pytest.mark.parametrize(
     ("tokens", "few_host_runs", "expected"),
     [
-        (8191, True, "stock_kernel_small_mla_load"),
-        (8192, True, SERVE),
-        (8192, False, "stock_kernel_small_mla_load"),
+        (32767, True, "stock_kernel_small_mla_load"),
+        (32768, True, SERVE),
         (32767, False, "stock_kernel_small_mla_load"),
         (32768, False, SERVE),
     ],
 )
-def test_token_granular_mla_reloads_are_served_from_8k_on_few_host_runs_and_32k_scattered(
+def test_token_granular_mla_reloads_are_served_from_32k_on_any_host_slots(
     tokens, few_host_runs, expected
 ):
     rule = serve_rule.sglang_rule("load", "kernel", "layer_first", 1, pool="mla")
-    assert rule is not None and rule.reads_host_runs and rule.serves_from == 8192
+    assert rule is not None and rule.reads_host_runs and rule.serves_from == 32768
     assert rule.host_decision(tokens, few_host_runs) == expected

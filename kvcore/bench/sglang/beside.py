@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import statistics
 import sys
@@ -65,6 +66,8 @@ class BesideOptions:
     device: torch.device = field(default_factory=lambda: torch.device("cuda"))
     seed: int = 4321
     layers: dict[str, int] | None = None
+    partial_json: str | None = None
+    """Where to write the rows so far after every pool, so a run cut short keeps them."""
 
 
 @dataclass
@@ -276,6 +279,13 @@ def _identical(reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Te
     return bool(_check(case, "load", reloads.layers, cpu[0], cpu[1]))
 
 
+def ideal_pipeline_ms(layer_bytes: int, layers: int, layer_ms: float) -> float:
+    """The hit's forward with every layer's copy at the link: the first layer's copy, then
+    per layer the longer of its compute (``layer_ms``) and its copy."""
+    copy_ms = layer_bytes / LINK_GBPS / 1e6
+    return copy_ms + layers * max(layer_ms, copy_ms)
+
+
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -364,8 +374,7 @@ def _cells(
             if situation == "independent":
                 reference = _median(alone)
             else:
-                copy_ms = layer_bytes / LINK_GBPS / 1e6
-                reference = copy_ms + layers * max(forward.layer_ms, copy_ms)
+                reference = ideal_pipeline_ms(layer_bytes, layers, forward.layer_ms)
             yield _row(
                 case,
                 situation,
@@ -418,8 +427,16 @@ def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None
                     skipped.append({"case": f"{kind}/layer_first/kernel/p{page}", "error": why})
                 finally:
                     release_pools()
+                if opts.partial_json:
+                    _write_json(opts.partial_json, _document(opts, sglang, rows, skipped))
             del forwards
             torch.cuda.empty_cache()
+    return _document(opts, sglang, rows, skipped)
+
+
+def _document(
+    opts: BesideOptions, sglang: Any, rows: list[dict[str, Any]], skipped: list[dict[str, Any]]
+) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name(opts.device),
         "engine": "sglang",
@@ -465,21 +482,25 @@ def options_for(args: argparse.Namespace) -> BesideOptions:
         opts = replace(opts, repeats=int(args.repeats))
     if getattr(args, "no_rule", False):
         opts = replace(opts, serve_rule=False)
+    if getattr(args, "json", None):
+        opts = replace(opts, partial_json=args.json)
     return opts
 
 
-def main(args: argparse.Namespace) -> int:
-    import json
+def _write_json(path: str, document: dict[str, Any]) -> None:
+    with open(path, "w") as fh:
+        json.dump(document, fh, indent=2)
+        fh.write("\n")
 
+
+def main(args: argparse.Namespace) -> int:
     opts = options_for(args)
     quiet = bool(getattr(args, "no_progress", False))
     result = run(opts, progress=(lambda line: None) if quiet else _print_err)
     for row in result["rows"]:
         print(_line(row))
     if getattr(args, "json", None):
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-            fh.write("\n")
+        _write_json(args.json, result)
     return 1 if any(not row["identical"] for row in result["rows"]) else 0
 
 

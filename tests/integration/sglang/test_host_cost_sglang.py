@@ -80,13 +80,13 @@ def test_with_no_copy_a_pass_runs_no_sglang_kernel_on_a_cpu(tmp_path: Path) -> N
     before = kernels_named()
     out, phases = tmp_path / "cost.json", tmp_path / "phases.txt"
     argv = ["--device", "cpu", "--no-copy", "--device-indices-unread", "--rule", "--tokens"]
-    argv += ["8192", "--layers", "3", "--requests", "2", "--cases", "mla/layer_first/kernel/p1"]
+    argv += ["16384", "--layers", "3", "--requests", "2", "--cases", "mla/layer_first/kernel/p1"]
     argv += ["--host-frag", "0%,100%", "--phases", str(phases), "--json", str(out)]
     assert host_cost.main(argv) == 0
     rows = {r["host_frag"]: r for r in json.loads(out.read_text())["rows"]}
-    # At 8k tokens, token-granular MLA slots in one run are staged; scattered ones pass.
-    assert rows["0%"]["paths"] == ["staged"] and rows["100%"]["paths"] == []
-    assert rows["100%"]["first_us"] > 0
+    # Below 32k tokens token-granular MLA reloads pass, whatever their host slots.
+    assert rows["0%"]["paths"] == [] and rows["100%"]["paths"] == []
+    assert rows["0%"]["first_us"] > 0 and rows["100%"]["first_us"] > 0
     assert phases.read_text().count("host slots 100%") == 2
     assert kernels_named() == before
 

@@ -1,0 +1,74 @@
+"""`kvcore bench --engine sglang --sweep --beside-compute`: its options, rows and ideal pipeline
+(the GPU run itself is in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import pytest
+
+from kvcore.bench.cli import add_arguments
+from kvcore.bench.sglang import beside
+
+ISSUE_FIELDS = [
+    "engine",
+    "case",
+    "situation",
+    "tokens",
+    "page_size",
+    "stock_ms",
+    "kvcore_ms",
+    "link_ms",
+    "forward_alone_ms",
+    "forward_with_stock_ms",
+    "forward_with_kvcore_ms",
+    "identical",
+]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--engine", "sglang", "--sweep", "--beside-compute", *argv])
+
+
+def test_options_come_from_the_bench_arguments():
+    args = _args(
+        "--sizes",
+        "8192,32768",
+        "--pages",
+        "64,1",
+        "--compute",
+        "decode-64",
+        "--repeats",
+        "4",
+        "--no-rule",
+        "--json",
+        "out.json",
+    )
+    opts = beside.options_for(args)
+    assert opts.tokens == (8192, 32768) and opts.pages == (64, 1)
+    assert opts.loads == ("decode-64",) and opts.repeats == 4
+    assert not opts.serve_rule and opts.partial_json == "out.json"
+    assert beside.options_for(_args()).loads == ("decode-64", "decode-256", "prefill-4096")
+
+
+def test_the_ideal_pipeline_is_the_first_copy_then_the_longer_of_compute_and_copy():
+    layer_bytes = int(55.3e6)  # 1 ms at the link
+    assert beside.ideal_pipeline_ms(layer_bytes, 10, 3.0) == pytest.approx(1 + 10 * 3.0)
+    assert beside.ideal_pipeline_ms(layer_bytes, 10, 0.25) == pytest.approx(1 + 10 * 1.0)
+
+
+def test_a_row_carries_the_fields_the_issue_names_and_a_paired_interval():
+    case = types.SimpleNamespace(kind="mha", page_size=64, opts=types.SimpleNamespace(layers=32))
+    times = {"stock": [30.0, 31.0, 29.0], "kvcore": [20.0, 21.0, 22.0], "own": [20.0, 20.0, 20.0]}
+    forwards = {"stock": [25.0, 24.0, 26.0], "kvcore": [23.0, 22.0, 23.5], "own": [22, 22, 22]}
+    row = beside._row(case, "independent", 8192, "prefill-4096", 19.4, times, forwards, 21.5, True)
+    assert all(field in row for field in ISSUE_FIELDS)
+    assert row["stock_ms"] == 30.0 and row["kvcore_ms"] == 21.0 and row["own_ms"] == 20.0
+    assert row["forward_with_kvcore_ms"] == 23.0 and row["forward_with_own_ms"] == 22
+    low, high = row["speed_paired"][1:]
+    assert 1.0 < low <= row["speed_paired"][0] <= high
+    alone = beside._row(case, "alone", 8192, "none", 19.4, times, {}, None, False)
+    assert alone["forward_with_stock_ms"] is None and alone["identical"] is False
