@@ -20,6 +20,7 @@ from kvcore.metrics import Metrics
 from kvcore.mover import (
     Mover,
     PathPolicy,
+    PreparedLayers,
     TransferPath,
     TransferPlan,
     plan,
@@ -301,6 +302,30 @@ def test_a_staged_ring_that_fails_midway_leaves_the_next_page_in_exact(monkeypat
         assert torch.equal(_bytes(got), _bytes(wanted))
 
 
+def _ring_request(
+    mover: Mover,
+    host: torch.Tensor,
+    device: torch.Tensor,
+    start: int,
+    count: int,
+    gen: torch.Generator,
+) -> tuple[PreparedLayers, torch.Tensor, torch.Tensor]:
+    """A prepared staged reload of ``count`` host rows from ``start`` (one run) into random
+    device rows given on the GPU, as SGLang's ``kernel`` backend hands them over."""
+    src_idx = torch.arange(start, start + count)
+    dst_idx = torch.randperm(ROWS, generator=gen)[:count]
+    chosen = plan_device_indexed(
+        host,
+        device,
+        src_idx,
+        dst_idx.cuda(),
+        direction=Direction.H2D,
+        policy=mover.policy,
+        force=TransferPath.STAGED,
+    )
+    return mover.prepare_layers(chosen), src_idx, dst_idx
+
+
 @pytest.mark.parametrize("slots", [2, 5])
 def test_layer_ring_reloads_copy_exactly_behind_a_held_back_stream(slots):
     """SGLang-shaped reloads (K and V a layer, one call a layer) through the layer ring: the
@@ -324,19 +349,9 @@ def test_layer_ring_reloads_copy_exactly_behind_a_held_back_stream(slots):
     for request in range(3):
         host = [[_random(ROWS, row_bytes, host=True) for _ in range(2)] for _ in range(layers)]
         kept = [[t.clone() for t in pair] for pair in host]
-        start = request * 700
-        src_idx = torch.arange(start, start + count)
-        dst_idx = torch.randperm(ROWS, generator=gen)[:count]
-        chosen = plan_device_indexed(
-            host[0][0],
-            device[0][0],
-            src_idx,
-            dst_idx.cuda(),
-            direction=Direction.H2D,
-            policy=mover.policy,
-            force=TransferPath.STAGED,
+        prepared, src_idx, dst_idx = _ring_request(
+            mover, host[0][0], device[0][0], request * 700, count, gen
         )
-        prepared = mover.prepare_layers(chosen)
         for layer in range(layers):
             with torch.cuda.stream(load):
                 torch.cuda._sleep(300_000)
@@ -373,19 +388,8 @@ def test_a_layer_ring_call_that_fails_midway_leaves_the_next_request_exact(monke
     mover = Mover(PathPolicy(staging_bytes=3 * count * row_bytes), metrics=Metrics())
     gen = torch.Generator().manual_seed(7)
 
-    def prepared_request() -> tuple[object, torch.Tensor, torch.Tensor]:
-        src_idx = torch.arange(300, 300 + count)
-        dst_idx = torch.randperm(ROWS, generator=gen)[:count]
-        chosen = plan_device_indexed(
-            host[0][0],
-            device[0][0],
-            src_idx,
-            dst_idx.cuda(),
-            direction=Direction.H2D,
-            policy=mover.policy,
-            force=TransferPath.STAGED,
-        )
-        return mover.prepare_layers(chosen), src_idx, dst_idx
+    def prepared_request() -> tuple[PreparedLayers, torch.Tensor, torch.Tensor]:
+        return _ring_request(mover, host[0][0], device[0][0], 300, count, gen)
 
     real_copy = StreamCalls.copy
     copies: list[None] = []

@@ -130,12 +130,22 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
     def kvcore_move(controller: Any, h: torch.Tensor, d: torch.Tensor) -> Any:
         return transfers.move_indices_hook(HiCacheController.move_indices, controller, h, d)
 
+    def own_move(controller: Any, h: torch.Tensor, d: torch.Tensor) -> Any:
+        # The host indices remembered as kvcore's hook does, without telling the pool's
+        # bindings of a move: they belong to the rule-on side, which must find them as its
+        # own requests left them (a move here would turn a binding back on under the stock
+        # method _as_side puts back).
+        moved = HiCacheController.move_indices(controller, h, d)
+        if moved[0] is not h:
+            transfers.HOST_INDEX_MEMO.remember(moved[0], h)
+        return moved
+
     sides = [
         _Side("stock", stock, stock_move),
         _Side("kvcore", hooked, kvcore_move, opts.serve_rule),
     ]
     if opts.with_own and opts.serve_rule:
-        sides.append(_Side("own", hooked, kvcore_move, rule=False))
+        sides.append(_Side("own", hooked, own_move, rule=False))
     return sides
 
 
