@@ -129,8 +129,39 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         _output_problem("--json", getattr(args, "json", None)),
         _output_problem("--plot", getattr(args, "plot", None)),
         _plot_format_problem(getattr(args, "plot", None)),
+        *_beside_compute_problems(args),
     ]
     return [problem for problem in problems if problem is not None]
+
+
+def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
+    """``--beside-compute`` needs an engine sweep that has one; ``--compute`` and
+    ``--pages`` mean something only with it."""
+    from kvcore.bench.model_forward import COMPUTE_LOADS
+
+    problems = []
+    beside = bool(getattr(args, "beside_compute", False))
+    engine = getattr(args, "engine", None)
+    if beside and (engine not in BESIDE_COMPUTE or not getattr(args, "sweep", False)):
+        problems.append(
+            f"--beside-compute: give it with --engine {' or '.join(BESIDE_COMPUTE)} --sweep"
+        )
+    for option in ("--compute", "--pages"):
+        value = getattr(args, option[2:], None)
+        if value is not None and not beside:
+            problems.append(f"{option} {value}: it applies only with --beside-compute")
+    compute = getattr(args, "compute", None)
+    if compute is not None:
+        unknown = [load for load in compute.split(",") if load not in COMPUTE_LOADS]
+        if unknown:
+            problems.append(
+                f"--compute {compute}: {', '.join(map(repr, unknown))} is no compute load; "
+                f"give a comma list of {', '.join(COMPUTE_LOADS)}"
+            )
+    pages = getattr(args, "pages", None)
+    if pages is not None and _sizes_problem(pages) is not None:
+        problems.append(f"--pages {pages}: give a comma list of page sizes of 1 or more, e.g. 64,1")
+    return problems
 
 
 def _tokens_problem(tokens: int | None, *, per_page: bool) -> str | None:

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from kvcore.bench.cli import add_arguments
+from kvcore.bench.cli import add_arguments, argument_problems
 from kvcore.bench.sglang import beside
 
 ISSUE_FIELDS = [
@@ -72,3 +72,39 @@ def test_a_row_carries_the_fields_the_issue_names_and_a_paired_interval():
     assert 1.0 < low <= row["speed_paired"][0] <= high
     alone = beside._row(case, "alone", 8192, "none", 19.4, times, {}, None, False)
     assert alone["forward_with_stock_ms"] is None and alone["identical"] is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--beside-compute"], "--beside-compute: give it with --engine sglang --sweep"),
+        (["--engine", "vllm", "--sweep", "--beside-compute"], "--engine sglang --sweep"),
+        (["--compute", "decode-64"], "--compute decode-64: it applies only with"),
+        (["--pages", "64"], "--pages 64: it applies only with"),
+        (
+            ["--engine", "sglang", "--sweep", "--beside-compute", "--compute", "prefill-9"],
+            "'prefill-9' is no compute load; give a comma list of decode-64, decode-256",
+        ),
+        (
+            ["--engine", "sglang", "--sweep", "--beside-compute", "--pages", "64,0"],
+            "--pages 64,0: give a comma list of page sizes of 1 or more",
+        ),
+    ],
+)
+def test_beside_compute_options_out_of_place_are_one_line_each(argv, needle):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    problems = argument_problems(parser.parse_args(argv))
+    assert any(needle in problem for problem in problems), problems
+
+
+def test_beside_compute_options_in_place_raise_no_problem():
+    assert argument_problems(_args("--compute", "decode-64,prefill-4096", "--pages", "64,1")) == []
+
+
+def test_beside_compute_without_a_gpu_is_one_line(capsys):
+    if beside.torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert beside.main(_args()) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a CUDA GPU" in err[0]

@@ -407,8 +407,8 @@ def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None
     from kvcore.bench.sglang.sgl_kernel_stub import install_sgl_kernel_stub
     from kvcore.bench.sglang.sweep import release_pools
 
-    if opts.device.type != "cuda":
-        raise SystemExit("kvcore bench --beside-compute: needs a CUDA GPU (the forward's graph)")
+    if opts.device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError("needs a CUDA GPU: the forward's graph and the copies' streams")
     install_torchvision_stub()
     install_sgl_kernel_stub()
     import sglang
@@ -506,6 +506,13 @@ def _write_json(path: str, document: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     opts = options_for(args)
     quiet = bool(getattr(args, "no_progress", False))
+    if not torch.cuda.is_available():
+        print(
+            "kvcore bench --beside-compute: needs a CUDA GPU (the forward's graph, the copies' "
+            "streams); run it on a GPU machine, e.g. scripts/beside_compute_gpu.sh",
+            file=sys.stderr,
+        )
+        return 2
     result = run(opts, progress=(lambda line: None) if quiet else _print_err)
     for row in result["rows"]:
         print(_line(row))
