@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcore.kernels.reference import row_bytes, rows_as_words
 from kvcore.pair_checks import check_pair
+from kvcore.row_words import row_bytes, rows_as_words
 from kvcore.runs import Runs
 
 

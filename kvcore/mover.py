@@ -33,12 +33,7 @@ from kvcore.kernels import (
     StageInPrepared,
     registered,
 )
-from kvcore.kernels.reference import (
-    index_copy_rows,
-    row_word_bytes,
-    rows_as_words,
-    staging_words,
-)
+from kvcore.kernels.reference import index_copy_rows, staging_words
 from kvcore.metrics import Metrics
 from kvcore.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath, policy_from_config
 from kvcore.planning import (
@@ -49,6 +44,7 @@ from kvcore.planning import (
     plan_device_indexed,
     staged_chunks,
 )
+from kvcore.row_words import row_word_bytes, rows_as_words
 from kvcore.runs import Runs
 from kvcore.staging import StagingBuffers
 

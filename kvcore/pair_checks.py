@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.kernels.reference import row_word_bytes
+from kvcore.row_words import row_word_bytes
 
 SUPPORTED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
 

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from kvcore.direction import Direction
-from kvcore.kernels.reference import row_bytes
 from kvcore.pair_checks import fallback_reason
 from kvcore.path_choice import check_forced, choose_path, host_runs_long, rules_out_dma
 from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.row_words import row_bytes
 from kvcore.runs import (
     PairedRuns,
     Runs,

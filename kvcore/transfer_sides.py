@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.direction import Direction
-from kvcore.kernels.reference import row_bytes
 from kvcore.pair_checks import fallback_reason
+from kvcore.row_words import row_bytes
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ import torch.multiprocessing as mp
 from kvcore.bench import numa
 from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.direction import Direction
-from kvcore.kernels.reference import as_row_words
 from kvcore.mover import Mover, PathPolicy, TransferPlan, plan
+from kvcore.row_words import as_row_words
 
 PAGE_TOKENS = 64
 GOAL_SHARE = 0.85

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvcore.bench.host_buffers import allocate_host_buffer
-from kvcore.kernels.reference import as_row_words
+from kvcore.row_words import as_row_words
 
 
 def sync_device(device: torch.device) -> None:

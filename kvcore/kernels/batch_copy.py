@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvcore.kernels.cudart import loaded_cudart
-from kvcore.kernels.reference import check_word_views
+from kvcore.row_words import check_word_views
 
 _MIN_CUDA_VERSION = 12080  # cudaMemcpyBatchAsync first shipped in CUDA 12.8
 _LEGACY_STREAM_HANDLES = (0, 1)  # NULL and cudaStreamLegacy: rejected by the batch API

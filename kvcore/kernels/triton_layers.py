@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from kvcore.kernels.reference import check_word_views
 from kvcore.kernels.triton_kernels import triton
 from kvcore.kernels.triton_tile import (
     VECTOR_BYTES,
@@ -28,6 +27,7 @@ from kvcore.kernels.triton_tile import (
     kernel_device,
     widest_word,
 )
+from kvcore.row_words import check_word_views
 
 if triton is not None:
     from kvcore.kernels.triton_kernels import gather_layers_kernel

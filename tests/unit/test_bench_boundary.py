@@ -8,73 +8,19 @@ a test is checked too; a module name in a string (``importlib.import_module``) c
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = "kvcore.bench"
+from tests.support.imports import ROOT, imported_modules, is_bench, product_modules
+
 # (importing module, imported module) -> why it may; each must stay inside a function.
 LAZY_ENTRY = {("kvcore.cli", "kvcore.bench.cli"): "`kvcore bench` dispatches to it"}
-
-
-def product_modules() -> dict[str, Path]:
-    """Dotted name -> file of every product module."""
-    roots = [
-        (ROOT, ROOT / "kvcore"),
-        (ROOT / "integrations", ROOT / "integrations" / "kvcore_sglang"),
-        (ROOT / "integrations", ROOT / "integrations" / "kvcore_vllm"),
-    ]
-    modules = {}
-    for base, package in roots:
-        for path in sorted(package.rglob("*.py")):
-            parts = path.relative_to(base).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            if not _is_bench(name):
-                modules[name] = path
-    return modules
-
-
-def _is_bench(name: str) -> bool:
-    return name == BENCH or name.startswith(BENCH + ".")
-
-
-def _is_module(name: str) -> bool:
-    path = ROOT.joinpath(*name.split("."))
-    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def bench_imports(module: str, source: str, *, is_package: bool = False) -> list[tuple[str, bool]]:
     """(kvcore.bench module named, whether inside a function) for each import of one, and
     each string constant naming one, in ``source`` of ``module``."""
-    package = module if is_package else module.rpartition(".")[0]
-    found: list[tuple[str, bool]] = []
-
-    def visit(node: ast.AST, in_function: bool) -> None:
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, *([base] if base else [])])
-            # `from kvcore import bench` names the package through its parent, and
-            # `from kvcore.bench import cli` a submodule; `from M import name` names M.
-            names = [
-                f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base
-                for alias in node.names
-            ]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            names = [node.value]
-        found.extend((name, in_function) for name in dict.fromkeys(names) if _is_bench(name))
-        inside = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        for child in ast.iter_child_nodes(node):
-            visit(child, inside)
-
-    visit(ast.parse(source), False)
-    return found
+    return imported_modules(module, source, is_bench, is_package=is_package)
 
 
 def test_no_product_module_imports_the_bench_package() -> None:

@@ -16,19 +16,17 @@ from kvcore.kernels import (
     unregister_kernels,
 )
 from kvcore.kernels.reference import (
-    as_row_words,
     buffer_rows,
     copy_runs,
     gather_rows,
     index_copy_rows,
-    row_bytes,
-    row_word_bytes,
     stage_in,
     stage_out,
     staging_words,
 )
 from kvcore.mover import Mover
 from kvcore.path_policy import PathPolicy
+from kvcore.row_words import as_row_words, row_bytes, row_word_bytes
 from kvcore.runs import find_paired_runs, find_runs
 
 POISON = 0xA5
