@@ -9,7 +9,7 @@ import types
 import pytest
 
 from kvcore.bench.cli import add_arguments, argument_problems
-from kvcore.bench.sglang import beside
+from kvcore.bench.sglang import beside, beside_rows
 
 ISSUE_FIELDS = [
     "engine",
@@ -56,21 +56,24 @@ def test_options_come_from_the_bench_arguments():
 
 def test_the_ideal_pipeline_is_the_first_copy_then_the_longer_of_compute_and_copy():
     layer_bytes = int(55.3e6)  # 1 ms at the link
-    assert beside.ideal_pipeline_ms(layer_bytes, 10, 3.0) == pytest.approx(1 + 10 * 3.0)
-    assert beside.ideal_pipeline_ms(layer_bytes, 10, 0.25) == pytest.approx(1 + 10 * 1.0)
+    assert beside_rows.ideal_pipeline_ms(layer_bytes, 10, 3.0) == pytest.approx(1 + 10 * 3.0)
+    assert beside_rows.ideal_pipeline_ms(layer_bytes, 10, 0.25) == pytest.approx(1 + 10 * 1.0)
 
 
 def test_a_row_carries_the_fields_the_issue_names_and_a_paired_interval():
     case = types.SimpleNamespace(kind="mha", page_size=64, opts=types.SimpleNamespace(layers=32))
     times = {"stock": [30.0, 31.0, 29.0], "kvcore": [20.0, 21.0, 22.0], "own": [20.0, 20.0, 20.0]}
     forwards = {"stock": [25.0, 24.0, 26.0], "kvcore": [23.0, 22.0, 23.5], "own": [22, 22, 22]}
-    row = beside._row(case, "independent", 8192, "prefill-4096", 19.4, times, forwards, 21.5, True)
+    row = beside_rows.reload_row(
+        case, "independent", 8192, "prefill-4096", 19.4, times, forwards, 21.5, True
+    )
     assert all(field in row for field in ISSUE_FIELDS)
     assert row["stock_ms"] == 30.0 and row["kvcore_ms"] == 21.0 and row["own_ms"] == 20.0
     assert row["forward_with_kvcore_ms"] == 23.0 and row["forward_with_own_ms"] == 22
     low, high = row["speed_paired"][1:]
     assert 1.0 < low <= row["speed_paired"][0] <= high
-    alone = beside._row(case, "alone", 8192, "none", 19.4, times, {}, None, False)
+    assert row["own_speed_paired"][1] > 1.0
+    alone = beside_rows.reload_row(case, "alone", 8192, "none", 19.4, times, {}, None, False)
     assert alone["forward_with_stock_ms"] is None and alone["identical"] is False
 
 
@@ -108,3 +111,95 @@ def test_beside_compute_without_a_gpu_is_one_line(capsys):
     assert beside.main(_args()) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs a CUDA GPU" in err[0]
+
+
+class _Metrics:
+    """Snapshots as kvcore's Metrics gives them, advanced by hand."""
+
+    def __init__(self) -> None:
+        self.transfers: dict[tuple[str, str], int] = {}
+        self.fallbacks: dict[str, int] = {}
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "transfers": [
+                {"direction": d, "path": p, "count": n} for (d, p), n in self.transfers.items()
+            ],
+            "fallbacks": dict(self.fallbacks),
+        }
+
+
+def test_a_tally_says_what_the_rule_on_side_did_and_ignores_the_others():
+    metrics = _Metrics()
+    tally = beside_rows.Tally(metrics)
+    kvcore, stock = types.SimpleNamespace(name="kvcore"), types.SimpleNamespace(name="stock")
+
+    def served() -> float:
+        metrics.transfers[("h2d", "staged")] = metrics.transfers.get(("h2d", "staged"), 0) + 1
+        return 1.5
+
+    def passed() -> float:
+        metrics.fallbacks["stock_kernel_near_link"] = (
+            metrics.fallbacks.get("stock_kernel_near_link", 0) + 1
+        )
+        return 2.5
+
+    assert tally.timed(kvcore, served) == 1.5
+    assert tally.timed(kvcore, passed) == 2.5
+    assert tally.timed(stock, served) == 1.5  # not counted: another side's request
+    assert tally.fields() == {
+        "kvcore_paths": ["staged"],
+        "kvcore_passes": {"stock_kernel_near_link": 0.5},
+    }
+
+
+def test_a_cell_yields_alone_then_each_load_in_both_situations(monkeypatch):
+    """The cell loop on a CPU, with each situation's timing stood in for: the rows it yields,
+    in order, with every side's times, the ideal for the dependent forward and the tally."""
+    metrics = _Metrics()
+    calls: list[tuple[str, str]] = []
+
+    def timing(situation: str, value: float):
+        def run(reloads, side, cpu, *forward):
+            calls.append((situation, side.name))
+            if side.name == "kvcore":
+                metrics.fallbacks["r"] = metrics.fallbacks.get("r", 0) + 1
+            return value if situation == "alone" else (value, 2 * value)
+
+        return run
+
+    sides = [types.SimpleNamespace(name=n) for n in ("stock", "kvcore", "own")]
+    monkeypatch.setattr(beside, "_sides", lambda case, opts: sides)
+    monkeypatch.setattr(beside, "_Reloads", lambda case, layers: None)
+    monkeypatch.setattr(beside, "_identical", lambda reloads, side, cpu: True)
+    monkeypatch.setattr(beside, "_alone", timing("alone", 1.0))
+    monkeypatch.setattr(beside, "_independent", timing("independent", 3.0))
+    monkeypatch.setattr(beside, "_dependent", timing("dependent", 4.0))
+    sized = []
+    forward = types.SimpleNamespace(
+        layer_ms=0.5,
+        size_for=sized.append,
+        replay=lambda: (
+            types.SimpleNamespace(elapsed_time=lambda end: 9.0),
+            types.SimpleNamespace(synchronize=lambda: None),
+        ),
+    )
+    case = types.SimpleNamespace(
+        kind="mha", page_size=64, row_bytes=4096, opts=types.SimpleNamespace(layers=4)
+    )
+    opts = beside.BesideOptions(repeats=2, loads=("decode-64",), device=beside.torch.device("cpu"))
+    rows = list(beside._cells(case, 128, opts, {"decode-64": forward}, metrics))
+    assert [(r["situation"], r["compute"]) for r in rows] == [
+        ("alone", "none"),
+        ("independent", "decode-64"),
+        ("dependent", "decode-64"),
+    ]
+    assert sized == [1.0]  # the forward sized to stock's reload alone
+    assert [r["repeats"] for r in rows] == [2, 2, 2]  # the warm-up request is not timed
+    assert rows[1]["forward_alone_ms"] == 9.0 and rows[1]["forward_with_kvcore_ms"] == 6.0
+    ideal = beside_rows.ideal_pipeline_ms(128 * 4096, 4, 0.5)
+    assert rows[2]["forward_alone_ms"] == ideal and rows[2]["own_ms"] == 4.0
+    assert all(r["kvcore_passes"] == {"r": 1.0} for r in rows)
+    # Each request's sides alternate their order.
+    alone = [name for situation, name in calls if situation == "alone"]
+    assert alone[:6] == ["stock", "kvcore", "own", "own", "kvcore", "stock"]

@@ -33,20 +33,26 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from kvcore.bench.measure import sync_device
 from kvcore.bench.model_forward import COMPUTE_LOADS, MODEL_FOR_KIND, SHAPES, ModelForward
-from kvcore.bench.paired_speed import paired_speed
+from kvcore.bench.sglang.beside_rows import (
+    LINK_GBPS,
+    Tally,
+    ideal_pipeline_ms,
+    median,
+    reload_row,
+    summary_line,
+)
 from kvcore.bench.sglang.sweep_cells import _check, request_indices
 from kvcore.bench.sglang.sweep_options import LAYERS
 
-LINK_GBPS = 55.3
-"""A pinned 1 GiB host-to-device copy on the lent H200 (docs/performance.md)."""
 SITUATIONS = ("alone", "independent", "dependent")
 _METHOD = "load_to_device_per_layer"
 
@@ -289,56 +295,8 @@ def _identical(reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Te
     return bool(_check(case, "load", reloads.layers, cpu[0], cpu[1]))
 
 
-def ideal_pipeline_ms(layer_bytes: int, layers: int, layer_ms: float) -> float:
-    """The hit's forward with every layer's copy at the link: the first layer's copy, then
-    per layer the longer of its compute (``layer_ms``) and its copy."""
-    copy_ms = layer_bytes / LINK_GBPS / 1e6
-    return copy_ms + layers * max(layer_ms, copy_ms)
-
-
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def _row(
-    case: Any,
-    situation: str,
-    tokens: int,
-    load: str,
-    link_ms: float,
-    times: dict[str, list[float]],
-    forward_times: dict[str, list[float]],
-    forward_alone_ms: float | None,
-    identical: bool,
-) -> dict[str, Any]:
-    paired = paired_speed([t / 1e3 for t in times["stock"]], [t / 1e3 for t in times["kvcore"]])
-    row: dict[str, Any] = {
-        "engine": "sglang",
-        "case": f"{case.kind}/layer_first/kernel/p{case.page_size}",
-        "situation": situation,
-        "compute": load,
-        "tokens": tokens,
-        "page_size": case.page_size,
-        "layers": case.opts.layers,
-        "stock_ms": _median(times["stock"]),
-        "kvcore_ms": _median(times["kvcore"]),
-        "link_ms": link_ms,
-        "forward_alone_ms": forward_alone_ms,
-        "forward_with_stock_ms": _median(forward_times["stock"]) if forward_times else None,
-        "forward_with_kvcore_ms": _median(forward_times["kvcore"]) if forward_times else None,
-        "identical": identical,
-        "repeats": len(times["stock"]),
-        "speed_paired": None if paired is None else [paired.median, paired.low, paired.high],
-    }
-    if times.get("own"):
-        row["own_ms"] = _median(times["own"])
-        if forward_times.get("own"):
-            row["forward_with_own_ms"] = _median(forward_times["own"])
-    return row
-
-
 def _cells(
-    case: Any, tokens: int, opts: BesideOptions, forwards: dict[str, _Forward]
+    case: Any, tokens: int, opts: BesideOptions, forwards: dict[str, _Forward], metrics: Any
 ) -> Iterator[dict[str, Any]]:
     layers = case.opts.layers
     reloads = _Reloads(case, layers)
@@ -346,21 +304,22 @@ def _cells(
     gen = torch.Generator().manual_seed(opts.seed + tokens + case.page_size)
     layer_bytes = tokens * case.row_bytes
     link_ms = layer_bytes * layers / LINK_GBPS / 1e6
-    # Requests to time plus a warm-up and one for the checks, each with new indices.
-    count = opts.repeats + 2
+    # A warm-up, then the requests timed, each with new indices (the checks draw their own).
+    count = opts.repeats + 1
     identical = all(
         _identical(reloads, side, cpu)
         for side in sides
         for cpu in request_indices(case, tokens, opts.host_level, 1, gen)
     )
     times: dict[str, list[float]] = {side.name: [] for side in sides}
+    tally = Tally(metrics)
     for i, cpu in enumerate(request_indices(case, tokens, opts.host_level, count, gen)):
         for side in sides if i % 2 == 0 else sides[::-1]:
-            ms = _alone(reloads, side, cpu)
+            ms = tally.timed(side, functools.partial(_alone, reloads, side, cpu))
             if i:
                 times[side.name].append(ms)
-    yield _row(case, "alone", tokens, "none", link_ms, times, {}, None, identical)
-    stock_alone = _median(times["stock"])
+    yield reload_row(case, "alone", tokens, "none", link_ms, times, {}, None, identical, tally)
+    stock_alone = median(times["stock"])
     for load in opts.loads:
         forward = forwards[load]
         forward.size_for(stock_alone)
@@ -369,6 +328,7 @@ def _cells(
             reload_times: dict[str, list[float]] = {side.name: [] for side in sides}
             forward_times: dict[str, list[float]] = {side.name: [] for side in sides}
             requests = request_indices(case, tokens, opts.host_level, count, gen)
+            tally = Tally(metrics)
             for i, cpu in enumerate(requests):
                 if situation == "independent":
                     start, end = forward.replay()
@@ -377,15 +337,17 @@ def _cells(
                         alone.append(start.elapsed_time(end))
                 for side in sides if i % 2 == 0 else sides[::-1]:
                     run = _independent if situation == "independent" else _dependent
-                    reload_ms, forward_ms = run(reloads, side, cpu, forward)
+                    reload_ms, forward_ms = tally.timed(
+                        side, functools.partial(run, reloads, side, cpu, forward)
+                    )
                     if i:
                         reload_times[side.name].append(reload_ms)
                         forward_times[side.name].append(forward_ms)
             if situation == "independent":
-                reference = _median(alone)
+                reference = median(alone)
             else:
                 reference = ideal_pipeline_ms(layer_bytes, layers, forward.layer_ms)
-            yield _row(
+            yield reload_row(
                 case,
                 situation,
                 tokens,
@@ -395,8 +357,9 @@ def _cells(
                 forward_times,
                 reference,
                 identical,
+                tally,
             )
-        torch.cuda.synchronize(opts.device)
+        sync_device(opts.device)
 
 
 def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
@@ -417,7 +380,7 @@ def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     scheduler = torch.cuda.Stream(opts.device)
-    with bench_mover(serve_rule=opts.serve_rule), torch.cuda.stream(scheduler):
+    with bench_mover(serve_rule=opts.serve_rule) as mover, torch.cuda.stream(scheduler):
         for kind in opts.kinds:
             layers = (opts.layers or LAYERS)[kind]
             forwards = {load: _forward(kind, load, layers, opts.device) for load in opts.loads}
@@ -428,8 +391,8 @@ def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None
                 try:
                     with pool_case(kind, "layer_first", page, base) as case:
                         for tokens in (t for t in opts.tokens if t % page == 0):
-                            for row in _cells(case, tokens, opts, forwards):
-                                progress(_line(row))
+                            for row in _cells(case, tokens, opts, forwards, mover.metrics):
+                                progress(summary_line(row))
                                 rows.append(row)
                 except Exception as exc:  # one pool failing says why; the others still run
                     why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -458,24 +421,6 @@ def _document(
         "rows": rows,
         "not_runnable": skipped,
     }
-
-
-def _line(row: dict[str, Any]) -> str:
-    forward = ""
-    if row["forward_alone_ms"] is not None:
-        forward = (
-            f"  forward alone/ideal {row['forward_alone_ms']:.1f}"
-            f" with stock {row['forward_with_stock_ms']:.1f}"
-            f" with kvcore {row['forward_with_kvcore_ms']:.1f}"
-        )
-        if "forward_with_own_ms" in row:
-            forward += f" with own {row['forward_with_own_ms']:.1f}"
-    own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""
-    return (
-        f"{row['case']} {row['tokens']} {row['situation']} {row['compute']}: link "
-        f"{row['link_ms']:.1f} stock {row['stock_ms']:.1f} kvcore {row['kvcore_ms']:.1f}{own}"
-        f"{forward} identical={row['identical']}"
-    )
 
 
 def options_for(args: argparse.Namespace) -> BesideOptions:
@@ -515,7 +460,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     result = run(opts, progress=(lambda line: None) if quiet else _print_err)
     for row in result["rows"]:
-        print(_line(row))
+        print(summary_line(row))
     if getattr(args, "json", None):
         _write_json(args.json, result)
     return 1 if any(not row["identical"] for row in result["rows"]) else 0
