@@ -52,6 +52,9 @@ class SGLangRule:
     pool: str = ANY
     """The host pool's kind (``mha``, ``mla``, ``dsa``), or :data:`ANY`: rows of one size
     move at other speeds on stock's kernels (MLA's 1152 B against MHA's 2 KiB)."""
+    cited: tuple[str, ...] = ()
+    """The benchmark JSON files (under docs/bench/) the entry was decided from; a test holds
+    the entry to them."""
 
     @property
     def never(self) -> bool:
@@ -109,6 +112,10 @@ BESIDE_COMPUTE_EVIDENCE = "docs/bench/h200-beside-compute-sglang-2026-12-04.json
 """The beside-compute rows (SGLang 0.5.23 through its L2TransferEngine, H200) that the load
 rows below are judged from: kvcore serves where its reload beside the model's forward is
 faster than stock's and neither forward beside it is slower."""
+_BESIDE_COMPUTE = (
+    BESIDE_COMPUTE_EVIDENCE,
+    "docs/bench/h200-beside-compute-sglang-2026-12-04-b.json",
+)
 
 SGLANG_RULES: tuple[SGLangRule, ...] = (
     SGLangRule(
@@ -128,6 +135,7 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "2026-12-03)",
         dense_min_tokens=32768,
         pool="mla",
+        cited=_BESIDE_COMPUTE,
     ),
     SGLangRule(
         "load",
@@ -146,6 +154,7 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "Scattered host slots stay stock's: kvcore's gather is no faster",
         dense_min_tokens=32768,
         pool="mha",
+        cited=_BESIDE_COMPUTE,
     ),
     SGLangRule(
         "load",
@@ -157,6 +166,7 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "the row above, for MLA's paged reloads",
         dense_min_tokens=32768,
         pool="mla",
+        cited=_BESIDE_COMPUTE,
     ),
     SGLangRule(
         "load",
@@ -398,6 +408,7 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
                 "serves": _serves(rule),
                 "reason": rule.reason,
                 "evidence": rule.evidence,
+                "cited": list(rule.cited),
             }
         )
     large = f"{VLLM_RULES.large_page_bytes >> 10} KiB"
