@@ -55,6 +55,10 @@ _OVERLAP_MIN_UNIT_BYTES = 1 << 20
 # The most slots the layer ring (_LayerRing) cycles through: enough for a reload's DMAs to
 # run layers ahead of a scatter held back by the model's kernels, few enough events.
 _RING_MAX_SLOTS = 16
+# The ring serves one layer's call (SGLang's K and V, or MLA's one buffer); a call of more
+# pairs is a whole job (vLLM's every layer), which the overlapped ring or the serial path
+# take as before: the layer ring was measured only on SGLang's per-layer reloads.
+_RING_MOST_PAIRS = 2
 
 
 def _host_side(src_words: torch.Tensor, dst_words: torch.Tensor) -> torch.Tensor:
@@ -518,7 +522,7 @@ class _CudaIndexedOps:
                 self.overlap_max_slots,
             )
         if slots is None:
-            if not self._stage_in_ring(pairs, prepared, staging):
+            if pair_count > _RING_MOST_PAIRS or not self._stage_in_ring(pairs, prepared, staging):
                 reference.stage_in_prepared(pairs, chunks, staging)
         else:
             self._stage_in_overlapped(pairs, chunks, staging, *slots)
