@@ -26,6 +26,7 @@ the regime: a decode batch (64, 256 tokens: short, weight-bound kernels) or a pr
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,8 +148,7 @@ class ModelForward:
         if timed:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
-        context = torch.cuda.stream(stream) if stream is not None else _no_stream()
-        with context:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if timed:
                 start.record()
             for step in range(self.layers if count is None else count):
@@ -158,14 +158,6 @@ class ModelForward:
             if timed:
                 end.record()
         return (start, end) if timed else None
-
-
-class _no_stream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: object) -> None:
-        return None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ kvcore_ms link_ms forward_alone_ms forward_with_stock_ms forward_with_kvcore_ms 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -52,6 +53,7 @@ from kvcore.bench.sglang.beside_rows import (
 )
 from kvcore.bench.sglang.sweep_cells import _check, request_indices
 from kvcore.bench.sglang.sweep_options import LAYERS
+from kvcore.bench.sglang.sweep_sides import pool_hook, pool_method, serve_rule_off
 
 SITUATIONS = ("alone", "independent", "dependent")
 _METHOD = "load_to_device_per_layer"
@@ -90,20 +92,15 @@ def _as_side(case: Any, side: _Side) -> Iterator[None]:
     """The pool class's method set to this side's; stock's side, and kvcore's with its rule
     off, also without the bindings kvcore's rule leaves on the pool (stock's method, where
     the rule never serves: they stay for kvcore's next request, as in an engine)."""
-    from kvcore_sglang import transfers
-
     cls = type(case.pool)
     saved_class = vars(cls)[_METHOD]
     saved_binding = case.pool.__dict__.pop(_METHOD, None) if side.name != "kvcore" else None
-    saved_rule = transfers.serve_rule_enabled
     setattr(cls, _METHOD, side.method)
-    if not side.rule:
-        transfers.serve_rule_enabled = lambda: False  # type: ignore[assignment]
     try:
-        yield
+        with contextlib.nullcontext() if side.rule else serve_rule_off():
+            yield
     finally:
         setattr(cls, _METHOD, saved_class)
-        transfers.serve_rule_enabled = saved_rule  # type: ignore[assignment]
         if saved_binding is not None:
             case.pool.__dict__[_METHOD] = saved_binding
 
@@ -115,7 +112,7 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
 
     from kvcore_sglang import transfers
 
-    original = vars(type(case.pool))[_METHOD]
+    original = pool_method(case, "load")
 
     @functools.wraps(original)
     def stock(*args: Any, **kwargs: Any) -> Any:
@@ -124,7 +121,7 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
         with tvm_ffi.use_torch_stream():
             return original(*args, **kwargs)
 
-    hook = transfers.HOOKS[f"{type(case.pool).__module__}.{type(case.pool).__qualname__}.{_METHOD}"]
+    hook = pool_hook(case, "load")
 
     @functools.wraps(stock)
     def hooked(pool: Any, *args: Any, **kwargs: Any) -> Any:

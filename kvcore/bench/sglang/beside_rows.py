@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.bench.paired_speed import paired_speed
-from kvcore.bench.sglang.sweep_cells import paths_taken
+from kvcore.bench.sglang.sweep_cells import _served, paths_taken
 
 LINK_GBPS = 55.3
 """A pinned 1 GiB host-to-device copy on the lent H200 (docs/benchmarks.md)."""
@@ -88,10 +88,8 @@ class Tally:
         after = self.metrics.snapshot()
         self.requests += 1
         self.paths.update(paths_taken(before, after))
-        for reason, count in after["fallbacks"].items():
-            gained = count - before["fallbacks"].get(reason, 0)
-            if gained:
-                self.passes[reason] = self.passes.get(reason, 0) + gained
+        for reason, count in _served(before, after, 1)[1].items():
+            self.passes[reason] = self.passes.get(reason, 0) + count
         return out
 
     def fields(self) -> dict[str, Any]:

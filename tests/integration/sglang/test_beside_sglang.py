@@ -16,7 +16,7 @@ from kvcore.bench.sglang import beside
 from kvcore.bench.sglang.ab import bench_mover
 from kvcore.bench.sglang.host_cost import stock_copies_left_out
 from kvcore.bench.sglang.pool_case import Options, pool_case
-from kvcore.bench.sglang.sweep_cells import _check, paths_taken, request_indices
+from kvcore.bench.sglang.sweep_cells import _check, _served, paths_taken, request_indices
 
 pytestmark = pytest.mark.sglang
 
@@ -56,11 +56,7 @@ def test_rule_on_side_serves_32k_reloads_after_its_8k_reloads_passed(
                                 case.device_pool, host, device, layer, "kernel"
                             )
                         after = mover.metrics.snapshot()
-                    passes = {
-                        reason: count - before["fallbacks"].get(reason, 0)
-                        for reason, count in after["fallbacks"].items()
-                        if count > before["fallbacks"].get(reason, 0)
-                    }
+                    passes = _served(before, after, 1)[1]
                     seen.setdefault((tokens, side.name), []).append(
                         (paths_taken(before, after), passes)
                     )
