@@ -12,6 +12,10 @@ without comments, blank lines or trailing spaces. Relative indentation is kept, 
 is the code's block structure; text, not an AST dump, so that every Python version an
 engine ships wheels for reads the same value.
 
+The recorded fingerprints are data: one JSON file per tested release,
+``<adapter package>/fingerprints/<release>.json`` (target -> fingerprint), read by
+:func:`recorded_releases`. Adding a release is adding its file.
+
 Only the standard library is imported here.
 """
 
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.resources
 import importlib.util
 import io
+import json
 import sys
 import textwrap
 import tokenize
@@ -152,6 +158,36 @@ def drift(
                 f"source changed (fingerprint {actual[:12]}, recorded {expected[:12]})"
             )
     return reasons
+
+
+def release_key(release: str) -> tuple[int, ...]:
+    """``"0.5.23"`` -> ``(0, 5, 23)``, so that releases sort as numbers."""
+    return tuple(int(part) for part in release.split(".") if part.isdigit())
+
+
+def recorded_releases(package: str) -> dict[str, dict[str, str]]:
+    """Release -> target -> fingerprint, read from ``package``'s ``fingerprints/*.json``,
+    oldest release first."""
+    folder = importlib.resources.files(package).joinpath("fingerprints")
+    tables: dict[str, dict[str, str]] = {}
+    for entry in folder.iterdir():
+        if not entry.name.endswith(".json"):
+            continue
+        try:
+            table = json.loads(entry.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ValueError(f"{package}/fingerprints/{entry.name}: {exc}") from None
+        if not isinstance(table, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in table.items()
+        ):
+            raise ValueError(f"{package}/fingerprints/{entry.name} is not target -> fingerprint")
+        tables[entry.name.removesuffix(".json")] = table
+    return dict(sorted(tables.items(), key=lambda item: release_key(item[0])))
+
+
+def release_file(table: Mapping[str, str]) -> str:
+    """``table`` (target -> fingerprint) as the text of a release's fingerprint file."""
+    return json.dumps(dict(table), indent=2) + "\n"
 
 
 def _without_comments(block: str) -> str:

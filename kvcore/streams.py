@@ -197,10 +197,19 @@ class OrderedJobs:
     def finished(self, report: Callable[[int, int, float | None], T]) -> list[T]:
         """``report(job_id, nbytes, seconds)`` for each job finished since the last call, in
         submission order; ``seconds`` is the copies' GPU time and the job's planning (see
-        :meth:`submit`), None where events do not time."""
+        :meth:`submit`), None where events do not time. Where asking a job's event raises,
+        the jobs before it are reported and the next call raises."""
         jobs, streams = self.queued, self._streams
         reports: list[T] = []
-        while jobs and streams.query(jobs[0].end):
+        while jobs:
+            try:
+                if not streams.query(jobs[0].end):
+                    break
+            except BaseException:
+                if reports:
+                    # The next call asks the same job again and raises there.
+                    return reports
+                raise
             job = jobs.popleft()
             elapsed = getattr(job.start, "elapsed_time", None)
             seconds = None if elapsed is None else elapsed(job.end) * 1e-3 + job.planned_s
@@ -208,6 +217,13 @@ class OrderedJobs:
             streams.release(job.start)
             streams.release(job.end)
         return reports
+
+    def drop_oldest(self) -> int:
+        """Forget the oldest job (its copy failed); its id."""
+        job = self.queued.popleft()
+        self._streams.release(job.start)
+        self._streams.release(job.end)
+        return job.job_id
 
     def wait(self, job_ids: Collection[int]) -> None:
         """Block until the jobs named in ``job_ids`` have finished; other ids are ignored."""

@@ -167,7 +167,7 @@ def stock_named_handler(
 
 def kvcore_worker(
     stock_worker: type[Any],
-    put_in_place: Callable[[Any], list[str]],
+    put_in_place: Callable[[Any, Any], list[str]],
     handler_attributes: Iterable[str],
     kvcore_handler: type[Any],
 ) -> type[Any]:
@@ -177,7 +177,8 @@ def kvcore_worker(
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         stock_worker.__init__(self, *args, **kwargs)
-        put_in_place(self)
+        # The worker's first argument is its KV caches (kvcore's spec passes them on too).
+        put_in_place(self, kwargs.get("kv_caches", args[0] if args else None))
         left = [
             attribute
             for attribute in handler_attributes

@@ -14,10 +14,12 @@ import time
 
 from kvcore.config import KVCoreConfig
 from kvcore.engine_status import EngineStatus, probe_engine, release_of, settings_shown
+from kvcore_sglang.guard import FINGERPRINTS
 
 ENGINE = "sglang"
 DISTRIBUTION = "sglang"
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.22", "0.5.23")
+# The tested releases are exactly those with fingerprints.
+SUPPORTED_VERSIONS: tuple[str, ...] = tuple(FINGERPRINTS)
 
 
 def status(config: KVCoreConfig | None = None) -> EngineStatus:

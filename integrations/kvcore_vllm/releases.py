@@ -11,6 +11,12 @@ fill method: for the jobs kvcore's handler leaves to stock it fills them with th
 module's own pointer function instead (:mod:`kvcore_vllm.stock_copies`), and the guard
 asks for that function and ``transfer_async`` rather than the fill methods.
 
+0.34's handler holds no GPU tensors: the connector resolves a job's GPU blocks to device
+pointers (``DevicePointers``) and ``transfer_async`` takes those and the CPU spec. kvcore's
+handler then takes the GPU tensors from the worker's ``CanonicalKVCaches`` and reads the
+blocks back from the pointers (:mod:`kvcore_vllm.device_pointers`). 0.34 also reports a
+failed copy as ``success=False`` instead of raising, and so does kvcore's handler there.
+
 Only the standard library is imported here: the guard imports this module.
 """
 
@@ -32,6 +38,10 @@ class ReleaseShape:
     """0.33's name -> this release's, for functions, classes and attributes."""
     fills_in_transfer_async: bool = False
     """The transfer handler fills its copy descriptors inline, with no fill method."""
+    device_pointers: bool = False
+    """``transfer_async(job_id, device_pointers, cpu_spec)``, no GPU tensors in the handler."""
+    reports_failed_transfers: bool = False
+    """A copy that fails is reported as ``success=False``, with the CUDA error cleared."""
 
     def name(self, current: str) -> str:
         """This release's name for what 0.33 calls ``current``."""
@@ -71,6 +81,7 @@ SHAPES: Mapping[str, ReleaseShape] = MappingProxyType(
             renames=BLOCK_NAMES,
             fills_in_transfer_async=True,
         ),
+        "0.34.0": ReleaseShape(device_pointers=True, reports_failed_transfers=True),
     }
 )
 

@@ -60,16 +60,20 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         # The stock worker keeps vLLM's host memory (its shared, pre-faulted, host-registered
         # region); only the handlers that copy in and out of it are kvcore's.
         worker = super().create_worker(kv_caches)
-        put_handlers_in_place(worker)
+        put_handlers_in_place(worker, kv_caches)
         return worker
 
 
-def put_handlers_in_place(worker: CPUOffloadingWorker) -> list[str]:
+def put_handlers_in_place(
+    worker: CPUOffloadingWorker, kv_caches: CanonicalKVCaches | None = None
+) -> list[str]:
     """kvcore's transfer handlers in place of ``worker``'s stock ones when ``KVCORE_TRANSFERS``
-    is on; the attributes replaced. What :meth:`KVCoreCPUOffloadingSpec.create_worker` does
-    to the stock worker (ci/vllm_upstream's GPU mode does the same to the workers vLLM's
-    own transfer tests build)."""
+    is on; the attributes replaced. ``kv_caches``: those the worker was built on (a release
+    whose handlers hold no GPU tensors needs them). What
+    :meth:`KVCoreCPUOffloadingSpec.create_worker` does to the stock worker
+    (ci/vllm_upstream's GPU mode does the same to the workers vLLM's own transfer tests
+    build)."""
     config = KVCoreConfig.from_env()
     if not config.transfers:
         return []
-    return install_handlers(worker, config, METRICS if config.metrics else None)
+    return install_handlers(worker, config, METRICS if config.metrics else None, kv_caches)

@@ -7,6 +7,8 @@ descriptors inline, from the module's ``compute_sub_block_ptrs``. :class:`StockC
 gives kvcore's handler one face over every supported release; on 0.25 it fills a
 group's descriptors by calling that same pointer function for each layer reference, in
 the order stock's inline loop does, so a fallen-back job issues stock's descriptors.
+From 0.34 the stock handler holds only its CPU tensors; the GPU ones are the caller's
+(:func:`kvcore_vllm.device_pointers.gpu_rows` of the worker's KV caches).
 """
 
 from __future__ import annotations
@@ -22,40 +24,62 @@ from kvcore_vllm.releases import ReleaseShape, installed_shape
 
 
 def gpu_tensors_of(handler: Any) -> list[torch.Tensor]:
-    """The GPU side's KV tensors of a handler of either direction (stock's or this view)."""
+    """The GPU side's KV tensors of a stock handler of either direction, on a release whose
+    handler holds them (before 0.34)."""
     tensors: list[torch.Tensor] = handler.src_tensors if handler.gpu_to_cpu else handler.dst_tensors
     return tensors
 
 
 class StockCopies:
-    """One stock ``SingleDirectionOffloadingHandler``, as 0.33 names what kvcore uses."""
+    """One stock ``SingleDirectionOffloadingHandler``, as 0.33 names what kvcore uses.
 
-    def __init__(self, handler: Any, shape: ReleaseShape | None = None) -> None:
+    ``gpu_tensors``: the GPU KV tensors as int8 rows, on a release whose handler does not
+    hold them (``shape.device_pointers``); read from the handler otherwise.
+    ``blocks_per_chunk`` is the CPU side's factor: GPU blocks per CPU chunk.
+    """
+
+    def __init__(
+        self,
+        handler: Any,
+        shape: ReleaseShape | None = None,
+        gpu_tensors: Sequence[torch.Tensor] | None = None,
+    ) -> None:
         shape = installed_shape() if shape is None else shape
         self.handler = handler
         self.gpu_to_cpu: bool = handler.gpu_to_cpu
-        self.src_tensors: list[torch.Tensor] = handler.src_tensors
-        self.dst_tensors: list[torch.Tensor] = handler.dst_tensors
-        self.src_blocks_per_chunk: int = getattr(handler, shape.name("src_blocks_per_chunk"))
-        self.dst_blocks_per_chunk: int = getattr(handler, shape.name("dst_blocks_per_chunk"))
         self.layer_refs_per_group: list[list[Any]] = getattr(
             handler, shape.name("layer_refs_per_group")
         )
         self.canonical_layout = getattr(handler, "_canonical_copy_plans", None) is not None
         self._fills_inline = shape.fills_in_transfer_async
+        self._fills_from_pointers = shape.device_pointers
+        if shape.device_pointers:
+            if gpu_tensors is None:
+                raise ValueError("this vLLM's handler holds no GPU tensors: pass gpu_tensors")
+            self.gpu_tensors: list[torch.Tensor] = list(gpu_tensors)
+            self.cpu_tensors: list[torch.Tensor] = handler.cpu_tensors
+            self.blocks_per_chunk: int = handler.blocks_per_chunk
+        else:
+            self.gpu_tensors = gpu_tensors_of(handler)
+            self.cpu_tensors = handler.dst_tensors if self.gpu_to_cpu else handler.src_tensors
+            cpu_side = "dst_blocks_per_chunk" if self.gpu_to_cpu else "src_blocks_per_chunk"
+            self.blocks_per_chunk = getattr(handler, shape.name(cpu_side))
 
     @property
-    def gpu_tensors(self) -> list[torch.Tensor]:
-        return gpu_tensors_of(self)
+    def src_tensors(self) -> list[torch.Tensor]:
+        return self.gpu_tensors if self.gpu_to_cpu else self.cpu_tensors
 
     @property
-    def cpu_tensors(self) -> list[torch.Tensor]:
-        return self.dst_tensors if self.gpu_to_cpu else self.src_tensors
+    def dst_tensors(self) -> list[torch.Tensor]:
+        return self.cpu_tensors if self.gpu_to_cpu else self.gpu_tensors
 
     @property
-    def blocks_per_chunk(self) -> int:
-        """GPU blocks per CPU chunk (the CPU side's factor)."""
-        return self.dst_blocks_per_chunk if self.gpu_to_cpu else self.src_blocks_per_chunk
+    def src_blocks_per_chunk(self) -> int:
+        return 1 if self.gpu_to_cpu else self.blocks_per_chunk
+
+    @property
+    def dst_blocks_per_chunk(self) -> int:
+        return self.blocks_per_chunk if self.gpu_to_cpu else 1
 
     @property
     def copy_op(self) -> Any:
@@ -82,7 +106,13 @@ class StockCopies:
         op_index: int,
     ) -> tuple[int, int]:
         """Stock's descriptors for one group, written into ``out`` from ``op_index``;
-        returns the index past them and the bytes they copy."""
+        returns the index past them and the bytes they copy. Releases that fill from
+        device pointers (0.34) fill only inside their own ``transfer_async``."""
+        if self._fills_from_pointers:
+            raise NotImplementedError(
+                "this vLLM fills descriptors from the connector's device pointers; "
+                "stock's fill is reached through its transfer_async"
+            )
         all_src, all_dst, all_sizes = out
         if not self._fills_inline:
             filled: tuple[int, int] = self.handler._fill_group_ops(

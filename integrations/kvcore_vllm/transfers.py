@@ -27,6 +27,12 @@ after the part kvcore queued has finished; a CUDA error is raised instead
 (:mod:`kvcore.internal_errors`). Jobs on different streams may finish out of
 submission order; vLLM matches results by job id, and a job's pages are not reused
 before it is reported.
+
+vLLM 0.34 hands the handler device pointers instead of GPU block ids
+(:mod:`kvcore_vllm.device_pointers` reads the ids back, and a job whose pointers it
+cannot read goes to stock), and reports a failed copy as ``success=False`` rather than
+raising: on that release a CUDA error in a kvcore job clears the pending error, waits
+for what kvcore queued, and reports the job failed (counted as a ``failed`` decision).
 """
 
 from __future__ import annotations
@@ -42,12 +48,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferResult
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 
 from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
-from kvcore.internal_errors import InternalErrors
+from kvcore.internal_errors import InternalErrors, device_in_doubt
+from kvcore.kernels.cudart import clear_pending_error
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, Submission, submissions
@@ -58,8 +65,10 @@ from kvcore.stock_share import REASON as STOCK_SHARE
 from kvcore.stock_share import StockShare
 from kvcore.streams import CudaStreams, NamedStreams, OrderedJobs
 from kvcore.warm_up import warm_up
+from kvcore_vllm.device_pointers import PointerReader, gpu_rows
 from kvcore_vllm.installation import INSTALLATION
 from kvcore_vllm.page_rows import PageRows, page_rows
+from kvcore_vllm.releases import ReleaseShape, installed_shape
 from kvcore_vllm.stock_copies import StockCopies, gpu_tensors_of
 
 logger = logging.getLogger("kvcore.vllm")
@@ -74,6 +83,9 @@ AB_LOG_PREFIX = "kvcore A/B: load"
 
 # The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
 HANDLER_ATTRIBUTES = ("_store_handler", "_load_handler", "_expedited_load_handler")
+
+# What _take returns for a job whose copy failed and is reported so (vLLM 0.34).
+_FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -184,6 +196,9 @@ class KVCoreOffloadingHandler:
     ``ab_seed``, and every load is logged with the copy it got (:data:`AB_LOG_PREFIX`):
     an A/B of the two copies in one engine process, which its requests' timings
     are matched to afterwards.
+    ``shape``: the vLLM release's (the installed one's by default); where it passes
+    device pointers, ``gpu_tensors`` are the GPU KV tensors as int8 rows
+    (:func:`kvcore_vllm.device_pointers.gpu_rows`), which its stock handler lacks.
     """
 
     def __init__(
@@ -191,6 +206,8 @@ class KVCoreOffloadingHandler:
         stock: Any,
         *,
         mover: Mover,
+        gpu_tensors: Sequence[torch.Tensor] | None = None,
+        shape: ReleaseShape | None = None,
         streams: NamedStreams,
         compute_stream: Callable[[], Any],
         name: str,
@@ -199,11 +216,10 @@ class KVCoreOffloadingHandler:
         stock_share: float = 0.0,
         ab_seed: int = 0,
     ) -> None:
-        self._stock = StockCopies(stock)
+        self._shape = installed_shape() if shape is None else shape
+        self._stock = StockCopies(stock, self._shape, gpu_tensors)
         # Bound once: every job passes through them (vLLM never swaps a handler's methods).
-        self._stock_transfer_async: Callable[[int, LoadStoreSpec, LoadStoreSpec], bool] = (
-            stock.transfer_async
-        )
+        self._stock_transfer_async: Callable[[int, Any, Any], bool] = stock.transfer_async
         self._stock_get_finished: Callable[[], list[TransferResult]] = stock.get_finished
         self._stock_wait: Callable[[set[int]], None] = stock.wait
         self.gpu_to_cpu: bool = self._stock.gpu_to_cpu
@@ -232,6 +248,26 @@ class KVCoreOffloadingHandler:
             self._stock.copy_op, functools.partial
         )
         self._glance_reason, self._glance_blocks = self._stock_is_cheaper_at_a_glance()
+        self._pointers = (
+            PointerReader(
+                self._stock.gpu_tensors,
+                [[ref.tensor_idx for ref in refs] for refs in self._stock.layer_refs_per_group],
+            )
+            if self._shape.device_pointers
+            else None
+        )
+        self._failed: list[int] = []
+        """Jobs whose copy failed, to be reported so (releases that report failures)."""
+
+    @property
+    def gpu_tensors(self) -> list[torch.Tensor]:
+        """The GPU KV tensors this handler copies to or from, as int8 rows."""
+        return self._stock.gpu_tensors
+
+    @property
+    def layer_refs_per_group(self) -> list[list[Any]]:
+        """The stock handler's layer references, per KV cache group."""
+        return self._stock.layer_refs_per_group
 
     def _describe_groups(self) -> list[_Group | str]:
         if self._stock.canonical_layout:
@@ -257,46 +293,75 @@ class KVCoreOffloadingHandler:
             groups.append(reason if reason is not None else _Group(tensors, page_bytes))
         return groups
 
-    def transfer_async(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        gpu_spec = src_spec if self.gpu_to_cpu else dst_spec
-        if len(gpu_spec.block_ids) < self._glance_blocks:  # type: ignore[attr-defined]
+    def transfer_async(self, job_id: int, first: Any, second: Any) -> bool:
+        """Queue job ``job_id``. ``first, second`` are what the release's worker passes: the
+        source and destination specs, or (0.34) the connector's ``DevicePointers`` and the
+        CPU spec; a job kvcore does not copy goes to the stock handler with the same."""
+        # The GPU blocks it copies, read without a pass over its ids or a call of kvcore's.
+        if self._pointers is None:
+            blocks = len((first if self.gpu_to_cpu else second).block_ids)
+        else:
+            blocks = sum(first.group_block_counts)
+        if blocks < self._glance_blocks:
             reason = self._glance_reason
         else:
-            cpu_spec = dst_spec if self.gpu_to_cpu else src_spec
-            reason = self._take(job_id, gpu_spec, cpu_spec)
+            reason = self._take(job_id, first, second)
         if self._stock_share.share:
             logger.info(
-                "%s job %d, %d blocks: %s",
-                AB_LOG_PREFIX,
-                job_id,
-                len(gpu_spec.block_ids),  # type: ignore[attr-defined]
-                reason or "kvcore",
+                "%s job %d, %d blocks: %s", AB_LOG_PREFIX, job_id, blocks, reason or "kvcore"
             )
-        if reason is not None:
+        if reason is not None and reason != _FAILED:
             self._passes[reason] += 1
-            self._stock_transfer_async(job_id, src_spec, dst_spec)
+            self._stock_transfer_async(job_id, first, second)
         return True
 
-    def _take(self, job_id: int, gpu_spec: LoadStoreSpec, cpu_spec: LoadStoreSpec) -> str | None:
-        """Queue the job on kvcore's paths; the reason it goes to stock instead, if any."""
-        if not isinstance(gpu_spec, GPULoadStoreSpec):
-            raise TypeError(f"the GPU side of job {job_id} is a {type(gpu_spec).__name__}")
+    def _take(self, job_id: int, first: Any, second: Any) -> str | None:
+        """Queue the job on kvcore's paths; the reason it goes to stock instead, if any
+        (:data:`_FAILED` for a job that failed and is reported so)."""
         handed_over = perf_counter()
-        segments = split_groups(
-            np.asarray(gpu_spec.block_ids),
-            np.asarray(cpu_spec.block_ids),  # type: ignore[attr-defined]
-            gpu_spec.group_sizes,
-            gpu_spec.block_indices,
-            self.blocks_per_chunk,
-        )
+        if self._pointers is not None:
+            read = self._pointers.read(first)
+            if isinstance(read, str):
+                return read
+            gpu_ids, group_sizes, block_indices = read.gpu_ids, read.group_sizes, read.block_indices
+            cpu_ids = np.asarray(second.block_ids)
+        else:
+            gpu_spec, cpu_spec = (first, second) if self.gpu_to_cpu else (second, first)
+            if not isinstance(gpu_spec, GPULoadStoreSpec):
+                raise TypeError(f"the GPU side of job {job_id} is a {type(gpu_spec).__name__}")
+            gpu_ids, cpu_ids = np.asarray(gpu_spec.block_ids), np.asarray(cpu_spec.block_ids)
+            group_sizes, block_indices = gpu_spec.group_sizes, gpu_spec.block_indices
+        segments = split_groups(gpu_ids, cpu_ids, group_sizes, block_indices, self.blocks_per_chunk)
         try:
             return self._serve(job_id, segments, handed_over)
         except Exception as exc:
+            if self._shape.reports_failed_transfers and device_in_doubt(exc):
+                return self._fail(job_id, exc)
             reason = INTERNAL_ERRORS.reason(exc)
             # Part of the job may be queued on kvcore's stream; stock's copy runs on
             # stock's streams, so it must not finish (and the pages be reused) first.
             self._jobs.settle()
             return reason
+
+    def _fail(self, job_id: int, exc: Exception) -> str:
+        """Report job ``job_id`` failed, as the release's own handler reports a failed copy:
+        the pending CUDA error cleared, what kvcore queued of it waited for."""
+        clear_pending_error()
+        logger.error(
+            "kvcore: the %s copy of job %d failed (%s); vLLM is told it failed",
+            self.direction.value,
+            job_id,
+            exc,
+        )
+        try:
+            self._jobs.settle()
+        except RuntimeError:
+            clear_pending_error()
+            logger.exception("kvcore: waiting for the rest of failed job %d failed", job_id)
+        self._failed.append(job_id)
+        if self._metrics is not None:
+            self._metrics.record_decision("failed", f"transfer_failed:{type(exc).__name__}")
+        return _FAILED
 
     def _stock_is_cheaper_at_a_glance(self) -> tuple[str | None, int]:
         """The stock-is-cheaper rule that a job's block count alone decides, read once: jobs
@@ -459,16 +524,48 @@ class KVCoreOffloadingHandler:
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs whose copies have finished, each reported once: kvcore's in submission order,
-        then those it handed to the stock handler, in stock's order."""
+        then those it handed to the stock handler, in stock's order. Where the release
+        reports failures, jobs that failed come first, as ``success=False``."""
+        results = self._failed_results() if self._failed else []
         if not self._queued:
-            return self._stock_get_finished()
-        results = self._jobs.finished(_succeeded)
+            return results + self._stock_get_finished()
+        if self._shape.reports_failed_transfers:
+            results += self._finished_or_failed()
+        else:
+            results += self._jobs.finished(_succeeded)
         return results + self._stock_get_finished()
 
+    def _failed_results(self) -> list[TransferResult]:
+        failed, self._failed = self._failed, []
+        return [TransferResult(job_id=job_id, success=False) for job_id in failed]
+
+    def _finished_or_failed(self) -> list[TransferResult]:
+        """The finished jobs; where asking the oldest one's event raises a CUDA error, that
+        job is reported failed, as 0.34's own handler does."""
+        try:
+            return self._jobs.finished(_succeeded)
+        except RuntimeError as exc:
+            if not device_in_doubt(exc):
+                raise
+            clear_pending_error()
+            job_id = self._jobs.drop_oldest()
+            logger.error("kvcore: job %d failed while its copy was polled (%s)", job_id, exc)
+            if self._metrics is not None:
+                self._metrics.record_decision("failed", f"transfer_failed:{type(exc).__name__}")
+            return [TransferResult(job_id=job_id, success=False)]
+
     def wait(self, job_ids: set[int]) -> None:
-        """Block until the named jobs of this handler have finished; others are ignored."""
+        """Block until the named jobs of this handler have finished; others are ignored.
+        Where the release reports failures, a job that fails meanwhile is logged here and
+        reported by :meth:`get_finished`."""
         if self._queued:
-            self._jobs.wait(job_ids)
+            try:
+                self._jobs.wait(job_ids)
+            except RuntimeError as exc:
+                if not (self._shape.reports_failed_transfers and device_in_doubt(exc)):
+                    raise
+                clear_pending_error()
+                logger.error("kvcore: a job failed while it was waited for (%s)", exc)
         self._stock_wait(job_ids)
 
     def shutdown(self) -> None:
@@ -500,10 +597,15 @@ def _succeeded(job_id: int, nbytes: int, seconds: float | None) -> TransferResul
 
 
 def install_handlers(
-    worker: Any, config: KVCoreConfig, metrics: Metrics | None = None
+    worker: Any,
+    config: KVCoreConfig,
+    metrics: Metrics | None = None,
+    kv_caches: Any | None = None,
 ) -> list[str]:
     """Replace ``worker``'s stock handlers by kvcore's, recorded for the plugin's uninstall;
-    returns the attributes replaced.
+    returns the attributes replaced. ``kv_caches``: the ``CanonicalKVCaches`` the worker
+    was built on, which a release whose handlers hold no GPU tensors (0.34) needs; without
+    them such a worker stays stock (counted ``no_kv_caches``).
 
     Handlers whose GPU tensors are not CUDA tensors stay stock (counted). The handlers
     share one mover, so one staging buffer per GPU: its leases order the streams that
@@ -512,24 +614,35 @@ def install_handlers(
     land here rather than on the first cache hits, and a path that moves a wrong byte
     leaves every handler stock (counted ``warm_up_wrong_bytes``).
     """
+    shape = installed_shape()
+    shared: list[torch.Tensor] | None = None
+    if shape.device_pointers:
+        if kv_caches is None:
+            if metrics is not None:
+                metrics.record_fallback("no_kv_caches")
+            return []
+        shared = [gpu_rows(tensor) for tensor in kv_caches.tensors]
     mover = Mover(policy_from_config(config), metrics=metrics)
-    stocks: dict[str, Any] = {}
+    stocks: dict[str, tuple[Any, list[torch.Tensor]]] = {}
     for attribute in HANDLER_ATTRIBUTES:
         stock = getattr(worker, attribute, None)
         if stock is None:
             continue
-        if gpu_tensors_of(stock)[0].device.type != "cuda":
+        gpu_tensors = gpu_tensors_of(stock) if shared is None else shared
+        if gpu_tensors[0].device.type != "cuda":
             if metrics is not None:
                 metrics.record_fallback("unsupported_device")
             continue
-        stocks[attribute] = stock
-    if not stocks or not _warmed_up(mover, stocks.values(), metrics):
+        stocks[attribute] = stock, gpu_tensors
+    if not stocks or not _warmed_up(mover, [t for _, t in stocks.values()], metrics):
         return []
-    for attribute, stock in stocks.items():
-        streams = CudaStreams(gpu_tensors_of(stock)[0].device)
+    for attribute, (stock, gpu_tensors) in stocks.items():
+        streams = CudaStreams(gpu_tensors[0].device)
         handler = KVCoreOffloadingHandler(
             stock,
             mover=mover,
+            gpu_tensors=gpu_tensors,
+            shape=shape,
             streams=streams,
             compute_stream=streams.compute_stream,
             name=attribute,
@@ -541,12 +654,15 @@ def install_handlers(
     return list(stocks)
 
 
-def _warmed_up(mover: Mover, stocks: Iterable[Any], metrics: Metrics | None) -> bool:
-    """Warm the mover up for the handlers' devices and page sizes; False where it is not to
-    be trusted (wrong bytes, or the warm-up itself broke)."""
+def _warmed_up(
+    mover: Mover, handler_tensors: Iterable[list[torch.Tensor]], metrics: Metrics | None
+) -> bool:
+    """Warm the mover up for the handlers' devices and page sizes (``handler_tensors``: each
+    handler's GPU tensors); False where it is not to be trusted (wrong bytes, or the
+    warm-up itself broke)."""
     sizes: dict[torch.device, set[int]] = {}
-    for stock in stocks:
-        for tensor in gpu_tensors_of(stock):
+    for tensors in handler_tensors:
+        for tensor in tensors:
             sizes.setdefault(tensor.device, set()).add(_page_bytes(tensor))
     try:
         results = [warm_up(mover, device, pages) for device, pages in sizes.items()]

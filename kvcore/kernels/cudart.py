@@ -127,3 +127,13 @@ def stream_calls() -> StreamCalls | None:
     """The calls on the CUDA runtime torch loaded, or None where none is loaded."""
     lib = loaded_cudart()
     return None if lib is None else StreamCalls(lib)
+
+
+def clear_pending_error() -> bool:
+    """Clear the error a failed call left for the next launch check to find; False where
+    no CUDA runtime is loaded."""
+    lib = loaded_cudart()
+    if lib is None:
+        return False
+    lib.cudaGetLastError()
+    return True

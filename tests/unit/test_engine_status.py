@@ -142,7 +142,7 @@ def test_to_dict_is_a_json_ready_copy():
     ("adapter", "engine", "versions"),
     [
         (kvcore_sglang, "sglang", ("0.5.22", "0.5.23")),
-        (kvcore_vllm, "vllm", ("0.25.1", "0.32.0", "0.33.0")),
+        (kvcore_vllm, "vllm", ("0.25.1", "0.32.0", "0.33.0", "0.34.0")),
     ],
 )
 def test_adapter_status(adapter, engine, versions, monkeypatch):

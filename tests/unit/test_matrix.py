@@ -48,7 +48,11 @@ def test_repo_matrix_expands_every_engine_version_and_mode_plus_drift() -> None:
         f"{engine}-{version}-{mode}"
         for engine, versions, modes in (
             ("sglang", ("0.5.22", "0.5.23"), ("stock", "plugin", "patched")),
-            ("vllm", ("0.25.1", "0.32.0", "0.33.0"), ("stock", "plugin", "patched", "classes")),
+            (
+                "vllm",
+                ("0.25.1", "0.32.0", "0.33.0", "0.34.0"),
+                ("stock", "plugin", "patched", "classes"),
+            ),
         )
         for version in versions
         for mode in modes

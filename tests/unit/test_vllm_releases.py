@@ -41,6 +41,13 @@ def test_installed_shape_follows_the_installed_release(monkeypatch):
     assert seen == ["vllm"]
 
 
-@pytest.mark.parametrize("release", ["0.25.0", "0.25.1.post1", "0.34.0"])
+@pytest.mark.parametrize("release", ["0.25.0", "0.25.1.post1", "0.35.0"])
 def test_releases_without_a_shape_get_the_current_names(release):
     assert releases.shape_of(release) is releases.CURRENT
+
+
+def test_0_34_passes_device_pointers_and_reports_failures_under_0_33s_names():
+    shape = releases.shape_of("0.34.0")
+    assert shape.device_pointers and shape.reports_failed_transfers
+    assert not shape.fills_in_transfer_async and shape.name("chunks") == "chunks"
+    assert not releases.CURRENT.device_pointers

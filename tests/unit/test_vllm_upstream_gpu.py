@@ -53,7 +53,7 @@ class KVCoreHandler:
 
 
 class StockWorker:
-    def __init__(self) -> None:
+    def __init__(self, kv_caches: Any = None) -> None:
         self._store_handler = StockHandler()
         self._load_handler = StockHandler()
 
@@ -75,13 +75,21 @@ def test_the_handler_shows_stocks_state_under_stocks_names_and_counts_who_copied
 
 
 def test_the_worker_gets_kvcores_handlers_under_stocks_name() -> None:
-    def put_in_place(worker: Any) -> list[str]:
+    kv_caches_seen = []
+
+    def put_in_place(worker: Any, kv_caches: Any) -> list[str]:
+        kv_caches_seen.append(kv_caches)
         for attribute in ("_store_handler", "_load_handler"):
             setattr(worker, attribute, KVCoreHandler(getattr(worker, attribute)))
         return ["_store_handler", "_load_handler"]
 
     cls = conftest.kvcore_worker(StockWorker, put_in_place, ATTRIBUTES, KVCoreHandler)
     worker = cls()
+    kv_caches = object()
+    cls(kv_caches)
+    cls(kv_caches=kv_caches)
+    # The worker's KV caches reach kvcore's step, as kvcore's spec passes them.
+    assert kv_caches_seen == [None, kv_caches, kv_caches]
     assert cls.__name__ == "StockWorker" and isinstance(worker, StockWorker)
     assert isinstance(worker._store_handler, KVCoreHandler)
     assert isinstance(worker._load_handler, KVCoreHandler)
@@ -94,7 +102,7 @@ def test_the_worker_gets_kvcores_handlers_under_stocks_name() -> None:
 def test_a_worker_left_with_a_stock_handler_fails_to_build(
     replaced: tuple[str, ...], left: str
 ) -> None:
-    def put_in_place(worker: Any) -> list[str]:
+    def put_in_place(worker: Any, kv_caches: Any) -> list[str]:
         for attribute in replaced:
             setattr(worker, attribute, KVCoreHandler(getattr(worker, attribute)))
         return list(replaced)
@@ -105,7 +113,7 @@ def test_a_worker_left_with_a_stock_handler_fails_to_build(
 
 
 def test_modules_that_bound_stocks_worker_are_named() -> None:
-    kvcore_class = conftest.kvcore_worker(StockWorker, lambda worker: [], (), object)
+    kvcore_class = conftest.kvcore_worker(StockWorker, lambda worker, kv_caches: [], (), object)
     early, late, unrelated = (ModuleType(name) for name in ("early", "late", "unrelated"))
     early.CPUOffloadingWorker = StockWorker  # type: ignore[attr-defined]
     late.CPUOffloadingWorker = kvcore_class  # type: ignore[attr-defined]

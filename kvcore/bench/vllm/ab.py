@@ -41,6 +41,7 @@ import torch
 from kvcore.bench.vllm.ab_paths import runnable_paths
 from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock, stock_handler
 from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids, job_specs
+from kvcore_vllm.releases import installed_shape
 
 
 def ab(
@@ -68,6 +69,12 @@ def ab(
     all ``jobs``), gbps, submit_us (median host time of a handler's ``transfer_async``;
     None for paths that are no handler), bytes_ok (every pass's destination checked).
     """
+    if installed_shape().device_pointers:
+        raise RuntimeError(
+            "the vLLM A/B issues stock's descriptors through its fill methods over GPU block "
+            "ids; this vLLM fills them from device pointers inside transfer_async. Run the "
+            "A/B on 0.25.1-0.33.0, or `kvcore bench --engine vllm --sweep` here"
+        )
     device = torch.device(device)
     rows: list[dict[str, Any]] = []
     generator = torch.Generator().manual_seed(seed)

@@ -16,6 +16,7 @@ import ctypes
 import functools
 import inspect
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +51,51 @@ class _HostAsDevice(torch.Tensor):
         return True
 
 
+# The GPU tensors of stock handlers built here on a release whose handler holds none.
+_GPU_TENSORS: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def handler_gpu_tensors(handler: Any) -> list[torch.Tensor]:
+    """The GPU KV tensors a stock handler (built by :func:`stock_handler`) or kvcore's copies
+    to or from."""
+    if isinstance(handler, KVCoreOffloadingHandler):
+        return handler.gpu_tensors
+    if installed_shape().device_pointers:
+        return _GPU_TENSORS[handler]
+    return gpu_tensors_of(handler)
+
+
+def transfer_args(handler: Any, src_spec: Any, dst_spec: Any) -> tuple[Any, Any]:
+    """What the installed vLLM passes ``handler.transfer_async`` after the job id for a job
+    of these specs: the specs themselves, or (0.34) the device pointers its connector
+    resolves with its own ``resolve_device_pointers``, and the CPU spec."""
+    if not installed_shape().device_pointers:
+        return src_spec, dst_spec
+    from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+    gpu_spec, cpu_spec = (src_spec, dst_spec) if handler.gpu_to_cpu else (dst_spec, src_spec)
+    return resolve_device_pointers(gpu_spec, canonical_kv_caches(handler)), cpu_spec
+
+
+def canonical_kv_caches(handler: Any) -> Any:
+    """The ``CanonicalKVCaches`` a handler's worker is built on, on a release whose worker
+    passes them to kvcore's handlers (0.34); None on the others."""
+    if not installed_shape().device_pointers:
+        return None
+    from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
+
+    return CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in handler_gpu_tensors(handler)],
+        group_data_refs=handler.layer_refs_per_group,
+    )
+
+
+def submit(handler: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+    """``handler.transfer_async`` for a job of these specs, as the installed vLLM calls it."""
+    result: bool = handler.transfer_async(job_id, *transfer_args(handler, src_spec, dst_spec))
+    return result
+
+
 def stock_handler(
     gpu: list[torch.Tensor],
     host: list[torch.Tensor],
@@ -70,9 +116,13 @@ def stock_handler(
     }
     if "host_memory_is_pinned" in inspect.signature(SingleDirectionOffloadingHandler).parameters:
         options["host_memory_is_pinned"] = gpu[0].device.type == "cuda"
+    if not shape.device_pointers:
+        options["gpu_tensors"] = list(gpu)
     handler = SingleDirectionOffloadingHandler(
-        gpu_tensors=list(gpu), cpu_tensors=list(host), gpu_to_cpu=gpu_to_cpu, **options
+        cpu_tensors=list(host), gpu_to_cpu=gpu_to_cpu, **options
     )
+    if shape.device_pointers:
+        _GPU_TENSORS[handler] = list(gpu)
     return run_on_host(handler) if on_host else handler
 
 
@@ -88,7 +138,8 @@ def kvcore_handler(
 ) -> KVCoreOffloadingHandler:
     """kvcore's handler in place of ``stock``, on CUDA streams or, on a CPU, run at once;
     ``policy`` defaults to the one the environment (KVCORE_*) asks for."""
-    device = gpu_tensors_of(stock)[0].device
+    gpu_tensors = handler_gpu_tensors(stock)
+    device = gpu_tensors[0].device
     compute: Callable[[], Any]
     if streams is None and device.type == "cuda":
         cuda = CudaStreams(device)
@@ -99,6 +150,7 @@ def kvcore_handler(
     return KVCoreOffloadingHandler(
         stock,
         mover=Mover(policy or env_policy(), metrics=metrics) if mover is None else mover,
+        gpu_tensors=gpu_tensors,
         streams=streams,
         compute_stream=compute,
         name="store" if stock.gpu_to_cpu else "load",
@@ -155,6 +207,8 @@ def _with_copy_op(
     """A copy of ``stock`` with its own queue of jobs, streams, events and descriptor
     buffers, copying with ``swap`` (None keeps its own copy op)."""
     emulated = copy.copy(stock)
+    if stock in _GPU_TENSORS:
+        _GPU_TENSORS[emulated] = _GPU_TENSORS[stock]
     if is_run_on_host(stock):
         # The copied methods are bound to ``stock``: bind the copy's own.
         run_on_host(without_host_methods(emulated))
@@ -209,7 +263,7 @@ def submit_and_collect(
     ``get_finished`` until every one is reported; returns the results as reported."""
     for job_id, (src_spec, dst_spec) in jobs:
         started = time.perf_counter()
-        handler.transfer_async(job_id, src_spec, dst_spec)
+        submit(handler, job_id, src_spec, dst_spec)
         submit_seconds.append(time.perf_counter() - started)
     handler.wait({job_id for job_id, _ in jobs})
     results: list[TransferResult] = []

@@ -92,6 +92,7 @@ def make_handlers(
         handlers[name] = KVCoreOffloadingHandler(
             runnable,
             mover=mover,
+            gpu_tensors=pools.gpu,
             streams=streams,
             compute_stream=compute_stream,
             name=name,

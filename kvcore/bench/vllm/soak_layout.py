@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
 from kvcore.bench.soak_report import Accounting, Tally, kvcore_counts
 from kvcore.bench.soak_state import RandomPages, pinned_in_use, sync
+from kvcore.bench.vllm.offload_handlers import submit
 from kvcore.bench.vllm.offload_layout import job_specs
 from kvcore.bench.vllm.soak_handlers import Handlers, close_handlers, make_handlers
 from kvcore.bench.vllm.sweep_plan import ModelLayout
@@ -182,7 +183,7 @@ class LayoutSoak:
         self._fill(gpu, chunks)
         job_id = next(self.job_ids)
         src, dst = job_specs(gpu, chunks, gpu_to_cpu=True)
-        handlers.store.transfer_async(job_id, src, dst)
+        submit(handlers.store, job_id, src, dst)
         in_flight[job_id] = Job(stored, gpu, chunks, blocks)
         self.tally.add(backups=1, backed_up_bytes=blocks * self.tensors * self.page_bytes)
         return True
@@ -222,7 +223,7 @@ class LayoutSoak:
         self.tally.add(stray_bytes=self._stray(gpu))
         job_id = next(self.job_ids)
         src, dst = job_specs(gpu, chunks, gpu_to_cpu=False)
-        handlers.load.transfer_async(job_id, src, dst)
+        submit(handlers.load, job_id, src, dst)
         in_flight[job_id] = Job(stored, gpu, chunks, blocks)
         self.tally.add(loads=1, load_calls=1, loaded_bytes=blocks * self.tensors * self.page_bytes)
         return True
@@ -359,7 +360,7 @@ class LayoutSoak:
                 stored.loading += 1
                 job_id = next(self.job_ids)
                 src, dst = job_specs(gpu, chunks, gpu_to_cpu=False)
-                handlers.load.transfer_async(job_id, src, dst)
+                submit(handlers.load, job_id, src, dst)
                 loads[job_id] = Job(stored, gpu, chunks, len(stored.keys))
                 nbytes = len(stored.keys) * self.tensors * self.page_bytes
                 self.tally.add(loads=1, load_calls=1, loaded_bytes=nbytes)

@@ -24,7 +24,7 @@ import vllm
 
 from kvcore import cli
 from kvcore.bench import sweep_report
-from kvcore.bench.vllm import sweep
+from kvcore.bench.vllm import offload_handlers, sweep
 from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock
 from kvcore.bench.vllm.offload_layout import job_specs
 from kvcore.bench.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
@@ -126,17 +126,17 @@ def test_the_table_shows_whole_case_names(quick_report):
 
 def _drop_last_page(monkeypatch: pytest.MonkeyPatch) -> None:
     """kvcore's handler loses the last page of every job of 2 blocks or more."""
-    original = KVCoreOffloadingHandler.transfer_async
+    original = offload_handlers.submit
 
-    def lossy(self: KVCoreOffloadingHandler, job_id: int, src: Any, dst: Any) -> bool:
-        gpu_spec, cpu_spec = (src, dst) if self.gpu_to_cpu else (dst, src)
-        if len(gpu_spec.block_ids) < 2:
-            return original(self, job_id, src, dst)
+    def lossy(handler: Any, job_id: int, src: Any, dst: Any) -> bool:
+        gpu_spec, cpu_spec = (src, dst) if handler.gpu_to_cpu else (dst, src)
+        if not isinstance(handler, KVCoreOffloadingHandler) or len(gpu_spec.block_ids) < 2:
+            return original(handler, job_id, src, dst)
         gpu_ids, cpu_ids = (np.asarray(s.block_ids)[:-1] for s in (gpu_spec, cpu_spec))
-        specs = job_specs(gpu_ids, cpu_ids, gpu_to_cpu=self.gpu_to_cpu)
-        return original(self, job_id, *specs)
+        specs = job_specs(gpu_ids, cpu_ids, gpu_to_cpu=handler.gpu_to_cpu)
+        return original(handler, job_id, *specs)
 
-    monkeypatch.setattr(KVCoreOffloadingHandler, "transfer_async", lossy)
+    monkeypatch.setattr(offload_handlers, "submit", lossy)
 
 
 def test_a_lost_page_fails_its_cells_and_the_exit_status(monkeypatch, tmp_path):

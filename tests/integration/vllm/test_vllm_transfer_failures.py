@@ -19,13 +19,14 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 import torch
 from handler_jobs import assert_tensors_are, make_job, memmove_batch, reference
 
-from kvcore.bench.vllm.offload_handlers import kvcore_handler, stock_handler
+from kvcore.bench.vllm.offload_handlers import kvcore_handler, stock_handler, submit
 from kvcore.bench.vllm.offload_layout import Layout
 from kvcore.internal_errors import InternalErrors
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, Submission
 from kvcore.streams import CpuSyncStreams
 from kvcore_vllm import transfers
+from kvcore_vllm.releases import installed_shape
 
 pytestmark = pytest.mark.vllm
 
@@ -115,8 +116,8 @@ def test_a_failure_at_any_stage_completes_the_job_as_stock_does(
     handler, (gpu, host), metrics, streams, issued = handler_over(mover, gpu_to_cpu, seed=7)
     expected = reference(gpu, host, LAYOUT, GROUPS, gpu_to_cpu)
     with caplog.at_level(logging.WARNING, logger="kvcore.vllm"):
-        handler.transfer_async(1, *make_job(GROUPS, gpu_to_cpu))
-        handler.transfer_async(2, *make_job(GROUPS, gpu_to_cpu))
+        submit(handler, 1, *make_job(GROUPS, gpu_to_cpu))
+        submit(handler, 2, *make_job(GROUPS, gpu_to_cpu))
     results = handler.get_finished()
     assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True)]
     pages = sum(len(ids) for ids, _, _ in GROUPS)
@@ -128,21 +129,68 @@ def test_a_failure_at_any_stage_completes_the_job_as_stock_does(
     assert streams.held == 0
 
 
+CUDA_ERROR = RuntimeError("CUDA error: an illegal memory access was encountered")
+REPORTS_FAILURES = installed_shape().reports_failed_transfers
+FAILED_DECISION = {"decision": "failed", "reason": "transfer_failed:RuntimeError", "count": 1}
+
+
+@pytest.mark.skipif(REPORTS_FAILURES, reason="this vLLM reports a failed copy as success=False")
 @pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
 def test_a_cuda_error_is_raised_and_leaves_no_job_behind(gpu_to_cpu):
-    mover = BreakingMover(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    mover = BreakingMover(CUDA_ERROR)
     handler, _, metrics, streams, issued = handler_over(mover, gpu_to_cpu, seed=8)
     with pytest.raises(RuntimeError, match="CUDA error"):
-        handler.transfer_async(1, *make_job(GROUPS, gpu_to_cpu))
+        submit(handler, 1, *make_job(GROUPS, gpu_to_cpu))
     assert handler.get_finished() == [] and issued == []
     assert metrics.snapshot()["fallbacks"] == {}
+    assert streams.held == 0
+
+
+@pytest.mark.skipif(not REPORTS_FAILURES, reason="this vLLM raises a failed copy's error")
+@pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
+def test_a_cuda_error_reports_the_job_failed_as_this_vllm_does(caplog, gpu_to_cpu):
+    mover = BreakingMover(CUDA_ERROR)
+    handler, (gpu, host), metrics, streams, issued = handler_over(mover, gpu_to_cpu, seed=8)
+    before = [t.clone() for t in gpu + host]
+    with caplog.at_level(logging.ERROR, logger="kvcore.vllm"):
+        assert submit(handler, 1, *make_job(GROUPS, gpu_to_cpu))
+    results = handler.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(1, False)]
+    assert handler.get_finished() == []
+    # Nothing was copied, by kvcore or by stock, and the job is counted as failed.
+    assert issued == [] and all(torch.equal(a, b) for a, b in zip(gpu + host, before, strict=True))
+    snapshot = metrics.snapshot()
+    assert snapshot["fallbacks"] == {}
+    assert snapshot["decisions"] == [FAILED_DECISION]
+    assert any("job 1 failed" in r.getMessage() for r in caplog.records)
+    assert streams.held == 0
+
+
+@pytest.mark.skipif(not REPORTS_FAILURES, reason="this vLLM raises a failed copy's error")
+def test_a_job_whose_event_fails_is_reported_failed_and_the_rest_finish(monkeypatch):
+    handler, _, metrics, streams, _ = handler_over(Mover(PathPolicy()), False, seed=10)
+    submit(handler, 1, *make_job(GROUPS, False))
+    submit(handler, 2, *make_job(GROUPS, False))
+    polled = []
+    query = streams.query
+
+    def failing_once(event):
+        polled.append(event)
+        if len(polled) == 1:
+            raise CUDA_ERROR
+        return query(event)
+
+    monkeypatch.setattr(streams, "query", failing_once)
+    assert [(r.job_id, r.success) for r in handler.get_finished()] == [(1, False)]
+    assert [(r.job_id, r.success) for r in handler.get_finished()] == [(2, True)]
+    assert metrics.snapshot()["decisions"] == [FAILED_DECISION]
     assert streams.held == 0
 
 
 def test_a_job_the_groups_do_not_cover_is_refused_plainly():
     handler, *_ = handler_over(Mover(PathPolicy()), gpu_to_cpu=True, seed=9)
     src, dst = make_job(GROUPS, True)
-    src.group_sizes = [5, 4]  # one GPU block more than the job lists
-    with pytest.raises(ValueError, match="group 1 needs 4 GPU blocks"):
-        handler.transfer_async(1, src, dst)
+    dst.block_ids = dst.block_ids[:-1]  # one CPU chunk fewer than the groups need
+    with pytest.raises(ValueError, match="group 1 needs 3 GPU blocks and 2 CPU chunks"):
+        submit(handler, 1, src, dst)
     assert handler.get_finished() == []

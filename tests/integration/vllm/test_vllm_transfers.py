@@ -27,7 +27,13 @@ from vllm_support import spec_args
 
 from kvcore import serve_rule
 from kvcore.bench.vllm import ab
-from kvcore.bench.vllm.offload_handlers import kvcore_handler, stock_handler
+from kvcore.bench.vllm.offload_handlers import (
+    canonical_kv_caches,
+    handler_gpu_tensors,
+    kvcore_handler,
+    stock_handler,
+    submit,
+)
 from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids
 from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
@@ -36,6 +42,7 @@ from kvcore.mover import Mover, PathPolicy
 from kvcore.streams import CpuSyncStreams
 from kvcore.warm_up import WarmUp
 from kvcore_vllm import transfers
+from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 from kvcore_vllm.stock_copies import StockCopies
 from kvcore_vllm.transfers import KVCoreOffloadingHandler, install_handlers
@@ -43,6 +50,14 @@ from tests.support.manual_streams import ManualStreams
 from tests.support.scripts import load_script
 
 pytestmark = pytest.mark.vllm
+
+# The A/B bench and the scripts built on it issue stock's descriptors through its fill
+# methods over GPU block ids, which a release passing device pointers lacks.
+FILLS_FROM_BLOCK_IDS = pytest.mark.skipif(
+    installed_shape().device_pointers,
+    reason="this vLLM fills descriptors from device pointers inside transfer_async; the A/B "
+    "bench's stock fill runs on releases whose jobs carry GPU block ids",
+)
 
 # Small staging keeps the staged path's buffer tiny; long_run_bytes=1 lets few runs
 # take one copy each, so copies can be counted.
@@ -127,8 +142,14 @@ def logged_handler(gpu, host, layout, gpu_to_cpu, wrap=lambda swap: swap):
 
 
 def run_stock_fill(stock, groups, gpu_to_cpu):
-    """The job's stock descriptors (vLLM's fill code) executed by memmove."""
-    memmove_batch([])(*stock_fill(stock, groups, gpu_to_cpu))
+    """The job as stock's own transfer_async copies it, its copy op one memmove per
+    descriptor."""
+    own = stock._swap_blocks_batch
+    stock._swap_blocks_batch = memmove_batch([])
+    assert submit(stock, 0, *make_job(groups, gpu_to_cpu))
+    [result] = stock.get_finished()
+    assert result.success
+    stock._swap_blocks_batch = own
 
 
 def stock_fill(stock, groups, gpu_to_cpu):
@@ -222,7 +243,7 @@ def test_copies_byte_identical_to_per_page_reference_and_stock_fill(
 
     metrics = Metrics()
     handler = kvcore_handler(stock, policy=SMALL, metrics=metrics)
-    assert handler.transfer_async(7, *make_job(groups, gpu_to_cpu))
+    assert submit(handler, 7, *make_job(groups, gpu_to_cpu))
     [result] = handler.get_finished()
     assert (result.job_id, result.success) == (7, True)
     assert result.transfer_size == sum(sizes) * layout.page_bytes * layout.tensors
@@ -247,7 +268,7 @@ def test_jobs_under_inference_mode_are_served_exactly(layout, gpu_to_cpu):
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
         metrics = Metrics()
         handler = kvcore_handler(stock, policy=SMALL, metrics=metrics)
-        assert handler.transfer_async(3, *make_job(groups, gpu_to_cpu))
+        assert submit(handler, 3, *make_job(groups, gpu_to_cpu))
         [result] = handler.get_finished()
     assert (result.job_id, result.success) == (3, True)
     assert metrics.snapshot()["fallbacks"] == {}  # kvcore copied it: no failure, no pass
@@ -288,12 +309,13 @@ def test_descriptors_merge_where_both_sides_are_consecutive(layout, ids, chunks,
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(3))
     for gpu_to_cpu in (True, False):
         stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
-        descriptors = StockCopies(stock).max_copy_ops([len(ids)])
+        copies = StockCopies(stock, gpu_tensors=handler_gpu_tensors(stock))
+        descriptors = copies.max_copy_ops([len(ids)])
         mover = RecordingMover(COUNTABLE)
         handler = kvcore_handler(stock, mover=mover)
         groups = [(ids, chunks, 0)]
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
-        handler.transfer_async(1, *make_job(groups, gpu_to_cpu))
+        submit(handler, 1, *make_job(groups, gpu_to_cpu))
         assert [job.job_id for job in handler.get_finished()] == [1]
         assert mover.ops == [("copy_runs", n) for n in copies_per_tensor]
         assert sum(copies_per_tensor) < descriptors == len(ids) * layout.tensors
@@ -314,7 +336,7 @@ def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_
     one_page = [([17], [44], 0)]
     for job_id, groups in ((1, scattered), (2, one_page)):
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
-        handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
+        submit(handler, job_id, *make_job(groups, gpu_to_cpu))
         assert_tensors_are(gpu, host, expected)
     assert [job.job_id for job in handler.get_finished()] == [1, 2]
     # One call per job for all four tensors: a gather of 6 rows, then one copy, each tensor's.
@@ -332,7 +354,7 @@ def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
         handler = kvcore_handler(stock, mover=mover)
         groups = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
-        handler.transfer_async(1, *make_job(groups, gpu_to_cpu))
+        submit(handler, 1, *make_job(groups, gpu_to_cpu))
         assert [job.job_id for job in handler.get_finished()] == [1]
         assert [op for op, _ in mover.ops] == ["gather_rows"] * 3
         assert_tensors_are(gpu, host, expected)
@@ -347,7 +369,7 @@ def test_host_contiguous_gpu_scattered_load_is_staged():
     ids = list(range(0, 240, 6))
     groups = [(ids, list(range(8, 8 + len(ids))), 0)]
     expected = reference(gpu, host, layout, groups, False)
-    handler.transfer_async(1, *make_job(groups, False))
+    submit(handler, 1, *make_job(groups, False))
     assert handler.get_finished()[0].job_id == 1
     assert mover.ops == [("stage_in", 1), ("stage_in", 1)]
     assert all(torch.equal(a, b) for a, b in zip(gpu, expected[0], strict=True))
@@ -368,7 +390,7 @@ def test_jobs_wait_for_compute_and_finish_in_order_once():
     backend.run_on(compute, model_writes_kv)
     jobs = {1: ([0, 1, 2, 3], [10, 11, 12, 13]), 2: ([4, 5], [20, 21]), 3: ([6], [30])}
     for job_id, (ids, chunks) in jobs.items():
-        handler.transfer_async(job_id, *make_job([(ids, chunks, 0)], True))
+        submit(handler, job_id, *make_job([(ids, chunks, 0)], True))
     assert handler.get_finished() == []
     untouched = host[0][10:14].clone()
 
@@ -407,7 +429,7 @@ def test_a_served_jobs_time_holds_its_planning_and_its_copy(monkeypatch):
     handler = kvcore_handler(stock, policy=SMALL, streams=TimedStreams())
     clock = iter([50.0, 50.004])  # the job handed over, then submitted (s)
     monkeypatch.setattr(transfers, "perf_counter", lambda: next(clock))
-    handler.transfer_async(1, *make_job([([0, 1, 2, 3], [10, 11, 12, 13], 0)], False))
+    submit(handler, 1, *make_job([([0, 1, 2, 3], [10, 11, 12, 13], 0)], False))
     (result,) = handler.get_finished()
     # 2 ms of copy after 4 ms of planning.
     assert result.job_id == 1 and result.transfer_time == pytest.approx(0.006)
@@ -420,13 +442,14 @@ def test_shutdown_drains_queued_jobs_and_releases_tensors():
     stock = stock_handler(gpu, host, layout, gpu_to_cpu=False)
     backend = ManualStreams()
     handler = kvcore_handler(stock, policy=SMALL, streams=backend)
-    handler.transfer_async(1, *make_job([([3], [5], 0)], False))
-    handler.transfer_async(2, *make_job([([4], [6], 0)], False))
+    submit(handler, 1, *make_job([([3], [5], 0)], False))
+    submit(handler, 2, *make_job([([4], [6], 0)], False))
     handler.shutdown()
     assert backend.pending() == 0
     assert torch.equal(gpu[0][3], host[0][5]) and torch.equal(gpu[0][4], host[0][6])
     assert handler.get_finished() == []
-    assert stock.src_tensors == [] and stock.dst_tensors == []
+    held = ("cpu_tensors",) if installed_shape().device_pointers else ("src_tensors", "dst_tensors")
+    assert all(getattr(stock, name) == [] for name in held)
 
 
 @settings(
@@ -438,6 +461,7 @@ def test_shutdown_drains_queued_jobs_and_releases_tensors():
     sizes=st.lists(st.integers(1, 12), min_size=1, max_size=2),
     seed=st.integers(0, 2**31),
 )
+@FILLS_FROM_BLOCK_IDS
 def test_stock_copies_fill_what_stocks_own_transfer_async_issues(layout, gpu_to_cpu, sizes, seed):
     """The descriptors the A/B bench issues as stock's are those stock's own transfer_async
     issues, on every release (0.25 fills them inside transfer_async, with no fill method)."""
@@ -451,7 +475,7 @@ def test_stock_copies_fill_what_stocks_own_transfer_async_issues(layout, gpu_to_
         issued.append((src.tolist(), dst.tolist(), sizes.tolist(), is_src_access_order_any))
 
     stock._swap_blocks_batch = record
-    stock.transfer_async(1, *make_job(groups, gpu_to_cpu))
+    submit(stock, 1, *make_job(groups, gpu_to_cpu))
     [result] = stock.get_finished()
     src, dst, sizes_issued = stock_fill(stock, groups, gpu_to_cpu)
     assert issued == [(src.tolist(), dst.tolist(), sizes_issued.tolist(), not gpu_to_cpu)]
@@ -466,14 +490,14 @@ def test_partial_pages_fall_back_to_the_stock_fill_and_copy_op_counted(gpu_to_cp
     handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
     groups = [([9, 10, 11], [4, 5], 1)]
     expected = reference(gpu, host, layout, groups, gpu_to_cpu)
-    handler.transfer_async(4, *make_job(groups, gpu_to_cpu))
+    submit(handler, 4, *make_job(groups, gpu_to_cpu))
     [result] = handler.get_finished()
     assert (result.job_id, result.transfer_size) == (4, 3 * 384 * 2)
     assert metrics.snapshot()["fallbacks"] == {"partial_page": 1}
     assert issued == [3 * 2] and mover.ops == []
     assert_tensors_are(gpu, host, expected)
     # Shut down, the handler's pass tally is taken in and no longer kept by the metrics.
-    handler.transfer_async(5, *make_job(groups, gpu_to_cpu))
+    submit(handler, 5, *make_job(groups, gpu_to_cpu))
     handler.wait({5})
     handler.shutdown()
     assert metrics._tallies == []
@@ -486,10 +510,10 @@ def scattered_job_then_one_run(handler, gpu, host, layout, gpu_to_cpu):
     scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
     one_run = [([4, 5, 6], [8, 9, 10], 0)]
     expected = reference(gpu, host, layout, scattered, gpu_to_cpu)
-    handler.transfer_async(1, *make_job(scattered, gpu_to_cpu))
+    submit(handler, 1, *make_job(scattered, gpu_to_cpu))
     assert_tensors_are(gpu, host, expected)
     expected = reference(gpu, host, layout, one_run, gpu_to_cpu)
-    handler.transfer_async(2, *make_job(one_run, gpu_to_cpu))
+    submit(handler, 2, *make_job(one_run, gpu_to_cpu))
     assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
     assert_tensors_are(gpu, host, expected)
 
@@ -547,7 +571,7 @@ def scattered_load(tensors: int, seed: int, wrap=lambda swap: swap):
     handler, mover, metrics, issued = logged_handler(gpu, host, layout, False, wrap=wrap)
     scattered = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
     expected = reference(gpu, host, layout, scattered, False)
-    handler.transfer_async(1, *make_job(scattered, False))
+    submit(handler, 1, *make_job(scattered, False))
     assert [r.job_id for r in handler.get_finished()] == [1]
     assert_tensors_are(gpu, host, expected)
     return mover, metrics, issued
@@ -580,7 +604,7 @@ def shared_loads(share: float, seed: int, caplog) -> tuple[list[str], dict[str, 
             chunks = rng.choice(64, size=6, replace=False).tolist()
             job = [(ids, chunks, 0)]
             expected = reference(gpu, host, layout, job, False)
-            handler.transfer_async(job_id, *make_job(job, False))
+            submit(handler, job_id, *make_job(job, False))
             assert [r.job_id for r in handler.get_finished()] == [job_id]
             assert_tensors_are(gpu, host, expected)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvcore A/B")]
@@ -622,8 +646,8 @@ def test_without_a_stock_share_no_load_is_logged_or_shared(caplog):
         stock_share=1.0,
     )
     with caplog.at_level("INFO", logger="kvcore.vllm"):
-        load.transfer_async(1, *make_job([([3, 1], [5, 9], 0)], False))
-        store.transfer_async(2, *make_job([([4, 2], [6, 8], 0)], True))
+        submit(load, 1, *make_job([([3, 1], [5, 9], 0)], False))
+        submit(store, 2, *make_job([([4, 2], [6, 8], 0)], True))
     assert [r.job_id for r in load.get_finished()] == [1]
     assert [r.job_id for r in store.get_finished()] == [2]
     # Stores are never shared: the share is for loads, where a request waits.
@@ -643,7 +667,7 @@ def test_jobs_of_few_pages_a_submission_stay_stock(monkeypatch, gpu_to_cpu):
     enough = [([7, 8], [0, 1], 0)]  # 4 pages in 1 submission
     for job_id, groups in ((1, few), (2, enough)):
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
-        handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
+        submit(handler, job_id, *make_job(groups, gpu_to_cpu))
         assert_tensors_are(gpu, host, expected)
     assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
     assert issued == [1 * 2] and metrics.snapshot()["fallbacks"] == {"few_pages": 1}
@@ -670,7 +694,7 @@ def test_large_pages_need_more_pages_a_submission_and_their_stores_stay_stock(
     enough = [([7, 8, 9], [0, 1, 2], 0)]  # 6 pages
     for job_id, groups in ((1, few), (2, enough)):
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
-        handler.transfer_async(job_id, *make_job(groups, gpu_to_cpu))
+        submit(handler, job_id, *make_job(groups, gpu_to_cpu))
         assert_tensors_are(gpu, host, expected)
     assert sorted(r.job_id for r in handler.get_finished()) == [1, 2]
     if gpu_to_cpu:
@@ -688,7 +712,7 @@ def test_jobs_that_write_one_page_twice_stay_stock(gpu_to_cpu):
     handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
     # Two pages copied onto one destination page: which lands last is stock's business.
     twice = [([3, 4, 9], [6, 6, 1], 0)] if gpu_to_cpu else [([3, 3, 9], [6, 7, 1], 0)]
-    handler.transfer_async(1, *make_job(twice, gpu_to_cpu))
+    submit(handler, 1, *make_job(twice, gpu_to_cpu))
     assert [r.job_id for r in handler.get_finished()] == [1]
     assert issued == [3] and mover.ops == []
     assert metrics.snapshot()["fallbacks"] == {"duplicate_destinations": 1}
@@ -702,6 +726,7 @@ def host_worker():
     class Worker:
         _store_handler = stock_handler(gpu, host, layout, gpu_to_cpu=True)
         _load_handler = stock_handler(gpu, host, layout, gpu_to_cpu=False)
+        kv_caches = canonical_kv_caches(_store_handler)
 
     return Worker()
 
@@ -709,7 +734,7 @@ def host_worker():
 def test_install_leaves_non_cuda_handlers_stock_and_counts_them():
     worker, metrics = host_worker(), Metrics()
     stock = worker._store_handler
-    assert install_handlers(worker, KVCoreConfig(), metrics) == []
+    assert install_handlers(worker, KVCoreConfig(), metrics, worker.kv_caches) == []
     assert worker._store_handler is stock
     assert metrics.snapshot()["fallbacks"] == {"unsupported_device": 2}
 
@@ -722,12 +747,13 @@ def test_spec_installs_handlers_when_transfers_are_on(monkeypatch, transfers):
     monkeypatch.setenv("KVCORE_TRANSFERS", transfers)
     spec = KVCoreCPUOffloadingSpec(*spec_args({"cpu_bytes_to_use": 1 << 20}))
     before = METRICS.snapshot()["fallbacks"].get("unsupported_device", 0)
-    assert spec.create_worker(None) is worker
+    assert spec.create_worker(worker.kv_caches) is worker
     # Host tensors here: an install declines both handlers, and says so.
     declined = 2 if transfers == "1" else 0
     assert METRICS.snapshot()["fallbacks"].get("unsupported_device", 0) == before + declined
 
 
+@FILLS_FROM_BLOCK_IDS
 def test_bench_ab_dry_run_on_cpu_checks_bytes():
     rows = ab.ab("cpu", [256], [0.5], job_bytes=8 << 10, repeats=1)
     assert {(r["direction"], r["path"]) for r in rows} == {
@@ -738,6 +764,7 @@ def test_bench_ab_dry_run_on_cpu_checks_bytes():
     assert all((r["submit_us"] is None) == (r["path"] == "per_block_copy") for r in rows)
 
 
+@FILLS_FROM_BLOCK_IDS
 def test_host_profile_script_dry_run_on_cpu(capsys):
     module = load_script("vllm_host_profile")
     argv = ["--page-kib", "1", "--job-mib", "1", "--tensors", "2", "--jobs", "3", "--profile", "5"]
@@ -801,7 +828,7 @@ def test_host_profile_timing_keeps_keyword_arguments():
 
 def test_handlers_are_installed_only_after_a_warm_up_that_moved_every_byte_right(monkeypatch):
     worker = host_worker()
-    stocks = [worker._store_handler, worker._load_handler]
+    stocks = [handler_gpu_tensors(worker._store_handler), handler_gpu_tensors(worker._load_handler)]
     metrics = Metrics()
     assert transfers._warmed_up(Mover(SMALL, metrics=metrics), stocks, metrics)
     assert metrics.snapshot()["fallbacks"] == {} and metrics.snapshot()["transfers"] == []
@@ -843,7 +870,7 @@ def test_a_job_too_small_for_kvcore_goes_to_stock_before_any_work_on_its_ids(
     handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
     groups = [([3, 9, 4], [5, 1, 12], 0)]  # 3 blocks x 2 tensors: under 8 pages
     expected = reference(gpu, host, layout, groups, gpu_to_cpu)
-    handler.transfer_async(1, *make_job(groups, gpu_to_cpu))
+    submit(handler, 1, *make_job(groups, gpu_to_cpu))
     handler.wait({1})
     assert [(r.job_id, r.transfer_size) for r in handler.get_finished()] == [(1, 3 * 2 * 256)]
     assert issued == [6] and mover.ops == []
@@ -871,11 +898,11 @@ def test_each_passed_job_is_counted_once_with_no_call_into_the_metrics(monkeypat
     metrics = UncalledMetrics()
     handler = kvcore_handler(stock, mover=RecordingMover(SMALL), metrics=metrics)
     for job_id in range(1, 8):
-        handler.transfer_async(job_id, *make_job([([job_id], [job_id + 8], 0)], gpu_to_cpu))
+        submit(handler, job_id, *make_job([([job_id], [job_id + 8], 0)], gpu_to_cpu))
         if job_id % 3 == 0:
             assert metrics.snapshot()["fallbacks"] == {"few_pages": job_id}
     # A served job counts nothing; the passed ones are each counted once, however often read.
-    handler.transfer_async(8, *make_job([([9, 10], [0, 1], 0)], gpu_to_cpu))
+    submit(handler, 8, *make_job([([9, 10], [0, 1], 0)], gpu_to_cpu))
     assert sorted(r.job_id for r in handler.get_finished()) == list(range(1, 9))
     assert metrics.snapshot()["fallbacks"] == {"few_pages": 7}
     assert metrics.snapshot()["fallbacks"] == {"few_pages": 7}
@@ -898,17 +925,17 @@ def test_with_no_job_of_its_own_the_handler_leaves_its_queue_alone(monkeypatch):
         for name in ("finished", "wait", "__len__", "__iter__"):
             patched.setattr(transfers.OrderedJobs, name, untouched)
         assert handler.get_finished() == []
-        handler.transfer_async(1, *make_job(passed, True))
+        submit(handler, 1, *make_job(passed, True))
         handler.wait({1})
         assert [r.job_id for r in handler.get_finished()] == [1]
         assert handler.get_finished() == []
     # With a job of kvcore's queued, its queue is read: its finished jobs come first, in
     # submission order, then stock's.
-    handler.transfer_async(2, *make_job(served, True))
-    handler.transfer_async(3, *make_job(passed, True))
+    submit(handler, 2, *make_job(served, True))
+    submit(handler, 3, *make_job(passed, True))
     assert [r.job_id for r in handler.get_finished()] == [3]
-    handler.transfer_async(4, *make_job(served, True))
-    handler.transfer_async(5, *make_job(passed, True))
+    submit(handler, 4, *make_job(served, True))
+    submit(handler, 5, *make_job(passed, True))
     backend.complete_all()
     assert [r.job_id for r in handler.get_finished()] == [2, 4, 5]
     assert handler.get_finished() == []
@@ -935,13 +962,14 @@ def test_the_block_count_a_job_passes_under_is_the_page_rule_read_once(
     handler, _, metrics, _ = logged_handler(gpu, host, layout, True)
     for blocks in range(1, 5):
         ids = list(range(blocks))
-        handler.transfer_async(blocks, *make_job([(ids, [c + 8 for c in ids], 0)], True))
+        submit(handler, blocks, *make_job([(ids, [c + 8 for c in ids], 0)], True))
     # One submission holds every tensor's pages: a job passes exactly where they are too few.
     assert split == [b for b in range(1, 5) if b * tensors >= min_pages]
     passed = sum(1 for b in range(1, 5) if b * tensors < min_pages)
     assert metrics.snapshot()["fallbacks"] == ({"few_pages": passed} if passed else {})
 
 
+@FILLS_FROM_BLOCK_IDS
 def test_pass_cost_script_counts_kvcores_calls_beyond_stocks_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(transfers, "RULES", serve_rule.VLLM_RULES)
     module = load_script("vllm_pass_cost")
