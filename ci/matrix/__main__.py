@@ -36,7 +36,7 @@ def lane_is_red(lane: Lane, result: LaneResult, results: dict[str, LaneResult]) 
     if result.status == "error":
         return True
     if lane.mode == DRIFT:
-        return bool(result.changed_targets)
+        return bool(result.changed_targets) or result.unsupported_newest
     unexplained = result.failed_ids() - also_failing_on_stock(result, stock_of(lane, results))
     return bool(unexplained)
 

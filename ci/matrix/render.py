@@ -44,6 +44,8 @@ def stock_of(lane: Lane, results: Mapping[str, LaneResult]) -> LaneResult | None
 def status_text(result: LaneResult) -> str:
     if result.mode == DRIFT and result.status != "error":
         changed = len(result.changed_targets)
+        if result.unsupported_newest:
+            return f"**UNSUPPORTED newest release**: {changed} target(s) changed"
         return f"drift: {changed} target(s) changed" if changed else "no drift"
     if result.status == "error":
         return f"error: {result.message}"

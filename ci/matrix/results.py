@@ -51,6 +51,8 @@ class LaneResult:
     suites: list[Suite] = field(default_factory=list)
     # Drift lanes: target -> why it differs from the newest tested release.
     changed_targets: dict[str, str] = field(default_factory=dict)
+    # Drift lanes: the index's newest release is not one kvcore supports.
+    unsupported_newest: bool = False
     # The adapter lines executed by any of the lane's suites.
     coverage: tuple[Coverage, ...] = ()
 

@@ -219,6 +219,7 @@ def run_lane(ws: Workspace, matrix: Matrix, lane: Lane) -> LaneResult:
             changed = verdict["changed"]
             assert isinstance(changed, dict)
             result.changed_targets = {str(k): str(v) for k, v in changed.items()}
+            result.unsupported_newest = not verdict["tested"]
             tested = "a tested" if verdict["tested"] else "not a tested"
             result.message = (
                 f"{version} is {tested} release; its targets compared with "

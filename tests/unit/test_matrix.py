@@ -9,7 +9,7 @@ import pytest
 
 from ci.matrix.__main__ import lane_is_red
 from ci.matrix.lanes import Lane, MatrixError, load_matrix, parse_matrix
-from ci.matrix.render import render_compat
+from ci.matrix.render import render_compat, status_text
 from ci.matrix.results import (
     LaneResult,
     Suite,
@@ -168,6 +168,10 @@ def test_red_lanes_are_errors_new_failures_and_drift() -> None:
     assert not lane_is_red(drift_lane, clean, results)
     clean.changed_targets = {"m.C.f": "source changed"}
     assert lane_is_red(drift_lane, clean, results)
+    # A newer release kvcore does not support is red even where no target changed.
+    untested = LaneResult("e-drift", "e", "drift", "3", "ok", 0.1, unsupported_newest=True)
+    assert lane_is_red(drift_lane, untested, results)
+    assert status_text(untested) == "**UNSUPPORTED newest release**: 0 target(s) changed"
 
 
 def test_render_compat_rows_counts_and_details() -> None:
