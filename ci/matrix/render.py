@@ -18,7 +18,15 @@ listed in ci/vllm_upstream/kvcore_class_differences.txt). Counts add up the
 engine's own shipped tests (vLLM: its sdist's offload tests) and `tests/integration/<engine>`.
 "Fail on stock too" counts the lane's failures that also fail in the same release's stock
 lane; any other failure is the lane's own. A drift lane installs the newest release on PyPI
-and names the version-guard targets whose source differs from the newest tested release.
+and names the version-guard targets whose source differs from the newest tested release;
+a newest release kvcore does not support is marked UNSUPPORTED and fails the run.
+
+Where each release ran: every lane here runs on a CPU, kvcore's handlers over host
+memory with the engine's own descriptor code. On a GPU (the lent H200, torch 2.11):
+vLLM 0.25.1 served live and ran its own GPU-worker tests with kvcore's handlers;
+SGLang 0.5.23's transfer path ran through its own controller and `L2TransferEngine`
+(its server needs a newer torch). vLLM 0.32.0, 0.33.0 and 0.34.0 need a newer torch
+than that machine has and ran on a CPU only (docs/benchmarks.md has the GPU runs).
 """
 
 _COLUMNS = (
