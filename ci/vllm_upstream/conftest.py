@@ -73,6 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"UPSTREAM_TESTS_MODE must be one of {', '.join(EXPECTED_SPEC)}, not {mode!r}"
         )
+    _build_cpu_configs_without_triton()
     spec_cls = _load_plugins()
     spec_name = f"{spec_cls.__module__}.{spec_cls.__qualname__}"
     if not spec_name.startswith(EXPECTED_SPEC[mode]):
@@ -87,6 +88,27 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_SPEC_KEY] += f"; {_put_kvcore_classes_in_place()}"
     if config.stash[_GPU_KEY]:
         config.stash[_SPEC_KEY] += f"; {_put_kvcore_worker_in_place()}"
+
+
+def _build_cpu_configs_without_triton() -> None:
+    """From 0.34 vLLM's x86 CPU platform refuses to configure an engine without
+    triton-cpu, which no package index carries for these lanes. The offload tests build
+    configs and run no Triton kernel, so the check alone is told Triton is there, in every
+    mode (stock's lane included); nothing else sees a changed ``HAS_TRITON``."""
+    import vllm.triton_utils as triton_utils
+    from vllm.platforms import cpu
+
+    check = cpu.CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_with_triton(cls: type, vllm_config: Any) -> None:
+        had = triton_utils.HAS_TRITON
+        triton_utils.HAS_TRITON = True
+        try:
+            check(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = had
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_with_triton)  # type: ignore[assignment]
 
 
 def _put_kvcore_classes_in_place() -> str:
