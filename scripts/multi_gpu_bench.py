@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from kvcore.bench import numa
+from kvcore import numa
 from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.direction import Direction
 from kvcore.mover import Mover, PathPolicy, TransferPlan, plan

@@ -4,7 +4,7 @@
 otherwise an anonymous mmap pre-faulted by several threads and registered with
 cudaHostRegister chunk by chunk. Nothing is rounded up to a power of two (torch's
 ``pin_memory=True`` would turn 100 GB into 128 GB). Given a NUMA node, the mapping
-is bound to it and pre-faulted from its CPUs (:mod:`kvcore.bench.numa`).
+is bound to it and pre-faulted from its CPUs (:mod:`kvcore.numa`).
 
 The engines keep their host tiers in memory they allocate themselves; kvcore's product
 paths allocate none, so only measuring code uses this module.
@@ -15,57 +15,18 @@ from __future__ import annotations
 import logging
 import mmap
 import operator
-import os
-import resource
 import weakref
-from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, Protocol
 
 import numpy as np
 import torch
 
-from kvcore.bench import numa
+from kvcore import numa
+from kvcore.host_pinning import PinnedMemoryError, check_memlock, populate
 
 logger = logging.getLogger(__name__)
 
 HostBufferKind = Literal["pageable", "registered"]
-
-
-class PinnedMemoryError(RuntimeError):
-    """Host memory could not be pinned (memlock limit, registration failure, no CUDA)."""
-
-
-def format_bytes(nbytes: int) -> str:
-    """``nbytes`` in the largest binary unit that keeps it >= 1, e.g. ``1.5 GiB``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-def check_memlock(nbytes: int) -> None:
-    """Refuse to pin ``nbytes`` above the soft RLIMIT_MEMLOCK, naming the limit and the fix.
-
-    Root may lock past the limit, but CUDA registration can still hit it, so for
-    root this only warns.
-    """
-    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY or nbytes <= soft:
-        return
-    message = (
-        f"cannot pin {nbytes} bytes ({format_bytes(nbytes)}) of host memory: the locked-memory "
-        f"limit RLIMIT_MEMLOCK is {soft} bytes ({format_bytes(soft)}; `ulimit -l` shows "
-        f"{soft // 1024} KiB). Raise it with `ulimit -l unlimited` in the launching shell, "
-        "`--ulimit memlock=-1` for docker, LimitMEMLOCK=infinity for systemd, or a memlock "
-        "line in /etc/security/limits.conf; or ask for less host memory."
-    )
-    if os.geteuid() == 0:
-        logger.warning("%s (running as root, trying anyway)", message)
-        return
-    raise PinnedMemoryError(message)
 
 
 class HostRegistrar(Protocol):
@@ -172,7 +133,7 @@ class RegisteredBuffer(HostBuffer):
             cpus = placement.cpus
             if bound or cpus:
                 self.numa_node = placement.node
-        prefault(array, prefault_threads, cpus=cpus)
+        populate(array.__array_interface__["data"][0], nbytes, prefault_threads, cpus=cpus)
         super().__init__(torch.from_numpy(array))
         self._registrar = registrar
         self._registered: list[int] = []
@@ -211,31 +172,6 @@ def _unregister_all(registrar: HostRegistrar, registered: list[int]) -> None:
     while registered:
         registrar.unregister(registered[-1])
         registered.pop()
-
-
-def prefault(array: np.ndarray, threads: int, *, cpus: Collection[int] | None = None) -> None:
-    """Touch every page of ``array`` from ``threads`` threads (numpy drops the GIL).
-
-    With ``cpus``, the threads run only there (never the caller, whose affinity stays).
-    """
-    page = mmap.PAGESIZE
-    pages = -(-array.size // page)
-    threads = max(1, min(threads, pages))
-    bounds = [page * (pages * i // threads) for i in range(threads + 1)]
-
-    def touch(i: int) -> None:
-        array[bounds[i] : bounds[i + 1] : page] = 0
-
-    if threads == 1 and cpus is None:
-        touch(0)
-        return
-    with ThreadPoolExecutor(
-        threads,
-        thread_name_prefix="kvcore-prefault",
-        initializer=numa.restrict_thread_to,
-        initargs=(cpus or (),),
-    ) as pool:
-        list(pool.map(touch, range(threads)))
 
 
 def allocate_host_buffer(

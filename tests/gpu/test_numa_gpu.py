@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcore.bench import numa
+from kvcore import numa
 from kvcore.bench.host_buffers import CudaHostRegistrar, RegisteredBuffer, allocate_host_buffer
 
 pytestmark = pytest.mark.gpu

@@ -10,13 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.bench import host_buffers
-from kvcore.bench.host_buffers import (
-    PinnedMemoryError,
-    allocate_host_buffer,
-    check_memlock,
-    prefault,
-)
+from kvcore import host_pinning
+from kvcore.bench.host_buffers import allocate_host_buffer
+from kvcore.host_pinning import PinnedMemoryError, check_memlock, populate
 
 PAGE = mmap.PAGESIZE
 
@@ -56,9 +52,9 @@ def registrar(monkeypatch: pytest.MonkeyPatch) -> FakeRegistrar:
         fake.mappings.append(mapping)
         return mapping
 
-    monkeypatch.setattr(host_buffers.mmap, "mmap", recording_mmap)
+    monkeypatch.setattr(mmap, "mmap", recording_mmap)
     monkeypatch.setattr(
-        host_buffers.resource, "getrlimit", lambda _: (host_buffers.resource.RLIM_INFINITY,) * 2
+        host_pinning.resource, "getrlimit", lambda _: (host_pinning.resource.RLIM_INFINITY,) * 2
     )
     return fake
 
@@ -179,7 +175,7 @@ def test_chunk_size_must_be_whole_pages(registrar: FakeRegistrar) -> None:
 
 def test_pinning_without_cuda_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        host_buffers.resource, "getrlimit", lambda _: (host_buffers.resource.RLIM_INFINITY,) * 2
+        host_pinning.resource, "getrlimit", lambda _: (host_pinning.resource.RLIM_INFINITY,) * 2
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(PinnedMemoryError, match="needs CUDA"):
@@ -187,21 +183,33 @@ def test_pinning_without_cuda_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.parametrize(
-    ("size", "threads"), [(1, 4), (PAGE, 8), (7 * PAGE + 5, 3), (20 * PAGE, 64)]
+    ("size", "threads", "offset"),
+    [(1, 4, 0), (PAGE, 8, 3), (7 * PAGE + 5, 3, 11), (20 * PAGE, 64, 0)],
 )
-def test_prefault_touches_first_byte_of_every_page_only(size: int, threads: int) -> None:
-    original = np.random.default_rng(size).integers(1, 256, size, dtype=np.uint8)
-    array = original.copy()
-    prefault(array, threads)
-    touched = np.zeros(size, dtype=bool)
-    touched[::PAGE] = True
-    assert (array[touched] == 0).all()
-    assert np.array_equal(array[~touched], original[~touched])
+@pytest.mark.parametrize("madvise", [True, False], ids=["madvise", "touch"])
+def test_populate_faults_every_page_in_and_changes_no_byte(
+    monkeypatch: pytest.MonkeyPatch, size: int, threads: int, offset: int, madvise: bool
+) -> None:
+    monkeypatch.setattr(host_pinning, "_POPULATE", host_pinning._Populate())
+    if not madvise:
+        monkeypatch.setattr(host_pinning._POPULATE, "refused", True)
+    mapping = mmap.mmap(-1, size + offset + PAGE)
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    original = np.random.default_rng(size).integers(0, 256, array.size, dtype=np.uint8)
+    array[:] = original
+    populate(array.__array_interface__["data"][0] + offset, size, threads)
+    assert np.array_equal(array, original)
+    del array
+    mapping.close()
+
+
+def test_populate_of_nothing_does_nothing() -> None:
+    populate(0, 0, 4)
 
 
 def limit_memlock(monkeypatch: pytest.MonkeyPatch, soft: int, euid: int) -> None:
-    monkeypatch.setattr(host_buffers.resource, "getrlimit", lambda _: (soft, soft))
-    monkeypatch.setattr(host_buffers.os, "geteuid", lambda: euid)
+    monkeypatch.setattr(host_pinning.resource, "getrlimit", lambda _: (soft, soft))
+    monkeypatch.setattr(host_pinning.os, "geteuid", lambda: euid)
 
 
 def test_memlock_limit_names_limit_request_and_fix(
@@ -221,7 +229,7 @@ def test_memlock_limit_only_warns_for_root(
     registrar: FakeRegistrar, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     limit_memlock(monkeypatch, soft=PAGE, euid=0)
-    with caplog.at_level(logging.WARNING, logger="kvcore.bench.host_buffers"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.host_pinning"):
         buf = allocate_host_buffer(4 * PAGE, pin=True, registrar=registrar)
     assert "RLIMIT_MEMLOCK" in caplog.text and "root" in caplog.text
     assert buf.pinned
@@ -234,6 +242,31 @@ def test_memlock_within_limit_or_unlimited_passes(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(PinnedMemoryError):
         check_memlock(PAGE + 1)
     monkeypatch.setattr(
-        host_buffers.resource, "getrlimit", lambda _: (host_buffers.resource.RLIM_INFINITY,) * 2
+        host_pinning.resource, "getrlimit", lambda _: (host_pinning.resource.RLIM_INFINITY,) * 2
     )
     check_memlock(1 << 50)
+
+
+def test_a_kernel_without_populate_write_is_told_once_and_pages_are_touched(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[int] = []
+
+    def refusing(address: int, length: int, advice: int) -> int:
+        calls.append(advice)
+        return -1
+
+    populating = host_pinning._Populate()
+    monkeypatch.setattr(host_pinning, "_POPULATE", populating)
+    monkeypatch.setattr(host_pinning, "_libc_madvise", lambda: refusing)
+    monkeypatch.setattr(host_pinning.ctypes, "get_errno", lambda: host_pinning.errno.EINVAL)
+    mapping = mmap.mmap(-1, 4 * PAGE)
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    array[:] = 7
+    with caplog.at_level(logging.INFO, logger="kvcore.host_pinning"):
+        for _ in range(2):
+            populate(array.__array_interface__["data"][0], array.size, 1)
+    assert calls == [host_pinning.MADV_POPULATE_WRITE] and populating.refused
+    assert (array == 7).all() and caplog.text.count("MADV_POPULATE_WRITE refused (EINVAL)") == 1
+    del array
+    mapping.close()

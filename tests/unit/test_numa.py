@@ -21,7 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.bench import host_buffers, numa
+from kvcore import host_pinning, numa
+from kvcore.bench import host_buffers
 from kvcore.bench.host_buffers import allocate_host_buffer
 
 PAGE = mmap.PAGESIZE
@@ -119,7 +120,7 @@ class FakeRegistrar:
 @pytest.fixture(autouse=True)
 def unlimited_memlock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        host_buffers.resource, "getrlimit", lambda _: (host_buffers.resource.RLIM_INFINITY,) * 2
+        host_pinning.resource, "getrlimit", lambda _: (host_pinning.resource.RLIM_INFINITY,) * 2
     )
 
 
@@ -236,7 +237,7 @@ def test_auto_without_a_known_node_is_default_placement(
     two_nodes: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake_cuda(monkeypatch, pci_domain_id=0, pci_bus_id=0xC1, pci_device_id=0)
-    with caplog.at_level(logging.INFO, logger="kvcore.bench.numa"):
+    with caplog.at_level(logging.INFO, logger="kvcore.numa"):
         assert numa.resolve_node("auto", 0) is None
     assert "no NUMA node known" in caplog.text
 
@@ -254,7 +255,7 @@ def test_placement_on_a_node_without_usable_cpus_warns(
     two_nodes: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(numa.os, "sched_getaffinity", lambda _pid: {0, 1})
-    with caplog.at_level(logging.WARNING, logger="kvcore.bench.numa"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.numa"):
         assert numa.placement_for(1) == numa.Placement(1, ())
     assert "no CPU this process may run on" in caplog.text
 
@@ -267,7 +268,7 @@ def test_placement_on_an_offline_node_is_an_error(two_nodes: Path) -> None:
 def test_single_node_host_places_nothing_and_says_so_once(
     one_node: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvcore.bench.numa"):
+    with caplog.at_level(logging.INFO, logger="kvcore.numa"):
         assert numa.placement_for(0) is None
         assert numa.placement_for(5) is None
     assert caplog.text.count("one NUMA node") == 1
@@ -320,7 +321,7 @@ def test_host_refusals_warn_and_fall_back(
     mbind: FakeMbind, caplog: pytest.LogCaptureFixture, code: int, said: str
 ) -> None:
     mbind.error = code
-    with caplog.at_level(logging.WARNING, logger="kvcore.bench.numa"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.numa"):
         assert numa.bind_memory(PAGE, PAGE, 1) is False
     assert said in caplog.text and "node 1" in caplog.text
 
@@ -335,7 +336,7 @@ def test_unknown_architecture_binds_nothing(
     mbind: FakeMbind, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(numa.platform, "machine", lambda: "riscv64")
-    with caplog.at_level(logging.WARNING, logger="kvcore.bench.numa"):
+    with caplog.at_level(logging.WARNING, logger="kvcore.numa"):
         assert numa.bind_memory(PAGE, PAGE, 0) is False
     assert mbind.calls == [] and "riscv64" in caplog.text
 
@@ -383,9 +384,10 @@ def test_refused_affinity_warns_and_prefault_still_touches_every_page(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     array = np.full(6 * PAGE, 9, dtype=np.uint8)
-    with caplog.at_level(logging.WARNING, logger="kvcore.bench.numa"):
-        host_buffers.prefault(array, 3, cpus=(100_000,))  # no such CPU: the kernel refuses
-    assert (array[::PAGE] == 0).all() and (array[1::PAGE] == 9).all()
+    with caplog.at_level(logging.WARNING, logger="kvcore.numa"):
+        # No such CPU: the kernel refuses.
+        host_pinning.populate(array.ctypes.data, array.size, 3, cpus=(100_000,))
+    assert (array == 9).all()
     assert "cannot run a pre-fault thread on CPUs [100000]" in caplog.text
 
 
@@ -401,15 +403,12 @@ def test_prefault_threads_run_on_the_given_cpus_and_caller_keeps_its_own(
     )
     original = np.random.default_rng(threads).integers(1, 256, 9 * PAGE, dtype=np.uint8)
     array = original.copy()
-    host_buffers.prefault(array, threads, cpus=(4, 5))
+    host_pinning.populate(array.ctypes.data, array.size, threads, cpus=(4, 5))
     # The pool starts threads as it needs them; each one runs the initializer first.
     assert 1 <= len(restricted) <= threads
     assert {cpus for _, cpus in restricted} == {(4, 5)}
     assert threading.get_ident() not in {ident for ident, _ in restricted}
-    assert (array[::PAGE] == 0).all()
-    untouched = np.ones(array.size, dtype=bool)
-    untouched[::PAGE] = False
-    assert np.array_equal(array[untouched], original[untouched])
+    assert np.array_equal(array, original)
 
 
 def recording_allocation(
@@ -417,20 +416,19 @@ def recording_allocation(
 ) -> list[tuple[int, object]]:
     """Records mbind, pre-fault (with its cpus) and registration in the order they happen."""
     prefaults: list[tuple[int, object]] = []
-    real_prefault = host_buffers.prefault
+    real_populate = host_buffers.populate
     real_call = mbind.__call__
 
-    def prefault(array: np.ndarray, threads: int, *, cpus: Any = None) -> None:
+    def populate(address: int, nbytes: int, threads: int, *, cpus: Any = None) -> None:
         events.append("prefault")
-        assert (array[::PAGE] == 0).all()
-        prefaults.append((array.__array_interface__["data"][0], cpus))
-        real_prefault(array, threads, cpus=cpus)
+        prefaults.append((address, cpus))
+        real_populate(address, nbytes, threads, cpus=cpus)
 
     def syscall(*args: object) -> int:
         events.append("mbind")
         return real_call(*args)
 
-    monkeypatch.setattr(host_buffers, "prefault", prefault)
+    monkeypatch.setattr(host_buffers, "populate", populate)
     monkeypatch.setattr(numa, "_syscall", lambda: syscall)
     monkeypatch.setattr(numa.os, "sched_setaffinity", lambda pid, cpus: None)
     return prefaults
@@ -484,7 +482,7 @@ def test_no_node_means_no_placement(
 def test_single_node_host_allocates_without_binding(
     one_node: Path, mbind: FakeMbind, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvcore.bench.numa"):
+    with caplog.at_level(logging.INFO, logger="kvcore.numa"):
         buf = allocate_host_buffer(2 * PAGE, pin=True, registrar=FakeRegistrar(), numa_node=0)
     assert mbind.calls == [] and buf.numa_node is None
     assert "one NUMA node" in caplog.text
