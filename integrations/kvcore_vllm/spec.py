@@ -21,7 +21,7 @@ from kvcore.config import KVCoreConfig
 from kvcore.metrics import METRICS
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.releases import installed_shape
-from kvcore_vllm.transfers import install_handlers
+from kvcore_vllm.transfers import INTERNAL_ERRORS, install_handlers
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -76,4 +76,12 @@ def put_handlers_in_place(
     config = KVCoreConfig.from_env()
     if not config.transfers:
         return []
-    return install_handlers(worker, config, METRICS if config.metrics else None, kv_caches)
+    metrics = METRICS if config.metrics else None
+    try:
+        return install_handlers(worker, config, metrics, kv_caches)
+    except Exception as exc:
+        # The worker is stock's and whole: it keeps stock's handlers.
+        reason = INTERNAL_ERRORS.reason(exc)
+        if metrics is not None:
+            metrics.record_fallback(reason)
+        return []

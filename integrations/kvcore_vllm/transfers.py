@@ -629,16 +629,17 @@ def install_handlers(
         if stock is None:
             continue
         gpu_tensors = gpu_tensors_of(stock) if shared is None else shared
-        if gpu_tensors[0].device.type != "cuda":
+        if not gpu_tensors or gpu_tensors[0].device.type != "cuda":
             if metrics is not None:
                 metrics.record_fallback("unsupported_device")
             continue
         stocks[attribute] = stock, gpu_tensors
     if not stocks or not _warmed_up(mover, [t for _, t in stocks.values()], metrics):
         return []
+    handlers = {}
     for attribute, (stock, gpu_tensors) in stocks.items():
         streams = CudaStreams(gpu_tensors[0].device)
-        handler = KVCoreOffloadingHandler(
+        handlers[attribute] = KVCoreOffloadingHandler(
             stock,
             mover=mover,
             gpu_tensors=gpu_tensors,
@@ -650,8 +651,10 @@ def install_handlers(
             stock_rules=config.serve_rule,
             stock_share=config.stock_share,
         )
+    # All built before any is put in place: a worker never holds some of each.
+    for attribute, handler in handlers.items():
         INSTALLATION.replace_handler(worker, attribute, handler)
-    return list(stocks)
+    return list(handlers)
 
 
 def _warmed_up(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -751,6 +752,48 @@ def test_spec_installs_handlers_when_transfers_are_on(monkeypatch, transfers):
     # Host tensors here: an install declines both handlers, and says so.
     declined = 2 if transfers == "1" else 0
     assert METRICS.snapshot()["fallbacks"].get("unsupported_device", 0) == before + declined
+
+
+def test_a_worker_kvcore_fails_to_equip_keeps_every_stock_handler(monkeypatch):
+    worker = host_worker()
+    stocks = (worker._store_handler, worker._load_handler)
+    monkeypatch.setattr(CPUOffloadingSpec, "create_worker", lambda self, kv_caches: worker)
+    monkeypatch.delenv("KVCORE_METRICS", raising=False)
+    monkeypatch.setenv("KVCORE_TRANSFERS", "1")
+    # Both look like CUDA handlers, and the second of kvcore's fails to build.
+    monkeypatch.setattr(transfers, "_warmed_up", lambda *args: True)
+    gpu = [t.as_subclass(_CudaLooking) for t in handler_gpu_tensors(worker._store_handler)]
+    if worker.kv_caches is None:
+        monkeypatch.setattr(transfers, "gpu_tensors_of", lambda stock: gpu)
+    else:
+        monkeypatch.setattr(
+            transfers, "gpu_rows", lambda tensor: tensor.tensor.as_subclass(_CudaLooking)
+        )
+    built = []
+
+    def handler(stock, **options):
+        if built:
+            raise KeyError("kvcore broke")
+        built.append(stock)
+        return object()
+
+    monkeypatch.setattr(transfers, "KVCoreOffloadingHandler", handler)
+    monkeypatch.setattr(
+        transfers, "CudaStreams", lambda device: SimpleNamespace(compute_stream=None)
+    )
+    before = METRICS.snapshot()["fallbacks"].get("internal_error:KeyError", 0)
+    spec = KVCoreCPUOffloadingSpec(*spec_args({"cpu_bytes_to_use": 1 << 20}))
+    assert spec.create_worker(worker.kv_caches) is worker
+    assert (worker._store_handler, worker._load_handler) == stocks and len(built) == 1
+    assert METRICS.snapshot()["fallbacks"]["internal_error:KeyError"] == before + 1
+
+
+class _CudaLooking(torch.Tensor):
+    """A host tensor whose device reads as CUDA, for install decisions made on a CPU."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
 
 
 @FILLS_FROM_BLOCK_IDS
