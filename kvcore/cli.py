@@ -92,6 +92,12 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
     doctor.add_argument(
         "--verbose", action="store_true", help="list every engine target, not only its group"
     )
+    doctor.add_argument(
+        "--pool-gib",
+        type=_positive_gib,
+        metavar="GIB",
+        help="also measure how long a host pool of GIB GiB takes to pin on this machine",
+    )
     doctor.set_defaults(handler=run_doctor)
 
     bench = commands.add_parser("bench", help="measure every transfer path against the link")
@@ -106,6 +112,16 @@ def build_parser(*, with_bench_options: bool = False) -> argparse.ArgumentParser
     return parser
 
 
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of GiB: {text!r}")
+    return value
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from kvcore.bench import cli as bench_cli
 
@@ -113,7 +129,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    report = doctor_report(KVCoreConfig.from_env())
+    report = doctor_report(KVCoreConfig.from_env(), pool_gib=args.pool_gib)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -121,15 +137,20 @@ def run_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def doctor_report(config: KVCoreConfig) -> dict[str, Any]:
+def doctor_report(config: KVCoreConfig, pool_gib: float | None = None) -> dict[str, Any]:
     """Everything ``kvcore doctor`` knows, JSON-ready.
 
     Each engine's entry has the adapter's version guard run against the installed
     engine's source files (no engine module is imported): ``would_patch`` lists what its
     hooks would patch under ``config``, ``skipped_targets`` what they would not and why;
     ``patched_targets`` is what the plugin patched in this process, empty outside an
-    engine (``plugin_applied`` says which).
+    engine (``plugin_applied`` says which). ``host`` is the machine's side of pinning the
+    engines' host pools (:mod:`kvcore.host_report`); with ``pool_gib``, how long a pool of
+    that size takes to pin here, measured.
     """
+    # Imported here: it imports torch, which the other commands do without.
+    from kvcore import host_report
+
     torch_report, cuda_report = _torch_and_cuda()
     return {
         "kvcore": {
@@ -144,6 +165,7 @@ def doctor_report(config: KVCoreConfig) -> dict[str, Any]:
         ],
         "patches": installed_patch_states(),
         "pinned": _pinned_limits(),
+        "host": host_report.host_report(pool_gib),
         "config": config.to_dict(),
         "serve_rule": {"enabled": config.serve_rule, "rules": serve_rule.describe()},
     }
@@ -207,6 +229,14 @@ def format_doctor(report: dict[str, Any], *, verbose: bool = False) -> str:
     patches = [f"{engine} {state}" for engine, state in report["patches"].items() if state]
     rows.append(("patches", "; ".join(patches) or "no engine installed"))
     rows.append(("memlock", _describe_memlock(pinned)))
+    rows.append(("host", _describe_host(report["host"])))
+    estimate = report["host"]["pin_estimate"]
+    if estimate is not None:
+        text = _describe_estimate(estimate)
+        available = report["host"]["available_bytes"]
+        if available is not None and estimate["pool_bytes"] > available:
+            text += f"; more than the {_gib(available)} available"
+        rows.append((f"pin {_gib(estimate['pool_bytes'])}", text))
     rows.append(("config", _describe_config(report["config"])))
     width = max(len(label) for label, _ in rows)
     # An engine's group lines sit under its text, two columns further in.
@@ -332,6 +362,39 @@ def _describe_memlock(pinned: dict[str, Any]) -> str:
     if pinned["memlock_soft"] != "unlimited":
         return text + " (pinning more fails; raise it with `ulimit -l unlimited`)"
     return text
+
+
+def _describe_host(host: dict[str, Any]) -> str:
+    available = host["available_bytes"]
+    parts = [
+        "available memory unknown" if available is None else f"{_gib(available)} available",
+        f"{host['usable_cpus']} usable CPUs",
+        "NUMA " + ", ".join(f"node {n['node']} ({n['cpus']} CPUs)" for n in host["nodes"]),
+    ]
+    parts += [
+        f"GPU {i} on {'an unknown node' if node is None else f'node {node}'}"
+        for i, node in enumerate(host["gpu_nodes"])
+    ]
+    return "; ".join(parts)
+
+
+def _describe_estimate(estimate: dict[str, Any]) -> str:
+    text = (
+        f"about {estimate['kvcore_seconds']:.0f} s with kvcore: pages faulted in at "
+        f"{estimate['fault_gib_per_s']:.1f} GiB/s by {estimate['threads']} threads "
+        f"(one thread: {estimate['fault_one_thread_gib_per_s']:.1f} GiB/s)"
+    )
+    if estimate["register_gib_per_s"] is None:
+        return text + "; registration not measured (no CUDA)"
+    return (
+        f"{text}, registered at {estimate['register_gib_per_s']:.1f} GiB/s; the engines' way "
+        f"(registration faulting every page on one thread) about "
+        f"{estimate['stock_seconds']:.0f} s (scaled from {_gib(estimate['sample_bytes'])})"
+    )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.3g} GiB"
 
 
 def _describe_config(values: dict[str, Any]) -> str:

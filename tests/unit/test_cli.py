@@ -18,7 +18,9 @@ from kvcore import __version__
 from kvcore.cli import main
 from kvcore.config import SETTINGS, KVCoreConfig
 
-DOCTOR_KEYS = {"kvcore", "torch", "cuda", "engines", "pinned", "config", "patches", "serve_rule"}
+DOCTOR_KEYS = {
+    *("kvcore", "torch", "cuda", "engines", "pinned", "host", "config", "patches", "serve_rule")
+}
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +89,9 @@ def test_doctor_human(capsys, monkeypatch):
     # An installed, enabled engine's target groups are indented lines under its own.
     lines = [line for line in summary.splitlines() if not line.startswith(" ")]
     labels = [line.split()[0] for line in lines]
-    assert labels == ["kvcore", "torch", "CUDA", "sglang", "vllm", "patches", "memlock", "config"]
+    assert labels == [
+        *("kvcore", "torch", "CUDA", "sglang", "vllm", "patches", "memlock", "host", "config")
+    ]
     assert rule.startswith("serve-or-pass rule: on")
     # Aligned: every value starts in the same column.
     columns = {

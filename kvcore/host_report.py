@@ -1,0 +1,156 @@
+"""What ``kvcore doctor`` says about host memory for the engines' pinned host pools.
+
+The machine's side of pinning a large pool: the memory free to take, the NUMA nodes and
+which one each GPU hangs off, and, for a pool size asked about, how long its pages take
+to fault in and register here, measured on a sample of this machine's memory: once the
+engines' way (one thread, the faults taken during registration) and once kvcore's
+(:func:`kvcore.host_pinning.populate` from every usable CPU, then registration).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvcore import host_pinning, numa
+
+MEMINFO = Path("/proc/meminfo")
+"""Where the kernel's memory counters are read from (tests point it elsewhere)."""
+
+SAMPLE_BYTES = 256 << 20
+GIB = 1 << 30
+
+
+def available_bytes() -> int | None:
+    """MemAvailable: what can be allocated without swapping; None where the kernel does
+    not say."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == "MemAvailable":
+                return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def topology() -> dict[str, Any]:
+    """The NUMA nodes with their CPU counts, and each CUDA device's node (None: unknown)."""
+    nodes = []
+    for node in numa.online_nodes():
+        try:
+            cpus = len(numa.node_cpus(node))
+        except numa.NumaError:
+            cpus = 0
+        nodes.append({"node": node, "cpus": cpus})
+    gpu_nodes: list[int | None] = []
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu_nodes = [numa.cuda_numa_node(i) for i in range(torch.cuda.device_count())]
+    except (ImportError, RuntimeError):
+        gpu_nodes = []
+    return {"nodes": nodes, "gpu_nodes": gpu_nodes}
+
+
+Registrar = Callable[[int, int], Callable[[], None]]
+"""Registers ``(address, nbytes)`` with the GPU driver; returns what unregisters it."""
+
+
+def cuda_registrar() -> Registrar | None:
+    """cudaHostRegister through torch's runtime bindings; None without CUDA."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        cudart = torch.cuda.cudart()
+    except (ImportError, RuntimeError):
+        return None
+
+    def register(address: int, nbytes: int) -> Callable[[], None]:
+        error = cudart.cudaHostRegister(address, nbytes, 0)
+        if error != cudart.cudaError.success:
+            raise host_pinning.PinnedMemoryError(
+                f"cudaHostRegister({nbytes}) failed: {cudart.cudaGetErrorString(error)}"
+            )
+        return lambda: cudart.cudaHostUnregister(address)
+
+    return register
+
+
+def _timed_sample(
+    sample_bytes: int, threads: int | None, registrar: Registrar | None
+) -> tuple[float, float]:
+    """Seconds to fault in a fresh sample (``threads``; None: leave it to registration) and
+    to register it (0 without a registrar)."""
+    sample = mmap.mmap(-1, sample_bytes)
+    holder = ctypes.c_char.from_buffer(sample)
+    address = ctypes.addressof(holder)
+    # The address stays valid while the sample is mapped; the export must go first.
+    del holder
+    try:
+        started = time.perf_counter()
+        if threads is not None:
+            host_pinning.populate(address, sample_bytes, threads)
+        faulted = time.perf_counter()
+        unregister = registrar(address, sample_bytes) if registrar is not None else None
+        registered = time.perf_counter()
+        if unregister is not None:
+            unregister()
+        return faulted - started, registered - faulted
+    finally:
+        sample.close()
+
+
+def pin_estimate(
+    pool_bytes: int,
+    *,
+    sample_bytes: int | None = None,
+    threads: int | None = None,
+    registrar: Registrar | None = None,
+) -> dict[str, Any]:
+    """How long ``pool_bytes`` take to pin here, scaled from a sample: the engines' way
+    (registration faults every page in, on one thread; measured only with a registrar)
+    and kvcore's (``threads`` fault the pages in, then registration)."""
+    sample_bytes = SAMPLE_BYTES if sample_bytes is None else sample_bytes
+    threads = host_pinning.usable_cpus() if threads is None else threads
+    scale = pool_bytes / sample_bytes
+    fault_s, register_s = _timed_sample(sample_bytes, threads, registrar)
+    one_thread_s, _ = _timed_sample(sample_bytes, 1, None)
+    stock_s = None
+    if registrar is not None:
+        _, stock_register_s = _timed_sample(sample_bytes, None, registrar)
+        stock_s = stock_register_s * scale
+    return {
+        "pool_bytes": pool_bytes,
+        "sample_bytes": sample_bytes,
+        "threads": threads,
+        "fault_gib_per_s": _rate(sample_bytes, fault_s),
+        "fault_one_thread_gib_per_s": _rate(sample_bytes, one_thread_s),
+        "register_gib_per_s": _rate(sample_bytes, register_s) if registrar else None,
+        "kvcore_seconds": (fault_s + register_s) * scale if registrar else fault_s * scale,
+        "stock_seconds": stock_s,
+    }
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return nbytes / GIB / max(seconds, 1e-9)
+
+
+def host_report(pool_gib: float | None = None) -> dict[str, Any]:
+    """Doctor's host-memory section; with ``pool_gib``, the pin estimate for that size."""
+    report: dict[str, Any] = {
+        "available_bytes": available_bytes(),
+        "usable_cpus": host_pinning.usable_cpus(),
+        **topology(),
+        "pin_estimate": None,
+    }
+    if pool_gib is not None:
+        report["pin_estimate"] = pin_estimate(int(pool_gib * GIB), registrar=cuda_registrar())
+    return report

@@ -1,0 +1,90 @@
+"""kvcore.host_report: doctor's view of host memory for pinned pools, on fake hosts."""
+
+from __future__ import annotations
+
+import json
+import mmap
+
+import pytest
+
+from kvcore import host_report, numa
+from kvcore.cli import main
+
+PAGE = mmap.PAGESIZE
+
+
+def test_available_memory_is_read_from_meminfo(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  1000 kB\nMemFree:  300 kB\nMemAvailable:  512 kB\n")
+    monkeypatch.setattr(host_report, "MEMINFO", meminfo)
+    assert host_report.available_bytes() == 512 * 1024
+    meminfo.write_text("MemTotal:  1000 kB\n")
+    assert host_report.available_bytes() is None
+    monkeypatch.setattr(host_report, "MEMINFO", tmp_path / "missing")
+    assert host_report.available_bytes() is None
+
+
+def test_topology_lists_each_node_with_its_cpus(tmp_path, monkeypatch):
+    node_dir = tmp_path / "devices" / "system" / "node"
+    for node, cpus in ((0, "0-3"), (1, "")):
+        (node_dir / f"node{node}").mkdir(parents=True)
+        (node_dir / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    (node_dir / "online").write_text("0-1\n")
+    monkeypatch.setattr(numa, "SYSFS", tmp_path)
+    assert host_report.topology() == {
+        "nodes": [{"node": 0, "cpus": 4}, {"node": 1, "cpus": 0}],
+        "gpu_nodes": [],
+    }
+
+
+class FakeRegistrar:
+    """Registers instantly and counts what it was given and given back."""
+
+    def __init__(self) -> None:
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def __call__(self, address: int, nbytes: int):
+        assert address % PAGE == 0 and nbytes == 16 * PAGE
+        self.registered.append(address)
+        return lambda: self.unregistered.append(address)
+
+
+def test_an_estimate_scales_the_sample_to_the_pool_and_unregisters_it():
+    registrar = FakeRegistrar()
+    estimate = host_report.pin_estimate(
+        64 * 16 * PAGE, sample_bytes=16 * PAGE, threads=2, registrar=registrar
+    )
+    # kvcore's sample and the engines' way, each registered once and given back.
+    assert len(registrar.registered) == 2 and registrar.unregistered == registrar.registered
+    assert estimate["threads"] == 2 and estimate["pool_bytes"] == 64 * 16 * PAGE
+    assert estimate["fault_gib_per_s"] > 0 and estimate["register_gib_per_s"] > 0
+    assert estimate["kvcore_seconds"] > 0 and estimate["stock_seconds"] is not None
+
+
+def test_without_a_registrar_only_faulting_is_measured():
+    estimate = host_report.pin_estimate(1 << 30, sample_bytes=16 * PAGE, threads=1)
+    assert estimate["register_gib_per_s"] is None and estimate["stock_seconds"] is None
+    assert estimate["kvcore_seconds"] > 0
+
+
+def test_doctor_reports_the_host_and_estimates_a_pool_asked_about(capsys, monkeypatch):
+    monkeypatch.setattr(host_report, "SAMPLE_BYTES", 16 * PAGE)
+    assert main(["doctor", "--json", "--pool-gib", "0.5"]) == 0
+    host = json.loads(capsys.readouterr().out)["host"]
+    assert host["usable_cpus"] >= 1 and host["nodes"]
+    assert host["pin_estimate"]["pool_bytes"] == 1 << 29
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("host ") and "usable CPUs" in line for line in lines)
+    assert not any(line.startswith("pin ") for line in lines)
+    monkeypatch.setattr(host_report, "available_bytes", lambda: 1 << 30)
+    assert main(["doctor", "--pool-gib", "2"]) == 0
+    [pin] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pin ")]
+    assert pin.startswith("pin 2 GiB") and "more than the 1 GiB available" in pin
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "lots"])
+def test_doctor_refuses_a_pool_size_that_is_no_size(capsys, value):
+    assert main(["doctor", "--pool-gib", value]) == 2
+    assert "not a positive number of GiB" in capsys.readouterr().err
