@@ -52,15 +52,18 @@ class KVCoreCPUOffloadingManager(CPUOffloadingManager):
         return self._allocator.stats
 
     def _get_num_free_chunks(self) -> int:
+        self._take_stock_frees()
         return self._allocator.available_size() + len(self._released)
 
     def _allocate_chunks(self, keys: list[OffloadKey]) -> list[Any]:
+        self._take_stock_frees()
         self._return_released()
         runs = self._allocator.alloc_runs(len(keys))
         # prepare_store evicts until enough chunks are free before it allocates.
         assert runs is not None, "chunk pool is short of what prepare_store freed"
         # Stock get_stats reads the chunks held as _num_allocated_chunks - len(_free_list);
-        # _free_list stays empty here, so _num_allocated_chunks counts the chunks held.
+        # what lands on _free_list is taken in before the pool is used, so
+        # _num_allocated_chunks counts the chunks held and the difference stays right.
         self._count_allocated(len(keys))
         return [_STATUS(chunk_id) for start, n in runs for chunk_id in range(start, start + n)]
 
@@ -72,6 +75,15 @@ class KVCoreCPUOffloadingManager(CPUOffloadingManager):
         super().reset_cache()
         self._released.clear()
         self._allocator.clear()
+
+    def _take_stock_frees(self) -> None:
+        """Chunks freed onto stock's free list, as a subclass may free them (vLLM 0.34's
+        tiering manager releases deferred writes that way): handed to kvcore's pool."""
+        freed: list[int] = self._free_list
+        if freed:
+            self._released += freed
+            self._count_allocated(-len(freed))
+            freed.clear()
 
     def _count_allocated(self, delta: int) -> None:
         setattr(self, _ALLOCATED, getattr(self, _ALLOCATED) + delta)

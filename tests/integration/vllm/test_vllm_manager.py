@@ -131,6 +131,27 @@ def test_reset_cache_frees_every_chunk():
     assert ours.get_stats().data == stock.get_stats().data
 
 
+def test_chunks_freed_onto_stocks_free_list_return_to_the_pool():
+    """A subclass may free chunks onto stock's free list itself (vLLM 0.34's tiering manager
+    releases its deferred writes so): kvcore's pool takes them back, counted as stock counts
+    them."""
+    managers = [CPUOffloadingManager(8), KVCoreCPUOffloadingManager(8)]
+    handed_out = []
+    for manager in managers:
+        ctx = ReqContext(req_id="r")
+        output = manager.prepare_store(_keys("x", 6), ctx)
+        manager.complete_store(output.keys_to_store, ctx)
+        manager._free_list += [4, 5]
+        assert getattr(manager, SHAPE.name("_get_num_free_chunks"))() == 4
+        handed_out.append(manager.get_stats().data)
+        output = manager.prepare_store(_keys("y", 4), ReqContext(req_id="s"))
+        assert output is not None and output.evicted_keys == []
+        assert sorted(output.store_spec.block_ids.tolist()) == [4, 5, 6, 7]
+        assert getattr(manager, SHAPE.name("_get_num_free_chunks"))() == 0
+    assert handed_out[0] == handed_out[1]
+    assert managers[1]._allocator.page_used.numpy().all()
+
+
 @pytest.mark.parametrize(
     "extra",
     [
