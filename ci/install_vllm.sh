@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the vLLM CPU lane: a venv with torch 2.13.0 (CPU), kvcore editable, and vLLM
-# (0.33.0 unless VLLM_VERSION says otherwise) installed without its dependency tree, plus
+# (0.34.0 unless VLLM_VERSION says otherwise) installed without its dependency tree, plus
 # the modules its offloading code imports. Import only: no transfers. 0.25.1 pins torch
 # 2.11 but its offloading modules import against the CPU 2.13 all the same.
 #
@@ -19,4 +19,4 @@ deps=(
 )
 
 build_engine_venv "${1:-$repo/.venv-vllm}" "$repo/ci/constraints-vllm-cpu.txt" \
-    "vllm==${VLLM_VERSION:-0.33.0}" vllm.v1.kv_offload.cpu.manager "${deps[@]}"
+    "vllm==${VLLM_VERSION:-0.34.0}" vllm.v1.kv_offload.cpu.manager "${deps[@]}"
