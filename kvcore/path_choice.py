@@ -31,7 +31,7 @@ def choose_path(
         # then a scatter at HBM bandwidth (>10x PCIe), which is nearly free. A copy
         # larger than the staging buffer would take one DMA and one scatter per buffer's
         # worth, each with its host time; the gather below takes one launch whatever the
-        # size, for a few percent less of the link (docs/benchmarks.md).
+        # size, for a few percent less of the link (docs/lab/benchmarks.md).
         return TransferPath.STAGED
     # Short runs on the host: DMA would be bound by per-run submission cost,
     # while a gather kernel keeps many small UVA reads in flight.

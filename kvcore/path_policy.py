@@ -47,24 +47,24 @@ class PathPolicy:
     gather_ctas_to_host: int = 4
     """The same where it writes host rows: at 4 the device-to-host gathers run as fast as
     at 8 and leave a concurrent model more SMs; host-to-device gathers need 8
-    (docs/benchmarks.md, the vLLM sweep on 4 CTAs and the gather's SM share)."""
+    (docs/lab/benchmarks.md, the vLLM sweep on 4 CTAs and the gather's SM share)."""
     gather_ctas_short_rows: int = 4
     """The same where it writes device rows shorter than :attr:`short_row_bytes`: token
     rows of MLA (1152 B) moved as fast on 4 CTAs as on 8, and a concurrent model kept its
-    share of the GPU only on 4; MHA's 2 KiB rows lose a third on 4 (docs/benchmarks.md,
+    share of the GPU only on 4; MHA's 2 KiB rows lose a third on 4 (docs/lab/benchmarks.md,
     "The gather's SM share at 4, 6 and 8 CTAs")."""
     short_row_bytes: int = 2048
     """Device rows under this many bytes take :attr:`gather_ctas_short_rows`."""
     max_dma_runs: int = 16
     """Most host runs a staged copy takes: each is one torch copy_, whose host time adds up
-    (docs/benchmarks.md, "Host time to submit one layer")."""
+    (docs/lab/benchmarks.md, "Host time to submit one layer")."""
     max_batched_runs: int = 256
     """Most runs one cudaMemcpyBatchAsync takes; past it the gather kernel costs less host
-    time than the batch's per-run submission (docs/benchmarks.md, "What the numbers say")."""
+    time than the batch's per-run submission (docs/lab/benchmarks.md, "What the numbers say")."""
     staged_pieces: int = 1
     """Pieces a staged copy is cut into (none under 8 MiB), the device-side scatter of one
     overlapping the DMA of the next. One piece runs on one stream with no events, which
-    costs far less host time for nearly the same bandwidth (docs/benchmarks.md, "Lone and
+    costs far less host time for nearly the same bandwidth (docs/lab/benchmarks.md, "Lone and
     queued")."""
 
     def __post_init__(self) -> None:

@@ -1,9 +1,10 @@
 """Serve or pass: for each engine call, whether kvcore's copy or the engine's stock copy is faster.
 
 Every input of the rule is in :data:`SGLANG_RULES` and :data:`VLLM_RULES`, each entry
-naming the engine-shaped sweep cells it was read from (docs/benchmarks.md, "Engine-shaped
-sweep"). An adapter asks :func:`sglang_decision` (or reads the vLLM thresholds) once per
-request, before it plans anything, so a call that passes costs stock's time plus a lookup.
+naming the engine-shaped sweep cells it was read from (docs/performance.md, "Evidence behind
+the serve-or-pass rule"). An adapter asks :func:`sglang_decision` (or reads the vLLM
+thresholds) once per request, before it plans anything, so a call that passes costs stock's
+time plus a lookup.
 ``KVCORE_SERVE_RULE=0`` turns the rule off (kvcore serves every call it can copy exactly),
 which is how the sweep measures kvcore's own paths against stock to set these entries.
 """

@@ -3,7 +3,7 @@
 An engine's first cache hits should not pay kvcore's first-use costs: allocating the
 device staging buffer and the pinned index buffers, loading or compiling kernels (in a
 live engine they made the first reloads many times slower than later ones;
-docs/benchmarks.md). So an adapter calls :func:`warm_up` while the engine sets up, with
+docs/lab/benchmarks.md). So an adapter calls :func:`warm_up` while the engine sets up, with
 the row sizes its KV pages have.
 
 The same calls check kvcore's paths on this machine: every warm-up copy is compared with

@@ -1,4 +1,4 @@
-"""Print the markdown table of docs/benchmarks.md from a ``kvcore bench --json`` report.
+"""Print the markdown table of docs/lab/benchmarks.md from a ``kvcore bench --json`` report.
 
 One row per scenario: the same run's ceiling, the planner's path, its share of the ceiling,
 host submit and plan time, and the best naive stock baseline beside it.

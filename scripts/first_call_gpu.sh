@@ -27,11 +27,11 @@ read -r -a extra <<<"${HOST_COST_ARGS:-}"
 common+=("${extra[@]}")
 : >"$OUT/host_cost.log"
 if [ "${CPU_PHASES:-1}" != 0 ]; then
-    timeout 120 python3 -m kvcore.bench.sglang.host_cost --device cpu --no-copy "${common[@]}" \
+    timeout 120 python3 -m benchmarks.sglang.host_cost --device cpu --no-copy "${common[@]}" \
         --tokens "${tokens%%,*}" --phases "$OUT/phases_cpu.txt" \
         --json "$OUT/host_cost_cpu.json" 2>&1 | grep -v '^INFO' >>"$OUT/host_cost.log" || rc=1
 fi
-timeout 200 python3 -m kvcore.bench.sglang.host_cost --device cuda "${common[@]}" \
+timeout 200 python3 -m benchmarks.sglang.host_cost --device cuda "${common[@]}" \
     --tokens "$tokens" --phases "$OUT/phases_cuda.txt" --json "$OUT/host_cost_cuda.json" \
     2>&1 | grep -v '^INFO' >>"$OUT/host_cost.log" || rc=1
 grep -E ' (stock|kvcore) ' "$OUT/host_cost.log"

@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from kvcore.bench import sweep_report
-from kvcore.bench.sglang import sweep
+# The engine benches are in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import sweep_report
+from benchmarks.sglang import sweep
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 # Issue 17's per-layer hot path on the GPU machine in one device call (carry .whl-sglang, built
 # as scripts/sglang_ab.sh says): the GPU tests of the prepared gather and the layered kernels,
 # then the host time of each call of an SGLang reload, stock against kvcore
-# (python -m kvcore.bench.sglang.host_cost), then the engine-shaped sweep of SGLang's default
+# (python -m benchmarks.sglang.host_cost), then the engine-shaped sweep of SGLang's default
 # layout and backend (kernel loads and backups) with the rule's and kvcore's own figures.
 #
 #   OUT=<dir> bash scripts/hot_path_gpu.sh [sweep args...]
@@ -26,11 +26,11 @@ timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_prepared_
     tests/gpu/test_layers_gpu.py tests/gpu/test_kernels_gpu.py tests/gpu/test_core_gpu.py \
     > "$OUT/gpu-tests.log" 2>&1 || rc=1
 tail -n 3 "$OUT/gpu-tests.log"
-timeout 200 python3 -m kvcore.bench.sglang.host_cost --json "$OUT/host_cost.json" \
+timeout 200 python3 -m benchmarks.sglang.host_cost --json "$OUT/host_cost.json" \
     --profile "$OUT/host_cost_profile.txt" --profile-tokens "${PROFILE_TOKENS:-32768}" \
     --profile-cases mha/layer_first/kernel/p64 mha/layer_first/direct/p64 2>&1 \
     | grep -v '^INFO' > "$OUT/host_cost.log" || rc=1
-timeout 100 python3 -m kvcore.bench.sglang.host_cost --host-frag 0% \
+timeout 100 python3 -m benchmarks.sglang.host_cost --host-frag 0% \
     --cases mha/layer_first/kernel/p64 mha/layer_first/direct/p64 \
     --json "$OUT/host_cost_staged.json" 2>&1 | grep -v '^INFO' >> "$OUT/host_cost.log" || rc=1
 # Passes as SGLang 0.5.23 calls them (its rows, one JSON line a size, go to host_cost.log).

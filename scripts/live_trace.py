@@ -468,7 +468,7 @@ def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
     against those whose loads were drawn for stock's copy (``stock_share``): TTFT and
     reload medians of each, and kvcore's TTFT median less stock's with its bootstrap
     interval. Both arms share the process, its engine and its drift."""
-    from kvcore.bench.median_difference import median_difference_interval
+    from benchmarks.median_difference import median_difference_interval
 
     rows = []
     for size in sizes(requests):
@@ -547,7 +547,7 @@ def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[s
     """Per first-turn size, a mode's CPU-tier-hit TTFT against the reference mode's: the
     difference of the medians (negative: faster than the reference) with its bootstrap
     interval, so that a size's gain or loss is told apart from the engine's own spread."""
-    from kvcore.bench.median_difference import median_difference_interval
+    from benchmarks.median_difference import median_difference_interval
 
     rows = []
     for size in sizes(requests):
@@ -590,7 +590,7 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[s
     the n-th stock process goes with the n-th of the mode's, in the order given, the
     fewer side's processes taken again in turn where the two counts differ. One process a
     mode cannot tell kvcore from the engine's drift between processes, which has moved
-    hit TTFT as much as kvcore does (docs/benchmarks.md, sessions 25 and 26). The pairs'
+    hit TTFT as much as kvcore does (docs/lab/benchmarks.md, sessions 25 and 26). The pairs'
     speed is kvcore's paired_speed (the median of the pairs' ratios and its bootstrap
     interval), imported here so that ``run`` stays on the standard library, and only
     where there are pairs."""
@@ -620,7 +620,7 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[s
         ]
         if min(runs_of) < 2 or len(paired) < 2:
             continue
-        from kvcore.bench.paired_speed import paired_speed
+        from benchmarks.paired_speed import paired_speed
 
         stock = [hits for (_, hits), _ in paired]
         processes = [hits for _, (_, hits) in paired]

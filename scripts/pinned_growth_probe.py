@@ -22,7 +22,10 @@ from pathlib import Path
 
 import torch
 
-from kvcore.bench.soak_state import pinned_in_use
+# The engine benches are in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.soak_state import pinned_in_use
 
 
 def uploads(device: torch.device, count: int, pinned: bool, seed: int) -> int | None:

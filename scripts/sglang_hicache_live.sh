@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SGLang 0.5.23's own HiCache machinery (UnifiedRadixCache, its cache controller and L2
 # transfer engine) driven on the GPU by a multi-turn trace, stock and with kvcore's hooks,
-# every load-back checked byte for byte (python -m kvcore.bench.sglang.hicache_live).
+# every load-back checked byte for byte (python -m benchmarks.sglang.hicache_live).
 #
 #   OUT=... bash scripts/sglang_hicache_live.sh [hicache_live args...]   e.g. --layout page_first
 #
@@ -31,13 +31,13 @@ for mode in ${MODES:-stock kvcore}; do
     label=$mode
     [ "${seen[$mode]}" -eq 1 ] || label="$mode-${seen[$mode]}"
     reports+=("$OUT/live-$label.json")
-    timeout "${MODE_TIMEOUT:-200}" python3 -m kvcore.bench.sglang.hicache_live --mode "$mode" \
+    timeout "${MODE_TIMEOUT:-200}" python3 -m benchmarks.sglang.hicache_live --mode "$mode" \
         --label "$label" --json "$OUT/live-$label.json" "$@" 2>&1 | tee -a "$log"
     mode_rc=${PIPESTATUS[0]}
     echo "hicache_live $label: rc=$mode_rc after $(($(date +%s) - started)) s" | tee -a "$log"
     [ "$mode_rc" -eq 0 ] || rc=$mode_rc
 done
-python3 -m kvcore.bench.sglang.hicache_live_combine "${reports[@]}" \
+python3 -m benchmarks.sglang.hicache_live_combine "${reports[@]}" \
     --out "$OUT/h200-live-sglang.json" 2>&1 | tee -a "$log"
 combine_rc=${PIPESTATUS[0]}
 present=()

@@ -8,7 +8,7 @@ SGLang 0.5.23 calls them, beside stock's.
 On the GPU machine: carry ``.whl-sglang``, ``export OUT; source scripts/sglang_device_env.sh``,
 then ``python3 scripts/sglang_pass_cost.py --device cuda``.
 
-Builds one of SGLang's host pools and its device pool (:mod:`kvcore.bench.sglang.pool_case`)
+Builds one of SGLang's host pools and its device pool (:mod:`benchmarks.sglang.pool_case`)
 and puts kvcore's load hook on the pool class the way SGLang's hook registry wraps a method
 (``functools.wraps`` around the stock one), so that a pass can bind stock on the pool as
 it does in the engine. Every request gets new index tensors, moved where SGLang's cache
@@ -43,12 +43,16 @@ import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvcore.bench.sglang.import_stubs import install_torchvision_stub
-from kvcore.bench.sglang.sgl_kernel_stub import install_sgl_kernel_stub
+# The engine benches are in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.sglang.import_stubs import install_torchvision_stub
+from benchmarks.sglang.sgl_kernel_stub import install_sgl_kernel_stub
 
 SIDES = ("stock", "kvcore")
 
@@ -83,7 +87,7 @@ def _hooked(case: Any, kvcore: bool) -> Iterator[None]:
     """The pool class's load method as SGLang's hook registry leaves it: kvcore's hook
     around stock's (``kvcore``), or stock's alone; put back, with every binding kvcore set
     on the pool, on the way out."""
-    from kvcore.bench.sglang import sweep_sides
+    from benchmarks.sglang import sweep_sides
     from kvcore_sglang import transfers
 
     cls, name = type(case.pool), sweep_sides.METHOD_NAMES["load"]
@@ -107,7 +111,7 @@ def _request(
     case: Any, side: str, backend: str, host: torch.Tensor, device: torch.Tensor
 ) -> list[Callable[[], None]]:
     """One request's calls on ``side``, its indices moved where SGLang moves them."""
-    from kvcore.bench.sglang.ab_paths import stock_indices
+    from benchmarks.sglang.ab_paths import stock_indices
     from kvcore_sglang import transfers
 
     pool, device_pool = case.pool, case.device_pool
@@ -164,7 +168,7 @@ def _python_calls(calls: Sequence[Callable[[], None]], device: torch.device) -> 
 
 def measure(case: Any, backend: str, tokens: int, requests: int, rounds: int) -> dict[str, Any]:
     """Each side's Python calls a request and the fastest round's median host times."""
-    from kvcore.bench.sglang.sweep_cells import request_indices
+    from benchmarks.sglang.sweep_cells import request_indices
     from kvcore.metrics import METRICS
 
     device = case.opts.device
@@ -230,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     install_sgl_kernel_stub()
     install_torchvision_stub()
-    from kvcore.bench.sglang.pool_case import Options, pool_case
+    from benchmarks.sglang.pool_case import Options, pool_case
 
     device = torch.device(args.device)
     name = args.case or (

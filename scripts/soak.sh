@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 21 item 7 on the GPU machine: minutes of engine-shaped traffic through both adapters'
-# hooks (python -m kvcore.bench.soak: every reload checked byte for byte, then host slots,
+# hooks (python -m benchmarks.soak: every reload checked byte for byte, then host slots,
 # pinned bytes, staging leases, events and index caches compared with a baseline), and a
 # short slice of each under compute-sanitizer memcheck and racecheck. One device call per
 # PART, each within the 10-minute limit:
@@ -43,7 +43,7 @@ if [ "$part" = combine ]; then
     [ $# -ge 3 ] || usage
     summary=$2
     shift 2
-    exec python3 -m kvcore.bench.soak --combine "$@" --json "$summary"
+    exec python3 -m benchmarks.soak --combine "$@" --json "$summary"
 fi
 case "$part" in
     sglang | vllm | sanitize | sanitize-sglang | sanitize-vllm) ;;
@@ -87,13 +87,13 @@ soak() {
     local engine=$1 json=$2
     shift 2
     local limit=$(($(left) - 10))
-    timeout "$limit" python3 -m kvcore.bench.soak --engine "$engine" --device "$device" \
+    timeout "$limit" python3 -m benchmarks.soak --engine "$engine" --device "$device" \
         --seed "$seed" --budget $((limit - 25)) --json "$json" "$@" 2>&1 | tee -a "$log"
     return "${PIPESTATUS[0]}"
 }
 
 summarise() {
-    python3 -m kvcore.bench.soak --combine "$@" --json "$OUT/soak-summary.json" >> "$log" 2>&1
+    python3 -m benchmarks.soak --combine "$@" --json "$OUT/soak-summary.json" >> "$log" 2>&1
     python3 -c 'import json, sys; s = json.load(open(sys.argv[1])); print("soak summary: ok =",
         s["ok"], "seconds =", s["seconds"], "mismatches =", s["mismatches"], "leaks =", s["leaks"])' \
         "$OUT/soak-summary.json" | tee -a "$log"
@@ -126,7 +126,7 @@ slice() {
     local only=()
     [ -n "${SANITIZE_KERNELS:-}" ] && only=(--kernel-name "$SANITIZE_KERNELS")
     "${run[@]}" "$sanitizer" --tool "$tool" --target-processes all --print-limit 20 "${only[@]}" \
-        python3 -m kvcore.bench.soak --engine "$engine" --device "$device" --profile sanitize \
+        python3 -m benchmarks.soak --engine "$engine" --device "$device" --profile sanitize \
         --seconds "$sanitize_seconds" --seed "$seed" --budget $((limit - 40)) \
         --sanitizer "$tool" --json "$json" "${pools[@]}" > "$text" 2>&1
     local rc=$?

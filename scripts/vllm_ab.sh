@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM offload A/B (issue 5 item 7) in one device call: kvcore.bench.vllm.ab.ab for
+# The vLLM offload A/B (issue 5 item 7) in one device call: benchmarks.vllm.ab.ab for
 # vLLM's cross-layer layout (one KV tensor) and for 32 per-layer tensors in vLLM's shared
 # host region, descriptors 4 KiB to 2 MiB at 0/50/100% fragmentation, both directions.
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried; .whl/ too when carried.
@@ -26,8 +26,8 @@ import triton
 
 import vllm.platforms
 from kvcore.kernels.batch_copy import batch_copy_available
-from kvcore.bench.vllm import ab as bench
-from kvcore.bench.vllm.offload_handlers import compiled_ops_loaded
+from benchmarks.vllm import ab as bench
+from benchmarks.vllm.offload_handlers import compiled_ops_loaded
 
 out, repeats, jobs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 SIZES = tuple(int(kib) << 10 for kib in sys.argv[4].split(","))

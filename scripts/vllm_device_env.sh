@@ -26,14 +26,14 @@ echo "installed into /tmp/site: ${wheels[*]:-none}" | tee -a "$OUT/env.txt"
 # vllm/env_override.py patches torch.compile internals by torch version (vLLM 0.33 wants
 # torch 2.14); the device scripts compile nothing, so if the import fails, use a copy of
 # the tree without it.
-if ! python3 -c "import kvcore.bench.vllm.ab" >"$OUT/preflight.log" 2>&1; then
+if ! python3 -c "import benchmarks.vllm.ab" >"$OUT/preflight.log" 2>&1; then
     tree=/tmp/vllm-tree
     rm -rf "$tree" && cp -r .vllm-tree "$tree"
     echo '"""Emptied by scripts/vllm_device_env.sh: the real one failed to import here."""' \
         >"$tree/vllm/env_override.py"
     export PYTHONPATH="$tree:$PWD:$PWD/integrations:/tmp/site"
     echo "import failed; retrying with vllm/env_override.py emptied" | tee -a "$OUT/env.txt"
-    python3 -c "import kvcore.bench.vllm.ab" >>"$OUT/preflight.log" 2>&1 || {
+    python3 -c "import benchmarks.vllm.ab" >>"$OUT/preflight.log" 2>&1 || {
         cat "$OUT/preflight.log"
         return 1
     }

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Builds .vllm-tree/ (git-ignored): the part of vLLM 0.33.0 that kvcore.bench.vllm.ab.ab and the
+# Builds .vllm-tree/ (git-ignored): the part of vLLM 0.33.0 that benchmarks.vllm.ab.ab and the
 # kvcore handler import, for the GPU machine, where vLLM cannot be installed whole (its
 # compiled extensions are 500+ MB, built for torch 2.14; the device has torch 2.11).
 #
 # Contents:
 #   vllm/...                   the pure-Python modules of vLLM that the import of
-#                              kvcore.bench.vllm.ab / .sweep and kvcore_vllm.transfers /
+#                              benchmarks.vllm.ab / .sweep and kvcore_vllm.transfers /
 #                              .page_rows loads, traced in .venv-vllm with vLLM's CUDA
 #                              platform selected (what the device resolves), so
 #                              vllm/platforms/cuda.py and its imports are in.
@@ -45,8 +45,8 @@ sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtor
 import vllm.platforms
 
 vllm.platforms.builtin_platform_plugins["cuda"] = lambda: "vllm.platforms.cuda.CudaPlatform"
-import kvcore.bench.vllm.ab  # noqa: F401
-import kvcore.bench.vllm.sweep  # noqa: F401
+import benchmarks.vllm.ab  # noqa: F401
+import benchmarks.vllm.sweep  # noqa: F401
 import kvcore_vllm.page_rows  # noqa: F401
 import kvcore_vllm.transfers  # noqa: F401
 

@@ -5,7 +5,7 @@
 
 Needs vLLM importable and ``integrations`` on the path (on the GPU machine, carry
 ``.vllm-tree`` and ``OUT=... source scripts/vllm_device_env.sh`` first). Builds one job as the
-A/B does (kvcore.bench.vllm.ab), runs it ``--jobs`` times through each handler, each job
+A/B does (benchmarks.vllm.ab), runs it ``--jobs`` times through each handler, each job
 waited for before the next, and prints the median host microseconds of
 ``transfer_async`` and of kvcore's steps in it (planning, the mover's submission,
 the stream and event calls around it), then the top of a cProfile of kvcore's
@@ -20,20 +20,25 @@ import cProfile
 import io
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvcore.bench.vllm.offload_handlers import (
+# The engine benches are in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.vllm.offload_handlers import (
     kvcore_handler,
     runnable_stock,
     stock_handler,
     through_handler,
 )
-from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids, job_specs
+from benchmarks.vllm.offload_layout import Layout, fragmented_ids, job_specs
 
 
 def _timed_steps(handler: Any, names: tuple[str, ...]) -> dict[str, list[float]]:

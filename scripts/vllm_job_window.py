@@ -24,6 +24,7 @@ import argparse
 import collections
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,14 +32,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore.bench.measure import sync_device
-from kvcore.bench.vllm.offload_handlers import (
+# The engine benches are in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.vllm.offload_handlers import (
     kvcore_handler,
     runnable_stock,
     stock_handler,
     submit_and_collect,
 )
-from kvcore.bench.vllm.offload_layout import Layout, job_specs
+from benchmarks.vllm.offload_layout import Layout, job_specs
+from kvcore.bench.measure import sync_device
 
 LINK_BYTES_PER_S = 55e9
 

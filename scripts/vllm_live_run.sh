@@ -52,7 +52,7 @@ serve_args=(
 
 # vLLM pins the whole CPU tier at start-up; past about half the host's memory its engine
 # core is killed while allocating the tier's tensors, with no reason in its log
-# (docs/benchmarks.md, session 23). Say so before starting anything.
+# (docs/lab/benchmarks.md, session 23). Say so before starting anything.
 mem_gib=$(awk '/^MemTotal:/ {print int($2 / 1048576)}' /proc/meminfo)
 if ((${CPU_GIB:-48} * 2 > mem_gib)); then
     echo "CPU_GIB=${CPU_GIB:-48} is over half of this host's ${mem_gib} GiB: vLLM would" \

@@ -24,9 +24,9 @@ other work on the machine; the sides take turns, the profiler off); then each fu
 kvcore's handler calls beyond stock's.
 
 On a CPU, vLLM's handler runs with host stand-ins for its streams and events
-(:mod:`kvcore.bench.vllm.host_platform`) and copies with one memmove per descriptor; on a
+(:mod:`benchmarks.vllm.host_platform`) and copies with one memmove per descriptor; on a
 GPU without vLLM's compiled ops, with the same driver call
-(:func:`kvcore.bench.vllm.offload_handlers.runnable_stock`). Both sides pay for those alike.
+(:func:`benchmarks.vllm.offload_handlers.runnable_stock`). Both sides pay for those alike.
 """
 
 from __future__ import annotations
@@ -34,17 +34,22 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock, stock_handler
-from kvcore.bench.vllm.offload_layout import Layout, job_specs
+# The engine benches are in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.vllm.offload_handlers import kvcore_handler, runnable_stock, stock_handler
+from benchmarks.vllm.offload_layout import Layout, job_specs
 from kvcore.metrics import Metrics
 
 PHASES = ("transfer_async", "wait", "get_finished", "idle get_finished")

@@ -26,7 +26,7 @@ memory with the engine's own descriptor code. On a GPU (the lent H200, torch 2.1
 vLLM 0.25.1 served live and ran its own GPU-worker tests with kvcore's handlers;
 SGLang 0.5.23's transfer path ran through its own controller and `L2TransferEngine`
 (its server needs a newer torch). vLLM 0.32.0, 0.33.0 and 0.34.0 need a newer torch
-than that machine has and ran on a CPU only (docs/benchmarks.md has the GPU runs).
+than that machine has and ran on a CPU only (docs/performance.md has the GPU runs).
 """
 
 _COLUMNS = (

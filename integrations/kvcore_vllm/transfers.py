@@ -480,7 +480,7 @@ class KVCoreOffloadingHandler:
         cross-layer layout) it moves pages as fast as kvcore's gather: there kvcore takes
         those loads only where they are one run per group (a single DMA). Over a model's
         per-layer tensors kvcore's one launch for every layer wins (the vLLM A/B in
-        docs/benchmarks.md), so it keeps them. Large pages: stock's batched DMA is near the
+        docs/lab/benchmarks.md), so it keeps them. Large pages: stock's batched DMA is near the
         link, so stores of them stay stock, loads need more pages a submission, and scattered
         loads over one KV tensor of the largest pages stay stock too
         (:class:`kvcore.serve_rule.VLLMRules` holds the thresholds and their evidence).

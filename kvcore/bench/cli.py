@@ -1,9 +1,11 @@
 """``kvcore bench``'s options and dispatch: the core suite, or an engine's A/B or sweep.
 
 Each engine's module is imported only when ``--engine`` names it, so the core suite runs
-without SGLang or vLLM installed. Every option is checked before anything runs: a bad one
-ends the command with one line per problem on stderr and exit status 2, not a traceback
-minutes into a measurement.
+without SGLang or vLLM installed. The engines' benches live in the checkout's top-level
+``benchmarks/`` package, which the wheel does not carry: they run from a checkout
+(``pip install -e .``), and elsewhere ``--engine`` says so in one line. Every option is
+checked before anything runs: a bad one ends the command with one line per problem on
+stderr and exit status 2, not a traceback minutes into a measurement.
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ from pathlib import Path
 from kvcore.bench import suite
 
 # `kvcore bench --engine NAME` -> the module whose main(args) runs that A/B.
-ENGINE_ABS: dict[str, str] = {"sglang": "kvcore.bench.sglang.ab"}
+ENGINE_ABS: dict[str, str] = {"sglang": "benchmarks.sglang.ab"}
 # `kvcore bench --engine NAME --sweep` -> the module whose main(args) runs the engine-shaped
 # sweep (whole requests as the engine makes them, stock against kvcore).
 ENGINE_SWEEPS: dict[str, str] = {
-    "sglang": "kvcore.bench.sglang.sweep",
-    "vllm": "kvcore.bench.vllm.sweep",
+    "sglang": "benchmarks.sglang.sweep",
+    "vllm": "benchmarks.vllm.sweep",
 }
 
 # `kvcore bench --engine NAME --sweep --beside-compute` -> reloads beside a model's forward.
-BESIDE_COMPUTE: dict[str, str] = {"sglang": "kvcore.bench.sglang.beside"}
+BESIDE_COMPUTE: dict[str, str] = {"sglang": "benchmarks.sglang.beside"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         return 2
     engine = getattr(args, "engine", None)
+    if engine is not None and engine_benchmarks() is None:
+        print(f"kvcore bench: --engine {engine}: {NO_CHECKOUT}", file=sys.stderr)
+        return 2
     if engine is not None and importlib.util.find_spec(engine) is None:
         # The engine's bench modules import it at the top: say so before they do.
         print(f"kvcore bench: --engine {engine}: {_not_installed(engine)}", file=sys.stderr)
@@ -119,6 +124,24 @@ def run(args: argparse.Namespace) -> int:
     return suite.main(args)
 
 
+NO_CHECKOUT = (
+    "the engine benches are in a kvcore checkout's benchmarks/ package, which the wheel "
+    "does not carry; run them from a checkout (git clone, then pip install -e .)"
+)
+
+
+def engine_benchmarks() -> Path | None:
+    """The checkout holding the ``benchmarks`` package, put first on ``sys.path`` so that it
+    is the one imported (a package of that name elsewhere would be another's); None where
+    kvcore is installed without its checkout."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "sglang" / "__init__.py").is_file():
+        return None
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return root
+
+
 def argument_problems(args: argparse.Namespace) -> list[str]:
     """One line per option ``args`` holds that no bench could run with, each naming the
     value and what to give instead."""
@@ -137,9 +160,10 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
 def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
     """``--beside-compute`` needs an engine sweep that has one; ``--compute`` and
     ``--pages`` mean something only with it."""
-    from kvcore.bench.model_forward import COMPUTE_LOADS
-
-    problems = []
+    problems: list[str] = []
+    compute = getattr(args, "compute", None)
+    if compute is not None and engine_benchmarks() is None:
+        return [f"--compute {compute}: {NO_CHECKOUT}"]
     beside = bool(getattr(args, "beside_compute", False))
     engine = getattr(args, "engine", None)
     if beside and (engine not in BESIDE_COMPUTE or not getattr(args, "sweep", False)):
@@ -150,8 +174,9 @@ def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
         value = getattr(args, option[2:], None)
         if value is not None and not beside:
             problems.append(f"{option} {value}: it applies only with --beside-compute")
-    compute = getattr(args, "compute", None)
     if compute is not None:
+        from benchmarks.model_forward import COMPUTE_LOADS
+
         unknown = [load for load in compute.split(",") if load not in COMPUTE_LOADS]
         if unknown:
             problems.append(

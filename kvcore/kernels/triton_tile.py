@@ -18,7 +18,7 @@ from kvcore.kernels.triton_kernels import triton
 
 # Real bytes per tile: PCIe needs many bytes in flight per CTA, and tiles of this size keep
 # a few CTAs at the link where smaller ones need twice as many (scripts/tune_gather.py,
-# docs/benchmarks.md).
+# docs/lab/benchmarks.md).
 TILE_BYTES = 64 * 1024
 # Register footprint of one tile, masked padding lanes included (rows are padded to a power of 2).
 _MAX_TILE_LANES_BYTES = 128 * 1024
@@ -124,7 +124,7 @@ def _default_num_warps(rows: int, block_w: int, word_bytes: int) -> int:
     vectors = rows * block_w * word_bytes // VECTOR_BYTES
     # Aim for ~8 16-byte vectors a thread: all loads of a tile can then be in flight at once.
     # Capped at 8 warps: more lost bandwidth in the tuning runs (scripts/tune_gather.py,
-    # docs/benchmarks.md).
+    # docs/lab/benchmarks.md).
     return max(1, min(8, _prev_pow2(max(1, vectors // (32 * 8)))))
 
 

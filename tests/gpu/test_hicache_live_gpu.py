@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("sglang", reason="needs SGLang installed")
 
-from kvcore.bench.sglang.hicache_live_combine import combine
+from benchmarks.sglang.hicache_live_combine import combine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,7 +37,7 @@ def run_mode(tmp: Path, mode: str, layout: str) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), str(REPO / "integrations"), env.get("PYTHONPATH", "")]
     )
-    command = [sys.executable, "-m", "kvcore.bench.sglang.hicache_live", "--mode", mode]
+    command = [sys.executable, "-m", "benchmarks.sglang.hicache_live", "--mode", mode]
     done = subprocess.run(
         [*command, "--json", str(out), "--layout", layout, *SMALL],
         env=env,

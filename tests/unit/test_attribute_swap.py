@@ -1,4 +1,4 @@
-"""kvcore.bench.attribute_swap: stand-ins for a block, every attribute put back after."""
+"""benchmarks.attribute_swap: stand-ins for a block, every attribute put back after."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from kvcore.bench.attribute_swap import swapped_attributes
+from benchmarks.attribute_swap import swapped_attributes
 
 
 class _Base:

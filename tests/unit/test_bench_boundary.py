@@ -1,4 +1,5 @@
-"""Measuring code stays apart from product code: no product module imports kvcore.bench.
+"""Measuring code stays apart from product code: no product module imports kvcore.bench or
+the checkout's benchmarks package, and the wheel carries only the core suite.
 
 Product modules are kvcore's outside kvcore/bench and both adapters'. The one way in is
 ``kvcore.cli`` reaching ``kvcore.bench.cli`` from inside a function, when ``bench`` is
@@ -52,7 +53,7 @@ from kvcore import bench
 from kvcore.bench.report import summarize
 from ..bench import churn
 import importlib
-importlib.import_module("kvcore.bench.vllm.sweep")
+importlib.import_module("benchmarks.vllm.sweep")
 import kvcore.benchmarks_elsewhere
 from kvcore import mover
 def run():
@@ -64,16 +65,26 @@ def run():
         ("kvcore.bench", False),
         ("kvcore.bench.report", False),
         ("kvcore.bench.churn", False),
-        ("kvcore.bench.vllm.sweep", False),
+        ("benchmarks.vllm.sweep", False),
         ("kvcore.bench.cli", True),
     ]
+
+
+def test_the_wheel_carries_the_core_suite_and_no_engine_bench() -> None:
+    import tomllib
+
+    packaging = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    found = packaging["tool"]["setuptools"]["packages"]["find"]
+    assert not any("benchmarks".startswith(p.rstrip("*")) for p in found["include"])
+    engine_benches = {p.name for p in (ROOT / "kvcore" / "bench").iterdir() if p.is_dir()}
+    assert engine_benches - {"__pycache__"} == set()
 
 
 def test_the_bench_imports_no_engine_until_one_is_asked_for() -> None:
     # The suite and the dispatcher load without SGLang, vLLM or their adapters.
     code = (
         "import sys\n"
-        "import kvcore.bench.cli, kvcore.bench.suite, kvcore.bench.sglang, kvcore.bench.vllm\n"
+        "import kvcore.bench.cli, kvcore.bench.suite, benchmarks.sglang, benchmarks.vllm\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & "
         "{'sglang', 'vllm', 'kvcore_sglang', 'kvcore_vllm'}))\n"
     )

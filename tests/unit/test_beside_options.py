@@ -1,5 +1,5 @@
 """`kvcore bench --engine sglang --sweep --beside-compute`: its options, rows and ideal pipeline
-(the GPU run itself is in docs/benchmarks.md)."""
+(the GPU run itself is in docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import types
 
 import pytest
 
+from benchmarks.sglang import beside, beside_rows
 from kvcore.bench.cli import add_arguments, argument_problems
-from kvcore.bench.sglang import beside, beside_rows
 
 ISSUE_FIELDS = [
     "engine",

@@ -1,12 +1,12 @@
-"""kvcore.bench.gemm_share: the GEMM batch is CUDA work, and the summary reads each side."""
+"""benchmarks.gemm_share: the GEMM batch is CUDA work, and the summary reads each side."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcore.bench.gemm_share import GemmBatch, gemm_summary
-from kvcore.bench.sweep_report import SweepRow
+from benchmarks.gemm_share import GemmBatch, gemm_summary
+from benchmarks.sweep_report import SweepRow
 
 
 def _row(**extra: float) -> SweepRow:

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from kvcore.bench.sglang import engine_plugins, hicache_live_combine
-from kvcore.bench.sglang.hicache_live import options_for, parse_args
-from kvcore.bench.sglang.hicache_live_rig import CacheCounters
-from kvcore.bench.sglang.hicache_live_serve import RequestResult
-from kvcore.bench.sglang.hicache_live_summary import percentile, summarize
+from benchmarks.sglang import engine_plugins, hicache_live_combine
+from benchmarks.sglang.hicache_live import options_for, parse_args
+from benchmarks.sglang.hicache_live_rig import CacheCounters
+from benchmarks.sglang.hicache_live_serve import RequestResult
+from benchmarks.sglang.hicache_live_summary import percentile, summarize
 
 TOKEN_BYTES = 1000
 

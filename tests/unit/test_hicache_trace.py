@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from kvcore.bench.sglang.hicache_trace import (
+from benchmarks.sglang.hicache_trace import (
     FIRST_TURN_TOKENS,
     TraceShape,
     last_token_id,

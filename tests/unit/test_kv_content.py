@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.bench.sglang.kv_content import KVContent
+from benchmarks.sglang.kv_content import KVContent
 
 LAYERS, HEADS, DIM, SLOTS = 3, 2, 8, 64
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.bench.model_forward import (
+from benchmarks.model_forward import (
     COMPUTE_LOADS,
     MODEL_FOR_KIND,
     SHAPES,

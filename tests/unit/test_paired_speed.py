@@ -1,4 +1,4 @@
-"""kvcore.bench.paired_speed and the sweep summary's resolvably-slower count."""
+"""benchmarks.paired_speed and the sweep summary's resolvably-slower count."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from kvcore.bench.paired_speed import paired_speed
-from kvcore.bench.sweep_report import SweepRow, report, summary
+from benchmarks.paired_speed import paired_speed
+from benchmarks.sweep_report import SweepRow, report, summary
 
 
 def test_a_constant_speed_has_a_point_interval() -> None:

@@ -1,4 +1,4 @@
-"""kvcore.bench.phase_timer: inclusive time in named functions while switched on, and every
+"""benchmarks.phase_timer: inclusive time in named functions while switched on, and every
 attribute put back afterwards."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcore.bench import phase_timer
+from benchmarks import phase_timer
 
 
 class Base:

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from kvcore.bench.process_state import process_state, python_call_us
+from benchmarks.process_state import process_state, python_call_us
 
 
 def test_process_state_sees_a_tracer_and_a_thread_and_times_python_calls():

@@ -1,4 +1,4 @@
-"""The soak's accounting, report and phase clock (kvcore.bench.soak_report, soak_state),
+"""The soak's accounting, report and phase clock (benchmarks.soak_report, soak_state),
 engine-free."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcore.bench import soak, soak_state
-from kvcore.bench.soak_report import OBSERVED, Accounting, Tally, document, kvcore_counts
-from kvcore.bench.soak_state import PhaseClock, RandomPages, mover_state, settle
+from benchmarks import soak, soak_state
+from benchmarks.soak_report import OBSERVED, Accounting, Tally, document, kvcore_counts
+from benchmarks.soak_state import PhaseClock, RandomPages, mover_state, settle
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 

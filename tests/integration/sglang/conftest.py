@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvcore.bench.sglang.import_stubs import install_torchvision_stub
+from benchmarks.sglang.import_stubs import install_torchvision_stub
 from kvcore.mover import Mover
 
 if importlib.util.find_spec("sglang") is not None:
@@ -26,7 +26,7 @@ if importlib.util.find_spec("sglang") is not None:
 def device_indices_unread() -> Iterator[None]:
     """The hooks plan every call around its device indices, left unread, as on a GPU with
     SGLang's ``kernel`` backend (the device indices are CPU tensors here)."""
-    from kvcore.bench.sglang.sweep_sides import device_indices_unread as unread
+    from benchmarks.sglang.sweep_sides import device_indices_unread as unread
 
     with unread():
         yield

@@ -93,8 +93,8 @@ def main(argv: list[str]) -> int:
     first: also break one loaded byte)."""
     import conftest  # noqa: F401  (its torchvision stand-in, as in the test session)
 
-    from kvcore.bench.sglang import hicache_live
-    from kvcore.bench.sglang.protocol_stubs import install_protocol_stubs
+    from benchmarks.sglang import hicache_live
+    from benchmarks.sglang.protocol_stubs import install_protocol_stubs
 
     install_protocol_stubs()
     flip = argv[:1] == ["--flip-one-byte"]

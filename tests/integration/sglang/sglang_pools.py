@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.runtime_context import get_parallel
 
-from kvcore.bench.sglang.host_pools import mha_host_pool, mla_host_pool
+from benchmarks.sglang.host_pools import mha_host_pool, mla_host_pool
 
 HOST_RATIO = 2.0
 LAYERS = 2

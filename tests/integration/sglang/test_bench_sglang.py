@@ -13,14 +13,14 @@ import pytest
 pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
 import torch
 
+from benchmarks.sglang import ab, sgl_kernel_stub
+from benchmarks.sglang.ab_measure import measure
+from benchmarks.sglang.ab_paths import LOAD_LAYER, OPS, PathRun, kvcore_path
+from benchmarks.sglang.ab_report import failures, format_table, speedups
+from benchmarks.sglang.pool_case import Options, PoolCase, pool_case
+from benchmarks.sglang.pool_rows import index_pairs
+from benchmarks.sglang.sgl_kernel_stub import StockNotRunnable, install_sgl_kernel_stub
 from kvcore import cli
-from kvcore.bench.sglang import ab, sgl_kernel_stub
-from kvcore.bench.sglang.ab_measure import measure
-from kvcore.bench.sglang.ab_paths import LOAD_LAYER, OPS, PathRun, kvcore_path
-from kvcore.bench.sglang.ab_report import failures, format_table, speedups
-from kvcore.bench.sglang.pool_case import Options, PoolCase, pool_case
-from kvcore.bench.sglang.pool_rows import index_pairs
-from kvcore.bench.sglang.sgl_kernel_stub import StockNotRunnable, install_sgl_kernel_stub
 
 pytestmark = [
     pytest.mark.sglang,

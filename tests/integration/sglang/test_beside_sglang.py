@@ -1,4 +1,4 @@
-"""The beside-compute bench's sides (kvcore/bench/sglang/beside.py) on a CPU: SGLang's own pool
+"""The beside-compute bench's sides (benchmarks/sglang/beside.py) on a CPU: SGLang's own pool
 method as stock, kvcore's hook with its rule on and with it off, one after the other on the
 same pool, as the bench alternates them on a GPU. The rule-on side must meet the pool as
 its own requests left it, whatever the other sides did in between."""
@@ -12,11 +12,11 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
 
-from kvcore.bench.sglang import beside
-from kvcore.bench.sglang.ab import bench_mover
-from kvcore.bench.sglang.host_cost import stock_copies_left_out
-from kvcore.bench.sglang.pool_case import Options, pool_case
-from kvcore.bench.sglang.sweep_cells import _check, _served, paths_taken, request_indices
+from benchmarks.sglang import beside
+from benchmarks.sglang.ab import bench_mover
+from benchmarks.sglang.host_cost import stock_copies_left_out
+from benchmarks.sglang.pool_case import Options, pool_case
+from benchmarks.sglang.sweep_cells import _check, _served, paths_taken, request_indices
 
 pytestmark = pytest.mark.sglang
 

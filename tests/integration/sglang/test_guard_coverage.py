@@ -23,7 +23,7 @@ GROUPS = {**guard.TARGET_GROUPS, **guard.TRANSFER_GROUPS}
 def adapter_uses() -> list[StockUse]:
     package = Path(kvcore_sglang.__file__).parent
     # Every adapter module runs in SGLang's processes, so every one is read; the benches and
-    # their scaffolding, run by hand, live in kvcore.bench.sglang.
+    # their scaffolding, run by hand, live in benchmarks.sglang.
     sources = {
         f"kvcore_sglang.{path.stem}": path.read_text(encoding="utf-8")
         for path in sorted(package.glob("*.py"))

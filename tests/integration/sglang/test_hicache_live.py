@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="needs SGLang installed")
 
-from kvcore.bench.sglang.hicache_live_combine import combine
+from benchmarks.sglang.hicache_live_combine import combine
 
 pytestmark = pytest.mark.sglang
 

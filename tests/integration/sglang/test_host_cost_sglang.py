@@ -1,4 +1,4 @@
-"""python -m kvcore.bench.sglang.host_cost on CPU: every call of a reload timed through
+"""python -m benchmarks.sglang.host_cost on CPU: every call of a reload timed through
 SGLang's real pools and kvcore's hook, first and later calls apart, and the profile."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
 
+from benchmarks.sglang import host_cost
 from kvcore import kernels
-from kvcore.bench.sglang import host_cost
 
 pytestmark = pytest.mark.sglang
 

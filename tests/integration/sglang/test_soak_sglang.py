@@ -1,4 +1,4 @@
-"""The SGLang soak (``python -m kvcore.bench.soak --engine sglang``) on the CPU: a short run
+"""The SGLang soak (``python -m benchmarks.soak --engine sglang``) on the CPU: a short run
 through every pool kind, layout, page size and rule setting checks every reload and leaks
 nothing, and a reload with one wrong byte is caught."""
 
@@ -15,9 +15,9 @@ pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang insta
 
 import torch
 
-from kvcore.bench import soak
-from kvcore.bench.sglang.soak import KINDS, LAYOUTS, PAGES
-from kvcore.bench.sglang.soak_pool import pool_name
+from benchmarks import soak
+from benchmarks.sglang.soak import KINDS, LAYOUTS, PAGES
+from benchmarks.sglang.soak_pool import pool_name
 from kvcore.direction import Direction
 from kvcore.mover import Mover, TransferPlan
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvcore.bench.sglang import sweep
-from kvcore.bench.sglang.sweep_options import repeats_for
+from benchmarks.sglang import sweep
+from benchmarks.sglang.sweep_options import repeats_for
 from kvcore_sglang import transfers
 
 pytestmark = pytest.mark.sglang

@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang_pools import dsa_host, mha_device, mha_host, mla_device, mla_host
 
-from kvcore.bench.sglang.host_pools import mha_host_pool, mla_host_pool
+from benchmarks.sglang.host_pools import mha_host_pool, mla_host_pool
 from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS

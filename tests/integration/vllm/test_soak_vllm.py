@@ -1,4 +1,4 @@
-"""The vLLM soak (``python -m kvcore.bench.soak --engine vllm``) on the CPU: store and load
+"""The vLLM soak (``python -m benchmarks.soak --engine vllm``) on the CPU: store and load
 jobs in flight at once through kvcore's handlers, chunks from kvcore's manager; every load
 checked, nothing left behind, and a load with one wrong byte caught."""
 
@@ -15,8 +15,8 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 import torch
 
-from kvcore.bench import soak
-from kvcore.bench.vllm.soak import PROFILES
+from benchmarks import soak
+from benchmarks.vllm.soak import PROFILES
 from kvcore.direction import Direction
 from kvcore.mover import Mover, TransferPlan
 

@@ -22,13 +22,13 @@ import numpy as np
 import torch
 import vllm
 
+from benchmarks import sweep_report
+from benchmarks.vllm import offload_handlers, sweep
+from benchmarks.vllm.offload_handlers import kvcore_handler, runnable_stock
+from benchmarks.vllm.offload_layout import job_specs
+from benchmarks.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
+from benchmarks.vllm.sweep_sides import Side
 from kvcore import cli
-from kvcore.bench import sweep_report
-from kvcore.bench.vllm import offload_handlers, sweep
-from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock
-from kvcore.bench.vllm.offload_layout import job_specs
-from kvcore.bench.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
-from kvcore.bench.vllm.sweep_sides import Side
 from kvcore_vllm.transfers import KVCoreOffloadingHandler
 
 pytestmark = pytest.mark.vllm

@@ -27,7 +27,7 @@ NOT_STOCK = {
 def adapter_uses() -> list[StockUse]:
     package = Path(kvcore_vllm.__file__).parent
     # Every adapter module runs in vLLM's processes, so every one is read; the benches, run
-    # by hand, live in kvcore.bench.vllm.
+    # by hand, live in benchmarks.vllm.
     sources = {
         f"kvcore_vllm.{path.stem}": path.read_text(encoding="utf-8")
         for path in sorted(package.glob("*.py"))

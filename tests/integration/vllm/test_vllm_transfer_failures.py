@@ -19,8 +19,8 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 import torch
 from handler_jobs import assert_tensors_are, make_job, memmove_batch, reference
 
-from kvcore.bench.vllm.offload_handlers import kvcore_handler, stock_handler, submit
-from kvcore.bench.vllm.offload_layout import Layout
+from benchmarks.vllm.offload_handlers import kvcore_handler, stock_handler, submit
+from benchmarks.vllm.offload_layout import Layout
 from kvcore.internal_errors import InternalErrors
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PathPolicy, Submission

@@ -26,16 +26,16 @@ from hypothesis import strategies as st
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_support import spec_args
 
-from kvcore import serve_rule
-from kvcore.bench.vllm import ab
-from kvcore.bench.vllm.offload_handlers import (
+from benchmarks.vllm import ab
+from benchmarks.vllm.offload_handlers import (
     canonical_kv_caches,
     handler_gpu_tensors,
     kvcore_handler,
     stock_handler,
     submit,
 )
-from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids
+from benchmarks.vllm.offload_layout import Layout, fragmented_ids
+from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics

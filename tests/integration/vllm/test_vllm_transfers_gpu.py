@@ -9,8 +9,8 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 import torch
 
-from kvcore.bench.vllm.offload_handlers import kvcore_handler, runnable_stock, stock_handler
-from kvcore.bench.vllm.offload_layout import Layout, fragmented_ids, job_specs
+from benchmarks.vllm.offload_handlers import kvcore_handler, runnable_stock, stock_handler
+from benchmarks.vllm.offload_layout import Layout, fragmented_ids, job_specs
 from kvcore.streams import CudaStreams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu]

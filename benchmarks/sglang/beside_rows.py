@@ -1,0 +1,118 @@
+"""The beside-compute bench's rows (:mod:`benchmarks.sglang.beside`): one cell and situation
+each, with the fields issue 44 names, kvcore's paths and passes, and paired intervals; the
+ideal pipeline a dependent forward is compared with; the line printed per row."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.paired_speed import paired_speed
+from benchmarks.sglang.sweep_cells import _served, paths_taken
+
+LINK_GBPS = 55.3
+"""A pinned 1 GiB host-to-device copy on the lent H200 (docs/performance.md)."""
+
+
+def ideal_pipeline_ms(layer_bytes: int, layers: int, layer_ms: float) -> float:
+    """The hit's forward with every layer's copy at the link: the first layer's copy, then
+    per layer the longer of its compute (``layer_ms``) and its copy."""
+    copy_ms = layer_bytes / LINK_GBPS / 1e6
+    return copy_ms + layers * max(layer_ms, copy_ms)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def reload_row(
+    case: Any,
+    situation: str,
+    tokens: int,
+    load: str,
+    link_ms: float,
+    times: dict[str, list[float]],
+    forward_times: dict[str, list[float]],
+    forward_alone_ms: float | None,
+    identical: bool,
+    tally: Tally | None = None,
+) -> dict[str, Any]:
+    paired = paired_speed([t / 1e3 for t in times["stock"]], [t / 1e3 for t in times["kvcore"]])
+    row: dict[str, Any] = {
+        "engine": "sglang",
+        "case": f"{case.kind}/layer_first/kernel/p{case.page_size}",
+        "situation": situation,
+        "compute": load,
+        "tokens": tokens,
+        "page_size": case.page_size,
+        "layers": case.opts.layers,
+        "stock_ms": median(times["stock"]),
+        "kvcore_ms": median(times["kvcore"]),
+        "link_ms": link_ms,
+        "forward_alone_ms": forward_alone_ms,
+        "forward_with_stock_ms": median(forward_times["stock"]) if forward_times else None,
+        "forward_with_kvcore_ms": median(forward_times["kvcore"]) if forward_times else None,
+        "identical": identical,
+        "repeats": len(times["stock"]),
+        "speed_paired": None if paired is None else [paired.median, paired.low, paired.high],
+    }
+    if tally is not None:
+        row.update(tally.fields())
+    if times.get("own"):
+        row["own_ms"] = median(times["own"])
+        own = paired_speed([t / 1e3 for t in times["stock"]], [t / 1e3 for t in times["own"]])
+        row["own_speed_paired"] = None if own is None else [own.median, own.low, own.high]
+        if forward_times.get("own"):
+            row["forward_with_own_ms"] = median(forward_times["own"])
+    return row
+
+
+@dataclass
+class Tally:
+    """What kvcore's rule-on side did over a row's timed requests, from its mover's metrics:
+    the paths it copied with and, per request, its passes to stock by reason. A row whose
+    kvcore column ran stock throughout says so here."""
+
+    metrics: Any
+    requests: int = 0
+    paths: set[str] = field(default_factory=set)
+    passes: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, side: Any, call: Callable[[], Any]) -> Any:
+        if getattr(side, "name", None) != "kvcore" or self.metrics is None:
+            return call()
+        before = self.metrics.snapshot()
+        out = call()
+        after = self.metrics.snapshot()
+        self.requests += 1
+        self.paths.update(paths_taken(before, after))
+        for reason, count in _served(before, after, 1)[1].items():
+            self.passes[reason] = self.passes.get(reason, 0) + count
+        return out
+
+    def fields(self) -> dict[str, Any]:
+        share = max(self.requests, 1)
+        return {
+            "kvcore_paths": sorted(self.paths),
+            "kvcore_passes": {reason: n / share for reason, n in sorted(self.passes.items())},
+        }
+
+
+def summary_line(row: dict[str, Any]) -> str:
+    forward = ""
+    if row["forward_alone_ms"] is not None:
+        forward = (
+            f"  forward alone/ideal {row['forward_alone_ms']:.1f}"
+            f" with stock {row['forward_with_stock_ms']:.1f}"
+            f" with kvcore {row['forward_with_kvcore_ms']:.1f}"
+        )
+        if "forward_with_own_ms" in row:
+            forward += f" with own {row['forward_with_own_ms']:.1f}"
+    own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""
+    return (
+        f"{row['case']} {row['tokens']} {row['situation']} {row['compute']}: link "
+        f"{row['link_ms']:.1f} stock {row['stock_ms']:.1f} kvcore {row['kvcore_ms']:.1f}{own}"
+        f"{forward} identical={row['identical']}"
+    )
