@@ -128,9 +128,9 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "stock_kernel_small_mla_load",
         "token-granular MLA layer_first reloads. On few long host runs (the layer ring: DMA, "
         "then a high-priority scatter), beside compute: at 32k tokens kvcore's reload 44-46 ms "
-        "against stock's 79-153 (link 41.6) and the hit's decode forward done at 43.9 ms "
-        "against 70.3; at 8k faster alone and beside other batches (11.8 against 28.2 ms) "
-        "but the hit's decode forward done at 30.1 ms against 22.5, the ring's host time per "
+        "against stock's 70-153 (link 41.6) and the hit's decode forward done at 44.2 ms "
+        "against 70.6; at 8k faster alone and beside other batches (11.8 against 28.2 ms) "
+        "but the hit's decode forward done at 34.4 ms against 29.5, the ring's host time per "
         f"layer holding it back ({BESIDE_COMPUTE_EVIDENCE}, mla/.../p1). Scattered host slots "
         "take the gather (4 CTAs), 1.14-1.19x alone, served from 32k (H200 engine sweeps, "
         "2026-12-03)",
@@ -177,8 +177,9 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         None,
         "stock_kernel_near_link",
         "SGLang's JIT load kernel moves paged reloads at 50-51 GB/s from 4k tokens up, for "
-        "19-26 us of host time a layer; kvcore's own loads 0.97-1.04x from 8k tokens (H200 "
-        "engine sweep). The layer_first rows above serve few long host runs from 32k tokens",
+        "19-26 us of host time a layer; kvcore's own loads 0.97-1.20x from 8k tokens (H200 "
+        "engine sweep, 2026-12-04; the 1.20x a scattered 32k token-granular page_first MHA "
+        "load, idle GPU). The layer_first rows above serve few long host runs from 32k tokens",
     ),
     SGLangRule(
         "backup",
@@ -258,7 +259,7 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         0,
         "stock_direct_per_token",
         "the direct backend at page size 1 issues one copy per token run per layer "
-        "(kvcore 39-234x those copies issued one by one)",
+        "(kvcore 134-575x those copies issued one by one, against a stand-in of stock's loop)",
     ),
     SGLangRule(
         ANY,
@@ -268,8 +269,8 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         4096,
         "stock_direct_small_request",
         "the direct backend issues one copy per page run per layer: cheap for a few pages, "
-        "short of the link for many (kvcore 3.3-5.2x its copies from 4k tokens; below, "
-        "stock's C++ loop costs less host time than kvcore's request)",
+        "short of the link for many (kvcore 3.5-12.2x a stand-in of its copies from 4k tokens; "
+        "below, stock's C++ loop costs less host time than kvcore's request)",
     ),
     SGLangRule(
         ANY,
@@ -327,8 +328,8 @@ class VLLMRules:
     """A job with fewer pages per submission it would need stays with stock's one batched
     copy: kvcore's submission costs a few hundred microseconds of host time, stock's driver
     ~0.5-1 us a page. H200 A/Bs: kvcore lost at 32-256 pages a submission and won from
-    512 (4 KiB to 64 KiB pages); jobs of 32 and 256 pages ran at 0.88-0.96x of stock on
-    kvcore's paths, 0.98-1.03x left to stock."""
+    512 (4 KiB to 64 KiB pages); jobs of 32 and 256 pages (of 256 KiB and 2 MiB) ran at
+    0.88-0.99x of stock on kvcore's paths, 0.98-1.03x left to stock."""
     large_page_bytes: int = 64 << 10
     """Pages from this size on take the two rules below."""
     min_large_pages_per_submission: int = 2048
@@ -341,7 +342,8 @@ class VLLMRules:
     stock_stores_from_page_bytes: int | None = 64 << 10
     """Stores of pages this large stay stock (None: kvcore may take any store). Stock's
     batched DMA holds no SMs; in the same live run its stores moved 52 GB/s of device time
-    beside the model's compute, kvcore's 24 GB/s, and on an idle GPU at 64 KiB pages
+    beside the model's compute, kvcore's 24 GB/s (read from that run's logs: its JSON holds
+    no store rates), and on an idle GPU at 64 KiB pages
     (50-100% fragmented) stock moved 32-37 GB/s, kvcore 27-29."""
     stock_kernel_loads: bool = True
     """Loads over a single KV tensor (cross-layer layout) that are not one run per group
@@ -353,7 +355,8 @@ class VLLMRules:
     stock's batched DMA unless they are one run per group (None: no such rule). Each page
     is one long DMA there, near the link: in vLLM 0.25.1's engine-shaped sweep on the H200,
     kvcore's gather moved scattered 4096-page loads of 1 MiB pages at 0.94x stock's speed
-    and of 1.1 MiB pages at 1.00x; one-run loads (a single DMA) at 1.02x."""
+    (it did not copy those of 1.1 MiB pages: unaligned rows); one-run loads (a single DMA)
+    at 1.02x."""
 
     def min_pages(self, page_bytes: int) -> int:
         """Pages a submission must cover, on average, for pages of ``page_bytes``."""
@@ -438,7 +441,7 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
             "page_sizes": f"< {large}",
             "serves": f">= {VLLM_RULES.min_pages_per_submission} pages per submission",
             "reason": "few_pages",
-            "evidence": "jobs of 32-256 pages: kvcore 0.88-0.96x on its own paths (H200 A/B)",
+            "evidence": "jobs of 32-256 pages: kvcore 0.88-0.99x on its own paths (H200 A/B)",
         },
         {
             "engine": "vllm",
