@@ -127,7 +127,7 @@ def _put_kvcore_worker_in_place() -> str:
     from vllm.v1.kv_offload.cpu import gpu_worker
 
     from kvcore.config import KVCoreConfig
-    from kvcore_vllm import transfers
+    from kvcore_vllm import handler_install
     from kvcore_vllm.releases import installed_shape
     from kvcore_vllm.spec import put_handlers_in_place
 
@@ -138,13 +138,15 @@ def _put_kvcore_worker_in_place() -> str:
             "handlers in place"
         )
     handler = stock_named_handler(
-        transfers.KVCoreOffloadingHandler, installed_shape().name("layer_refs_per_group"), _jobs
+        handler_install.KVCoreOffloadingHandler,
+        installed_shape().name("layer_refs_per_group"),
+        _jobs,
     )
-    transfers.KVCoreOffloadingHandler = handler  # type: ignore[misc]
+    handler_install.KVCoreOffloadingHandler = handler  # type: ignore[misc]
     gpu_worker.CPUOffloadingWorker = kvcore_worker(  # type: ignore[misc]
         gpu_worker.CPUOffloadingWorker,
         put_handlers_in_place,
-        transfers.HANDLER_ATTRIBUTES,
+        handler_install.HANDLER_ATTRIBUTES,
         handler,
     )
     return (

@@ -19,9 +19,10 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import METRICS
+from kvcore_vllm.handler_install import install_handlers
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.releases import installed_shape
-from kvcore_vllm.transfers import INTERNAL_ERRORS, install_handlers
+from kvcore_vllm.transfers import INTERNAL_ERRORS
 
 logger = logging.getLogger("kvcore.vllm")
 

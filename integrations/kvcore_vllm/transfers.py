@@ -1,38 +1,32 @@
 """vLLM's CPU offload transfer handlers with copies planned and issued by kvcore's mover.
 
-A stock ``SingleDirectionOffloadingHandler`` turns every (block, layer) of a job into
-one pointer descriptor and hands them all to one batched copy. This handler keeps its
-public contract (``transfer_async`` / ``get_finished`` / ``wait`` / ``shutdown``): each
-job's copies wait for the work queued on the compute stream when it was submitted, and
-each job is reported finished once. The jobs kvcore copies run one after another on the
-handler's own stream and are reported in submission order (kvcore's async core,
-:class:`kvcore.streams.OrderedJobs`). The job is planned from
-the block-id arrays alone (never from device memory): per KV tensor, the pages become
-row indices (:mod:`kvcore_vllm.page_rows`), and the mover merges pages adjacent on both
-sides into one copy or picks its staged or gather paths. KV tensors whose pages give the
+A stock ``SingleDirectionOffloadingHandler`` turns every (block, layer) of a job into one
+pointer descriptor and hands them all to one batched copy. This handler keeps its public
+contract (``transfer_async`` / ``get_finished`` / ``wait`` / ``shutdown``): each job's
+copies wait for the work queued on the compute stream at submission, and each job is
+reported finished once. kvcore's jobs run one after another on the handler's own stream
+and are reported in submission order (:class:`kvcore.streams.OrderedJobs`). A job is
+planned from its block ids alone, never from device memory: per KV tensor, its pages
+become row indices (:mod:`kvcore_vllm.page_rows`), and KV tensors whose pages give the
 same row indices (a model's layers) share one plan and move in one submission
 (:meth:`kvcore.mover.Mover.execute_layers`: one gather launch or one batched DMA call).
 
-A job kvcore cannot prove it copies exactly as stock does (a canonical host layout, a
-page only partly copied, a row layout it cannot express, duplicate destinations, a
-fallback reason from the planner), or whose copy stock's costs less, is handed whole to
-the stock handler's own ``transfer_async``, and the reason is counted: such a job costs
-what it costs stock, plus kvcore's decision (for the reasons the block count decides,
-one comparison and one count; ``scripts/vllm_pass_cost.py`` counts the calls). The stock
-handler keeps it on its own streams and reports it through ``get_finished`` and
-``wait``, which this handler forwards, looking into its own queue only while it holds a
-job (``queued``). So does a job during
-which kvcore itself fails (counted ``internal_error:<type>``, logged once per type),
-after the part kvcore queued has finished; a CUDA error is raised instead
-(:mod:`kvcore.internal_errors`). Jobs on different streams may finish out of
-submission order; vLLM matches results by job id, and a job's pages are not reused
-before it is reported.
+A job kvcore cannot prove it copies exactly as stock does (a canonical host layout, a page
+only partly copied, a row layout it cannot express, duplicate destinations, a fallback
+reason from the planner), or whose copy stock's costs less, goes whole to the stock
+handler's own ``transfer_async``, the reason counted; it costs what it costs stock, plus
+kvcore's decision (``scripts/vllm_pass_cost.py`` counts the calls). Stock keeps it on its
+own streams and reports it through ``get_finished`` and ``wait``, which this handler
+forwards. So does a job during which kvcore itself fails (counted
+``internal_error:<type>``, logged once per type), after the part kvcore queued has
+finished; a CUDA error is raised instead (:mod:`kvcore.internal_errors`). Jobs on
+different streams may finish out of submission order; vLLM matches results by job id.
 
 vLLM 0.34 hands the handler device pointers instead of GPU block ids
-(:mod:`kvcore_vllm.device_pointers` reads the ids back, and a job whose pointers it
-cannot read goes to stock), and reports a failed copy as ``success=False`` rather than
-raising: on that release a CUDA error in a kvcore job clears the pending error, waits
-for what kvcore queued, and reports the job failed (counted as a ``failed`` decision).
+(:mod:`kvcore_vllm.device_pointers` reads the ids back; a job whose pointers it cannot
+read goes to stock), and reports a failed copy as ``success=False``: there a CUDA error
+in a kvcore job clears the pending error, waits for what kvcore queued, and reports the
+job failed (counted as a ``failed`` decision).
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ import functools
 import logging
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -51,25 +45,22 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 
 from kvcore import serve_rule
-from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
 from kvcore.internal_errors import InternalErrors, device_in_doubt
 from kvcore.kernels.cudart import clear_pending_error
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, Submission, submissions
-from kvcore.path_policy import policy_from_config
 from kvcore.planning import plan
 from kvcore.runs import has_duplicates
 from kvcore.stock_share import REASON as STOCK_SHARE
 from kvcore.stock_share import StockShare
-from kvcore.streams import CudaStreams, NamedStreams, OrderedJobs
-from kvcore.warm_up import warm_up
-from kvcore_vllm.device_pointers import PointerReader, gpu_rows
-from kvcore_vllm.installation import INSTALLATION
+from kvcore.streams import NamedStreams, OrderedJobs
+from kvcore_vllm.device_pointers import PointerReader
+from kvcore_vllm.job_segments import Segment, split_groups
 from kvcore_vllm.page_rows import PageRows, page_rows
 from kvcore_vllm.releases import ReleaseShape, installed_shape
-from kvcore_vllm.stock_copies import StockCopies, gpu_tensors_of
+from kvcore_vllm.stock_copies import StockCopies
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -81,95 +72,8 @@ RULES = serve_rule.VLLM_RULES
 # Starts the line logged for each load while loads are shared with stock (``stock_share``).
 AB_LOG_PREFIX = "kvcore A/B: load"
 
-# The worker attributes that hold its handlers (vLLM 0.32 has no expedited loads).
-HANDLER_ATTRIBUTES = ("_store_handler", "_load_handler", "_expedited_load_handler")
-
 # What _take returns for a job whose copy failed and is reported so (vLLM 0.34).
 _FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """The blocks of one KV cache group in one job."""
-
-    group: int
-    gpu_ids: np.ndarray
-    """The group's GPU block ids, as the job gave them."""
-    cpu_ids: np.ndarray
-    """The group's CPU chunk ids, as the job gave them."""
-    skip: int
-    """Sub-blocks of the first CPU chunk that come before the group's first block."""
-    blocks_per_chunk: int
-
-    @property
-    def pages(self) -> int:
-        return len(self.gpu_ids)
-
-    @functools.cached_property
-    def gpu_blocks(self) -> np.ndarray:
-        """int64 GPU block per copied page."""
-        return self.gpu_ids.astype(np.int64)
-
-    @functools.cached_property
-    def cpu_sub_blocks(self) -> np.ndarray:
-        """int64 CPU sub-block (chunk * blocks_per_chunk + j) per copied page."""
-        chunk_starts = self.cpu_ids.astype(np.int64) * self.blocks_per_chunk
-        sub_blocks = (chunk_starts[:, None] + np.arange(self.blocks_per_chunk)).ravel()
-        return sub_blocks[self.skip : self.skip + self.pages]
-
-    def one_run(self) -> bool:
-        """Whether the pages are consecutive on both sides (one run, one DMA)."""
-        # Sub-blocks run on across chunks exactly when the chunk ids do.
-        return _consecutive(self.gpu_ids) and _consecutive(self.cpu_ids)
-
-
-def _consecutive(ids: np.ndarray) -> bool:
-    if len(ids) < 2:
-        return True
-    # The span alone rules out most scattered jobs without a pass over them.
-    if int(ids[-1]) - int(ids[0]) != len(ids) - 1:
-        return False
-    return bool((np.diff(ids) == 1).all())
-
-
-def split_groups(
-    gpu_ids: np.ndarray,
-    cpu_ids: np.ndarray,
-    group_sizes: Sequence[int],
-    block_indices: Sequence[int],
-    blocks_per_chunk: int,
-) -> list[Segment]:
-    """The job's pages per group, paired GPU block to CPU sub-block.
-
-    Group ``g`` has ``group_sizes[g]`` GPU blocks, logically starting at block
-    ``block_indices[g]`` of its request, so its first CPU chunk is entered
-    ``block_indices[g] % blocks_per_chunk`` sub-blocks in.
-    """
-    if len(group_sizes) != len(block_indices):
-        raise ValueError(f"{len(group_sizes)} group sizes but {len(block_indices)} block indices")
-    segments = []
-    gpu_at = cpu_at = 0
-    for group, (size, first) in enumerate(zip(group_sizes, block_indices, strict=True)):
-        if size == 0:
-            continue
-        skip = first % blocks_per_chunk
-        chunks = -(-(size + skip) // blocks_per_chunk)
-        gpu_part = gpu_ids[gpu_at : gpu_at + size]
-        cpu_part = cpu_ids[cpu_at : cpu_at + chunks]
-        if len(gpu_part) != size or len(cpu_part) != chunks:
-            raise ValueError(
-                f"group {group} needs {size} GPU blocks and {chunks} CPU chunks; the job has "
-                f"{len(gpu_ids) - gpu_at} and {len(cpu_ids) - cpu_at} left"
-            )
-        segments.append(Segment(group, gpu_part, cpu_part, skip, blocks_per_chunk))
-        gpu_at += size
-        cpu_at += chunks
-    if gpu_at != len(gpu_ids) or cpu_at != len(cpu_ids):
-        raise ValueError(
-            f"the groups cover {gpu_at} of {len(gpu_ids)} GPU blocks and {cpu_at} of "
-            f"{len(cpu_ids)} CPU chunks"
-        )
-    return segments
 
 
 @dataclass(frozen=True)
@@ -239,7 +143,7 @@ class KVCoreOffloadingHandler:
         self._stock_rules = stock_rules
         self._stock_share = StockShare(0.0 if self.gpu_to_cpu else stock_share, ab_seed)
         self._groups: list[_Group | str] = self._describe_groups()
-        self._page_bytes = max(_page_bytes(t) for t in self._stock.gpu_tensors)
+        self._page_bytes = max(page_bytes(t) for t in self._stock.gpu_tensors)
         self._max_tensors = max(
             len({ref.tensor_idx for ref in refs}) for refs in self._stock.layer_refs_per_group
         )
@@ -285,12 +189,12 @@ class KVCoreOffloadingHandler:
             tensors = tuple(dict.fromkeys(ref.tensor_idx for ref in refs))
             reason = next((reasons[t] for t in tensors if t in reasons), None)
             if reason is None and any(
-                ref.page_size_bytes != _page_bytes(gpu_tensors[ref.tensor_idx]) for ref in refs
+                ref.page_size_bytes != page_bytes(gpu_tensors[ref.tensor_idx]) for ref in refs
             ):
                 # Stock copies the unpadded head of each page; whole rows would copy more.
                 reason = "partial_page"
-            page_bytes = sum(ref.page_size_bytes for ref in refs)
-            groups.append(reason if reason is not None else _Group(tensors, page_bytes))
+            group_bytes = sum(ref.page_size_bytes for ref in refs)
+            groups.append(reason if reason is not None else _Group(tensors, group_bytes))
         return groups
 
     def transfer_async(self, job_id: int, first: Any, second: Any) -> bool:
@@ -588,92 +492,10 @@ class KVCoreOffloadingHandler:
             raise error
 
 
-def _page_bytes(t: torch.Tensor) -> int:
+def page_bytes(t: torch.Tensor) -> int:
+    """Bytes of one page (row) of a ``[blocks, page]`` KV tensor."""
     return t.shape[1] * t.element_size()
 
 
 def _succeeded(job_id: int, nbytes: int, seconds: float | None) -> TransferResult:
     return TransferResult(job_id=job_id, success=True, transfer_size=nbytes, transfer_time=seconds)
-
-
-def install_handlers(
-    worker: Any,
-    config: KVCoreConfig,
-    metrics: Metrics | None = None,
-    kv_caches: Any | None = None,
-) -> list[str]:
-    """Replace ``worker``'s stock handlers by kvcore's, recorded for the plugin's uninstall;
-    returns the attributes replaced. ``kv_caches``: the ``CanonicalKVCaches`` the worker
-    was built on, which a release whose handlers hold no GPU tensors (0.34) needs; without
-    them such a worker stays stock (counted ``no_kv_caches``).
-
-    Handlers whose GPU tensors are not CUDA tensors stay stock (counted). The handlers
-    share one mover, so one staging buffer per GPU: its leases order the streams that
-    use it on the GPU. Before any is replaced, every path of the mover runs once on
-    scratch rows of the KV pages' sizes (:func:`kvcore.warm_up.warm_up`): first-use costs
-    land here rather than on the first cache hits, and a path that moves a wrong byte
-    leaves every handler stock (counted ``warm_up_wrong_bytes``).
-    """
-    shape = installed_shape()
-    shared: list[torch.Tensor] | None = None
-    if shape.device_pointers:
-        if kv_caches is None:
-            if metrics is not None:
-                metrics.record_fallback("no_kv_caches")
-            return []
-        shared = [gpu_rows(tensor) for tensor in kv_caches.tensors]
-    mover = Mover(policy_from_config(config), metrics=metrics)
-    stocks: dict[str, tuple[Any, list[torch.Tensor]]] = {}
-    for attribute in HANDLER_ATTRIBUTES:
-        stock = getattr(worker, attribute, None)
-        if stock is None:
-            continue
-        gpu_tensors = gpu_tensors_of(stock) if shared is None else shared
-        if not gpu_tensors or gpu_tensors[0].device.type != "cuda":
-            if metrics is not None:
-                metrics.record_fallback("unsupported_device")
-            continue
-        stocks[attribute] = stock, gpu_tensors
-    if not stocks or not _warmed_up(mover, [t for _, t in stocks.values()], metrics):
-        return []
-    handlers = {}
-    for attribute, (stock, gpu_tensors) in stocks.items():
-        streams = CudaStreams(gpu_tensors[0].device)
-        handlers[attribute] = KVCoreOffloadingHandler(
-            stock,
-            mover=mover,
-            gpu_tensors=gpu_tensors,
-            shape=shape,
-            streams=streams,
-            compute_stream=streams.compute_stream,
-            name=attribute,
-            metrics=metrics,
-            stock_rules=config.serve_rule,
-            stock_share=config.stock_share,
-        )
-    # All built before any is put in place: a worker never holds some of each.
-    for attribute, handler in handlers.items():
-        INSTALLATION.replace_handler(worker, attribute, handler)
-    return list(handlers)
-
-
-def _warmed_up(
-    mover: Mover, handler_tensors: Iterable[list[torch.Tensor]], metrics: Metrics | None
-) -> bool:
-    """Warm the mover up for the handlers' devices and page sizes (``handler_tensors``: each
-    handler's GPU tensors); False where it is not to be trusted (wrong bytes, or the
-    warm-up itself broke)."""
-    sizes: dict[torch.device, set[int]] = {}
-    for tensors in handler_tensors:
-        for tensor in tensors:
-            sizes.setdefault(tensor.device, set()).add(_page_bytes(tensor))
-    try:
-        results = [warm_up(mover, device, pages) for device, pages in sizes.items()]
-    except Exception:
-        logger.exception("kvcore: warming up the transfer paths failed; vLLM's copies stay stock")
-        results = []
-    if results and all(result.trustworthy for result in results):
-        return True
-    if metrics is not None:
-        metrics.record_fallback("warm_up_wrong_bytes" if results else "warm_up_failed")
-    return False

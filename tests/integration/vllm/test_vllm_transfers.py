@@ -42,11 +42,12 @@ from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover, PathPolicy
 from kvcore.streams import CpuSyncStreams
 from kvcore.warm_up import WarmUp
-from kvcore_vllm import transfers
+from kvcore_vllm import handler_install, transfers
+from kvcore_vllm.handler_install import install_handlers
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 from kvcore_vllm.stock_copies import StockCopies
-from kvcore_vllm.transfers import KVCoreOffloadingHandler, install_handlers
+from kvcore_vllm.transfers import KVCoreOffloadingHandler
 from tests.support.manual_streams import ManualStreams
 from tests.support.scripts import load_script
 
@@ -761,13 +762,13 @@ def test_a_worker_kvcore_fails_to_equip_keeps_every_stock_handler(monkeypatch):
     monkeypatch.delenv("KVCORE_METRICS", raising=False)
     monkeypatch.setenv("KVCORE_TRANSFERS", "1")
     # Both look like CUDA handlers, and the second of kvcore's fails to build.
-    monkeypatch.setattr(transfers, "_warmed_up", lambda *args: True)
+    monkeypatch.setattr(handler_install, "_warmed_up", lambda *args: True)
     gpu = [t.as_subclass(_CudaLooking) for t in handler_gpu_tensors(worker._store_handler)]
     if worker.kv_caches is None:
-        monkeypatch.setattr(transfers, "gpu_tensors_of", lambda stock: gpu)
+        monkeypatch.setattr(handler_install, "gpu_tensors_of", lambda stock: gpu)
     else:
         monkeypatch.setattr(
-            transfers, "gpu_rows", lambda tensor: tensor.tensor.as_subclass(_CudaLooking)
+            handler_install, "gpu_rows", lambda tensor: tensor.tensor.as_subclass(_CudaLooking)
         )
     built = []
 
@@ -777,9 +778,9 @@ def test_a_worker_kvcore_fails_to_equip_keeps_every_stock_handler(monkeypatch):
         built.append(stock)
         return object()
 
-    monkeypatch.setattr(transfers, "KVCoreOffloadingHandler", handler)
+    monkeypatch.setattr(handler_install, "KVCoreOffloadingHandler", handler)
     monkeypatch.setattr(
-        transfers, "CudaStreams", lambda device: SimpleNamespace(compute_stream=None)
+        handler_install, "CudaStreams", lambda device: SimpleNamespace(compute_stream=None)
     )
     before = METRICS.snapshot()["fallbacks"].get("internal_error:KeyError", 0)
     spec = KVCoreCPUOffloadingSpec(*spec_args({"cpu_bytes_to_use": 1 << 20}))
@@ -873,21 +874,21 @@ def test_handlers_are_installed_only_after_a_warm_up_that_moved_every_byte_right
     worker = host_worker()
     stocks = [handler_gpu_tensors(worker._store_handler), handler_gpu_tensors(worker._load_handler)]
     metrics = Metrics()
-    assert transfers._warmed_up(Mover(SMALL, metrics=metrics), stocks, metrics)
+    assert handler_install._warmed_up(Mover(SMALL, metrics=metrics), stocks, metrics)
     assert metrics.snapshot()["fallbacks"] == {} and metrics.snapshot()["transfers"] == []
 
     def wrong(mover, device, pages):
         assert (device.type, set(pages)) == ("cpu", {256})
         return WarmUp(warmed=["h2d/staged/256B"], wrong=["d2h/gather/256B"])
 
-    monkeypatch.setattr(transfers, "warm_up", wrong)
-    assert not transfers._warmed_up(Mover(SMALL), stocks, metrics)
+    monkeypatch.setattr(handler_install, "warm_up", wrong)
+    assert not handler_install._warmed_up(Mover(SMALL), stocks, metrics)
 
     def broken(mover, device, pages):
         raise RuntimeError("no staging buffer")
 
-    monkeypatch.setattr(transfers, "warm_up", broken)
-    assert not transfers._warmed_up(Mover(SMALL), stocks, metrics)
+    monkeypatch.setattr(handler_install, "warm_up", broken)
+    assert not handler_install._warmed_up(Mover(SMALL), stocks, metrics)
     assert metrics.snapshot()["fallbacks"] == {"warm_up_wrong_bytes": 1, "warm_up_failed": 1}
 
 

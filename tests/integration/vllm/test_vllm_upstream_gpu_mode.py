@@ -28,7 +28,7 @@ SWAPPED = """
 from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 
-from kvcore_vllm import transfers
+from kvcore_vllm import handler_install, transfers
 from kvcore_vllm.releases import installed_shape
 
 
@@ -36,7 +36,7 @@ def test_the_worker_and_its_handlers_are_kvcores():
     stock = CPUOffloadingWorker.__mro__[1]
     assert CPUOffloadingWorker is gpu_worker.CPUOffloadingWorker
     assert (stock.__module__, stock.__name__) == (gpu_worker.__name__, "CPUOffloadingWorker")
-    handler = transfers.KVCoreOffloadingHandler
+    handler = handler_install.KVCoreOffloadingHandler
     assert handler.__mro__[1].__module__ == transfers.__name__
     # The layer references go by another name in each release's stock handler.
     refs = installed_shape().name("layer_refs_per_group")
