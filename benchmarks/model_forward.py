@@ -27,6 +27,8 @@ the regime: a decode batch (64, 256 tokens: short, weight-bound kernels) or a pr
 from __future__ import annotations
 
 import contextlib
+import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -175,3 +177,51 @@ COMPUTE_LOADS: dict[str, ComputeLoad] = {
     "decode-256": ComputeLoad("decode-256", 256, "decode"),
     "prefill-4096": ComputeLoad("prefill-4096", 4096, "prefill"),
 }
+
+
+@dataclass
+class ForwardGraph:
+    """A compute load's forward for one pool kind: eager (:attr:`model`) for a forward that
+    waits on each layer's copy, and one CUDA graph of :attr:`count` layers, replayed on
+    :attr:`stream`, for another batch's forward beside a reload."""
+
+    model: ModelForward
+    stream: torch.cuda.Stream
+    layer_ms: float
+    count: int = 0
+    """Layers in the graph: as many as last about as long as the reload beside them, so
+    that the forward's slowdown is not diluted by time it runs alone."""
+    graph: torch.cuda.CUDAGraph | None = None
+
+    def size_for(self, target_ms: float) -> None:
+        count = max(1, math.ceil(target_ms / self.layer_ms))
+        if count == self.count:
+            return
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            self.model.queue(None, count=count)
+        self.count = count
+
+    def replay(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        assert self.graph is not None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            self.graph.replay()
+            end.record()
+        return start, end
+
+
+def measured_forward(kind: str, load: str, layers: int, device: torch.device) -> ForwardGraph:
+    """The forward of ``load`` beside pools of ``kind`` (mha, mla), its time per layer
+    measured after a warm-up."""
+    model = ModelForward(SHAPES[MODEL_FOR_KIND[kind]], COMPUTE_LOADS[load].tokens, layers, device)
+    stream = torch.cuda.Stream(device)
+    model.queue(stream)  # warm-up: cuBLAS handles and heuristics
+    times = []
+    for _ in range(3):
+        events = model.queue(stream)
+        assert events is not None
+        events[1].synchronize()
+        times.append(events[0].elapsed_time(events[1]))
+    return ForwardGraph(model, stream, statistics.median(times) / layers)

@@ -30,8 +30,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -41,15 +39,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.model_forward import COMPUTE_LOADS, MODEL_FOR_KIND, SHAPES, ModelForward
-from benchmarks.sglang.beside_rows import (
+from benchmarks.beside_rows import (
     LINK_GBPS,
+    RowPlace,
     Tally,
     ideal_pipeline_ms,
     median,
     reload_row,
     summary_line,
 )
+from benchmarks.model_forward import COMPUTE_LOADS, ForwardGraph, measured_forward
 from benchmarks.sglang.sweep_cells import _check, request_indices
 from benchmarks.sglang.sweep_options import LAYERS
 from benchmarks.sglang.sweep_sides import pool_hook, pool_method, serve_rule_off
@@ -190,51 +189,6 @@ class _Controller:
     io_backend: str = "kernel"
 
 
-@dataclass
-class _Forward:
-    """A compute load's forward for one pool: eager for the dependent situation, and one CUDA
-    graph of :attr:`count` layers for the independent one."""
-
-    model: ModelForward
-    stream: torch.cuda.Stream
-    layer_ms: float
-    count: int = 0
-    """Layers in the graph: as many as last about as long as the reload beside them, so
-    that the forward's slowdown is not diluted by time it runs alone."""
-    graph: torch.cuda.CUDAGraph | None = None
-
-    def size_for(self, target_ms: float) -> None:
-        count = max(1, math.ceil(target_ms / self.layer_ms))
-        if count == self.count:
-            return
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self.stream):
-            self.model.queue(None, count=count)
-        self.count = count
-
-    def replay(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        assert self.graph is not None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            start.record()
-            self.graph.replay()
-            end.record()
-        return start, end
-
-
-def _forward(kind: str, load: str, layers: int, device: torch.device) -> _Forward:
-    model = ModelForward(SHAPES[MODEL_FOR_KIND[kind]], COMPUTE_LOADS[load].tokens, layers, device)
-    stream = torch.cuda.Stream(device)
-    model.queue(stream)  # warm-up: cuBLAS handles and heuristics
-    times = []
-    for _ in range(3):
-        events = model.queue(stream)
-        assert events is not None
-        events[1].synchronize()
-        times.append(events[0].elapsed_time(events[1]))
-    return _Forward(model, stream, statistics.median(times) / layers)
-
-
 def _alone(reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor]) -> float:
     with _as_side(reloads.case, side):
         transfer = reloads.prepared(side, cpu)
@@ -245,7 +199,7 @@ def _alone(reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor
 
 
 def _independent(
-    reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor], forward: _Forward
+    reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor], forward: ForwardGraph
 ) -> tuple[float, float]:
     """(reload ms, forward ms) with the forward's graph replayed just before the submission."""
     with _as_side(reloads.case, side):
@@ -260,7 +214,7 @@ def _independent(
 
 
 def _dependent(
-    reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor], forward: _Forward
+    reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor], forward: ForwardGraph
 ) -> tuple[float, float]:
     """(reload ms, completion ms): the hit's forward waits for each layer's load."""
     done, stream = reloads.layer_done, forward.stream
@@ -293,7 +247,7 @@ def _identical(reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Te
 
 
 def _cells(
-    case: Any, tokens: int, opts: BesideOptions, forwards: dict[str, _Forward], metrics: Any
+    case: Any, tokens: int, opts: BesideOptions, forwards: dict[str, ForwardGraph], metrics: Any
 ) -> Iterator[dict[str, Any]]:
     layers = case.opts.layers
     reloads = _Reloads(case, layers)
@@ -315,7 +269,14 @@ def _cells(
             ms = tally.timed(side, functools.partial(_alone, reloads, side, cpu))
             if i:
                 times[side.name].append(ms)
-    yield reload_row(case, "alone", tokens, "none", link_ms, times, {}, None, identical, tally)
+    place = RowPlace(
+        "sglang",
+        f"{case.kind}/layer_first/kernel/p{case.page_size}",
+        tokens,
+        case.page_size,
+        layers,
+    )
+    yield reload_row(place, "alone", "none", link_ms, times, {}, None, identical, tally)
     stock_alone = median(times["stock"])
     for load in opts.loads:
         forward = forwards[load]
@@ -345,9 +306,8 @@ def _cells(
             else:
                 reference = ideal_pipeline_ms(layer_bytes, layers, forward.layer_ms)
             yield reload_row(
-                case,
+                place,
                 situation,
-                tokens,
                 load,
                 link_ms,
                 reload_times,
@@ -380,7 +340,9 @@ def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None
     with bench_mover(serve_rule=opts.serve_rule) as mover, torch.cuda.stream(scheduler):
         for kind in opts.kinds:
             layers = (opts.layers or LAYERS)[kind]
-            forwards = {load: _forward(kind, load, layers, opts.device) for load in opts.loads}
+            forwards = {
+                load: measured_forward(kind, load, layers, opts.device) for load in opts.loads
+            }
             for page in opts.pages:
                 base = Options(
                     tokens=max(opts.tokens), layers=layers, device=opts.device, seed=opts.seed

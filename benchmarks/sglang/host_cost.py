@@ -37,6 +37,7 @@ import torch
 
 from benchmarks import phase_timer
 from benchmarks.attribute_swap import swapped_attributes
+from benchmarks.metric_deltas import paths_taken
 from benchmarks.sglang import sweep, sweep_cells, sweep_sides
 from benchmarks.sglang.import_stubs import install_torchvision_stub
 from benchmarks.sglang.pool_case import Options, PoolCase, pool_case
@@ -277,7 +278,7 @@ def measure_case(
         if name == "kvcore":
             row = dataclasses.replace(
                 row,
-                paths=sweep_cells.paths_taken(before, METRICS.snapshot()),
+                paths=paths_taken(before, METRICS.snapshot()),
                 bound_share=bound[0] / len(laters) if laters else 0.0,
             )
         rows.append(row)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks.gemm_share import GemmBatch
+from benchmarks.metric_deltas import paths_taken, served_per_request
 from benchmarks.paired_speed import paired_speed
 from benchmarks.sglang.pool_case import HOST_LEVELS, PoolCase
 from benchmarks.sglang.pool_rows import bytes_equal, check_backup, get_rows
@@ -126,7 +127,7 @@ def measure_cell(
                 if side is kvcore:
                     after = mover_metrics.snapshot()
                     kvcore_requests += 1
-                    served, reasons = _served(before, after, 1)
+                    served, reasons = served_per_request(before, after, 1)
                     submissions += served
                     for reason, count in reasons.items():
                         passes[reason] = passes.get(reason, 0.0) + count
@@ -216,31 +217,3 @@ def _own_times(own: list[tuple[float, float]]) -> dict[str, float]:
         "own_ms": statistics.median(t for t, _ in own) * 1e3,
         "own_host_ms": statistics.median(h for _, h in own) * 1e3,
     }
-
-
-def _served(
-    before: dict[str, Any], after: dict[str, Any], requests: int
-) -> tuple[float, dict[str, float]]:
-    """kvcore's own submissions and its passes per request, from its metrics."""
-    seen = {(t["direction"], t["path"]): t["count"] for t in before["transfers"]}
-    submissions = sum(
-        t["count"] - seen.get((t["direction"], t["path"]), 0) for t in after["transfers"]
-    )
-    passes = {
-        reason: (count - before["fallbacks"].get(reason, 0)) / requests
-        for reason, count in after["fallbacks"].items()
-        if count > before["fallbacks"].get(reason, 0)
-    }
-    return submissions / requests, passes
-
-
-def paths_taken(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """kvcore's mover paths that submitted anything between two snapshots of its metrics."""
-    seen = {(t["direction"], t["path"]): t["count"] for t in before["transfers"]}
-    return sorted(
-        {
-            t["path"]
-            for t in after["transfers"]
-            if t["count"] > seen.get((t["direction"], t["path"]), 0)
-        }
-    )

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from benchmarks.sglang import beside, beside_rows
+from benchmarks import beside_rows
+from benchmarks.sglang import beside
 from kvcore.bench.cli import add_arguments, argument_problems
 
 ISSUE_FIELDS = [
@@ -61,19 +62,26 @@ def test_the_ideal_pipeline_is_the_first_copy_then_the_longer_of_compute_and_cop
 
 
 def test_a_row_carries_the_fields_the_issue_names_and_a_paired_interval():
-    case = types.SimpleNamespace(kind="mha", page_size=64, opts=types.SimpleNamespace(layers=32))
+    place = beside_rows.RowPlace("sglang", "mha/layer_first/kernel/p64", 8192, 64, 32)
     times = {"stock": [30.0, 31.0, 29.0], "kvcore": [20.0, 21.0, 22.0], "own": [20.0, 20.0, 20.0]}
     forwards = {"stock": [25.0, 24.0, 26.0], "kvcore": [23.0, 22.0, 23.5], "own": [22, 22, 22]}
     row = beside_rows.reload_row(
-        case, "independent", 8192, "prefill-4096", 19.4, times, forwards, 21.5, True
+        place, "independent", "prefill-4096", 19.4, times, forwards, 21.5, True
     )
     assert all(field in row for field in ISSUE_FIELDS)
+    assert (row["engine"], row["case"], row["tokens"], row["page_size"], row["layers"]) == (
+        "sglang",
+        "mha/layer_first/kernel/p64",
+        8192,
+        64,
+        32,
+    )
     assert row["stock_ms"] == 30.0 and row["kvcore_ms"] == 21.0 and row["own_ms"] == 20.0
     assert row["forward_with_kvcore_ms"] == 23.0 and row["forward_with_own_ms"] == 22
     low, high = row["speed_paired"][1:]
     assert 1.0 < low <= row["speed_paired"][0] <= high
     assert row["own_speed_paired"][1] > 1.0
-    alone = beside_rows.reload_row(case, "alone", 8192, "none", 19.4, times, {}, None, False)
+    alone = beside_rows.reload_row(place, "alone", "none", 19.4, times, {}, None, False)
     assert alone["forward_with_stock_ms"] is None and alone["identical"] is False
 
 

@@ -12,11 +12,12 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
 
+from benchmarks.metric_deltas import paths_taken, served_per_request
 from benchmarks.sglang import beside
 from benchmarks.sglang.ab import bench_mover
 from benchmarks.sglang.host_cost import stock_copies_left_out
 from benchmarks.sglang.pool_case import Options, pool_case
-from benchmarks.sglang.sweep_cells import _check, _served, paths_taken, request_indices
+from benchmarks.sglang.sweep_cells import _check, request_indices
 
 pytestmark = pytest.mark.sglang
 
@@ -56,7 +57,7 @@ def test_rule_on_side_serves_32k_reloads_after_its_8k_reloads_passed(
                                 case.device_pool, host, device, layer, "kernel"
                             )
                         after = mover.metrics.snapshot()
-                    passes = _served(before, after, 1)[1]
+                    passes = served_per_request(before, after, 1)[1]
                     seen.setdefault((tokens, side.name), []).append(
                         (paths_taken(before, after), passes)
                     )

@@ -1,6 +1,7 @@
-"""The beside-compute bench's rows (:mod:`benchmarks.sglang.beside`): one cell and situation
-each, with the fields issue 44 names, kvcore's paths and passes, and paired intervals; the
-ideal pipeline a dependent forward is compared with; the line printed per row."""
+"""The beside-compute benches' rows (:mod:`benchmarks.sglang.beside`,
+:mod:`benchmarks.vllm.beside`): one cell and situation each, with the fields issue 44 names,
+kvcore's paths and passes, and paired intervals; the ideal pipeline a dependent forward is
+compared with; the line printed per row."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.metric_deltas import paths_taken, served_per_request
 from benchmarks.paired_speed import paired_speed
-from benchmarks.sglang.sweep_cells import _served, paths_taken
 
 LINK_GBPS = 55.3
 """A pinned 1 GiB host-to-device copy on the lent H200 (docs/performance.md)."""
@@ -27,10 +28,20 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+@dataclass(frozen=True)
+class RowPlace:
+    """Where a row's requests ran: the engine, the pool or layout case, the request size."""
+
+    engine: str
+    case: str
+    tokens: int
+    page_size: int
+    layers: int
+
+
 def reload_row(
-    case: Any,
+    place: RowPlace,
     situation: str,
-    tokens: int,
     load: str,
     link_ms: float,
     times: dict[str, list[float]],
@@ -41,13 +52,13 @@ def reload_row(
 ) -> dict[str, Any]:
     paired = paired_speed([t / 1e3 for t in times["stock"]], [t / 1e3 for t in times["kvcore"]])
     row: dict[str, Any] = {
-        "engine": "sglang",
-        "case": f"{case.kind}/layer_first/kernel/p{case.page_size}",
+        "engine": place.engine,
+        "case": place.case,
         "situation": situation,
         "compute": load,
-        "tokens": tokens,
-        "page_size": case.page_size,
-        "layers": case.opts.layers,
+        "tokens": place.tokens,
+        "page_size": place.page_size,
+        "layers": place.layers,
         "stock_ms": median(times["stock"]),
         "kvcore_ms": median(times["kvcore"]),
         "link_ms": link_ms,
@@ -88,7 +99,7 @@ class Tally:
         after = self.metrics.snapshot()
         self.requests += 1
         self.paths.update(paths_taken(before, after))
-        for reason, count in _served(before, after, 1)[1].items():
+        for reason, count in served_per_request(before, after, 1)[1].items():
             self.passes[reason] = self.passes.get(reason, 0) + count
         return out
 
