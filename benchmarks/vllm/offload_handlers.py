@@ -256,15 +256,22 @@ COLLECT_TIMEOUT_S = 300.0
 
 
 def submit_and_collect(
-    handler: Any, jobs: Sequence[tuple[int, tuple[Any, Any]]], submit_seconds: list[float]
+    handler: Any,
+    jobs: Sequence[tuple[int, tuple[Any, Any]]],
+    submit_seconds: list[float],
+    between: Callable[[], object] | None = None,
 ) -> list[TransferResult]:
     """What vLLM's offloading worker does with a step's jobs: ``transfer_async`` each
     (its host time appended to ``submit_seconds``), ``wait`` for all of them, then
-    ``get_finished`` until every one is reported; returns the results as reported."""
+    ``get_finished`` until every one is reported; returns the results as reported.
+    ``between`` runs after the submissions and before the wait: what the engine queues
+    meanwhile (the next batch's forward)."""
     for job_id, (src_spec, dst_spec) in jobs:
         started = time.perf_counter()
         submit(handler, job_id, src_spec, dst_spec)
         submit_seconds.append(time.perf_counter() - started)
+    if between is not None:
+        between()
     handler.wait({job_id for job_id, _ in jobs})
     results: list[TransferResult] = []
     deadline = time.perf_counter() + COLLECT_TIMEOUT_S

@@ -31,7 +31,7 @@ import math
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -93,7 +93,7 @@ class _Sweep:
 
     def run(self) -> SweepResult:
         rows = max(m.layout(self.blocks).host_row_bytes for m in self.plan.layouts)
-        host = _host_region(rows * self.blocks, self.device)
+        host = host_region(rows * self.blocks, self.device)
         try:
             for model in self.plan.layouts:
                 pools = Pools(
@@ -252,20 +252,12 @@ class _Sweep:
         for side in order:
             ids = list(range(self._next_job_id, self._next_job_id + len(request.jobs)))
             self._next_job_id += len(ids)
-            specs = [
-                (job_id, job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
-                for job_id, job in zip(ids, request.jobs, strict=True)
-            ]
-            pools.prepare(request)
-            wall, host, results = side.run(specs)
+            wall, host, error = request_through(side, pools, request, ids)
             got = samples[side.name]
             got.wall.append(wall)
             got.host.append(host)
-            error = _results_error(results, ids, request, pools)
             if error is not None:
                 got.errors.append(f"{side.name}: {error}")
-            if not pools.verify(request):
-                got.errors.append(f"{side.name}: wrong bytes")
 
     def _print_progress(self, row: SweepRow) -> None:
         done = len(self.result.rows) + self.result.skipped
@@ -276,6 +268,28 @@ class _Sweep:
             f"{'' if row.identical else ', WRONG BYTES'}",
             flush=True,
         )
+
+
+def request_through(
+    side: Side,
+    pools: Pools,
+    request: Request,
+    ids: list[int],
+    between: Callable[[], object] | None = None,
+) -> tuple[float, float, str | None]:
+    """``request``'s jobs (numbered ``ids``) through one side, then checked: wall-clock and
+    host seconds, and what was wrong (reports or bytes), if anything. ``between`` runs once
+    the jobs are submitted (:meth:`Side.run`)."""
+    specs = [
+        (job_id, job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
+        for job_id, job in zip(ids, request.jobs, strict=True)
+    ]
+    pools.prepare(request)
+    wall, host, results = side.run(specs, between)
+    error = _results_error(results, ids, request, pools)
+    if error is None and not pools.verify(request):
+        error = "wrong bytes"
+    return wall, host, error
 
 
 def _results_error(
@@ -296,7 +310,7 @@ def _results_error(
     return None
 
 
-def _host_region(nbytes: int, device: torch.device) -> HostBuffer:
+def host_region(nbytes: int, device: torch.device) -> HostBuffer:
     """Host memory for every layout's region in turn: pinned once (vLLM pins its region),
     registered as one range, since a DMA copy cannot span two registrations."""
     if device.type != "cuda":

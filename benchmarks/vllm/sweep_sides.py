@@ -14,6 +14,7 @@ import math
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +65,17 @@ class Side:
         self.handler_metrics = handler_metrics
         self.mover_metrics = mover_metrics
 
-    def run(self, specs: list[tuple[int, tuple[Any, Any]]]) -> tuple[float, float, list[Any]]:
-        """Wall-clock and host seconds of one request's jobs, and the results reported."""
+    def run(
+        self,
+        specs: list[tuple[int, tuple[Any, Any]]],
+        between: Callable[[], object] | None = None,
+    ) -> tuple[float, float, list[Any]]:
+        """Wall-clock and host seconds of one request's jobs, and the results reported;
+        ``between`` runs once they are submitted, before they are waited for."""
         _synchronize(self.device)
         submit: list[float] = []
         started = time.perf_counter()
-        results = submit_and_collect(self.handler, specs, submit)
+        results = submit_and_collect(self.handler, specs, submit, between)
         return time.perf_counter() - started, sum(submit), results
 
     def fallbacks(self) -> Counter[str]:
@@ -108,14 +114,18 @@ def _fallbacks(metrics: Metrics | None) -> Counter[str]:
     return Counter() if metrics is None else Counter(metrics.snapshot()["fallbacks"])
 
 
-def kvcore_side(stock: Any, device: torch.device) -> Side:
+def kvcore_side(stock: Any, device: torch.device, *, rule: bool = True) -> Side:
+    """kvcore's handler over ``stock``; without its serve-or-pass ``rule`` it is the ``own``
+    side: kvcore's own paths wherever it can copy."""
     handler_metrics, mover_metrics = Metrics(), Metrics()
     handler = kvcore_handler(
         runnable_stock(stock, device),
         metrics=handler_metrics,
         mover=Mover(env_policy(), metrics=mover_metrics),
+        stock_rules=rule,
     )
-    return Side("kvcore", handler, device, handler_metrics, mover_metrics)
+    name = "kvcore" if rule else "own"
+    return Side(name, handler, device, handler_metrics, mover_metrics)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -29,7 +29,10 @@ ENGINE_SWEEPS: dict[str, str] = {
 }
 
 # `kvcore bench --engine NAME --sweep --beside-compute` -> reloads beside a model's forward.
-BESIDE_COMPUTE: dict[str, str] = {"sglang": "benchmarks.sglang.beside"}
+BESIDE_COMPUTE: dict[str, str] = {
+    "sglang": "benchmarks.sglang.beside",
+    "vllm": "benchmarks.vllm.beside",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,6 +177,9 @@ def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
         value = getattr(args, option[2:], None)
         if value is not None and not beside:
             problems.append(f"{option} {value}: it applies only with --beside-compute")
+    pages = getattr(args, "pages", None)
+    if pages is not None and beside and engine == "vllm":
+        problems.append(f"--pages {pages}: vLLM's blocks are 16 tokens; --pages is SGLang's")
     if compute is not None:
         from benchmarks.model_forward import COMPUTE_LOADS
 

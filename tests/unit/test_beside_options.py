@@ -88,8 +88,12 @@ def test_a_row_carries_the_fields_the_issue_names_and_a_paired_interval():
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--beside-compute"], "--beside-compute: give it with --engine sglang --sweep"),
-        (["--engine", "vllm", "--sweep", "--beside-compute"], "--engine sglang --sweep"),
+        (["--beside-compute"], "--beside-compute: give it with --engine sglang or vllm --sweep"),
+        (["--engine", "vllm", "--beside-compute"], "--engine sglang or vllm --sweep"),
+        (
+            ["--engine", "vllm", "--sweep", "--beside-compute", "--pages", "64"],
+            "--pages 64: vLLM's blocks are 16 tokens; --pages is SGLang's",
+        ),
         (["--compute", "decode-64"], "--compute decode-64: it applies only with"),
         (["--pages", "64"], "--pages 64: it applies only with"),
         (

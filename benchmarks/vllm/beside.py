@@ -1,0 +1,324 @@
+"""`kvcore bench --engine vllm --sweep --beside-compute`: vLLM's CPU-tier loads beside the model.
+
+A load is what vLLM's offloading worker does for a hit: the connector submits the job
+(``transfer_async``: each handler's copies first wait for what the compute stream has
+queued), the engine goes on with the running batch's forward, and the worker waits for the
+job and collects it (``wait``, ``get_finished``) before the request is scheduled. Each
+request is timed wall-clock from the first submission until every job is reported, with
+new block ids every time, in two situations:
+
+- ``alone``: nothing else on the GPU;
+- ``independent``: another batch's forward (:class:`benchmarks.model_forward.ForwardGraph`,
+  a Llama-3-8B-shaped layer beside MHA pages, a DeepSeek-V3-shaped one beside MLA pages,
+  replayed as one CUDA graph on a compute stream sized to last about as long as stock's load
+  alone) is queued right after the submissions, as the engine's next step is; its time alone
+  and beside each side's load says what the load costs everyone else.
+
+vLLM schedules a request only once its loads are reported, so no forward waits layer by
+layer on them: there is no ``dependent`` situation as in SGLang's bench
+(:mod:`benchmarks.sglang.beside`).
+
+Stock is vLLM's own handler (its compiled copy op, or the same driver call where that is
+not built); kvcore is its handler over a copy of stock's; ``own`` is kvcore's with its
+serve-or-pass rule off. The sides alternate request by request on the same pools, and every
+request is checked byte for byte, every other row keeping its bytes. Rows are
+:func:`benchmarks.beside_rows.reload_row`'s: ``engine case situation tokens page_size
+stock_ms kvcore_ms link_ms forward_alone_ms forward_with_stock_ms forward_with_kvcore_ms
+identical``, ``page_size`` being vLLM's 16-token block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from benchmarks.beside_rows import (
+    LINK_GBPS,
+    RowPlace,
+    Tally,
+    median,
+    reload_row,
+    summary_line,
+)
+from benchmarks.model_forward import COMPUTE_LOADS, measured_forward
+from benchmarks.vllm.offload_handlers import stock_handler
+from benchmarks.vllm.sweep import host_region, request_through
+from benchmarks.vllm.sweep_plan import BLOCK_TOKENS, MHA_PAGE_BYTES, MLA_PAGE_BYTES, ModelLayout
+from benchmarks.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
+from benchmarks.vllm.sweep_sides import Side, kvcore_side, stock_side
+
+LAYOUTS: dict[str, ModelLayout] = {
+    "mha": ModelLayout(False, 32, "mha", MHA_PAGE_BYTES),
+    "mla": ModelLayout(False, 61, "mla", MLA_PAGE_BYTES),
+}
+"""Per-layer KV tensors, as vLLM's connector registers a model's layers, by pool kind."""
+
+
+@dataclass(frozen=True)
+class VllmBesideOptions:
+    kinds: tuple[str, ...] = ("mha", "mla")
+    tokens: tuple[int, ...] = (8192, 32768)
+    loads: tuple[str, ...] = tuple(COMPUTE_LOADS)
+    repeats: int = 5
+    frag: float = 0.0
+    """The host blocks' fragmentation (kvcore's allocator keeps a request's chunks in a run)."""
+    with_own: bool = True
+    device: torch.device = field(default_factory=lambda: torch.device("cuda"))
+    seed: int = 4321
+    partial_json: str | None = None
+    """Where to write the rows so far after every layout, so a run cut short keeps them."""
+
+
+class Forward(Protocol):
+    """What the cells need of a forward (:class:`benchmarks.model_forward.ForwardGraph`)."""
+
+    def size_for(self, target_ms: float) -> None: ...
+
+    def replay(self) -> tuple[Any, Any]: ...
+
+
+class _Loads:
+    """One layout's pools, its request drawer and the job ids handed out so far."""
+
+    def __init__(self, pools: Pools, blocks: int, seed: int) -> None:
+        self.pools = pools
+        self.drawer = RequestDrawer(blocks, np.random.default_rng(seed))
+        self.next_id = 0
+
+    def through(
+        self, side: Side, request: Any, between: Callable[[], object] | None = None
+    ) -> tuple[float, bool]:
+        """(ms, checked ok) of one request through ``side``."""
+        ids = list(range(self.next_id, self.next_id + len(request.jobs)))
+        self.next_id += len(ids)
+        wall, _, error = request_through(side, self.pools, request, ids, between)
+        return wall * 1e3, error is None
+
+
+class _Metrics:
+    """kvcore's side's mover paths and handler passes as one snapshot, for :class:`Tally`."""
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+
+    def snapshot(self) -> dict[str, Any]:
+        mover, handler = self.side.mover_metrics, self.side.handler_metrics
+        return {
+            "transfers": mover.snapshot()["transfers"] if mover is not None else [],
+            "fallbacks": handler.snapshot()["fallbacks"] if handler is not None else {},
+        }
+
+
+def _order(sides: Sequence[Side], i: int) -> Sequence[Side]:
+    return sides if i % 2 == 0 else sides[::-1]
+
+
+def cells(
+    model: ModelLayout,
+    loads: _Loads,
+    sides: Sequence[Side],
+    forwards: dict[str, Forward],
+    opts: VllmBesideOptions,
+) -> Iterator[dict[str, Any]]:
+    """Each request size's rows: alone, then beside each compute load's forward."""
+    kvcore = next(side for side in sides if side.name == "kvcore")
+    for tokens in opts.tokens:
+        blocks = tokens // BLOCK_TOKENS
+        link_ms = blocks * model.block_bytes / LINK_GBPS / 1e6
+        place = RowPlace(
+            "vllm", f"{model.name}/host-{opts.frag:.0%}/load", tokens, 16, model.layers
+        )
+        ok = True
+        times: dict[str, list[float]] = {side.name: [] for side in sides}
+        tally = Tally(_Metrics(kvcore))
+        # A warm-up, then the requests timed, each with new block ids.
+        for i in range(opts.repeats + 1):
+            request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=False)
+            for side in _order(sides, i):
+                ms, checked = tally.timed(side, functools.partial(loads.through, side, request))
+                ok &= checked
+                if i:
+                    times[side.name].append(ms)
+        yield reload_row(place, "alone", "none", link_ms, times, {}, None, ok, tally)
+        reference = median(times["stock"]) if times.get("stock") else median(times["kvcore"])
+        for load in opts.loads:
+            forward = forwards[load]
+            forward.size_for(reference)
+            reload_times: dict[str, list[float]] = {side.name: [] for side in sides}
+            forward_times: dict[str, list[float]] = {side.name: [] for side in sides}
+            alone: list[float] = []
+            tally = Tally(_Metrics(kvcore))
+            for i in range(opts.repeats + 1):
+                start, end = forward.replay()
+                end.synchronize()
+                if i:
+                    alone.append(start.elapsed_time(end))
+                request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=False)
+                for side in _order(sides, i):
+                    ms, checked, forward_ms = tally.timed(
+                        side, functools.partial(_beside, loads, side, request, forward)
+                    )
+                    ok &= checked
+                    if i:
+                        reload_times[side.name].append(ms)
+                        forward_times[side.name].append(forward_ms)
+            yield reload_row(
+                place,
+                "independent",
+                load,
+                link_ms,
+                reload_times,
+                forward_times,
+                median(alone),
+                ok,
+                tally,
+            )
+
+
+def _beside(loads: _Loads, side: Side, request: Any, forward: Forward) -> tuple[float, bool, float]:
+    """(load ms, checked ok, forward ms) of one request with the forward queued right after
+    its submissions."""
+    events: list[tuple[Any, Any]] = []
+    ms, ok = loads.through(side, request, lambda: events.append(forward.replay()))
+    start, end = events[0]
+    end.synchronize()
+    return ms, ok, start.elapsed_time(end)
+
+
+def run(
+    opts: VllmBesideOptions, progress: Callable[[str], None] = lambda line: None
+) -> dict[str, Any]:
+    import vllm
+
+    if opts.device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError("needs a CUDA GPU: the forward's graph and the copies' streams")
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    blocks = slice_blocks(max(opts.tokens) // BLOCK_TOKENS)
+    layouts = [LAYOUTS[kind] for kind in opts.kinds]
+    host = host_region(max(m.layout(blocks).host_row_bytes for m in layouts) * blocks, opts.device)
+    generator = torch.Generator().manual_seed(opts.seed)
+    try:
+        for kind, model in zip(opts.kinds, layouts, strict=True):
+            try:
+                rows += _layout_rows(kind, model, host.tensor, blocks, generator, opts, progress)
+            except Exception as exc:  # one layout failing says why; the others still run
+                why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                progress(f"{model.name}: {why}")
+                skipped.append({"case": model.name, "error": why})
+            if opts.partial_json:
+                _write_json(opts.partial_json, _document(opts, vllm, rows, skipped))
+            torch.cuda.empty_cache()
+    finally:
+        host.close()
+    return _document(opts, vllm, rows, skipped)
+
+
+def _layout_rows(
+    kind: str,
+    model: ModelLayout,
+    region: torch.Tensor,
+    blocks: int,
+    generator: torch.Generator,
+    opts: VllmBesideOptions,
+    progress: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    pools = Pools(model.layout(blocks), region.view(torch.int8), opts.device, generator)
+    stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=False)
+    label, stock_run = stock_side(stock, opts.device)
+    if stock_run is None:
+        raise RuntimeError(f"stock's handler cannot run here: {label}")
+    sides = [stock_run, kvcore_side(stock, opts.device)]
+    if opts.with_own:
+        sides.append(kvcore_side(stock, opts.device, rule=False))
+    forwards = {
+        load: measured_forward(kind, load, model.layers, opts.device) for load in opts.loads
+    }
+    rows = []
+    try:
+        loads = _Loads(pools, blocks, opts.seed)
+        for row in cells(model, loads, sides, dict(forwards), opts):
+            row["stock_copy"] = label
+            progress(summary_line(row))
+            rows.append(row)
+    finally:
+        for side in sides:
+            side.handler.shutdown()
+    if not pools.verify_all():
+        for row in rows:
+            row["identical"] = False
+    return rows
+
+
+def _document(
+    opts: VllmBesideOptions, vllm: Any, rows: list[dict[str, Any]], skipped: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "device": torch.cuda.get_device_name(opts.device),
+        "engine": "vllm",
+        "version": getattr(vllm, "__version__", "unknown"),
+        "torch": torch.__version__,
+        "link_gbps": LINK_GBPS,
+        "host_fragmentation": opts.frag,
+        "rows": rows,
+        "not_runnable": skipped,
+    }
+
+
+def options_for(args: argparse.Namespace) -> VllmBesideOptions:
+    opts = VllmBesideOptions()
+    if getattr(args, "rows", None):
+        opts = replace(opts, kinds=tuple(args.rows.split(",")))
+    if getattr(args, "sizes", None):
+        opts = replace(opts, tokens=tuple(int(size) for size in args.sizes.split(",")))
+    if getattr(args, "compute", None):
+        opts = replace(opts, loads=tuple(args.compute.split(",")))
+    if getattr(args, "repeats", 0):
+        opts = replace(opts, repeats=int(args.repeats))
+    if getattr(args, "json", None):
+        opts = replace(opts, partial_json=args.json)
+    return opts
+
+
+def _write_json(path: str, document: dict[str, Any]) -> None:
+    with open(path, "w") as fh:
+        json.dump(document, fh, indent=2)
+        fh.write("\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    opts = options_for(args)
+    unknown = [kind for kind in opts.kinds if kind not in LAYOUTS]
+    if unknown:
+        print(
+            f"kvcore bench --rows {','.join(opts.kinds)}: vLLM's beside-compute bench has "
+            f"{', '.join(LAYOUTS)}",
+            file=sys.stderr,
+        )
+        return 2
+    if not torch.cuda.is_available():
+        print(
+            "kvcore bench --beside-compute: needs a CUDA GPU (the forward's graph, the copies' "
+            "streams); run it on a GPU machine",
+            file=sys.stderr,
+        )
+        return 2
+    quiet = bool(getattr(args, "no_progress", False))
+    result = run(opts, progress=(lambda line: None) if quiet else _print_err)
+    for row in result["rows"]:
+        print(summary_line(row))
+    if getattr(args, "json", None):
+        _write_json(args.json, result)
+    return 1 if any(not row["identical"] for row in result["rows"]) else 0
+
+
+def _print_err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,116 @@
+"""vLLM's beside-compute bench's cell loop on a CPU: each side's loads, alone and with a
+forward queued between their submission and their collection, every one checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
+
+import torch
+
+from benchmarks.vllm import beside
+from benchmarks.vllm.offload_handlers import stock_handler
+from benchmarks.vllm.sweep_plan import ModelLayout
+from benchmarks.vllm.sweep_pools import Pools, slice_blocks
+from benchmarks.vllm.sweep_sides import kvcore_side
+
+pytestmark = pytest.mark.vllm
+
+MODEL = ModelLayout(False, 4, "small", 1 << 10)
+TOKENS = (256, 1024)  # 16 and 64 blocks
+
+
+@dataclass
+class FakeEvent:
+    at: float
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.at - self.at
+
+
+@dataclass
+class FakeForward:
+    """A forward whose replay says when it was queued: inside a side's request (between its
+    submissions and their collection) or on its own."""
+
+    loads: beside._Loads
+    replays: list[str] = field(default_factory=list)
+    sized: list[float] = field(default_factory=list)
+
+    def size_for(self, target_ms: float) -> None:
+        self.sized.append(target_ms)
+
+    def replay(self) -> tuple[FakeEvent, FakeEvent]:
+        # Job ids handed out so far: a replay inside a request comes after its submission.
+        self.replays.append(f"after job {self.loads.next_id - 1}")
+        return FakeEvent(0.0), FakeEvent(3.0)
+
+
+def _setup(monkeypatch: pytest.MonkeyPatch):
+    blocks = slice_blocks(max(TOKENS) // 16)
+    device = torch.device("cpu")
+    layout = MODEL.layout(blocks)
+    region = torch.empty(layout.host_row_bytes * blocks, dtype=torch.int8)
+    pools = Pools(layout, region, device, torch.Generator().manual_seed(1))
+    stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=False)
+    # vLLM's own handler cannot run on a CPU: a kvcore side without its rule stands in.
+    stand_in = kvcore_side(stock, device, rule=False)
+    stand_in.name = "stock"
+    sides = [stand_in, kvcore_side(stock, device), kvcore_side(stock, device, rule=False)]
+    return pools, blocks, sides
+
+
+def test_every_cell_has_its_rows_checked_and_the_forward_beside_each_request(monkeypatch):
+    pools, blocks, sides = _setup(monkeypatch)
+    loads = beside._Loads(pools, blocks, seed=3)
+    forward = FakeForward(loads)
+    opts = beside.VllmBesideOptions(
+        tokens=TOKENS, loads=("decode-64",), repeats=2, device=torch.device("cpu")
+    )
+    rows = list(beside.cells(MODEL, loads, sides, {"decode-64": forward}, opts))
+    assert [(r["tokens"], r["situation"]) for r in rows] == [
+        (256, "alone"),
+        (256, "independent"),
+        (1024, "alone"),
+        (1024, "independent"),
+    ]
+    for row in rows:
+        assert row["engine"] == "vllm" and row["case"] == f"{MODEL.name}/host-0%/load"
+        assert row["identical"] and row["repeats"] == 2 and row["page_size"] == 16
+        assert row["link_ms"] == pytest.approx(
+            row["tokens"] // 16 * MODEL.block_bytes / beside.LINK_GBPS / 1e6
+        )
+        assert row["own_ms"] > 0 and row["kvcore_ms"] > 0
+    independent = rows[1]
+    assert independent["forward_alone_ms"] == 3.0
+    assert independent["forward_with_kvcore_ms"] == independent["forward_with_own_ms"] == 3.0
+    # Per cell: one replay alone and one inside each side's request, for the warm-up too;
+    # each inside a request comes after that request's job was submitted.
+    inside = [r for r in forward.replays if r != "after job -1"]
+    assert len(forward.replays) == 2 * 3 * (1 + len(sides))
+    assert len({r for r in inside}) >= 2 * 3 * len(sides)
+    # The forward is sized to the stock side's median load alone.
+    assert forward.sized == [rows[0]["stock_ms"], rows[2]["stock_ms"]]
+    assert pools.verify_all()
+
+
+def test_a_side_that_moves_a_wrong_byte_marks_its_rows(monkeypatch):
+    pools, blocks, sides = _setup(monkeypatch)
+    loads = beside._Loads(pools, blocks, seed=4)
+    verify = pools.verify
+    calls = []
+
+    def once_wrong(request):
+        calls.append(request)
+        return verify(request) and len(calls) != 5
+
+    monkeypatch.setattr(pools, "verify", once_wrong)
+    opts = beside.VllmBesideOptions(tokens=(256,), loads=(), repeats=2, device=torch.device("cpu"))
+    [row] = beside.cells(MODEL, loads, sides, {}, opts)
+    assert row["identical"] is False
