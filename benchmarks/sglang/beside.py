@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +37,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.beside_cli import document, run_command, shared_options, write_json
 from benchmarks.beside_rows import (
     LINK_GBPS,
     RowPlace,
@@ -360,7 +359,7 @@ def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None
                 finally:
                     release_pools()
                 if opts.partial_json:
-                    _write_json(opts.partial_json, _document(opts, sglang, rows, skipped))
+                    write_json(opts.partial_json, _document(opts, sglang, rows, skipped))
             del forwards
             torch.cuda.empty_cache()
     return _document(opts, sglang, rows, skipped)
@@ -369,61 +368,26 @@ def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None
 def _document(
     opts: BesideOptions, sglang: Any, rows: list[dict[str, Any]], skipped: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    return {
-        "device": torch.cuda.get_device_name(opts.device),
-        "engine": "sglang",
-        "version": getattr(sglang, "__version__", "unknown"),
-        "torch": torch.__version__,
-        "serve_rule": opts.serve_rule,
-        "link_gbps": LINK_GBPS,
-        "host_fragmentation": opts.host_level,
-        "rows": rows,
-        "not_runnable": skipped,
-    }
+    return document(
+        "sglang",
+        opts.device,
+        sglang,
+        rows,
+        skipped,
+        serve_rule=opts.serve_rule,
+        host_fragmentation=opts.host_level,
+    )
 
 
 def options_for(args: argparse.Namespace) -> BesideOptions:
-    opts = BesideOptions()
-    if getattr(args, "rows", None):
-        opts = replace(opts, kinds=tuple(args.rows.split(",")))
-    if getattr(args, "sizes", None):
-        opts = replace(opts, tokens=tuple(int(size) for size in args.sizes.split(",")))
+    opts = replace(BesideOptions(), **shared_options(args))
     if getattr(args, "pages", None):
         opts = replace(opts, pages=tuple(int(page) for page in args.pages.split(",")))
-    if getattr(args, "compute", None):
-        opts = replace(opts, loads=tuple(args.compute.split(",")))
-    if getattr(args, "repeats", 0):
-        opts = replace(opts, repeats=int(args.repeats))
     if getattr(args, "no_rule", False):
         opts = replace(opts, serve_rule=False)
-    if getattr(args, "json", None):
-        opts = replace(opts, partial_json=args.json)
     return opts
-
-
-def _write_json(path: str, document: dict[str, Any]) -> None:
-    with open(path, "w") as fh:
-        json.dump(document, fh, indent=2)
-        fh.write("\n")
 
 
 def main(args: argparse.Namespace) -> int:
     opts = options_for(args)
-    quiet = bool(getattr(args, "no_progress", False))
-    if not torch.cuda.is_available():
-        print(
-            "kvcore bench --beside-compute: needs a CUDA GPU (the forward's graph, the copies' "
-            "streams); run it on a GPU machine, e.g. scripts/beside_compute_gpu.sh",
-            file=sys.stderr,
-        )
-        return 2
-    result = run(opts, progress=(lambda line: None) if quiet else _print_err)
-    for row in result["rows"]:
-        print(summary_line(row))
-    if getattr(args, "json", None):
-        _write_json(args.json, result)
-    return 1 if any(not row["identical"] for row in result["rows"]) else 0
-
-
-def _print_err(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    return run_command(args, lambda progress: run(opts, progress), "scripts/beside_compute_gpu.sh")

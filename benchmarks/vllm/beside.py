@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,6 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from benchmarks.beside_cli import document, run_command, shared_options, write_json
 from benchmarks.beside_rows import (
     LINK_GBPS,
     RowPlace,
@@ -215,7 +215,7 @@ def run(
                 progress(f"{model.name}: {why}")
                 skipped.append({"case": model.name, "error": why})
             if opts.partial_json:
-                _write_json(opts.partial_json, _document(opts, vllm, rows, skipped))
+                write_json(opts.partial_json, _document(opts, vllm, rows, skipped))
             torch.cuda.empty_cache()
     finally:
         host.close()
@@ -261,37 +261,11 @@ def _layout_rows(
 def _document(
     opts: VllmBesideOptions, vllm: Any, rows: list[dict[str, Any]], skipped: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    return {
-        "device": torch.cuda.get_device_name(opts.device),
-        "engine": "vllm",
-        "version": getattr(vllm, "__version__", "unknown"),
-        "torch": torch.__version__,
-        "link_gbps": LINK_GBPS,
-        "host_fragmentation": opts.frag,
-        "rows": rows,
-        "not_runnable": skipped,
-    }
+    return document("vllm", opts.device, vllm, rows, skipped, host_fragmentation=opts.frag)
 
 
 def options_for(args: argparse.Namespace) -> VllmBesideOptions:
-    opts = VllmBesideOptions()
-    if getattr(args, "rows", None):
-        opts = replace(opts, kinds=tuple(args.rows.split(",")))
-    if getattr(args, "sizes", None):
-        opts = replace(opts, tokens=tuple(int(size) for size in args.sizes.split(",")))
-    if getattr(args, "compute", None):
-        opts = replace(opts, loads=tuple(args.compute.split(",")))
-    if getattr(args, "repeats", 0):
-        opts = replace(opts, repeats=int(args.repeats))
-    if getattr(args, "json", None):
-        opts = replace(opts, partial_json=args.json)
-    return opts
-
-
-def _write_json(path: str, document: dict[str, Any]) -> None:
-    with open(path, "w") as fh:
-        json.dump(document, fh, indent=2)
-        fh.write("\n")
+    return replace(VllmBesideOptions(), **shared_options(args))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -304,21 +278,6 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if not torch.cuda.is_available():
-        print(
-            "kvcore bench --beside-compute: needs a CUDA GPU (the forward's graph, the copies' "
-            "streams); run it on a GPU machine",
-            file=sys.stderr,
-        )
-        return 2
-    quiet = bool(getattr(args, "no_progress", False))
-    result = run(opts, progress=(lambda line: None) if quiet else _print_err)
-    for row in result["rows"]:
-        print(summary_line(row))
-    if getattr(args, "json", None):
-        _write_json(args.json, result)
-    return 1 if any(not row["identical"] for row in result["rows"]) else 0
-
-
-def _print_err(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    return run_command(
+        args, lambda progress: run(opts, progress), "scripts/beside_compute_vllm_gpu.sh"
+    )
