@@ -31,16 +31,9 @@ from typing import Any
 import torch
 
 from benchmarks.soak_report import document, summary_line, write_json
+from kvcore.bench.measure import device_named
 
 ENGINES = ("sglang", "vllm")
-
-
-def _device(name: str) -> torch.device | str:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        return "--device cuda, but CUDA is not available"
-    return torch.device(name)
 
 
 def _progress(line: str) -> None:
@@ -60,7 +53,7 @@ def _engine(name: str) -> Any:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One engine's soak as ``args`` asks; its JSON document."""
-    device = _device(args.device)
+    device = device_named(args.device)
     if isinstance(device, str):
         raise SystemExit(f"kvcore soak: {device}")
     profile_name = args.profile or ("full" if device.type == "cuda" else "cpu")

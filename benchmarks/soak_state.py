@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -305,6 +306,22 @@ def random_rows(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
     nbytes = shape[0] * tail * torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=gen.device, generator=gen)
     return raw.view(dtype).view(shape)
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    """What an engine's soak runs (each engine's ``Options`` adds what it picks from
+    ``only``): for how long, from which seed, on which device, at which profile."""
+
+    seconds: float
+    seed: int
+    device: torch.device
+    profile: Any
+    progress: Callable[[str], None] = lambda line: None
+    deadline: float | None = None
+    """``time.perf_counter()`` by which the whole run must be over (phases are cut short)."""
+    only: tuple[str, ...] = ()
+    """The pools or layouts (by name) to run, all of them when empty."""
 
 
 class Streams:

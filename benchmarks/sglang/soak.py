@@ -43,7 +43,7 @@ import gc
 import logging
 import os
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,6 +61,7 @@ from benchmarks.soak_report import Accounting, Tally
 from benchmarks.soak_state import (
     CPU_ONLY,
     PhaseClock,
+    SoakOptions,
     holders,
     other_threads,
     prepared_plan_holders,
@@ -103,16 +104,8 @@ PROFILES = {
 
 
 @dataclass(frozen=True)
-class Options:
-    seconds: float
-    seed: int
-    device: torch.device
+class Options(SoakOptions):
     profile: Profile
-    progress: Callable[[str], None] = lambda line: None
-    deadline: float | None = None
-    """``time.perf_counter()`` by which the whole run must be over (phases are cut short)."""
-    only: tuple[str, ...] = ()
-    """Pool names (``mha/layer_first/p64``) to run, all of them when empty."""
 
     @property
     def pools(self) -> list[tuple[str, str, int]]:

@@ -27,7 +27,6 @@ One layout's traffic is :mod:`benchmarks.vllm.soak_layout`, the handlers of a ph
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,6 +37,7 @@ from benchmarks.soak_report import Accounting, Tally
 from benchmarks.soak_state import (
     CPU_ONLY,
     PhaseClock,
+    SoakOptions,
     memory_state,
     mover_state,
     other_threads,
@@ -105,16 +105,8 @@ PROFILES = {
 
 
 @dataclass(frozen=True)
-class Options:
-    seconds: float
-    seed: int
-    device: torch.device
+class Options(SoakOptions):
     profile: Profile
-    progress: Callable[[str], None] = lambda line: None
-    deadline: float | None = None
-    """``time.perf_counter()`` by which the whole run must be over (phases are cut short)."""
-    only: tuple[str, ...] = ()
-    """Layout names (``per-layer/32L/mha-32KiB``) to run, all of the profile's when empty."""
 
     @property
     def layouts(self) -> tuple[ModelLayout, ...]:

@@ -48,6 +48,7 @@ from benchmarks.vllm.sweep_plan import BLOCK_TOKENS, FULL, QUICK, ModelLayout, S
 from benchmarks.vllm.sweep_pools import Pools, Request, RequestDrawer
 from benchmarks.vllm.sweep_sides import Samples, Side, kvcore_side, stock_side
 from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
+from kvcore.bench.measure import device_named
 from kvcore.kernels.batch_copy import batch_copy_available
 
 
@@ -252,12 +253,11 @@ class _Sweep:
         for side in order:
             ids = list(range(self._next_job_id, self._next_job_id + len(request.jobs)))
             self._next_job_id += len(ids)
-            wall, host, error = request_through(side, pools, request, ids)
+            wall, host, errors = request_through(side, pools, request, ids)
             got = samples[side.name]
             got.wall.append(wall)
             got.host.append(host)
-            if error is not None:
-                got.errors.append(f"{side.name}: {error}")
+            got.errors += [f"{side.name}: {error}" for error in errors]
 
     def _print_progress(self, row: SweepRow) -> None:
         done = len(self.result.rows) + self.result.skipped
@@ -276,20 +276,21 @@ def request_through(
     request: Request,
     ids: list[int],
     between: Callable[[], object] | None = None,
-) -> tuple[float, float, str | None]:
+) -> tuple[float, float, list[str]]:
     """``request``'s jobs (numbered ``ids``) through one side, then checked: wall-clock and
-    host seconds, and what was wrong (reports or bytes), if anything. ``between`` runs once
-    the jobs are submitted (:meth:`Side.run`)."""
+    host seconds, and what was wrong (reports, bytes). ``between`` runs once the jobs are
+    submitted (:meth:`Side.run`)."""
     specs = [
         (job_id, job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
         for job_id, job in zip(ids, request.jobs, strict=True)
     ]
     pools.prepare(request)
     wall, host, results = side.run(specs, between)
-    error = _results_error(results, ids, request, pools)
-    if error is None and not pools.verify(request):
-        error = "wrong bytes"
-    return wall, host, error
+    errors = [] if (error := _results_error(results, ids, request, pools)) is None else [error]
+    # Checked whatever the reports said: the check also puts the request's rows back.
+    if not pools.verify(request):
+        errors.append("wrong bytes")
+    return wall, host, errors
 
 
 def _results_error(
@@ -336,21 +337,12 @@ def _ceilings(pools: Pools) -> dict[str, float]:
     return out
 
 
-def _device(name: str) -> torch.device | str:
-    """The device to sweep on, or why there is none."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        return "--device cuda, but CUDA is not available"
-    return torch.device(name)
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the sweep ``args`` asks for (quick, json, plot, device, no_progress, and
     optionally budget_s); 1 if any cell moved a wrong byte or failed."""
     import vllm
 
-    device = _device(args.device)
+    device = device_named(args.device)
     if isinstance(device, torch.device) and device.type != "cuda" and not args.quick:
         device = "the full sweep needs a GPU (its pools take about 50 GiB); add --quick"
     if isinstance(device, str):

@@ -16,6 +16,16 @@ from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.row_words import as_row_words
 
 
+def device_named(name: str) -> torch.device | str:
+    """The device a ``--device`` option names (``auto``: CUDA where there is one), or why
+    there is none."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        return "--device cuda, but CUDA is not available"
+    return torch.device(name)
+
+
 def sync_device(device: torch.device) -> None:
     """Wait for everything queued on ``device`` (every stream); nothing to wait for on a
     CPU."""

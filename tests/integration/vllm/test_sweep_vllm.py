@@ -167,10 +167,10 @@ def test_two_sided_cells_alternate_the_order_and_plot(monkeypatch, tmp_path):
     jobs_per_request: list[int] = []
     run = Side.run
 
-    def logged(self: Any, specs: Any) -> Any:
+    def logged(self: Any, specs: Any, between: Any = None) -> Any:
         order.append(self.name)
         jobs_per_request.append(len(specs))
-        return run(self, specs)
+        return run(self, specs, between)
 
     monkeypatch.setattr(Side, "run", logged)
     plot = tmp_path / "sweep.png"
