@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvcore.bench import suite
+from kvcore.bench import suite, suite_options
 
 # `kvcore bench --engine NAME` -> the module whose main(args) runs that A/B.
 ENGINE_ABS: dict[str, str] = {"sglang": "benchmarks.sglang.ab"}
@@ -37,7 +37,7 @@ BESIDE_COMPUTE: dict[str, str] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every ``kvcore bench`` option: the core suite's, then the engine benches'."""
-    suite.add_arguments(parser)
+    suite_options.add_arguments(parser)
     parser.add_argument(
         "--engine",
         choices=sorted({*ENGINE_ABS, *ENGINE_SWEEPS}),
@@ -201,11 +201,11 @@ def _tokens_problem(tokens: int | None, *, per_page: bool) -> str | None:
     if not per_page:
         # A sweep's request size, as in --sizes: a page-size-1 pool takes any count.
         return None if tokens >= 1 else f"--tokens {tokens}: give a request size of 1 or more"
-    if tokens < suite.PAGE or tokens % suite.PAGE:
+    if tokens < suite_options.PAGE or tokens % suite_options.PAGE:
         # Host and device layouts are built from whole pages of PAGE rows on both sides.
         return (
-            f"--tokens {tokens}: give a multiple of {suite.PAGE} rows (one page), at least "
-            f"{suite.PAGE}, or leave it out for the default"
+            f"--tokens {tokens}: give a multiple of {suite_options.PAGE} rows (one page), at least "
+            f"{suite_options.PAGE}, or leave it out for the default"
         )
     return None
 

@@ -12,11 +12,12 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,84 +38,21 @@ from kvcore.bench.measure import (
     timed,
     timed_repeats,
 )
+from kvcore.bench.memory_budget import memory_problem
 from kvcore.bench.other_jobs import duplex_results, fallback_results, layers_results
 from kvcore.bench.stock_allocator import StockSlotAllocator
-from kvcore.config import KVCoreConfig
+from kvcore.bench.suite_options import (
+    HOST_FRAGMENTATION,
+    PAGE,
+    ROW_KINDS,
+    BenchOptions,
+    options_for,
+)
 from kvcore.direction import Direction
+from kvcore.host_report import available_bytes
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy, TransferPath, policy_from_config
+from kvcore.path_policy import TransferPath
 from kvcore.planning import plan
-
-PAGE = 64
-
-ROW_KINDS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-    "mla-1152B": ((1, 576), torch.bfloat16),
-    "mha-4KiB": ((2, 8, 128), torch.bfloat16),
-    "mha-16KiB": ((2, 8, 512), torch.bfloat16),
-}
-
-# Host-side layouts: the share of 64-token pages moved away from one contiguous
-# run; "tokens" scatters every token, as a page_size-1 pool does under churn.
-HOST_FRAGMENTATION = {
-    "0%": (0.0, PAGE),
-    "50%": (0.5, PAGE),
-    "100%": (1.0, PAGE),
-    "tokens": (1.0, 1),
-}
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    tokens: int
-    row_kinds: tuple[str, ...]
-    host_levels: tuple[str, ...]
-    device_layouts: tuple[str, ...]
-    repeats: int
-    allocator_slots: int
-    allocator_ops: int
-    device: torch.device
-    pin_measure_bytes: int = 8 << 30
-    policy: PathPolicy = field(default_factory=PathPolicy)
-    """kvcore's thresholds for every plan and the mover (the KVCORE_* settings in effect)."""
-
-
-def options_for(args: argparse.Namespace) -> BenchOptions:
-    device = _pick_device(args.device)
-    quick = args.quick
-    return BenchOptions(
-        tokens=args.tokens if args.tokens is not None else (16384 if quick else 131072),
-        row_kinds=_choice(args.rows, ROW_KINDS, ("mla-1152B", "mha-4KiB") if quick else None),
-        host_levels=_choice(
-            args.host_levels, HOST_FRAGMENTATION, ("0%", "50%", "100%") if quick else None
-        ),
-        device_layouts=("contiguous", "scattered"),
-        repeats=3 if quick else 5,
-        allocator_slots=args.allocator_slots,
-        allocator_ops=args.allocator_ops,
-        device=device,
-        pin_measure_bytes=(1 if quick else 8) << 30,
-        policy=policy_from_config(KVCoreConfig.from_env()),
-    )
-
-
-def _choice(
-    asked: str | None, known: dict[str, Any], default: tuple[str, ...] | None
-) -> tuple[str, ...]:
-    if not asked:
-        return default if default is not None else tuple(known)
-    names = tuple(name.strip() for name in asked.split(","))
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise SystemExit(f"kvcore bench: unknown {unknown}; choose from {', '.join(known)}")
-    return names
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("kvcore bench: --device cuda asked for, but CUDA is not available")
-    return torch.device(name)
 
 
 @dataclass
@@ -413,44 +351,6 @@ def write_plot(report: dict[str, Any], path: str) -> bool:
     return True
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small sizes, a few repeats")
-    parser.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    parser.add_argument(
-        "--full", action="store_true", help="print every path of every scenario after the summary"
-    )
-    parser.add_argument(
-        "--plot",
-        metavar="PATH",
-        help="write a chart, one panel per row kind and direction (needs matplotlib)",
-    )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument(
-        "--tokens",
-        type=int,
-        help=f"rows per transfer, a multiple of {PAGE} (default 131072; --quick: 16384)",
-    )
-    parser.add_argument("--rows", help=f"comma list of row kinds: {', '.join(ROW_KINDS)}")
-    # argparse expands % in help strings: the levels' own % signs are doubled.
-    levels = ", ".join(HOST_FRAGMENTATION).replace("%", "%%")
-    parser.add_argument("--host-levels", help=f"comma list of host layouts: {levels}")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    parser.add_argument(
-        "--allocator-slots", type=int, default=1 << 20, help="slots of the allocator churn's pool"
-    )
-    parser.add_argument(
-        "--allocator-ops",
-        type=int,
-        default=10_000,
-        help="mixed operations of the allocator churn, after its fill",
-    )
-    parser.add_argument(
-        "--from-json",
-        metavar="PATH",
-        help="print (and with --plot, chart) a report saved by --json instead of measuring",
-    )
-
-
 def run(opts: BenchOptions, progress: bool = True) -> dict[str, Any]:
     transfers = run_transfers(opts, progress)
     pinning = measure_pinning(opts.pin_measure_bytes) if opts.device.type == "cuda" else None
@@ -510,7 +410,16 @@ def main(args: argparse.Namespace) -> int:
             print(f"kvcore bench: {exc}", file=sys.stderr)
             return 2
     else:
-        report = run(options_for(args), progress=not args.no_progress)
+        opts = options_for(args)
+        rows = {
+            kind: math.prod(ROW_KINDS[kind][0]) * ROW_KINDS[kind][1].itemsize
+            for kind in opts.row_kinds
+        }
+        problem = memory_problem(opts.tokens, rows, opts.device.type, available_bytes(), PAGE)
+        if problem is not None:
+            print(f"kvcore bench: {problem}", file=sys.stderr)
+            return 2
+        report = run(opts, progress=not args.no_progress)
     print(format_table(report, full=args.full))
     if args.json:
         with open(args.json, "w") as fh:

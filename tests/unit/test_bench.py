@@ -5,19 +5,21 @@ import json
 
 import torch
 
-from kvcore.bench import suite
+from kvcore.bench import suite, suite_options
 from kvcore.mover import TransferPath
 
 
 def test_quick_report_has_every_path_identical_and_the_documented_shape(tmp_path) -> None:
     parser = argparse.ArgumentParser()
-    suite.add_arguments(parser)
+    suite_options.add_arguments(parser)
     out = tmp_path / "report.json"
     args = parser.parse_args(
         ["--quick", "--tokens", "512", "--rows", "mla-1152B", "--no-progress", "--json", str(out)]
     )
-    opts = suite.options_for(args)
-    opts = suite.BenchOptions(**{**opts.__dict__, "allocator_slots": 1 << 14, "allocator_ops": 300})
+    opts = suite_options.options_for(args)
+    opts = suite_options.BenchOptions(
+        **{**opts.__dict__, "allocator_slots": 1 << 14, "allocator_ops": 300}
+    )
     report = suite.run(opts, progress=False)
     assert set(report) >= {"device", "ceiling_gbps", "results", "allocator"}
     assert report["page_out_host_syncs"] is None  # only countable on CUDA

@@ -21,7 +21,7 @@ import pytest
 
 import kvcore.patching
 from kvcore.bench import cli as bench_cli
-from kvcore.bench import suite
+from kvcore.bench import suite, suite_options
 from kvcore.cli import BROKEN_PIPE_STATUS, main
 from kvcore.config import STAGING_MAX_BYTES, ConfigError, KVCoreConfig
 from kvcore.patching.patchset import DEFAULT_PATCHES_DIR, available_versions
@@ -74,22 +74,25 @@ def test_bench_tokens_off_the_page_grid_name_the_smallest_allowed_value(
 ) -> None:
     assert main(["bench", "--quick", "--tokens", tokens]) == 2
     line = one_error_line(capsys, f"kvcore bench: --tokens {tokens}:")
-    assert f"at least {suite.PAGE}" in line and f"multiple of {suite.PAGE}" in line
+    assert f"at least {suite_options.PAGE}" in line and f"multiple of {suite_options.PAGE}" in line
 
 
 def test_bench_tokens_left_out_takes_the_default_and_one_page_runs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     parser = build_bench_parser()
-    assert suite.options_for(parser.parse_args(["--quick"])).tokens == 16384
-    assert suite.options_for(parser.parse_args([])).tokens == 131072
-    args = parser.parse_args(["--quick", "--device", "cpu", "--tokens", str(suite.PAGE)])
+    assert suite_options.options_for(parser.parse_args(["--quick"])).tokens == 16384
+    assert suite_options.options_for(parser.parse_args([])).tokens == 131072
+    args = parser.parse_args(["--quick", "--device", "cpu", "--tokens", str(suite_options.PAGE)])
     assert bench_cli.argument_problems(args) == []
     opts = dataclasses.replace(
-        suite.options_for(args), row_kinds=("mla-1152B",), allocator_slots=1024, allocator_ops=50
+        suite_options.options_for(args),
+        row_kinds=("mla-1152B",),
+        allocator_slots=1024,
+        allocator_ops=50,
     )
     report = suite.run(opts, progress=False)
-    assert report["tokens"] == suite.PAGE
+    assert report["tokens"] == suite_options.PAGE
     assert all(result["identical"] for result in report["results"])
 
 
@@ -465,3 +468,15 @@ def test_a_wheel_carries_the_patch_sets_and_the_license(tmp_path: Path) -> None:
     assert "kvcore-0.1.0.dist-info/licenses/LICENSE" in names
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
     assert not any(name.startswith("patches/") for name in names)
+
+
+def test_a_core_suite_too_large_for_this_host_says_so_before_it_starts(monkeypatch, capsys):
+    from kvcore.bench import suite as core_suite
+
+    monkeypatch.setattr(core_suite, "available_bytes", lambda: 1 << 30)
+    assert main(["bench", "--device", "cpu", "--no-progress", "--rows", "mha-16KiB"]) == 2
+    line = capsys.readouterr().err.strip()
+    # 7 pools of 2 x 131072 rows of 16 KiB: 28 GiB asked, 1 GiB here.
+    assert line.startswith("kvcore bench: --tokens 131072 over mha-16KiB rows needs about 28.0")
+    assert "1.0 GiB is available: give --tokens 4672 or less" in line
+    assert "\n" not in line
