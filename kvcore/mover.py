@@ -35,13 +35,11 @@ from kvcore.kernels import (
 )
 from kvcore.kernels.reference import index_copy_rows, staging_words
 from kvcore.metrics import Metrics
-from kvcore.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath, policy_from_config
+from kvcore.path_policy import PathPolicy, TransferPath
 from kvcore.planning import (
     StagedChunk,
-    StalePlanError,
     TransferPlan,
     plan,
-    plan_device_indexed,
     staged_chunks,
 )
 from kvcore.row_words import row_word_bytes, rows_as_words
@@ -51,24 +49,7 @@ from kvcore.staging import StagingBuffers
 if TYPE_CHECKING:
     from kvcore.layers import LayerPairs
 
-__all__ = [
-    "FALLBACK_REASONS",
-    "Mover",
-    "PathPolicy",
-    "PreparedLayers",
-    "StagedChunk",
-    "StagingBuffers",
-    "StalePlanError",
-    "Submission",
-    "TransferPath",
-    "TransferPlan",
-    "layers_mismatch",
-    "plan",
-    "plan_device_indexed",
-    "policy_from_config",
-    "staged_chunks",
-    "submissions",
-]
+__all__ = ["Mover", "PreparedLayers", "Submission", "layers_mismatch", "submissions"]
 
 
 @dataclass(frozen=True)

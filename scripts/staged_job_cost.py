@@ -39,7 +39,9 @@ from kvcore.direction import Direction
 from kvcore.kernels.batch_copy import batch_copy_available, copy_pointers_batched
 from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.layers import LayerPairs, layer_pairs
-from kvcore.mover import Mover, TransferPath, plan
+from kvcore.mover import Mover
+from kvcore.path_policy import TransferPath
+from kvcore.planning import plan
 
 BLOCK_TOKENS = 16
 GPU_BLOCKS = 2048

@@ -36,7 +36,9 @@ from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import gather_rows_uva
 from kvcore.kernels.triton_tile import default_tile
 from kvcore.layers import layer_pairs
-from kvcore.mover import Mover, TransferPath, plan
+from kvcore.mover import Mover
+from kvcore.path_policy import TransferPath
+from kvcore.planning import plan
 
 SPIN_CYCLES = 200_000_000
 PAUSE_SECONDS = 0.01

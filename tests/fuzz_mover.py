@@ -54,19 +54,10 @@ from numpy.lib.stride_tricks import as_strided
 from kvcore.direction import Direction
 from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import (
-    FALLBACK_REASONS,
-    Mover,
-    PathPolicy,
-    StagingBuffers,
-    StalePlanError,
-    Submission,
-    TransferPath,
-    TransferPlan,
-    plan,
-    plan_device_indexed,
-    submissions,
-)
+from kvcore.mover import Mover, Submission, submissions
+from kvcore.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath
+from kvcore.planning import StalePlanError, TransferPlan, plan, plan_device_indexed
+from kvcore.staging import StagingBuffers
 
 H2D, D2H = Direction.H2D, Direction.D2H
 SINGLE, STAGED, BATCHED, GATHER, FALLBACK = (

@@ -8,7 +8,9 @@ import torch
 from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.direction import Direction
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, PathPolicy, TransferPath, plan, plan_device_indexed
+from kvcore.mover import Mover
+from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.planning import plan, plan_device_indexed
 from kvcore.streams import CudaStreams, OrderedJobs
 
 pytestmark = pytest.mark.gpu

@@ -18,7 +18,9 @@ from kvcore.kernels.cudart import device_address
 from kvcore.kernels.triton_kernels import triton_available
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, PathPolicy, TransferPath, plan
+from kvcore.mover import Mover
+from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.planning import plan
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,15 +17,9 @@ from kvcore.kernels import triton_tile
 from kvcore.kernels.triton_kernels import triton_available
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import (
-    Mover,
-    PathPolicy,
-    PreparedLayers,
-    TransferPath,
-    TransferPlan,
-    plan,
-    plan_device_indexed,
-)
+from kvcore.mover import Mover, PreparedLayers
+from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.planning import TransferPlan, plan, plan_device_indexed
 
 pytestmark = [
     pytest.mark.gpu,

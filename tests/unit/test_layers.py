@@ -21,15 +21,9 @@ from kvcore.kernels import REFERENCE, KernelSet, cuda
 from kvcore.kernels.batch_copy import BatchCopyError
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import (
-    Mover,
-    PathPolicy,
-    TransferPath,
-    layers_mismatch,
-    plan,
-    plan_device_indexed,
-    submissions,
-)
+from kvcore.mover import Mover, layers_mismatch, submissions
+from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.planning import plan, plan_device_indexed
 from kvcore.runs import find_runs
 
 H2D, D2H = Direction.H2D, Direction.D2H

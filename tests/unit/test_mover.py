@@ -17,17 +17,18 @@ from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.kernels.reference import buffer_rows
 from kvcore.metrics import METRICS, Metrics
-from kvcore.mover import (
-    FALLBACK_REASONS,
-    Mover,
-    PathPolicy,
-    StagingBuffers,
-    TransferPath,
+from kvcore.mover import Mover
+from kvcore.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath
+from kvcore.planning import (
+    TransferPlan,
+    one_host_run,
     plan,
     plan_device_indexed,
+    plan_device_indexed_for,
+    plan_for,
 )
-from kvcore.planning import TransferPlan, one_host_run, plan_device_indexed_for, plan_for
 from kvcore.runs import find_runs
+from kvcore.staging import StagingBuffers
 from kvcore.transfer_sides import check_sides
 
 H2D, D2H = Direction.H2D, Direction.D2H
@@ -617,7 +618,7 @@ def test_many_long_runs_go_to_the_gather_kernel(direction):
 
 def test_policy_follows_the_config():
     from kvcore.config import KVCoreConfig
-    from kvcore.mover import policy_from_config
+    from kvcore.path_policy import policy_from_config
 
     config = KVCoreConfig.from_env(
         {

@@ -9,14 +9,9 @@ import torch
 from kvcore.direction import Direction
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import (
-    Mover,
-    PathPolicy,
-    StalePlanError,
-    TransferPath,
-    plan,
-    plan_device_indexed,
-)
+from kvcore.mover import Mover
+from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.planning import StalePlanError, plan, plan_device_indexed
 
 H2D, D2H = Direction.H2D, Direction.D2H
 POISON = 0x5A

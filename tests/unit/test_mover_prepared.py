@@ -19,14 +19,9 @@ from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE, reference
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import (
-    Mover,
-    PathPolicy,
-    PreparedLayers,
-    StalePlanError,
-    TransferPath,
-    plan,
-)
+from kvcore.mover import Mover, PreparedLayers
+from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.planning import StalePlanError, plan
 
 ROWS, WIDTH, LAYERS = 64, 48, 3
 

@@ -19,7 +19,8 @@ from benchmarks import soak
 from benchmarks.sglang.soak import KINDS, LAYOUTS, PAGES
 from benchmarks.sglang.soak_pool import pool_name
 from kvcore.direction import Direction
-from kvcore.mover import Mover, TransferPlan
+from kvcore.mover import Mover
+from kvcore.planning import TransferPlan
 
 pytestmark = pytest.mark.sglang
 

@@ -37,7 +37,9 @@ from benchmarks.sglang.host_pools import mha_host_pool, mla_host_pool
 from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS
-from kvcore.mover import Mover, PathPolicy, StagingBuffers
+from kvcore.mover import Mover
+from kvcore.path_policy import PathPolicy
+from kvcore.staging import StagingBuffers
 from kvcore.stock_share import StockShare
 from kvcore.warm_up import WarmUp
 from kvcore_sglang import call_memos, guard, hook_mover, plugin, pool_jobs, pool_warm_up, transfers
@@ -1472,7 +1474,7 @@ def test_a_kept_request_holds_neither_the_pool_nor_its_device_pool():
     import gc
     import weakref
 
-    from kvcore.mover import PathPolicy
+    from kvcore.path_policy import PathPolicy
 
     class Pool:  # stands in for a host pool SGLang drops (pinned buffers and all)
         pass

@@ -18,7 +18,8 @@ import torch
 from benchmarks import soak
 from benchmarks.vllm.soak import PROFILES
 from kvcore.direction import Direction
-from kvcore.mover import Mover, TransferPlan
+from kvcore.mover import Mover
+from kvcore.planning import TransferPlan
 
 pytestmark = pytest.mark.vllm
 

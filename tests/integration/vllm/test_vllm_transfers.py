@@ -39,7 +39,8 @@ from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
-from kvcore.mover import Mover, PathPolicy
+from kvcore.mover import Mover
+from kvcore.path_policy import PathPolicy
 from kvcore.streams import CpuSyncStreams
 from kvcore.warm_up import WarmUp
 from kvcore_vllm import handler_install, transfers
