@@ -1,14 +1,11 @@
 """Execute planned row transfers between host and device memory.
 
-A transfer copies rows: ``dst[dst_idx[k]] = src[src_idx[k]]``, a row being
-everything after dim 0. :func:`plan` validates the request, decides whether the
-bytes can be moved on kvcore's own paths and picks the cheapest one;
-:class:`Mover` executes a plan through the kernels registered for the device
-side (:mod:`kvcore.kernels`) and records what it did.
-
-This module holds the execution; the path policy (:mod:`kvcore.path_policy`), planning
-(:mod:`kvcore.planning`) and the staging buffers (:mod:`kvcore.staging`) live in their
-own modules, and their public names are re-exported here.
+A transfer copies rows: ``dst[dst_idx[k]] = src[src_idx[k]]``, a row being everything
+after dim 0. :func:`kvcore.planning.plan` validates the request and picks the path;
+:class:`Mover` executes a plan through the kernels registered for the device side
+(:mod:`kvcore.kernels`) and records what it did. The path policy, planning and staging
+buffers have their own modules (:mod:`kvcore.path_policy`, :mod:`kvcore.planning`,
+:mod:`kvcore.staging`); nothing of theirs is re-exported here.
 """
 
 from __future__ import annotations
