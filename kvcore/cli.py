@@ -16,12 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore import __version__, launch, serve_rule
-from kvcore.config import (
-    SETTINGS,
-    ConfigError,
-    KVCoreConfig,
-    format_size,
-)
+from kvcore.config import SETTINGS, KVCoreConfig
+from kvcore.config_values import ConfigError, format_size
 from kvcore.engine_status import EngineStatus
 from kvcore.patching import cli as patching_cli
 from kvcore.patching.status import installed_patch_states

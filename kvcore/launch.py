@@ -24,14 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvcore.config import (
-    ENGINES,
-    SETTINGS,
-    ConfigError,
-    KVCoreConfig,
-    flag_overrides,
-    settings_help,
-)
+from kvcore.config import SETTINGS, KVCoreConfig, flag_overrides, settings_help
+from kvcore.config_values import ENGINES, ConfigError
 from kvcore.engine_args import EngineArgs
 from kvcore.metrics_export import MULTIPROC_ENV, multiprocess_dir
 

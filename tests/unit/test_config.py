@@ -11,17 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.config import (
-    ENGINES,
-    SETTINGS,
-    STAGING_MAX_BYTES,
-    ConfigError,
-    KVCoreConfig,
-    format_size,
-    parse_size,
-    settings_help,
-    settings_markdown,
-)
+from kvcore.config import SETTINGS, KVCoreConfig, settings_help, settings_markdown
+from kvcore.config_values import ENGINES, STAGING_MAX_BYTES, ConfigError, format_size, parse_size
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 

@@ -23,7 +23,8 @@ import kvcore.patching
 from kvcore.bench import cli as bench_cli
 from kvcore.bench import suite, suite_options
 from kvcore.cli import BROKEN_PIPE_STATUS, main
-from kvcore.config import STAGING_MAX_BYTES, ConfigError, KVCoreConfig
+from kvcore.config import KVCoreConfig
+from kvcore.config_values import STAGING_MAX_BYTES, ConfigError
 from kvcore.patching.patchset import DEFAULT_PATCHES_DIR, available_versions
 
 REPO = Path(__file__).resolve().parents[2]
