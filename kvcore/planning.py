@@ -21,12 +21,12 @@ from kvcore.direction import Direction
 from kvcore.pair_checks import fallback_reason
 from kvcore.path_choice import check_forced, choose_path, host_runs_long, rules_out_dma
 from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.repeats import duplicates_below
 from kvcore.row_words import row_bytes
 from kvcore.runs import (
     PairedRuns,
     Runs,
     check_index,
-    duplicates_below,
     find_paired_runs,
     find_runs,
     run_count_of,

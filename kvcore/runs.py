@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvcore.index_scratch import COUNTING, SCRATCH
+from kvcore.repeats import duplicates_below, sorted_duplicates, stepped_duplicates
 
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -246,7 +247,7 @@ def has_duplicates(index: torch.Tensor) -> bool:
     if values.size < 2:
         return False
     if int(values.min()) < 0:
-        return _sorted_repeats(values)
+        return sorted_duplicates(values)
     return duplicates_below(values, int(values.max()) + 1)
 
 
@@ -255,56 +256,6 @@ def has_duplicates_below(index: torch.Tensor, span: int) -> bool:
     ``[0, span)`` (``span`` as :func:`check_bounds` returns it), so no pass looks for
     its ends again."""
     return duplicates_below(check_index(index).numpy(), span)
-
-
-def duplicates_below(values: np.ndarray, span: int) -> bool:
-    """:func:`has_duplicates_below` of a checked index's values."""
-    if values.size < 2:
-        return False
-    if span <= _DENSE_SLOTS_PER_ENTRY * values.size:
-        # Marking a span this dense costs less than the pass that finds an ascending index.
-        return _repeats(values, span)
-    steps = SCRATCH.arrays(values.size - 1)[0]
-    np.subtract(values[1:], values[:-1], out=steps)
-    return _has_duplicates(values, steps, span)
-
-
-# Slots per entry up to which duplicates are marked in a mask of the span straight away.
-_DENSE_SLOTS_PER_ENTRY = 8
-# Past this many slots per entry, clearing and counting a mask of the span costs more than
-# stamping each entry's position into a table of it, which is never cleared.
-_MASK_SLOTS_PER_ENTRY = 64
-# The largest span stamped (its table, 4 bytes a slot, is kept per thread); past it, sort.
-_MAX_STAMP_SLOTS = 1 << 24
-
-
-def _has_duplicates(values: np.ndarray, steps: np.ndarray, span: int) -> bool:
-    """Duplicates in ``values`` (non-negative, below ``span``) whose ``np.diff`` is ``steps``."""
-    if values.size < 2 or bool((steps > 0).all()):
-        return False
-    return _repeats(values, span)
-
-
-def _repeats(values: np.ndarray, span: int) -> bool:
-    """Duplicates in ``values`` (two or more, non-negative, below ``span``), by the cheapest
-    exact test for how sparse they lie."""
-    if span <= _MASK_SLOTS_PER_ENTRY * values.size:
-        seen = SCRATCH.mask(span)
-        seen[values] = True
-        return int(np.count_nonzero(seen)) != values.size
-    if span <= _MAX_STAMP_SLOTS:
-        # A slot named twice keeps one of the positions that named it (NumPy does not say
-        # which), so the other position reads back a value not its own.
-        stamps, positions = SCRATCH.stamps(span, values.size)
-        stamps[values] = positions
-        return not np.array_equal(stamps[values], positions)
-    return _sorted_repeats(values)
-
-
-def _sorted_repeats(values: np.ndarray) -> bool:
-    # np.sort and one comparison: np.unique costs several times that.
-    ordered = np.sort(values)
-    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 # Rows per run from which duplicates are looked for between runs rather than row by row:
@@ -333,7 +284,7 @@ def _duplicate_destinations(
             # single rows, the destination's own runs are pages.
             own = _own_runs(values, breaks, paired)
         if own is None or own.count > most_runs:
-            return _has_duplicates(values, steps, span)
+            return stepped_duplicates(values, steps, span)
         runs = own
     starts = runs.starts.numpy()
     begins = np.sort(starts)
@@ -522,37 +473,3 @@ def slice_runs(runs: Runs, begin: int, end: int) -> Runs:
     piece_ends = np.minimum(run_ends[keep], end)
     starts = runs.starts.numpy()[keep] + (piece_begins - run_begins[keep])
     return Runs(torch.from_numpy(starts), torch.from_numpy(piece_ends - piece_begins))
-
-
-def is_single_run(index: torch.Tensor) -> bool:
-    """True when ``index`` is empty or one ascending unit-stride run."""
-    index = check_index(index)
-    n = index.numel()
-    if n < 2:
-        return True
-    return bool((np.diff(index.numpy()) == 1).all())
-
-
-def find_page_runs(index: torch.Tensor, page_size: int) -> Runs:
-    """Runs of a token index made of whole pages, found at page granularity.
-
-    ``index`` must consist of whole pages: every ``page_size`` entries start at a
-    multiple of ``page_size`` and count up by one. The result is in token units,
-    like :func:`find_runs`, but the work is done on one entry per page.
-    """
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    index = check_index(index)
-    n = index.numel()
-    if n % page_size:
-        raise ValueError(f"index length {n} is not a multiple of page_size {page_size}")
-    if n == 0 or page_size == 1:
-        return find_runs(index)
-    pages = index.view(-1, page_size)
-    first = pages[:, :1]
-    if bool((first % page_size != 0).any()) or not torch.equal(
-        pages - first, torch.arange(page_size, dtype=torch.int64).expand_as(pages)
-    ):
-        raise ValueError(f"index is not made of whole, aligned pages of {page_size}")
-    page_runs = find_runs(first.flatten() // page_size)
-    return Runs(page_runs.starts * page_size, page_runs.lengths * page_size)

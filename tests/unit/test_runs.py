@@ -13,12 +13,10 @@ from kvcore.runs import (
     COUNT_PREFIX,
     check_bounds,
     check_index,
-    find_page_runs,
     find_paired_runs,
     find_runs,
     has_duplicates,
     has_duplicates_below,
-    is_single_run,
     run_count_up_to,
     segment_transfer,
     slice_runs,
@@ -97,35 +95,6 @@ def test_slice_outside_the_runs_is_refused() -> None:
     runs = find_runs(torch.arange(5))
     with pytest.raises(ValueError, match="not within"):
         slice_runs(runs, 2, 6)
-
-
-def test_single_run_detection() -> None:
-    assert is_single_run(torch.arange(7, 19))
-    assert is_single_run(torch.tensor([], dtype=torch.int64))
-    assert is_single_run(torch.tensor([5]))
-    assert not is_single_run(torch.tensor([1, 2, 4]))
-    assert not is_single_run(torch.tensor([3, 2, 1]))
-    assert not is_single_run(torch.tensor([1, 1]))
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(0, 30), max_size=20), st.sampled_from([1, 2, 4, 64]))
-def test_page_runs_equal_token_runs(pages: list[int], page_size: int) -> None:
-    tokens = torch.tensor(
-        [p * page_size + j for p in pages for j in range(page_size)], dtype=torch.int64
-    )
-    assert find_page_runs(tokens, page_size).as_list() == find_runs(tokens).as_list()
-
-
-def test_page_runs_reject_broken_pages() -> None:
-    with pytest.raises(ValueError, match="multiple of page_size"):
-        find_page_runs(torch.arange(6), 4)
-    with pytest.raises(ValueError, match="whole, aligned pages"):
-        find_page_runs(torch.arange(2, 10), 4)
-    with pytest.raises(ValueError, match="whole, aligned pages"):
-        find_page_runs(torch.tensor([0, 1, 3, 2]), 4)
-    with pytest.raises(ValueError, match="page_size"):
-        find_page_runs(torch.arange(4), 0)
 
 
 def test_bad_index_tensors_are_refused() -> None:
