@@ -52,3 +52,12 @@ def test_releases_sort_as_numbers_and_a_broken_file_names_itself(tmp_path, monke
     (package / "fingerprints" / "0.11.0.json").write_text(json.dumps(["a.B.c"]))
     with pytest.raises(ValueError, match="is not target -> fingerprint"):
         fingerprint.recorded_releases("fake_adapter")
+
+
+@pytest.mark.parametrize(("guard", "argv"), [(vllm_guard, ["0.34.0"]), (sglang_guard, [])])
+def test_a_guard_main_over_a_tree_without_the_engine_says_so_in_one_line(
+    guard, argv, tmp_path, capsys
+):
+    assert guard.main([*argv, str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "cannot read" in err and "\n" not in err
