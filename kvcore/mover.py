@@ -33,14 +33,10 @@ from kvcore.kernels import (
 from kvcore.kernels.reference import index_copy_rows, staging_words
 from kvcore.metrics import Metrics
 from kvcore.path_policy import PathPolicy, TransferPath
-from kvcore.planning import (
-    StagedChunk,
-    TransferPlan,
-    plan,
-    staged_chunks,
-)
+from kvcore.planning import TransferPlan, plan
 from kvcore.row_words import row_word_bytes, rows_as_words
 from kvcore.runs import Runs
+from kvcore.staged_chunks import StagedChunk, staged_chunks
 from kvcore.staging import StagingBuffers
 
 if TYPE_CHECKING:

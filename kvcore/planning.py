@@ -3,21 +3,21 @@
 A transfer copies rows: ``dst[dst_idx[k]] = src[src_idx[k]]``, a row being everything
 after dim 0. :func:`plan` (and :func:`plan_device_indexed`, for a device index never
 read) validates the request, decides whether the bytes can be moved on kvcore's own
-paths and picks the cheapest one, as a :class:`TransferPlan`; a staged plan is cut into
-:class:`StagedChunk` pieces here. Planning reads CPU indices only and issues no device
-work, so it sits apart from :mod:`kvcore.mover`, which executes plans.
+paths and picks the cheapest one, as a :class:`TransferPlan`. Planning reads CPU indices
+only and issues no device work, so it sits apart from :mod:`kvcore.mover`, which executes
+plans.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvcore.direction import Direction
+from kvcore.host_run import HostRunFound
 from kvcore.pair_checks import fallback_reason
 from kvcore.path_choice import check_forced, choose_path, host_runs_long, rules_out_dma
 from kvcore.path_policy import PathPolicy, TransferPath
@@ -31,12 +31,10 @@ from kvcore.runs import (
     find_runs,
     run_count_of,
     segment_values,
-    slice_runs,
-    span_and_one_run,
     span_and_runs_of,
     span_of,
-    version_of,
 )
+from kvcore.staged_chunks import StagedChunk, staged_chunks
 from kvcore.transfer_sides import CheckedSides, check_sides, no_rows
 
 
@@ -391,37 +389,6 @@ def _made(fields: dict[str, object], **more: object) -> TransferPlan:
     return made
 
 
-@dataclass(frozen=True, eq=False)
-class HostRunFound:
-    """A host index that is one ascending run, found so before planning (an engine's
-    serve-or-pass rule counts its runs on a request's first call): its span and its run,
-    which :func:`plan_device_indexed_for` takes rather than reading the index again. They
-    hold for ``index`` itself while its version counter is unchanged."""
-
-    index: torch.Tensor
-    version: int | None
-    span: int
-    runs: Runs
-
-    def holds_for(self, index: torch.Tensor) -> bool:
-        return (
-            self.version is not None and self.index is index and version_of(index) == self.version
-        )
-
-
-def one_host_run(index: torch.Tensor) -> HostRunFound:
-    """:class:`HostRunFound` of a CPU host index of two or more entries that its run count
-    says is one run, bounded by nothing yet (the plan checks its buffer's rows). Raises
-    ValueError where its ends are not a run apart, and as :func:`plan_device_indexed`
-    would for an index it refuses: not a 1-D integer CPU tensor, or a negative start."""
-    values = check_index(index, "the host index").numpy()
-    # Ends a run apart are all a run needs of its ends; the count said the rest.
-    if values.size < 2 or int(values[-1]) - int(values[0]) != values.size - 1:
-        raise ValueError("the host index is not one run of two or more entries")
-    span, runs = span_and_one_run(values, sys.maxsize, "the host index")
-    return HostRunFound(index, version_of(index), span, runs)
-
-
 def plan_device_indexed(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -456,7 +423,7 @@ def plan_device_indexed_for(
 ) -> TransferPlan:
     """:func:`plan_device_indexed` between buffers :func:`check_sides` has checked.
     ``host_found``: the host index as one run where the caller found it so
-    (:func:`one_host_run`), used where it holds for the index."""
+    (:func:`kvcore.host_run.one_host_run`), used where it holds for the index."""
     page_in = sides.direction is Direction.H2D
     host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
     host, device = (sides.src, sides.dst) if page_in else (sides.dst, sides.src)
@@ -545,26 +512,3 @@ def _watchable(index: torch.Tensor) -> torch.Tensor:
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _NO_RUNS = PairedRuns(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
-
-
-@dataclass(frozen=True)
-class StagedChunk:
-    """Rows ``[begin, end)`` of a staged transfer and the host runs they read or write."""
-
-    begin: int
-    end: int
-    host_runs: Runs
-
-
-def staged_chunks(
-    host_runs: Runs, chunk_rows: int, rows: int | None = None
-) -> tuple[StagedChunk, ...]:
-    """The host runs cut into chunks of at most ``chunk_rows`` rows (a staging buffer's
-    worth). ``rows``: their total where the caller knows it (a transfer's index length),
-    which spares a torch reduction on a request's first call."""
-    if rows is None:
-        rows = host_runs.total
-    if rows <= chunk_rows:
-        return (StagedChunk(0, rows, host_runs),)
-    bounds = [(begin, min(begin + chunk_rows, rows)) for begin in range(0, rows, chunk_rows)]
-    return tuple(StagedChunk(b, e, slice_runs(host_runs, b, e)) for b, e in bounds)

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from kvcore.host_run import HostRunFound
 from kvcore.layers import LayerPairs
 from kvcore.mover import PreparedLayers
 from kvcore.path_policy import PathPolicy
-from kvcore.planning import HostRunFound, TransferPlan
+from kvcore.planning import TransferPlan
 from kvcore.runs import version_of
 from kvcore.transfer_sides import CheckedSides
 

@@ -50,14 +50,13 @@ import torch
 from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.direction import Direction
+from kvcore.host_run import HostRunFound, one_host_run
 from kvcore.internal_errors import InternalErrors
 from kvcore.layers import layer_pairs
 from kvcore.mover import Mover, Submission, submissions
 from kvcore.path_policy import PathPolicy, TransferPath
 from kvcore.planning import (
-    HostRunFound,
     TransferPlan,
-    one_host_run,
     plan,
     plan_device_indexed,
     plan_device_indexed_for,

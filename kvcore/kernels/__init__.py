@@ -22,7 +22,7 @@ from kvcore.runs import PairedRuns, Runs
 
 if TYPE_CHECKING:
     from kvcore.layers import LayerPairs
-    from kvcore.planning import StagedChunk
+    from kvcore.staged_chunks import StagedChunk
 
 # copy_runs and gather_rows return None, or the reason they had to take a slower
 # way (a refused batch submission, a missing kernel), which the mover counts.

@@ -33,7 +33,7 @@ from kvcore.runs import PairedRuns, Runs, slice_runs
 from kvcore.staging import lease_number
 
 if TYPE_CHECKING:
-    from kvcore.planning import StagedChunk
+    from kvcore.staged_chunks import StagedChunk
 
 # Below this many runs one copy_ per run costs less host time than building a batch.
 _FEW_RUNS = 4

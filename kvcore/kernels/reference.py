@@ -21,7 +21,7 @@ from kvcore.runs import PairedRuns, Runs
 
 if TYPE_CHECKING:
     from kvcore.layers import LayerPairs
-    from kvcore.planning import StagedChunk
+    from kvcore.staged_chunks import StagedChunk
 
 
 def index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -9,8 +9,8 @@ import torch
 
 from kvcore.kernels import cuda, cudart, reference
 from kvcore.layers import layer_pairs
-from kvcore.planning import staged_chunks
 from kvcore.runs import Runs
+from kvcore.staged_chunks import staged_chunks
 
 
 def test_without_a_loaded_driver_there_is_no_device_address(monkeypatch):

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.direction import Direction
+from kvcore.host_run import one_host_run
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.kernels.reference import buffer_rows
 from kvcore.metrics import METRICS, Metrics
@@ -21,7 +22,6 @@ from kvcore.mover import Mover
 from kvcore.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath
 from kvcore.planning import (
     TransferPlan,
-    one_host_run,
     plan,
     plan_device_indexed,
     plan_device_indexed_for,
