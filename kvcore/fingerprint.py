@@ -30,7 +30,7 @@ import json
 import sys
 import textwrap
 import tokenize
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 _Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
@@ -188,6 +188,18 @@ def recorded_releases(package: str) -> dict[str, dict[str, str]]:
 def release_file(table: Mapping[str, str]) -> str:
     """``table`` (target -> fingerprint) as the text of a release's fingerprint file."""
     return json.dumps(dict(table), indent=2) + "\n"
+
+
+def print_release_file(read: Callable[[], Mapping[str, str]], engine: str, guard: str) -> int:
+    """Print the fingerprint file ``read()`` gives (what a guard's ``main`` does); 1, with a
+    line naming ``guard`` and ``engine``, where the engine's source cannot be read."""
+    try:
+        table = read()
+    except (SourceNotFound, OSError, SyntaxError) as exc:
+        print(f"{guard}: cannot read {engine}'s source: {exc}", file=sys.stderr)
+        return 1
+    print(release_file(table), end="")
+    return 0
 
 
 def _without_comments(block: str) -> str:

@@ -51,8 +51,12 @@ class _HostAsDevice(torch.Tensor):
         return True
 
 
+# Read once: every job a bench submits asks it, and reading it costs a metadata lookup.
+_SHAPE = installed_shape()
 # The GPU tensors of stock handlers built here on a release whose handler holds none.
 _GPU_TENSORS: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+# Each handler's CanonicalKVCaches, built once as vLLM's connector holds them.
+_KV_CACHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def handler_gpu_tensors(handler: Any) -> list[torch.Tensor]:
@@ -60,7 +64,7 @@ def handler_gpu_tensors(handler: Any) -> list[torch.Tensor]:
     to or from."""
     if isinstance(handler, KVCoreOffloadingHandler):
         return handler.gpu_tensors
-    if installed_shape().device_pointers:
+    if _SHAPE.device_pointers:
         return _GPU_TENSORS[handler]
     return gpu_tensors_of(handler)
 
@@ -69,7 +73,7 @@ def transfer_args(handler: Any, src_spec: Any, dst_spec: Any) -> tuple[Any, Any]
     """What the installed vLLM passes ``handler.transfer_async`` after the job id for a job
     of these specs: the specs themselves, or (0.34) the device pointers its connector
     resolves with its own ``resolve_device_pointers``, and the CPU spec."""
-    if not installed_shape().device_pointers:
+    if not _SHAPE.device_pointers:
         return src_spec, dst_spec
     from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
 
@@ -80,14 +84,18 @@ def transfer_args(handler: Any, src_spec: Any, dst_spec: Any) -> tuple[Any, Any]
 def canonical_kv_caches(handler: Any) -> Any:
     """The ``CanonicalKVCaches`` a handler's worker is built on, on a release whose worker
     passes them to kvcore's handlers (0.34); None on the others."""
-    if not installed_shape().device_pointers:
+    if not _SHAPE.device_pointers:
         return None
-    from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
+    kv_caches = _KV_CACHES.get(handler)
+    if kv_caches is None:
+        from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
 
-    return CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in handler_gpu_tensors(handler)],
-        group_data_refs=handler.layer_refs_per_group,
-    )
+        tensors = handler_gpu_tensors(handler)
+        kv_caches = _KV_CACHES[handler] = CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in tensors],
+            group_data_refs=handler.layer_refs_per_group,
+        )
+    return kv_caches
 
 
 def submit(handler: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
@@ -109,7 +117,7 @@ def stock_handler(
     on_host = gpu[0].device.type == "cpu"
     if on_host:
         gpu = [t.as_subclass(_HostAsDevice) for t in gpu]
-    shape = installed_shape()
+    shape = _SHAPE
     options: dict[str, Any] = {
         shape.name("blocks_per_chunk"): layout.blocks_per_chunk,
         shape.name("layer_refs_per_group"): layout.refs(groups),

@@ -10,20 +10,16 @@ Sources are read from the installed files; the engine is not imported.
 from __future__ import annotations
 
 import json
-import re
 import sys
 
 from kvcore.engine_status import probe_engine, release_of
 
 
-def _release_key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", version))
-
-
 def _sglang() -> tuple[list[str], str, dict[str, str]]:
     from kvcore_sglang import guard
 
-    tested = sorted(guard.FINGERPRINTS, key=_release_key)
+    # Oldest first, as the guard reads its fingerprint files.
+    tested = list(guard.FINGERPRINTS)
     newest = tested[-1]
     return tested, newest, guard.source_changes(newest)
 
@@ -31,7 +27,8 @@ def _sglang() -> tuple[list[str], str, dict[str, str]]:
 def _vllm() -> tuple[list[str], str, dict[str, str]]:
     from kvcore_vllm import guard
 
-    tested = sorted(guard.FINGERPRINTS, key=_release_key)
+    # Oldest first, as the guard reads its fingerprint files.
+    tested = list(guard.FINGERPRINTS)
     newest = tested[-1]
     return tested, newest, guard.refusals(newest)
 

@@ -176,13 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     root = Path(args[0]) if args else None
     targets = recorded_targets({**TARGET_GROUPS, **TRANSFER_GROUPS})
-    try:
-        table = {target: fingerprint.fingerprint_target(target, root) for target in targets}
-    except (fingerprint.SourceNotFound, OSError, SyntaxError) as exc:
-        print(f"kvcore_sglang.guard: cannot read SGLang's source: {exc}", file=sys.stderr)
-        return 1
-    print(fingerprint.release_file(table), end="")
-    return 0
+    return fingerprint.print_release_file(
+        lambda: {target: fingerprint.fingerprint_target(target, root) for target in targets},
+        "SGLang",
+        "kvcore_sglang.guard",
+    )
 
 
 if __name__ == "__main__":

@@ -151,13 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m kvcore_vllm.guard RELEASE [ROOT]", file=sys.stderr)
         return 2
     root = Path(args[1]) if len(args) > 1 else None
-    try:
-        table = current_fingerprints(args[0], root)
-    except (fingerprint.SourceNotFound, OSError, SyntaxError) as exc:
-        print(f"kvcore_vllm.guard: cannot read vLLM's source: {exc}", file=sys.stderr)
-        return 1
-    print(fingerprint.release_file(table), end="")
-    return 0
+    return fingerprint.print_release_file(
+        lambda: current_fingerprints(args[0], root), "vLLM", "kvcore_vllm.guard"
+    )
 
 
 if __name__ == "__main__":
