@@ -20,8 +20,10 @@ import os
 import resource
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from kvcore import numa
 
@@ -44,6 +46,34 @@ def format_bytes(nbytes: int) -> str:
             return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+class HostRegistrar(Protocol):
+    """Pins and unpins ranges of existing host memory (cudaHostRegister and its inverse)."""
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+class CudaHostRegistrar:
+    """cudaHostRegister / cudaHostUnregister through torch's CUDA runtime bindings."""
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise PinnedMemoryError("pinning host memory needs CUDA; pass pin=False without a GPU")
+        self._cudart = torch.cuda.cudart()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self._check(self._cudart.cudaHostRegister(ptr, nbytes, 0), f"cudaHostRegister({nbytes})")
+
+    def unregister(self, ptr: int) -> None:
+        self._check(self._cudart.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+    def _check(self, err: object, call: str) -> None:
+        if err != self._cudart.cudaError.success:
+            reason = self._cudart.cudaGetErrorString(err)
+            raise PinnedMemoryError(f"{call} failed: {reason}")
 
 
 def check_memlock(nbytes: int) -> None:

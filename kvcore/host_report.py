@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,34 +57,16 @@ def topology() -> dict[str, Any]:
     return {"nodes": nodes, "gpu_nodes": gpu_nodes}
 
 
-Registrar = Callable[[int, int], Callable[[], None]]
-"""Registers ``(address, nbytes)`` with the GPU driver; returns what unregisters it."""
-
-
-def cuda_registrar() -> Registrar | None:
+def cuda_registrar() -> host_pinning.HostRegistrar | None:
     """cudaHostRegister through torch's runtime bindings; None without CUDA."""
     try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        cudart = torch.cuda.cudart()
-    except (ImportError, RuntimeError):
+        return host_pinning.CudaHostRegistrar()
+    except (host_pinning.PinnedMemoryError, RuntimeError):
         return None
-
-    def register(address: int, nbytes: int) -> Callable[[], None]:
-        error = cudart.cudaHostRegister(address, nbytes, 0)
-        if error != cudart.cudaError.success:
-            raise host_pinning.PinnedMemoryError(
-                f"cudaHostRegister({nbytes}) failed: {cudart.cudaGetErrorString(error)}"
-            )
-        return lambda: cudart.cudaHostUnregister(address)
-
-    return register
 
 
 def _timed_sample(
-    sample_bytes: int, threads: int | None, registrar: Registrar | None
+    sample_bytes: int, threads: int | None, registrar: host_pinning.HostRegistrar | None
 ) -> tuple[float, float]:
     """Seconds to fault in a fresh sample (``threads``; None: leave it to registration) and
     to register it (0 without a registrar)."""
@@ -99,10 +80,11 @@ def _timed_sample(
         if threads is not None:
             host_pinning.populate(address, sample_bytes, threads)
         faulted = time.perf_counter()
-        unregister = registrar(address, sample_bytes) if registrar is not None else None
+        if registrar is not None:
+            registrar.register(address, sample_bytes)
         registered = time.perf_counter()
-        if unregister is not None:
-            unregister()
+        if registrar is not None:
+            registrar.unregister(address)
         return faulted - started, registered - faulted
     finally:
         sample.close()
@@ -113,7 +95,7 @@ def pin_estimate(
     *,
     sample_bytes: int | None = None,
     threads: int | None = None,
-    registrar: Registrar | None = None,
+    registrar: host_pinning.HostRegistrar | None = None,
 ) -> dict[str, Any]:
     """How long ``pool_bytes`` take to pin here, scaled from a sample: the engines' way
     (registration faults every page in, on one thread; measured only with a registrar)

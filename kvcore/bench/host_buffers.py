@@ -16,45 +16,23 @@ import logging
 import mmap
 import operator
 import weakref
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 import torch
 
 from kvcore import numa
-from kvcore.host_pinning import PinnedMemoryError, check_memlock, populate
+from kvcore.host_pinning import (
+    CudaHostRegistrar,
+    HostRegistrar,
+    PinnedMemoryError,
+    check_memlock,
+    populate,
+)
 
 logger = logging.getLogger(__name__)
 
 HostBufferKind = Literal["pageable", "registered"]
-
-
-class HostRegistrar(Protocol):
-    """Pins and unpins ranges of existing host memory (cudaHostRegister and its inverse)."""
-
-    def register(self, ptr: int, nbytes: int) -> None: ...
-
-    def unregister(self, ptr: int) -> None: ...
-
-
-class CudaHostRegistrar:
-    """cudaHostRegister / cudaHostUnregister through torch's CUDA runtime bindings."""
-
-    def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            raise PinnedMemoryError("pinning host memory needs CUDA; pass pin=False without a GPU")
-        self._cudart = torch.cuda.cudart()
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        self._check(self._cudart.cudaHostRegister(ptr, nbytes, 0), f"cudaHostRegister({nbytes})")
-
-    def unregister(self, ptr: int) -> None:
-        self._check(self._cudart.cudaHostUnregister(ptr), "cudaHostUnregister")
-
-    def _check(self, err: object, call: str) -> None:
-        if err != self._cudart.cudaError.success:
-            reason = self._cudart.cudaGetErrorString(err)
-            raise PinnedMemoryError(f"{call} failed: {reason}")
 
 
 class HostBuffer:

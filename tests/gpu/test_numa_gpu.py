@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvcore import numa
-from kvcore.bench.host_buffers import CudaHostRegistrar, RegisteredBuffer, allocate_host_buffer
+from kvcore.bench.host_buffers import RegisteredBuffer, allocate_host_buffer
+from kvcore.host_pinning import CudaHostRegistrar
 
 pytestmark = pytest.mark.gpu
 

@@ -44,10 +44,12 @@ class FakeRegistrar:
         self.registered: list[int] = []
         self.unregistered: list[int] = []
 
-    def __call__(self, address: int, nbytes: int):
+    def register(self, address: int, nbytes: int) -> None:
         assert address % PAGE == 0 and nbytes == 16 * PAGE
         self.registered.append(address)
-        return lambda: self.unregistered.append(address)
+
+    def unregister(self, address: int) -> None:
+        self.unregistered.append(address)
 
 
 def test_an_estimate_scales_the_sample_to_the_pool_and_unregisters_it():
