@@ -14,6 +14,7 @@ import gc
 import sys
 import threading
 import time
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -306,6 +307,13 @@ def random_rows(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
     nbytes = shape[0] * tail * torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=gen.device, generator=gen)
     return raw.view(dtype).view(shape)
+
+
+def failure_line(where: str) -> str:
+    """The exception being handled as one line of the soak's errors: where it happened and
+    its traceback's last three lines."""
+    lines = traceback.format_exc().strip().splitlines()
+    return f"{where}: {' | '.join(lines[-3:])}"[:600]
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,6 @@ import contextlib
 import gc
 import logging
 import os
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -62,6 +61,7 @@ from benchmarks.soak_state import (
     CPU_ONLY,
     PhaseClock,
     SoakOptions,
+    failure_line,
     holders,
     other_threads,
     prepared_plan_holders,
@@ -212,8 +212,7 @@ def run(opts: Options) -> dict[str, Any]:
                     clock,
                 )
             except Exception:
-                lines = traceback.format_exc().strip().splitlines()
-                errors.append(f"{kind}/{layout}/p{page}: {' | '.join(lines[-3:])}"[:600])
+                errors.append(failure_line(f"{kind}/{layout}/p{page}"))
             gc.collect()
         traffic_seconds = sum(phase["seconds"] for phase in phases)
         # The adapter keeps the latest load request of each (host pool, device pool) pair

@@ -11,7 +11,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 
 from benchmarks.sglang.soak_pool import InFlight, PendingBackup, PoolSoak
 from benchmarks.soak_report import kvcore_counts
-from benchmarks.soak_state import pinned_in_use
+from benchmarks.soak_state import failure_line, pinned_in_use
 
 
 def run_phase(soak: PoolSoak, rule: bool, seconds: float) -> dict[str, Any]:
@@ -86,8 +85,7 @@ def _guarded(soak: PoolSoak, body: Callable[..., None], *args: Any) -> Callable[
 
 
 def _record_error(soak: PoolSoak, where: str) -> None:
-    lines = traceback.format_exc().strip().splitlines()
-    soak.errors.append(f"{soak.where} {where}: {' | '.join(lines[-3:])}"[:600])
+    soak.errors.append(failure_line(f"{soak.where} {where}"))
 
 
 def _backup_loop(

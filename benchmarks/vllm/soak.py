@@ -26,7 +26,6 @@ One layout's traffic is :mod:`benchmarks.vllm.soak_layout`, the handlers of a ph
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,6 +37,7 @@ from benchmarks.soak_state import (
     CPU_ONLY,
     PhaseClock,
     SoakOptions,
+    failure_line,
     memory_state,
     mover_state,
     other_threads,
@@ -154,8 +154,7 @@ def run(opts: Options) -> dict[str, Any]:
                     clock,
                 )
             except Exception:
-                lines = traceback.format_exc().strip().splitlines()
-                errors.append(f"{model.name}: {' | '.join(lines[-3:])}"[:600])
+                errors.append(failure_line(model.name))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:

@@ -11,7 +11,6 @@ against how it was built.
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,7 @@ import torch
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
 from benchmarks.soak_report import Accounting, Tally, kvcore_counts
-from benchmarks.soak_state import RandomPages, pinned_in_use, sync
+from benchmarks.soak_state import RandomPages, failure_line, pinned_in_use, sync
 from benchmarks.vllm.offload_handlers import submit
 from benchmarks.vllm.offload_layout import job_specs
 from benchmarks.vllm.soak_handlers import Handlers, close_handlers, make_handlers
@@ -280,8 +279,7 @@ class LayoutSoak:
                 self._step(handlers, stores, loads, limit)
             self._drain(handlers, stores, loads)
         except Exception:
-            lines = traceback.format_exc().strip().splitlines()
-            self.errors.append(f"{self.where}: {' | '.join(lines[-3:])}"[:600])
+            self.errors.append(failure_line(self.where))
             self._drain(handlers, stores, loads)
         elapsed = time.perf_counter() - started
         events = close_handlers(handlers)
