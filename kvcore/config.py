@@ -61,6 +61,12 @@ class KVCoreConfig:
         _size(1),
         "average run size from which one DMA per run beats staging or the gather kernel",
     )
+    max_batched_runs: int = _setting(
+        256,
+        _integer(1, 1 << 20),
+        "most runs one layer's copy takes as DMA straight into place (one cudaMemcpyBatchAsync "
+        "descriptor each); past it the staged copy or the gather costs less host time",
+    )
     gather_ctas: int = _setting(
         8,
         _integer(1, 1024),

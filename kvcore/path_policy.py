@@ -88,6 +88,7 @@ def policy_from_config(config: KVCoreConfig) -> PathPolicy:
     return PathPolicy(
         staging_bytes=config.staging_bytes,
         long_run_bytes=config.long_run_bytes,
+        max_batched_runs=config.max_batched_runs,
         gather_ctas=config.gather_ctas,
         gather_ctas_to_host=config.gather_ctas_to_host,
         gather_ctas_short_rows=config.gather_ctas_short_rows,

@@ -42,11 +42,13 @@ class FakeRegistrar:
 
     def __init__(self) -> None:
         self.registered: list[int] = []
+        self.addresses: list[int] = []
         self.unregistered: list[int] = []
 
     def register(self, address: int, nbytes: int) -> None:
-        assert address % PAGE == 0 and nbytes == 16 * PAGE
-        self.registered.append(address)
+        assert address % PAGE == 0 and nbytes % PAGE == 0
+        self.registered.append(nbytes)
+        self.addresses.append(address)
 
     def unregister(self, address: int) -> None:
         self.unregistered.append(address)
@@ -57,11 +59,21 @@ def test_an_estimate_scales_the_sample_to_the_pool_and_unregisters_it():
     estimate = host_report.pin_estimate(
         64 * 16 * PAGE, sample_bytes=16 * PAGE, threads=2, registrar=registrar
     )
-    # kvcore's sample and the engines' way, each registered once and given back.
-    assert len(registrar.registered) == 2 and registrar.unregistered == registrar.registered
+    # A one-page warm-up, then kvcore's sample and the engines' way, each given back.
+    assert registrar.registered == [PAGE, 16 * PAGE, 16 * PAGE]
+    assert registrar.unregistered == registrar.addresses
     assert estimate["threads"] == 2 and estimate["pool_bytes"] == 64 * 16 * PAGE
     assert estimate["fault_gib_per_s"] > 0 and estimate["register_gib_per_s"] > 0
     assert estimate["kvcore_seconds"] > 0 and estimate["stock_seconds"] is not None
+
+
+def test_the_sample_is_the_pool_up_to_a_cap_and_a_quarter_of_what_is_free():
+    cap = host_report.SAMPLE_BYTES
+    assert host_report.sample_size(cap * 8, None) == cap
+    assert host_report.sample_size(512 << 20, None) == 512 << 20
+    assert host_report.sample_size(cap * 8, 4 << 30) == 1 << 30
+    assert host_report.sample_size(cap * 8, 1 << 20) == host_report.MIN_SAMPLE_BYTES
+    assert host_report.sample_size((512 << 20) + 1, None) % PAGE == 0
 
 
 def test_without_a_registrar_only_faulting_is_measured():
@@ -72,6 +84,7 @@ def test_without_a_registrar_only_faulting_is_measured():
 
 def test_doctor_reports_the_host_and_estimates_a_pool_asked_about(capsys, monkeypatch):
     monkeypatch.setattr(host_report, "SAMPLE_BYTES", 16 * PAGE)
+    monkeypatch.setattr(host_report, "MIN_SAMPLE_BYTES", 16 * PAGE)
     assert main(["doctor", "--json", "--pool-gib", "0.5"]) == 0
     host = json.loads(capsys.readouterr().out)["host"]
     assert host["usable_cpus"] >= 1 and host["nodes"]
