@@ -109,12 +109,13 @@ _PAGED = (2, 1 << 30)
 _TOKEN_PAGES = (1, 1)
 
 # First match wins, so specific entries come before general ones.
-BESIDE_COMPUTE_EVIDENCE = "docs/bench/h200-beside-compute-sglang-2026-12-04.json"
+BESIDE_COMPUTE_EVIDENCE = "docs/bench/h200-beside-compute-sglang-2026-12-05.json"
 """The beside-compute rows (SGLang 0.5.23 through its L2TransferEngine, H200) that the load
 rows below are judged from: kvcore serves where its reload beside the model's forward is
 faster than stock's and neither forward beside it is slower."""
 _BESIDE_COMPUTE = (
     BESIDE_COMPUTE_EVIDENCE,
+    "docs/bench/h200-beside-compute-sglang-2026-12-04.json",
     "docs/bench/h200-beside-compute-sglang-2026-12-04-b.json",
 )
 
@@ -127,13 +128,13 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         32768,
         "stock_kernel_small_mla_load",
         "token-granular MLA layer_first reloads. On few long host runs (the layer ring: DMA, "
-        "then a high-priority scatter), beside compute: at 32k tokens kvcore's reload 44-46 ms "
-        "against stock's 70-153 (link 41.6) and the hit's decode forward done at 44.2 ms "
-        "against 70.6; at 8k faster alone and beside other batches (11.8 against 28.2 ms) "
-        "but the hit's decode forward done at 34.4 ms against 29.5, the ring's host time per "
-        f"layer holding it back ({BESIDE_COMPUTE_EVIDENCE}, mla/.../p1). Scattered host slots "
-        "take the gather (4 CTAs), 1.14-1.19x alone, served from 32k (H200 engine sweeps, "
-        "2026-12-03)",
+        "then a high-priority scatter), beside compute: at 32k tokens kvcore's reload "
+        "42.6-45.2 ms against stock's 67.2-127.4 (link 41.6) and the hit's decode-64 forward "
+        "done at 43.8 ms against 69.0; at 8k faster alone and beside other batches (11.7 "
+        "against 26.5 ms beside a prefill) but the hit's decode-64 forward done at 28.4 ms "
+        f"against 26.9 ({BESIDE_COMPUTE_EVIDENCE}, mla/.../p1; the 2026-12-04 runs alike). "
+        "Scattered host slots take the gather (4 CTAs), 1.14-1.19x alone, served from 32k "
+        "(H200 engine sweeps, 2026-12-03)",
         dense_min_tokens=32768,
         pool="mla",
         cited=_BESIDE_COMPUTE,
@@ -146,12 +147,13 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         None,
         "stock_kernel_near_link",
         "MHA and paged MLA layer_first reloads on few long host runs, beside compute at 32k "
-        "tokens (the layer ring): MHA page 64 reloads 79.0-84.8 ms against stock's 86.4-107.9 "
-        "(link 77.7), another batch's prefill 87.6 ms against 95.4 (alone 82.7), the hit's "
-        "forward done at 103.8 against 112.5 (ideal 96.9); page 1 alike; MLA page 64 43.2-45.6 "
-        "against 48.3-112.7 (link 41.6). At 8k the reload is faster too (MHA 21.8 against "
-        "30.7 beside a prefill) but the hit's own prefill finished 1-5% later than with "
-        f"stock's, and paged MLA's decode at 35.0 ms against 30.0 ({BESIDE_COMPUTE_EVIDENCE}). "
+        "tokens (the layer ring): MHA page 64 reloads 78.5-84.0 ms against stock's 85.8-108.7 "
+        "(link 77.7), another batch's prefill 86.4 ms against 95.5 (alone 80.5), the hit's "
+        "prefill done at 102.2 against 113.5 (ideal 98.5); pages 16 and 1 alike; MLA page 64 "
+        "42.5-47.2 against 47.5-114.1 (link 41.6). At 8k the reload is faster too (MHA 21.4 "
+        "against 31.5 beside a prefill) but the hit's own prefill finished 0.5-3.1% later "
+        "than with stock's, and paged MLA's decode-64 at 28.8-29.3 ms against 28.4-28.5 "
+        f"({BESIDE_COMPUTE_EVIDENCE}; the 2026-12-04 runs alike). "
         "Scattered host slots stay stock's: kvcore's gather is no faster",
         dense_min_tokens=32768,
         pool="mha",
