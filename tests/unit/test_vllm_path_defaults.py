@@ -1,0 +1,46 @@
+"""kvcore_vllm.path_defaults: vLLM's blocks go by DMA into place unless the settings say not."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcore.config import KVCoreConfig
+from kvcore.path_choice import choose_path
+from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore_vllm.path_defaults import DMA_BLOCK_BYTES, DMA_MOST_BLOCKS, vllm_policy
+
+
+def test_without_either_setting_blocks_go_by_dma_into_place():
+    policy = vllm_policy(KVCoreConfig.from_env({}), environ={})
+    assert (policy.long_run_bytes, policy.max_batched_runs) == (DMA_BLOCK_BYTES, DMA_MOST_BLOCKS)
+    # 2048 scattered 32 KiB blocks of one layer (32k tokens), host side in one run.
+    blocks, block_bytes = 2048, 32 << 10
+    assert choose_path(blocks, 1, blocks * block_bytes, policy) is TransferPath.BATCHED_RUNS
+    assert choose_path(blocks, 1, blocks * block_bytes, PathPolicy()) is not (
+        TransferPath.BATCHED_RUNS
+    )
+    # Blocks under the threshold (8 KiB: a small model's) keep the other paths.
+    assert choose_path(blocks, 1, blocks * (8 << 10), policy) is not TransferPath.BATCHED_RUNS
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{"KVCORE_LONG_RUN_BYTES": "256KiB"}, {"KVCORE_MAX_BATCHED_RUNS": "256"}],
+)
+def test_either_setting_keeps_the_configured_policy(environ):
+    config = KVCoreConfig.from_env(environ)
+    policy = vllm_policy(config, environ=environ)
+    assert policy.long_run_bytes == config.long_run_bytes
+    assert policy.max_batched_runs == config.max_batched_runs
+
+
+def test_an_empty_setting_counts_as_unset():
+    environ = {"KVCORE_LONG_RUN_BYTES": ""}
+    policy = vllm_policy(KVCoreConfig.from_env(environ), environ=environ)
+    assert policy.long_run_bytes == DMA_BLOCK_BYTES
+
+
+def test_the_other_settings_carry_through():
+    environ = {"KVCORE_STAGING_BYTES": "64MiB", "KVCORE_GATHER_CTAS": "6"}
+    policy = vllm_policy(KVCoreConfig.from_env(environ), environ=environ)
+    assert policy.staging_bytes == 64 << 20 and policy.gather_ctas == 6
