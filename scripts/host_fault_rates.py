@@ -1,0 +1,96 @@
+"""How fast this host faults in and pins fresh memory, by mapping kind and thread count.
+
+    python3 scripts/host_fault_rates.py [--gib 4] [--threads 1,4,16] [--json FILE]
+
+Issue 46 picks how kvcore should obtain an engine's host pool from these rates: SGLang's
+default pool is a shared anonymous mapping (4 KiB pages unless shmem hugepages are on), its
+opt-in parallel path a private one, which transparent hugepages may back with 2 MiB pages.
+Each kind is faulted in by kvcore.host_pinning.populate from N threads, then registered with
+CUDA where a GPU is present (and unregistered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcore import host_pinning
+
+MADV_HUGEPAGE = 14
+KINDS = ("shared", "private", "private-hugepage")
+
+
+def _madvise(address: int, nbytes: int, advice: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return int(libc.madvise(address, nbytes, advice))
+
+
+def one_rate(kind: str, nbytes: int, threads: int, register: bool) -> dict[str, Any]:
+    flags = mmap.MAP_SHARED if kind == "shared" else mmap.MAP_PRIVATE
+    region = mmap.mmap(-1, nbytes, flags=flags | mmap.MAP_ANONYMOUS)
+    holder = ctypes.c_char.from_buffer(region)
+    address = ctypes.addressof(holder)
+    del holder
+    try:
+        advised = None
+        if kind == "private-hugepage":
+            advised = _madvise(address, nbytes, MADV_HUGEPAGE) == 0
+        started = time.perf_counter()
+        host_pinning.populate(address, nbytes, threads)
+        faulted = time.perf_counter() - started
+        register_s = None
+        if register:
+            registrar = host_pinning.CudaHostRegistrar()
+            started = time.perf_counter()
+            registrar.register(address, nbytes)
+            register_s = time.perf_counter() - started
+            registrar.unregister(address)
+        gib = nbytes / (1 << 30)
+        return {
+            "kind": kind,
+            "threads": threads,
+            "gib": gib,
+            "hugepage_advised": advised,
+            "fault_gib_per_s": gib / faulted,
+            "register_gib_per_s": None if register_s is None else gib / register_s,
+        }
+    finally:
+        region.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=4.0)
+    parser.add_argument("--threads", default="1,4,16")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    try:
+        import torch
+
+        register = torch.cuda.is_available()
+    except ImportError:
+        register = False
+    nbytes = int(args.gib * (1 << 30))
+    nbytes -= nbytes % mmap.PAGESIZE
+    rows = []
+    for kind in KINDS:
+        for threads in (int(t) for t in args.threads.split(",")):
+            row = one_rate(kind, nbytes, threads, register)
+            rows.append(row)
+            print(json.dumps(row))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
