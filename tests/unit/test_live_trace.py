@@ -12,6 +12,20 @@ from typing import Any
 
 import pytest
 
+from benchmarks.vllm.live_trace_attribution import ATTRIBUTED, ab_copies, attribute_copies
+from benchmarks.vllm.live_trace_combine import combine
+from benchmarks.vllm.live_trace_compare import compare_hits, in_process_ab
+from benchmarks.vllm.live_trace_metrics import LOAD_BYTES, LOAD_JOBS, LOAD_TIME, parse_metrics
+from benchmarks.vllm.live_trace_result import Result
+from benchmarks.vllm.live_trace_run import machine_id
+from benchmarks.vllm.live_trace_shape import (
+    FIRST_TURN_TOKENS,
+    SYSTEM_PROMPT_TOKENS,
+    TOKEN_RANGE,
+    make_conversations,
+    turn_orders,
+)
+from benchmarks.vllm.live_trace_summary import percentile, summarize
 from tests.support.scripts import load_script
 
 live_trace = load_script("live_trace")
@@ -93,22 +107,22 @@ def serve() -> Iterator:
 
 
 def test_trace_shape_sizes_shared_system_prompts_and_turn_orders():
-    conversations = live_trace.make_conversations(14, 3, seed=5)
-    assert [c.size for c in conversations] == list(live_trace.FIRST_TURN_TOKENS) * 2
-    assert len({tuple(c.system) for c in conversations}) == len(live_trace.SYSTEM_PROMPT_TOKENS)
-    low, high = live_trace.TOKEN_RANGE
+    conversations = make_conversations(14, 3, seed=5)
+    assert [c.size for c in conversations] == list(FIRST_TURN_TOKENS) * 2
+    assert len({tuple(c.system) for c in conversations}) == len(SYSTEM_PROMPT_TOKENS)
+    low, high = TOKEN_RANGE
     assert all(low <= t < high for c in conversations for t in c.prompt(0))
-    orders = live_trace.turn_orders(14, 3, seed=5)
+    orders = turn_orders(14, 3, seed=5)
     assert all(sorted(order) == list(range(14)) for order in orders)
     assert orders[0] != orders[1]
     # The same seed, the same trace: modes compare like with like.
-    again = live_trace.make_conversations(14, 3, seed=5)
+    again = make_conversations(14, 3, seed=5)
     assert [c.prompt(0) for c in again] == [c.prompt(0) for c in conversations]
 
 
 def test_metrics_page_sums_label_sets_and_drops_buckets_and_other_series():
     page = StandIn().metrics()
-    assert live_trace.parse_metrics(page) == {
+    assert parse_metrics(page) == {
         "vllm:kv_offload_load_bytes": 0.0,
         "vllm:kv_offload_load_time": 0.0,
         "kvcore_transfers": 0.0,
@@ -126,7 +140,7 @@ def test_metrics_page_takes_a_gauge_of_several_processes_at_its_lowest_not_their
             'kvcore_transfers_total{pid="2"} 4',
         ]
     )
-    assert live_trace.parse_metrics(page) == {
+    assert parse_metrics(page) == {
         "kvcore_allocator_one_run_fraction": 0.75,
         "kvcore_transfers": 7.0,
     }
@@ -142,18 +156,16 @@ def test_sequential_pass_times_streams_and_marks_cpu_tier_hits(serve, tmp_path):
     requests = report["sequential_requests"]
     assert len(requests) == 7 * 3
     # Every later turn extends its conversation's last answer: a hit; first turns are not.
-    hits = [r for r in requests if r["counted"].get(live_trace.LOAD_BYTES, 0) > 0]
+    hits = [r for r in requests if r["counted"].get(LOAD_BYTES, 0) > 0]
     assert sorted((r["conversation"], r["turn"]) for r in hits) == sorted(
         (c, t) for c in range(7) for t in (1, 2)
     )
-    assert all(r["counted"][live_trace.LOAD_BYTES] == 1000.0 * r["prompt_tokens"] for r in hits)
+    assert all(r["counted"][LOAD_BYTES] == 1000.0 * r["prompt_tokens"] for r in hits)
     assert all(len(r["output"]) == 16 and 0 < r["ttft_s"] <= r["total_s"] for r in requests)
     summary = report["sequential"]
     assert summary["cpu_tier_hits"] == 14 and summary["requests"] == 21
     assert summary["reload_ms_p50"] == 2.0
-    assert [row["first_turn_tokens"] for row in summary["by_size"]] == list(
-        live_trace.FIRST_TURN_TOKENS
-    )
+    assert [row["first_turn_tokens"] for row in summary["by_size"]] == list(FIRST_TURN_TOKENS)
     assert report["concurrent"]["requests"] == 21 and report["concurrent"]["tokens_per_s"] > 0
 
 
@@ -180,33 +192,33 @@ def test_combine_compares_outputs_with_the_first_mode(serve, tmp_path):
 
 
 def test_percentile_is_nearest_rank():
-    assert live_trace.percentile([], 0.99) is None
-    assert live_trace.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert live_trace.percentile(list(range(100)), 0.99) == 98
+    assert percentile([], 0.99) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile(list(range(100)), 0.99) == 98
 
 
 def test_a_first_turn_that_loads_only_a_shared_system_prompt_is_not_a_hit():
     def result(turn: int, loaded: float, ttft_s: float):
-        counted = {live_trace.LOAD_BYTES: loaded, live_trace.LOAD_TIME: loaded / 1e10}
-        return live_trace.Result(0, 512, turn, 512, ttft_s, ttft_s, [1], counted)
+        counted = {LOAD_BYTES: loaded, LOAD_TIME: loaded / 1e10}
+        return Result(0, 512, turn, 512, ttft_s, ttft_s, [1], counted)
 
     cold_with_system_prompt = result(0, 4096.0, 0.9)
     hit, miss = result(1, 1e6, 0.05), result(2, 0.0, 0.2)
     assert [r.cpu_tier_hit for r in (cold_with_system_prompt, hit, miss)] == [False, True, False]
-    summary = live_trace.summarize([cold_with_system_prompt, hit, miss])
+    summary = summarize([cold_with_system_prompt, hit, miss])
     assert summary["cpu_tier_hits"] == 1 and summary["ttft_ms_p50"] == 50.0
     assert summary["reload_bytes"] == 1e6 and summary["cold_ttft_ms_p50"] == 900.0
 
 
 def _hits(size: int, ttfts_s: list[float]) -> list:
-    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: 1e-3}
-    return [live_trace.Result(i, size, 1, size, t, t, [1], counted) for i, t in enumerate(ttfts_s)]
+    counted = {LOAD_BYTES: 1e6, LOAD_TIME: 1e-3}
+    return [Result(i, size, 1, size, t, t, [1], counted) for i, t in enumerate(ttfts_s)]
 
 
 def test_hit_comparison_is_per_size_with_an_interval_that_holds_the_median_difference():
     stock = _hits(512, [0.050, 0.060, 0.070, 0.055, 0.065]) + _hits(1024, [0.1, 0.1])
     faster = _hits(512, [0.020, 0.030, 0.040, 0.025, 0.035])
-    rows = live_trace.compare_hits(faster, stock)
+    rows = compare_hits(faster, stock)
     assert [row["first_turn_tokens"] for row in rows] == [512]
     (row,) = rows
     assert row["hits"] == 5 and row["reference_hits"] == 5
@@ -217,27 +229,27 @@ def test_hit_comparison_is_per_size_with_an_interval_that_holds_the_median_diffe
 
 def test_hit_comparison_interval_spans_zero_for_the_same_spread():
     same = [0.050, 0.080, 0.055, 0.075, 0.060, 0.070, 0.065]
-    (row,) = live_trace.compare_hits(_hits(2048, same), _hits(2048, list(reversed(same))))
+    (row,) = compare_hits(_hits(2048, same), _hits(2048, list(reversed(same))))
     low, high = row["ttft_ms_difference_interval"]
     assert row["ttft_ms_p50_difference"] == 0.0 and low < 0 < high
 
 
 def test_misses_and_first_turns_are_not_compared():
-    counted = {live_trace.LOAD_BYTES: 0.0}
-    miss = live_trace.Result(0, 512, 1, 600, 0.2, 0.2, [1], counted)
-    assert live_trace.compare_hits([miss], _hits(512, [0.05])) == []
+    counted = {LOAD_BYTES: 0.0}
+    miss = Result(0, 512, 1, 600, 0.2, 0.2, [1], counted)
+    assert compare_hits([miss], _hits(512, [0.05])) == []
 
 
 def test_each_size_splits_hit_ttft_into_reload_and_the_rest_and_counts_load_jobs():
     def hit(size: int, ttft_s: float, load_s: float, jobs: float | None) -> Any:
-        counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: load_s}
+        counted = {LOAD_BYTES: 1e6, LOAD_TIME: load_s}
         if jobs is not None:
-            counted[live_trace.LOAD_JOBS] = jobs
-        return live_trace.Result(0, size, 1, size, ttft_s, ttft_s, [1], counted)
+            counted[LOAD_JOBS] = jobs
+        return Result(0, size, 1, size, ttft_s, ttft_s, [1], counted)
 
     hits = [hit(512, 0.050, 0.010, 1), hit(512, 0.070, 0.020, 2), hit(512, 0.060, 0.030, 1)]
     hits.append(hit(1024, 0.080, 0.040, None))
-    by_size = {row["first_turn_tokens"]: row for row in live_trace.summarize(hits)["by_size"]}
+    by_size = {row["first_turn_tokens"]: row for row in summarize(hits)["by_size"]}
     # TTFT less reload: 40, 50, 30 ms; the median is 40.
     assert by_size[512]["other_ms_p50"] == pytest.approx(40.0)
     assert by_size[512]["load_jobs_p50"] == 1 and by_size[512]["load_jobs_max"] == 2
@@ -246,9 +258,9 @@ def test_each_size_splits_hit_ttft_into_reload_and_the_rest_and_counts_load_jobs
 
 
 def _report(mode: str, label: str, ttfts_s: dict[int, list[float]], load_s: float) -> dict:
-    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: load_s}
+    counted = {LOAD_BYTES: 1e6, LOAD_TIME: load_s}
     requests = [
-        live_trace.Result(i, size, 1, size, t, t, [1], counted)
+        Result(i, size, 1, size, t, t, [1], counted)
         for size, times in ttfts_s.items()
         for i, t in enumerate(times)
     ]
@@ -256,7 +268,7 @@ def _report(mode: str, label: str, ttfts_s: dict[int, list[float]], load_s: floa
         "mode": mode,
         "label": label,
         "sequential": {"wall_s": 1.0},
-        "sequential_requests": [live_trace.asdict(r) for r in requests],
+        "sequential_requests": [asdict(r) for r in requests],
         "metrics_end": {},
     }
 
@@ -271,7 +283,7 @@ def test_repeated_modes_are_paired_with_stock_process_by_process():
         reports.append(_report("stock", f"stock-{drift}", stock, 0.004))
         reports.append(_report("kvcore-transfers", f"kvcore-{drift}", mine, 0.003))
     reports.append(_report("kvcore", "kvcore", {512: [0.05]}, 0.004))
-    summary = live_trace.combine(reports, "d", "v")
+    summary = combine(reports, "d", "v")
     assert set(summary["modes"]) == {r["label"] for r in reports}
     paired = summary["paired_processes"]
     # A mode that ran once is not paired.
@@ -293,13 +305,13 @@ def test_one_process_a_mode_has_no_pairs():
         _report("stock", "stock", {512: [0.05, 0.06]}, 0.004),
         _report("kvcore-transfers", "kvcore-transfers", {512: [0.05, 0.06]}, 0.003),
     ]
-    assert "paired_processes" not in live_trace.combine(reports, "d", "v")
+    assert "paired_processes" not in combine(reports, "d", "v")
 
 
 def test_reports_of_two_calls_keep_every_run_under_its_own_label():
     first_call = [_report("stock", "stock", {512: [0.05]}, 0.004)]
     second_call = [_report("stock", "stock", {512: [0.06]}, 0.004)] * 2
-    summary = live_trace.combine(first_call + second_call, "d", "v")
+    summary = combine(first_call + second_call, "d", "v")
     assert list(summary["modes"]) == ["stock", "stock#2", "stock#3"]
     assert summary["modes"]["stock#2"]["ttft_ms_p50"] == 60.0
 
@@ -357,12 +369,12 @@ def test_ab_log_gives_each_hit_its_loads_copy_and_combine_compares_the_arms(serv
 
 
 def test_copies_are_not_attributed_where_the_log_and_the_job_counts_disagree():
-    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_JOBS: 2.0}
-    results = [live_trace.Result(0, 512, 1, 600, 0.05, 0.06, [1], dict(counted))]
-    problem = live_trace.attribute_copies(results, ["kvcore"])
+    counted = {LOAD_BYTES: 1e6, LOAD_JOBS: 2.0}
+    results = [Result(0, 512, 1, 600, 0.05, 0.06, [1], dict(counted))]
+    problem = attribute_copies(results, ["kvcore"])
     assert problem == "1 A/B lines for 2 load jobs; copies not attributed"
     assert results[0].copies == []
-    assert live_trace.attribute_copies(results, ["kvcore", "stock_share"]) is None
+    assert attribute_copies(results, ["kvcore", "stock_share"]) is None
     assert results[0].copies == ["kvcore", "stock_share"]
 
 
@@ -375,16 +387,14 @@ def test_a_load_jobs_line_logged_twice_counts_once(tmp_path):
         "(EngineCore) INFO kvcore A/B: load job 7, 9 blocks: stock_share\n"
         "(EngineCore) INFO:kvcore.vllm:kvcore A/B: load job 7, 9 blocks: stock_share\n"
     )
-    assert live_trace.ab_copies(log, 0) == ["few_pages", "kvcore", "stock_share"]
+    assert ab_copies(log, 0) == ["few_pages", "kvcore", "stock_share"]
     offset = len(log.read_text().splitlines()[0]) + 1
-    assert live_trace.ab_copies(log, offset) == ["kvcore", "stock_share"]
+    assert ab_copies(log, offset) == ["kvcore", "stock_share"]
 
 
 def test_attribute_takes_the_copies_again_from_the_saved_log(tmp_path):
-    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_JOBS: 1.0}
-    requests = [
-        live_trace.Result(c, 2048, 1, 2200, 0.07, 0.08, [c], dict(counted)) for c in range(3)
-    ]
+    counted = {LOAD_BYTES: 1e6, LOAD_JOBS: 1.0}
+    requests = [Result(c, 2048, 1, 2200, 0.07, 0.08, [c], dict(counted)) for c in range(3)]
     log = tmp_path / "server.log"
     log.write_text(
         "INFO kvcore A/B: load job 1, 3 blocks: few_pages\n"
@@ -404,7 +414,7 @@ def test_attribute_takes_the_copies_again_from_the_saved_log(tmp_path):
     argv = ["attribute", str(path), "--ab-log", str(log), "--out", str(out)]
     assert live_trace.main(argv) == 0
     again = json.loads(out.read_text())
-    assert again["ab_attribution"] == live_trace.ATTRIBUTED
+    assert again["ab_attribution"] == ATTRIBUTED
     assert [r["copies"] for r in again["sequential_requests"]] == [
         ["kvcore"],
         ["stock_share"],
@@ -419,8 +429,8 @@ def test_attribute_takes_the_copies_again_from_the_saved_log(tmp_path):
 
 def _hit(ttft_s: float, copies: list[str], size: int = 2048) -> Any:
     """A CPU-tier hit whose reload took a tenth of its TTFT."""
-    counted = {live_trace.LOAD_BYTES: 1e6, live_trace.LOAD_TIME: ttft_s / 10}
-    return live_trace.Result(0, size, 1, size, ttft_s, ttft_s, [1], counted, copies)
+    counted = {LOAD_BYTES: 1e6, LOAD_TIME: ttft_s / 10}
+    return Result(0, size, 1, size, ttft_s, ttft_s, [1], counted, copies)
 
 
 def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_out():
@@ -429,7 +439,7 @@ def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_o
     # Mixed copies, a rule's pass, and a size with one arm only: in neither arm.
     requests += [_hit(0.001, ["kvcore", "stock_share"]), _hit(0.001, ["few_pages"])]
     requests.append(_hit(0.070, ["kvcore"], size=4096))
-    (row,) = live_trace.in_process_ab(requests)
+    (row,) = in_process_ab(requests)
     assert row["first_turn_tokens"] == 2048
     assert (row["kvcore_hits"], row["stock_hits"]) == (3, 2)
     assert row["kvcore_ttft_ms_p50"] == 52.0 and row["stock_ttft_ms_p50"] == 61.0
@@ -442,20 +452,18 @@ def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_o
 
 
 def test_a_trace_of_chosen_first_turns_is_summarized_at_those_sizes_only():
-    conversations = live_trace.make_conversations(6, 2, seed=1, first_turns=[768, 1536])
+    conversations = make_conversations(6, 2, seed=1, first_turns=[768, 1536])
     assert [c.size for c in conversations] == [768, 1536] * 3
     requests = [
         _hit(t, [copy], size)
         for size in (768, 1536)
         for t, copy in ((0.010, "kvcore"), (0.011, "kvcore"), (0.012, "stock_share"))
     ]
-    assert [row["first_turn_tokens"] for row in live_trace.in_process_ab(requests)] == [
+    assert [row["first_turn_tokens"] for row in in_process_ab(requests)] == [
         768,
         1536,
     ]
-    assert [
-        row["first_turn_tokens"] for row in live_trace.summarize(requests, None)["by_size"]
-    ] == [
+    assert [row["first_turn_tokens"] for row in summarize(requests, None)["by_size"]] == [
         768,
         1536,
     ]
@@ -468,7 +476,7 @@ def test_first_turn_sizes_refuse_what_no_conversation_could_hold(text: str) -> N
             ["run", "--model", "m", "--mode", "stock", "--out", "x", "--first-turn-tokens", text]
         )
     with pytest.raises(ValueError, match="at least 512"):
-        live_trace.make_conversations(2, 2, seed=0, first_turns=[256])
+        make_conversations(2, 2, seed=0, first_turns=[256])
 
 
 def test_processes_are_paired_on_their_own_machine_only():
@@ -487,7 +495,7 @@ def test_processes_are_paired_on_their_own_machine_only():
         on("b", "stock", "stock", 0.060),
         on("b", "kvcore-transfers", "kvcore-transfers-2", 0.060 / 1.1),
     ]
-    (row,) = live_trace.combine(reports, "d", "v")["paired_processes"]["kvcore-transfers"]
+    (row,) = combine(reports, "d", "v")["paired_processes"]["kvcore-transfers"]
     assert row["pairs"] == [
         ["stock", "kvcore-transfers"],
         ["stock-2", "kvcore-transfers"],
@@ -499,7 +507,7 @@ def test_processes_are_paired_on_their_own_machine_only():
 
 
 def test_a_report_names_the_machine_it_ran_on_and_combine_falls_back_to_its_folder(serve, tmp_path):
-    assert live_trace.machine_id()
+    assert machine_id()
     paths = []
     for call in ("one", "two"):
         out = tmp_path / call / "live-stock.json"
@@ -507,7 +515,7 @@ def test_a_report_names_the_machine_it_ran_on_and_combine_falls_back_to_its_fold
         argv = ["run", "--url", serve(StandIn()), "--model", "m", "--mode", "stock"]
         live_trace.main([*argv, "--out", str(out), "--conversations", "2", "--concurrency", "1"])
         report = json.loads(out.read_text())
-        assert report["machine"] == live_trace.machine_id()
+        assert report["machine"] == machine_id()
         del report["machine"]  # as written before reports named it
         out.write_text(json.dumps(report))
         paths.append(str(out))

@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_support import spec_args
 
 from benchmarks.vllm import ab
+from benchmarks.vllm.live_trace_attribution import AB_LINE
 from benchmarks.vllm.offload_handlers import (
     canonical_kv_caches,
     handler_gpu_tensors,
@@ -615,7 +616,7 @@ def shared_loads(share: float, seed: int, caplog) -> tuple[list[str], dict[str, 
         f"{transfers.AB_LOG_PREFIX} job {job_id}" for job_id in range(20)
     ]
     # The lines are what scripts/live_trace.py reads back.
-    matches = [load_script("live_trace").AB_LINE.fullmatch(line) for line in lines]
+    matches = [AB_LINE.fullmatch(line) for line in lines]
     assert all(m is not None and m.group(2) == "6" for m in matches)
     arms = [m.group(3) for m in matches if m is not None]
     return arms, metrics.snapshot()["fallbacks"], issued
