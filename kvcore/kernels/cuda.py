@@ -2,133 +2,54 @@
 
 Index tensors arrive on the CPU (plans are made there) and are uploaded through an
 :class:`~kvcore.kernels.index_upload.IndexUploader`, so nothing on these paths waits
-for the GPU.
+for the GPU. The copies in runs live in :mod:`~kvcore.kernels.run_copies`; a prepared
+staged page-in goes through :mod:`~kvcore.kernels.layer_ring` (a call a layer) or
+:mod:`~kvcore.kernels.overlap_ring` (a call a job), each with its own streams and events.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from kvcore.kernels import KernelSet, PreparedGather, reference
-from kvcore.kernels.batch_copy import (
-    BatchCopyError,
-    copy_pointers_batched,
-    copy_runs_batched,
-    copy_runs_each,
-)
-from kvcore.kernels.cudart import StreamCalls, device_address, stream_calls
+from kvcore.kernels.cudart import device_address
 from kvcore.kernels.index_upload import IndexUploader, KeptUpload
+from kvcore.kernels.layer_ring import LayerRing, stage_in_ring
+from kvcore.kernels.overlap_ring import (
+    OVERLAP_MAX_SLOTS,
+    OVERLAP_MIN_UNITS,
+    StageInLanes,
+    overlap_slots,
+    stage_in_overlapped,
+)
+from kvcore.kernels.run_copies import copy_runs, copy_runs_layers, host_pinned
 from kvcore.kernels.triton_kernels import triton_available
 from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.kernels.triton_rows import row_gather
 from kvcore.layers import LayerPairs
-from kvcore.runs import PairedRuns, Runs, slice_runs
-from kvcore.staging import lease_number
+from kvcore.runs import Runs, slice_runs
 
 if TYPE_CHECKING:
     from kvcore.staged_chunks import StagedChunk
 
-# Below this many runs one copy_ per run costs less host time than building a batch.
-_FEW_RUNS = 4
 # A staged copy is cut into pieces (PathPolicy.staged_pieces) so that the device-side
 # scatter (or gather) of one piece runs while the next crosses PCIe; only the last piece's
 # scatter is exposed. Pieces smaller than this gain less from overlap than they cost.
 _MIN_PIECE_BYTES = 8 << 20
-# A prepared staged page-in of many pairs (a vLLM job: every layer's K and V) goes through
-# a ring of slots of the staging buffer, one pair's chunk (a unit) a slot, so that the DMAs
-# run on a second stream back to back while each unit's scatter follows its own DMA. With
-# fewer units (SGLang's per-layer calls: K and V) at most one scatter would hide, behind
-# a stream switch and event calls added to every layer's host time.
-_OVERLAP_MIN_UNITS = 4
-# The most slots a page-in's ring uses: each round issues its DMAs before its scatters, so
-# a longer round issues its scatters later after their DMAs.
-_OVERLAP_MAX_SLOTS = 1 << 16
-# Units shorter than this cross PCIe faster than the host issues them: nothing to hide.
-_OVERLAP_MIN_UNIT_BYTES = 1 << 20
-# The most slots the layer ring (_LayerRing) cycles through: enough for a reload's DMAs to
-# run layers ahead of a scatter held back by the model's kernels, few enough events.
-_RING_MAX_SLOTS = 16
-# The ring serves one layer's call (SGLang's K and V, or MLA's one buffer); a call of more
-# pairs is a whole job (vLLM's every layer), which the overlapped ring or the serial path
-# take as before: the layer ring was measured only on SGLang's per-layer reloads.
+# The layer ring serves one layer's call (SGLang's K and V, or MLA's one buffer); a call of
+# more pairs is a whole job (vLLM's every layer), which the overlapped ring or the serial
+# path take as before: the layer ring was measured only on SGLang's per-layer reloads.
 _RING_MOST_PAIRS = 2
 
 
 def _host_side(src_words: torch.Tensor, dst_words: torch.Tensor) -> torch.Tensor:
     return src_words if src_words.device.type == "cpu" else dst_words
-
-
-def copy_runs(src_words: torch.Tensor, dst_words: torch.Tensor, runs: PairedRuns) -> str | None:
-    """One cudaMemcpyBatchAsync for many runs; one copy_ each for a few, or when it refuses.
-
-    Returns the reason when the batched submission was refused and the runs went one by one.
-    """
-    if runs.count <= _FEW_RUNS:
-        reference.copy_runs(src_words, dst_words, runs)
-        return None
-    try:
-        copy_runs_batched(src_words, dst_words, runs.src_starts, runs.dst_starts, runs.lengths)
-    except BatchCopyError as refused:
-        copy_runs_each(src_words, dst_words, runs.src_starts, runs.dst_starts, runs.lengths)
-        return f"batch_copy_refused:{refused.reason}"
-    return None
-
-
-def copy_runs_layers(pairs: LayerPairs, runs: PairedRuns) -> str | None:
-    """Every pair's runs in one batched submission (a few calls of at most 256 copies).
-
-    The pairs were checked when ``pairs`` was made and the runs' bounds by the mover, so
-    only the addresses are computed here. Returns the reason when the batch was refused
-    and the runs went one copy per run.
-    """
-    if runs.count * len(pairs) <= _FEW_RUNS:
-        for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-            reference.copy_runs(src_words, dst_words, runs)
-        return None
-    row_bytes = pairs.row_bytes
-    bases = _bases(pairs)
-    src_offsets = (runs.src_starts.numpy() * row_bytes).astype(np.uint64)
-    dst_offsets = (runs.dst_starts.numpy() * row_bytes).astype(np.uint64)
-    sizes = np.tile((runs.lengths.numpy() * row_bytes).astype(np.uint64), len(pairs))
-    try:
-        copy_pointers_batched(
-            (bases[1][:, None] + dst_offsets[None, :]).ravel(),
-            (bases[0][:, None] + src_offsets[None, :]).ravel(),
-            sizes,
-            pairs.dsts[0].device if pairs.dsts[0].device.type == "cuda" else pairs.srcs[0].device,
-            host_pinned=_host_pinned(pairs),
-        )
-    except BatchCopyError as refused:
-        for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-            copy_runs_each(src_words, dst_words, runs.src_starts, runs.dst_starts, runs.lengths)
-        return f"batch_copy_refused:{refused.reason}"
-    return None
-
-
-# Facts about a LayerPairs that hold as long as it lives, computed on its first use.
-_BASES: weakref.WeakKeyDictionary[LayerPairs, tuple[np.ndarray, np.ndarray]] = (
-    weakref.WeakKeyDictionary()
-)
-_PINNED: weakref.WeakKeyDictionary[LayerPairs, bool] = weakref.WeakKeyDictionary()
-
-
-def _bases(pairs: LayerPairs) -> tuple[np.ndarray, np.ndarray]:
-    """The pairs' source and destination addresses."""
-    bases = _BASES.get(pairs)
-    if bases is None:
-        src, dst = (
-            np.array([t.data_ptr() for t in side], dtype=np.uint64)
-            for side in (pairs.src_words, pairs.dst_words)
-        )
-        bases = _BASES[pairs] = (src, dst)
-    return bases
 
 
 def _gpu_addresses(pairs: LayerPairs) -> dict[int, int] | None:
@@ -143,20 +64,6 @@ def _gpu_addresses(pairs: LayerPairs) -> dict[int, int] | None:
             return None
         addresses[pointer] = address
     return addresses
-
-
-def _host_pinned(pairs: LayerPairs) -> bool:
-    """Whether every host-side buffer of the pairs is pinned (checked once per storage)."""
-    pinned = _PINNED.get(pairs)
-    if pinned is None:
-        host = {
-            t.untyped_storage().data_ptr(): t
-            for t in (*pairs.srcs, *pairs.dsts)
-            if t.device.type == "cpu"
-        }
-        pinned = all(t.is_pinned() for t in host.values())
-        _PINNED[pairs] = pinned
-    return pinned
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,112 +89,6 @@ class _StageInRows:
     uploads: tuple[KeptUpload, ...]
 
 
-class _StageInLanes:
-    """A device's second stream and events for overlapped staged page-ins: each slot of
-    the staging buffer has a "filled" event (its DMA done) and a "freed" event (the
-    scatter that read it done). Used only under the device's staging lease."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.dma = torch.cuda.Stream(device=device)
-        self.filled: list[torch.cuda.Event] = []
-        self.freed: list[torch.cuda.Event] = []
-
-    def events_for(self, slots: int) -> None:
-        while len(self.filled) < slots:
-            self.filled.append(torch.cuda.Event())
-            self.freed.append(torch.cuda.Event())
-
-
-class _LayerRing:
-    """A device's staged page-ins across calls: a request's layers copied by the copy engine
-    into a ring of staging slots on a stream of their own, each slot scattered to its rows on
-    a high-priority stream, the caller's stream waiting only for the scatters.
-
-    The model's kernels hold the SMs while a reload runs beside them; a scatter queued on the
-    caller's stream behind them would hold back every later layer's DMA. Here a layer's DMA
-    waits only for its slot's last scatter, and the scatter, at the device's highest stream
-    priority, takes SMs as soon as any free up. A request's first call (or any call after
-    another user of the staging buffer, or a new buffer) orders the DMAs after the caller's
-    earlier work; its later layers read host rows that call already ordered. The copies and
-    events go through the CUDA runtime directly (:class:`~kvcore.kernels.cudart.StreamCalls`):
-    SGLang queues the hit's forward only once every layer's call has returned, so the ring's
-    host time per layer delays the model.
-    """
-
-    def __init__(self, device: torch.device, calls: StreamCalls) -> None:
-        self.calls = calls
-        self.dma = torch.cuda.Stream(device=device)
-        self.scatter = torch.cuda.Stream(device=device, priority=_highest_priority())
-        self.dma_handle, self.scatter_handle = self.dma.cuda_stream, self.scatter.cuda_stream
-        self.start, self.done = calls.event(), calls.event()
-        self.filled: list[int] = []
-        self.freed: list[int] = []
-        self.armed: list[bool] = []
-        self.cursor = 0
-        self.geometry: tuple[int, int, int] = (0, 0, 0)
-        """(staging address, slot bytes, slots) the slots were cut for."""
-        self.views: dict[tuple[torch.dtype, int, int, int], torch.Tensor] = {}
-        """Each slot's rows as a word view, by (dtype, words, slot, rows): made once."""
-        self.request: weakref.ref[object] | None = None
-        self.lease = -1
-
-    def shape(self, staging: torch.Tensor, slot_bytes: int, slots: int) -> bool:
-        """Cut the slots for this call; whether they were cut anew (the DMAs must then wait
-        for the caller's stream, which waited for every earlier scatter)."""
-        geometry = (staging.data_ptr(), slot_bytes, slots)
-        if geometry == self.geometry:
-            return False
-        self.geometry = geometry
-        while len(self.filled) < slots:
-            self.filled.append(self.calls.event())
-            self.freed.append(self.calls.event())
-        self.armed = [False] * slots
-        self.cursor = 0
-        self.views.clear()
-        return True
-
-    def slot_view(
-        self, staging: torch.Tensor, like: torch.Tensor, slot: int, rows: int
-    ) -> torch.Tensor:
-        key = (like.dtype, like.shape[1], slot, rows)
-        view = self.views.get(key)
-        if view is None:
-            slot_rows = self.geometry[1] // (like.shape[1] * like.element_size())
-            whole = reference.buffer_rows(staging, slot_rows * (slot + 1), like)
-            view = whole[slot * slot_rows : slot * slot_rows + rows]
-            self.views[key] = view
-        return view
-
-
-def _highest_priority() -> int:
-    # A static method at run time, typed as an instance method in torch's stubs.
-    _least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
-    return int(greatest)
-
-
-def overlap_slots(
-    staging_bytes: int,
-    chunk_rows: Sequence[int],
-    row_bytes: int,
-    pairs: int,
-    most: int = _OVERLAP_MAX_SLOTS,
-) -> tuple[int, int] | None:
-    """``(rows, count)`` of the slots a staging buffer of ``staging_bytes`` holds for a
-    page-in of ``pairs`` pairs of ``row_bytes`` rows in chunks of ``chunk_rows`` (a unit is
-    one pair's chunk, a slot as many rows as the longest; never more slots than units or
-    ``most``). None where the units should go in turn on one stream: fewer than
-    ``_OVERLAP_MIN_UNITS``, shorter than ``_OVERLAP_MIN_UNIT_BYTES`` on average, or fewer
-    than two slots fit."""
-    units = pairs * len(chunk_rows)
-    if units < _OVERLAP_MIN_UNITS:
-        return None
-    if sum(chunk_rows) * row_bytes < _OVERLAP_MIN_UNIT_BYTES * len(chunk_rows):
-        return None
-    slot_rows = max(chunk_rows)
-    count = min(staging_bytes // (slot_rows * row_bytes), units, most)
-    return (slot_rows, count) if count >= 2 else None
-
-
 class _CudaIndexedOps:
     """The ops that take index tensors, uploading them through one ring per device."""
 
@@ -305,9 +106,9 @@ class _CudaIndexedOps:
         self.staged_pieces = staged_pieces
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._lanes: dict[torch.device, _StageInLanes] = {}
-        self._rings: dict[torch.device, _LayerRing] = {}
-        self.overlap_max_slots = _OVERLAP_MAX_SLOTS
+        self._lanes: dict[torch.device, StageInLanes] = {}
+        self._rings: dict[torch.device, LayerRing] = {}
+        self.overlap_max_slots = OVERLAP_MAX_SLOTS
         self._launches: weakref.WeakKeyDictionary[LayerPairs, _TableLaunch | str] = (
             weakref.WeakKeyDictionary()
         )
@@ -432,7 +233,7 @@ class _CudaIndexedOps:
     def _new_launch(self, pairs: LayerPairs) -> _TableLaunch | str:
         if not triton_available():
             return "gather_kernel_unavailable:triton"
-        if not _host_pinned(pairs):
+        if not host_pinned(pairs):
             return "gather_kernel_unavailable:pageable_host"
         addresses = _gpu_addresses(pairs)
         if addresses is None:
@@ -512,7 +313,7 @@ class _CudaIndexedOps:
         pair_count = len(pairs.src_words)
         slots = None
         # An SGLang layer (one or two pairs) leaves here, for no more host time than this.
-        if pair_count * len(chunks.chunks) >= _OVERLAP_MIN_UNITS:
+        if pair_count * len(chunks.chunks) >= OVERLAP_MIN_UNITS:
             src_words = pairs.src_words[0]
             slots = overlap_slots(
                 staging.numel(),
@@ -522,134 +323,12 @@ class _CudaIndexedOps:
                 self.overlap_max_slots,
             )
         if slots is None:
-            if pair_count > _RING_MOST_PAIRS or not self._stage_in_ring(pairs, prepared, staging):
+            if pair_count > _RING_MOST_PAIRS or not stage_in_ring(
+                self._rings, pairs, chunks, prepared, staging
+            ):
                 reference.stage_in_prepared(pairs, chunks, staging)
         else:
-            self._stage_in_overlapped(pairs, chunks, staging, *slots)
-
-    def _stage_in_ring(
-        self, pairs: LayerPairs, prepared: _StageInRows, staging: torch.Tensor
-    ) -> bool:
-        """One call of a request through the device's :class:`_LayerRing`; False (nothing
-        issued) where fewer than two slots of the call's largest unit fit the buffer, the
-        pairs' rows differ in size, or no CUDA runtime is reachable."""
-        calls = stream_calls()
-        chunks = prepared.chunks
-        src_words = pairs.src_words[0]
-        row_bytes = src_words.shape[1] * src_words.element_size()
-        if calls is None or any(
-            s.shape[1] * s.element_size() != row_bytes for s in pairs.src_words
-        ):
-            return False
-        slot_rows = max(rows for _, _, rows in chunks.chunks)
-        slot_bytes = slot_rows * row_bytes
-        slots = min(staging.numel() // slot_bytes, _RING_MAX_SLOTS)
-        if slots < 2:
-            return False
-        device = staging.device
-        ring = self._rings.get(device)
-        if ring is None:
-            ring = self._rings.setdefault(device, _LayerRing(device, calls))
-        current = torch.cuda.current_stream(device).cuda_stream
-        lease = lease_number(staging)
-        later_layer = (
-            ring.request is not None and ring.request() is prepared and ring.lease == lease - 1
-        )
-        fresh = ring.shape(staging, slot_bytes, slots)
-        ring.request, ring.lease = weakref.ref(prepared), lease
-        dma, scatter = ring.dma_handle, ring.scatter_handle
-        calls.record(ring.start, current)
-        if fresh or not later_layer:
-            calls.wait(dma, ring.start)
-            for _, rows_on_device, _ in chunks.chunks:
-                rows_on_device.record_stream(ring.scatter)
-        calls.wait(scatter, ring.start)
-        base = staging.data_ptr()
-        completed = False
-        try:
-            with torch.cuda.stream(ring.scatter):
-                for src, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-                    host = src.data_ptr()
-                    for host_runs, rows_on_device, rows in chunks.chunks:
-                        slot = ring.cursor
-                        ring.cursor = (slot + 1) % slots
-                        if ring.armed[slot]:
-                            calls.wait(dma, ring.freed[slot])
-                        into = base + slot * slot_bytes
-                        for start, length in host_runs:
-                            calls.copy(into, host + start * row_bytes, length * row_bytes, dma)
-                            into += length * row_bytes
-                        calls.record(ring.filled[slot], dma)
-                        calls.wait(scatter, ring.filled[slot])
-                        staged = ring.slot_view(staging, src, slot, rows)
-                        dst_words.index_copy_(0, rows_on_device, staged)
-                        calls.record(ring.freed[slot], scatter)
-                        ring.armed[slot] = True
-            completed = True
-        finally:
-            # The caller's stream goes on after every scatter issued: the engine's per-layer
-            # event after this call covers them, and the buffer's next lease (kept after the
-            # caller's stream) covers the DMAs they waited for. A failed call may have left a
-            # DMA with no scatter after it: the caller waits for that too, and the next call
-            # orders its DMAs afresh.
-            calls.record(ring.done, scatter)
-            calls.wait(current, ring.done)
-            if not completed:
-                calls.record(ring.done, dma)
-                calls.wait(current, ring.done)
-                ring.request = None
-        return True
-
-    def _stage_in_overlapped(
-        self,
-        pairs: LayerPairs,
-        prepared: reference.PreparedStageIn,
-        staging: torch.Tensor,
-        slot_rows: int,
-        slots: int,
-    ) -> None:
-        """Every pair's chunks through a ring of ``slots`` slots, in rounds of one unit a
-        slot: a round's DMAs on the device's second stream (each after the previous
-        round's scatter from its slot), then its scatters on the current stream (each
-        after its own DMA). The second stream first waits for the current one (the
-        engine's earlier work, an earlier lease's scatters), and the current one ends
-        waiting for the second (after a failure too): the call ends joined to it."""
-        device = staging.device
-        lanes = self._lanes.get(device)
-        if lanes is None:
-            lanes = self._lanes.setdefault(device, _StageInLanes(device))
-        lanes.events_for(slots)
-        filled, freed = lanes.filled, lanes.freed
-        total = len(pairs.src_words) * len(prepared.chunks)
-        # Made one by one as their DMAs are issued: the first DMA waits for one unit's
-        # set-up, not for every unit's.
-        units = _staged_units(pairs, prepared, staging, slot_rows, slots)
-        current = torch.cuda.current_stream(device)
-        dma = lanes.dma
-        dma.wait_stream(current)
-        try:
-            for start in range(0, total, slots):
-                batch: list[_Unit] = []
-                with torch.cuda.stream(dma):
-                    # The range first: zip stops on it without drawing a unit too many.
-                    for slot, unit in zip(range(slots), units, strict=False):
-                        if start:
-                            dma.wait_event(freed[slot])
-                        reference.listed_runs_to_staging(
-                            unit[0], unit[1], unit[2], into_staging=True
-                        )
-                        filled[slot].record(dma)
-                        batch.append(unit)
-                refilled = start + slots < total
-                for slot, (_, _, staged, dst_words, rows_on_device) in enumerate(batch):
-                    current.wait_event(filled[slot])
-                    dst_words.index_copy_(0, rows_on_device, staged)
-                    if refilled:
-                        freed[slot].record(current)
-        finally:
-            # Whatever was issued, the lease's next holder waits for it: a DMA left
-            # running by a failed call would otherwise write into its staging rows.
-            current.wait_stream(dma)
+            stage_in_overlapped(self._lanes, pairs, chunks, staging, *slots)
 
     def stage_out(
         self,
@@ -680,34 +359,6 @@ class _CudaIndexedOps:
             reference.runs_to_staging(
                 dst_words, slice_runs(host_runs, begin, end), piece, into_staging=False
             )
-
-
-_Unit = tuple[torch.Tensor, tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def _staged_units(
-    pairs: LayerPairs,
-    prepared: reference.PreparedStageIn,
-    staging: torch.Tensor,
-    slot_rows: int,
-    slots: int,
-) -> Iterator[_Unit]:
-    """Each (pair, chunk) of a page-in in order: its host words, host runs, staging rows
-    (in slot ``unit % slots`` of ``slot_rows`` rows), destination words and rows."""
-    unit = 0
-    chunks = prepared.chunks
-    rows_of: dict[tuple[torch.dtype, int], torch.Tensor] = {}
-    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-        words = src_words.shape[1]
-        typed = rows_of.get((src_words.dtype, words))
-        if typed is None:
-            # The buffer as rows of this pair's words: a unit's staging rows are one slice.
-            typed = reference.buffer_rows(staging, slot_rows * slots, src_words)
-            rows_of[(src_words.dtype, words)] = typed
-        for host_runs, rows_on_device, rows in chunks:
-            begin = unit % slots * slot_rows
-            yield src_words, host_runs, typed[begin : begin + rows], dst_words, rows_on_device
-            unit += 1
 
 
 @dataclass(frozen=True, eq=False)

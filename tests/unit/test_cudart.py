@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from kvcore.kernels import cuda, cudart, reference
+from kvcore.kernels import cuda, cudart, overlap_ring, reference
 from kvcore.layers import layer_pairs
 from kvcore.runs import Runs
 from kvcore.staged_chunks import staged_chunks
@@ -58,7 +58,7 @@ def test_an_unmapped_or_null_pointer_has_no_device_address(fake_driver):
 
 def test_layers_whose_host_memory_the_gpu_cannot_reach_are_gathered_one_by_one(monkeypatch):
     monkeypatch.setattr(cuda, "triton_available", lambda: True)
-    monkeypatch.setattr(cuda, "_host_pinned", lambda pairs: True)
+    monkeypatch.setattr(cuda, "host_pinned", lambda pairs: True)
     monkeypatch.setattr(cuda, "device_address", lambda pointer: None)
     host = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
     device = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
@@ -132,7 +132,7 @@ def test_a_rings_units_take_the_slots_in_turn_each_its_own_rows_of_the_buffer():
     chunks = staged_chunks(host_runs, rows_per_pair, rows_per_pair)
     prepared = reference.prepare_stage_in(chunks, dst_rows, torch.device("cpu"))
     staging = torch.zeros(slots * slot_rows * words * 8, dtype=torch.uint8)
-    units = list(cuda._staged_units(pairs, prepared, staging, slot_rows, slots))
+    units = list(overlap_ring._staged_units(pairs, prepared, staging, slot_rows, slots))
     assert len(units) == 5
     base = staging.data_ptr()
     for number, (src_words, runs, staged, dst_words, rows) in enumerate(units):

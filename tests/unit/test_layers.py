@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.direction import Direction
-from kvcore.kernels import REFERENCE, KernelSet, cuda
+from kvcore.kernels import REFERENCE, KernelSet, run_copies
 from kvcore.kernels.batch_copy import BatchCopyError
 from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
@@ -303,7 +303,7 @@ def memmove_batches(log: list[tuple[int, bool]]):
 @pytest.mark.parametrize("shared_host", [False, True], ids=["own_tensors", "shared_host"])
 def test_cuda_batched_runs_address_every_pair(monkeypatch, shared_host):
     log: list[tuple[int, bool]] = []
-    monkeypatch.setattr(cuda, "copy_pointers_batched", memmove_batches(log))
+    monkeypatch.setattr(run_copies, "copy_pointers_batched", memmove_batches(log))
     gen = torch.Generator().manual_seed(9)
     _, host = side(shared_host, gen)
     device_memory, device = side(False, gen)
@@ -313,7 +313,7 @@ def test_cuda_batched_runs_address_every_pair(monkeypatch, shared_host):
         host[0], device[0], src_idx, dst_idx, direction=H2D, force=TransferPath.BATCHED_RUNS
     )
     expected = expected_after(host, device_memory, False, src_idx, dst_idx)
-    assert cuda.copy_runs_layers(layer_pairs(host, device), chosen.runs) is None
+    assert run_copies.copy_runs_layers(layer_pairs(host, device), chosen.runs) is None
     assert same_bytes(device_memory, expected)
     # One submission of every run of every pair; CPU memory is not pinned.
     assert log == [(chosen.runs.count * LAYERS, False)]
@@ -323,7 +323,7 @@ def test_cuda_batched_runs_refused_go_run_by_run(monkeypatch):
     def refuse(*args, **kwargs):
         raise BatchCopyError("pageable host memory")
 
-    monkeypatch.setattr(cuda, "copy_pointers_batched", refuse)
+    monkeypatch.setattr(run_copies, "copy_pointers_batched", refuse)
     gen = torch.Generator().manual_seed(10)
     host_memory, host = side(True, gen)
     _, device = side(False, gen)
@@ -333,7 +333,7 @@ def test_cuda_batched_runs_refused_go_run_by_run(monkeypatch):
         device[0], host[0], src_idx, dst_idx, direction=D2H, force=TransferPath.BATCHED_RUNS
     )
     expected = expected_after(device, host_memory, True, src_idx, dst_idx)
-    reason = cuda.copy_runs_layers(layer_pairs(device, host), chosen.runs)
+    reason = run_copies.copy_runs_layers(layer_pairs(device, host), chosen.runs)
     assert reason == "batch_copy_refused:pageable host memory"
     assert same_bytes(host_memory, expected)
 

@@ -1,0 +1,142 @@
+"""The overlapped ring: one staged page-in of many pairs (a vLLM job) cut into units that
+take slots of the staging buffer in turn, so that the DMAs run back to back while each
+unit's scatter follows its own DMA."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from kvcore.kernels import reference
+from kvcore.layers import LayerPairs
+
+# A prepared staged page-in of many pairs (a vLLM job: every layer's K and V) goes through
+# a ring of slots of the staging buffer, one pair's chunk (a unit) a slot, so that the DMAs
+# run on a second stream back to back while each unit's scatter follows its own DMA. With
+# fewer units (SGLang's per-layer calls: K and V) at most one scatter would hide, behind
+# a stream switch and event calls added to every layer's host time.
+OVERLAP_MIN_UNITS = 4
+# The most slots a page-in's ring uses: each round issues its DMAs before its scatters, so
+# a longer round issues its scatters later after their DMAs.
+OVERLAP_MAX_SLOTS = 1 << 16
+# Units shorter than this cross PCIe faster than the host issues them: nothing to hide.
+_OVERLAP_MIN_UNIT_BYTES = 1 << 20
+
+
+class StageInLanes:
+    """A device's second stream and events for overlapped staged page-ins: each slot of
+    the staging buffer has a "filled" event (its DMA done) and a "freed" event (the
+    scatter that read it done). Used only under the device's staging lease."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.dma = torch.cuda.Stream(device=device)
+        self.filled: list[torch.cuda.Event] = []
+        self.freed: list[torch.cuda.Event] = []
+
+    def events_for(self, slots: int) -> None:
+        while len(self.filled) < slots:
+            self.filled.append(torch.cuda.Event())
+            self.freed.append(torch.cuda.Event())
+
+
+def overlap_slots(
+    staging_bytes: int,
+    chunk_rows: Sequence[int],
+    row_bytes: int,
+    pairs: int,
+    most: int = OVERLAP_MAX_SLOTS,
+) -> tuple[int, int] | None:
+    """``(rows, count)`` of the slots a staging buffer of ``staging_bytes`` holds for a
+    page-in of ``pairs`` pairs of ``row_bytes`` rows in chunks of ``chunk_rows`` (a unit is
+    one pair's chunk, a slot as many rows as the longest; never more slots than units or
+    ``most``). None where the units should go in turn on one stream: fewer than
+    ``OVERLAP_MIN_UNITS``, shorter than ``_OVERLAP_MIN_UNIT_BYTES`` on average, or fewer
+    than two slots fit."""
+    units = pairs * len(chunk_rows)
+    if units < OVERLAP_MIN_UNITS:
+        return None
+    if sum(chunk_rows) * row_bytes < _OVERLAP_MIN_UNIT_BYTES * len(chunk_rows):
+        return None
+    slot_rows = max(chunk_rows)
+    count = min(staging_bytes // (slot_rows * row_bytes), units, most)
+    return (slot_rows, count) if count >= 2 else None
+
+
+def stage_in_overlapped(
+    lanes_by_device: dict[torch.device, StageInLanes],
+    pairs: LayerPairs,
+    prepared: reference.PreparedStageIn,
+    staging: torch.Tensor,
+    slot_rows: int,
+    slots: int,
+) -> None:
+    """Every pair's chunks through a ring of ``slots`` slots, in rounds of one unit a
+    slot: a round's DMAs on the device's second stream (each after the previous
+    round's scatter from its slot), then its scatters on the current stream (each
+    after its own DMA). The second stream first waits for the current one (the
+    engine's earlier work, an earlier lease's scatters), and the current one ends
+    waiting for the second (after a failure too): the call ends joined to it. The
+    device's lanes are kept in ``lanes_by_device``, made on its first page-in."""
+    device = staging.device
+    lanes = lanes_by_device.get(device)
+    if lanes is None:
+        lanes = lanes_by_device.setdefault(device, StageInLanes(device))
+    lanes.events_for(slots)
+    filled, freed = lanes.filled, lanes.freed
+    total = len(pairs.src_words) * len(prepared.chunks)
+    # Made one by one as their DMAs are issued: the first DMA waits for one unit's
+    # set-up, not for every unit's.
+    units = _staged_units(pairs, prepared, staging, slot_rows, slots)
+    current = torch.cuda.current_stream(device)
+    dma = lanes.dma
+    dma.wait_stream(current)
+    try:
+        for start in range(0, total, slots):
+            batch: list[_Unit] = []
+            with torch.cuda.stream(dma):
+                # The range first: zip stops on it without drawing a unit too many.
+                for slot, unit in zip(range(slots), units, strict=False):
+                    if start:
+                        dma.wait_event(freed[slot])
+                    reference.listed_runs_to_staging(unit[0], unit[1], unit[2], into_staging=True)
+                    filled[slot].record(dma)
+                    batch.append(unit)
+            refilled = start + slots < total
+            for slot, (_, _, staged, dst_words, rows_on_device) in enumerate(batch):
+                current.wait_event(filled[slot])
+                dst_words.index_copy_(0, rows_on_device, staged)
+                if refilled:
+                    freed[slot].record(current)
+    finally:
+        # Whatever was issued, the lease's next holder waits for it: a DMA left
+        # running by a failed call would otherwise write into its staging rows.
+        current.wait_stream(dma)
+
+
+_Unit = tuple[torch.Tensor, tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _staged_units(
+    pairs: LayerPairs,
+    prepared: reference.PreparedStageIn,
+    staging: torch.Tensor,
+    slot_rows: int,
+    slots: int,
+) -> Iterator[_Unit]:
+    """Each (pair, chunk) of a page-in in order: its host words, host runs, staging rows
+    (in slot ``unit % slots`` of ``slot_rows`` rows), destination words and rows."""
+    unit = 0
+    chunks = prepared.chunks
+    rows_of: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+        words = src_words.shape[1]
+        typed = rows_of.get((src_words.dtype, words))
+        if typed is None:
+            # The buffer as rows of this pair's words: a unit's staging rows are one slice.
+            typed = reference.buffer_rows(staging, slot_rows * slots, src_words)
+            rows_of[(src_words.dtype, words)] = typed
+        for host_runs, rows_on_device, rows in chunks:
+            begin = unit % slots * slot_rows
+            yield src_words, host_runs, typed[begin : begin + rows], dst_words, rows_on_device
+            unit += 1
