@@ -1,4 +1,4 @@
-"""kvcore.stock_uses on an engine tree and adapter written here: no engine needed."""
+"""tests.support.stock_uses on an engine tree and adapter written here: no engine needed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.stock_uses import EngineSource, StockUse, stock_uses
+from tests.support.stock_uses import EngineSource, StockUse, stock_uses
 
 ENGINE_FILES = {
     "eng/__init__.py": "",

@@ -8,7 +8,7 @@ import pytest
 
 import kvcore_sglang
 from kvcore.fingerprint import package_root
-from kvcore.stock_uses import EngineSource, StockUse, stock_uses
+from tests.support.stock_uses import EngineSource, StockUse, stock_uses
 from kvcore_sglang import guard
 
 pytestmark = pytest.mark.sglang

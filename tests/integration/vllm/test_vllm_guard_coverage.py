@@ -10,7 +10,7 @@ import pytest
 import kvcore_vllm
 from kvcore.engine_status import release_of
 from kvcore.fingerprint import package_root
-from kvcore.stock_uses import EngineSource, StockUse, stock_uses
+from tests.support.stock_uses import EngineSource, StockUse, stock_uses
 from kvcore_vllm import guard
 from kvcore_vllm.releases import installed_shape
 
