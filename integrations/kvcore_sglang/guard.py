@@ -65,7 +65,7 @@ TRANSFER_GROUPS: dict[str, tuple[str, ...]] = {
 _REGISTER = "sglang.srt.plugins.hook_registry.HookRegistry.register"
 # Uninstalling applies another plugin's hooks again on a target kvcore shared with it.
 _APPLY = "sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks"
-# SGLang functions a group's hooks call (kvcore.stock_uses finds them; a test requires each
+# SGLang functions a group's hooks call (tests.support.stock_uses finds them; a test requires each
 # here): checked with the group, never hooked. The plugin registers every hook through
 # HookRegistry.register; the layer helpers are those kvcore_sglang.pool_jobs asks which
 # layer a pool holds and where (HostKVCache's for MHA and MLA, the DSA pool's own).
