@@ -66,17 +66,17 @@ def bench_mover(*, serve_rule: bool = False) -> Iterator[Mover]:
 
     The A/B measures kvcore's own paths, so the serve-or-pass rule is off unless asked for.
     """
-    from kvcore_sglang import hook_mover, transfers
+    from kvcore_sglang import hook_mover, serve_or_pass
 
     mover = Mover(policy_from_config(KVCoreConfig.from_env()), metrics=Metrics())
-    saved_rule = transfers.serve_rule_enabled
+    saved_rule = serve_or_pass.serve_rule_enabled
     saved_mover = hook_mover.use_mover(mover)
-    transfers.serve_rule_enabled = lambda: serve_rule  # type: ignore[assignment]
+    serve_or_pass.serve_rule_enabled = lambda: serve_rule  # type: ignore[assignment]
     try:
         yield mover
     finally:
         hook_mover.use_mover(saved_mover)
-        transfers.serve_rule_enabled = saved_rule  # type: ignore[method-assign]
+        serve_or_pass.serve_rule_enabled = saved_rule  # type: ignore[method-assign]
 
 
 def run(opts: Options, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:

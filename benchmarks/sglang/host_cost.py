@@ -56,27 +56,32 @@ CASES: tuple[tuple[str, str, str, int], ...] = (
 )
 TOKENS = (512, 2048, 8192, 32768)
 
-_HOOK = "kvcore_sglang.transfers"
+# Each step is named on the module its caller reads it from at call time: the hooks import
+# the load path's steps by name, the load path reads its own, and both reach call_plans'
+# through that module.
+_HOOKS = "kvcore_sglang.transfers"
+_LOADS = "kvcore_sglang.layer_loads"
+_PLANS = "kvcore_sglang.call_plans"
 PHASES: tuple[str, ...] = (
-    f"{_HOOK}:_continued",
-    f"{_HOOK}:_later_layer_served",
-    f"{_HOOK}:_call_rule",
-    f"{_HOOK}:_load_layer",
-    f"{_HOOK}:_start_load",
-    f"{_HOOK}:_call_indices",
-    f"{_HOOK}:_host_runs_pass",
-    f"{_HOOK}:_serve_layer",
-    f"{_HOOK}:_layer_buffers",
-    f"{_HOOK}:_kept_layer_job",
-    f"{_HOOK}:_first_plan",
-    f"{_HOOK}:plan_device_indexed_for",
-    f"{_HOOK}:plan_for",
+    f"{_HOOKS}:continued",
+    f"{_HOOKS}:later_layer_served",
+    f"{_HOOKS}:call_rule",
+    f"{_HOOKS}:load_layer",
+    f"{_LOADS}:_start_load",
+    f"{_PLANS}:call_indices",
+    f"{_LOADS}:host_runs_pass",
+    f"{_LOADS}:_serve_layer",
+    f"{_LOADS}:_layer_buffers",
+    f"{_LOADS}:_kept_layer_job",
+    f"{_PLANS}:first_plan",
+    f"{_PLANS}:plan_device_indexed_for",
+    f"{_PLANS}:plan_for",
     "kvcore.planning:span_and_runs_of",
     "kvcore.planning:_gather_if_host_rules_out_dma",
     "kvcore.planning:segment_values",
     "kvcore.planning:_decided",
     "kvcore.planning:TransferPlan.without_buffers",
-    f"{_HOOK}:_moved_host_rows",
+    f"{_LOADS}:_moved_host_rows",
     "kvcore.mover:Mover.prepare_layers",
     "kvcore.kernels.reference:prepare_stage_in",
     "kvcore.kernels.index_upload:IndexUploader.keep",

@@ -148,16 +148,16 @@ def allocator_hooks() -> Iterator[Any]:
 def soak_mover() -> Iterator[Mover]:
     """The hooks' process mover replaced by one counting into its own metrics (as the
     sweep's ``bench_mover`` does); the rule setting is put back on exit."""
-    from kvcore_sglang import hook_mover, transfers
+    from kvcore_sglang import hook_mover, serve_or_pass
 
     mover = Mover(policy_from_config(KVCoreConfig.from_env()), metrics=Metrics())
-    saved_rule = transfers.serve_rule_enabled
+    saved_rule = serve_or_pass.serve_rule_enabled
     saved_mover = hook_mover.use_mover(mover)
     try:
         yield mover
     finally:
         hook_mover.use_mover(saved_mover)
-        transfers.serve_rule_enabled = saved_rule  # type: ignore[method-assign]
+        serve_or_pass.serve_rule_enabled = saved_rule  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -180,7 +180,7 @@ def run(opts: Options) -> dict[str, Any]:
     install_torchvision_stub()
     import sglang
 
-    from kvcore_sglang import transfers
+    from kvcore_sglang import layer_loads
 
     tally, accounting = Tally(), Accounting()
     errors: list[str] = []
@@ -196,7 +196,7 @@ def run(opts: Options) -> dict[str, Any]:
             errors.append(f"kvcore's host-slot hooks were not applied: {status.summary()}")
         settle(mover, device)
         baseline, reads = state(mover, device)
-        load_requests_before = len(transfers.LOAD_REQUESTS)
+        load_requests_before = len(layer_loads.LOAD_REQUESTS)
         for number, (kind, layout, page) in enumerate(opts.pools):
             opts.progress(f"-- {kind} {layout} page {page}")
             try:
@@ -220,13 +220,13 @@ def run(opts: Options) -> dict[str, Any]:
         accounting.bounded(
             "load_requests",
             load_requests_before,
-            len(transfers.LOAD_REQUESTS),
+            len(layer_loads.LOAD_REQUESTS),
             load_requests_before + len(opts.pools),
             "public",
             "one entry per pool pair by design; cleared afterwards as the sweep's pool "
             "release clears it, before the exact comparisons",
         )
-        transfers.LOAD_REQUESTS.clear()
+        layer_loads.LOAD_REQUESTS.clear()
         gc.collect()
         settle(mover, device)
         end, _ = state(mover, device)

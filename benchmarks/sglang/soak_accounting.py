@@ -19,7 +19,7 @@ from kvcore.mover import Mover
 
 def index_caches() -> tuple[dict[str, Any], dict[str, str]]:
     """Sizes of what kvcore's SGLang adapter keeps between calls."""
-    from kvcore_sglang import stock_binding, transfers
+    from kvcore_sglang import layer_loads, stock_binding, transfers
 
     values: dict[str, Any] = {
         "host_index_memo": len(transfers.HOST_INDEX_MEMO),
@@ -32,7 +32,7 @@ def index_caches() -> tuple[dict[str, Any], dict[str, str]]:
         "passing_reload_pools": "public",
     }
     for name, memo in (
-        ("pool_layers", transfers.POOL_LAYERS),
+        ("pool_layers", layer_loads.POOL_LAYERS),
         ("layer_pairs", transfers.LAYER_PAIRS),
     ):
         by_pool = getattr(memo, "_by_pool", None)

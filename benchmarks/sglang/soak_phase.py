@@ -25,7 +25,9 @@ from benchmarks.soak_state import failure_line, pinned_in_use
 def run_phase(soak: PoolSoak, rule: bool, seconds: float) -> dict[str, Any]:
     """Backups and loads at once for ``seconds`` (at least one of each), then a
     checkpoint with nothing in flight."""
-    soak.transfers.serve_rule_enabled = lambda: rule  # type: ignore[attr-defined]
+    from kvcore_sglang import serve_or_pass
+
+    serve_or_pass.serve_rule_enabled = lambda: rule  # type: ignore[assignment]
     assert soak.mover.metrics is not None
     before, counts_before = soak.mover.metrics.snapshot(), soak.tally.to_dict()
     # Read before and after the traffic: growth between phases is set-up (a pool built),

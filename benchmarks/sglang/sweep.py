@@ -114,10 +114,10 @@ def _one_pool(
 
 def release_pools() -> None:
     """Drop what kvcore keeps of a pool's requests, then the memory itself."""
-    from kvcore_sglang import transfers
+    from kvcore_sglang import layer_loads, transfers
 
-    transfers.LOAD_REQUESTS.clear()
-    transfers.POOL_LAYERS.clear()
+    layer_loads.LOAD_REQUESTS.clear()
+    layer_loads.POOL_LAYERS.clear()
     transfers.restore_bypassed()
     gc.collect()
     if torch.cuda.is_available():

@@ -208,14 +208,14 @@ def serve_rule_off() -> Iterator[None]:
     to the hook itself: a binding kvcore left on a pool keeps deciding by the rule (an
     engine's setting is fixed for its life), so that the rule-on side's bindings outlive
     the rule-off side's turns, as they would in an engine."""
-    from kvcore_sglang import transfers
+    from kvcore_sglang import serve_or_pass
 
-    saved = transfers.serve_rule_enabled
-    transfers.serve_rule_enabled = lambda: False  # type: ignore[assignment]
+    saved = serve_or_pass.serve_rule_enabled
+    serve_or_pass.serve_rule_enabled = lambda: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        transfers.serve_rule_enabled = saved  # type: ignore[assignment]
+        serve_or_pass.serve_rule_enabled = saved  # type: ignore[assignment]
 
 
 @contextmanager
@@ -224,19 +224,19 @@ def device_indices_unread() -> Iterator[None]:
     a GPU with the ``kernel`` backend (SGLang moves those indices to the GPU itself, and
     kvcore never reads them back): on a CPU the same Python then runs as on the GPU
     machine, the device indices being CPU tensors left unread."""
-    from kvcore_sglang import transfers
+    from kvcore_sglang import call_plans
 
-    saved = transfers._call_indices
+    saved = call_plans.call_indices
 
     def unread(*args: Any) -> Any:
         found = saved(*args)
         return found if isinstance(found, str) else dataclasses.replace(found, device_opaque=True)
 
-    transfers._call_indices = unread  # type: ignore[assignment]
+    call_plans.call_indices = unread  # type: ignore[assignment]
     try:
         yield
     finally:
-        transfers._call_indices = saved  # type: ignore[assignment]
+        call_plans.call_indices = saved  # type: ignore[assignment]
 
 
 def rule_off(case: PoolCase, op: str, backend: str, layers: int) -> Side:

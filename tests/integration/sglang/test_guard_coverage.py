@@ -8,8 +8,8 @@ import pytest
 
 import kvcore_sglang
 from kvcore.fingerprint import package_root
-from tests.support.stock_uses import EngineSource, StockUse, stock_uses
 from kvcore_sglang import guard
+from tests.support.stock_uses import EngineSource, StockUse, stock_uses
 
 pytestmark = pytest.mark.sglang
 

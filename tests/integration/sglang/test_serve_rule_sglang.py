@@ -34,7 +34,7 @@ from test_transfers import (
 from kvcore import serve_rule
 from kvcore.internal_errors import InternalErrors
 from kvcore.metrics import METRICS
-from kvcore_sglang import transfers
+from kvcore_sglang import layer_loads, load_requests, serve_or_pass, transfers
 
 pytestmark = pytest.mark.sglang
 
@@ -44,9 +44,9 @@ MHA_LOAD = f"{POOL_CLASSES['mha'].__module__}.{POOL_CLASSES['mha'].__qualname__}
 @pytest.fixture(autouse=True)
 def fresh_requests(monkeypatch) -> Iterator[None]:
     """The rule on, as deployed; no request, layer or binding kept from another test."""
-    monkeypatch.setattr(transfers, "serve_rule_enabled", lambda: True)
-    monkeypatch.setattr(transfers, "LOAD_REQUESTS", transfers.LoadRequests())
-    monkeypatch.setattr(transfers, "POOL_LAYERS", transfers.PoolLayers())
+    monkeypatch.setattr(serve_or_pass, "serve_rule_enabled", lambda: True)
+    monkeypatch.setattr(layer_loads, "LOAD_REQUESTS", load_requests.LoadRequests())
+    monkeypatch.setattr(layer_loads, "POOL_LAYERS", load_requests.PoolLayers())
     yield
     transfers.restore_bypassed()
 
@@ -157,13 +157,13 @@ def test_a_passing_reload_binds_its_later_layers_and_the_next_reload_is_decided_
     direct_served_from(64)
     transfer_hooks()
     decided: list[str] = []
-    real_start = transfers._start_load
+    real_start = layer_loads._start_load
 
     def start(*args: Any, **kwargs: Any) -> Any:
         decided.append("hook")
         return real_start(*args, **kwargs)
 
-    monkeypatch.setattr(transfers, "_start_load", start)
+    monkeypatch.setattr(layer_loads, "_start_load", start)
     pool = pool_for("mha", "layer_first")
     parts = components("mha", pool)
     gen = torch.Generator().manual_seed(31)
@@ -332,13 +332,13 @@ def test_a_binding_whose_rule_lookup_fails_sends_every_reload_to_the_hook(
         "mha", pool, *make_indices("mha", pool, "scattered", 30, gen), "direct"
     )
     decided: list[int] = []
-    real_start = transfers._start_load
+    real_start = layer_loads._start_load
 
     def start(*args: Any, **kwargs: Any) -> Any:
         decided.append(1)
         return real_start(*args, **kwargs)
 
-    monkeypatch.setattr(transfers, "_start_load", start)
+    monkeypatch.setattr(layer_loads, "_start_load", start)
     _, decisions = _counts()
     host_idx, device_idx = make_indices("mha", pool, "scattered", 20, gen)
     _load_every_layer_and_check("mha", pool, host_idx, device_idx, "direct")
@@ -374,12 +374,14 @@ def test_a_failure_inside_kvcore_sends_the_call_to_stock(
     caplog,
 ):
     direct_served_from(16)
-    monkeypatch.setattr(transfers, "INTERNAL_ERRORS", InternalErrors("SGLang", transfers.logger))
+    monkeypatch.setattr(
+        serve_or_pass, "INTERNAL_ERRORS", InternalErrors("SGLang", serve_or_pass.logger)
+    )
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("planner broke")
 
-    monkeypatch.setattr(transfers, "_serve_layer", broken)
+    monkeypatch.setattr(layer_loads, "_serve_layer", broken)
     pool = pool_for("mha", "layer_first")
     parts = components("mha", pool)
     randomise(all_tensors(parts), torch.Generator().manual_seed(9))
@@ -413,7 +415,7 @@ def test_a_cuda_error_after_a_launch_is_raised_not_retried(
     def device_fault(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(transfers, "_serve_layer", device_fault)
+    monkeypatch.setattr(layer_loads, "_serve_layer", device_fault)
     pool = pool_for("mha", "layer_first")
     stock = Recorder()
     host_idx, device_idx = make_indices(
@@ -553,9 +555,9 @@ def test_a_load_row_for_dense_host_runs_serves_them_sooner_than_scattered_slots(
 
 
 def test_the_rule_sees_each_served_pool_by_its_kind():
-    assert transfers._pool_kind(pool_for("mha", "layer_first")) == "mha"
-    assert transfers._pool_kind(pool_for("mla", "layer_first")) == "mla"
-    assert transfers._pool_kind(object()) == ""
+    assert serve_or_pass._pool_kind(pool_for("mha", "layer_first")) == "mha"
+    assert serve_or_pass._pool_kind(pool_for("mla", "layer_first")) == "mla"
+    assert serve_or_pass._pool_kind(object()) == ""
 
 
 def test_a_passing_reloads_binding_keeps_no_pool_alive(monkeypatch, direct_served_from):
@@ -579,7 +581,7 @@ def test_a_passing_reloads_binding_keeps_no_pool_alive(monkeypatch, direct_serve
     pool.load_to_device_per_layer(device_pool_of("mha", pool), host_idx, device_idx, 1, "direct")
     assert calls == [0, 1] and pool in stock_binding.PASSING
     gone = weakref.ref(pool)
-    transfers.LOAD_REQUESTS.clear()
+    layer_loads.LOAD_REQUESTS.clear()
     del pool
     gc.collect()
     assert gone() is None

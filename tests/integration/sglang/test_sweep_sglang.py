@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.sglang import sweep
 from benchmarks.sglang.sweep_options import repeats_for
-from kvcore_sglang import transfers
+from kvcore_sglang import layer_loads
 
 pytestmark = pytest.mark.sglang
 
@@ -62,7 +62,7 @@ def test_a_copy_that_leaves_rows_out_is_caught(monkeypatch, tmp_path):
     def claims_served(*args: Any, **kwargs: Any) -> None:
         return None  # says the layer was copied, copies nothing
 
-    monkeypatch.setattr(transfers, "_serve_layer", claims_served)
+    monkeypatch.setattr(layer_loads, "_serve_layer", claims_served)
     out = tmp_path / "sweep.json"
     args = argparse.Namespace(
         device="cpu",

@@ -40,9 +40,23 @@ from kvcore.metrics import METRICS
 from kvcore.mover import Mover
 from kvcore.path_policy import PathPolicy
 from kvcore.staging import StagingBuffers
+from kvcore.stock_share import REASON as STOCK_SHARE
 from kvcore.stock_share import StockShare
 from kvcore.warm_up import WarmUp
-from kvcore_sglang import call_memos, guard, hook_mover, plugin, pool_jobs, pool_warm_up, transfers
+from kvcore_sglang import (
+    call_memos,
+    call_plans,
+    guard,
+    hook_mover,
+    layer_loads,
+    load_requests,
+    plugin,
+    pool_jobs,
+    pool_warm_up,
+    release_jobs,
+    serve_or_pass,
+    transfers,
+)
 
 VERSION = release_of(importlib.metadata.version("sglang"))
 RELEASES = ("0.5.22", "0.5.23")
@@ -236,9 +250,9 @@ def kvcore_serves_every_call() -> Iterator[None]:
     (test_serve_rule.py covers the rule). Its own patcher, so that tests which undo theirs
     keep it."""
     with pytest.MonkeyPatch.context() as patcher:
-        patcher.setattr(transfers, "serve_rule_enabled", lambda: False)
-        patcher.setattr(transfers, "LOAD_REQUESTS", transfers.LoadRequests())
-        patcher.setattr(transfers, "POOL_LAYERS", transfers.PoolLayers())
+        patcher.setattr(serve_or_pass, "serve_rule_enabled", lambda: False)
+        patcher.setattr(layer_loads, "LOAD_REQUESTS", load_requests.LoadRequests())
+        patcher.setattr(layer_loads, "POOL_LAYERS", load_requests.PoolLayers())
         yield
     transfers.restore_bypassed()
 
@@ -356,13 +370,13 @@ def test_device_indexed_loads_plan_from_the_sides_kept_with_their_layer(
     use_mover(small_policy_mover())
     planners: list[str] = []
     for name in ("plan_device_indexed", "plan_device_indexed_for"):
-        planner = getattr(transfers, name)
+        planner = getattr(call_plans, name)
 
         def spy(*args: Any, _name: str = name, _planner: Any = planner, **kwargs: Any) -> Any:
             planners.append(_name)
             return _planner(*args, **kwargs)
 
-        monkeypatch.setattr(transfers, name, spy)
+        monkeypatch.setattr(call_plans, name, spy)
     for seed, shape in enumerate(["scattered", "contiguous", "scattered"]):
         check_served_call("mha", "layer_first", "kernel", "load", shape, 120, seed)
     assert planners == ["plan_device_indexed_for"] * 3
@@ -378,12 +392,12 @@ def test_uninstall_restores_every_original_and_forgets_what_the_hooks_kept(trans
         is not STOCK[(MHATokenToKVPoolHost, "load_to_device_per_layer")]
     )
     check_served_call("mha", "layer_first", "direct", "load", "scattered", 64, 1)
-    assert len(transfers.LOAD_REQUESTS) == 1 and hook_mover.built_mover() is not None
+    assert len(layer_loads.LOAD_REQUESTS) == 1 and hook_mover.built_mover() is not None
     plugin.uninstall()
     for (cls, name), original in STOCK.items():
         assert vars(cls)[name] is original, f"{cls.__name__}.{name}"
     assert plugin.applied_status() is None and plugin.INSTALLATION.targets == []
-    assert len(transfers.LOAD_REQUESTS) == 0 and hook_mover.built_mover() is None
+    assert len(layer_loads.LOAD_REQUESTS) == 0 and hook_mover.built_mover() is None
     assert not any(target in HookRegistry._patched for target in transfers.HOOKS)
     # And again, as a new engine instance in the same process would.
     assert transfer_hooks().plugin_applied
@@ -506,7 +520,7 @@ def test_a_reload_under_inference_mode_passes_whole_and_exact(
             lambda c, h, d: (h.clone(), d), None, host_idx, device_idx
         )
     new = {k: v - before.get(k, 0) for k, v in fallbacks().items() if v != before.get(k, 0)}
-    assert new == {transfers.INFERENCE_INDICES: 1}
+    assert new == {layer_loads.INFERENCE_INDICES: 1}
     assert len(memo) == 0 and moved is not host_idx
 
 
@@ -532,37 +546,37 @@ def test_a_stock_share_passes_drawn_reloads_whole_and_counts_each_once(
     transfer_hooks()
     use_mover(small_policy_mover())
     every = StockShare(1.0)
-    monkeypatch.setattr(transfers, "stock_share", lambda: every)
+    monkeypatch.setattr(layer_loads, "stock_share", lambda: every)
     passed, served = shared_reloads(requests=3)
     # Each reload is one pass, its layers all stock's.
-    assert passed == {transfers.STOCK_SHARE: 3} and served == 0
+    assert passed == {STOCK_SHARE: 3} and served == 0
     half = StockShare(0.5)
-    monkeypatch.setattr(transfers, "stock_share", lambda: half)
+    monkeypatch.setattr(layer_loads, "stock_share", lambda: half)
     passed, served = shared_reloads(requests=8)
-    to_stock = passed.get(transfers.STOCK_SHARE, 0)
-    assert set(passed) <= {transfers.STOCK_SHARE} and 0 < to_stock < 8
+    to_stock = passed.get(STOCK_SHARE, 0)
+    assert set(passed) <= {STOCK_SHARE} and 0 < to_stock < 8
     # kvcore's reloads: one transfer a layer.
     assert served == (8 - to_stock) * LAYERS
 
 
 def test_device_resident_indices_are_served_only_where_they_need_not_be_read(monkeypatch):
     memo = call_memos.HostIndexMemo()
-    monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
+    monkeypatch.setattr(call_plans, "HOST_INDEX_MEMO", memo)
     host = torch.arange(64, 128)
     moved, device = host.to("meta"), torch.arange(64).to("meta")
     memo.remember(moved, host)
     pool = pool_for("mha", "layer_first")
-    found = transfers._call_indices(pool, transfers.MHA_POOL, moved, device, "kernel")
-    assert isinstance(found, transfers.CallIndices)
+    found = call_plans.call_indices(pool, transfers.MHA_POOL, moved, device, "kernel")
+    assert isinstance(found, call_plans.CallIndices)
     assert found.host is host and found.device is device and found.device_opaque
     unknown = torch.arange(64).to("meta")  # moved without the hook: no CPU copy to plan from
     assert (
-        transfers._call_indices(pool, transfers.MHA_POOL, unknown, device, "kernel")
+        call_plans.call_indices(pool, transfers.MHA_POOL, unknown, device, "kernel")
         == "sglang_indices_on_device"
     )
     direct = pool_for("mha", "page_first_direct")  # copies pages named by the device values
     assert (
-        transfers._call_indices(direct, transfers.MHA_POOL, host, device, "direct")
+        call_plans.call_indices(direct, transfers.MHA_POOL, host, device, "direct")
         == "sglang_indices_on_device"
     )
 
@@ -916,7 +930,7 @@ def test_a_kept_layer_still_checks_each_requests_indices(transfer_hooks):
     paged = {"host_indices": torch.arange(PAGE, 3 * PAGE), "device_indices": torch.arange(2 * PAGE)}
     served = call_hook("mla", "load", pool, **paged)
     assert not served.calls, "a paged request is kvcore's"
-    assert transfers.POOL_LAYERS.get(pool, device_pool_of("mla", pool), (1, False)) is not None
+    assert layer_loads.POOL_LAYERS.get(pool, device_pool_of("mla", pool), (1, False)) is not None
     assert_stock_once(
         "mla",
         "load",
@@ -1056,24 +1070,24 @@ def test_guard_covers_the_transfer_targets():
 def test_hooks_plan_with_the_installed_release_builders(pool_class, by_release):
     assert set(by_release) == set(RELEASES)
     for method in METHODS:
-        assert transfers._jobs_for(f"{pool_class}.{method}", by_release) == by_release[VERSION]
+        assert release_jobs.jobs_for(f"{pool_class}.{method}", by_release) == by_release[VERSION]
 
 
 def test_the_builders_of_a_target_are_looked_up_again_only_for_other_records(monkeypatch):
     """Every request's first call asks for its builders: found once per target, and again
     where the recorded fingerprints or the builders asked about are others."""
     target = f"{transfers.MHA_POOL}.{METHODS[0]}"
-    found = transfers._jobs_for(target, pool_jobs.MHA_JOBS)
+    found = release_jobs.jobs_for(target, pool_jobs.MHA_JOBS)
     assert found is pool_jobs.MHA_JOBS[VERSION]
     recorded = guard.FINGERPRINTS
     unknown = {r: {t: f for t, f in fps.items() if t != target} for r, fps in recorded.items()}
     monkeypatch.setattr(guard, "FINGERPRINTS", unknown)
-    assert transfers._jobs_for(target, pool_jobs.MHA_JOBS) is None
+    assert release_jobs.jobs_for(target, pool_jobs.MHA_JOBS) is None
     monkeypatch.undo()
-    assert transfers._jobs_for(target, pool_jobs.MHA_JOBS) is found
+    assert release_jobs.jobs_for(target, pool_jobs.MHA_JOBS) is found
     other = {VERSION: pool_jobs.MLA_JOBS[VERSION]}
-    assert transfers._jobs_for(target, other) is other[VERSION]
-    assert transfers._jobs_for(target, pool_jobs.MHA_JOBS) is found
+    assert release_jobs.jobs_for(target, other) is other[VERSION]
+    assert release_jobs.jobs_for(target, pool_jobs.MHA_JOBS) is found
 
 
 def test_plugin_registers_transfer_hooks_over_stock(transfer_hooks):
@@ -1171,13 +1185,13 @@ def test_transfers_setting_turns_the_hooks_on(sglang_hooks, monkeypatch):
 def _counting_planners(monkeypatch) -> list[str]:
     calls: list[str] = []
     for name in ("plan", "plan_for", "plan_device_indexed", "plan_device_indexed_for"):
-        real = getattr(transfers, name)
+        real = getattr(call_plans, name)
 
         def counted(*args: Any, _real=real, _name=name, **kwargs: Any) -> Any:
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(transfers, name, counted)
+        monkeypatch.setattr(call_plans, name, counted)
     return calls
 
 
@@ -1285,13 +1299,13 @@ def test_a_memoised_plan_follows_the_mover_policy(use_mover, transfer_hooks, mon
 def _spy_later_layers(monkeypatch) -> list[bool]:
     """What each load's fast path (a later layer of a prepared request) answered."""
     answered: list[bool] = []
-    real = transfers._later_layer_served
+    real = transfers.later_layer_served
 
     def spy(*args: Any) -> bool:
         answered.append(real(*args))
         return answered[-1]
 
-    monkeypatch.setattr(transfers, "_later_layer_served", spy)
+    monkeypatch.setattr(transfers, "later_layer_served", spy)
     return answered
 
 
@@ -1479,7 +1493,7 @@ def test_a_kept_request_holds_neither_the_pool_nor_its_device_pool():
     class Pool:  # stands in for a host pool SGLang drops (pinned buffers and all)
         pass
 
-    requests = transfers.LoadRequests()
+    requests = load_requests.LoadRequests()
     policy = PathPolicy()
     pool, device_pool = Pool(), Pool()
     host_idx, device_idx = torch.arange(4, 20), torch.arange(30, 46)

@@ -10,9 +10,9 @@ import pytest
 import kvcore_vllm
 from kvcore.engine_status import release_of
 from kvcore.fingerprint import package_root
-from tests.support.stock_uses import EngineSource, StockUse, stock_uses
 from kvcore_vllm import guard
 from kvcore_vllm.releases import installed_shape
+from tests.support.stock_uses import EngineSource, StockUse, stock_uses
 
 pytestmark = pytest.mark.vllm
 

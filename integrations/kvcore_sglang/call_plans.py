@@ -1,0 +1,145 @@
+"""What an SGLang transfer call's indices are to kvcore, and the plans made from them.
+
+Where the indices come from (``HiCacheController.move_indices``): with ``direct`` both
+index tensors reach the pool on the CPU (SGLang brings the device indices back itself).
+With ``kernel`` (SGLang's default) the host indices are moved to the GPU there, and the
+device indices are computed on the GPU by the device allocator: no CPU copy of them
+exists. The hooks remember the CPU host indices of each moved tensor
+(:class:`kvcore_sglang.call_memos.HostIndexMemo`); a ``kernel`` call is planned from those
+alone, the device indices staying on the GPU, unread
+(:func:`kvcore.planning.plan_device_indexed`: staged or gather). A ``kernel`` call whose
+host indices were not remembered runs stock (``sglang_indices_on_device``). kvcore never
+reads a device tensor back to plan.
+
+The pairs of one call (a layer's K and V; every layer of a backup) move in one
+submission where they share a row size (:meth:`kvcore.mover.Mover.execute_layers`), their
+checks kept per pool (:class:`kvcore_sglang.call_memos.LayerPairsMemo`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcore.direction import Direction
+from kvcore.host_run import HostRunFound
+from kvcore.mover import Mover, Submission, submissions
+from kvcore.path_policy import TransferPath
+from kvcore.planning import (
+    TransferPlan,
+    plan,
+    plan_device_indexed,
+    plan_device_indexed_for,
+    plan_for,
+)
+from kvcore.transfer_sides import CheckedSides
+
+from .call_memos import HOST_INDEX_MEMO, LAYER_PAIRS
+from .pool_jobs import Job
+from .served_layouts import layout_reason
+from .served_pools import class_name
+
+# The index dtypes kvcore.runs.check_index accepts.
+_INDEX_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
+@dataclass(frozen=True)
+class CallIndices:
+    """A call's indices as kvcore plans from them."""
+
+    host: torch.Tensor
+    """On the CPU: the call's own, or the ones ``move_indices`` was given."""
+    device: torch.Tensor
+    device_opaque: bool
+    """The device indices are on the device: planned around, never read."""
+
+
+def call_indices(
+    pool: Any, served_class: str, host_indices: Any, device_indices: Any, io_backend: str
+) -> CallIndices | str:
+    """The indices to plan from, or why the call must run stock before looking at its layers."""
+    if class_name(pool) != served_class:
+        # Subclasses (MXFP8, HiSparse...) reach here through super() with their own data.
+        return "sglang_pool_class"
+    reason = layout_reason(pool.layout, io_backend)
+    if reason is not None:
+        return reason
+    for indices in (host_indices, device_indices):
+        if not isinstance(indices, torch.Tensor):
+            return "sglang_indices_on_device"
+        if indices.dim() != 1 or indices.dtype not in _INDEX_DTYPES:
+            return "sglang_index_dtype"
+    host = host_indices
+    if host.device.type != "cpu":
+        recalled = HOST_INDEX_MEMO.recall(host) if io_backend == "kernel" else None
+        if recalled is None or recalled.shape != host.shape or recalled.dtype != host.dtype:
+            return "sglang_indices_on_device"
+        host = recalled
+    opaque = device_indices.device.type != "cpu"
+    if opaque and (io_backend != "kernel" or pool.layout == "page_first_direct"):
+        # page_first_direct copies whole pages named by the device indices' values.
+        return "sglang_indices_on_device"
+    return CallIndices(host, device_indices, opaque)
+
+
+def plans(
+    pool: Any,
+    job: Job,
+    direction: Direction,
+    chosen_mover: Mover,
+    device_opaque: bool,
+) -> list[Submission] | str:
+    """One plan for every layer pair, moved in one submission where the pairs allow it, else
+    rebound to each pair; or the reason the call must run stock."""
+    first = first_plan(job, direction, chosen_mover, device_opaque)
+    if isinstance(first, str):
+        return first
+    page_in = direction is Direction.H2D
+    pairs = [(host, device) if page_in else (device, host) for host, device in job.pairs]
+    try:
+        layered = None
+        if len(pairs) > 1:
+            srcs, dsts = [src for src, _ in pairs], [dst for _, dst in pairs]
+            layered = LAYER_PAIRS.pairs(pool, srcs, dsts)
+        return submissions(first, pairs, layered)
+    except ValueError:
+        return "sglang_invalid_indices"
+
+
+def first_plan(
+    job: Job,
+    direction: Direction,
+    chosen_mover: Mover,
+    device_opaque: bool,
+    kept_sides: CheckedSides | None = None,
+    host_runs: HostRunFound | None = None,
+) -> TransferPlan | str:
+    """The plan of the job's first pair, or why the call must run stock. ``kept_sides``:
+    that pair as checked when its layer's buffers were kept, used where the job's first
+    pair is those very buffers (the plan then checks only the indices). ``host_runs``:
+    the host rows as one run where the rule found them so (used where they are the
+    job's own)."""
+    page_in = direction is Direction.H2D
+    host, device = job.pairs[0]
+    src, dst = (host, device) if page_in else (device, host)
+    try:
+        src_idx, dst_idx = (
+            (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
+        )
+        policy = chosen_mover.policy
+        if kept_sides is not None and kept_sides.src is src and kept_sides.dst is dst:
+            if device_opaque:
+                first = plan_device_indexed_for(
+                    kept_sides, src_idx, dst_idx, policy=policy, host_found=host_runs
+                )
+            else:
+                first = plan_for(kept_sides, src_idx, dst_idx, policy=policy)
+        else:
+            planner = plan_device_indexed if device_opaque else plan
+            first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=policy)
+    except ValueError:
+        # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
+        return "sglang_invalid_indices"
+    return first.reason if first.path is TransferPath.FALLBACK and first.reason else first
