@@ -74,8 +74,7 @@ def move_indices_hook(
         ):
             HOST_INDEX_MEMO.remember(moved_host, host_indices)
     except Exception as exc:
-        chosen_mover = mover()
-        count_pass(chosen_mover, internal_error(chosen_mover, exc))
+        internal_error(mover(), exc)
     return moved
 
 

@@ -15,6 +15,7 @@ import functools
 import gc
 import importlib.metadata
 import logging
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -476,6 +477,27 @@ def test_move_indices_hook_remembers_only_what_it_moved_off_the_cpu(monkeypatch)
     assert same_device is device and memo.recall(moved) is host
     kept, _ = transfers.move_indices_hook(lambda c, h, d: (h, d), None, host, device)
     assert kept is host and memo.recall(kept) is None  # direct backend: nothing moved
+
+
+def test_a_failure_in_the_move_hook_keeps_stocks_move_and_counts_once(monkeypatch):
+    """kvcore's part of the move fails after stock's move ran: the moved indices come back
+    as stock made them, and the failure is counted once, as one internal error."""
+    memo = call_memos.HostIndexMemo()
+    monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
+
+    def broken(pool: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(transfers, "indices_moved", broken)
+    host, device = torch.arange(8), torch.arange(8).to("meta")
+    controller = types.SimpleNamespace(mem_pool_host=object())
+    before = fallbacks().get("internal_error:RuntimeError", 0)
+    moved, same_device = transfers.move_indices_hook(
+        lambda c, h, d: (h.to("meta"), d), controller, host, device
+    )
+    assert moved.device.type == "meta" and same_device is device
+    assert fallbacks().get("internal_error:RuntimeError", 0) == before + 1
+    assert memo.recall(moved) is None
 
 
 def reload_every_layer(pool: Any, parts: list[Component], host_idx, device_idx) -> None:
