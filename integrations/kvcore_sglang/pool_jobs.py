@@ -9,7 +9,7 @@ The MHA and MLA pools of each release differ only in what a :class:`TokenPool` r
 (which buffers, how a layer maps, what runs stock), one row per kind and release, read
 by one load and one backup; the DSA indexer's builders serve both releases.
 :data:`MHA_JOBS`, :data:`MLA_JOBS` and :data:`DSA_JOBS` say which builders reproduce
-which release's source (:mod:`kvcore_sglang.transfers` picks them by the installed
+which release's source (:mod:`kvcore_sglang.release_jobs` picks them by the installed
 source's fingerprint).
 """
 
