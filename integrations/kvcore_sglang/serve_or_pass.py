@@ -46,6 +46,13 @@ def _settings() -> KVCoreConfig:
     return KVCoreConfig.from_env()
 
 
+def forget_settings() -> None:
+    """Read the settings, and draw the stock share afresh, at the next call: a plugin
+    installed again after an uninstall follows the environment as it is then."""
+    _settings.cache_clear()
+    stock_share.cache_clear()
+
+
 # The pool classes kvcore serves, by the kind the rule's rows name.
 _POOL_KINDS = {MHA_POOL: "mha", MLA_POOL: "mla", DSA_POOL: "dsa"}
 

@@ -106,7 +106,7 @@ def _serve(
 
 def forget() -> None:
     """Drop everything the transfer hooks keep (the mover, the memos of requests, layers
-    and moved indices) and give back every stock method bound on a pool: what
+    and moved indices, the settings read) and give back every stock method bound on a pool: what
     :class:`kvcore_sglang.installation.Installation` does once the hooks are gone."""
     restore_bypassed()
     layer_loads.LOAD_REQUESTS.clear()
@@ -115,6 +115,7 @@ def forget() -> None:
     HOST_INDEX_MEMO.clear()
     release_jobs.JOBS_FOUND.clear()
     serve_or_pass.INTERNAL_ERRORS.forget()
+    serve_or_pass.forget_settings()
     use_mover(None)
 
 

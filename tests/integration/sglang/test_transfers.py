@@ -408,6 +408,18 @@ def test_uninstall_restores_every_original_and_forgets_what_the_hooks_kept(trans
     )
 
 
+def test_an_install_after_an_uninstall_reads_the_settings_again(transfer_hooks, monkeypatch):
+    """What the hooks read from the environment once (the stock share's draws among it) is
+    dropped with them: the plugin installed again follows the environment as it is then."""
+    monkeypatch.setenv("KVCORE_STOCK_SHARE", "0.5")
+    transfer_hooks()
+    assert serve_or_pass.stock_share().share == 0.5
+    plugin.uninstall()
+    monkeypatch.setenv("KVCORE_STOCK_SHARE", "0")
+    assert transfer_hooks().plugin_applied
+    assert serve_or_pass.stock_share().share == 0
+
+
 def test_uninstall_keeps_another_plugins_hook_on_a_shared_target(transfer_hooks):
     target = f"{MHATokenToKVPoolHost.__module__}.MHATokenToKVPoolHost.load_to_device_per_layer"
     seen: list[int] = []
