@@ -88,7 +88,7 @@ def _hooked(case: Any, kvcore: bool) -> Iterator[None]:
     around stock's (``kvcore``), or stock's alone; put back, with every binding kvcore set
     on the pool, on the way out."""
     from benchmarks.sglang import sweep_sides
-    from kvcore_sglang import transfers
+    from benchmarks.sglang.hook_adapter import bench_adapter
 
     cls, name = type(case.pool), sweep_sides.METHOD_NAMES["load"]
     original = vars(cls)[name]
@@ -104,7 +104,7 @@ def _hooked(case: Any, kvcore: bool) -> Iterator[None]:
         yield
     finally:
         setattr(cls, name, original)
-        transfers.restore_bypassed()
+        bench_adapter().bindings.restore()
 
 
 def _request(
@@ -112,7 +112,7 @@ def _request(
 ) -> list[Callable[[], None]]:
     """One request's calls on ``side``, its indices moved where SGLang moves them."""
     from benchmarks.sglang.ab_paths import stock_indices
-    from kvcore_sglang import transfers
+    from benchmarks.sglang.hook_adapter import move_indices
 
     pool, device_pool = case.pool, case.device_pool
     moved_host, moved_device = stock_indices(case, "load", backend, host, device)
@@ -122,7 +122,7 @@ def _request(
             return moved_host, moved_device
 
         controller = types.SimpleNamespace(mem_pool_host=pool)
-        moved_host, moved_device = transfers.move_indices_hook(to_place, controller, host, device)
+        moved_host, moved_device = move_indices(to_place, controller, host, device)
     return [
         functools.partial(
             pool.load_to_device_per_layer_physical,

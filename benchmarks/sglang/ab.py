@@ -66,17 +66,11 @@ def bench_mover(*, serve_rule: bool = False) -> Iterator[Mover]:
 
     The A/B measures kvcore's own paths, so the serve-or-pass rule is off unless asked for.
     """
-    from kvcore_sglang import hook_mover, serve_or_pass
+    from benchmarks.sglang.hook_adapter import using_mover
 
     mover = Mover(policy_from_config(KVCoreConfig.from_env()), metrics=Metrics())
-    saved_rule = serve_or_pass.serve_rule_enabled
-    saved_mover = hook_mover.use_mover(mover)
-    serve_or_pass.serve_rule_enabled = lambda: serve_rule  # type: ignore[assignment]
-    try:
+    with using_mover(mover, rule=serve_rule):
         yield mover
-    finally:
-        hook_mover.use_mover(saved_mover)
-        serve_or_pass.serve_rule_enabled = saved_rule  # type: ignore[method-assign]
 
 
 def run(opts: Options, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:

@@ -192,11 +192,9 @@ def prefix_round_trip(case: PoolCase, mover: Mover, level: str) -> list[dict[str
         pool_class = host_pool_class(case)
         method = vars(pool_class)[METHOD_NAMES["load"]]
         if make == "kvcore":
-            from kvcore_sglang import transfers
+            from benchmarks.sglang.hook_adapter import pool_method_hook
 
-            hook = transfers.HOOKS[
-                f"{pool_class.__module__}.{pool_class.__qualname__}.{METHOD_NAMES['load']}"
-            ]
+            hook = pool_method_hook(pool_class, METHOD_NAMES["load"])
 
             def method(*args: Any, _hook: Any = hook) -> None:
                 _hook(lambda *a, **k: None, *args)

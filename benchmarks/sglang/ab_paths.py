@@ -166,10 +166,9 @@ def kvcore_path(
     The original recorded here copies nothing, so a call the hook hands to stock
     fails the byte check and is reported with the reason the mover counted.
     """
-    from kvcore_sglang import transfers
+    from benchmarks.sglang.hook_adapter import pool_method_hook
 
-    cls = host_pool_class(case)
-    hook = transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{METHOD_NAMES[op]}"]
+    hook = pool_method_hook(host_pool_class(case), METHOD_NAMES[op])
     detail: dict[str, Any] = {"stock_calls": 0}
 
     def original(*args: Any, **kwargs: Any) -> None:
@@ -189,12 +188,12 @@ def kvcore_gpu_indices_path(
     """The hook as a CUDA deployment with the ``kernel`` io backend calls it: the host
     indices moved to the GPU through the ``move_indices`` hook (which remembers the CPU
     ones), the device indices on the GPU, where kvcore plans around them unread."""
-    from kvcore_sglang import transfers
+    from benchmarks.sglang.hook_adapter import move_indices
 
     def to_device(controller: Any, h: torch.Tensor, d: torch.Tensor) -> Any:
         return h.to(case.opts.device), d
 
-    moved, _ = transfers.move_indices_hook(to_device, None, host_idx, dev_idx)
+    moved, _ = move_indices(to_device, None, host_idx, dev_idx)
     run = kvcore_path(case, op, "kernel", moved, dev_idx.to(case.opts.device), mover)
     run.name = "kvcore:kernel-gpu-indices"
     return run

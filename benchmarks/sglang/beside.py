@@ -108,7 +108,7 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
     import tvm_ffi
     from sglang.srt.managers.cache_controller import HiCacheController
 
-    from kvcore_sglang import transfers
+    from benchmarks.sglang.hook_adapter import bench_adapter, move_indices
 
     original = pool_method(case, "load")
 
@@ -129,7 +129,7 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
         return HiCacheController.move_indices(controller, h, d)
 
     def kvcore_move(controller: Any, h: torch.Tensor, d: torch.Tensor) -> Any:
-        return transfers.move_indices_hook(HiCacheController.move_indices, controller, h, d)
+        return move_indices(HiCacheController.move_indices, controller, h, d)
 
     def own_move(controller: Any, h: torch.Tensor, d: torch.Tensor) -> Any:
         # The host indices remembered as kvcore's hook does, without telling the pool's
@@ -138,7 +138,7 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
         # method _as_side puts back).
         moved = HiCacheController.move_indices(controller, h, d)
         if moved[0] is not h:
-            transfers.HOST_INDEX_MEMO.remember(moved[0], h)
+            bench_adapter().host_indices.remember(moved[0], h)
         return moved
 
     sides = [

@@ -61,7 +61,7 @@ def declare_kvcore_entry_point() -> str | None:
     return str(root)
 
 
-def _skip_warm_up(pool: Any) -> None:
+def _skip_warm_up(adapter: Any, pool: Any) -> None:
     """Stands in for :func:`kvcore_sglang.pool_warm_up.warm_up_pool`: the pool's paths
     are set up on their first use instead."""
 

@@ -148,16 +148,11 @@ def allocator_hooks() -> Iterator[Any]:
 def soak_mover() -> Iterator[Mover]:
     """The hooks' process mover replaced by one counting into its own metrics (as the
     sweep's ``bench_mover`` does); the rule setting is put back on exit."""
-    from kvcore_sglang import hook_mover, serve_or_pass
+    from benchmarks.sglang.hook_adapter import using_mover
 
     mover = Mover(policy_from_config(KVCoreConfig.from_env()), metrics=Metrics())
-    saved_rule = serve_or_pass.serve_rule_enabled
-    saved_mover = hook_mover.use_mover(mover)
-    try:
+    with using_mover(mover):
         yield mover
-    finally:
-        hook_mover.use_mover(saved_mover)
-        serve_or_pass.serve_rule_enabled = saved_rule  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -180,7 +175,7 @@ def run(opts: Options) -> dict[str, Any]:
     install_torchvision_stub()
     import sglang
 
-    from kvcore_sglang import layer_loads
+    from benchmarks.sglang.hook_adapter import bench_adapter
 
     tally, accounting = Tally(), Accounting()
     errors: list[str] = []
@@ -196,7 +191,8 @@ def run(opts: Options) -> dict[str, Any]:
             errors.append(f"kvcore's host-slot hooks were not applied: {status.summary()}")
         settle(mover, device)
         baseline, reads = state(mover, device)
-        load_requests_before = len(layer_loads.LOAD_REQUESTS)
+        load_requests = bench_adapter().load_requests
+        load_requests_before = len(load_requests)
         for number, (kind, layout, page) in enumerate(opts.pools):
             opts.progress(f"-- {kind} {layout} page {page}")
             try:
@@ -220,13 +216,13 @@ def run(opts: Options) -> dict[str, Any]:
         accounting.bounded(
             "load_requests",
             load_requests_before,
-            len(layer_loads.LOAD_REQUESTS),
+            len(load_requests),
             load_requests_before + len(opts.pools),
             "public",
             "one entry per pool pair by design; cleared afterwards as the sweep's pool "
             "release clears it, before the exact comparisons",
         )
-        layer_loads.LOAD_REQUESTS.clear()
+        load_requests.clear()
         gc.collect()
         settle(mover, device)
         end, _ = state(mover, device)
@@ -269,12 +265,11 @@ def run(opts: Options) -> dict[str, Any]:
 def _left_held(mover: Mover) -> list[str]:
     """What holds a prepared plan, and a device index the adapter still remembers, where
     the end accounting found state the traffic left behind."""
-    from kvcore_sglang import transfers
+    from benchmarks.sglang.hook_adapter import bench_adapter
 
     lines = prepared_plan_holders(mover)
-    remembered = [
-        entry[0]() for entry in list(getattr(transfers.HOST_INDEX_MEMO, "_moved", {}).values())
-    ]
+    memo = bench_adapter().host_indices
+    remembered = [entry[0]() for entry in list(getattr(memo, "_moved", {}).values())]
     alive = [tensor for tensor in remembered if tensor is not None][:1]
     del remembered
     while alive:

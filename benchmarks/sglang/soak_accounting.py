@@ -19,12 +19,13 @@ from kvcore.mover import Mover
 
 def index_caches() -> tuple[dict[str, Any], dict[str, str]]:
     """Sizes of what kvcore's SGLang adapter keeps between calls."""
-    from kvcore_sglang import layer_loads, stock_binding, transfers
+    from benchmarks.sglang.hook_adapter import bench_adapter
 
+    adapter = bench_adapter()
     values: dict[str, Any] = {
-        "host_index_memo": len(transfers.HOST_INDEX_MEMO),
-        "bypassed_pools": len(stock_binding.BYPASSED),
-        "passing_reload_pools": len(stock_binding.PASSING),
+        "host_index_memo": len(adapter.host_indices),
+        "bypassed_pools": len(adapter.bindings.bypassed),
+        "passing_reload_pools": len(adapter.bindings.passing),
     }
     reads = {
         "host_index_memo": "public",
@@ -32,8 +33,8 @@ def index_caches() -> tuple[dict[str, Any], dict[str, str]]:
         "passing_reload_pools": "public",
     }
     for name, memo in (
-        ("pool_layers", layer_loads.POOL_LAYERS),
-        ("layer_pairs", transfers.LAYER_PAIRS),
+        ("pool_layers", adapter.pool_layers),
+        ("layer_pairs", adapter.layer_pairs),
     ):
         by_pool = getattr(memo, "_by_pool", None)
         values[name] = None if by_pool is None else len(by_pool)

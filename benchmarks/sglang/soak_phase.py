@@ -25,9 +25,9 @@ from benchmarks.soak_state import failure_line, pinned_in_use
 def run_phase(soak: PoolSoak, rule: bool, seconds: float) -> dict[str, Any]:
     """Backups and loads at once for ``seconds`` (at least one of each), then a
     checkpoint with nothing in flight."""
-    from kvcore_sglang import serve_or_pass
+    from benchmarks.sglang.hook_adapter import bench_adapter
 
-    serve_or_pass.serve_rule_enabled = lambda: rule  # type: ignore[assignment]
+    bench_adapter().serve_rule = rule
     assert soak.mover.metrics is not None
     before, counts_before = soak.mover.metrics.snapshot(), soak.tally.to_dict()
     # Read before and after the traffic: growth between phases is set-up (a pool built),
@@ -60,7 +60,7 @@ def run_phase(soak: PoolSoak, rule: bool, seconds: float) -> dict[str, Any]:
         thread.join()
     elapsed = time.perf_counter() - started
     soak.checkpoint()
-    soak.transfers.restore_bypassed()
+    bench_adapter().bindings.restore()
     after = soak.mover.metrics.snapshot()
     counts = soak.tally.to_dict()
     return {

@@ -117,7 +117,7 @@ class PoolSoak:
     def __init__(
         self, case: PoolCase, opts: Options, mover: Mover, tally: Tally, errors: list[str]
     ) -> None:
-        from kvcore_sglang import transfers
+        from benchmarks.sglang.hook_adapter import pool_method_hook
 
         self.case, self.opts, self.mover, self.tally, self.errors = case, opts, mover, tally, errors
         self.device = opts.device
@@ -132,15 +132,11 @@ class PoolSoak:
         self.lock = threading.Lock()
         self.numbers = iter(range(1 << 62))
         cls = type(case.pool)
-        self.hooks = {
-            op: transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{METHOD_NAMES[op]}"]
-            for op in ("load", "backup")
-        }
+        self.hooks = {op: pool_method_hook(cls, METHOD_NAMES[op]) for op in ("load", "backup")}
         if self.streams.cuda:
             self.originals = {op: vars(cls)[METHOD_NAMES[op]] for op in ("load", "backup")}
         else:
             self.originals = cpu_stock(case)
-        self.transfers = transfers
 
     # -- calls as SGLang makes them
 
@@ -170,10 +166,12 @@ class PoolSoak:
         if staged_write_back:
             return host, device_rows
 
+        from benchmarks.sglang.hook_adapter import move_indices
+
         def move(controller: Any, h: torch.Tensor, d: torch.Tensor) -> Any:
             return h.to(self.device, non_blocking=True), d
 
-        moved = self.transfers.move_indices_hook(move, None, host, device_rows)
+        moved = move_indices(move, None, host, device_rows)
         return moved[0], moved[1]
 
     @contextlib.contextmanager

@@ -114,11 +114,12 @@ def _one_pool(
 
 def release_pools() -> None:
     """Drop what kvcore keeps of a pool's requests, then the memory itself."""
-    from kvcore_sglang import layer_loads, transfers
+    from benchmarks.sglang.hook_adapter import bench_adapter
 
-    layer_loads.LOAD_REQUESTS.clear()
-    layer_loads.POOL_LAYERS.clear()
-    transfers.restore_bypassed()
+    adapter = bench_adapter()
+    adapter.load_requests.clear()
+    adapter.pool_layers.clear()
+    adapter.bindings.restore()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -52,10 +52,9 @@ def pool_method(case: PoolCase, op: str) -> Callable[..., Any]:
 
 def pool_hook(case: PoolCase, op: str) -> Callable[..., Any]:
     """kvcore's AROUND hook for the method that ``op`` calls on the pool's class."""
-    from kvcore_sglang import transfers
+    from benchmarks.sglang.hook_adapter import pool_method_hook
 
-    cls = type(case.pool)
-    return transfers.HOOKS[f"{cls.__module__}.{cls.__qualname__}.{METHOD_NAMES[op]}"]
+    return pool_method_hook(type(case.pool), METHOD_NAMES[op])
 
 
 def _request(
@@ -159,7 +158,6 @@ def kvcore_side(
     """The AROUND hook as SGLang's HookRegistry calls it, the stock method as ``original``;
     a reload's indices go through the ``move_indices`` hook first, as SGLang moves them
     (the move itself is not timed on either side)."""
-    from kvcore_sglang import transfers
 
     hook = pool_hook(case, op)
     stock_run = stock_side(case, op, backend, layers)
@@ -182,6 +180,8 @@ def kvcore_side(
         for layer in range(layers):
             (bindings.get(name) or through_registry)(device_pool, host, device, layer, backend)
 
+    from benchmarks.sglang.hook_adapter import move_indices
+
     # What the hook reads of SGLang's cache controller: the host pool it moves indices for.
     controller = types.SimpleNamespace(mem_pool_host=pool)
 
@@ -196,7 +196,7 @@ def kvcore_side(
         def to_place(controller: Any, host: torch.Tensor, device: torch.Tensor) -> Any:
             return stock_h, stock_d
 
-        moved = transfers.move_indices_hook(to_place, controller, h, d)
+        moved = move_indices(to_place, controller, h, d)
         return moved[0], moved[1]
 
     return Side("kvcore", request, prepare, label="kvcore")
@@ -208,14 +208,10 @@ def serve_rule_off() -> Iterator[None]:
     to the hook itself: a binding kvcore left on a pool keeps deciding by the rule (an
     engine's setting is fixed for its life), so that the rule-on side's bindings outlive
     the rule-off side's turns, as they would in an engine."""
-    from kvcore_sglang import serve_or_pass
+    from benchmarks.sglang.hook_adapter import serve_rule
 
-    saved = serve_or_pass.serve_rule_enabled
-    serve_or_pass.serve_rule_enabled = lambda: False  # type: ignore[assignment]
-    try:
+    with serve_rule(False):
         yield
-    finally:
-        serve_or_pass.serve_rule_enabled = saved  # type: ignore[assignment]
 
 
 @contextmanager
@@ -224,19 +220,19 @@ def device_indices_unread() -> Iterator[None]:
     a GPU with the ``kernel`` backend (SGLang moves those indices to the GPU itself, and
     kvcore never reads them back): on a CPU the same Python then runs as on the GPU
     machine, the device indices being CPU tensors left unread."""
-    from kvcore_sglang import call_plans
+    from benchmarks.sglang.hook_adapter import call_indices_through
 
-    saved = call_plans.call_indices
+    def unread(found_by: Callable[..., Any]) -> Callable[..., Any]:
+        def found_unread(*args: Any) -> Any:
+            found = found_by(*args)
+            if isinstance(found, str):
+                return found
+            return dataclasses.replace(found, device_opaque=True)
 
-    def unread(*args: Any) -> Any:
-        found = saved(*args)
-        return found if isinstance(found, str) else dataclasses.replace(found, device_opaque=True)
+        return found_unread
 
-    call_plans.call_indices = unread  # type: ignore[assignment]
-    try:
+    with call_indices_through(unread):
         yield
-    finally:
-        call_plans.call_indices = saved  # type: ignore[assignment]
 
 
 def rule_off(case: PoolCase, op: str, backend: str, layers: int) -> Side:

@@ -70,9 +70,6 @@ class HostIndexMemo:
             return len(self._moved)
 
 
-HOST_INDEX_MEMO = HostIndexMemo()
-
-
 class LayerPairsMemo:
     """The checked buffer pairs (:class:`kvcore.layers.LayerPairs`) of a pool's calls.
 
@@ -113,6 +110,3 @@ class LayerPairsMemo:
                 kept.clear()
             kept[key] = found
         return found
-
-
-LAYER_PAIRS = LayerPairsMemo()

@@ -36,7 +36,7 @@ from kvcore.planning import (
 )
 from kvcore.transfer_sides import CheckedSides
 
-from .call_memos import HOST_INDEX_MEMO, LAYER_PAIRS
+from .call_memos import HostIndexMemo, LayerPairsMemo
 from .pool_jobs import Job
 from .served_layouts import layout_reason
 from .served_pools import class_name
@@ -57,9 +57,15 @@ class CallIndices:
 
 
 def call_indices(
-    pool: Any, served_class: str, host_indices: Any, device_indices: Any, io_backend: str
+    pool: Any,
+    served_class: str,
+    host_indices: Any,
+    device_indices: Any,
+    io_backend: str,
+    moved: HostIndexMemo,
 ) -> CallIndices | str:
-    """The indices to plan from, or why the call must run stock before looking at its layers."""
+    """The indices to plan from, or why the call must run stock before looking at its
+    layers; ``moved``: the CPU host indices of the tensors ``move_indices`` moved."""
     if class_name(pool) != served_class:
         # Subclasses (MXFP8, HiSparse...) reach here through super() with their own data.
         return "sglang_pool_class"
@@ -73,7 +79,7 @@ def call_indices(
             return "sglang_index_dtype"
     host = host_indices
     if host.device.type != "cpu":
-        recalled = HOST_INDEX_MEMO.recall(host) if io_backend == "kernel" else None
+        recalled = moved.recall(host) if io_backend == "kernel" else None
         if recalled is None or recalled.shape != host.shape or recalled.dtype != host.dtype:
             return "sglang_indices_on_device"
         host = recalled
@@ -90,9 +96,11 @@ def plans(
     direction: Direction,
     chosen_mover: Mover,
     device_opaque: bool,
+    checked_pairs: LayerPairsMemo,
 ) -> list[Submission] | str:
     """One plan for every layer pair, moved in one submission where the pairs allow it, else
-    rebound to each pair; or the reason the call must run stock."""
+    rebound to each pair; or the reason the call must run stock. ``checked_pairs``: the
+    pool's buffer pairs as checked before."""
     first = first_plan(job, direction, chosen_mover, device_opaque)
     if isinstance(first, str):
         return first
@@ -102,7 +110,7 @@ def plans(
         layered = None
         if len(pairs) > 1:
             srcs, dsts = [src for src, _ in pairs], [dst for _, dst in pairs]
-            layered = LAYER_PAIRS.pairs(pool, srcs, dsts)
+            layered = checked_pairs.pairs(pool, srcs, dsts)
         return submissions(first, pairs, layered)
     except ValueError:
         return "sglang_invalid_indices"

@@ -5,8 +5,10 @@ hook and, once ``apply_hooks`` has run, the wrapped attribute on its target clas
 :class:`Installation` records what it registered and what each target held before, so
 :meth:`Installation.uninstall` can put back every original exactly. Where another plugin
 hooked the same target, its hooks are applied again over the original without kvcore's.
-Everything else kvcore keeps (the mover, the memos of requests, layers and moved indices,
-the stock methods bound on pools, the warmed row sizes) is dropped with it.
+Everything else kvcore keeps is held by the installation's
+:class:`~kvcore_sglang.adapter.SGLangAdapter` (the settings read, the mover, the memos of
+requests, layers and moved indices, the stock methods bound on pools, the warmed row
+sizes), which is released and dropped with it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvcore.config import KVCoreConfig
 from kvcore.engine_status import EngineStatus
+
+if TYPE_CHECKING:
+    from .adapter import SGLangAdapter
 
 _MISSING = object()
 
@@ -37,6 +43,8 @@ class Installation:
 
     status: EngineStatus | None = None
     """The status of the installed hooks; None while nothing is installed."""
+    adapter: SGLangAdapter | None = None
+    """What the transfer hooks close over; None until hooks that need one are built."""
     _targets: dict[str, _Target] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -56,6 +64,16 @@ class Installation:
             self._targets[target] = _Target(owner, name, original, hook)
         HookRegistry.register(target, hook, HookType.AROUND)
 
+    def adapter_for(self, config: KVCoreConfig) -> SGLangAdapter:
+        """The installation's adapter, built from ``config`` where there is none yet (the
+        plugin's hooks and a patched source's share one)."""
+        from .adapter import SGLangAdapter
+
+        with self._lock:
+            if self.adapter is None:
+                self.adapter = SGLangAdapter(config)
+            return self.adapter
+
     @property
     def targets(self) -> list[str]:
         with self._lock:
@@ -63,13 +81,13 @@ class Installation:
 
     def uninstall(self) -> None:
         """Take back every hook this installation registered, restore each target's
-        original attribute, and drop the state the hooks kept. Safe to call twice."""
+        original attribute, and release and drop the adapter the hooks closed over. Safe to
+        call twice."""
         from sglang.srt.plugins.hook_registry import HookRegistry
-
-        from . import pool_warm_up, transfers
 
         with self._lock:
             targets, self._targets = self._targets, {}
+            adapter, self.adapter = self.adapter, None
             self.status = None
         shared = False
         for target, entry in targets.items():
@@ -89,8 +107,8 @@ class Installation:
         if shared:
             # Another plugin's hooks on a target stay, applied again around the original.
             HookRegistry.apply_hooks()
-        transfers.forget()
-        pool_warm_up.forget()
+        if adapter is not None:
+            adapter.release()
 
 
 INSTALLATION = Installation()

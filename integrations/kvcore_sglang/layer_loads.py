@@ -10,7 +10,7 @@ decided again.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,24 +24,18 @@ from kvcore.transfer_sides import check_sides
 
 from . import call_plans
 from .call_plans import CallIndices
-from .hook_mover import count_request_pass, mover
+from .hook_mover import count_request_pass
 from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, layer_in, weakly
 from .pool_jobs import Job, PoolJobs
 from .release_jobs import SOURCE_UNKNOWN
-from .serve_or_pass import (
-    count_of,
-    count_pass,
-    count_serve,
-    host_runs_pass,
-    internal_error,
-    stock_share,
-)
+from .serve_or_pass import count_of, count_pass, count_serve, host_runs_pass, internal_error
 
-LOAD_REQUESTS = LoadRequests()
-POOL_LAYERS = PoolLayers()
+if TYPE_CHECKING:
+    from .adapter import SGLangAdapter
 
 
 def _start_load(
+    adapter: SGLangAdapter,
     chosen_mover: Mover,
     jobs: PoolJobs | None,
     rule: serve_rule.SGLangRule | None,
@@ -70,16 +64,14 @@ def _start_load(
         if jobs is None:
             reason = SOURCE_UNKNOWN
         else:
-            # Looked up on its module at call time, as the backup hook does, so that one
-            # stand-in for it (a benchmark's, a test's) reaches both.
-            indices = call_plans.call_indices(
+            indices = adapter.call_indices(
                 pool, pool_class, host_indices, device_indices, io_backend
             )
             if isinstance(indices, str):
                 reason = indices
             else:
                 reason, host_runs = host_runs_pass(rule, tokens, indices.host, chosen_mover.policy)
-    if reason is None and stock_share().drawn():
+    if reason is None and adapter.stock_share.drawn():
         reason = STOCK_SHARE
     if reason is None:
         count_serve(chosen_mover)
@@ -87,7 +79,7 @@ def _start_load(
         count_request_pass(chosen_mover, reason)
     if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
         return reason or "sglang_indices_on_device"
-    request = LOAD_REQUESTS.start(
+    request = adapter.load_requests.start(
         pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
     )
     request.passes = reason
@@ -139,6 +131,7 @@ def _kept_layer_job(
 
 
 def _layer_buffers(
+    pool_layers: PoolLayers,
     jobs: PoolJobs,
     request: LoadRequest,
     pool: Any,
@@ -152,7 +145,7 @@ def _layer_buffers(
     key = (layer_id, request.is_draft)
     layers = request.pool_layers
     if layers is None:
-        layers = request.pool_layers = POOL_LAYERS.kept(pool)
+        layers = request.pool_layers = pool_layers.kept(pool)
     kept = layer_in(layers, device_pool, key)
     if kept is not None:
         return kept, None
@@ -163,7 +156,7 @@ def _layer_buffers(
     host, device = job.pairs[0]
     sides = check_sides(host, device, Direction.H2D)
     buffers = LayerBuffers(weakly(device_pool), job.pairs, layered, sides, job.rows)
-    request.pool_layers = POOL_LAYERS.put(pool, device_pool, key, buffers)
+    request.pool_layers = pool_layers.put(pool, device_pool, key, buffers)
     return buffers, job
 
 
@@ -179,6 +172,7 @@ def _moved_host_rows(request: LoadRequest, indices: CallIndices) -> torch.Tensor
 
 
 def _serve_layer(
+    pool_layers: PoolLayers,
     chosen_mover: Mover,
     jobs: PoolJobs,
     request: LoadRequest,
@@ -188,7 +182,7 @@ def _serve_layer(
     indices: CallIndices,
 ) -> str | None:
     """Copy one layer of a served reload; returns why the call must run stock instead."""
-    found = _layer_buffers(jobs, request, pool, device_pool, layer_id, indices)
+    found = _layer_buffers(pool_layers, jobs, request, pool, device_pool, layer_id, indices)
     if isinstance(found, str):
         return found
     buffers, job = found
@@ -229,6 +223,7 @@ def _serve_layer(
 
 
 def load_layer(
+    adapter: SGLangAdapter,
     jobs: PoolJobs | None,
     rule: serve_rule.SGLangRule | None,
     pool_class: str,
@@ -246,10 +241,11 @@ def load_layer(
     ``rule``: the rule's row for the call (:func:`~kvcore_sglang.serve_or_pass.call_rule`),
     which a new request is decided by; ``request``: the request the call continues
     (:meth:`LoadRequest.matches` said so), None for a new one."""
-    chosen_mover = mover()
+    chosen_mover = adapter.mover()
     try:
         if request is None:
             started = _start_load(
+                adapter,
                 chosen_mover,
                 jobs,
                 rule,
@@ -269,10 +265,17 @@ def load_layer(
         if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
             return False  # a layer this pool does not hold: stock returns without copying
         reason = _serve_layer(
-            chosen_mover, jobs, request, pool, device_pool, layer_id, request.call_indices
+            adapter.pool_layers,
+            chosen_mover,
+            jobs,
+            request,
+            pool,
+            device_pool,
+            layer_id,
+            request.call_indices,
         )
     except Exception as exc:
-        reason = internal_error(chosen_mover, exc)
+        reason = internal_error(adapter.internal_errors, chosen_mover, exc)
         if request is not None:
             request.passes = reason
         return False
@@ -282,6 +285,7 @@ def load_layer(
 
 
 def continued(
+    adapter: SGLangAdapter,
     latest: LoadRequest | None,
     pool: Any,
     device_pool: Any,
@@ -297,14 +301,20 @@ def continued(
     if latest is None or latest.passes is not None:
         return None
     if latest.matches(
-        pool, device_pool, host_indices, device_indices, io_backend, is_draft, mover().policy
+        pool,
+        device_pool,
+        host_indices,
+        device_indices,
+        io_backend,
+        is_draft,
+        adapter.mover().policy,
     ):
         return latest
     return None
 
 
 def later_layer_served(
-    request: LoadRequest, device_pool: Any, layer_id: int, is_draft: bool
+    adapter: SGLangAdapter, request: LoadRequest, device_pool: Any, layer_id: int, is_draft: bool
 ) -> bool:
     """A later layer of ``request`` (one the call continues, :func:`continued`) where
     kvcore serves it and this pool has shown the layer's buffers before: one launch, nothing
@@ -312,19 +322,21 @@ def later_layer_served(
     fails (counted; the request then passes)."""
     if request.prepared is None:
         return False
-    chosen_mover = mover()
+    chosen_mover = adapter.mover()
     buffers = request.kept_layer(device_pool, (layer_id, is_draft))
     if buffers is None or buffers.layered.reason is not None:
         return False
     try:
         chosen_mover.execute_prepared(request.prepared, buffers.layered)
     except Exception as exc:
-        request.passes = internal_error(chosen_mover, exc)
+        request.passes = internal_error(adapter.internal_errors, chosen_mover, exc)
         return False
     return True
 
 
-def passes_from_here(pool: Any, device_pool: Any, host_indices: Any, device_indices: Any) -> bool:
+def passes_from_here(
+    load_requests: LoadRequests, pool: Any, device_pool: Any, host_indices: Any, device_indices: Any
+) -> bool:
     """Whether the reload these index tensors name passes to stock from this call on."""
-    latest = LOAD_REQUESTS.latest(pool, device_pool)
+    latest = load_requests.latest(pool, device_pool)
     return latest is not None and latest.passing_for(host_indices, device_indices)

@@ -4,7 +4,8 @@ A patched module ends with one line per target, ``Class.method =
 _kvcore_hook("<target>", Class.method)`` (see patches/README.md). :func:`hook` returns
 the stock method unchanged when patched mode is off, and otherwise a wrapper that runs
 the plugin's own AROUND hook for that target (:data:`kvcore_sglang.host_slots.HOOKS`,
-:data:`kvcore_sglang.transfers.HOOKS`, :data:`kvcore_sglang.pool_warm_up.HOOKS`), gated
+:func:`kvcore_sglang.transfers.hooks`, :func:`kvcore_sglang.pool_warm_up.hooks`, over the
+installation's adapter), gated
 as the plugin gates it: the targets of ``guard.TRANSFER_GROUPS`` only under
 ``KVCORE_TRANSFERS``. A release's patch set hooks every target of the guard's groups
 recorded for that release (not the functions the groups merely depend on).
@@ -96,8 +97,10 @@ def _implementation(target: str) -> Callable[..., Any] | None:
         if not config.transfers:
             return None
         from . import pool_warm_up, transfers
+        from .installation import INSTALLATION
 
-        return {**transfers.HOOKS, **pool_warm_up.HOOKS}[target]
+        adapter = INSTALLATION.adapter_for(config)
+        return {**transfers.hooks(adapter), **pool_warm_up.hooks(adapter)}[target]
     from . import host_slots
 
     return {f"{guard.HOST_KV_CACHE}.{name}": h for name, h in host_slots.HOOKS.items()}[target]

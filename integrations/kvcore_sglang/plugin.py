@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from kvcore.config import KVCoreConfig, engine_config
 from kvcore.engine_status import (
@@ -25,6 +26,9 @@ from kvcore.metrics_export import start_multiprocess_export
 
 from . import DISTRIBUTION, ENGINE, SUPPORTED_VERSIONS
 from .installation import INSTALLATION
+
+if TYPE_CHECKING:
+    from .adapter import SGLangAdapter
 
 logger = logging.getLogger("kvcore.sglang")
 
@@ -46,14 +50,18 @@ def load() -> None:
 
 
 def register_hooks(
-    config: KVCoreConfig | None = None, *, with_transfers: bool | None = None
+    config: KVCoreConfig | None = None,
+    *,
+    with_transfers: bool | None = None,
+    adapter: SGLangAdapter | None = None,
 ) -> EngineStatus:
     """Check versions and fingerprints, register the hooks that pass; the resulting status.
 
     Only the first call that finds kvcore enabled registers anything; later calls
     return that call's status. ``with_transfers`` adds the host-pool transfer hooks
     (:mod:`kvcore_sglang.transfers`); by default it follows ``KVCORE_TRANSFERS`` (on
-    unless set to 0).
+    unless set to 0). They close over ``adapter`` (a test's or a benchmark's), by default
+    one built from ``config``.
     """
     config = KVCoreConfig.from_env() if config is None else config
     with _lock:
@@ -71,7 +79,11 @@ def register_hooks(
         _register(status, release_of(status.version or ""))
         transfers = config.transfers if with_transfers is None else with_transfers
         if transfers:
-            _register_transfers(status, release_of(status.version or ""))
+            if adapter is not None:
+                INSTALLATION.adapter = adapter
+            _register_transfers(
+                status, release_of(status.version or ""), INSTALLATION.adapter_for(config)
+            )
         announce_activation(logger, "SGLang", status, transfers, config.serve_rule)
         if transfers:
             announce_stock_share(logger, "SGLang", config.stock_share)
@@ -82,6 +94,11 @@ def register_hooks(
         status.plugin_applied = True
         INSTALLATION.status = status
         return status
+
+
+def installed_adapter() -> SGLangAdapter | None:
+    """The adapter the installed transfer hooks close over, or None."""
+    return INSTALLATION.adapter
 
 
 def applied_status() -> EngineStatus | None:
@@ -117,10 +134,10 @@ def _register(status: EngineStatus, version: str) -> None:
             status.skip(pool, reason, STOCK_POOLS_GROUP)
 
 
-def _register_transfers(status: EngineStatus, version: str) -> None:
+def _register_transfers(status: EngineStatus, version: str, adapter: SGLangAdapter) -> None:
     from . import guard, pool_warm_up, transfers
 
-    hooks = {**transfers.HOOKS, **pool_warm_up.HOOKS}
+    hooks = {**transfers.hooks(adapter), **pool_warm_up.hooks(adapter)}
     result = guard.check_targets(version, guard.TRANSFER_GROUPS)
     groups = _group_of(guard.TRANSFER_GROUPS)
     for skipped in result.skipped:

@@ -3,10 +3,10 @@
 The first use of a kvcore path costs its set-up: the device staging buffer, the pinned
 index buffers, a Triton kernel compiled for the row size. In an engine those costs would
 land on the first cache hits, so the transfer hooks also wrap the MHA and MLA host pools'
-``__init__``: once SGLang has built a pool, every path of the process's mover runs on
+``__init__``: once SGLang has built a pool, every path of the adapter's mover runs on
 scratch rows of the pool's row size, between the current GPU and pinned host memory, and
 every copy is compared with its source (:func:`kvcore.warm_up.warm_up`). A row size is
-warmed once per process and device.
+warmed once per adapter and device.
 
 A warm-up that moved a wrong byte, or that failed, leaves that pool's load and backup
 methods stock: SGLang's own methods are bound on the pool instance, so its calls never
@@ -17,10 +17,9 @@ pool never fails because of kvcore.
 from __future__ import annotations
 
 import logging
-import threading
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +29,8 @@ from torch import device as Device
 
 from kvcore.warm_up import warm_up
 
-from . import hook_mover
+if TYPE_CHECKING:
+    from .adapter import SGLangAdapter
 
 logger = logging.getLogger("kvcore.sglang")
 
@@ -41,10 +41,6 @@ POOL_CLASSES = (f"{_POOL_HOST}.mha.MHATokenToKVPoolHost", f"{_POOL_HOST}.mla.MLA
 # head dim, or 1 x the MLA row), the rows kvcore's jobs copy.
 _TOKEN_ROW_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
 _TRANSFER_METHODS = ("load_to_device_per_layer", "backup_from_device_all_layer")
-
-_lock = threading.Lock()
-# (device, row bytes) -> whether its warm-up moved every byte right.
-_WARMED: dict[tuple[torch.device, int], bool] = {}
 
 
 def _warm_up_device() -> torch.device:
@@ -66,37 +62,38 @@ def pool_row_bytes(pool: Any) -> int | None:
     return int(buffer.shape[-2] * buffer.shape[-1] * buffer.element_size())
 
 
-def warm_up_pool(pool: Any) -> bool | None:
-    """Warm kvcore's paths up for ``pool``'s rows; whether they moved every byte right (None
-    where the pool has no rows to warm). A pool whose warm-up went wrong is left stock."""
+def warm_up_pool(adapter: SGLangAdapter, pool: Any) -> bool | None:
+    """Warm ``adapter``'s paths up for ``pool``'s rows; whether they moved every byte right
+    (None where the pool has no rows to warm). A pool whose warm-up went wrong is left
+    stock."""
     row_bytes = pool_row_bytes(pool)
     if row_bytes is None:
         return None
     device = _warm_up_device()
     key = (device, row_bytes)
-    with _lock:
-        trusted = _WARMED.get(key)
+    with adapter.warm_up_lock:
+        trusted = adapter.warmed.get(key)
         if trusted is None:
-            trusted, reason = _run_warm_up(device, row_bytes)
-            _WARMED[key] = trusted
+            trusted, reason = _run_warm_up(adapter, device, row_bytes)
+            adapter.warmed[key] = trusted
             if not trusted:
-                _count(reason)
+                _count(adapter, reason)
     if not trusted:
         _leave_stock(pool)
     return trusted
 
 
-def _run_warm_up(device: torch.device, row_bytes: int) -> tuple[bool, str]:
+def _run_warm_up(adapter: SGLangAdapter, device: torch.device, row_bytes: int) -> tuple[bool, str]:
     try:
-        result = warm_up(hook_mover.mover(), device, [row_bytes])
+        result = warm_up(adapter.mover(), device, [row_bytes])
     except Exception:
         logger.exception("kvcore: warming up the transfer paths failed; the pool stays stock")
         return False, "warm_up_failed"
     return result.trustworthy, "warm_up_wrong_bytes"
 
 
-def _count(reason: str) -> None:
-    metrics = hook_mover.mover().metrics
+def _count(adapter: SGLangAdapter, reason: str) -> None:
+    metrics = adapter.mover().metrics
     if metrics is not None:
         metrics.record_fallback(reason)
 
@@ -111,20 +108,20 @@ def _leave_stock(pool: Any) -> None:
             setattr(pool, name, types.MethodType(stock, pool))
 
 
-def forget() -> None:
-    """Warm every row size up again (a test, or a new mover)."""
-    with _lock:
-        _WARMED.clear()
+TARGETS: tuple[str, ...] = tuple(f"{cls}.__init__" for cls in POOL_CLASSES)
+"""The targets the warm-up hooks wrap, as the guard names them."""
 
 
-def _init_hook(original: Callable[..., None], pool: Any, *args: Any, **kwargs: Any) -> None:
-    original(pool, *args, **kwargs)
-    try:
-        warm_up_pool(pool)
-    except Exception:
-        # kvcore must never stop SGLang from building its pools.
-        logger.exception("kvcore: warming up for a host pool failed")
+def hooks(adapter: SGLangAdapter) -> dict[str, Callable[..., None]]:
+    """Target (as the guard names it) -> its hook, warming ``adapter``'s paths up."""
 
+    def init_hook(original: Callable[..., None], pool: Any, *args: Any, **kwargs: Any) -> None:
+        original(pool, *args, **kwargs)
+        try:
+            # Looked up at call time: a benchmark may stand in for it.
+            warm_up_pool(adapter, pool)
+        except Exception:
+            # kvcore must never stop SGLang from building its pools.
+            logger.exception("kvcore: warming up for a host pool failed")
 
-# Target (as the guard names it) -> hook.
-HOOKS: dict[str, Callable[..., None]] = {f"{cls}.__init__": _init_hook for cls in POOL_CLASSES}
+    return dict.fromkeys(TARGETS, init_hook)

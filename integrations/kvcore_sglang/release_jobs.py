@@ -27,21 +27,31 @@ def _installed_fingerprint(target: str) -> str | None:
         return None
 
 
-# Target -> (the recorded fingerprints and the builders it was looked up in, what was found).
-JOBS_FOUND: dict[str, tuple[dict[str, dict[str, str]], dict[str, PoolJobs], PoolJobs | None]] = {}
+class ReleaseJobs:
+    """Which release's builders each hooked target plans with, as one adapter found them."""
 
+    def __init__(self) -> None:
+        # Target -> (the recorded fingerprints and the builders it was looked up in, what
+        # was found).
+        self._found: dict[
+            str, tuple[dict[str, dict[str, str]], dict[str, PoolJobs], PoolJobs | None]
+        ] = {}
 
-def jobs_for(target: str, by_release: dict[str, PoolJobs]) -> PoolJobs | None:
-    """The builders of the release whose recorded fingerprint of ``target`` the installed
-    source has; None when no release's does. Found once per target (every request's first
-    call asks), again only where the recorded fingerprints or the builders are others."""
-    recorded = guard.FINGERPRINTS
-    found = JOBS_FOUND.get(target)
-    if found is not None and found[0] is recorded and found[1] is by_release:
-        return found[2]
-    jobs = _release_jobs(target, by_release, recorded)
-    JOBS_FOUND[target] = (recorded, by_release, jobs)
-    return jobs
+    def jobs_for(self, target: str, by_release: dict[str, PoolJobs]) -> PoolJobs | None:
+        """The builders of the release whose recorded fingerprint of ``target`` the
+        installed source has; None when no release's does. Found once per target (every
+        request's first call asks), again only where the recorded fingerprints or the
+        builders are others."""
+        recorded = guard.FINGERPRINTS
+        found = self._found.get(target)
+        if found is not None and found[0] is recorded and found[1] is by_release:
+            return found[2]
+        jobs = _release_jobs(target, by_release, recorded)
+        self._found[target] = (recorded, by_release, jobs)
+        return jobs
+
+    def __len__(self) -> int:
+        return len(self._found)
 
 
 def _release_jobs(

@@ -8,50 +8,19 @@ its call to stock too, counted by its own reason.
 
 from __future__ import annotations
 
-import functools
-import logging
 import sys
 from typing import Any
 
 import torch
 
 from kvcore import serve_rule
-from kvcore.config import KVCoreConfig
 from kvcore.host_run import HostRunFound, one_host_run
 from kvcore.internal_errors import InternalErrors
 from kvcore.mover import Mover
 from kvcore.path_policy import PathPolicy
 from kvcore.runs import run_count_up_to
-from kvcore.stock_share import StockShare
 
 from .served_pools import DSA_POOL, MHA_POOL, MLA_POOL, class_name
-
-logger = logging.getLogger("kvcore")
-
-
-def serve_rule_enabled() -> bool:
-    """Whether the serve-or-pass rule applies (``KVCORE_SERVE_RULE``, read once)."""
-    return _settings().serve_rule
-
-
-@functools.cache
-def stock_share() -> StockShare:
-    """The draws of the reloads kvcore would serve that go to stock's copy instead
-    (``KVCORE_STOCK_SHARE``, read once): an A/B of the two copies in one process."""
-    return StockShare(_settings().stock_share)
-
-
-@functools.cache
-def _settings() -> KVCoreConfig:
-    return KVCoreConfig.from_env()
-
-
-def forget_settings() -> None:
-    """Read the settings, and draw the stock share afresh, at the next call: a plugin
-    installed again after an uninstall follows the environment as it is then."""
-    _settings.cache_clear()
-    stock_share.cache_clear()
-
 
 # The pool classes kvcore serves, by the kind the rule's rows name.
 _POOL_KINDS = {MHA_POOL: "mha", MLA_POOL: "mla", DSA_POOL: "dsa"}
@@ -62,11 +31,12 @@ def _pool_kind(pool: Any) -> str:
     return _POOL_KINDS.get(class_name(pool), "")
 
 
-def call_rule(op: str, pool: Any, io_backend: str) -> serve_rule.SGLangRule | None:
+def call_rule(rule_on: bool, op: str, pool: Any, io_backend: str) -> serve_rule.SGLangRule | None:
     """The rule's row for this call, looked up once per call: None where the rule is off,
     the pool lacks a layout or page size (the checks that follow say why such a pool runs
-    stock), or no row matches (kvcore serves)."""
-    if not serve_rule_enabled():
+    stock), or no row matches (kvcore serves). ``rule_on``: the adapter's
+    ``KVCORE_SERVE_RULE``."""
+    if not rule_on:
         return None
     layout, page_size = getattr(pool, "layout", None), getattr(pool, "page_size", None)
     if not isinstance(layout, str) or not isinstance(page_size, int):
@@ -74,12 +44,12 @@ def call_rule(op: str, pool: Any, io_backend: str) -> serve_rule.SGLangRule | No
     return serve_rule.sglang_rule(op, io_backend, layout, page_size, pool=_pool_kind(pool))
 
 
-def pass_limit(op: str, pool: Any, io_backend: str) -> tuple[int, str]:
+def pass_limit(rule_on: bool, op: str, pool: Any, io_backend: str) -> tuple[int, str]:
     """(the fewest tokens the rule's row for the pool's ``op`` with ``io_backend`` may serve,
     its reason to pass below that): what a pool's binding for passing calls keeps
     (:mod:`~kvcore_sglang.stock_binding`); ``(0, "")`` where the hook must decide every call
     (the rule is off, or no row matches)."""
-    row = call_rule(op, pool, io_backend)
+    row = call_rule(rule_on, op, pool, io_backend)
     if row is None:
         return 0, ""
     lowest = row.serves_from
@@ -124,12 +94,10 @@ def count_serve(chosen_mover: Mover) -> None:
         chosen_mover.metrics.record_decision("serve", "rule_serves")
 
 
-INTERNAL_ERRORS = InternalErrors("SGLang", logger)
-
-
-def internal_error(chosen_mover: Mover, exc: Exception) -> str:
-    """The reason a failure inside kvcore sends its call to stock (counted); a CUDA error
-    is re-raised (:mod:`kvcore.internal_errors`)."""
-    reason = INTERNAL_ERRORS.reason(exc)
+def internal_error(errors: InternalErrors, chosen_mover: Mover, exc: Exception) -> str:
+    """The reason a failure inside kvcore sends its call to stock (counted in
+    ``chosen_mover``'s metrics, logged by ``errors``); a CUDA error is re-raised
+    (:mod:`kvcore.internal_errors`)."""
+    reason = errors.reason(exc)
     count_pass(chosen_mover, reason)
     return reason

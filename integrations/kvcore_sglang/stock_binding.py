@@ -4,16 +4,17 @@ A pool whose calls the rule passes whatever their size (SGLang's ``kernel`` load
 size 64, for one) gets stock's method as an instance attribute, so that SGLang's later
 calls reach stock with no kvcore frame at all. A pool whose loads pass at some sizes only
 gets, once a reload passes, a binding for that reload's later layers
-(:func:`bind_passing_reload`): one frame that compares the index tensors and calls stock,
-instead of the whole hook on every layer. A new reload that the rule passes by its size
-alone is decided and counted there too; any other goes back to the hook. Where SGLang's
-cache controller moves each transfer's indices first (kvcore's ``move_indices`` hook tells
-:func:`indices_moved`), a passing reload's later layers get stock's method itself, no frame
-at all, until the next move. A pool whose backups pass below some size gets a gate for
-them (:func:`bind_backup_gate`), deciding each backup by its size alone.
-:func:`restore_bypassed` takes every such binding back when the hooks go. Apart from the
-hooks because it is state of its own (the bound pools, weakly) and acts on the pool, not on
-a copy.
+(:meth:`StockBindings.bind_passing_reload`): one frame that compares the index tensors
+and calls stock, instead of the whole hook on every layer. A new reload that the rule
+passes by its size alone is decided and counted there too; any other goes back to the
+hook. Where SGLang's cache controller moves each transfer's indices first (kvcore's
+``move_indices`` hook tells :meth:`StockBindings.indices_moved`), a passing reload's later
+layers get stock's method itself, no frame at all, until the next move. A pool whose
+backups pass below some size gets a gate for them
+(:meth:`StockBindings.bind_backup_gate`), deciding each backup by its size alone.
+:meth:`StockBindings.restore` takes every such binding back when the hooks go. Apart from
+the hooks because it is state of its own (the bound pools, weakly) and acts on the pool,
+not on a copy.
 """
 
 from __future__ import annotations
@@ -27,59 +28,9 @@ from typing import Any
 
 from kvcore import serve_rule
 
-from .hook_mover import PASS_COUNTS, count_request_pass, mover
+from .hook_mover import HookMover, count_request_pass
 
 logger = logging.getLogger("kvcore")
-
-# Pool -> the methods kvcore gave back to stock on that pool (instance attributes it set).
-BYPASSED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-# Pool -> the methods bound for the later layers of a reload that passes.
-PASSING: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
-# Pool -> its state for passing reloads (:class:`_Passing`).
-_PASSING_LAYERS: weakref.WeakKeyDictionary[Any, _Passing] = weakref.WeakKeyDictionary()
-# Pools kvcore's move_indices hook saw moved before any of their reloads passed.
-_MOVED_FIRST: weakref.WeakSet[Any] = weakref.WeakSet()
-_bypass_lock = threading.Lock()
-
-
-def bypass_if_never(
-    original: Callable[..., Any],
-    pool: Any,
-    method: str,
-    rule: serve_rule.SGLangRule | None,
-    io_backend: str,
-) -> bool:
-    """Where the call's ``rule`` never serves (whatever the size), bind stock's method on
-    the pool itself, so that SGLang's later calls reach stock with no kvcore frame at all
-    (only where kvcore's hook is the outermost layer of the method, so the binding skips
-    no other plugin's hook); True when the call should run stock now.
-
-    SGLang's cache controller calls a pool with one io backend for its life; a call with
-    another one also lands in stock, which is always exact. :func:`restore_bypassed`
-    takes the bindings back.
-    """
-    if rule is None or not rule.never:
-        return False
-    if method in BYPASSED.get(pool, ()):
-        return True  # bound already, yet called through the class: decided, counted
-    if _outermost(pool, method, original):
-        try:
-            setattr(pool, method, types.MethodType(original, pool))
-            with _bypass_lock:
-                BYPASSED.setdefault(pool, set()).add(method)
-        except (AttributeError, TypeError):  # a pool that takes no attributes: per call
-            pass
-    count_request_pass(mover(), rule.reason)
-    logger.info(
-        "kvcore: %s.%s with io backend %s, layout %s, page size %d runs SGLang's stock copy (%s)",
-        type(pool).__name__,
-        method,
-        io_backend,
-        pool.layout,
-        pool.page_size,
-        rule.reason,
-    )
-    return True
 
 
 def _outermost(pool: Any, method: str, original: Callable[..., Any]) -> bool:
@@ -130,42 +81,6 @@ class _Passing:
         self.later_layer: Callable[..., Any] | None = None
 
 
-def bind_passing_reload(
-    hook: Callable[..., Any],
-    original: Callable[..., Any],
-    pool: Any,
-    method: str,
-    host_indices: Any,
-    device_indices: Any,
-    pass_limit: PassLimit,
-    count_pass: Callable[[str], None],
-) -> None:
-    """Bind, on the pool, the later layers of a reload that passes (its first call was
-    decided and counted): a call with the reload's two index tensors runs stock at once.
-    Any other call is a new reload: where the rule passes it by its size alone
-    (``pass_limit``, asked once per io backend), the binding counts the pass (in the
-    mover's :data:`~kvcore_sglang.hook_mover.PASS_COUNTS`, else ``count_pass``) and answers
-    it and its later layers; otherwise the binding takes itself off and the call goes to
-    ``hook`` (kvcore's AROUND hook, ``original`` as the stock method it wraps) to be decided
-    in full. Where the pool's reloads come after a move (:func:`indices_moved`), a passing
-    reload's later layers get stock's method itself instead, no frame at all.
-
-    Only where kvcore's hook is the outermost layer of the method (another plugin's hook
-    would be skipped otherwise) and the pool takes attributes. Identity alone decides: a
-    wrong match only sends a call to stock, which is always exact. The binding holds the two
-    tensors until the next reload comes, as the pool's latest request does.
-    """
-    if not _outermost(pool, method, original):
-        return
-    state = _PASSING_LAYERS.get(pool)
-    if state is None:
-        state = _passing_layers(hook, original, pool, method, pass_limit, count_pass)
-        if state is None:
-            return
-    state.host, state.device = host_indices, device_indices
-    _bind_later_layers(pool, state, original)
-
-
 def _bind_later_layers(pool: Any, state: _Passing, original: Callable[..., Any]) -> None:
     """For the rest of the passing reload just decided: stock's method itself where a move
     comes before the pool's next reload (which takes it off again), else the checking
@@ -179,55 +94,227 @@ def _bind_later_layers(pool: Any, state: _Passing, original: Callable[..., Any])
         pool.__dict__[state.method] = state.later_layer
 
 
-def indices_moved(pool: Any) -> None:
-    """SGLang's cache controller moved the indices of its next transfer on ``pool`` (kvcore's
-    ``move_indices`` hook says so, before stock's layers could run): from now on a passing
-    reload on the pool may bind stock's method itself for its later layers, and one that did
-    goes back to its checking binding, so that the next reload reaches kvcore to be decided.
-    That binding still holds the last passing reload's index tensors: a later layer of it
-    (were a move to come in its midst) still runs stock, counted once."""
-    try:
-        state = _PASSING_LAYERS.get(pool)
-        if state is None:
-            _MOVED_FIRST.add(pool)
-            return
-    except TypeError:  # a pool that takes no weak reference: its passes keep the hook
-        return
-    state.moved_first = True
-    if state.skipping:
-        state.skipping = False
-        pool.__dict__[state.method] = state.later_layer
+class StockBindings:
+    """The stock bindings one adapter set on SGLang's pools, counted in its mover's
+    metrics (``movers``)."""
 
+    def __init__(self, movers: HookMover) -> None:
+        self._movers = movers
+        # Pool -> the methods kvcore gave back to stock on that pool (instance attributes).
+        self.bypassed: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+        # Pool -> the methods bound for the later layers of a reload that passes.
+        self.passing: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+        # Pool -> its state for passing reloads (:class:`_Passing`).
+        self._passing_state: weakref.WeakKeyDictionary[Any, _Passing] = weakref.WeakKeyDictionary()
+        # Pools kvcore's move_indices hook saw moved before any of their reloads passed.
+        self._moved_first: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
 
-def _passing_layers(
-    hook: Callable[..., Any],
-    original: Callable[..., Any],
-    pool: Any,
-    method: str,
-    pass_limit: PassLimit,
-    count_pass: Callable[[str], None],
-) -> _Passing | None:
-    """The pool's state for passing reloads and its checking binding, made once per pool;
-    None for a pool that takes no attributes. The binding holds the pool weakly, so that
-    :data:`_PASSING_LAYERS` keeps no pool alive."""
-    try:
-        pool_ref = weakref.ref(pool)
-    except TypeError:
-        return None
-    state = _Passing(method, pool in _MOVED_FIRST)
-    limits = state.limits
-
-    def later_layer(
-        device_pool: Any,
-        host: Any,
-        device: Any,
-        layer_id: int,
+    def bypass_if_never(
+        self,
+        original: Callable[..., Any],
+        pool: Any,
+        method: str,
+        rule: serve_rule.SGLangRule | None,
         io_backend: str,
-        *,
-        is_draft: bool = False,
-    ) -> Any:
-        bound = pool_ref()
-        if host is not state.host or device is not state.device:
+    ) -> bool:
+        """Where the call's ``rule`` never serves (whatever the size), bind stock's method on
+        the pool itself, so that SGLang's later calls reach stock with no kvcore frame at all
+        (only where kvcore's hook is the outermost layer of the method, so the binding skips
+        no other plugin's hook); True when the call should run stock now.
+
+        SGLang's cache controller calls a pool with one io backend for its life; a call with
+        another one also lands in stock, which is always exact. :meth:`restore` takes the
+        bindings back.
+        """
+        if rule is None or not rule.never:
+            return False
+        if method in self.bypassed.get(pool, ()):
+            return True  # bound already, yet called through the class: decided, counted
+        if _outermost(pool, method, original):
+            try:
+                setattr(pool, method, types.MethodType(original, pool))
+                with self._lock:
+                    self.bypassed.setdefault(pool, set()).add(method)
+            except (AttributeError, TypeError):  # a pool that takes no attributes: per call
+                pass
+        count_request_pass(self._movers.mover(), rule.reason)
+        logger.info(
+            "kvcore: %s.%s with io backend %s, layout %s, page size %d runs SGLang's stock "
+            "copy (%s)",
+            type(pool).__name__,
+            method,
+            io_backend,
+            pool.layout,
+            pool.page_size,
+            rule.reason,
+        )
+        return True
+
+    def bind_passing_reload(
+        self,
+        hook: Callable[..., Any],
+        original: Callable[..., Any],
+        pool: Any,
+        method: str,
+        host_indices: Any,
+        device_indices: Any,
+        pass_limit: PassLimit,
+        count_pass: Callable[[str], None],
+    ) -> None:
+        """Bind, on the pool, the later layers of a reload that passes (its first call was
+        decided and counted): a call with the reload's two index tensors runs stock at once.
+        Any other call is a new reload: where the rule passes it by its size alone
+        (``pass_limit``, asked once per io backend), the binding counts the pass (in the
+        mover's :attr:`~kvcore_sglang.hook_mover.HookMover.pass_counts`, else
+        ``count_pass``) and answers it and its later layers; otherwise the binding takes
+        itself off and the call goes to ``hook`` (kvcore's AROUND hook, ``original`` as the
+        stock method it wraps) to be decided in full. Where the pool's reloads come after a
+        move (:meth:`indices_moved`), a passing reload's later layers get stock's method
+        itself instead, no frame at all.
+
+        Only where kvcore's hook is the outermost layer of the method (another plugin's hook
+        would be skipped otherwise) and the pool takes attributes. Identity alone decides: a
+        wrong match only sends a call to stock, which is always exact. The binding holds the two
+        tensors until the next reload comes, as the pool's latest request does.
+        """
+        if not _outermost(pool, method, original):
+            return
+        state = self._passing_state.get(pool)
+        if state is None:
+            state = self._new_passing(hook, original, pool, method, pass_limit, count_pass)
+            if state is None:
+                return
+        state.host, state.device = host_indices, device_indices
+        _bind_later_layers(pool, state, original)
+
+    def indices_moved(self, pool: Any) -> None:
+        """SGLang's cache controller moved the indices of its next transfer on ``pool`` (kvcore's
+        ``move_indices`` hook says so, before stock's layers could run): from now on a passing
+        reload on the pool may bind stock's method itself for its later layers, and one that did
+        goes back to its checking binding, so that the next reload reaches kvcore to be decided.
+        That binding still holds the last passing reload's index tensors: a later layer of it
+        (were a move to come in its midst) still runs stock, counted once."""
+        try:
+            state = self._passing_state.get(pool)
+            if state is None:
+                self._moved_first.add(pool)
+                return
+        except TypeError:  # a pool that takes no weak reference: its passes keep the hook
+            return
+        state.moved_first = True
+        if state.skipping:
+            state.skipping = False
+            pool.__dict__[state.method] = state.later_layer
+
+    def _new_passing(
+        self,
+        hook: Callable[..., Any],
+        original: Callable[..., Any],
+        pool: Any,
+        method: str,
+        pass_limit: PassLimit,
+        count_pass: Callable[[str], None],
+    ) -> _Passing | None:
+        """The pool's state for passing reloads and its checking binding, made once per pool;
+        None for a pool that takes no attributes. The binding holds the pool weakly, so that
+        the bindings keep no pool alive."""
+        try:
+            pool_ref = weakref.ref(pool)
+        except TypeError:
+            return None
+        state = _Passing(method, pool in self._moved_first)
+        limits = state.limits
+        movers = self._movers
+
+        def later_layer(
+            device_pool: Any,
+            host: Any,
+            device: Any,
+            layer_id: int,
+            io_backend: str,
+            *,
+            is_draft: bool = False,
+        ) -> Any:
+            bound = pool_ref()
+            if host is not state.host or device is not state.device:
+                limit = limits.get(io_backend)
+                if limit is None:
+                    limit = limits[io_backend] = _limit_or_hook(pass_limit, bound, io_backend)
+                serves_from, reason = limit
+                try:
+                    tokens = host.numel()
+                except AttributeError:  # not a tensor: the hook decides
+                    tokens = serves_from
+                if tokens >= serves_from:
+                    state.host = state.device = None
+                    if bound.__dict__.get(method) is later_layer:
+                        del bound.__dict__[method]
+                    return hook(
+                        original,
+                        bound,
+                        device_pool,
+                        host,
+                        device,
+                        layer_id,
+                        io_backend,
+                        is_draft=is_draft,
+                    )
+                counts = movers.pass_counts
+                if counts is None:
+                    count_pass(reason)
+                else:
+                    counts[reason] += 1
+                state.host, state.device = host, device
+                if state.moved_first:
+                    bound.__dict__[method] = types.MethodType(original, bound)
+                    state.skipping = True
+            if is_draft:
+                return original(
+                    bound, device_pool, host, device, layer_id, io_backend, is_draft=True
+                )
+            return original(bound, device_pool, host, device, layer_id, io_backend)
+
+        state.later_layer = later_layer
+        try:
+            setattr(pool, method, later_layer)
+        except (AttributeError, TypeError):  # a pool that takes no attributes: the hook decides
+            return None
+        with self._lock:
+            self.passing.setdefault(pool, set()).add(method)
+            self._passing_state[pool] = state
+        return state
+
+    def bind_backup_gate(
+        self,
+        hook: Callable[..., Any],
+        original: Callable[..., Any],
+        pool: Any,
+        method: str,
+        pass_limit: PassLimit,
+        count_pass: Callable[[str], None],
+    ) -> None:
+        """Where a backup passed by its size (decided and counted by ``hook``), bind on the pool
+        a gate for its later backups, each a request of its own: one of fewer tokens than the
+        rule serves from (``pass_limit``, asked once per io backend) runs stock at once, counted
+        as the hook counts it (in the mover's
+        :attr:`~kvcore_sglang.hook_mover.HookMover.pass_counts`, else ``count_pass``); any
+        other goes to ``hook``, which decides it in full, and the gate stays. Once per pool,
+        only where kvcore's hook is the outermost layer of the method and the pool takes
+        attributes; the gate holds the pool weakly."""
+        if method in self.passing.get(pool, ()) or not _outermost(pool, method, original):
+            return
+        try:
+            pool_ref = weakref.ref(pool)
+        except TypeError:
+            return
+        limits: dict[str, tuple[int, str]] = {}
+        movers = self._movers
+
+        def gate(device_pool: Any, host: Any, device: Any, io_backend: str) -> Any:
+            # The size check and count of a passing reload's binding, written out again: a
+            # helper both called would add a frame to every pass, which is what they save.
+            bound = pool_ref()
             limit = limits.get(io_backend)
             if limit is None:
                 limit = limits[io_backend] = _limit_or_hook(pass_limit, bound, io_backend)
@@ -237,104 +324,29 @@ def _passing_layers(
             except AttributeError:  # not a tensor: the hook decides
                 tokens = serves_from
             if tokens >= serves_from:
-                state.host = state.device = None
-                if bound.__dict__.get(method) is later_layer:
-                    del bound.__dict__[method]
-                return hook(
-                    original,
-                    bound,
-                    device_pool,
-                    host,
-                    device,
-                    layer_id,
-                    io_backend,
-                    is_draft=is_draft,
-                )
-            counts = PASS_COUNTS[0]
+                return hook(original, bound, device_pool, host, device, io_backend)
+            counts = movers.pass_counts
             if counts is None:
                 count_pass(reason)
             else:
                 counts[reason] += 1
-            state.host, state.device = host, device
-            if state.moved_first:
-                bound.__dict__[method] = types.MethodType(original, bound)
-                state.skipping = True
-        if is_draft:
-            return original(bound, device_pool, host, device, layer_id, io_backend, is_draft=True)
-        return original(bound, device_pool, host, device, layer_id, io_backend)
+            return original(bound, device_pool, host, device, io_backend)
 
-    state.later_layer = later_layer
-    try:
-        setattr(pool, method, later_layer)
-    except (AttributeError, TypeError):  # a pool that takes no attributes: the hook decides
-        return None
-    with _bypass_lock:
-        PASSING.setdefault(pool, set()).add(method)
-        _PASSING_LAYERS[pool] = state
-    return state
-
-
-def bind_backup_gate(
-    hook: Callable[..., Any],
-    original: Callable[..., Any],
-    pool: Any,
-    method: str,
-    pass_limit: PassLimit,
-    count_pass: Callable[[str], None],
-) -> None:
-    """Where a backup passed by its size (decided and counted by ``hook``), bind on the pool
-    a gate for its later backups, each a request of its own: one of fewer tokens than the
-    rule serves from (``pass_limit``, asked once per io backend) runs stock at once, counted
-    as the hook counts it (in the mover's :data:`~kvcore_sglang.hook_mover.PASS_COUNTS`,
-    else ``count_pass``); any other goes to ``hook``, which decides it in full, and the gate
-    stays. Once per pool, only where kvcore's hook is the outermost layer of the method and
-    the pool takes attributes; the gate holds the pool weakly."""
-    if method in PASSING.get(pool, ()) or not _outermost(pool, method, original):
-        return
-    try:
-        pool_ref = weakref.ref(pool)
-    except TypeError:
-        return
-    limits: dict[str, tuple[int, str]] = {}
-
-    def gate(device_pool: Any, host: Any, device: Any, io_backend: str) -> Any:
-        # The size check and count of a passing reload's binding, written out again: a
-        # helper both called would add a frame to every pass, which is what they save.
-        bound = pool_ref()
-        limit = limits.get(io_backend)
-        if limit is None:
-            limit = limits[io_backend] = _limit_or_hook(pass_limit, bound, io_backend)
-        serves_from, reason = limit
         try:
-            tokens = host.numel()
-        except AttributeError:  # not a tensor: the hook decides
-            tokens = serves_from
-        if tokens >= serves_from:
-            return hook(original, bound, device_pool, host, device, io_backend)
-        counts = PASS_COUNTS[0]
-        if counts is None:
-            count_pass(reason)
-        else:
-            counts[reason] += 1
-        return original(bound, device_pool, host, device, io_backend)
+            setattr(pool, method, gate)
+        except (AttributeError, TypeError):  # a pool that takes no attributes: the hook decides
+            return
+        with self._lock:
+            self.passing.setdefault(pool, set()).add(method)
 
-    try:
-        setattr(pool, method, gate)
-    except (AttributeError, TypeError):  # a pool that takes no attributes: the hook decides
-        return
-    with _bypass_lock:
-        PASSING.setdefault(pool, set()).add(method)
-
-
-def restore_bypassed() -> None:
-    """Take back every stock binding :func:`bypass_if_never` and
-    :func:`bind_passing_reload` set on a pool."""
-    with _bypass_lock:
-        pools = [*BYPASSED.items(), *PASSING.items()]
-        BYPASSED.clear()
-        PASSING.clear()
-        _PASSING_LAYERS.clear()
-        _MOVED_FIRST.clear()
-    for pool, methods in pools:
-        for method in methods:
-            pool.__dict__.pop(method, None)
+    def restore(self) -> None:
+        """Take back every stock binding these methods set on a pool."""
+        with self._lock:
+            pools = [*self.bypassed.items(), *self.passing.items()]
+            self.bypassed.clear()
+            self.passing.clear()
+            self._passing_state.clear()
+            self._moved_first.clear()
+        for pool, methods in pools:
+            for method in methods:
+                pool.__dict__.pop(method, None)

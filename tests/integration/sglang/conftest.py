@@ -22,6 +22,18 @@ if importlib.util.find_spec("sglang") is not None:
     install_torchvision_stub()
 
 
+@pytest.fixture(autouse=True)
+def own_adapter_per_test() -> Iterator[None]:
+    """Each test's direct hook calls go through an adapter of its own
+    (:mod:`benchmarks.sglang.hook_adapter`), built from the environment as the test sets
+    it: none is kept from another test."""
+    from benchmarks.sglang.hook_adapter import drop_own_adapter
+
+    drop_own_adapter()
+    yield
+    drop_own_adapter()
+
+
 @pytest.fixture
 def device_indices_unread() -> Iterator[None]:
     """The hooks plan every call around its device indices, left unread, as on a GPU with
@@ -77,8 +89,8 @@ def _every_target() -> list[str]:
 
     return [
         *(f"{HOST_KV_CACHE}.{name}" for name in host_slots.HOOKS),
-        *transfers.HOOKS,
-        *pool_warm_up.HOOKS,
+        *transfers.TARGETS,
+        *pool_warm_up.TARGETS,
     ]
 
 
@@ -91,21 +103,23 @@ def _attribute(target: str) -> Any:
 
 @pytest.fixture
 def use_mover() -> Iterator[Callable[[Mover], Mover]]:
-    """Have the transfer hooks copy through a test's mover; the one in use before is put
-    back afterwards."""
-    from kvcore_sglang import hook_mover
+    """Have the transfer hooks copy through a test's mover (on the adapter the test's
+    hooks close over); the one in use before is put back afterwards."""
+    from benchmarks.sglang.hook_adapter import bench_adapter
 
-    before: list[Mover | None] = []
+    before: list[tuple[Any, Mover | None]] = []
 
     def use(chosen: Mover) -> Mover:
-        previous = hook_mover.use_mover(chosen)
+        adapter = bench_adapter()
+        previous = adapter.use_mover(chosen)
         if not before:
-            before.append(previous)
+            before.append((adapter, previous))
         return chosen
 
     yield use
     if before:
-        hook_mover.use_mover(before[0])
+        adapter, previous = before[0]
+        adapter.use_mover(previous)
 
 
 @pytest.fixture

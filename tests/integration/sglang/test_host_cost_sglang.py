@@ -55,7 +55,7 @@ def test_each_reload_call_is_timed_and_the_profile_has_both_kinds(tmp_path: Path
 def test_with_the_rule_on_a_passing_reload_runs_its_later_layers_through_the_binding(
     tmp_path: Path,
 ) -> None:
-    from kvcore_sglang import stock_binding
+    from benchmarks.sglang.hook_adapter import bench_adapter
 
     out = tmp_path / "cost.json"
     argv = ["--device", "cpu", "--no-copy", "--rule", "--tokens", "128,4096", "--layers", "4"]
@@ -66,7 +66,7 @@ def test_with_the_rule_on_a_passing_reload_runs_its_later_layers_through_the_bin
     # the pool and nothing was served; from 4k kvcore serves each layer through its hook.
     assert rows[128]["bound_share"] == 1.0 and rows[128]["paths"] == []
     assert rows[4096]["bound_share"] == 0.0 and rows[4096]["paths"]
-    assert not stock_binding.PASSING  # the pools are gone, and their bindings with them
+    assert not bench_adapter().bindings.passing  # the pools are gone, and their bindings with them
 
 
 def test_with_no_copy_a_pass_runs_no_sglang_kernel_on_a_cpu(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ def test_a_pass_adds_no_frame_to_its_later_layers_and_each_reload_is_counted_onc
 ) -> None:
     from sglang.srt.mem_cache.pool_host import mha
 
-    from kvcore_sglang import stock_binding
+    from benchmarks.sglang.hook_adapter import bench_adapter
 
     had_copy = hasattr(mha, "transfer_kv_direct")
     requests, rounds = 3, 1
@@ -51,5 +51,5 @@ def test_a_pass_adds_no_frame_to_its_later_layers_and_each_reload_is_counted_onc
     (only,) = extra
     assert only > 0
     assert rows[12]["python_calls"]["stock"] > rows[4]["python_calls"]["stock"]
-    assert not stock_binding.PASSING  # the class and the pool got stock's method back
+    assert not bench_adapter().bindings.passing  # the class and the pool got stock's method back
     assert hasattr(mha, "transfer_kv_direct") == had_copy  # the copy stand-in is gone

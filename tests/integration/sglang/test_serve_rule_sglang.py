@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,10 +30,15 @@ from test_transfers import (
     transfer_hooks,  # noqa: F401  (a fixture)
 )
 
+from benchmarks.sglang.hook_adapter import (
+    bench_adapter,
+    move_indices,
+)
+from benchmarks.sglang.hook_adapter import hook as adapter_hook
 from kvcore import serve_rule
 from kvcore.internal_errors import InternalErrors
 from kvcore.metrics import METRICS
-from kvcore_sglang import layer_loads, load_requests, serve_or_pass, transfers
+from kvcore_sglang import layer_loads, serve_or_pass, transfers
 
 pytestmark = pytest.mark.sglang
 
@@ -42,13 +46,9 @@ MHA_LOAD = f"{POOL_CLASSES['mha'].__module__}.{POOL_CLASSES['mha'].__qualname__}
 
 
 @pytest.fixture(autouse=True)
-def fresh_requests(monkeypatch) -> Iterator[None]:
-    """The rule on, as deployed; no request, layer or binding kept from another test."""
-    monkeypatch.setattr(serve_or_pass, "serve_rule_enabled", lambda: True)
-    monkeypatch.setattr(layer_loads, "LOAD_REQUESTS", load_requests.LoadRequests())
-    monkeypatch.setattr(layer_loads, "POOL_LAYERS", load_requests.PoolLayers())
-    yield
-    transfers.restore_bypassed()
+def rule_on(monkeypatch) -> None:
+    """The rule on, as deployed (each test's adapter is its own: conftest.py)."""
+    monkeypatch.setenv("KVCORE_SERVE_RULE", "1")
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def direct_served_from(monkeypatch):
 
 
 def _load_hook() -> Any:
-    return transfers.HOOKS[f"{MHA_LOAD}.load_to_device_per_layer"]
+    return adapter_hook(f"{MHA_LOAD}.load_to_device_per_layer")
 
 
 def _counts() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
@@ -99,7 +99,7 @@ def test_a_kernel_load_binds_stock_on_the_pool_and_later_calls_skip_kvcore(monke
     assert after_fallbacks.get(reason, 0) == fallbacks.get(reason, 0) + 1
     assert after_decisions.get(("pass", reason), 0) == decisions.get(("pass", reason), 0) + 1
 
-    transfers.restore_bypassed()
+    bench_adapter().bindings.restore()
     assert "load_to_device_per_layer" not in pool.__dict__
 
 
@@ -192,7 +192,7 @@ def test_a_passing_reload_binds_its_later_layers_and_the_next_reload_is_decided_
         assert (name in pool.__dict__) is not served, size
         if not served:
             assert after_fallbacks.get("r", 0) == fallbacks.get("r", 0) + 1
-    transfers.restore_bypassed()
+    bench_adapter().bindings.restore()
     assert name not in pool.__dict__
 
 
@@ -219,7 +219,7 @@ def test_after_a_move_a_passing_reloads_later_layers_run_stock_itself_until_the_
     gen = torch.Generator().manual_seed(37)
 
     def move(host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
-        transfers.move_indices_hook(lambda c, h, d: (h, d), controller, host_idx, device_idx)
+        move_indices(lambda c, h, d: (h, d), controller, host_idx, device_idx)
 
     def stock_itself() -> bool:
         bound = pool.__dict__.get(name)
@@ -253,7 +253,7 @@ def test_after_a_move_a_passing_reloads_later_layers_run_stock_itself_until_the_
     after_fallbacks, after_decisions = _counts()
     assert after_decisions.get(("pass", "r"), 0) == decisions.get(("pass", "r"), 0) + 1
     assert after_fallbacks.get("r", 0) == fallbacks.get("r", 0) + 1
-    transfers.restore_bypassed()
+    bench_adapter().bindings.restore()
     assert name not in pool.__dict__
 
 
@@ -272,13 +272,14 @@ def test_after_a_backup_passes_a_gate_decides_each_later_backup_by_its_size(
     direct_served_from(64)
     transfer_hooks()
     entered: list[int] = []
-    real_bypass = transfers.bypass_if_never
+    bindings = bench_adapter().bindings
+    real_bypass = bindings.bypass_if_never
 
     def bypass(*args: Any) -> bool:  # the backup hook's first step
         entered.append(1)
         return real_bypass(*args)
 
-    monkeypatch.setattr(transfers, "bypass_if_never", bypass)
+    monkeypatch.setattr(bindings, "bypass_if_never", bypass)
     pool = pool_for("mha", "layer_first")
     device_pool = device_pool_of("mha", pool)
     gen = torch.Generator().manual_seed(43)
@@ -301,7 +302,7 @@ def test_after_a_backup_passes_a_gate_decides_each_later_backup_by_its_size(
                 for slot, row in zip(host_idx.tolist(), device_idx.tolist(), strict=True):
                     host_bytes = part.row(part.host.view(torch.uint8), layer, slot)
                     assert torch.equal(host_bytes, device.view(torch.uint8)[row]), size
-    transfers.restore_bypassed()
+    bench_adapter().bindings.restore()
     assert name not in pool.__dict__
 
 
@@ -326,8 +327,8 @@ def test_a_binding_whose_rule_lookup_fails_sends_every_reload_to_the_hook(
     def broken(*args: Any) -> Any:
         raise RuntimeError("rule lookup broke")
 
-    monkeypatch.setattr(transfers, "_load_pass_limit", broken)
-    transfers.restore_bypassed()
+    monkeypatch.setattr(transfers, "pass_limit", broken)
+    bench_adapter().bindings.restore()
     _load_every_layer_and_check(
         "mha", pool, *make_indices("mha", pool, "scattered", 30, gen), "direct"
     )
@@ -375,7 +376,7 @@ def test_a_failure_inside_kvcore_sends_the_call_to_stock(
 ):
     direct_served_from(16)
     monkeypatch.setattr(
-        serve_or_pass, "INTERNAL_ERRORS", InternalErrors("SGLang", serve_or_pass.logger)
+        bench_adapter(), "internal_errors", InternalErrors("SGLang", logging.getLogger("kvcore"))
     )
 
     def broken(*args: Any, **kwargs: Any) -> None:
@@ -443,7 +444,7 @@ def test_a_backup_passes_on_one_ascending_host_run_only(
     serve_rule._sglang_rule.cache_clear()
     transfer_hooks()
     pool = pool_for("mha", "layer_first")
-    hook = transfers.HOOKS[f"{MHA_LOAD}.backup_from_device_all_layer"]
+    hook = adapter_hook(f"{MHA_LOAD}.backup_from_device_all_layer")
     host_idx = torch.arange(40, 140)
     if order == "permuted":
         host_idx = host_idx[torch.randperm(100, generator=torch.Generator().manual_seed(4))]
@@ -489,7 +490,7 @@ def test_a_backup_row_for_dense_host_runs_serves_them_and_passes_scattered_slots
     stock = Recorder()
     before, _ = _counts()
     try:
-        hook = transfers.HOOKS[f"{MHA_LOAD}.backup_from_device_all_layer"]
+        hook = adapter_hook(f"{MHA_LOAD}.backup_from_device_all_layer")
         hook(stock, pool, device_pool, host_idx, device_idx, "direct")
     finally:
         serve_rule._sglang_rule.cache_clear()
@@ -566,8 +567,6 @@ def test_a_passing_reloads_binding_keeps_no_pool_alive(monkeypatch, direct_serve
 
     from sglang_pools import mha_host
 
-    from kvcore_sglang import stock_binding
-
     direct_served_from(1 << 20)  # every reload of these small pools passes
     pool = mha_host(64, 16, "layer_first", layers=LAYERS, heads=2)  # not pool_for's, kept
     calls: list[int] = []
@@ -579,9 +578,9 @@ def test_a_passing_reloads_binding_keeps_no_pool_alive(monkeypatch, direct_serve
     host_idx, device_idx = torch.arange(32), torch.arange(1, 33)
     _load_hook()(stock_method, pool, device_pool_of("mha", pool), host_idx, device_idx, 0, "direct")
     pool.load_to_device_per_layer(device_pool_of("mha", pool), host_idx, device_idx, 1, "direct")
-    assert calls == [0, 1] and pool in stock_binding.PASSING
+    assert calls == [0, 1] and pool in bench_adapter().bindings.passing
     gone = weakref.ref(pool)
-    layer_loads.LOAD_REQUESTS.clear()
+    bench_adapter().load_requests.clear()
     del pool
     gc.collect()
     assert gone() is None

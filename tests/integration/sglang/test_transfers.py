@@ -16,6 +16,7 @@ import gc
 import importlib.metadata
 import logging
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,12 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang_pools import dsa_host, mha_device, mha_host, mla_device, mla_host
 
+from benchmarks.sglang.hook_adapter import (
+    bench_adapter,
+    move_indices,
+    register_transfer_hooks,
+)
+from benchmarks.sglang.hook_adapter import hook as adapter_hook
 from benchmarks.sglang.host_pools import mha_host_pool, mla_host_pool
 from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
@@ -48,14 +55,12 @@ from kvcore_sglang import (
     call_memos,
     call_plans,
     guard,
-    hook_mover,
     layer_loads,
     load_requests,
     plugin,
     pool_jobs,
     pool_warm_up,
     release_jobs,
-    serve_or_pass,
     transfers,
 )
 
@@ -251,11 +256,8 @@ def kvcore_serves_every_call() -> Iterator[None]:
     (test_serve_rule.py covers the rule). Its own patcher, so that tests which undo theirs
     keep it."""
     with pytest.MonkeyPatch.context() as patcher:
-        patcher.setattr(serve_or_pass, "serve_rule_enabled", lambda: False)
-        patcher.setattr(layer_loads, "LOAD_REQUESTS", load_requests.LoadRequests())
-        patcher.setattr(layer_loads, "POOL_LAYERS", load_requests.PoolLayers())
+        patcher.setenv("KVCORE_SERVE_RULE", "0")
         yield
-    transfers.restore_bypassed()
 
 
 @pytest.fixture
@@ -268,7 +270,7 @@ def transfer_hooks(sglang_hooks) -> Iterator[Callable[..., Any]]:
     """
 
     def apply() -> Any:
-        status = plugin.register_hooks(with_transfers=True)
+        status = register_transfer_hooks()
         HookRegistry.apply_hooks()
         return status
 
@@ -383,8 +385,16 @@ def test_device_indexed_loads_plan_from_the_sides_kept_with_their_layer(
     assert planners == ["plan_device_indexed_for"] * 3
 
 
-def test_uninstall_restores_every_original_and_forgets_what_the_hooks_kept(transfer_hooks):
-    status = transfer_hooks()
+def _plugin_installed() -> Any:
+    """The plugin installed as SGLang installs it: over an adapter built from the
+    environment."""
+    status = plugin.register_hooks(with_transfers=True)
+    HookRegistry.apply_hooks()
+    return status
+
+
+def test_uninstall_restores_every_original_and_drops_what_the_hooks_kept(sglang_hooks):
+    status = _plugin_installed()
     assert status.plugin_applied and plugin.applied_status() is status
     target = f"{MHATokenToKVPoolHost.__module__}.MHATokenToKVPoolHost.load_to_device_per_layer"
     assert target in plugin.INSTALLATION.targets
@@ -393,31 +403,41 @@ def test_uninstall_restores_every_original_and_forgets_what_the_hooks_kept(trans
         is not STOCK[(MHATokenToKVPoolHost, "load_to_device_per_layer")]
     )
     check_served_call("mha", "layer_first", "direct", "load", "scattered", 64, 1)
-    assert len(layer_loads.LOAD_REQUESTS) == 1 and hook_mover.built_mover() is not None
+    adapter = plugin.installed_adapter()
+    assert adapter is not None and len(adapter.load_requests) == 1
+    assert adapter.movers.built() is not None
+    held = weakref.ref(adapter)
+    del adapter
     plugin.uninstall()
     for (cls, name), original in STOCK.items():
         assert vars(cls)[name] is original, f"{cls.__name__}.{name}"
     assert plugin.applied_status() is None and plugin.INSTALLATION.targets == []
-    assert len(layer_loads.LOAD_REQUESTS) == 0 and hook_mover.built_mover() is None
-    assert not any(target in HookRegistry._patched for target in transfers.HOOKS)
+    assert plugin.installed_adapter() is None
+    gc.collect()
+    assert held() is None, "something still holds the uninstalled adapter"
+    assert not any(target in HookRegistry._patched for target in transfers.TARGETS)
     # And again, as a new engine instance in the same process would.
-    assert transfer_hooks().plugin_applied
+    assert _plugin_installed().plugin_applied
     assert (
         vars(MHATokenToKVPoolHost)["load_to_device_per_layer"]
         is not STOCK[(MHATokenToKVPoolHost, "load_to_device_per_layer")]
     )
 
 
-def test_an_install_after_an_uninstall_reads_the_settings_again(transfer_hooks, monkeypatch):
+def test_an_install_after_an_uninstall_reads_the_settings_again(sglang_hooks, monkeypatch):
     """What the hooks read from the environment once (the stock share's draws among it) is
     dropped with them: the plugin installed again follows the environment as it is then."""
     monkeypatch.setenv("KVCORE_STOCK_SHARE", "0.5")
-    transfer_hooks()
-    assert serve_or_pass.stock_share().share == 0.5
+    _plugin_installed()
+    first = plugin.installed_adapter()
+    assert first is not None and first.stock_share.share == 0.5 and not first.serve_rule
     plugin.uninstall()
     monkeypatch.setenv("KVCORE_STOCK_SHARE", "0")
-    assert transfer_hooks().plugin_applied
-    assert serve_or_pass.stock_share().share == 0
+    monkeypatch.setenv("KVCORE_SERVE_RULE", "1")
+    assert _plugin_installed().plugin_applied
+    again = plugin.installed_adapter()
+    assert again is not None and again is not first
+    assert again.stock_share.share == 0 and again.serve_rule
 
 
 def test_uninstall_keeps_another_plugins_hook_on_a_shared_target(transfer_hooks):
@@ -478,35 +498,31 @@ def test_moved_host_indices_are_recalled_until_changed():
 
 
 def test_move_indices_hook_remembers_only_what_it_moved_off_the_cpu(monkeypatch):
-    memo = call_memos.HostIndexMemo()
-    monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
+    memo = bench_adapter().host_indices
     host, device = torch.arange(8), torch.arange(8).to("meta")
 
     def to_meta(controller, host_indices, device_indices):
         return host_indices.to("meta"), device_indices
 
-    moved, same_device = transfers.move_indices_hook(to_meta, None, host, device)
+    moved, same_device = move_indices(to_meta, None, host, device)
     assert same_device is device and memo.recall(moved) is host
-    kept, _ = transfers.move_indices_hook(lambda c, h, d: (h, d), None, host, device)
+    kept, _ = move_indices(lambda c, h, d: (h, d), None, host, device)
     assert kept is host and memo.recall(kept) is None  # direct backend: nothing moved
 
 
 def test_a_failure_in_the_move_hook_keeps_stocks_move_and_counts_once(monkeypatch):
     """kvcore's part of the move fails after stock's move ran: the moved indices come back
     as stock made them, and the failure is counted once, as one internal error."""
-    memo = call_memos.HostIndexMemo()
-    monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
+    memo = bench_adapter().host_indices
 
     def broken(pool: Any) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(transfers, "indices_moved", broken)
+    monkeypatch.setattr(bench_adapter().bindings, "indices_moved", broken)
     host, device = torch.arange(8), torch.arange(8).to("meta")
     controller = types.SimpleNamespace(mem_pool_host=object())
     before = fallbacks().get("internal_error:RuntimeError", 0)
-    moved, same_device = transfers.move_indices_hook(
-        lambda c, h, d: (h.to("meta"), d), controller, host, device
-    )
+    moved, same_device = move_indices(lambda c, h, d: (h.to("meta"), d), controller, host, device)
     assert moved.device.type == "meta" and same_device is device
     assert fallbacks().get("internal_error:RuntimeError", 0) == before + 1
     assert memo.recall(moved) is None
@@ -539,8 +555,7 @@ def test_a_reload_under_inference_mode_passes_whole_and_exact(
     (not as a failure inside kvcore), and the moved indices are not remembered."""
     transfer_hooks()
     use_mover(small_policy_mover())
-    memo = call_memos.HostIndexMemo()
-    monkeypatch.setattr(transfers, "HOST_INDEX_MEMO", memo)
+    memo = bench_adapter().host_indices
     pool = pool_for("mha", "layer_first")
     parts = components("mha", pool)
     generator = torch.Generator().manual_seed(4)
@@ -550,9 +565,7 @@ def test_a_reload_under_inference_mode_passes_whole_and_exact(
         host_idx, device_idx = make_indices("mha", pool, "scattered", 64, generator)
         assert host_idx.is_inference()
         reload_every_layer(pool, parts, host_idx, device_idx)
-        moved, _ = transfers.move_indices_hook(
-            lambda c, h, d: (h.clone(), d), None, host_idx, device_idx
-        )
+        moved, _ = move_indices(lambda c, h, d: (h.clone(), d), None, host_idx, device_idx)
     new = {k: v - before.get(k, 0) for k, v in fallbacks().items() if v != before.get(k, 0)}
     assert new == {layer_loads.INFERENCE_INDICES: 1}
     assert len(memo) == 0 and moved is not host_idx
@@ -580,12 +593,12 @@ def test_a_stock_share_passes_drawn_reloads_whole_and_counts_each_once(
     transfer_hooks()
     use_mover(small_policy_mover())
     every = StockShare(1.0)
-    monkeypatch.setattr(layer_loads, "stock_share", lambda: every)
+    monkeypatch.setattr(bench_adapter(), "stock_share", every)
     passed, served = shared_reloads(requests=3)
     # Each reload is one pass, its layers all stock's.
     assert passed == {STOCK_SHARE: 3} and served == 0
     half = StockShare(0.5)
-    monkeypatch.setattr(layer_loads, "stock_share", lambda: half)
+    monkeypatch.setattr(bench_adapter(), "stock_share", half)
     passed, served = shared_reloads(requests=8)
     to_stock = passed.get(STOCK_SHARE, 0)
     assert set(passed) <= {STOCK_SHARE} and 0 < to_stock < 8
@@ -593,24 +606,23 @@ def test_a_stock_share_passes_drawn_reloads_whole_and_counts_each_once(
     assert served == (8 - to_stock) * LAYERS
 
 
-def test_device_resident_indices_are_served_only_where_they_need_not_be_read(monkeypatch):
+def test_device_resident_indices_are_served_only_where_they_need_not_be_read():
     memo = call_memos.HostIndexMemo()
-    monkeypatch.setattr(call_plans, "HOST_INDEX_MEMO", memo)
     host = torch.arange(64, 128)
     moved, device = host.to("meta"), torch.arange(64).to("meta")
     memo.remember(moved, host)
     pool = pool_for("mha", "layer_first")
-    found = call_plans.call_indices(pool, transfers.MHA_POOL, moved, device, "kernel")
+    found = call_plans.call_indices(pool, transfers.MHA_POOL, moved, device, "kernel", memo)
     assert isinstance(found, call_plans.CallIndices)
     assert found.host is host and found.device is device and found.device_opaque
     unknown = torch.arange(64).to("meta")  # moved without the hook: no CPU copy to plan from
     assert (
-        call_plans.call_indices(pool, transfers.MHA_POOL, unknown, device, "kernel")
+        call_plans.call_indices(pool, transfers.MHA_POOL, unknown, device, "kernel", memo)
         == "sglang_indices_on_device"
     )
     direct = pool_for("mha", "page_first_direct")  # copies pages named by the device values
     assert (
-        call_plans.call_indices(direct, transfers.MHA_POOL, host, device, "direct")
+        call_plans.call_indices(direct, transfers.MHA_POOL, host, device, "direct", memo)
         == "sglang_indices_on_device"
     )
 
@@ -890,12 +902,12 @@ def call_hook(kind: str, direction: str, pool: Any, **overrides: Any) -> Recorde
     target = f"{POOL_CLASSES[kind].__module__}.{POOL_CLASSES[kind].__qualname__}"
     indices = (args["host_indices"], args["device_indices"])
     if direction == "load":
-        hook = transfers.HOOKS[f"{target}.load_to_device_per_layer"]
+        hook = adapter_hook(f"{target}.load_to_device_per_layer")
         hook(original, pool, device_pool, *indices, 1, args["io_backend"], is_draft=False)
         expected_args = (pool, device_pool, *indices, 1, args["io_backend"])
         expected_kwargs = {"is_draft": False}
     else:
-        hook = transfers.HOOKS[f"{target}.backup_from_device_all_layer"]
+        hook = adapter_hook(f"{target}.backup_from_device_all_layer")
         hook(original, pool, device_pool, *indices, args["io_backend"])
         expected_args = (pool, device_pool, *indices, args["io_backend"])
         expected_kwargs = {}
@@ -964,7 +976,9 @@ def test_a_kept_layer_still_checks_each_requests_indices(transfer_hooks):
     paged = {"host_indices": torch.arange(PAGE, 3 * PAGE), "device_indices": torch.arange(2 * PAGE)}
     served = call_hook("mla", "load", pool, **paged)
     assert not served.calls, "a paged request is kvcore's"
-    assert layer_loads.POOL_LAYERS.get(pool, device_pool_of("mla", pool), (1, False)) is not None
+    assert (
+        bench_adapter().pool_layers.get(pool, device_pool_of("mla", pool), (1, False)) is not None
+    )
     assert_stock_once(
         "mla",
         "load",
@@ -1083,7 +1097,9 @@ ALL_TRANSFER_TARGETS = {t for group in guard.TRANSFER_GROUPS.values() for t in g
 def test_guard_covers_the_transfer_targets():
     result = guard.check_targets(VERSION, guard.TRANSFER_GROUPS)
     assert result.skipped == ()
-    assert set(result.patchable) == {*transfers.HOOKS, *pool_warm_up.HOOKS} == ALL_TRANSFER_TARGETS
+    assert (
+        set(result.patchable) == {*transfers.TARGETS, *pool_warm_up.TARGETS} == ALL_TRANSFER_TARGETS
+    )
     (other,) = set(RELEASES) - {VERSION}
     across = guard.check_targets(other, guard.TRANSFER_GROUPS)
     # The releases share their DSA transfers and move_indices, not their MHA and MLA ones
@@ -1104,24 +1120,26 @@ def test_guard_covers_the_transfer_targets():
 def test_hooks_plan_with_the_installed_release_builders(pool_class, by_release):
     assert set(by_release) == set(RELEASES)
     for method in METHODS:
-        assert release_jobs.jobs_for(f"{pool_class}.{method}", by_release) == by_release[VERSION]
+        found = release_jobs.ReleaseJobs().jobs_for(f"{pool_class}.{method}", by_release)
+        assert found == by_release[VERSION]
 
 
 def test_the_builders_of_a_target_are_looked_up_again_only_for_other_records(monkeypatch):
     """Every request's first call asks for its builders: found once per target, and again
     where the recorded fingerprints or the builders asked about are others."""
     target = f"{transfers.MHA_POOL}.{METHODS[0]}"
-    found = release_jobs.jobs_for(target, pool_jobs.MHA_JOBS)
+    jobs = release_jobs.ReleaseJobs()
+    found = jobs.jobs_for(target, pool_jobs.MHA_JOBS)
     assert found is pool_jobs.MHA_JOBS[VERSION]
     recorded = guard.FINGERPRINTS
     unknown = {r: {t: f for t, f in fps.items() if t != target} for r, fps in recorded.items()}
     monkeypatch.setattr(guard, "FINGERPRINTS", unknown)
-    assert release_jobs.jobs_for(target, pool_jobs.MHA_JOBS) is None
+    assert jobs.jobs_for(target, pool_jobs.MHA_JOBS) is None
     monkeypatch.undo()
-    assert release_jobs.jobs_for(target, pool_jobs.MHA_JOBS) is found
+    assert jobs.jobs_for(target, pool_jobs.MHA_JOBS) is found
     other = {VERSION: pool_jobs.MLA_JOBS[VERSION]}
-    assert release_jobs.jobs_for(target, other) is other[VERSION]
-    assert release_jobs.jobs_for(target, pool_jobs.MHA_JOBS) is found
+    assert jobs.jobs_for(target, other) is other[VERSION]
+    assert jobs.jobs_for(target, pool_jobs.MHA_JOBS) is found
 
 
 def test_plugin_registers_transfer_hooks_over_stock(transfer_hooks):
@@ -1558,7 +1576,7 @@ def test_a_kept_request_holds_neither_the_pool_nor_its_device_pool():
 @pytest.fixture
 def fresh_warm_up(monkeypatch) -> list[tuple[Any, int]]:
     """Every row size is warmed anew; the warm-ups run are recorded (device, row bytes)."""
-    pool_warm_up.forget()
+    bench_adapter().warmed.clear()
     ran: list[tuple[Any, int]] = []
     real = pool_warm_up.warm_up
 
@@ -1569,7 +1587,6 @@ def fresh_warm_up(monkeypatch) -> list[tuple[Any, int]]:
 
     monkeypatch.setattr(pool_warm_up, "warm_up", recorded)
     yield ran
-    pool_warm_up.forget()
 
 
 def test_building_a_host_pool_warms_its_rows_once(transfer_hooks, small_mover, fresh_warm_up):

@@ -1,0 +1,80 @@
+"""kvcore's SGLang adapter as one object: everything its hooks read and keep.
+
+:class:`SGLangAdapter` is built from a :class:`~kvcore.config.KVCoreConfig` when the
+plugin installs (or by a test or a benchmark, for hooks of its own), and the hooks close
+over it (:func:`kvcore_sglang.transfers.hooks`, :func:`kvcore_sglang.pool_warm_up.hooks`).
+It holds the settings as read once, the mover, the requests and layers a reload keeps,
+the moved host indices, the checked buffer pairs, the release each target plans with, the
+stock bindings on pools and the warmed row sizes. Uninstalling calls :meth:`release` and
+drops the object: nothing it read or kept outlives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from kvcore.config import KVCoreConfig
+from kvcore.internal_errors import InternalErrors
+from kvcore.mover import Mover
+from kvcore.stock_share import StockShare
+
+from . import call_plans
+from .call_memos import HostIndexMemo, LayerPairsMemo
+from .hook_mover import HookMover
+from .load_requests import LoadRequests, PoolLayers
+from .release_jobs import ReleaseJobs
+from .stock_binding import StockBindings
+
+logger = logging.getLogger("kvcore")
+
+
+class SGLangAdapter:
+    """The state and settings behind one installation of kvcore's SGLang hooks."""
+
+    def __init__(self, config: KVCoreConfig | None = None) -> None:
+        self.config = KVCoreConfig.from_env() if config is None else config
+        self.serve_rule = self.config.serve_rule
+        """Whether the serve-or-pass rule decides calls (``KVCORE_SERVE_RULE``)."""
+        self.stock_share = StockShare(self.config.stock_share)
+        """The draws of the reloads kvcore would serve that go to stock's copy instead
+        (``KVCORE_STOCK_SHARE``): an A/B of the two copies in one process."""
+        self.movers = HookMover(self.config)
+        self.load_requests = LoadRequests()
+        self.pool_layers = PoolLayers()
+        self.host_indices = HostIndexMemo()
+        self.layer_pairs = LayerPairsMemo()
+        self.release_jobs = ReleaseJobs()
+        self.internal_errors = InternalErrors("SGLang", logger)
+        self.bindings = StockBindings(self.movers)
+        self.warmed: dict[tuple[torch.device, int], bool] = {}
+        """(device, row bytes) -> whether its warm-up moved every byte right."""
+        self.warm_up_lock = threading.Lock()
+
+    def mover(self) -> Mover:
+        """The mover the hooks copy through, built from the configuration on first use."""
+        return self.movers.mover()
+
+    def use_mover(self, chosen: Mover | None) -> Mover | None:
+        """Copy through ``chosen`` (None: one built from the configuration on next use);
+        returns the one in use until now, for the caller to put back."""
+        return self.movers.use(chosen)
+
+    def call_indices(
+        self, pool: Any, served_class: str, host_indices: Any, device_indices: Any, io_backend: str
+    ) -> call_plans.CallIndices | str:
+        """The indices a call plans from, or why it runs stock
+        (:func:`kvcore_sglang.call_plans.call_indices`); a benchmark may set a stand-in of
+        the same signature on the instance."""
+        return call_plans.call_indices(
+            pool, served_class, host_indices, device_indices, io_backend, self.host_indices
+        )
+
+    def release(self) -> None:
+        """Give back every stock method bound on a pool and the mover: what uninstalling
+        does once the hooks are gone, before dropping the adapter."""
+        self.bindings.restore()
+        self.use_mover(None)
