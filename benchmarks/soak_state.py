@@ -27,7 +27,7 @@ from benchmarks.soak_report import OBSERVED
 from kvcore.bench.measure import sync_device as sync
 from kvcore.direction import Direction
 from kvcore.mover import Mover
-from kvcore.path_policy import TransferPath
+from kvcore.planning.path_policy import TransferPath
 
 # Rows and bytes a row of the settle copies: small, and the same every time.
 _SETTLE_ROWS = 256

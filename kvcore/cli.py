@@ -15,12 +15,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvcore import __version__, launch, serve_rule
+from kvcore import __version__, launch
 from kvcore.config import SETTINGS, KVCoreConfig
 from kvcore.config_values import ConfigError, format_size
 from kvcore.engine_status import EngineStatus
 from kvcore.patching import cli as patching_cli
 from kvcore.patching.status import installed_patch_states
+from kvcore.planning import serve_rule
 
 ADAPTERS: tuple[str, ...] = ("kvcore_sglang", "kvcore_vllm")
 

@@ -102,7 +102,7 @@ class KVCoreConfig:
         True,
         BOOLEAN,
         "pass each engine call to the engine's stock copy where that is faster "
-        "(kvcore.serve_rule); 0 makes kvcore serve every call it can copy exactly",
+        "(kvcore.planning.serve_rule); 0 makes kvcore serve every call it can copy exactly",
     )
     stock_share: float = _setting(
         0.0,

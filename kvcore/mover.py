@@ -1,10 +1,10 @@
 """Execute planned row transfers between host and device memory.
 
 A transfer copies rows: ``dst[dst_idx[k]] = src[src_idx[k]]``, a row being everything
-after dim 0. :func:`kvcore.planning.plan` validates the request and picks the path;
+after dim 0. :func:`kvcore.planning.plans.plan` validates the request and picks the path;
 :class:`Mover` executes a plan through the kernels registered for the device side
 (:mod:`kvcore.kernels`) and records what it did. The path policy, planning and staging
-buffers have their own modules (:mod:`kvcore.path_policy`, :mod:`kvcore.planning`,
+buffers have their own modules (:mod:`kvcore.planning.path_policy`, :mod:`kvcore.planning.plans`,
 :mod:`kvcore.staging`); nothing of theirs is re-exported here.
 """
 
@@ -15,7 +15,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,26 +32,17 @@ from kvcore.kernels import (
 )
 from kvcore.kernels.reference import index_copy_rows, staging_words
 from kvcore.metrics import Metrics
-from kvcore.path_policy import PathPolicy, TransferPath
-from kvcore.planning import TransferPlan, plan
+from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.plans import TransferPlan, plan
+from kvcore.planning.staged_chunks import StagedChunk, staged_chunks
+from kvcore.planning.submissions import Submission, layers_mismatch
 from kvcore.row_words import row_word_bytes, rows_as_words
-from kvcore.runs import Runs
-from kvcore.staged_chunks import StagedChunk, staged_chunks
 from kvcore.staging import StagingBuffers
 
 if TYPE_CHECKING:
-    from kvcore.layers import LayerPairs
+    from kvcore.planning.layers import LayerPairs
 
-__all__ = ["Mover", "PreparedLayers", "Submission", "layers_mismatch", "submissions"]
-
-
-@dataclass(frozen=True)
-class Submission:
-    """One submission of an engine's call: ``plan`` over its own buffers, or over every
-    pair of ``pairs`` (:meth:`Mover.execute_layers`)."""
-
-    plan: TransferPlan
-    pairs: LayerPairs | None = None
+__all__ = ["Mover", "PreparedLayers"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -362,62 +353,6 @@ class Mover:
                         )
 
 
-def submissions(
-    first: TransferPlan,
-    buffers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    layered: LayerPairs | None,
-) -> list[Submission] | str:
-    """``first`` (planned for ``buffers[0]``) for every (src, dst) pair of ``buffers``.
-
-    One submission where ``layered`` (the same pairs, checked) takes them all, else the
-    plan rebound to each pair (pairs of other row sizes, or with no ``layered``); or the
-    fallback reason of the first pair that must take the engine's stock path. Rebinding
-    raises ValueError where a pair is too short for the indices.
-    """
-    if layered is not None and layered.reason is None and layers_mismatch(first, layered) is None:
-        return [Submission(first, layered)]
-    # The pair ``first`` was planned on needs no second look.
-    plans = [
-        first if src is first.src and dst is first.dst else first.rebind(src, dst)
-        for src, dst in buffers
-    ]
-    reason = next((each.reason for each in plans if each.reason is not None), None)
-    return reason if reason is not None else [Submission(each) for each in plans]
-
-
-def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
-    """Why :meth:`Mover.execute_layers` would refuse ``plan`` for ``pairs``, or None."""
-    if plan.reason is not None:
-        return f"the plan falls back ({plan.reason}); run the stock path"
-    if pairs.reason is not None:
-        return f"the pairs cannot move in one submission ({pairs.reason}); rebind the plan to each"
-    if pairs.srcs[0].device != plan.src.device or pairs.dsts[0].device != plan.dst.device:
-        return (
-            f"the plan copies {plan.src.device} -> {plan.dst.device}, the pairs "
-            f"{pairs.srcs[0].device} -> {pairs.dsts[0].device}"
-        )
-    if pairs.row_bytes != plan.row_bytes:
-        return f"the plan copies rows of {plan.row_bytes} B, the pairs have {pairs.row_bytes} B"
-    if pairs.src_rows < plan.src_span or pairs.dst_rows < plan.dst_span:
-        return (
-            f"the plan needs {plan.src_span} source and {plan.dst_span} destination rows, the "
-            f"shortest pair has {pairs.src_rows} and {pairs.dst_rows}"
-        )
-    if pairs.shared_dsts:
-        written = _destination_runs(plan)
-        if written is None:
-            return (
-                "the pairs' destinations share memory and the plan's destination rows are "
-                "on the device, unread: one submission could write a byte twice"
-            )
-        if pairs.rows_collide(written):
-            return (
-                "the plan's destination rows meet in the memory the pairs' destinations "
-                "share: one submission would write a byte twice"
-            )
-    return None
-
-
 def _fits(prepared: PreparedLayers, plan: TransferPlan, pairs: LayerPairs) -> bool:
     """Whether an earlier :func:`layers_mismatch` found nothing that would still hold.
 
@@ -468,13 +403,6 @@ def _stand_in_on(
     ):
         return candidate
     return index
-
-
-def _destination_runs(plan: TransferPlan) -> Runs | None:
-    """The rows ``plan`` writes, as runs; None where they are a device index never read."""
-    if plan.direction is Direction.D2H:
-        return plan.host_runs
-    return None if plan.device_index_opaque else plan.runs.dst_runs()
 
 
 def _word_views(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from types import TracebackType
 
 import torch
 
-from kvcore.path_policy import PathPolicy
+from kvcore.planning.path_policy import PathPolicy
 
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _MAX_KEPT_STREAMS = 64

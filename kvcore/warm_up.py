@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcore.direction import Direction
-from kvcore.layers import layer_pairs
 from kvcore.mover import Mover
-from kvcore.path_policy import TransferPath
-from kvcore.planning import plan
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.path_policy import TransferPath
+from kvcore.planning.plans import plan
 
 logger = logging.getLogger("kvcore.warm_up")
 

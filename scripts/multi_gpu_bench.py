@@ -43,8 +43,8 @@ from kvcore import numa
 from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
 from kvcore.direction import Direction
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy
-from kvcore.planning import TransferPlan, plan
+from kvcore.planning.path_policy import PathPolicy
+from kvcore.planning.plans import TransferPlan, plan
 from kvcore.row_words import as_row_words
 
 PAGE_TOKENS = 64

@@ -38,10 +38,10 @@ import torch
 from kvcore.direction import Direction
 from kvcore.kernels.batch_copy import batch_copy_available, copy_pointers_batched
 from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
-from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.mover import Mover
-from kvcore.path_policy import TransferPath
-from kvcore.planning import plan
+from kvcore.planning.layers import LayerPairs, layer_pairs
+from kvcore.planning.path_policy import TransferPath
+from kvcore.planning.plans import plan
 
 BLOCK_TOKENS = 16
 GPU_BLOCKS = 2048

@@ -35,10 +35,10 @@ from kvcore.kernels.cudart import loaded_cudart
 from kvcore.kernels.index_upload import IndexUploader
 from kvcore.kernels.triton_rows import gather_rows_uva
 from kvcore.kernels.triton_tile import default_tile
-from kvcore.layers import layer_pairs
 from kvcore.mover import Mover
-from kvcore.path_policy import TransferPath
-from kvcore.planning import plan
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.path_policy import TransferPath
+from kvcore.planning.plans import plan
 
 SPIN_CYCLES = 200_000_000
 PAUSE_SECONDS = 0.01

@@ -52,11 +52,13 @@ import torch
 from numpy.lib.stride_tricks import as_strided
 
 from kvcore.direction import Direction
-from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, Submission, submissions
-from kvcore.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath
-from kvcore.planning import StalePlanError, TransferPlan, plan, plan_device_indexed
+from kvcore.mover import Mover
+from kvcore.planning.device_indexed import plan_device_indexed
+from kvcore.planning.layers import LayerPairs, layer_pairs
+from kvcore.planning.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath
+from kvcore.planning.plans import StalePlanError, TransferPlan, plan
+from kvcore.planning.submissions import Submission, submissions
 from kvcore.staging import StagingBuffers
 
 H2D, D2H = Direction.H2D, Direction.D2H

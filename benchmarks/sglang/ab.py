@@ -45,7 +45,7 @@ from benchmarks.sglang.sgl_kernel_stub import install_sgl_kernel_stub
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import policy_from_config
+from kvcore.planning.path_policy import policy_from_config
 
 
 def options_for(args: argparse.Namespace) -> Options:

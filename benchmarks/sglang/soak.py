@@ -71,7 +71,7 @@ from benchmarks.soak_state import (
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import policy_from_config
+from kvcore.planning.path_policy import policy_from_config
 
 KINDS = ("mha", "mla")
 LAYOUTS = ("layer_first", "page_first")

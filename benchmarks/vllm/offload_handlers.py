@@ -32,7 +32,7 @@ from kvcore.config import KVCoreConfig
 from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy
+from kvcore.planning.path_policy import PathPolicy
 from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
 from kvcore_vllm.path_defaults import vllm_policy
 from kvcore_vllm.releases import installed_shape

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvcore.layers import LayerPairs, layer_pairs
+from kvcore.planning.layers import LayerPairs, layer_pairs
 from kvcore.runs import version_of
 
 
@@ -71,7 +71,7 @@ class HostIndexMemo:
 
 
 class LayerPairsMemo:
-    """The checked buffer pairs (:class:`kvcore.layers.LayerPairs`) of a pool's calls.
+    """The checked buffer pairs (:class:`kvcore.planning.layers.LayerPairs`) of a pool's calls.
 
     A backup copies every layer of the pool, a load one layer's K and V: the same buffers
     call after call, so each set is checked once and its launch table built once (the

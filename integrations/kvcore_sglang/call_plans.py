@@ -7,9 +7,9 @@ device indices are computed on the GPU by the device allocator: no CPU copy of t
 exists. The hooks remember the CPU host indices of each moved tensor
 (:class:`kvcore_sglang.call_memos.HostIndexMemo`); a ``kernel`` call is planned from those
 alone, the device indices staying on the GPU, unread
-(:func:`kvcore.planning.plan_device_indexed`: staged or gather). A ``kernel`` call whose
-host indices were not remembered runs stock (``sglang_indices_on_device``). kvcore never
-reads a device tensor back to plan.
+(:func:`kvcore.planning.device_indexed.plan_device_indexed`: staged or gather). A
+``kernel`` call whose host indices were not remembered runs stock
+(``sglang_indices_on_device``). kvcore never reads a device tensor back to plan.
 
 The pairs of one call (a layer's K and V; every layer of a backup) move in one
 submission where they share a row size (:meth:`kvcore.mover.Mover.execute_layers`), their
@@ -24,17 +24,13 @@ from typing import Any
 import torch
 
 from kvcore.direction import Direction
-from kvcore.host_run import HostRunFound
-from kvcore.mover import Mover, Submission, submissions
-from kvcore.path_policy import TransferPath
-from kvcore.planning import (
-    TransferPlan,
-    plan,
-    plan_device_indexed,
-    plan_device_indexed_for,
-    plan_for,
-)
-from kvcore.transfer_sides import CheckedSides
+from kvcore.mover import Mover
+from kvcore.planning.device_indexed import plan_device_indexed, plan_device_indexed_for
+from kvcore.planning.host_run import HostRunFound
+from kvcore.planning.path_policy import TransferPath
+from kvcore.planning.plans import TransferPlan, plan, plan_for
+from kvcore.planning.submissions import Submission, submissions
+from kvcore.planning.transfer_sides import CheckedSides
 
 from .call_memos import HostIndexMemo, LayerPairsMemo
 from .pool_jobs import Job

@@ -16,7 +16,7 @@ from collections import defaultdict
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import policy_from_config
+from kvcore.planning.path_policy import policy_from_config
 
 
 class HookMover:

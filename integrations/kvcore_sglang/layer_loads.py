@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore import serve_rule
 from kvcore.direction import Direction
-from kvcore.host_run import HostRunFound
-from kvcore.layers import layer_pairs
-from kvcore.mover import Mover, submissions
+from kvcore.mover import Mover
+from kvcore.planning import serve_rule
+from kvcore.planning.host_run import HostRunFound
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.submissions import submissions
+from kvcore.planning.transfer_sides import check_sides
 from kvcore.stock_share import REASON as STOCK_SHARE
-from kvcore.transfer_sides import check_sides
 
 from . import call_plans
 from .call_plans import CallIndices

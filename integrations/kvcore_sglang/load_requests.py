@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from kvcore.host_run import HostRunFound
-from kvcore.layers import LayerPairs
 from kvcore.mover import PreparedLayers
-from kvcore.path_policy import PathPolicy
-from kvcore.planning import TransferPlan
+from kvcore.planning.host_run import HostRunFound
+from kvcore.planning.layers import LayerPairs
+from kvcore.planning.path_policy import PathPolicy
+from kvcore.planning.plans import TransferPlan
+from kvcore.planning.transfer_sides import CheckedSides
 from kvcore.runs import version_of
-from kvcore.transfer_sides import CheckedSides
 
 from .host_layouts import BlockRows
 

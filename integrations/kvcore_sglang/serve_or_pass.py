@@ -1,6 +1,6 @@
 """Whether kvcore serves an SGLang transfer or passes it to stock, and how each is counted.
 
-A call's row of the serve-or-pass rule (:mod:`kvcore.serve_rule`) is found from its op and
+A call's row of the serve-or-pass rule (:mod:`kvcore.planning.serve_rule`) is found from its op and
 io backend and the pool's kind, layout and page size; the row passes a request by its
 size, some rows also by how scattered its host slots are. A failure inside kvcore sends
 its call to stock too, counted by its own reason.
@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from kvcore import serve_rule
-from kvcore.host_run import HostRunFound, one_host_run
 from kvcore.internal_errors import InternalErrors
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy
+from kvcore.planning import serve_rule
+from kvcore.planning.host_run import HostRunFound, one_host_run
+from kvcore.planning.path_policy import PathPolicy
 from kvcore.runs import run_count_up_to
 
 from .served_pools import DSA_POOL, MHA_POOL, MLA_POOL, class_name

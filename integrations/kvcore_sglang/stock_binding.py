@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from kvcore import serve_rule
+from kvcore.planning import serve_rule
 
 from .hook_mover import HookMover, count_request_pass
 

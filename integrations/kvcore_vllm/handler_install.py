@@ -21,10 +21,11 @@ from kvcore.streams import CudaStreams
 from kvcore.warm_up import warm_up
 from kvcore_vllm.device_pointers import gpu_rows
 from kvcore_vllm.installation import INSTALLATION
+from kvcore_vllm.page_rows import page_bytes
 from kvcore_vllm.path_defaults import vllm_policy
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.stock_copies import gpu_tensors_of
-from kvcore_vllm.transfers import KVCoreOffloadingHandler, page_bytes
+from kvcore_vllm.transfers import KVCoreOffloadingHandler
 
 logger = logging.getLogger("kvcore.vllm")
 

@@ -79,3 +79,8 @@ def page_rows(
             width=pieces,
         ),
     )
+
+
+def page_bytes(t: torch.Tensor) -> int:
+    """Bytes of one page (row) of a ``[blocks, page]`` KV tensor."""
+    return t.shape[1] * t.element_size()

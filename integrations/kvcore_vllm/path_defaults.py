@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from kvcore.config import KVCoreConfig
-from kvcore.path_policy import PathPolicy, policy_from_config
+from kvcore.planning.path_policy import PathPolicy, policy_from_config
 
 DMA_BLOCK_BYTES = 32 << 10
 """The smallest block vLLM's handlers copy by DMA into place: the smallest measured so

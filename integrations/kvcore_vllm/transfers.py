@@ -4,11 +4,11 @@ A stock ``SingleDirectionOffloadingHandler`` turns every (block, layer) of a job
 pointer descriptor and hands them all to one batched copy. This handler keeps its public
 contract (``transfer_async`` / ``get_finished`` / ``wait`` / ``shutdown``): each job's
 copies wait for the work queued on the compute stream at submission, and each job is
-reported finished once. kvcore's jobs run one after another on the handler's own stream
-and are reported in submission order (:class:`kvcore.streams.OrderedJobs`). A job is
-planned from its block ids alone, never from device memory: per KV tensor, its pages
-become row indices (:mod:`kvcore_vllm.page_rows`), and KV tensors whose pages give the
-same row indices (a model's layers) share one plan and move in one submission
+reported finished once. kvcore's jobs run one after another on the handler's own stream and
+are reported in submission order (:class:`kvcore.streams.OrderedJobs`). A job is planned
+from its block ids alone, never from device memory: per KV tensor, its pages become row
+indices (:mod:`kvcore_vllm.page_rows`), and KV tensors whose pages give the same row indices
+(a model's layers) share one plan and move in one submission
 (:meth:`kvcore.mover.Mover.execute_layers`: one gather launch or one batched DMA call).
 
 A job kvcore cannot prove it copies exactly as stock does (a canonical host layout, a page
@@ -17,16 +17,16 @@ reason from the planner), or whose copy stock's costs less, goes whole to the st
 handler's own ``transfer_async``, the reason counted; it costs what it costs stock, plus
 kvcore's decision (``scripts/vllm_pass_cost.py`` counts the calls). Stock keeps it on its
 own streams and reports it through ``get_finished`` and ``wait``, which this handler
-forwards. So does a job during which kvcore itself fails (counted
-``internal_error:<type>``, logged once per type), after the part kvcore queued has
-finished; a CUDA error is raised instead (:mod:`kvcore.internal_errors`). Jobs on
-different streams may finish out of submission order; vLLM matches results by job id.
+forwards. So does a job during which kvcore itself fails (counted ``internal_error:<type>``,
+logged once per type), after the part kvcore queued has finished; a CUDA error is raised
+instead (:mod:`kvcore.internal_errors`). Jobs on different streams may finish out of
+submission order; vLLM matches results by job id.
 
 vLLM 0.34 hands the handler device pointers instead of GPU block ids
-(:mod:`kvcore_vllm.device_pointers` reads the ids back; a job whose pointers it cannot
-read goes to stock), and reports a failed copy as ``success=False``: there a CUDA error
-in a kvcore job clears the pending error, waits for what kvcore queued, and reports the
-job failed (counted as a ``failed`` decision).
+(:mod:`kvcore_vllm.device_pointers` reads the ids back; a job whose pointers it cannot read
+goes to stock), and reports a failed copy as ``success=False``: there a CUDA error in a
+kvcore job clears the pending error, waits for what kvcore queued, and reports the job
+failed (counted as a ``failed`` decision).
 """
 
 from __future__ import annotations
@@ -44,21 +44,22 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 
-from kvcore import serve_rule
 from kvcore.direction import Direction
 from kvcore.internal_errors import InternalErrors, device_in_doubt
 from kvcore.kernels.cudart import clear_pending_error
-from kvcore.layers import LayerPairs, layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, Submission, submissions
-from kvcore.planning import plan
+from kvcore.mover import Mover
+from kvcore.planning import serve_rule
+from kvcore.planning.layers import LayerPairs, layer_pairs
+from kvcore.planning.plans import plan
+from kvcore.planning.submissions import Submission, submissions
 from kvcore.runs import has_duplicates
 from kvcore.stock_share import REASON as STOCK_SHARE
 from kvcore.stock_share import StockShare
 from kvcore.streams import NamedStreams, OrderedJobs
 from kvcore_vllm.device_pointers import PointerReader
 from kvcore_vllm.job_segments import Segment, split_groups
-from kvcore_vllm.page_rows import PageRows, page_rows
+from kvcore_vllm.page_rows import PageRows, page_bytes, page_rows
 from kvcore_vllm.releases import ReleaseShape, installed_shape
 from kvcore_vllm.stock_copies import StockCopies
 
@@ -66,7 +67,7 @@ logger = logging.getLogger("kvcore.vllm")
 
 INTERNAL_ERRORS = InternalErrors("vLLM", logger)
 
-# When stock's batched copy costs less than kvcore's (the measurements are in kvcore.serve_rule).
+# When stock's batched copy costs less than kvcore's (measured: kvcore.planning.serve_rule).
 RULES = serve_rule.VLLM_RULES
 
 # Starts the line logged for each load while loads are shared with stock (``stock_share``).
@@ -387,7 +388,7 @@ class KVCoreOffloadingHandler:
         docs/lab/benchmarks.md), so it keeps them. Large pages: stock's batched DMA is near the
         link, so stores of them stay stock, loads need more pages a submission, and scattered
         loads over one KV tensor of the largest pages stay stock too
-        (:class:`kvcore.serve_rule.VLLMRules` holds the thresholds and their evidence).
+        (:class:`kvcore.planning.serve_rule.VLLMRules` holds the thresholds and their evidence).
         """
         if not self._stock_rules:
             return None
@@ -490,11 +491,6 @@ class KVCoreOffloadingHandler:
             self._metrics.release_tally(self._passes)
         if error is not None:
             raise error
-
-
-def page_bytes(t: torch.Tensor) -> int:
-    """Bytes of one page (row) of a ``[blocks, page]`` KV tensor."""
-    return t.shape[1] * t.element_size()
 
 
 def _succeeded(job_id: int, nbytes: int, seconds: float | None) -> TransferResult:

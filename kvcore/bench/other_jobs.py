@@ -21,9 +21,9 @@ from kvcore.bench.measure import (
     timed,
 )
 from kvcore.direction import Direction
-from kvcore.layers import layer_pairs
 from kvcore.mover import Mover
-from kvcore.planning import TransferPlan, plan
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.plans import TransferPlan, plan
 from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
 
 if TYPE_CHECKING:

@@ -51,8 +51,8 @@ from kvcore.bench.suite_options import (
 from kvcore.direction import Direction
 from kvcore.host_report import available_bytes
 from kvcore.mover import Mover
-from kvcore.path_policy import TransferPath
-from kvcore.planning import plan
+from kvcore.planning.path_policy import TransferPath
+from kvcore.planning.plans import plan
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvcore.config import KVCoreConfig
-from kvcore.path_policy import PathPolicy, policy_from_config
+from kvcore.planning.path_policy import PathPolicy, policy_from_config
 
 PAGE = 64
 

@@ -3,7 +3,7 @@
 A :class:`KernelSet` holds one implementation of each op the mover issues. One registry
 maps a device type to its set: the reference set (plain torch ops) serves every device
 type with no entry; CUDA's entry is a :data:`KernelFactory` (cudaMemcpyBatchAsync, a
-Triton UVA gather), built per mover from its :class:`~kvcore.path_policy.PathPolicy` on
+Triton UVA gather), built per mover from its :class:`~kvcore.planning.path_policy.PathPolicy` on
 first use because it imports Triton. :func:`register_kernels` puts a set or a factory in
 place of either; :func:`unregister_kernels` takes an entry out again.
 """
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcore.kernels import reference
-from kvcore.path_policy import PathPolicy
+from kvcore.planning.path_policy import PathPolicy
 from kvcore.runs import PairedRuns, Runs
 
 if TYPE_CHECKING:
-    from kvcore.layers import LayerPairs
-    from kvcore.staged_chunks import StagedChunk
+    from kvcore.planning.layers import LayerPairs
+    from kvcore.planning.staged_chunks import StagedChunk
 
 # copy_runs and gather_rows return None, or the reason they had to take a slower
 # way (a refused batch submission, a missing kernel), which the mover counts.

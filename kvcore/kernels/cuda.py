@@ -32,11 +32,11 @@ from kvcore.kernels.run_copies import copy_runs, copy_runs_layers, host_pinned
 from kvcore.kernels.triton_kernels import triton_available
 from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.kernels.triton_rows import row_gather
-from kvcore.layers import LayerPairs
+from kvcore.planning.layers import LayerPairs
 from kvcore.runs import Runs, slice_runs
 
 if TYPE_CHECKING:
-    from kvcore.staged_chunks import StagedChunk
+    from kvcore.planning.staged_chunks import StagedChunk
 
 # A staged copy is cut into pieces (PathPolicy.staged_pieces) so that the device-side
 # scatter (or gather) of one piece runs while the next crosses PCIe; only the last piece's

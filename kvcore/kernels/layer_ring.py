@@ -9,7 +9,7 @@ import torch
 
 from kvcore.kernels import reference
 from kvcore.kernels.cudart import StreamCalls, stream_calls
-from kvcore.layers import LayerPairs
+from kvcore.planning.layers import LayerPairs
 from kvcore.staging import lease_number
 
 # The most slots the layer ring (LayerRing) cycles through: enough for a reload's DMAs to

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from kvcore.kernels import reference
-from kvcore.layers import LayerPairs
+from kvcore.planning.layers import LayerPairs
 
 # A prepared staged page-in of many pairs (a vLLM job: every layer's K and V) goes through
 # a ring of slots of the staging buffer, one pair's chunk (a unit) a slot, so that the DMAs

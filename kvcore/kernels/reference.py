@@ -20,8 +20,8 @@ import torch
 from kvcore.runs import PairedRuns, Runs
 
 if TYPE_CHECKING:
-    from kvcore.layers import LayerPairs
-    from kvcore.staged_chunks import StagedChunk
+    from kvcore.planning.layers import LayerPairs
+    from kvcore.planning.staged_chunks import StagedChunk
 
 
 def index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:

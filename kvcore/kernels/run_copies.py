@@ -15,7 +15,7 @@ from kvcore.kernels.batch_copy import (
     copy_runs_batched,
     copy_runs_each,
 )
-from kvcore.layers import LayerPairs
+from kvcore.planning.layers import LayerPairs
 from kvcore.runs import PairedRuns
 
 # Below this many runs one copy_ per run costs less host time than building a batch.

@@ -9,8 +9,9 @@ from kvcore.bench.host_buffers import allocate_host_buffer
 from kvcore.direction import Direction
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy, TransferPath
-from kvcore.planning import plan, plan_device_indexed
+from kvcore.planning.device_indexed import plan_device_indexed
+from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.plans import plan
 from kvcore.streams import CudaStreams, OrderedJobs
 
 pytestmark = pytest.mark.gpu

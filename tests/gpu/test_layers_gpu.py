@@ -16,11 +16,11 @@ from kvcore.direction import Direction
 from kvcore.kernels.batch_copy import batch_copy_available
 from kvcore.kernels.cudart import device_address
 from kvcore.kernels.triton_kernels import triton_available
-from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy, TransferPath
-from kvcore.planning import plan
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.plans import plan
 
 pytestmark = [
     pytest.mark.gpu,

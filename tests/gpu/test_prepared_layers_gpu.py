@@ -15,11 +15,12 @@ import torch
 from kvcore.direction import Direction
 from kvcore.kernels import triton_tile
 from kvcore.kernels.triton_kernels import triton_available
-from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PreparedLayers
-from kvcore.path_policy import PathPolicy, TransferPath
-from kvcore.planning import TransferPlan, plan, plan_device_indexed
+from kvcore.planning.device_indexed import plan_device_indexed
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.plans import TransferPlan, plan
 
 pytestmark = [
     pytest.mark.gpu,

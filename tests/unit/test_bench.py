@@ -6,7 +6,7 @@ import json
 import torch
 
 from kvcore.bench import suite, suite_options
-from kvcore.path_policy import TransferPath
+from kvcore.planning.path_policy import TransferPath
 
 
 def test_quick_report_has_every_path_identical_and_the_documented_shape(tmp_path) -> None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvcore.kernels import cuda, cudart, overlap_ring, reference
-from kvcore.layers import layer_pairs
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.staged_chunks import staged_chunks
 from kvcore.runs import Runs
-from kvcore.staged_chunks import staged_chunks
 
 
 def test_without_a_loaded_driver_there_is_no_device_address(monkeypatch):
@@ -86,7 +86,7 @@ def test_device_rows_under_the_short_row_bytes_take_the_short_row_ctas():
 
 def test_the_policy_carries_both_cta_counts_from_the_settings():
     from kvcore.config import KVCoreConfig
-    from kvcore.path_policy import policy_from_config
+    from kvcore.planning.path_policy import policy_from_config
 
     env = {
         "KVCORE_GATHER_CTAS": "6",

@@ -25,7 +25,7 @@ from kvcore.kernels.reference import (
     staging_words,
 )
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy
+from kvcore.planning.path_policy import PathPolicy
 from kvcore.row_words import as_row_words, row_bytes, row_word_bytes
 from kvcore.runs import find_paired_runs, find_runs
 

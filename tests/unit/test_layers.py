@@ -19,11 +19,13 @@ from hypothesis import strategies as st
 from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE, KernelSet, run_copies
 from kvcore.kernels.batch_copy import BatchCopyError
-from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, layers_mismatch, submissions
-from kvcore.path_policy import PathPolicy, TransferPath
-from kvcore.planning import plan, plan_device_indexed
+from kvcore.mover import Mover
+from kvcore.planning.device_indexed import plan_device_indexed
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.plans import plan
+from kvcore.planning.submissions import layers_mismatch, submissions
 from kvcore.runs import find_runs
 
 H2D, D2H = Direction.H2D, Direction.D2H

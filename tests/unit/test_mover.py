@@ -14,22 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.direction import Direction
-from kvcore.host_run import one_host_run
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.kernels.reference import buffer_rows
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath
-from kvcore.planning import (
-    TransferPlan,
-    plan,
-    plan_device_indexed,
-    plan_device_indexed_for,
-    plan_for,
-)
+from kvcore.planning.device_indexed import plan_device_indexed, plan_device_indexed_for
+from kvcore.planning.host_run import one_host_run
+from kvcore.planning.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath
+from kvcore.planning.plans import TransferPlan, plan, plan_for
+from kvcore.planning.transfer_sides import check_sides
 from kvcore.runs import find_runs
 from kvcore.staging import StagingBuffers
-from kvcore.transfer_sides import check_sides
 
 H2D, D2H = Direction.H2D, Direction.D2H
 SINGLE, STAGED, BATCHED, GATHER, FALLBACK = (
@@ -618,7 +613,7 @@ def test_many_long_runs_go_to_the_gather_kernel(direction):
 
 def test_policy_follows_the_config():
     from kvcore.config import KVCoreConfig
-    from kvcore.path_policy import policy_from_config
+    from kvcore.planning.path_policy import policy_from_config
 
     config = KVCoreConfig.from_env(
         {

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from kvcore.direction import Direction
-from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy, TransferPath
-from kvcore.planning import StalePlanError, plan, plan_device_indexed
+from kvcore.planning.device_indexed import plan_device_indexed
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.plans import StalePlanError, plan
 
 H2D, D2H = Direction.H2D, Direction.D2H
 POISON = 0x5A

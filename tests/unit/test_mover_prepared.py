@@ -17,11 +17,11 @@ import torch
 from kvcore import mover as mover_module
 from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE, reference
-from kvcore.layers import layer_pairs
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover, PreparedLayers
-from kvcore.path_policy import PathPolicy, TransferPath
-from kvcore.planning import StalePlanError, plan
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.plans import StalePlanError, plan
 
 ROWS, WIDTH, LAYERS = 64, 48, 3
 

@@ -1,4 +1,4 @@
-"""kvcore.path_choice, and the planner's gather decided from the host rows alone."""
+"""kvcore.planning.path_choice, and the planner's gather decided from the host rows alone."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.direction import Direction
-from kvcore.path_choice import choose_path, rules_out_dma
-from kvcore.path_policy import PathPolicy, TransferPath
-from kvcore.planning import plan
+from kvcore.planning.path_choice import choose_path, rules_out_dma
+from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.plans import plan
 from kvcore.runs import find_paired_runs, find_runs, segment_transfer
 
 POLICY = PathPolicy()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcore import serve_rule
-from kvcore.serve_rule import SERVE, SGLangRule, sglang_decision
+from kvcore.planning import serve_rule
+from kvcore.planning.serve_rule import SERVE, SGLangRule, sglang_decision
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvcore.config import KVCoreConfig
-from kvcore.path_choice import choose_path
-from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.planning.path_choice import choose_path
+from kvcore.planning.path_policy import PathPolicy, TransferPath
 from kvcore_vllm.path_defaults import DMA_BLOCK_BYTES, DMA_MOST_BLOCKS, vllm_policy
 
 

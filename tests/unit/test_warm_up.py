@@ -9,7 +9,7 @@ import torch
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy
+from kvcore.planning.path_policy import PathPolicy
 from kvcore.warm_up import PATHS, warm_up
 
 CPU = torch.device("cpu")

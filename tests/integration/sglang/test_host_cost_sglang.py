@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
 
-from benchmarks.sglang import host_cost
+from benchmarks.sglang import host_cost, host_cost_phases
 from kvcore import kernels
 
 pytestmark = pytest.mark.sglang
@@ -108,12 +108,12 @@ def test_phases_break_down_first_and_later_calls_at_each_host_level(tmp_path: Pa
         line = next(x for x in section.splitlines() if x.endswith(f" {name}"))
         return float(line.split()[1])
 
-    plan = f"{host_cost._PLANS}:first_plan"
+    plan = f"{host_cost_phases._PLANS}:first_plan"
     for first, later in (sections[0:2], sections[2:4]):
         # Per request: one first call that plans, two later calls that plan nothing.
         assert calls(first, "the whole call") == 1.0 and calls(later, "the whole call") == 2.0
         assert calls(first, plan) == 1.0 and calls(later, plan) == 0.0
-        assert calls(later, f"{host_cost._HOOKS}:later_layer_served") == 2.0
+        assert calls(later, f"{host_cost_phases._HOOKS}:later_layer_served") == 2.0
 
 
 def test_device_indices_unread_plans_on_a_cpu_as_the_kernel_backend_does_on_a_gpu(
@@ -127,8 +127,8 @@ def test_device_indices_unread_plans_on_a_cpu_as_the_kernel_backend_does_on_a_gp
     first = phases.read_text().split("later calls")[0]
     rows = [line.split() for line in first.splitlines() if ":" in line and "==" not in line]
     counts = {row[-1]: float(row[1]) for row in rows}
-    assert counts[f"{host_cost._PLANS}:plan_device_indexed_for"] == 1.0
-    assert counts[f"{host_cost._PLANS}:plan_for"] == 0.0
+    assert counts[f"{host_cost_phases._PLANS}:plan_device_indexed_for"] == 1.0
+    assert counts[f"{host_cost_phases._PLANS}:plan_for"] == 0.0
     (row,) = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert row["paths"] == ["staged"]
     with pytest.raises(SystemExit, match="for a CPU run"):

@@ -35,9 +35,9 @@ from benchmarks.sglang.hook_adapter import (
     move_indices,
 )
 from benchmarks.sglang.hook_adapter import hook as adapter_hook
-from kvcore import serve_rule
 from kvcore.internal_errors import InternalErrors
 from kvcore.metrics import METRICS
+from kvcore.planning import serve_rule
 from kvcore_sglang import layer_loads, serve_or_pass, transfers
 
 pytestmark = pytest.mark.sglang
@@ -596,7 +596,7 @@ def test_a_served_device_indexed_reload_plans_from_the_runs_its_rule_found(
     the plan takes that run from its ends instead of reading the slots again, and every
     layer is still copied byte for byte (tests/unit/test_mover.py: a run that no longer
     holds)."""
-    from kvcore import planning
+    from kvcore.planning import device_indexed
 
     rule = serve_rule.SGLangRule(
         "load", "*", "*", (1, 1 << 30), 64, "scattered_r", "test", dense_min_tokens=16
@@ -604,9 +604,9 @@ def test_a_served_device_indexed_reload_plans_from_the_runs_its_rule_found(
     monkeypatch.setattr(serve_rule, "SGLANG_RULES", (rule,))
     serve_rule._sglang_rule.cache_clear()
     read: list[int] = []
-    segment = planning.span_and_runs_of
+    segment = device_indexed.span_and_runs_of
     monkeypatch.setattr(
-        planning,
+        device_indexed,
         "span_and_runs_of",
         lambda values, *args, **kwargs: (
             read.append(values.size) or segment(values, *args, **kwargs)

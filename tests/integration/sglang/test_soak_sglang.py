@@ -20,7 +20,7 @@ from benchmarks.sglang.soak import KINDS, LAYOUTS, PAGES
 from benchmarks.sglang.soak_pool import pool_name
 from kvcore.direction import Direction
 from kvcore.mover import Mover
-from kvcore.planning import TransferPlan
+from kvcore.planning.plans import TransferPlan
 
 pytestmark = pytest.mark.sglang
 

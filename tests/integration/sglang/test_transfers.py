@@ -46,7 +46,7 @@ from kvcore.engine_status import release_of
 from kvcore.kernels import REFERENCE, KernelSet
 from kvcore.metrics import METRICS
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy
+from kvcore.planning.path_policy import PathPolicy
 from kvcore.staging import StagingBuffers
 from kvcore.stock_share import REASON as STOCK_SHARE
 from kvcore.stock_share import StockShare
@@ -729,7 +729,9 @@ def test_pairs_one_submission_cannot_take_are_moved_one_by_one(
     transfer_hooks()
     calls: list[tuple[str, int]] = []
     swap_kernels("cpu", layered_cpu_kernels(calls))
-    monkeypatch.setattr("kvcore.mover.layers_mismatch", lambda plan, pairs: "a test says so")
+    monkeypatch.setattr(
+        "kvcore.planning.submissions.layers_mismatch", lambda plan, pairs: "a test says so"
+    )
     before = paths_taken().get("gather", 0)
     check_served_call("mha", "layer_first", "direct", "backup", "scattered", 100, 7)
     assert calls == []  # no layered call: a gather per (layer, K or V) pair
@@ -1540,7 +1542,7 @@ def test_a_kept_request_holds_neither_the_pool_nor_its_device_pool():
     import gc
     import weakref
 
-    from kvcore.path_policy import PathPolicy
+    from kvcore.planning.path_policy import PathPolicy
 
     class Pool:  # stands in for a host pool SGLang drops (pinned buffers and all)
         pass

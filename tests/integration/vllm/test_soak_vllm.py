@@ -19,7 +19,7 @@ from benchmarks import soak
 from benchmarks.vllm.soak import PROFILES
 from kvcore.direction import Direction
 from kvcore.mover import Mover
-from kvcore.planning import TransferPlan
+from kvcore.planning.plans import TransferPlan
 
 pytestmark = pytest.mark.vllm
 

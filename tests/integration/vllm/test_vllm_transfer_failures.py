@@ -23,8 +23,9 @@ from benchmarks.vllm.offload_handlers import kvcore_handler, stock_handler, subm
 from benchmarks.vllm.offload_layout import Layout
 from kvcore.internal_errors import InternalErrors
 from kvcore.metrics import Metrics
-from kvcore.mover import Mover, Submission
-from kvcore.path_policy import PathPolicy
+from kvcore.mover import Mover
+from kvcore.planning.path_policy import PathPolicy
+from kvcore.planning.submissions import Submission
 from kvcore.streams import CpuSyncStreams
 from kvcore_vllm import transfers
 from kvcore_vllm.releases import installed_shape

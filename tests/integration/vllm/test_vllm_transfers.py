@@ -36,12 +36,12 @@ from benchmarks.vllm.offload_handlers import (
     submit,
 )
 from benchmarks.vllm.offload_layout import Layout, fragmented_ids
-from kvcore import serve_rule
 from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover
-from kvcore.path_policy import PathPolicy
+from kvcore.planning import serve_rule
+from kvcore.planning.path_policy import PathPolicy
 from kvcore.streams import CpuSyncStreams
 from kvcore.warm_up import WarmUp
 from kvcore_vllm import handler_install, transfers
@@ -349,7 +349,9 @@ def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_
 
 def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
     """Should a batch's plan not fit all its tensors, each tensor gets its own plan."""
-    monkeypatch.setattr("kvcore.mover.layers_mismatch", lambda plan, pairs: "a test says so")
+    monkeypatch.setattr(
+        "kvcore.planning.submissions.layers_mismatch", lambda plan, pairs: "a test says so"
+    )
     layout = Layout(page_bytes=512, tensors=3, gpu_blocks=64, cpu_chunks=64, shared_region=True)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(22))
     for gpu_to_cpu in (True, False):

@@ -1,13 +1,13 @@
 """Which of kvcore's paths moves a planned transfer, from its runs, its size and the policy.
 
-:mod:`kvcore.planning` segments the indices; this module only decides from what the
+:mod:`kvcore.planning.plans` segments the indices; this module only decides from what the
 segmentation found, so that every planner (both sides' runs known, or the host's alone)
 applies one rule.
 """
 
 from __future__ import annotations
 
-from kvcore.path_policy import PathPolicy, TransferPath
+from kvcore.planning.path_policy import PathPolicy, TransferPath
 from kvcore.runs import PairedRuns
 
 

@@ -2,7 +2,7 @@
 
 An engine copies between the same buffers request after request (a layer's host view and
 its device layer): their shapes, devices, direction and whether kvcore can copy their rows
-at all do not change between requests, so :mod:`kvcore.planning` takes them checked.
+at all do not change between requests, so :mod:`kvcore.planning.plans` takes them checked.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.direction import Direction
-from kvcore.pair_checks import fallback_reason
+from kvcore.planning.pair_checks import fallback_reason
 from kvcore.row_words import row_bytes
 
 
@@ -23,7 +23,7 @@ class CheckedSides:
 
     An engine copies between the same buffers request after request (a layer's host view
     and its device layer); checking them once and planning each request from this leaves
-    only the indices to check (:func:`kvcore.planning.plan_device_indexed_for`).
+    only the indices to check (:func:`kvcore.planning.device_indexed.plan_device_indexed_for`).
     """
 
     src: torch.Tensor

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcore.pair_checks import check_pair
+from kvcore.planning.pair_checks import check_pair
 from kvcore.row_words import row_bytes, rows_as_words
 from kvcore.runs import Runs
 
@@ -59,8 +59,8 @@ class LayerPairs:
     )
     """The buffers (held weakly) and row size of the plans these pairs were last found to
     fit, at most one entry: what :meth:`kvcore.mover.Mover.execute_prepared` keeps of
-    :func:`kvcore.mover.layers_mismatch` across requests (kept here, so that it goes with
-    the pairs and no reused id can name it)."""
+    :func:`kvcore.planning.submissions.layers_mismatch` across requests (kept here, so
+    that it goes with the pairs and no reused id can name it)."""
 
     def __len__(self) -> int:
         return len(self.srcs)
