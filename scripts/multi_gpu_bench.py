@@ -1,21 +1,21 @@
 """Several GPUs of one host reloading and paging out a long prefix through kvcore at once.
 
-Engines run one process per GPU and every rank moves its share of a prefix at the
-same moment, so host memory bandwidth and NUMA placement set the speed, not one
-PCIe link. This script starts one process per visible GPU. In each NUMA round
-(``off``: default placement; ``auto``: the host buffer bound to the GPU's node and
-pre-faulted from its CPUs) every process builds one registered kvcore host buffer
-and, for each row kind x host layout x direction:
+Engines run one process per GPU and every rank moves its share of a prefix at the same
+moment, so host memory bandwidth and NUMA placement set the speed, not one PCIe link. This
+script starts one process per visible GPU. In each NUMA round (``off``: default placement;
+``auto``: the host buffer bound to the GPU's node and pre-faulted from its CPUs) every
+process builds one registered kvcore host buffer and, for each row kind x host layout x
+direction:
 
-1. each GPU alone, in turn: the plain contiguous pinned copy of the same bytes
-   (the single-GPU ceiling of this run) and the kvcore transfer;
-2. all GPUs at once, after a barrier: timed repeats of the kvcore transfer, each
-   GPU timed by CUDA events, the aggregate by the wall-clock span of all of them;
+1. each GPU alone, in turn: the plain contiguous pinned copy of the same bytes (the
+   single-GPU ceiling of this run) and the kvcore transfer;
+2. all GPUs at once, after a barrier: timed repeats of the kvcore transfer, each GPU timed
+   by CUDA events, the aggregate by the wall-clock span of all of them;
 
-every result checked byte for byte against a per-index reference. The report
-sets the aggregate GB/s beside the sum of the GPUs' ceilings (N x the single-GPU
-ceiling). ``--device cpu`` runs the same process, barrier and report logic on the
-CPU (two processes by default) as a smoke test.
+every result checked byte for byte against a per-index reference. The report sets the
+aggregate GB/s beside the sum of the GPUs' ceilings (N x the single-GPU ceiling).
+``--device cpu`` runs the same process, barrier and report logic on the CPU (two processes
+by default) as a smoke test.
 
     python scripts/multi_gpu_bench.py --json docs/bench/multi-gpu.json
     python scripts/multi_gpu_bench.py --device cpu --tokens 1024
@@ -293,11 +293,8 @@ def summarise(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             per_gpu = [rank["rounds"][r]["scenarios"][s] for rank in ranks]
             moved = sum(g["bytes"] for g in per_gpu)
             aggregate = moved / wall_span(per_gpu, "started", "ended") / 1e9
-            together = (
-                moved
-                / wall_span(per_gpu, "ceiling_together_started", "ceiling_together_ended")
-                / 1e9
-            )
+            span = wall_span(per_gpu, "ceiling_together_started", "ceiling_together_ended")
+            together = moved / span / 1e9
             ceiling_sum = sum(g["ceiling_gbps"] for g in per_gpu)
             rows.append(
                 {
