@@ -98,6 +98,13 @@ class KVCoreConfig:
         "route the engines' host<->device copies through kvcore's mover, each call put to "
         "the serve-or-pass rule; 0 keeps every copy the engine's own",
     )
+    host_pool: bool = _setting(
+        True,
+        BOOLEAN,
+        "map the engine's host tier where the engine's own allocation rounds it up or faults "
+        "it in on one thread (vLLM 0.25.1): the exact size, faulted in by every usable CPU, "
+        "on the GPU's NUMA node; 0 keeps the engine's own allocation",
+    )
     serve_rule: bool = _setting(
         True,
         BOOLEAN,

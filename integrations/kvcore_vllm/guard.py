@@ -39,6 +39,9 @@ class Target:
     """A descriptor fill method: releases that fill inside transfer_async have none."""
     pointers: bool = False
     """How the connector resolves device pointers: only releases that pass them (0.34)."""
+    own_region: bool = False
+    """How the worker takes a region: only releases whose worker gets kvcore's host
+    mapping (0.25.1, :mod:`kvcore_vllm.host_region`)."""
 
     @property
     def name(self) -> str:
@@ -99,6 +102,8 @@ TARGETS: tuple[Target, ...] = (
     # CPU chunk of a group as the pointer groups do.
     Target(_POINTERS, "resolve_device_pointers", pointers=True),
     Target(_POINTERS, "iter_pointer_groups", pointers=True),
+    # The worker registers kvcore's host mapping as it would its own region.
+    Target(_WORKER, "pin_mmap_region", own_region=True),
 )
 
 # Release -> target qualname (in the release's names) -> fingerprint, one data file per
@@ -117,6 +122,7 @@ def targets_for(release: str) -> tuple[Target, ...]:
         for t in TARGETS
         if not (t.fill and shape.fills_in_transfer_async)
         and not (t.pointers and not shape.device_pointers)
+        and not (t.own_region and not shape.worker_pins_each_tensor)
     )
 
 

@@ -42,6 +42,9 @@ class ReleaseShape:
     """``transfer_async(job_id, device_pointers, cpu_spec)``, no GPU tensors in the handler."""
     reports_failed_transfers: bool = False
     """A copy that fails is reported as ``success=False``, with the CUDA error cleared."""
+    worker_pins_each_tensor: bool = False
+    """The spec builds its worker with no region, and the worker allocates each KV tensor's
+    host copy with torch's pinned allocator (:mod:`kvcore_vllm.host_region`)."""
 
     def name(self, current: str) -> str:
         """This release's name for what 0.33 calls ``current``."""
@@ -80,6 +83,7 @@ SHAPES: Mapping[str, ReleaseShape] = MappingProxyType(
         "0.25.1": ReleaseShape(
             renames=BLOCK_NAMES,
             fills_in_transfer_async=True,
+            worker_pins_each_tensor=True,
         ),
         "0.34.0": ReleaseShape(device_pointers=True, reports_failed_transfers=True),
     }

@@ -1,9 +1,12 @@
 """vLLM's CPU offloading spec with kvcore's chunk manager and transfer handlers.
 
 The scheduler-side manager allocates host chunks contiguously; the worker is the
-stock one (its host memory included), with its transfer handlers replaced by
+stock one, with its transfer handlers replaced by
 :class:`~kvcore_vllm.transfers.KVCoreOffloadingHandler` when ``KVCORE_TRANSFERS`` is
-on. Everything else is stock.
+on. Its host memory is stock's too, except on vLLM 0.25.1 under ``KVCORE_HOST_POOL``
+(on by default): there the worker gets kvcore's mapping of the exact size instead of
+torch's rounded-up pinned tensors (:mod:`kvcore_vllm.host_region`). Everything else is
+stock.
 The plugin puts this class where vLLM's spec factory looks for its default spec
 (the one behind ``--kv-offloading-size``); it can also be named explicitly with
 ``kv_connector_extra_config={"spec_name": "KVCoreCPUOffloadingSpec"}``.
@@ -12,14 +15,19 @@ The plugin puts this class where vLLM's spec factory looks for its default spec
 from __future__ import annotations
 
 import logging
+import time
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager
+from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from kvcore import numa
 from kvcore.config import KVCoreConfig
+from kvcore.host_pinning import format_bytes
 from kvcore.metrics import METRICS
 from kvcore_vllm.handler_install import install_handlers
+from kvcore_vllm.host_region import ExactHostRegion
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.transfers import INTERNAL_ERRORS
@@ -58,11 +66,65 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         return self._manager
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
-        # The stock worker keeps vLLM's host memory (its shared, pre-faulted, host-registered
-        # region); only the handlers that copy in and out of it are kvcore's.
-        worker = super().create_worker(kv_caches)
+        # From 0.32 the stock worker's host memory is vLLM's shared, pre-faulted,
+        # host-registered region, and stays so; only the handlers are kvcore's.
+        worker = self._worker_on_exact_region(kv_caches) or super().create_worker(kv_caches)
         put_handlers_in_place(worker, kv_caches)
         return worker
+
+    def _worker_on_exact_region(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker | None:
+        """vLLM 0.25.1's worker on kvcore's host mapping (:class:`ExactHostRegion`), built
+        as the stock ``create_worker`` builds it plus the region; None where the release or
+        ``KVCORE_HOST_POOL`` leaves host memory stock, or where kvcore's mapping fails
+        (logged and counted ``host_pool_stock:<type>``: the stock worker allocates)."""
+        config = KVCoreConfig.from_env()
+        tensors = getattr(kv_caches, "tensors", None)
+        if not (_SHAPE.worker_pins_each_tensor and config.host_pool and tensors):
+            return None
+        device = tensors[0].tensor.device
+        if device.type != "cuda":
+            return None  # vLLM pins the CPU tier for CUDA devices alone
+        factor = getattr(self, _SHAPE.name("blocks_per_chunk"))
+        blocks = getattr(self, _SHAPE.name("num_chunks"))
+        region: ExactHostRegion | None = None
+        started = time.perf_counter()
+        try:
+            pages = [tensor.page_size_bytes * factor for tensor in tensors]
+            placement = numa.placement_for(numa.cuda_numa_node(device))
+            region = ExactHostRegion(blocks, pages, placement=placement)
+            # 0.25.1's stock create_worker, with the region its worker takes.
+            worker = CPUOffloadingWorker(
+                kv_caches=kv_caches,
+                block_size_factor=factor,
+                num_cpu_blocks=blocks,
+                mmap_region=region,
+            )
+            if getattr(gpu_worker, "PIN_MEMORY", False) and not region.is_pinned:
+                raise RuntimeError("vLLM could not register kvcore's host mapping")
+        except Exception as exc:
+            if region is not None:
+                region.cleanup()
+            reason = f"host_pool_stock:{type(exc).__name__}"
+            logger.warning("kvcore: %s (%s); vLLM allocates its CPU tier itself", reason, exc)
+            if config.metrics:
+                METRICS.record_fallback(reason)
+            return None
+        logger.info(
+            "kvcore: vLLM's CPU tier mapped by kvcore: %s for %d KV tensors in %.1f s "
+            "(torch's pinned allocator would take %s), %s, NUMA node %s",
+            format_bytes(region.total_size_bytes),
+            len(pages),
+            time.perf_counter() - started,
+            format_bytes(sum(_power_of_two_at_least(blocks * page) for page in pages)),
+            "pinned" if region.is_pinned else "not pinned",
+            "default" if region.numa_node is None else region.numa_node,
+        )
+        return worker
+
+
+def _power_of_two_at_least(nbytes: int) -> int:
+    """What torch's pinned allocator reserves for ``nbytes``: the next power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def put_handlers_in_place(

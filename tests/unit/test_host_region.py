@@ -1,0 +1,108 @@
+"""kvcore's exact host mapping and the vLLM 0.25 region built on it, on the CPU."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+
+import pytest
+import torch
+
+from kvcore import host_mapping
+from kvcore_vllm.host_region import ExactHostRegion
+
+
+def _resident_pages(mapping: host_mapping.FaultedMapping) -> int:
+    """Pages of the mapping in memory now (mincore(2) through /proc would need root)."""
+    import ctypes
+
+    pages = -(-mapping.nbytes // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(mapping.address, mapping.nbytes, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_faulted_mapping_is_the_size_asked_every_page_in_and_zero(threads):
+    nbytes = 37 * mmap.PAGESIZE + 123
+    faulted = host_mapping.faulted_mapping(nbytes, threads=threads)
+    assert faulted.nbytes == nbytes and len(faulted.mapping) == nbytes
+    assert _resident_pages(faulted) == -(-nbytes // mmap.PAGESIZE)
+    assert faulted.node is None
+    assert faulted.mapping[:] == bytes(nbytes)
+    faulted.mapping.close()
+
+
+def test_a_faulted_mapping_refuses_no_bytes():
+    with pytest.raises(ValueError, match="positive"):
+        host_mapping.faulted_mapping(0)
+
+
+def test_region_views_are_contiguous_page_aligned_and_distinct():
+    pages = [3000, 512, 8192]
+    region = ExactHostRegion(9, pages, threads=2)
+    views = [region.create_next_view(page) for page in pages]
+    base = views[0].data_ptr()
+    ends = []
+    for view, page in zip(views, pages, strict=True):
+        assert view.shape == (9, page) and view.dtype == torch.int8 and view.is_contiguous()
+        assert (view.data_ptr() - base) % mmap.PAGESIZE == 0
+        ends.append((view.data_ptr(), view.data_ptr() + view.numel()))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(ends))
+    # Exactly the tensors' bytes, each rounded up to a page, never to a power of two.
+    assert region.tensor_bytes == 9 * sum(pages)
+    assert region.tensor_bytes <= region.total_size_bytes
+    assert region.total_size_bytes - region.tensor_bytes < len(pages) * mmap.PAGESIZE
+    region.cleanup()
+
+
+def test_region_bytes_are_zero_and_each_view_writes_only_its_own():
+    pages = [256, 1024]
+    region = ExactHostRegion(5, pages)
+    first, second = (region.create_next_view(page) for page in pages)
+    assert not first.any() and not second.any()
+    generator = torch.Generator().manual_seed(3)
+    data = torch.randint(-128, 128, first.shape, dtype=torch.int8, generator=generator)
+    first.copy_(data)
+    assert torch.equal(first, data) and not second.any()
+    assert torch.equal(region._base[: first.numel()].view(first.shape), data)
+    region.cleanup()
+
+
+def test_region_stays_within_one_percent_at_engine_sizes():
+    # 32 layers of 2 MiB pages over 512 blocks: what torch's allocator would round up.
+    pages = [2 << 20] * 4
+    region = ExactHostRegion(3, pages, threads=2)
+    assert region.total_size_bytes <= 1.01 * region.tensor_bytes
+    region.cleanup()
+
+
+def test_region_refuses_a_view_it_was_not_built_for():
+    region = ExactHostRegion(4, [512, 256])
+    with pytest.raises(ValueError, match="KV tensor 0 asks for pages of 256 bytes"):
+        region.create_next_view(256)
+    region.create_next_view(512)
+    region.create_next_view(256)
+    with pytest.raises(ValueError, match="was built for none"):
+        region.create_next_view(256)
+    region.cleanup()
+
+
+def test_region_refuses_empty_shapes():
+    for blocks, pages in ((0, [512]), (4, []), (4, [512, 0])):
+        with pytest.raises(ValueError, match="needs blocks and positive page sizes"):
+            ExactHostRegion(blocks, pages)
+
+
+def test_cleanup_unmaps_and_views_it_gave_out_keep_their_bytes_alive():
+    region = ExactHostRegion(2, [4096])
+    view = region.create_next_view(4096)
+    view.fill_(7)
+    region.cleanup()
+    assert region.mmap_obj is None and region._base is None
+    assert int(view[1, 4095]) == 7  # still mapped while a view lives
+    with pytest.raises(RuntimeError, match="cleaned up"):
+        region.create_next_view(4096)
+    region.cleanup()  # twice is harmless
