@@ -56,3 +56,9 @@ def faulted_mapping(
             node = placement.node
     populate(address, nbytes, usable_cpus() if threads is None else threads, cpus=cpus)
     return FaultedMapping(mapping, address, nbytes, node)
+
+
+def torch_pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned allocator reserves for a tensor of ``nbytes``: the next power of
+    two, the rounding an exact mapping avoids."""
+    return 1 << max(nbytes - 1, 0).bit_length()

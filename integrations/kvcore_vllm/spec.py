@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvcore import numa
 from kvcore.config import KVCoreConfig
+from kvcore.host_mapping import torch_pinned_bytes
 from kvcore.host_pinning import format_bytes
 from kvcore.metrics import METRICS
 from kvcore_vllm.handler_install import install_handlers
@@ -115,16 +116,11 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             format_bytes(region.total_size_bytes),
             len(pages),
             time.perf_counter() - started,
-            format_bytes(sum(_power_of_two_at_least(blocks * page) for page in pages)),
+            format_bytes(sum(torch_pinned_bytes(blocks * page) for page in pages)),
             "pinned" if region.is_pinned else "not pinned",
             "default" if region.numa_node is None else region.numa_node,
         )
         return worker
-
-
-def _power_of_two_at_least(nbytes: int) -> int:
-    """What torch's pinned allocator reserves for ``nbytes``: the next power of two."""
-    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def put_handlers_in_place(

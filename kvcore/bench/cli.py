@@ -28,6 +28,9 @@ ENGINE_SWEEPS: dict[str, str] = {
     "vllm": "benchmarks.vllm.sweep",
 }
 
+# `kvcore bench --host-pool` -> an engine's host tier built stock's way and kvcore's.
+HOST_POOL = "benchmarks.host_pool"
+
 # `kvcore bench --engine NAME --sweep --beside-compute` -> reloads beside a model's forward.
 BESIDE_COMPUTE: dict[str, str] = {
     "sglang": "benchmarks.sglang.beside",
@@ -84,6 +87,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pages", help="with --beside-compute: comma list of page sizes (default 64,16,1)"
     )
     parser.add_argument(
+        "--host-pool",
+        action="store_true",
+        help=(
+            "build vLLM 0.25.1's CPU tier stock's way (torch's pinned tensors) and kvcore's "
+            "(its exact mapping), each size in a process of its own: time, RSS, bytes, reads"
+        ),
+    )
+    parser.add_argument(
+        "--pool-gib",
+        help="with --host-pool: comma list of tier sizes in GiB (default 16,32,64,96)",
+    )
+    parser.add_argument(
         "--no-rule",
         action="store_true",
         help="with --sweep: kvcore serves every call it can (serve-or-pass rule off)",
@@ -98,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvcore bench: {problem}", file=sys.stderr)
     if problems:
         return 2
+    if getattr(args, "host_pool", False):
+        return int(importlib.import_module(HOST_POOL).main(args))
     engine = getattr(args, "engine", None)
     if engine is not None and engine_benchmarks() is None:
         print(f"kvcore bench: --engine {engine}: {NO_CHECKOUT}", file=sys.stderr)
@@ -156,6 +173,7 @@ def argument_problems(args: argparse.Namespace) -> list[str]:
         _output_problem("--plot", getattr(args, "plot", None)),
         _plot_format_problem(getattr(args, "plot", None)),
         *_beside_compute_problems(args),
+        *_host_pool_problems(args),
     ]
     return [problem for problem in problems if problem is not None]
 
@@ -192,6 +210,28 @@ def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
     pages = getattr(args, "pages", None)
     if pages is not None and _sizes_problem(pages) is not None:
         problems.append(f"--pages {pages}: give a comma list of page sizes of 1 or more, e.g. 64,1")
+    return problems
+
+
+def _host_pool_problems(args: argparse.Namespace) -> list[str]:
+    """``--host-pool`` runs alone; ``--pool-gib`` means something only with it."""
+    gib = getattr(args, "pool_gib", None)
+    if not getattr(args, "host_pool", False):
+        return [] if gib is None else [f"--pool-gib {gib}: it applies only with --host-pool"]
+    problems = [
+        f"{option}: --host-pool runs alone; leave {option} out"
+        for option in ("--engine", "--sweep")
+        if getattr(args, option[2:], None)
+    ]
+    if engine_benchmarks() is None:
+        problems.append(f"--host-pool: {NO_CHECKOUT}")
+    else:
+        from benchmarks.host_pool import parse_gib
+
+        try:
+            parse_gib(gib)
+        except ValueError as exc:
+            problems.append(str(exc))
     return problems
 
 

@@ -106,3 +106,11 @@ def test_cleanup_unmaps_and_views_it_gave_out_keep_their_bytes_alive():
     with pytest.raises(RuntimeError, match="cleaned up"):
         region.create_next_view(4096)
     region.cleanup()  # twice is harmless
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "reserved"),
+    [(1, 1), (4096, 4096), (4097, 8192), (100 * 10**9, 128 * 2**30 // 1)],
+)
+def test_torch_pinned_bytes_is_the_next_power_of_two(nbytes, reserved):
+    assert host_mapping.torch_pinned_bytes(nbytes) == reserved

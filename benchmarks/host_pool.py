@@ -1,0 +1,210 @@
+"""An engine's host tier built stock's way and kvcore's, in one run: ``kvcore bench --host-pool``.
+
+vLLM 0.25.1's worker, given no region, allocates each KV tensor's CPU copy with
+``torch.zeros(..., pin_memory=True)`` (stock). kvcore's spec hands it an
+:class:`~kvcore_vllm.host_region.ExactHostRegion`, which vLLM registers in one
+``cudaHostRegister`` call (kvcore). Both are reproduced here call for call, for a
+Llama-3-8B-shaped tier: 32 per-layer KV tensors of 64 KiB blocks (16 tokens x 8 KV heads x
+128 dims x K and V in bf16), as many blocks as the size asks for.
+
+Each side of each size runs in a process of its own, so that each starts from the same
+memory and its peak RSS is its own. Reported, per size: the time until the tier is usable
+(neither side pins in the background, so it is also the time until fully pinned), the
+steady and peak RSS, the bytes the tier takes, and one tensor read to the GPU (the pinned
+memory must be as fast to copy from), its bytes compared. Without CUDA nothing is pinned,
+and the read is a host copy: a smoke run of the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcore.host_mapping import torch_pinned_bytes
+
+ENGINE = "vllm-0.25.1"
+LAYERS = 32
+BLOCK_BYTES = 16 * 8 * 128 * 2 * 2
+DEFAULT_GIB = (16.0, 32.0, 64.0, 96.0)
+SIDES = ("stock", "kvcore")
+
+
+def tier_shape(gib: float) -> tuple[int, int]:
+    """(blocks, block bytes) of each of :data:`LAYERS` KV tensors for a tier of ``gib``."""
+    blocks = max(1, int(gib * (1 << 30)) // (LAYERS * BLOCK_BYTES))
+    return blocks, BLOCK_BYTES
+
+
+def _rss_gib() -> tuple[float, float]:
+    """(resident now, peak resident) of this process, in GiB."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / (1 << 20)
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def _build(side: str, blocks: int, page: int, pin: bool) -> tuple[list[torch.Tensor], Any, int]:
+    """The tier's tensors as ``side`` builds them, what keeps them, and its bytes."""
+    if side == "stock":
+        tensors = [
+            torch.zeros((blocks, page), dtype=torch.int8, pin_memory=pin) for _ in range(LAYERS)
+        ]
+        size = blocks * page
+        return tensors, None, (torch_pinned_bytes(size) if pin else size) * LAYERS
+    from kvcore_vllm.host_region import ExactHostRegion
+
+    region = ExactHostRegion(blocks, [page] * LAYERS)
+    if pin:
+        result = torch.cuda.cudart().cudaHostRegister(
+            region._base.data_ptr(), region.total_size_bytes, 0
+        )
+        if int(getattr(result, "value", result)) != 0:
+            raise RuntimeError(f"cudaHostRegister of {region.total_size_bytes} bytes: {result}")
+        region.is_pinned = True
+    return [region.create_next_view(page) for _ in range(LAYERS)], region, region.total_size_bytes
+
+
+def _read_speed(tensor: torch.Tensor, pin: bool) -> tuple[float, bool]:
+    """GB/s of reading ``tensor`` to the GPU (a host copy without one), its bytes compared."""
+    source = torch.randint(-128, 128, tensor.shape, dtype=torch.int8)
+    tensor.copy_(source)
+    device = torch.device("cuda" if pin else "cpu")
+    target = torch.empty(tensor.shape, dtype=torch.int8, device=device)
+    best = float("inf")
+    for _ in range(5):
+        if pin:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        target.copy_(tensor, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return tensor.numel() / best / 1e9, bool(torch.equal(target.cpu(), source))
+
+
+def measure_side(side: str, gib: float, pin: bool) -> dict[str, Any]:
+    """Build one side's tier of ``gib`` in this process and measure it."""
+    blocks, page = tier_shape(gib)
+    if pin:
+        torch.cuda.init()  # the CUDA context is not the tier's cost
+    rss_before, _ = _rss_gib()
+    started = time.perf_counter()
+    tensors, region, nbytes = _build(side, blocks, page, pin)
+    ready = time.perf_counter() - started
+    rss, peak = _rss_gib()
+    gbps, identical = _read_speed(tensors[0], pin)
+    if region is not None:
+        del tensors
+        region.cleanup()
+    return {
+        "side": side,
+        "ready_s": ready,
+        "rss_gib": rss - rss_before,
+        "peak_rss_gib": peak - rss_before,
+        "tier_gib": nbytes / (1 << 30),
+        "read_gbps": gbps,
+        "identical": identical,
+    }
+
+
+def _child(side: str, gib: float, pin: bool, results: Any) -> None:
+    try:
+        results.put(measure_side(side, gib, pin))
+    except Exception as exc:
+        results.put({"side": side, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def measure(gib: float, pin: bool) -> dict[str, Any]:
+    """One size: each side in a fresh process, the fields the issue names."""
+    context = multiprocessing.get_context("spawn")
+    row: dict[str, Any] = {"engine": ENGINE, "gib": gib, "layers": LAYERS}
+    blocks, page = tier_shape(gib)
+    row["tensor_bytes_gib"] = LAYERS * blocks * page / (1 << 30)
+    for side in SIDES:
+        results = context.Queue()
+        process = context.Process(target=_child, args=(side, gib, pin, results))
+        process.start()
+        found = results.get()
+        process.join()
+        if "error" in found:
+            row[f"{side}_error"] = found["error"]
+            continue
+        row[f"{side}_ready_s"] = row[f"{side}_full_s"] = found["ready_s"]
+        for key in ("rss_gib", "peak_rss_gib", "tier_gib", "read_gbps", "identical"):
+            row[f"{side}_{key}"] = found[key]
+    if "stock_ready_s" in row and "kvcore_ready_s" in row:
+        row["ready_ratio"] = row["kvcore_ready_s"] / row["stock_ready_s"]
+    return row
+
+
+def parse_gib(text: str | None) -> tuple[float, ...]:
+    """``--pool-gib``'s sizes; ValueError naming the entry that is no positive size."""
+    if text is None:
+        return DEFAULT_GIB
+    sizes = []
+    for entry in text.split(","):
+        try:
+            size = float(entry)
+        except ValueError:
+            size = 0.0
+        if not size > 0:
+            raise ValueError(
+                f"--pool-gib {text}: {entry.strip() or 'an empty entry'!r} is not a size in "
+                "GiB; give a comma list of positive numbers, e.g. 16,64"
+            )
+        sizes.append(size)
+    return tuple(sizes)
+
+
+def format_row(row: dict[str, Any]) -> str:
+    def side(name: str) -> str:
+        if f"{name}_error" in row:
+            return f"{name} failed: {row[f'{name}_error']}"
+        return (
+            f"{name} {row[f'{name}_ready_s']:.2f} s, {row[f'{name}_tier_gib']:.2f} GiB, "
+            f"rss {row[f'{name}_rss_gib']:.2f} (peak {row[f'{name}_peak_rss_gib']:.2f}) GiB, "
+            f"read {row[f'{name}_read_gbps']:.1f} GB/s"
+            + ("" if row[f"{name}_identical"] else " WRONG BYTES")
+        )
+
+    return f"{row['gib']:g} GiB ({row['tensor_bytes_gib']:.2f} in tensors): " + "; ".join(
+        side(name) for name in SIDES
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the sizes ``args.pool_gib`` names; 1 where a side failed or moved a wrong byte."""
+    sizes = parse_gib(getattr(args, "pool_gib", None))
+    pin = torch.cuda.is_available()
+    if not pin:
+        print("kvcore bench --host-pool: no CUDA here; nothing is pinned (a smoke run)")
+    rows = []
+    for gib in sizes:
+        row = measure(gib, pin)
+        rows.append(row)
+        print(format_row(row), flush=True)
+    report = {
+        "engine": ENGINE,
+        "device": torch.cuda.get_device_name() if pin else "cpu",
+        "pinned": pin,
+        "command": " ".join(sys.argv),
+        "rows": rows,
+    }
+    path = getattr(args, "json", None)
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    failed = any(
+        f"{side}_error" in row or not row.get(f"{side}_identical", False)
+        for row in rows
+        for side in SIDES
+    )
+    return 1 if failed else 0

@@ -1,0 +1,64 @@
+"""kvcore bench --host-pool on the CPU: the same code as on the GPU, nothing pinned."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import host_pool
+from kvcore.bench import cli
+
+ISSUE_FIELDS = [
+    "engine",
+    "gib",
+    "stock_ready_s",
+    "kvcore_ready_s",
+    "stock_full_s",
+    "kvcore_full_s",
+    "stock_rss_gib",
+    "kvcore_rss_gib",
+]
+
+
+def test_a_smoke_run_builds_both_tiers_with_the_issues_fields(tmp_path, capsys):
+    out = tmp_path / "host-pool.json"
+    args = argparse.Namespace(pool_gib="0.04", json=str(out))
+    assert host_pool.main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["pinned"] is False and report["engine"] == "vllm-0.25.1"
+    (row,) = report["rows"]
+    assert set(ISSUE_FIELDS) <= set(row)
+    blocks, page = host_pool.tier_shape(0.04)
+    tensors_gib = host_pool.LAYERS * blocks * page / (1 << 30)
+    assert row["tensor_bytes_gib"] == pytest.approx(tensors_gib)
+    # Unpinned, stock's tensors are the exact size too; kvcore's mapping never exceeds 1%.
+    assert row["stock_tier_gib"] == pytest.approx(tensors_gib)
+    assert tensors_gib <= row["kvcore_tier_gib"] <= 1.01 * tensors_gib
+    assert row["stock_identical"] and row["kvcore_identical"]
+    # Both tiers are resident once built: every page faulted in, not merely reserved.
+    for side in host_pool.SIDES:
+        assert row[f"{side}_rss_gib"] >= 0.9 * tensors_gib
+    assert "0.04 GiB" in capsys.readouterr().out
+
+
+def test_tier_shape_fills_the_size_with_whole_blocks_of_every_layer():
+    blocks, page = host_pool.tier_shape(16)
+    assert page == 64 << 10
+    assert host_pool.LAYERS * blocks * page == 16 << 30
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--host-pool", "--pool-gib", "8,-1"], "'-1' is not a size in GiB"),
+        (["--pool-gib", "8"], "it applies only with --host-pool"),
+        (["--host-pool", "--sweep"], "--sweep: --host-pool runs alone"),
+    ],
+)
+def test_bad_host_pool_options_are_refused_in_one_line(argv, problem, capsys):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(argv)) == 2
+    assert problem in capsys.readouterr().err
