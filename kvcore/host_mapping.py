@@ -51,7 +51,7 @@ def faulted_mapping(
         bound = numa.bind_memory(address, nbytes, placement.node)
         # Where the policy was refused, first touch from the node's CPUs still puts the
         # pages there under the default (local) policy.
-        cpus = placement.cpus or None
+        cpus = placement.cpus
         if bound or cpus:
             node = placement.node
     populate(address, nbytes, usable_cpus() if threads is None else threads, cpus=cpus)

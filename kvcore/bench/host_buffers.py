@@ -6,8 +6,9 @@ cudaHostRegister chunk by chunk. Nothing is rounded up to a power of two (torch'
 ``pin_memory=True`` would turn 100 GB into 128 GB). Given a NUMA node, the mapping
 is bound to it and pre-faulted from its CPUs (:mod:`kvcore.numa`).
 
-The engines keep their host tiers in memory they allocate themselves; kvcore's product
-paths allocate none, so only measuring code uses this module.
+The mapping and its faulting are :mod:`kvcore.host_mapping`'s, which also maps vLLM
+0.25.1's CPU tier (vLLM registers that one itself); the registered buffers here are the
+measuring code's.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import numpy as np
 import torch
 
 from kvcore import numa
+from kvcore.host_mapping import faulted_mapping
 from kvcore.host_pinning import (
     CudaHostRegistrar,
     HostRegistrar,
     PinnedMemoryError,
     check_memlock,
-    populate,
 )
 
 logger = logging.getLogger(__name__)
@@ -100,18 +101,10 @@ class RegisteredBuffer(HostBuffer):
                 f"register_chunk_bytes {register_chunk_bytes} is not a positive multiple "
                 f"of the page size {mmap.PAGESIZE}"
             )
-        self._mmap: mmap.mmap | None = mmap.mmap(-1, nbytes)
-        array = np.frombuffer(self._mmap, dtype=np.uint8)
-        cpus: tuple[int, ...] | None = None
-        if placement is not None:
-            address = array.__array_interface__["data"][0]
-            bound = numa.bind_memory(address, nbytes, placement.node)
-            # Where the policy was refused, first touch from the node's CPUs still
-            # puts the pages there under the default (local) policy.
-            cpus = placement.cpus
-            if bound or cpus:
-                self.numa_node = placement.node
-        populate(array.__array_interface__["data"][0], nbytes, prefault_threads, cpus=cpus)
+        faulted = faulted_mapping(nbytes, placement=placement, threads=prefault_threads)
+        self._mmap: mmap.mmap | None = faulted.mapping
+        self.numa_node = faulted.node
+        array = np.frombuffer(faulted.mapping, dtype=np.uint8)
         super().__init__(torch.from_numpy(array))
         self._registrar = registrar
         self._registered: list[int] = []

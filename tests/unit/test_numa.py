@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore import host_pinning, numa
+from kvcore import host_mapping, host_pinning, numa
 from kvcore.bench import host_buffers
 from kvcore.bench.host_buffers import allocate_host_buffer
 
@@ -416,7 +416,7 @@ def recording_allocation(
 ) -> list[tuple[int, object]]:
     """Records mbind, pre-fault (with its cpus) and registration in the order they happen."""
     prefaults: list[tuple[int, object]] = []
-    real_populate = host_buffers.populate
+    real_populate = host_mapping.populate
     real_call = mbind.__call__
 
     def populate(address: int, nbytes: int, threads: int, *, cpus: Any = None) -> None:
@@ -428,7 +428,7 @@ def recording_allocation(
         events.append("mbind")
         return real_call(*args)
 
-    monkeypatch.setattr(host_buffers, "populate", populate)
+    monkeypatch.setattr(host_mapping, "populate", populate)
     monkeypatch.setattr(numa, "_syscall", lambda: syscall)
     monkeypatch.setattr(numa.os, "sched_setaffinity", lambda pid, cpus: None)
     return prefaults
