@@ -64,9 +64,7 @@ def _build(side: str, blocks: int, page: int, pin: bool) -> tuple[list[torch.Ten
 
     region = ExactHostRegion(blocks, [page] * LAYERS)
     if pin:
-        result = torch.cuda.cudart().cudaHostRegister(
-            region._base.data_ptr(), region.total_size_bytes, 0
-        )
+        result = torch.cuda.cudart().cudaHostRegister(region.address, region.total_size_bytes, 0)
         if int(getattr(result, "value", result)) != 0:
             raise RuntimeError(f"cudaHostRegister of {region.total_size_bytes} bytes: {result}")
         region.is_pinned = True

@@ -64,6 +64,8 @@ class ExactHostRegion:
         self.total_size_bytes = total
         faulted = faulted_mapping(total, placement=placement, threads=threads)
         self.mmap_obj: mmap.mmap | None = faulted.mapping
+        self.address = faulted.address
+        """Where the mapping starts: what vLLM registers (its ``_base.data_ptr()``)."""
         self.numa_node = faulted.node
         self._base: torch.Tensor | None = torch.frombuffer(
             memoryview(faulted.mapping), dtype=torch.int8

@@ -18,9 +18,7 @@ BLOCKS, PAGES = 64, (4096, 18432, 4096)
 
 def _register_as_vllm_does(region: ExactHostRegion) -> None:
     """vLLM 0.25.1's pin_mmap_region: one cudaHostRegister of the whole region."""
-    result = torch.cuda.cudart().cudaHostRegister(
-        region._base.data_ptr(), region.total_size_bytes, 0
-    )
+    result = torch.cuda.cudart().cudaHostRegister(region.address, region.total_size_bytes, 0)
     assert int(getattr(result, "value", result)) == 0, result
     region.is_pinned = True
 

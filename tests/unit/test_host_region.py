@@ -45,6 +45,7 @@ def test_region_views_are_contiguous_page_aligned_and_distinct():
     region = ExactHostRegion(9, pages, threads=2)
     views = [region.create_next_view(page) for page in pages]
     base = views[0].data_ptr()
+    assert base == region.address == region._base.data_ptr()
     ends = []
     for view, page in zip(views, pages, strict=True):
         assert view.shape == (9, page) and view.dtype == torch.int8 and view.is_contiguous()
