@@ -26,6 +26,8 @@ import torch
 
 from kvcore import numa
 from kvcore.host_mapping import faulted_mapping
+from kvcore.host_pinning import PinnedMemoryError, format_bytes
+from kvcore.host_report import available_bytes
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -62,6 +64,14 @@ class ExactHostRegion:
             self._offsets.append(total)
             total += _page_rounded(num_blocks * page)
         self.total_size_bytes = total
+        available = available_bytes()
+        if available is not None and total > available:
+            # Faulting it in would bring the kernel's OOM killer, not an error.
+            raise PinnedMemoryError(
+                f"vLLM's CPU tier needs {format_bytes(total)} of host memory and "
+                f"{format_bytes(available)} is available (MemAvailable); ask for less with "
+                "--kv-offloading-size, or free memory"
+            )
         faulted = faulted_mapping(total, placement=placement, threads=threads)
         self.mmap_obj: mmap.mmap | None = faulted.mapping
         self.address = faulted.address

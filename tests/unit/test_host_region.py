@@ -115,3 +115,18 @@ def test_cleanup_unmaps_and_views_it_gave_out_keep_their_bytes_alive():
 )
 def test_torch_pinned_bytes_is_the_next_power_of_two(nbytes, reserved):
     assert host_mapping.torch_pinned_bytes(nbytes) == reserved
+
+
+def test_a_region_larger_than_available_memory_is_refused_before_any_page(monkeypatch):
+    from kvcore.host_pinning import PinnedMemoryError, format_bytes
+    from kvcore_vllm import host_region
+
+    monkeypatch.setattr(host_region, "available_bytes", lambda: 3 * mmap.PAGESIZE)
+    monkeypatch.setattr(
+        host_region, "faulted_mapping", lambda *a, **k: pytest.fail("mapped it anyway")
+    )
+    needs, available = format_bytes(4 * mmap.PAGESIZE), format_bytes(3 * mmap.PAGESIZE)
+    with pytest.raises(PinnedMemoryError) as refused:
+        ExactHostRegion(4, [mmap.PAGESIZE])
+    assert f"needs {needs} of host memory and {available} is available" in str(refused.value)
+    assert "--kv-offloading-size" in str(refused.value)
