@@ -15,6 +15,7 @@ from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_support import spec_args
 
+from kvcore.config import KVCoreConfig
 from kvcore.metrics import METRICS
 from kvcore_vllm import spec as kvcore_spec
 from kvcore_vllm.host_region import ExactHostRegion
@@ -146,3 +147,15 @@ def test_releases_with_a_shared_region_keep_it(spec, monkeypatch):
 
     monkeypatch.setattr(kvcore_spec, "CPUOffloadingWorker", never)
     assert spec.create_worker(_kv_caches([2048])) == SimpleNamespace(stock=True)
+
+
+@pytest.mark.parametrize("host_pool", [True, False])
+def test_doctor_shows_the_host_pool_setting_where_it_applies(host_pool):
+    from kvcore_vllm import plugin
+
+    config = KVCoreConfig(enable=frozenset({"vllm"}), host_pool=host_pool)
+    settings = plugin.check(config).settings
+    if installed_shape().worker_pins_each_tensor:
+        assert settings["host_pool"] is host_pool
+    else:
+        assert "host_pool" not in settings
