@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 46's figures in one device call: the GPU test of kvcore's exact host mapping, then
+# `kvcore bench --host-pool` (vLLM 0.25.1's CPU tier built stock's way and kvcore's; no
+# vLLM needed), then how fast this host faults in and pins each kind of mapping.
+#
+#   OUT=<dir> bash scripts/host_pool_gpu.sh
+#
+# Settings: POOL_GIB (the tier sizes, 16,32,48,64: on a 128 GiB host stock's rounding makes
+# 96 GiB take 128), FAULT_GIB (host_fault_rates' size, 8). Writes under $OUT: env.txt,
+# pytest-gpu.log, host-pool.json, host-pool.log, fault-rates.json, fault-rates.log.
+set -uo pipefail
+OUT=${OUT:-out/host-pool}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:$PWD/integrations${PYTHONPATH:+:$PYTHONPATH}"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    grep -E "MemTotal|MemAvailable" /proc/meminfo
+    nproc
+    python3 -c "import torch; print('torch', torch.__version__)"
+} >"$OUT/env.txt" 2>&1
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_host_region_gpu.py \
+    2>&1 | tee "$OUT/pytest-gpu.log"
+tests_rc=${PIPESTATUS[0]}
+python3 -m kvcore bench --host-pool --pool-gib "${POOL_GIB:-16,32,48,64}" \
+    --json "$OUT/host-pool.json" 2>&1 | tee "$OUT/host-pool.log"
+bench_rc=${PIPESTATUS[0]}
+python3 scripts/host_fault_rates.py --gib "${FAULT_GIB:-8}" --threads 1,4,16 \
+    --json "$OUT/fault-rates.json" 2>&1 | tee "$OUT/fault-rates.log"
+rates_rc=${PIPESTATUS[0]}
+echo "gpu test rc=$tests_rc host-pool rc=$bench_rc fault rates rc=$rates_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$rates_rc" = 0 ]
