@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from kvcore.stock_share import StockShare
 
 from . import call_plans
 from .call_memos import HostIndexMemo, LayerPairsMemo
-from .hook_mover import HookMover
+from .hook_mover import HookMover, count_request_pass
 from .load_requests import LoadRequests, PoolLayers
 from .release_jobs import ReleaseJobs
 from .stock_binding import StockBindings
@@ -43,6 +44,9 @@ class SGLangAdapter:
         """The draws of the reloads kvcore would serve that go to stock's copy instead
         (``KVCORE_STOCK_SHARE``): an A/B of the two copies in one process."""
         self.movers = HookMover(self.config)
+        self.mover: Callable[[], Mover] = self.movers.mover
+        """The mover the hooks copy through, built from the configuration on first use
+        (the holder's own method: every hook call asks, with no frame of the adapter's)."""
         self.load_requests = LoadRequests()
         self.pool_layers = PoolLayers()
         self.host_indices = HostIndexMemo()
@@ -54,9 +58,10 @@ class SGLangAdapter:
         """(device, row bytes) -> whether its warm-up moved every byte right."""
         self.warm_up_lock = threading.Lock()
 
-    def mover(self) -> Mover:
-        """The mover the hooks copy through, built from the configuration on first use."""
-        return self.movers.mover()
+    def count_request_pass(self, reason: str) -> None:
+        """A whole request passed to stock, counted in the mover's metrics (what a stock
+        binding on a pool counts where the mover keeps no pass tally)."""
+        count_request_pass(self.mover(), reason)
 
     def use_mover(self, chosen: Mover | None) -> Mover | None:
         """Copy through ``chosen`` (None: one built from the configuration on next use);

@@ -134,9 +134,6 @@ def _make_load_hook(
     def load_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
         return pass_limit(adapter.serve_rule, "load", pool, io_backend)
 
-    def count_load_pass(reason: str) -> None:
-        count_request_pass(adapter.mover(), reason)
-
     def load_hook(
         original: Callable[..., Any],
         pool: Any,
@@ -188,7 +185,7 @@ def _make_load_hook(
                     host_indices,
                     device_indices,
                     load_pass_limit,
-                    count_load_pass,
+                    adapter.count_request_pass,
                 )
         original(
             pool,
@@ -208,9 +205,6 @@ def _make_backup_hook(
 ) -> Callable[..., None]:
     def backup_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
         return pass_limit(adapter.serve_rule, "backup", pool, io_backend)
-
-    def count_backup_pass(reason: str) -> None:
-        count_request_pass(adapter.mover(), reason)
 
     def backup_hook(
         original: Callable[..., Any],
@@ -233,7 +227,12 @@ def _make_backup_hook(
         if reason is not None:
             count_request_pass(chosen_mover, reason)
             adapter.bindings.bind_backup_gate(
-                backup_hook, original, pool, _BACKUP, backup_pass_limit, count_backup_pass
+                backup_hook,
+                original,
+                pool,
+                _BACKUP,
+                backup_pass_limit,
+                adapter.count_request_pass,
             )
             stock()
             return
