@@ -64,13 +64,18 @@ class Installation:
             self._targets[target] = _Target(owner, name, original, hook)
         HookRegistry.register(target, hook, HookType.AROUND)
 
-    def adapter_for(self, config: KVCoreConfig) -> SGLangAdapter:
-        """The installation's adapter, built from ``config`` where there is none yet (the
-        plugin's hooks and a patched source's share one)."""
+    def adapter_for(
+        self, config: KVCoreConfig, chosen: SGLangAdapter | None = None
+    ) -> SGLangAdapter:
+        """The installation's adapter: ``chosen`` (a test's or a benchmark's), else the one
+        it has, else one built from ``config`` (the plugin's hooks and a patched source's
+        share it)."""
         from .adapter import SGLangAdapter
 
         with self._lock:
-            if self.adapter is None:
+            if chosen is not None:
+                self.adapter = chosen
+            elif self.adapter is None:
                 self.adapter = SGLangAdapter(config)
             return self.adapter
 

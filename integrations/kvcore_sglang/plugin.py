@@ -79,10 +79,10 @@ def register_hooks(
         _register(status, release_of(status.version or ""))
         transfers = config.transfers if with_transfers is None else with_transfers
         if transfers:
-            if adapter is not None:
-                INSTALLATION.adapter = adapter
             _register_transfers(
-                status, release_of(status.version or ""), INSTALLATION.adapter_for(config)
+                status,
+                release_of(status.version or ""),
+                INSTALLATION.adapter_for(config, adapter),
             )
         announce_activation(logger, "SGLang", status, transfers, config.serve_rule)
         if transfers:
