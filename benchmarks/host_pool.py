@@ -64,11 +64,17 @@ def _build(side: str, blocks: int, page: int, pin: bool) -> tuple[list[torch.Ten
 
     region = ExactHostRegion(blocks, [page] * LAYERS)
     if pin:
-        result = torch.cuda.cudart().cudaHostRegister(region.address, region.total_size_bytes, 0)
-        if int(getattr(result, "value", result)) != 0:
-            raise RuntimeError(f"cudaHostRegister of {region.total_size_bytes} bytes: {result}")
-        region.is_pinned = True
+        register_as_vllm_does(region)
     return [region.create_next_view(page) for _ in range(LAYERS)], region, region.total_size_bytes
+
+
+def register_as_vllm_does(region: Any) -> None:
+    """vLLM 0.25.1's ``pin_mmap_region`` for an ExactHostRegion: one cudaHostRegister of
+    the whole mapping; RuntimeError where the driver refuses it."""
+    result = torch.cuda.cudart().cudaHostRegister(region.address, region.total_size_bytes, 0)
+    if int(getattr(result, "value", result)) != 0:
+        raise RuntimeError(f"cudaHostRegister of {region.total_size_bytes} bytes: {result}")
+    region.is_pinned = True
 
 
 def _read_speed(tensor: torch.Tensor, pin: bool) -> tuple[float, bool]:

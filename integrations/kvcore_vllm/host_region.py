@@ -111,7 +111,7 @@ class ExactHostRegion:
         """Unregister the memory where the worker registered it, then unmap it (once the
         views are gone: a view kept elsewhere keeps it mapped, no longer pinned)."""
         if self.is_pinned and self._base is not None:
-            result = torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
+            result = torch.cuda.cudart().cudaHostUnregister(self.address)
             if int(getattr(result, "value", result)) != 0:
                 logger.warning("kvcore: cudaHostUnregister of the host tier failed (%s)", result)
             self.is_pinned = False

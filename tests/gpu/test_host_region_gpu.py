@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.host_pool import register_as_vllm_does
 from kvcore.direction import Direction
 from kvcore.mover import Mover
 from kvcore.planning.plans import plan
@@ -16,16 +17,9 @@ pytestmark = pytest.mark.gpu
 BLOCKS, PAGES = 64, (4096, 18432, 4096)
 
 
-def _register_as_vllm_does(region: ExactHostRegion) -> None:
-    """vLLM 0.25.1's pin_mmap_region: one cudaHostRegister of the whole region."""
-    result = torch.cuda.cudart().cudaHostRegister(region.address, region.total_size_bytes, 0)
-    assert int(getattr(result, "value", result)) == 0, result
-    region.is_pinned = True
-
-
 def test_views_of_the_registered_mapping_are_pinned_and_copy_exactly_both_ways() -> None:
     region = ExactHostRegion(BLOCKS, PAGES)
-    _register_as_vllm_does(region)
+    register_as_vllm_does(region)
     views = [region.create_next_view(page) for page in PAGES]
     generator = torch.Generator(device="cuda").manual_seed(11)
     mover = Mover()
