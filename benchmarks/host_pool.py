@@ -7,12 +7,16 @@ vLLM 0.25.1's worker, given no region, allocates each KV tensor's CPU copy with
 Llama-3-8B-shaped tier: 32 per-layer KV tensors of 64 KiB blocks (16 tokens x 8 KV heads x
 128 dims x K and V in bf16), as many blocks as the size asks for.
 
-Each side of each size runs in a process of its own, so that each starts from the same
-memory and its peak RSS is its own. Reported, per size: the time until the tier is usable
-(neither side pins in the background, so it is also the time until fully pinned), the
-steady and peak RSS, the bytes the tier takes, and one tensor read to the GPU (the pinned
-memory must be as fast to copy from), its bytes compared. Without CUDA nothing is pinned,
-and the read is a host copy: a smoke run of the same code.
+SGLang's HiCache host pool buffer is built through SGLang's own allocation and registration,
+with and without kvcore's hook (:mod:`benchmarks.sglang.host_pool_build`), where SGLang is
+installed; its rows say why they are missing elsewhere.
+
+Each side of each engine and size runs in a process of its own, so that each starts from the
+same memory and its peak RSS is its own. Reported, per engine and size: the time until the
+tier is usable (neither side pins in the background, so it is also the time until fully
+pinned), the steady and peak RSS, the bytes the tier takes, and a part of it read to the GPU
+(the pinned memory must be as fast to copy from), its bytes compared. Without CUDA nothing
+is pinned, and the read is a host copy: a smoke run of the same code.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from kvcore.host_mapping import torch_pinned_bytes
 
 ENGINE = "vllm-0.25.1"
+ENGINES = (ENGINE, "sglang")
 LAYERS = 32
 BLOCK_BYTES = 16 * 8 * 128 * 2 * 2
 DEFAULT_GIB = (16.0, 32.0, 64.0, 96.0)
@@ -95,20 +100,30 @@ def _read_speed(tensor: torch.Tensor, pin: bool) -> tuple[float, bool]:
     return tensor.numel() / best / 1e9, bool(torch.equal(target.cpu(), source))
 
 
-def measure_side(side: str, gib: float, pin: bool) -> dict[str, Any]:
-    """Build one side's tier of ``gib`` in this process and measure it."""
-    blocks, page = tier_shape(gib)
+def measure_side(engine: str, side: str, gib: float, pin: bool) -> dict[str, Any]:
+    """Build one side's tier of ``gib`` for ``engine`` in this process and measure it."""
     if pin:
         torch.cuda.init()  # the CUDA context is not the tier's cost
     rss_before, _ = _rss_gib()
-    started = time.perf_counter()
-    tensors, region, nbytes = _build(side, blocks, page, pin)
-    ready = time.perf_counter() - started
-    rss, peak = _rss_gib()
-    gbps, identical = _read_speed(tensors[0], pin)
-    if region is not None:
-        del tensors
-        region.cleanup()
+    if engine == ENGINE:
+        blocks, page = tier_shape(gib)
+        started = time.perf_counter()
+        tensors, region, nbytes = _build(side, blocks, page, pin)
+        ready = time.perf_counter() - started
+        rss, peak = _rss_gib()
+        gbps, identical = _read_speed(tensors[0], pin)
+        if region is not None:
+            del tensors
+            region.cleanup()
+    else:
+        from benchmarks.sglang import host_pool_build
+
+        started = time.perf_counter()
+        buffer, nbytes, release = host_pool_build.build(side, gib, pin)
+        ready = time.perf_counter() - started
+        rss, peak = _rss_gib()
+        gbps, identical = _read_speed(host_pool_build.first_layer_bytes(buffer), pin)
+        release()
     return {
         "side": side,
         "ready_s": ready,
@@ -120,25 +135,41 @@ def measure_side(side: str, gib: float, pin: bool) -> dict[str, Any]:
     }
 
 
-def _child(side: str, gib: float, pin: bool, results: Any) -> None:
+def _child(engine: str, side: str, gib: float, pin: bool, results: Any) -> None:
     try:
-        results.put(measure_side(side, gib, pin))
+        results.put(measure_side(engine, side, gib, pin))
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != engine.split("-")[0]:
+            results.put({"side": side, "error": f"{type(exc).__name__}: {exc}"})
+        else:
+            results.put({"side": side, "missing": f"{type(exc).__name__}: {exc}"})
     except Exception as exc:
         results.put({"side": side, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def measure(gib: float, pin: bool) -> dict[str, Any]:
-    """One size: each side in a fresh process, the fields the issue names."""
+def _tensor_bytes(engine: str, gib: float) -> int:
+    if engine == ENGINE:
+        blocks, page = tier_shape(gib)
+        return LAYERS * blocks * page
+    from benchmarks.sglang.host_pool_build import TOKEN_ROW_BYTES, pool_dims
+
+    return pool_dims(gib)[2] * TOKEN_ROW_BYTES
+
+
+def measure(gib: float, pin: bool, engine: str = ENGINE) -> dict[str, Any]:
+    """One engine and size: each side in a fresh process, the fields the issue names; a row
+    with ``skipped`` where the engine is not installed."""
     context = multiprocessing.get_context("spawn")
-    row: dict[str, Any] = {"engine": ENGINE, "gib": gib, "layers": LAYERS}
-    blocks, page = tier_shape(gib)
-    row["tensor_bytes_gib"] = LAYERS * blocks * page / (1 << 30)
+    row: dict[str, Any] = {"engine": engine, "gib": gib, "layers": LAYERS}
+    row["tensor_bytes_gib"] = _tensor_bytes(engine, gib) / (1 << 30)
     for side in SIDES:
         results = context.Queue()
-        process = context.Process(target=_child, args=(side, gib, pin, results))
+        process = context.Process(target=_child, args=(engine, side, gib, pin, results))
         process.start()
         found = results.get()
         process.join()
+        if "missing" in found:
+            return {**row, "skipped": found["missing"]}
         if "error" in found:
             row[f"{side}_error"] = found["error"]
             continue
@@ -170,6 +201,10 @@ def parse_gib(text: str | None) -> tuple[float, ...]:
 
 
 def format_row(row: dict[str, Any]) -> str:
+    head = f"{row['engine']} {row['gib']:g} GiB ({row['tensor_bytes_gib']:.2f} in tensors): "
+    if "skipped" in row:
+        return head + f"skipped ({row['skipped']})"
+
     def side(name: str) -> str:
         if f"{name}_error" in row:
             return f"{name} failed: {row[f'{name}_error']}"
@@ -180,9 +215,7 @@ def format_row(row: dict[str, Any]) -> str:
             + ("" if row[f"{name}_identical"] else " WRONG BYTES")
         )
 
-    return f"{row['gib']:g} GiB ({row['tensor_bytes_gib']:.2f} in tensors): " + "; ".join(
-        side(name) for name in SIDES
-    )
+    return head + "; ".join(side(name) for name in SIDES)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -192,12 +225,13 @@ def main(args: argparse.Namespace) -> int:
     if not pin:
         print("kvcore bench --host-pool: no CUDA here; nothing is pinned (a smoke run)")
     rows = []
-    for gib in sizes:
-        row = measure(gib, pin)
-        rows.append(row)
-        print(format_row(row), flush=True)
+    for engine in ENGINES:
+        for gib in sizes:
+            row = measure(gib, pin, engine)
+            rows.append(row)
+            print(format_row(row), flush=True)
     report = {
-        "engine": ENGINE,
+        "engines": list(ENGINES),
         "device": torch.cuda.get_device_name() if pin else "cpu",
         "pinned": pin,
         "command": " ".join(sys.argv),
@@ -209,6 +243,7 @@ def main(args: argparse.Namespace) -> int:
     failed = any(
         f"{side}_error" in row or not row.get(f"{side}_identical", False)
         for row in rows
+        if "skipped" not in row
         for side in SIDES
     )
     return 1 if failed else 0

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Issue 46's figures in one device call: the GPU test of kvcore's exact host mapping, then
-# `kvcore bench --host-pool` (vLLM 0.25.1's CPU tier built stock's way and kvcore's; no
-# vLLM needed), then how fast this host faults in and pins each kind of mapping.
+# `kvcore bench --host-pool` (vLLM 0.25.1's CPU tier built stock's way and kvcore's, no vLLM
+# needed; SGLang's pool buffer through SGLang's own allocation with and without kvcore's
+# hook, where .whl-sglang/ is carried: see sglang_ab.sh; its rows say "skipped" otherwise),
+# then how fast this host faults in and pins each kind of mapping.
 #
-#   OUT=<dir> bash scripts/host_pool_gpu.sh
+#   OUT=<dir> bash scripts/host_pool_gpu.sh          (carry .whl-sglang for SGLang's rows)
 #
 # Settings: POOL_GIB (the tier sizes, 16,32,48,64: on a 128 GiB host stock's rounding makes
 # 96 GiB take 128), FAULT_GIB (host_fault_rates' size, 8). Writes under $OUT: env.txt,
@@ -13,12 +15,16 @@ OUT=${OUT:-out/host-pool}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/integrations${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl-sglang/*.whl >/dev/null 2>&1; then
+    # shellcheck source=scripts/sglang_device_env.sh
+    source scripts/sglang_device_env.sh || echo "SGLang's wheels did not install: its rows skip"
+fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     grep -E "MemTotal|MemAvailable" /proc/meminfo
     nproc
     python3 -c "import torch; print('torch', torch.__version__)"
-} >"$OUT/env.txt" 2>&1
+} >>"$OUT/env.txt" 2>&1
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_host_region_gpu.py \
     2>&1 | tee "$OUT/pytest-gpu.log"
 tests_rc=${PIPESTATUS[0]}

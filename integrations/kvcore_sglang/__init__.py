@@ -29,7 +29,7 @@ def status(config: KVCoreConfig | None = None) -> EngineStatus:
     targets are those (``plugin_applied``); elsewhere nothing was patched and the
     skipped targets are the guard's verdict. Where SGLang is installed and enabled,
     ``would_patch`` is what the guard passes for the installed source (read from its
-    files, SGLang is not imported) under ``config``'s KVCORE_TRANSFERS.
+    files, SGLang is not imported) under ``config``'s KVCORE_TRANSFERS and KVCORE_HOST_POOL.
     """
     from kvcore_sglang.plugin import applied_status
 
@@ -49,14 +49,17 @@ def status(config: KVCoreConfig | None = None) -> EngineStatus:
 def _add_guard_verdict(found: EngineStatus, config: KVCoreConfig) -> None:
     from kvcore_sglang import guard
 
-    found.settings = settings_shown(config)
-    every = {**guard.TARGET_GROUPS, **guard.TRANSFER_GROUPS}
-    found.target_groups = {group: list(targets) for group, targets in every.items()}
+    found.settings = settings_shown(config, host_pool=True)
+    found.target_groups = {group: list(t) for group, t in guard.EVERY_GROUP.items()}
     checked = dict(guard.TARGET_GROUPS)
-    if config.transfers:
-        checked.update(guard.TRANSFER_GROUPS)
-    else:
-        found.groups_off = dict.fromkeys(guard.TRANSFER_GROUPS, "KVCORE_TRANSFERS=0")
+    for groups, on, off in (
+        (guard.TRANSFER_GROUPS, config.transfers, "KVCORE_TRANSFERS=0"),
+        (guard.HOST_MEMORY_GROUPS, config.host_pool, "KVCORE_HOST_POOL=0"),
+    ):
+        if on:
+            checked.update(groups)
+        else:
+            found.groups_off.update(dict.fromkeys(groups, off))
     started = time.perf_counter()
     for group, targets in checked.items():
         result = guard.check_targets(release_of(found.version or ""), {group: targets})

@@ -62,6 +62,15 @@ TRANSFER_GROUPS: dict[str, tuple[str, ...]] = {
     WARM_UP_GROUP: WARM_UP_TARGETS,
 }
 
+# SGLang's default host allocation, faulted in by kvcore (kvcore_sglang.host_memory).
+# Checked and registered only under KVCORE_HOST_POOL (see plugin).
+HOST_MEMORY_GROUP = "host pool memory"
+HOST_MEMORY_TARGET = f"{_POOL_HOST}.common.HostTensorAllocator.allocate"
+HOST_MEMORY_GROUPS: dict[str, tuple[str, ...]] = {HOST_MEMORY_GROUP: (HOST_MEMORY_TARGET,)}
+
+EVERY_GROUP: dict[str, tuple[str, ...]] = {**TARGET_GROUPS, **TRANSFER_GROUPS, **HOST_MEMORY_GROUPS}
+"""Every group the plugin may hook, in the order it registers them."""
+
 _REGISTER = "sglang.srt.plugins.hook_registry.HookRegistry.register"
 # Uninstalling applies another plugin's hooks again on a target kvcore shared with it.
 _APPLY = "sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks"
@@ -90,6 +99,13 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
     ),
     INDEX_MEMO_GROUP: (_REGISTER, _APPLY),
     WARM_UP_GROUP: (_REGISTER, _APPLY),
+    # The mapping kvcore's hook stands in for, and the caller that registers what it returns.
+    HOST_MEMORY_GROUP: (
+        _REGISTER,
+        _APPLY,
+        "sglang.srt.mem_cache.storage.mmap.mmap_allocator.alloc_mmap",
+        f"{_POOL_HOST}.common.alloc_with_host_register",
+    ),
 }
 
 # Target -> fingerprint per tested release, one data file per release
@@ -175,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m kvcore_sglang.guard [ROOT]", file=sys.stderr)
         return 2
     root = Path(args[0]) if args else None
-    targets = recorded_targets({**TARGET_GROUPS, **TRANSFER_GROUPS})
+    targets = recorded_targets(EVERY_GROUP)
     return fingerprint.print_release_file(
         lambda: {target: fingerprint.fingerprint_target(target, root) for target in targets},
         "SGLang",

@@ -7,7 +7,8 @@ the plugin's own AROUND hook for that target (:data:`kvcore_sglang.host_slots.HO
 :func:`kvcore_sglang.transfers.hooks`, :func:`kvcore_sglang.pool_warm_up.hooks`, over the
 installation's adapter), gated
 as the plugin gates it: the targets of ``guard.TRANSFER_GROUPS`` only under
-``KVCORE_TRANSFERS``. A release's patch set hooks every target of the guard's groups
+``KVCORE_TRANSFERS``, those of ``guard.HOST_MEMORY_GROUPS`` only under
+``KVCORE_HOST_POOL``. A release's patch set hooks every target of the guard's groups
 recorded for that release (not the functions the groups merely depend on).
 
 Patched mode is on in a patched build unless ``KVCORE_ENABLE`` is set and leaves sglang
@@ -101,6 +102,12 @@ def _implementation(target: str) -> Callable[..., Any] | None:
 
         adapter = INSTALLATION.adapter_for(config)
         return {**transfers.hooks(adapter), **pool_warm_up.hooks(adapter)}[target]
+    if target in _group_targets(guard.HOST_MEMORY_GROUPS):
+        if not config.host_pool:
+            return None
+        from . import host_memory
+
+        return host_memory.HOOKS[target]
     from . import host_slots
 
     return {f"{guard.HOST_KV_CACHE}.{name}": h for name, h in host_slots.HOOKS.items()}[target]
@@ -121,7 +128,7 @@ def _group_targets(groups: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
 def _targets(version: str) -> tuple[PatchTarget, ...]:
     """Every target of the plugin's groups that the guard recorded for ``version``."""
     recorded = guard.FINGERPRINTS[version]
-    every = (*_group_targets(guard.TARGET_GROUPS), *_group_targets(guard.TRANSFER_GROUPS))
+    every = _group_targets(guard.EVERY_GROUP)
     return tuple(PatchTarget.from_dotted(t) for t in every if t in recorded)
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kvcore.config import KVCoreConfig, engine_config
 from kvcore.engine_status import (
@@ -84,6 +84,8 @@ def register_hooks(
                 release_of(status.version or ""),
                 INSTALLATION.adapter_for(config, adapter),
             )
+        if config.host_pool:
+            _register_host_memory(status, release_of(status.version or ""))
         announce_activation(logger, "SGLang", status, transfers, config.serve_rule)
         if transfers:
             announce_stock_share(logger, "SGLang", config.stock_share)
@@ -138,13 +140,33 @@ def _register_transfers(status: EngineStatus, version: str, adapter: SGLangAdapt
     from . import guard, pool_warm_up, transfers
 
     hooks = {**transfers.hooks(adapter), **pool_warm_up.hooks(adapter)}
-    result = guard.check_targets(version, guard.TRANSFER_GROUPS)
-    groups = _group_of(guard.TRANSFER_GROUPS)
+    _register_checked(status, version, guard.TRANSFER_GROUPS, hooks, "transfers")
+
+
+def _register_host_memory(status: EngineStatus, version: str) -> None:
+    from . import guard, host_memory
+
+    _register_checked(status, version, guard.HOST_MEMORY_GROUPS, host_memory.HOOKS, "host pool")
+
+
+def _register_checked(
+    status: EngineStatus,
+    version: str,
+    groups: Mapping[str, tuple[str, ...]],
+    hooks: Mapping[str, Callable[..., Any]],
+    what: str,
+) -> None:
+    """Register ``hooks`` for the targets of ``groups`` whose sources match ``version``'s
+    fingerprints; the others are skipped in ``status``, with why."""
+    from . import guard
+
+    result = guard.check_targets(version, dict(groups))
+    group_of = _group_of(groups)
     for skipped in result.skipped:
-        status.skip(skipped.target, skipped.reason, groups[skipped.target])
+        status.skip(skipped.target, skipped.reason, group_of[skipped.target])
     if result.skipped:
         changed = "; ".join(f"{s.target}: {s.reason}" for s in result.skipped)
-        logger.warning("kvcore: SGLang %s transfers left stock: %s", version, changed)
+        logger.warning("kvcore: SGLang %s %s left stock: %s", version, what, changed)
     for target in result.patchable:
         INSTALLATION.register(target, hooks[target])
         status.patched_targets.append(target)

@@ -28,7 +28,7 @@ from kvcore_sglang import plugin as sglang_plugin
 from kvcore_vllm import guard as vllm_guard
 from kvcore_vllm import plugin as vllm_plugin
 
-SGLANG_GROUPS = {**sglang_guard.TARGET_GROUPS, **sglang_guard.TRANSFER_GROUPS}
+SGLANG_GROUPS = sglang_guard.EVERY_GROUP
 SGLANG_CHECKED = sglang_guard.recorded_targets(SGLANG_GROUPS)
 ALLOC = f"{sglang_guard.HOST_KV_CACHE}.alloc"
 PREPARE_STORE = "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager.prepare_store"
@@ -123,13 +123,16 @@ def engine_entry(report: dict, engine: str) -> dict:
 
 
 def test_sglang_with_transfers_off_would_patch_every_allocator_target_alone(fake_sglang):
-    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, transfers=False))
+    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, transfers=False, host_pool=False))
     assert status.would_patch == list(sglang_guard.ALLOCATOR_TARGETS)
     assert status.patched_targets == [] and not status.plugin_applied
     assert status.skipped_targets == []
-    assert status.groups_off == dict.fromkeys(sglang_guard.TRANSFER_GROUPS, "KVCORE_TRANSFERS=0")
+    assert status.groups_off == {
+        **dict.fromkeys(sglang_guard.TRANSFER_GROUPS, "KVCORE_TRANSFERS=0"),
+        sglang_guard.HOST_MEMORY_GROUP: "KVCORE_HOST_POOL=0",
+    }
     assert status.target_groups == {g: list(t) for g, t in SGLANG_GROUPS.items()}
-    assert status.settings == {"transfers": False, "serve_rule": True}
+    assert status.settings == {"transfers": False, "serve_rule": True, "host_pool": False}
     assert status.guard_seconds is not None and status.guard_seconds >= 0
     assert "sglang" not in sys.modules
 
@@ -138,7 +141,7 @@ def test_sglang_enabled_alone_would_patch_every_group(fake_sglang):
     status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, serve_rule=False))
     assert status.would_patch == [t for targets in SGLANG_GROUPS.values() for t in targets]
     assert status.groups_off == {} and status.skipped_targets == []
-    assert status.settings == {"transfers": True, "serve_rule": False}
+    assert status.settings == {"transfers": True, "serve_rule": False, "host_pool": True}
 
 
 def test_sglang_not_enabled_runs_no_guard(fake_sglang):
@@ -160,7 +163,10 @@ def test_sglang_drift_skips_the_group_by_function_name(fake_sglang):
         assert ALLOC in skipped[target]["reason"]
     # The other groups share no state with the allocator: still patched.
     assert set(status.would_patch) == {
-        t for group, ts in sglang_guard.TRANSFER_GROUPS.items() for t in ts
+        t
+        for groups in (sglang_guard.TRANSFER_GROUPS, sglang_guard.HOST_MEMORY_GROUPS)
+        for ts in groups.values()
+        for t in ts
     }
     text = format_doctor(doctor_report(config))
     allocator_line = next(
@@ -185,7 +191,7 @@ def test_sglang_missing_module_skips_its_group(fake_sglang):
 
 def test_sglang_untested_version_skips_every_target(fake_engine):
     fake_engine("sglang", "0.5.99", SGLANG_CHECKED)
-    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, transfers=False))
+    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, transfers=False, host_pool=False))
     assert not status.supported and status.would_patch == []
     skipped = {s["target"]: s["reason"] for s in status.skipped_targets}
     assert set(skipped) == set(sglang_guard.ALLOCATOR_TARGETS)
@@ -199,7 +205,7 @@ def test_sglang_in_process_shows_patched_beside_would_patch(fake_sglang, monkeyp
     applied.patched_targets = list(sglang_guard.ALLOCATOR_TARGETS[:2])
     applied.skip("sglang.srt.mem_cache.pool_host.mamba.MambaPoolHost", "own allocator", "pools")
     monkeypatch.setattr(sglang_plugin.INSTALLATION, "status", applied)
-    report = doctor_report(KVCoreConfig(enable={"sglang"}, transfers=False))
+    report = doctor_report(KVCoreConfig(enable={"sglang"}, transfers=False, host_pool=False))
     entry = engine_entry(report, "sglang")
     assert entry["plugin_applied"]
     assert entry["patched_targets"] == list(sglang_guard.ALLOCATOR_TARGETS[:2])
@@ -243,10 +249,13 @@ def test_vllm_drifted_dependency_skips_everything_by_name(fake_vllm):
 def test_doctor_text_groups_targets_and_verbose_lists_them(fake_sglang, capsys, monkeypatch):
     monkeypatch.setenv("KVCORE_ENABLE", "sglang")
     monkeypatch.setenv("KVCORE_TRANSFERS", "0")
+    monkeypatch.setenv("KVCORE_HOST_POOL", "0")
     assert main(["doctor"]) == 0
     lines = capsys.readouterr().out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("sglang "))
-    assert lines[start].endswith("would patch 4, 0 skipped; transfers off, serve rule on")
+    assert lines[start].endswith(
+        "would patch 4, 0 skipped; transfers off, serve rule on, host pool off"
+    )
     groups = lines[start + 1 : start + 1 + len(SGLANG_GROUPS)]
     assert groups[0].strip() == "host-slot allocator (4 targets): would patch 4, fingerprints match"
     assert groups[3].strip() == (
@@ -267,4 +276,4 @@ def test_doctor_json_lists_would_patch(fake_sglang, capsys, monkeypatch):
     entry = engine_entry(json.loads(capsys.readouterr().out), "sglang")
     assert entry["would_patch"] == [t for targets in SGLANG_GROUPS.values() for t in targets]
     assert entry["patched_targets"] == [] and entry["plugin_applied"] is False
-    assert entry["settings"] == {"transfers": True, "serve_rule": True}
+    assert entry["settings"] == {"transfers": True, "serve_rule": True, "host_pool": True}

@@ -13,7 +13,7 @@ import pytest
 from kvcore_sglang import guard as sglang_guard
 from kvcore_vllm import guard as vllm_guard
 
-SGLANG_GROUPS = {**sglang_guard.TARGET_GROUPS, **sglang_guard.TRANSFER_GROUPS}
+SGLANG_GROUPS = sglang_guard.EVERY_GROUP
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 
 import pytest
@@ -27,8 +28,13 @@ def test_a_smoke_run_builds_both_tiers_with_the_issues_fields(tmp_path, capsys):
     args = argparse.Namespace(pool_gib="0.04", json=str(out))
     assert host_pool.main(args) == 0
     report = json.loads(out.read_text())
-    assert report["pinned"] is False and report["engine"] == "vllm-0.25.1"
-    (row,) = report["rows"]
+    assert report["pinned"] is False and report["engines"] == ["vllm-0.25.1", "sglang"]
+    printed = capsys.readouterr().out
+    row, sglang_row = report["rows"]
+    assert (row["engine"], sglang_row["engine"]) == ("vllm-0.25.1", "sglang")
+    if importlib.util.find_spec("sglang") is None:
+        assert sglang_row["skipped"].startswith("ModuleNotFoundError")
+        assert "sglang 0.04 GiB (0.04 in tensors): skipped" in printed
     assert set(ISSUE_FIELDS) <= set(row)
     blocks, page = host_pool.tier_shape(0.04)
     tensors_gib = host_pool.LAYERS * blocks * page / (1 << 30)
@@ -40,7 +46,7 @@ def test_a_smoke_run_builds_both_tiers_with_the_issues_fields(tmp_path, capsys):
     # Both tiers are resident once built: every page faulted in, not merely reserved.
     for side in host_pool.SIDES:
         assert row[f"{side}_rss_gib"] >= 0.9 * tensors_gib
-    assert "0.04 GiB" in capsys.readouterr().out
+    assert "vllm-0.25.1 0.04 GiB" in printed
 
 
 def test_tier_shape_fills_the_size_with_whole_blocks_of_every_layer():

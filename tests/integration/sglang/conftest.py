@@ -84,11 +84,12 @@ def sglang_hooks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]
 
 
 def _every_target() -> list[str]:
-    from kvcore_sglang import host_slots, pool_warm_up, transfers
+    from kvcore_sglang import host_memory, host_slots, pool_warm_up, transfers
     from kvcore_sglang.guard import HOST_KV_CACHE
 
     return [
         *(f"{HOST_KV_CACHE}.{name}" for name in host_slots.HOOKS),
+        *host_memory.HOOKS,
         *transfers.TARGETS,
         *pool_warm_up.TARGETS,
     ]

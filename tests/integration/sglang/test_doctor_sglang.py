@@ -16,22 +16,34 @@ pytestmark = pytest.mark.sglang
 ALLOC = f"{guard.HOST_KV_CACHE}.alloc"
 
 
+@pytest.mark.parametrize("host_pool", ["0", "1"])
 @pytest.mark.parametrize("transfers", ["0", "1"])
-def test_doctor_would_patch_the_guard_table(transfers):
+def test_doctor_would_patch_the_guard_table(transfers, host_pool):
     result = run_doctor(
-        ["-m", "kvcore", "doctor", "--json"], KVCORE_ENABLE="sglang", KVCORE_TRANSFERS=transfers
+        ["-m", "kvcore", "doctor", "--json"],
+        KVCORE_ENABLE="sglang",
+        KVCORE_TRANSFERS=transfers,
+        KVCORE_HOST_POOL=host_pool,
     )
     assert result.returncode == 0, result.stderr
     entry = engine_entry(result.stdout, "sglang")
     groups = dict(guard.TARGET_GROUPS)
-    if transfers == "1":
-        groups.update(guard.TRANSFER_GROUPS)
+    off: set[str] = set()
+    for switched, on in ((guard.TRANSFER_GROUPS, transfers), (guard.HOST_MEMORY_GROUPS, host_pool)):
+        if on == "1":
+            groups.update(switched)
+        else:
+            off.update(switched)
     expected = [target for targets in groups.values() for target in targets]
     assert entry["would_patch"] and entry["would_patch"] == expected
     assert entry["skipped_targets"] == []
     assert entry["patched_targets"] == [] and entry["plugin_applied"] is False
-    assert entry["settings"] == {"transfers": transfers == "1", "serve_rule": True}
-    assert set(entry["groups_off"]) == (set() if transfers == "1" else set(guard.TRANSFER_GROUPS))
+    assert entry["settings"] == {
+        "transfers": transfers == "1",
+        "serve_rule": True,
+        "host_pool": host_pool == "1",
+    }
+    assert set(entry["groups_off"]) == off
 
 
 def test_doctor_names_a_drifted_function_and_imports_no_sglang():
@@ -47,7 +59,9 @@ def test_doctor_names_a_drifted_function_and_imports_no_sglang():
         sys.exit(code)
         """
     )
-    result = run_doctor(["-c", script], KVCORE_ENABLE="sglang", KVCORE_TRANSFERS="0")
+    result = run_doctor(
+        ["-c", script], KVCORE_ENABLE="sglang", KVCORE_TRANSFERS="0", KVCORE_HOST_POOL="0"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "[]"
     entry = engine_entry(result.stdout, "sglang")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.sglang
 NOT_STOCK = {
     "sglang.srt.managers.cache_controller.HiCacheController.load": "transfers' jobs.load",
 }
-GROUPS = {**guard.TARGET_GROUPS, **guard.TRANSFER_GROUPS}
+GROUPS = guard.EVERY_GROUP
 
 
 def adapter_uses() -> list[StockUse]:

@@ -49,7 +49,7 @@ def test_committed_patch_set_is_current(mirrored):
 
 def test_patch_set_hooks_every_recorded_target():
     hooked = {t for f in PATCH_SET.files for t in f.targets}
-    groups = {**guard.TARGET_GROUPS, **guard.TRANSFER_GROUPS}
+    groups = guard.EVERY_GROUP
     depended_on = {t for targets in guard.DEPENDENCIES.values() for t in targets}
     assert hooked == set(guard.FINGERPRINTS[INSTALLED.version]) - depended_on
     assert hooked == {t for targets in groups.values() for t in targets}

@@ -46,9 +46,10 @@ def kvcore_warnings(caplog) -> list[logging.LogRecord]:
 @pytest.fixture(autouse=True)
 def transfers_off(monkeypatch) -> None:
     """These tests cover the plugin's loading and its host-slot allocator, which
-    KVCORE_TRANSFERS=0 leaves alone; test_transfers.py covers the transfer hooks, on by
-    default."""
+    KVCORE_TRANSFERS=0 and KVCORE_HOST_POOL=0 leave alone; test_transfers.py covers the
+    transfer hooks and test_sglang_host_memory.py the host pool's, both on by default."""
     monkeypatch.setenv("KVCORE_TRANSFERS", "0")
+    monkeypatch.setenv("KVCORE_HOST_POOL", "0")
 
 
 @pytest.mark.parametrize("enable", [None, "0", "vllm"])

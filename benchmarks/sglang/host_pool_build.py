@@ -1,0 +1,74 @@
+"""SGLang's HiCache host pool buffer built stock's way and kvcore's (``kvcore bench --host-pool``).
+
+Both sides go through SGLang's own ``alloc_with_host_register``, as an MHA host pool's
+``init_kv_buffer`` calls it for the ``layer_first`` layout: SGLang's default allocator maps
+the buffer and faults it in on one thread (stock), or kvcore's hook in front of it faults it
+in from every usable CPU on the GPU's node (kvcore, :mod:`kvcore_sglang.host_memory`, put in
+place as the plugin's AROUND hook wraps it); then SGLang registers it with CUDA where it
+pins. The shape is a Llama-3-8B-shaped pool: K and V of 32 layers, 8 KV heads of 128 dims in
+bf16, as many tokens as the size asks for.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ENGINE = "sglang"
+LAYERS = 32
+HEADS = 8
+HEAD_DIM = 128
+DTYPE = torch.bfloat16
+TOKEN_ROW_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * 2
+"""Bytes one token takes in the pool: K and V of every layer."""
+
+
+def pool_dims(gib: float) -> tuple[int, ...]:
+    """The ``layer_first`` buffer's dims for a pool of ``gib``."""
+    tokens = max(1, int(gib * (1 << 30)) // TOKEN_ROW_BYTES)
+    return (2, LAYERS, tokens, HEADS, HEAD_DIM)
+
+
+def _with_kvcores_hook(allocator_class: Any) -> None:
+    from kvcore_sglang import host_memory
+
+    stock = allocator_class.allocate
+
+    @functools.wraps(stock)
+    def hooked(allocator: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return host_memory.allocate_hook(stock, allocator, *args, **kwargs)
+
+    allocator_class.allocate = hooked
+
+
+def build(side: str, gib: float, pin: bool) -> tuple[torch.Tensor, int, Callable[[], None]]:
+    """The pool buffer as ``side`` builds it (in this process, which it changes for good),
+    its bytes, and what gives it back. ModuleNotFoundError where SGLang is not installed."""
+    from benchmarks.sglang.import_stubs import install_torchvision_stub
+
+    install_torchvision_stub()
+    from sglang.srt.mem_cache.pool_host.common import (
+        HostTensorAllocator,
+        _cuda_host_unregister,
+        alloc_with_host_register,
+    )
+
+    if side == "kvcore":
+        _with_kvcores_hook(HostTensorAllocator)
+    buffer = alloc_with_host_register(
+        pool_dims(gib), dtype=DTYPE, device="cpu", pin_memory=pin, allocator=HostTensorAllocator()
+    )
+
+    def release() -> None:
+        if pin:
+            _cuda_host_unregister(buffer)
+
+    return buffer, buffer.numel() * buffer.element_size(), release
+
+
+def first_layer_bytes(buffer: torch.Tensor) -> torch.Tensor:
+    """The first layer's K rows as bytes: a contiguous part of the pool to read back."""
+    return buffer[0, 0].view(torch.int8)
