@@ -102,9 +102,9 @@ class KVCoreConfig:
         True,
         BOOLEAN,
         "map the engine's host tier where the engine's own allocation rounds it up or faults "
-        "it in on one thread (vLLM 0.25.1's CPU tier, SGLang's default HiCache host "
-        "allocator): the exact size, faulted in by every usable CPU, on the GPU's NUMA "
-        "node; 0 keeps the engine's own allocation",
+        "it in on one thread (vLLM 0.25.1's CPU tier, a one-GPU vLLM 0.32+'s shared "
+        "region, SGLang's default HiCache host allocator): the exact size, faulted in by "
+        "every usable CPU, on the GPU's NUMA node; 0 keeps the engine's own allocation",
     )
     serve_rule: bool = _setting(
         True,

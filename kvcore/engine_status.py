@@ -106,15 +106,13 @@ def announce_stock_share(logger: logging.Logger, engine: str, share: float) -> N
         )
 
 
-def settings_shown(config: KVCoreConfig, *, host_pool: bool = False) -> dict[str, bool | float]:
-    """The settings an engine's status shows: the switches (``KVCORE_HOST_POOL`` where it
-    applies to the installed release, ``host_pool``), and a stock share where set."""
+def settings_shown(config: KVCoreConfig) -> dict[str, bool | float]:
+    """The settings an engine's status shows: the switches, and a stock share where set."""
     shown: dict[str, bool | float] = {
         "transfers": config.transfers,
         "serve_rule": config.serve_rule,
+        "host_pool": config.host_pool,
     }
-    if host_pool:
-        shown["host_pool"] = config.host_pool
     if config.stock_share:
         shown["stock_share"] = config.stock_share
     return shown

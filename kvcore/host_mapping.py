@@ -41,10 +41,30 @@ def faulted_mapping(
     if nbytes <= 0:
         raise ValueError(f"nbytes must be positive, got {nbytes}")
     mapping = mmap.mmap(-1, nbytes)
+    address = mapping_address(mapping)
+    node = fault_in(address, nbytes, placement=placement, threads=threads)
+    return FaultedMapping(mapping, address, nbytes, node)
+
+
+def mapping_address(mapping: mmap.mmap) -> int:
+    """Where ``mapping`` starts, read without keeping an export of it (which would stop it
+    from being closed)."""
     array = np.frombuffer(mapping, dtype=np.uint8)
     address = int(array.__array_interface__["data"][0])
-    # Only the caller's views may hold the mapping's export, so that it can be closed.
     del array
+    return address
+
+
+def fault_in(
+    address: int,
+    nbytes: int,
+    *,
+    placement: numa.Placement | None = None,
+    threads: int | None = None,
+) -> int | None:
+    """Fault in every page of a fresh mapped range from ``threads`` threads (default: every
+    CPU the process may use), placed as ``placement`` says, changing no byte; the node the
+    pages went to, or None where placement was off or refused everywhere."""
     node = None
     cpus: tuple[int, ...] | None = None
     if placement is not None:
@@ -55,7 +75,7 @@ def faulted_mapping(
         if bound or cpus:
             node = placement.node
     populate(address, nbytes, usable_cpus() if threads is None else threads, cpus=cpus)
-    return FaultedMapping(mapping, address, nbytes, node)
+    return node
 
 
 def torch_pinned_bytes(nbytes: int) -> int:

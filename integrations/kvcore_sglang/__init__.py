@@ -49,7 +49,7 @@ def status(config: KVCoreConfig | None = None) -> EngineStatus:
 def _add_guard_verdict(found: EngineStatus, config: KVCoreConfig) -> None:
     from kvcore_sglang import guard
 
-    found.settings = settings_shown(config, host_pool=True)
+    found.settings = settings_shown(config)
     found.target_groups = {group: list(t) for group, t in guard.EVERY_GROUP.items()}
     checked = dict(guard.TARGET_GROUPS)
     for groups, on, off in (

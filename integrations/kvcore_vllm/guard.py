@@ -42,6 +42,9 @@ class Target:
     own_region: bool = False
     """How the worker takes a region: only releases whose worker gets kvcore's host
     mapping (0.25.1, :mod:`kvcore_vllm.host_region`)."""
+    shared_region: bool = False
+    """How vLLM's shared region faults itself in: only releases that map one (0.32 and
+    later, :mod:`kvcore_vllm.region_faulting`)."""
 
     @property
     def name(self) -> str:
@@ -54,6 +57,7 @@ _FACTORY = "vllm.v1.kv_offload.factory"
 _WORKER = "vllm.v1.kv_offload.cpu.gpu_worker"
 _POLICIES = "vllm.v1.kv_offload.cpu.policies.base"
 _POINTERS = "vllm.v1.kv_offload.pointer_utils"
+_REGION = "vllm.v1.kv_offload.cpu.shared_offload_region"
 
 # Overridden: the chunk pool methods and get_manager. Depended on: the manager's
 # constructor and the methods that call the chunk pool or read its counters, and the
@@ -104,6 +108,10 @@ TARGETS: tuple[Target, ...] = (
     Target(_POINTERS, "iter_pointer_groups", pointers=True),
     # The worker registers kvcore's host mapping as it would its own region.
     Target(_WORKER, "pin_mmap_region", own_region=True),
+    # A one-worker engine's shared region is faulted in by kvcore before vLLM's own
+    # faulting, which asks the module for its populate function once per region.
+    Target(_REGION, "_get_populate_write_fn", shared_region=True),
+    Target(_REGION, "SharedOffloadRegion.__init__", shared_region=True),
 )
 
 # Release -> target qualname (in the release's names) -> fingerprint, one data file per
@@ -123,6 +131,7 @@ def targets_for(release: str) -> tuple[Target, ...]:
         if not (t.fill and shape.fills_in_transfer_async)
         and not (t.pointers and not shape.device_pointers)
         and not (t.own_region and not shape.worker_pins_each_tensor)
+        and not (t.shared_region and shape.worker_pins_each_tensor)
     )
 
 

@@ -38,7 +38,6 @@ from kvcore_vllm.guard import (
     targets_for,
 )
 from kvcore_vllm.installation import INSTALLATION
-from kvcore_vllm.releases import shape_of
 
 DEFAULT_SPEC_NAME = "CPUOffloadingSpec"
 SPEC_NAME = "KVCoreCPUOffloadingSpec"
@@ -135,9 +134,7 @@ def check(
     )
     if not (status.installed and status.enabled and status.version is not None):
         return status
-    status.settings = settings_shown(
-        config, host_pool=shape_of(release_of(status.version)).worker_pins_each_tensor
-    )
+    status.settings = settings_shown(config)
     status.target_groups = {SPEC_GROUP: spec_targets(status.version)}
     started = time.perf_counter()
     refused = refusals(release_of(status.version), fingerprints)

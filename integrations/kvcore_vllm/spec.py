@@ -5,8 +5,9 @@ stock one, with its transfer handlers replaced by
 :class:`~kvcore_vllm.transfers.KVCoreOffloadingHandler` when ``KVCORE_TRANSFERS`` is
 on. Its host memory is stock's too, except on vLLM 0.25.1 under ``KVCORE_HOST_POOL``
 (on by default): there the worker gets kvcore's mapping of the exact size instead of
-torch's rounded-up pinned tensors (:mod:`kvcore_vllm.host_region`). Everything else is
-stock.
+torch's rounded-up pinned tensors (:mod:`kvcore_vllm.host_region`); from 0.32, an engine of
+one worker has vLLM's own shared region faulted in by every usable CPU
+(:mod:`kvcore_vllm.region_faulting`). Everything else is stock.
 The plugin puts this class where vLLM's spec factory looks for its default spec
 (the one behind ``--kv-offloading-size``); it can also be named explicitly with
 ``kv_connector_extra_config={"spec_name": "KVCoreCPUOffloadingSpec"}``.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager
 from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
@@ -30,6 +32,7 @@ from kvcore.metrics import METRICS
 from kvcore_vllm.handler_install import install_handlers
 from kvcore_vllm.host_region import ExactHostRegion
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
+from kvcore_vllm.region_faulting import faulted_by_every_cpu
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.transfers import INTERNAL_ERRORS
 
@@ -69,9 +72,32 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
     def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
         # From 0.32 the stock worker's host memory is vLLM's shared, pre-faulted,
         # host-registered region, and stays so; only the handlers are kvcore's.
-        worker = self._worker_on_exact_region(kv_caches) or super().create_worker(kv_caches)
+        worker = self._worker_on_exact_region(kv_caches) or self._stock_worker(kv_caches)
         put_handlers_in_place(worker, kv_caches)
         return worker
+
+    def _stock_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
+        """The stock worker; on 0.32 and later, for an engine of one worker and under
+        ``KVCORE_HOST_POOL``, its shared region faulted in by every usable CPU first
+        (:mod:`kvcore_vllm.region_faulting`)."""
+        config = KVCoreConfig.from_env()
+        parallel = getattr(getattr(self, "config", None), "parallel", None)
+        if not (
+            config.host_pool
+            and not _SHAPE.worker_pins_each_tensor
+            and getattr(parallel, "world_size", None) == 1
+        ):
+            return super().create_worker(kv_caches)
+        from vllm.v1.kv_offload.cpu import shared_offload_region
+
+        def count(exc: Exception) -> None:
+            reason = f"host_pool_stock:{type(exc).__name__}"
+            logger.warning("kvcore: %s (%s); vLLM faults its CPU tier in itself", reason, exc)
+            if config.metrics:
+                METRICS.record_fallback(reason)
+
+        with faulted_by_every_cpu(shared_offload_region, _gpu_placement(), count):
+            return super().create_worker(kv_caches)
 
     def _worker_on_exact_region(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker | None:
         """vLLM 0.25.1's worker on kvcore's host mapping (:class:`ExactHostRegion`), built
@@ -121,6 +147,18 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             "default" if region.numa_node is None else region.numa_node,
         )
         return worker
+
+
+def _gpu_placement() -> numa.Placement | None:
+    """The NUMA placement of the GPU this worker drives; None without CUDA, on one node, or
+    where the node is unknown."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return numa.placement_for(numa.cuda_numa_node(torch.cuda.current_device()))
+    except numa.NumaError as exc:
+        logger.info("kvcore: CPU tier placed by the default policy (%s)", exc)
+        return None
 
 
 def put_handlers_in_place(

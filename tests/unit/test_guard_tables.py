@@ -82,6 +82,8 @@ def test_vllm_release_names_rename_targets_and_drop_fill_methods_it_lacks():
     assert pointers == {"resolve_device_pointers", "iter_pointer_groups"}
     own_region = {t.qualname for t in vllm_guard.TARGETS if t.own_region}
     assert own_region == {"pin_mmap_region"}
+    shared_region = {t.qualname for t in vllm_guard.TARGETS if t.shared_region}
+    assert shared_region == {"_get_populate_write_fn", "SharedOffloadRegion.__init__"}
     assert current == {t.qualname for t in vllm_guard.TARGETS} - pointers - own_region
     # 0.34 hands the handler device pointers: how the connector resolves them is a target.
     assert {t.qualname for t in vllm_guard.targets_for("0.34.0")} == current | pointers
@@ -99,7 +101,11 @@ def test_vllm_release_names_rename_targets_and_drop_fill_methods_it_lacks():
     # 0.25's worker takes kvcore's host mapping as a region: how it registers one is a target.
     assert "pin_mmap_region" in older
     fills = [t for t in vllm_guard.TARGETS if t.fill]
-    assert len(fills) == 3 and len(older) == len(current) - len(fills) + len(own_region)
+    # 0.25 maps no shared region of its own: how one faults itself in is no target there.
+    assert not shared_region & set(older)
+    assert len(fills) == 3 and len(older) == len(current) - len(fills) + len(own_region) - len(
+        shared_region
+    )
 
 
 def test_vllm_unknown_release_refuses_every_target_by_its_current_name():

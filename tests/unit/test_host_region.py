@@ -10,18 +10,7 @@ import torch
 
 from kvcore import host_mapping
 from kvcore_vllm.host_region import ExactHostRegion
-
-
-def _resident_pages(mapping: host_mapping.FaultedMapping) -> int:
-    """Pages of the mapping in memory now (mincore(2) through /proc would need root)."""
-    import ctypes
-
-    pages = -(-mapping.nbytes // mmap.PAGESIZE)
-    vector = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    assert libc.mincore(mapping.address, mapping.nbytes, vector) == 0, ctypes.get_errno()
-    return sum(byte & 1 for byte in vector)
+from tests.support.resident import resident_pages
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -29,7 +18,7 @@ def test_a_faulted_mapping_is_the_size_asked_every_page_in_and_zero(threads):
     nbytes = 37 * mmap.PAGESIZE + 123
     faulted = host_mapping.faulted_mapping(nbytes, threads=threads)
     assert faulted.nbytes == nbytes and len(faulted.mapping) == nbytes
-    assert _resident_pages(faulted) == -(-nbytes // mmap.PAGESIZE)
+    assert resident_pages(faulted.address, nbytes) == (-(-nbytes // mmap.PAGESIZE),) * 2
     assert faulted.node is None
     assert faulted.mapping[:] == bytes(nbytes)
     faulted.mapping.close()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from sglang_pools import mha_host, mla_host  # noqa: E402
 
 from kvcore.metrics import METRICS  # noqa: E402
 from kvcore_sglang import guard, host_memory  # noqa: E402
+from tests.support.resident import resident_pages  # noqa: E402
 
 DIMS = (2, 3, 37, 4, 16)  # not a whole number of pages: the mapping is exactly its bytes
 
@@ -31,18 +30,6 @@ def _mapping_line(address: int) -> str:
         if start <= address < end:
             return line
     raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def _resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
-    """(pages in memory now, pages the tensor spans)."""
-    start = tensor.data_ptr() - tensor.data_ptr() % mmap.PAGESIZE
-    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-    pages = -(-(end - start) // mmap.PAGESIZE)
-    vector = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    assert libc.mincore(start, end - start, vector) == 0, ctypes.get_errno()
-    return sum(byte & 1 for byte in vector), pages
 
 
 @pytest.fixture
@@ -82,7 +69,7 @@ def test_the_default_allocation_is_kvcores_mapping_as_stock_makes_it(hooked, map
     for made in (tensor, stock):
         perms = _mapping_line(made.data_ptr()).split()[1]
         assert perms == "rw-s", perms
-    resident, pages = _resident_pages(tensor)
+    resident, pages = resident_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size())
     assert resident == pages
     # It holds what is written, as any host pool buffer must.
     data = torch.randn(DIMS, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)

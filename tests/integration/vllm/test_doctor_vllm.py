@@ -11,7 +11,6 @@ import pytest
 
 from kvcore.engine_status import release_of
 from kvcore_vllm import guard, plugin
-from kvcore_vllm.releases import installed_shape
 from tests.support.doctor import engine_entry, run_doctor
 
 pytestmark = pytest.mark.vllm
@@ -58,5 +57,4 @@ def test_doctor_shows_a_stock_share_with_its_value():
     result = run_doctor(["-m", "kvcore", "doctor"], KVCORE_ENABLE="vllm", KVCORE_STOCK_SHARE="0.25")
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("vllm "))
-    host_pool = " host pool on," if installed_shape().worker_pins_each_tensor else ""
-    assert line.endswith(f"; transfers on, serve rule on,{host_pool} stock share 0.25")
+    assert line.endswith("; transfers on, serve rule on, host pool on, stock share 0.25")

@@ -21,6 +21,9 @@ NOT_STOCK = {
     "vllm.v1.kv_offload.base.OffloadingManager.shutdown": (
         "transfers' self._stock.shutdown() is the stock handler's, not a manager's"
     ),
+    "vllm.v1.kv_offload.cpu.shared_offload_region.SharedOffloadRegion.cleanup": (
+        "spec's region.cleanup() gives back kvcore's ExactHostRegion, not vLLM's region"
+    ),
 }
 
 

@@ -21,7 +21,6 @@ from kvcore.config import KVCoreConfig
 from kvcore.fingerprint import package_root
 from kvcore_vllm import guard, patched, plugin
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
-from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 
 pytestmark = pytest.mark.vllm
@@ -184,12 +183,10 @@ def test_a_stock_share_is_warned_of_once_and_shown_in_the_status(monkeypatch, ca
         plugin.register()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("kvcore: KVCORE_STOCK_SHARE=0.5:")
-    # KVCORE_HOST_POOL shows only where it applies (vLLM 0.25.1's CPU tier).
-    host_pool = {"host_pool": True} if installed_shape().worker_pins_each_tensor else {}
     assert kvcore_vllm.status().settings == {
         "transfers": True,
         "serve_rule": True,
-        **host_pool,
+        "host_pool": True,
         "stock_share": 0.5,
     }
 
