@@ -183,6 +183,19 @@ def placement_for(node: int | None) -> Placement | None:
     return Placement(node, cpus)
 
 
+def current_gpu_placement() -> Placement | None:
+    """The placement of the GPU this process drives now (the engines set the device before
+    they build host pools); None without CUDA, on one node, or where the node is unknown
+    or offline (said at info level: the default policy places the pages)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return placement_for(cuda_numa_node(torch.cuda.current_device()))
+    except NumaError as exc:
+        logger.info("host memory placed by the default policy (%s)", exc)
+        return None
+
+
 def _syscall() -> Callable[..., int]:
     return ctypes.CDLL(None, use_errno=True).syscall
 

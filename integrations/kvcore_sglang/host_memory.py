@@ -67,18 +67,6 @@ def _is_default_allocator(allocator: Any) -> bool:
     return f"{cls.__module__}.{cls.__qualname__}" == ALLOCATOR_CLASS
 
 
-def _gpu_placement() -> numa.Placement | None:
-    """Where the pool's pages go: the node of the GPU this process drives (SGLang sets the
-    device before it builds pools); None with no GPU, one node, or an unknown node."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        return numa.placement_for(numa.cuda_numa_node(torch.cuda.current_device()))
-    except numa.NumaError as exc:
-        logger.info("kvcore: host pool placed by the default policy (%s)", exc)
-        return None
-
-
 def mapped_pool_tensor(
     dims: tuple[int, ...],
     dtype: torch.dtype,
@@ -113,7 +101,7 @@ def allocate_hook(
     started = time.perf_counter()
     placement = None
     try:
-        placement = _gpu_placement()
+        placement = numa.current_gpu_placement()
         tensor = mapped_pool_tensor(tuple(dims), dtype, placement=placement)
     except Exception as exc:
         logger.warning(

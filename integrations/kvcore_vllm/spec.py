@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager
 from vllm.v1.kv_offload.cpu import gpu_worker
 from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker
@@ -96,7 +95,7 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             if config.metrics:
                 METRICS.record_fallback(reason)
 
-        with faulted_by_every_cpu(shared_offload_region, _gpu_placement(), count):
+        with faulted_by_every_cpu(shared_offload_region, numa.current_gpu_placement(), count):
             return super().create_worker(kv_caches)
 
     def _worker_on_exact_region(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker | None:
@@ -147,18 +146,6 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             "default" if region.numa_node is None else region.numa_node,
         )
         return worker
-
-
-def _gpu_placement() -> numa.Placement | None:
-    """The NUMA placement of the GPU this worker drives; None without CUDA, on one node, or
-    where the node is unknown."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        return numa.placement_for(numa.cuda_numa_node(torch.cuda.current_device()))
-    except numa.NumaError as exc:
-        logger.info("kvcore: CPU tier placed by the default policy (%s)", exc)
-        return None
 
 
 def put_handlers_in_place(

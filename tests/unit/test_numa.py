@@ -714,3 +714,13 @@ def test_cpu_smoke_run_with_two_processes(
         assert row["share_of_n_x_ceiling"] > 0
     assert len(report["numa_gain"]) == 8
     assert "N x ceil" in stdout and "numa=auto / numa=off" in stdout
+
+
+def test_the_current_gpus_placement(two_nodes: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cuda(monkeypatch, pci_domain_id=0, pci_bus_id=0x9C, pci_device_id=0)
+    monkeypatch.setattr(numa.torch.cuda, "current_device", lambda: 2)
+    assert numa.current_gpu_placement() == numa.Placement(1, (4, 5, 6, 7, 12, 13, 14, 15))
+    monkeypatch.setattr(numa, "online_nodes", lambda: (0, 2))
+    assert numa.current_gpu_placement() is None  # node 1 is not online: default policy
+    monkeypatch.setattr(numa.torch.cuda, "is_available", lambda: False)
+    assert numa.current_gpu_placement() is None
