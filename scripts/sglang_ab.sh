@@ -8,12 +8,7 @@
 # modules its pool code imports that the GPU image lacks. sgl-kernel is not among them (its
 # wheel is 373 MB); the bench stands in for it and reports the stock paths that need it as
 # not runnable. SGLang's JIT HiCache kernels are built here by nvcc through apache-tvm-ffi.
-# Build it with `pip download --no-deps --only-binary=:all: --python-version 3.12
-# --implementation cp --platform manylinux_2_34_x86_64 (and _2_28, _2_17, 2014) -d .whl-sglang`
-# of: sglang==0.5.23 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 pyzmq ipython traitlets
-# pygments msgspec orjson dill gguf pybase64 starlette loguru sortedcontainers, and (the image
-# of 2026-11-30 had no pydantic) pydantic pydantic-core annotated-types typing-inspection
-# anyio sniffio typing-extensions. About 47 MB.
+# Build it with scripts/sglang_device_wheels.sh (about 47 MB).
 # Writes $OUT/sglang_ab.json, $OUT/sglang_ab.log and $OUT/env.txt (OUT defaults to out/sglang_ab).
 set -uo pipefail
 OUT=${OUT:-out/sglang_ab}
