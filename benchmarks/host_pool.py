@@ -11,6 +11,12 @@ SGLang's HiCache host pool buffer is built through SGLang's own allocation and r
 with and without kvcore's hook (:mod:`benchmarks.sglang.host_pool_build`), where SGLang is
 installed; its rows say why they are missing elsewhere.
 
+From 0.32 vLLM's worker maps its tier as one shared region in ``/dev/shm`` and faults it in on
+one thread; for an engine of one worker kvcore's spec has every usable CPU fault it in first.
+The ``vllm-shared-region`` rows build the same tier as that region, through vLLM's own class
+and registration, with and without kvcore's faulting
+(:mod:`benchmarks.vllm.shared_region_build`), where vLLM 0.32 or later is installed.
+
 Each side of each engine and size runs in a process of its own, so that each starts from the
 same memory and its peak RSS is its own. Reported, per engine and size: the time until the
 tier is usable (neither side pins in the background, so it is also the time until fully
@@ -24,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import queue
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +42,17 @@ import torch
 from kvcore.host_mapping import torch_pinned_bytes
 
 ENGINE = "vllm-0.25.1"
-ENGINES = (ENGINE, "sglang")
+REGION_ENGINE = "vllm-shared-region"
+ENGINES = (ENGINE, "sglang", REGION_ENGINE)
 LAYERS = 32
 BLOCK_BYTES = 16 * 8 * 128 * 2 * 2
 DEFAULT_GIB = (16.0, 32.0, 64.0, 96.0)
 SIDES = ("stock", "kvcore")
+
+Built = tuple[torch.Tensor, int, Callable[[], None]]
+"""What an engine's build hands back: the bytes to read back from, the tier's bytes, and
+what gives the tier back (once the bytes are dropped)."""
+Builder = tuple[Callable[[str, float, bool], Built], Callable[[torch.Tensor], torch.Tensor]]
 
 
 def tier_shape(gib: float) -> tuple[int, int]:
@@ -100,30 +114,45 @@ def _read_speed(tensor: torch.Tensor, pin: bool) -> tuple[float, bool]:
     return tensor.numel() / best / 1e9, bool(torch.equal(target.cpu(), source))
 
 
+def _build_vllm_0251(side: str, gib: float, pin: bool) -> Built:
+    tensors, region, nbytes = _build(side, *tier_shape(gib), pin)
+
+    def release() -> None:
+        tensors.clear()
+        if region is not None:
+            region.cleanup()
+
+    return tensors[0], nbytes, release
+
+
+def _builder(engine: str, pin: bool) -> Builder:
+    """``engine``'s build and the part of its tier to read back, its engine imported."""
+    if engine == ENGINE:
+        return _build_vllm_0251, lambda tensor: tensor
+    if engine == "sglang":
+        from benchmarks.sglang import host_pool_build
+
+        host_pool_build.load()
+        return host_pool_build.build, host_pool_build.first_layer_bytes
+    from benchmarks.vllm import shared_region_build
+
+    shared_region_build.load(pin)
+    return shared_region_build.build, shared_region_build.first_chunks
+
+
 def measure_side(engine: str, side: str, gib: float, pin: bool) -> dict[str, Any]:
     """Build one side's tier of ``gib`` for ``engine`` in this process and measure it."""
     if pin:
         torch.cuda.init()  # the CUDA context is not the tier's cost
+    build, read_back = _builder(engine, pin)
     rss_before, _ = _rss_gib()
-    if engine == ENGINE:
-        blocks, page = tier_shape(gib)
-        started = time.perf_counter()
-        tensors, region, nbytes = _build(side, blocks, page, pin)
-        ready = time.perf_counter() - started
-        rss, peak = _rss_gib()
-        gbps, identical = _read_speed(tensors[0], pin)
-        if region is not None:
-            del tensors
-            region.cleanup()
-    else:
-        from benchmarks.sglang import host_pool_build
-
-        started = time.perf_counter()
-        buffer, nbytes, release = host_pool_build.build(side, gib, pin)
-        ready = time.perf_counter() - started
-        rss, peak = _rss_gib()
-        gbps, identical = _read_speed(host_pool_build.first_layer_bytes(buffer), pin)
-        release()
+    started = time.perf_counter()
+    tensor, nbytes, release = build(side, gib, pin)
+    ready = time.perf_counter() - started
+    rss, peak = _rss_gib()
+    gbps, identical = _read_speed(read_back(tensor), pin)
+    del tensor  # a mapping that something still views is not given back
+    release()
     return {
         "side": side,
         "ready_s": ready,
@@ -151,9 +180,26 @@ def _tensor_bytes(engine: str, gib: float) -> int:
     if engine == ENGINE:
         blocks, page = tier_shape(gib)
         return LAYERS * blocks * page
-    from benchmarks.sglang.host_pool_build import TOKEN_ROW_BYTES, pool_dims
+    if engine == "sglang":
+        from benchmarks.sglang.host_pool_build import TOKEN_ROW_BYTES, pool_dims
 
-    return pool_dims(gib)[2] * TOKEN_ROW_BYTES
+        return pool_dims(gib)[2] * TOKEN_ROW_BYTES
+    from benchmarks.vllm.shared_region_build import region_shape
+
+    chunks, chunk_bytes = region_shape(gib)
+    return chunks * chunk_bytes
+
+
+def _result_of(process: Any, results: Any) -> dict[str, Any]:
+    """What the side's process reported; an error where it ended without a word (the
+    kernel's OOM killer at a size the host cannot hold, say)."""
+    while True:
+        try:
+            found: dict[str, Any] = results.get(timeout=1.0)
+            return found
+        except queue.Empty:
+            if not process.is_alive():
+                return {"error": f"its process ended (exit code {process.exitcode}) unreported"}
 
 
 def measure(gib: float, pin: bool, engine: str = ENGINE) -> dict[str, Any]:
@@ -166,7 +212,7 @@ def measure(gib: float, pin: bool, engine: str = ENGINE) -> dict[str, Any]:
         results = context.Queue()
         process = context.Process(target=_child, args=(engine, side, gib, pin, results))
         process.start()
-        found = results.get()
+        found = _result_of(process, results)
         process.join()
         if "missing" in found:
             return {**row, "skipped": found["missing"]}
@@ -201,7 +247,8 @@ def parse_gib(text: str | None) -> tuple[float, ...]:
 
 
 def format_row(row: dict[str, Any]) -> str:
-    head = f"{row['engine']} {row['gib']:g} GiB ({row['tensor_bytes_gib']:.2f} in tensors): "
+    held_in = "one shared region" if row["engine"] == REGION_ENGINE else "tensors"
+    head = f"{row['engine']} {row['gib']:g} GiB ({row['tensor_bytes_gib']:.2f} in {held_in}): "
     if "skipped" in row:
         return head + f"skipped ({row['skipped']})"
 

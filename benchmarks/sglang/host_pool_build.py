@@ -12,6 +12,7 @@ bf16, as many tokens as the size asks for.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -44,12 +45,19 @@ def _with_kvcores_hook(allocator_class: Any) -> None:
     allocator_class.allocate = hooked
 
 
-def build(side: str, gib: float, pin: bool) -> tuple[torch.Tensor, int, Callable[[], None]]:
-    """The pool buffer as ``side`` builds it (in this process, which it changes for good),
-    its bytes, and what gives it back. ModuleNotFoundError where SGLang is not installed."""
+def load() -> None:
+    """Import SGLang's pool code and kvcore's hook, before any build is timed (SGLang's
+    imports take seconds); ModuleNotFoundError where SGLang is not installed."""
     from benchmarks.sglang.import_stubs import install_torchvision_stub
 
     install_torchvision_stub()
+    importlib.import_module("sglang.srt.mem_cache.pool_host.common")
+    importlib.import_module("kvcore_sglang.host_memory")
+
+
+def build(side: str, gib: float, pin: bool) -> tuple[torch.Tensor, int, Callable[[], None]]:
+    """The pool buffer as ``side`` builds it (in this process, which it changes for good),
+    its bytes, and what gives it back; :func:`load` first."""
     from sglang.srt.mem_cache.pool_host.common import (
         HostTensorAllocator,
         _cuda_host_unregister,

@@ -28,13 +28,18 @@ def test_a_smoke_run_builds_both_tiers_with_the_issues_fields(tmp_path, capsys):
     args = argparse.Namespace(pool_gib="0.04", json=str(out))
     assert host_pool.main(args) == 0
     report = json.loads(out.read_text())
-    assert report["pinned"] is False and report["engines"] == ["vllm-0.25.1", "sglang"]
+    engines = ["vllm-0.25.1", "sglang", "vllm-shared-region"]
+    assert report["pinned"] is False and report["engines"] == engines
     printed = capsys.readouterr().out
-    row, sglang_row = report["rows"]
-    assert (row["engine"], sglang_row["engine"]) == ("vllm-0.25.1", "sglang")
+    row, sglang_row, region_row = report["rows"]
+    assert [each["engine"] for each in report["rows"]] == engines
     if importlib.util.find_spec("sglang") is None:
         assert sglang_row["skipped"].startswith("ModuleNotFoundError")
         assert "sglang 0.04 GiB (0.04 in tensors): skipped" in printed
+    if importlib.util.find_spec("vllm") is None:
+        # One 32 MiB chunk: the region's whole chunks that fit 0.04 GiB.
+        assert region_row["skipped"].startswith("ModuleNotFoundError")
+        assert "vllm-shared-region 0.04 GiB (0.03 in one shared region): skipped" in printed
     assert set(ISSUE_FIELDS) <= set(row)
     blocks, page = host_pool.tier_shape(0.04)
     tensors_gib = host_pool.LAYERS * blocks * page / (1 << 30)
@@ -68,3 +73,16 @@ def test_bad_host_pool_options_are_refused_in_one_line(argv, problem, capsys):
     cli.add_arguments(parser)
     assert cli.run(parser.parse_args(argv)) == 2
     assert problem in capsys.readouterr().err
+
+
+def test_a_side_whose_process_dies_unreported_is_an_error_not_a_hang():
+    import queue
+
+    class Dead:
+        exitcode = -9
+
+        def is_alive(self) -> bool:
+            return False
+
+    found = host_pool._result_of(Dead(), queue.Queue())
+    assert found == {"error": "its process ended (exit code -9) unreported"}
