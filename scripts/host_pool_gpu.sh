@@ -5,16 +5,26 @@
 # hook, where .whl-sglang/ is carried: see sglang_ab.sh; its rows say "skipped" otherwise),
 # then how fast this host faults in and pins each kind of mapping.
 #
-#   OUT=<dir> bash scripts/host_pool_gpu.sh          (carry .whl-sglang for SGLang's rows)
+#   OUT=<dir> bash scripts/host_pool_gpu.sh   (carry .whl-sglang for SGLang's rows and
+#                                              .vllm-tree for vllm-shared-region's)
 #
 # Settings: POOL_GIB (the tier sizes, 16,32,48,64: on a 128 GiB host stock's rounding makes
-# 96 GiB take 128), FAULT_GIB (host_fault_rates' size, 8). Writes under $OUT: env.txt,
+# 96 GiB take 128; vLLM's region must also fit /dev/shm's free space, and three engines at
+# four sizes may need most of a 600 s call: 16,32,64 is quicker), FAULT_GIB
+# (host_fault_rates' size, 8). Writes under $OUT: env.txt (env-vllm.txt),
 # pytest-gpu.log, host-pool.json, host-pool.log, fault-rates.json, fault-rates.log.
 set -uo pipefail
 OUT=${OUT:-out/host-pool}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/integrations${PYTHONPATH:+:$PYTHONPATH}"
+# vLLM's env first: it sets PYTHONPATH afresh, SGLang's adds to it. Each writes env.txt.
+if [ -d .vllm-tree/vllm ]; then
+    # The vllm-shared-region rows: vLLM 0.33's region class and registration.
+    # shellcheck source=scripts/vllm_device_env.sh
+    source scripts/vllm_device_env.sh || echo "the vLLM tree did not load: its rows skip"
+    mv "$OUT/env.txt" "$OUT/env-vllm.txt"
+fi
 if ls .whl-sglang/*.whl >/dev/null 2>&1; then
     # shellcheck source=scripts/sglang_device_env.sh
     source scripts/sglang_device_env.sh || echo "SGLang's wheels did not install: its rows skip"

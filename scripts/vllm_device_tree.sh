@@ -21,11 +21,13 @@
 #                              has; scripts/vllm_ab.sh installs only the ones it lacks.
 #
 # Usage: scripts/vllm_device_tree.sh [--offline]   (from anywhere; writes <repo>/.vllm-tree)
+#   VENV_PY=<python of a vLLM 0.33.0 venv> when .venv-vllm holds another release (0.34):
+#   VLLM_VERSION=0.33.0 bash ci/install_vllm.sh /tmp/venv-vllm033, then VENV_PY=/tmp/venv-vllm033/bin/python.
 # --offline skips the wheel download (keeps the wheels already in .vllm-tree/wheels).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 TREE="$REPO/.vllm-tree"
-VENV_PY="$REPO/.venv-vllm/bin/python"
+VENV_PY=${VENV_PY:-$REPO/.venv-vllm/bin/python}  # a venv of vLLM $VLLM_VERSION (ci/install_vllm.sh)
 VLLM_VERSION=0.33.0
 WHEELS=(msgspec==0.22.0 pyzmq==27.3.0 psutil==7.2.2 regex==2026.11.19)
 
@@ -48,7 +50,9 @@ vllm.platforms.builtin_platform_plugins["cuda"] = lambda: "vllm.platforms.cuda.C
 import benchmarks.vllm.ab  # noqa: F401
 import benchmarks.vllm.sweep  # noqa: F401
 import kvcore_vllm.page_rows  # noqa: F401
+import kvcore_vllm.region_faulting  # noqa: F401
 import kvcore_vllm.transfers  # noqa: F401
+import vllm.v1.kv_offload.cpu.shared_offload_region  # noqa: F401  (kvcore bench --host-pool)
 
 assert type(vllm.platforms.current_platform).__module__ == "vllm.platforms.cuda"
 site = sys.argv[1]
