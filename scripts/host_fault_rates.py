@@ -18,7 +18,6 @@ import argparse
 import ctypes
 import json
 import mmap
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,12 +27,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcore import host_pinning
+from kvcore.shared_segments import MAX_SEGMENTS as SEGMENTS
+from kvcore.shared_segments import segmented_shared
 
 MADV_HUGEPAGE = 14
-_MAP_FIXED = 0x10
-_PROT_NONE = 0
 KINDS = ("shared", "shared-segments", "private", "private-hugepage")
-SEGMENTS = 32
 
 
 def _madvise(address: int, nbytes: int, advice: int) -> int:
@@ -42,56 +40,11 @@ def _madvise(address: int, nbytes: int, advice: int) -> int:
     return int(libc.madvise(address, nbytes, advice))
 
 
-def _libc_mmap() -> Any:
-    call = ctypes.CDLL(None, use_errno=True).mmap
-    call.restype = ctypes.c_void_p
-    call.argtypes = (
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    )
-    return call
-
-
-def _segmented(nbytes: int, segments: int) -> tuple[int, Callable[[], None]]:
-    """``nbytes`` of shared memory at one address, from ``segments`` memfd files mapped side
-    by side into a reserved range; (address, what unmaps it)."""
-    libc_mmap = _libc_mmap()
-    reserve = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
-    base = libc_mmap(None, nbytes, _PROT_NONE, reserve, -1, 0)
-    if base in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), "mmap (reserve)")
-    munmap = ctypes.CDLL(None).munmap
-    munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    step = -(-nbytes // segments // mmap.PAGESIZE) * mmap.PAGESIZE
-    for offset in range(0, nbytes, step):
-        length = min(step, nbytes - offset)
-        fd = os.memfd_create("kvcore-fault-rates")
-        try:
-            os.ftruncate(fd, length)
-            placed = libc_mmap(
-                base + offset,
-                length,
-                mmap.PROT_READ | mmap.PROT_WRITE,
-                mmap.MAP_SHARED | _MAP_FIXED,
-                fd,
-                0,
-            )
-        finally:
-            os.close(fd)  # the mapping keeps the file
-        if placed != base + offset:
-            munmap(base, nbytes)
-            raise OSError(ctypes.get_errno(), "mmap (segment)")
-    return base, lambda: munmap(base, nbytes)
-
-
 def _mapped(kind: str, nbytes: int) -> tuple[int, Callable[[], None]]:
     """A fresh mapping of ``kind``: (address, what unmaps it)."""
     if kind == "shared-segments":
-        return _segmented(nbytes, SEGMENTS)
+        shared = segmented_shared(nbytes, SEGMENTS)
+        return shared.address, shared.release
     flags = mmap.MAP_SHARED if kind == "shared" else mmap.MAP_PRIVATE
     region = mmap.mmap(-1, nbytes, flags=flags | mmap.MAP_ANONYMOUS)
     holder = ctypes.c_char.from_buffer(region)

@@ -4,11 +4,12 @@ SGLang 0.5.23's default host allocator (``HostTensorAllocator.allocate``, throug
 ``alloc_mmap``) maps each pool buffer shared and anonymous, at its exact size, and faults
 every page in on one thread (``MADV_POPULATE_WRITE``) before ``HostKVCache`` registers it
 with CUDA in chunks. Faulting on one thread is most of a large pool's start-up. kvcore's
-hook makes the same kind of mapping of the same size, reading as the same zeros, and
-changes only how its pages come in: from every CPU the process may use, placed on the NUMA
-node of the GPU the process drives where the host has more than one
-(:func:`kvcore.host_mapping.faulted_mapping`). SGLang's registration and everything after it
-stay SGLang's own.
+hook makes shared memory of the same size, reading as the same zeros, and changes how
+its pages come in: from every CPU the process may use, placed on the NUMA node of the GPU
+the process drives where the host has more than one
+(:func:`kvcore.host_mapping.fault_in`), and, from 2 GiB, over several files side by side
+(:mod:`kvcore.shared_segments`), since the kernel serialises faults into one shared file.
+SGLang's registration and everything after it stay SGLang's own.
 
 SGLang's own allocation runs instead where:
 
@@ -36,9 +37,10 @@ import torch
 
 from kvcore import numa
 from kvcore.config import KVCoreConfig
-from kvcore.host_mapping import faulted_mapping
+from kvcore.host_mapping import fault_in, faulted_mapping
 from kvcore.host_pinning import format_bytes, usable_cpus
 from kvcore.metrics import METRICS
+from kvcore.shared_segments import segment_count, segmented_shared
 
 from .guard import HOST_MEMORY_TARGET
 
@@ -74,14 +76,21 @@ def mapped_pool_tensor(
     placement: numa.Placement | None = None,
     threads: int | None = None,
 ) -> torch.Tensor:
-    """A ``dims`` tensor of ``dtype`` on a shared anonymous mapping of exactly its bytes,
-    every page faulted in by ``threads`` threads (every usable CPU by default), placed as
-    ``placement`` says. The tensor keeps the mapping; it is unmapped when the tensor is
-    freed. Raises OSError where the kernel refuses the mapping."""
+    """A ``dims`` tensor of ``dtype`` on shared memory of exactly its bytes, every page
+    faulted in by ``threads`` threads (every usable CPU by default), placed as ``placement``
+    says. From 2 GiB the memory is spread over several files
+    (:func:`kvcore.shared_segments.segmented_shared`), so that the threads do not queue on
+    one file's lock. The tensor keeps the memory; it is unmapped when the tensor is freed.
+    Raises OSError where the kernel refuses the mapping."""
     count = math.prod(dims)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
-    faulted = faulted_mapping(nbytes, placement=placement, threads=threads)
-    return torch.frombuffer(faulted.mapping, dtype=dtype, count=count).reshape(dims)
+    segments = segment_count(nbytes)
+    if segments == 1:
+        faulted = faulted_mapping(nbytes, placement=placement, threads=threads)
+        return torch.frombuffer(faulted.mapping, dtype=dtype, count=count).reshape(dims)
+    shared = segmented_shared(nbytes, segments)
+    fault_in(shared.address, nbytes, placement=placement, threads=threads)
+    return torch.frombuffer(shared.buffer, dtype=dtype, count=count).reshape(dims)
 
 
 def allocate_hook(

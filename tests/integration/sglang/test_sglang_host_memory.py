@@ -77,6 +77,24 @@ def test_the_default_allocation_is_kvcores_mapping_as_stock_makes_it(hooked, map
     assert torch.equal(tensor, data)
 
 
+def test_a_large_buffer_is_spread_over_several_files(hooked, mapped_calls, monkeypatch):
+    # Pools of 2 GiB and more: here a few pages stand in, the count forced to three.
+    monkeypatch.setattr(host_memory, "segment_count", lambda nbytes: 3)
+    tensor = HostTensorAllocator().allocate(DIMS, dtype=torch.bfloat16, device="cpu")
+    nbytes = tensor.numel() * tensor.element_size()
+    maps = Path("/proc/self/maps").read_text()
+    assert maps.count("kvcore-host-pool") >= 3
+    assert _mapping_line(tensor.data_ptr()).split()[1] == "rw-s"
+    assert (
+        not tensor.any()
+        and resident_pages(tensor.data_ptr(), nbytes)[0]
+        == (resident_pages(tensor.data_ptr(), nbytes)[1])
+    )
+    data = torch.randn(DIMS, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    tensor.copy_(data)
+    assert torch.equal(tensor, data)
+
+
 def test_sglangs_pools_are_built_on_kvcores_mapping_and_hold_their_rows(hooked, mapped_calls):
     mha = mha_host(64, 16)
     mla = mla_host(64, 16)
