@@ -44,3 +44,43 @@ def test_views_of_the_registered_mapping_are_pinned_and_copy_exactly_both_ways()
     del views
     region.cleanup()
     assert not region.is_pinned and region.mmap_obj is None
+
+
+def test_a_pool_over_several_files_registers_once_and_copies_exactly_both_ways() -> None:
+    """SGLang's pool buffers of 2 GiB and more sit on several memfd files side by side
+    (kvcore.shared_segments); SGLang registers the whole buffer in one call across them."""
+    from kvcore.host_mapping import fault_in
+    from kvcore.host_pinning import CudaHostRegistrar
+    from kvcore.shared_segments import segmented_shared
+
+    rows, row_bytes = 4096, 4096
+    shared = segmented_shared(rows * row_bytes, 5)
+    fault_in(shared.address, shared.nbytes)
+    host = torch.frombuffer(shared.buffer, dtype=torch.int8, count=shared.nbytes).view(
+        rows, row_bytes
+    )
+    registrar = CudaHostRegistrar()
+    registrar.register(shared.address, shared.nbytes)
+    try:
+        assert host.is_pinned()
+        generator = torch.Generator(device="cuda").manual_seed(12)
+        device = torch.randint(
+            -128, 128, host.shape, dtype=torch.int8, device="cuda", generator=generator
+        )
+        # Rows from every segment, the last and the first of each included.
+        picked = torch.randperm(rows, generator=torch.Generator().manual_seed(7))[: rows // 2]
+        picked = torch.cat([picked, torch.arange(0, rows, rows // 5)]).unique()
+        untouched = host.clone()
+        mover = Mover()
+        mover.execute(plan(device, host, picked, picked, direction=Direction.D2H))
+        torch.cuda.synchronize()
+        expected = untouched.clone()
+        expected[picked] = device[picked].cpu()
+        assert torch.equal(host, expected)
+        back = torch.zeros_like(device)
+        mover.execute(plan(host, back, picked, picked, direction=Direction.H2D))
+        torch.cuda.synchronize()
+        assert torch.equal(back[picked], device[picked])
+    finally:
+        registrar.unregister(shared.address)
+    del host
