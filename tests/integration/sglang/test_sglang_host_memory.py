@@ -194,3 +194,20 @@ def test_a_patched_source_hooks_the_allocation_under_kvcore_host_pool(
     finally:
         HookRegistry._patched.clear()
         HookRegistry._patched.update(saved)
+
+
+@pytest.mark.parametrize(
+    ("environ", "choice"),
+    [
+        ({}, None),
+        ({"SGLANG_HUGEPAGE_SIZE": " "}, None),
+        ({"SGLANG_HICACHE_HOST_PARALLEL_ALLOC_THREADS": "0"}, None),
+        ({"SGLANG_HUGEPAGE_SIZE": "1GB"}, "SGLANG_HUGEPAGE_SIZE"),
+        (
+            {"SGLANG_HICACHE_HOST_PARALLEL_ALLOC_THREADS": "8"},
+            "SGLANG_HICACHE_HOST_PARALLEL_ALLOC_THREADS",
+        ),
+    ],
+)
+def test_sglangs_own_settings_that_keep_its_allocation(environ, choice):
+    assert host_memory.sglang_choice(environ) == choice
