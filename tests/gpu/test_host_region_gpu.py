@@ -27,20 +27,7 @@ def test_views_of_the_registered_mapping_are_pinned_and_copy_exactly_both_ways()
     slots = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(6))[:40]
     for view in views:
         assert view.is_pinned()
-        device = torch.randint(
-            -128, 128, view.shape, dtype=torch.int8, device="cuda", generator=generator
-        )
-        untouched = view.clone()
-        mover.execute(plan(device, view, blocks, slots, direction=Direction.D2H))
-        torch.cuda.synchronize()
-        expected = untouched.clone()
-        expected[slots] = device[blocks].cpu()
-        assert torch.equal(view, expected)
-        back = torch.zeros_like(device)
-        mover.execute(plan(view, back, slots, blocks, direction=Direction.H2D))
-        torch.cuda.synchronize()
-        assert torch.equal(back[blocks], device[blocks])
-        assert not back[[b for b in range(BLOCKS) if b not in set(blocks.tolist())]].any()
+        _copies_exactly_both_ways(mover, view, blocks, slots, generator)
     del views
     region.cleanup()
     assert not region.is_pinned and region.mmap_obj is None
@@ -63,24 +50,37 @@ def test_a_pool_over_several_files_registers_once_and_copies_exactly_both_ways()
     registrar.register(shared.address, shared.nbytes)
     try:
         assert host.is_pinned()
-        generator = torch.Generator(device="cuda").manual_seed(12)
-        device = torch.randint(
-            -128, 128, host.shape, dtype=torch.int8, device="cuda", generator=generator
-        )
-        # Rows from every segment, the last and the first of each included.
+        # Rows from every segment, the first of each included.
         picked = torch.randperm(rows, generator=torch.Generator().manual_seed(7))[: rows // 2]
         picked = torch.cat([picked, torch.arange(0, rows, rows // 5)]).unique()
-        untouched = host.clone()
-        mover = Mover()
-        mover.execute(plan(device, host, picked, picked, direction=Direction.D2H))
-        torch.cuda.synchronize()
-        expected = untouched.clone()
-        expected[picked] = device[picked].cpu()
-        assert torch.equal(host, expected)
-        back = torch.zeros_like(device)
-        mover.execute(plan(host, back, picked, picked, direction=Direction.H2D))
-        torch.cuda.synchronize()
-        assert torch.equal(back[picked], device[picked])
+        generator = torch.Generator(device="cuda").manual_seed(12)
+        _copies_exactly_both_ways(Mover(), host, picked, picked, generator)
     finally:
         registrar.unregister(shared.address)
     del host
+
+
+def _copies_exactly_both_ways(
+    mover: Mover,
+    host: torch.Tensor,
+    device_rows: torch.Tensor,
+    host_rows: torch.Tensor,
+    generator: torch.Generator,
+) -> None:
+    """Random device rows stored into ``host`` at ``host_rows`` (every other host row
+    keeping its bytes), then loaded back into fresh device rows (every other row left
+    zero), both through ``mover``."""
+    device = torch.randint(
+        -128, 128, host.shape, dtype=torch.int8, device="cuda", generator=generator
+    )
+    expected = host.clone()
+    expected[host_rows] = device[device_rows].cpu()
+    mover.execute(plan(device, host, device_rows, host_rows, direction=Direction.D2H))
+    torch.cuda.synchronize()
+    assert torch.equal(host, expected)
+    back = torch.zeros_like(device)
+    mover.execute(plan(host, back, host_rows, device_rows, direction=Direction.H2D))
+    torch.cuda.synchronize()
+    assert torch.equal(back[device_rows], device[device_rows])
+    others = sorted(set(range(host.shape[0])) - set(device_rows.tolist()))
+    assert not back[others].any()
