@@ -11,13 +11,16 @@ An anonymous mapping reads as zeros, as a zeroed tensor does.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvcore import numa
 from kvcore.host_pinning import populate, usable_cpus
+from kvcore.shared_segments import segment_count, segmented_shared
 
 
 @dataclass
@@ -44,6 +47,63 @@ def faulted_mapping(
     address = mapping_address(mapping)
     node = fault_in(address, nbytes, placement=placement, threads=threads)
     return FaultedMapping(mapping, address, nbytes, node)
+
+
+@dataclass
+class HostMemory:
+    """Shared anonymous memory at one address, exactly ``nbytes`` (page-rounded by the
+    kernel), reading as zeros: one mapping, or from 2 GiB several memfd files side by side
+    (:mod:`kvcore.shared_segments`), so that threads fault it in without queueing on one
+    file's lock. A forked child sees it either way."""
+
+    buffer: Any
+    """The memory as a writable buffer (``torch.frombuffer`` keeps it, and so the memory,
+    alive); None once closed."""
+    address: int
+    nbytes: int
+    segments: int
+    node: int | None = None
+    """The NUMA node its pages were placed on, once faulted in (:func:`faulted_memory`)."""
+    mapping: mmap.mmap | None = None
+    """The one mapping, where there is one; :attr:`buffer` is then a view of it, which
+    stops :meth:`close` from unmapping it while anything holds that view."""
+
+    def close(self) -> None:
+        """Give the memory back: now where nothing views it any more, else once the last
+        view is freed (a range over several files is unmapped when its buffer is
+        collected)."""
+        mapping, self.mapping, self.buffer = self.mapping, None, None
+        if mapping is not None:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+
+
+def host_memory(nbytes: int, segments: int | None = None) -> HostMemory:
+    """Fresh shared memory of ``nbytes`` over ``segments`` files (by default
+    :func:`~kvcore.shared_segments.segment_count`'s), none of it faulted in yet. Raises
+    OSError where the kernel refuses it."""
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    segments = segment_count(nbytes) if segments is None else segments
+    if segments <= 1:
+        mapping = mmap.mmap(-1, nbytes)
+        return HostMemory(memoryview(mapping), mapping_address(mapping), nbytes, 1, None, mapping)
+    shared = segmented_shared(nbytes, segments)
+    return HostMemory(shared.buffer, shared.address, nbytes, shared.segments)
+
+
+def faulted_memory(
+    nbytes: int, *, placement: numa.Placement | None = None, threads: int | None = None
+) -> HostMemory:
+    """:func:`host_memory` of ``nbytes``, every page faulted in by ``threads`` threads
+    (default: every CPU the process may use) and placed as ``placement`` says."""
+    memory = host_memory(nbytes)
+    try:
+        memory.node = fault_in(memory.address, nbytes, placement=placement, threads=threads)
+    except BaseException:
+        memory.close()
+        raise
+    return memory
 
 
 def mapping_address(mapping: mmap.mmap) -> int:

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcore import host_pinning, numa
+from kvcore import host_mapping, host_pinning, numa
+from kvcore.shared_segments import segment_count
 
 MEMINFO = Path("/proc/meminfo")
 """Where the kernel's memory counters are read from (tests point it elsewhere)."""
@@ -69,15 +70,16 @@ def cuda_registrar() -> host_pinning.HostRegistrar | None:
 
 
 def _timed_sample(
-    sample_bytes: int, threads: int | None, registrar: host_pinning.HostRegistrar | None
+    sample_bytes: int,
+    threads: int | None,
+    registrar: host_pinning.HostRegistrar | None,
+    segments: int = 1,
 ) -> tuple[float, float]:
-    """Seconds to fault in a fresh sample (``threads``; None: leave it to registration) and
-    to register it (0 without a registrar)."""
-    sample = mmap.mmap(-1, sample_bytes)
-    holder = ctypes.c_char.from_buffer(sample)
-    address = ctypes.addressof(holder)
-    # The address stays valid while the sample is mapped; the export must go first.
-    del holder
+    """Seconds to fault in a fresh sample of shared memory over ``segments`` files
+    (``threads``; None: leave it to registration) and to register it (0 without a
+    registrar)."""
+    sample = host_mapping.host_memory(sample_bytes, segments)
+    address = sample.address
     try:
         started = time.perf_counter()
         if threads is not None:
@@ -133,7 +135,10 @@ def pin_estimate(
     scale = pool_bytes / sample_bytes
     if registrar is not None:
         _warm_up(registrar)
-    fault_s, register_s = _timed_sample(sample_bytes, threads, registrar)
+    # kvcore's way spreads a pool over as many files as the pool would take
+    # (kvcore.host_mapping.faulted_memory), the engines' way faults one.
+    segments = min(segment_count(pool_bytes), sample_bytes // mmap.PAGESIZE)
+    fault_s, register_s = _timed_sample(sample_bytes, threads, registrar, segments)
     one_thread_s, _ = _timed_sample(sample_bytes, 1, None)
     stock_s = None
     if registrar is not None:

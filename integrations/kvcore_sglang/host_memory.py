@@ -37,10 +37,9 @@ import torch
 
 from kvcore import numa
 from kvcore.config import KVCoreConfig
-from kvcore.host_mapping import fault_in, faulted_mapping
+from kvcore.host_mapping import faulted_memory
 from kvcore.host_pinning import format_bytes, usable_cpus
 from kvcore.metrics import METRICS
-from kvcore.shared_segments import segment_count, segmented_shared
 
 from .guard import HOST_MEMORY_TARGET
 
@@ -78,19 +77,14 @@ def mapped_pool_tensor(
 ) -> torch.Tensor:
     """A ``dims`` tensor of ``dtype`` on shared memory of exactly its bytes, every page
     faulted in by ``threads`` threads (every usable CPU by default), placed as ``placement``
-    says. From 2 GiB the memory is spread over several files
-    (:func:`kvcore.shared_segments.segmented_shared`), so that the threads do not queue on
-    one file's lock. The tensor keeps the memory; it is unmapped when the tensor is freed.
+    says (:func:`kvcore.host_mapping.faulted_memory`: from 2 GiB over several files, so
+    that the threads do not queue on one file's lock). The tensor keeps the memory; it is
+    unmapped when the tensor is freed.
     Raises OSError where the kernel refuses the mapping."""
     count = math.prod(dims)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
-    segments = segment_count(nbytes)
-    if segments == 1:
-        faulted = faulted_mapping(nbytes, placement=placement, threads=threads)
-        return torch.frombuffer(faulted.mapping, dtype=dtype, count=count).reshape(dims)
-    shared = segmented_shared(nbytes, segments)
-    fault_in(shared.address, nbytes, placement=placement, threads=threads)
-    return torch.frombuffer(shared.buffer, dtype=dtype, count=count).reshape(dims)
+    memory = faulted_memory(nbytes, placement=placement, threads=threads)
+    return torch.frombuffer(memory.buffer, dtype=dtype, count=count).reshape(dims)
 
 
 def allocate_hook(

@@ -13,7 +13,9 @@ instead, the path 0.25.1 takes for its shared region:
 - its store handler gives the region back at shutdown (:meth:`ExactHostRegion.cleanup`).
 
 Each view is ``[blocks, page]`` and contiguous, as the tensor it replaces; each starts on
-a page boundary. The memory reads as zeros, as the zeroed tensors do.
+a page boundary. The memory reads as zeros, as the zeroed tensors do. A tier of 2 GiB or
+more lies over several memfd files side by side (:func:`kvcore.host_mapping.faulted_memory`),
+so that the faulting threads do not queue on one file's lock.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcore import numa
-from kvcore.host_mapping import faulted_mapping
+from kvcore.host_mapping import HostMemory, faulted_memory
 from kvcore.host_pinning import PinnedMemoryError, format_bytes
 from kvcore.host_report import available_bytes
 
@@ -72,13 +74,12 @@ class ExactHostRegion:
                 f"{format_bytes(available)} is available (MemAvailable); ask for less with "
                 "--kv-offloading-size, or free memory"
             )
-        faulted = faulted_mapping(total, placement=placement, threads=threads)
-        self.mmap_obj: mmap.mmap | None = faulted.mapping
-        self.address = faulted.address
+        self.memory: HostMemory | None = faulted_memory(total, placement=placement, threads=threads)
+        self.address = self.memory.address
         """Where the mapping starts: what vLLM registers (its ``_base.data_ptr()``)."""
-        self.numa_node = faulted.node
+        self.numa_node = self.memory.node
         self._base: torch.Tensor | None = torch.frombuffer(
-            memoryview(faulted.mapping), dtype=torch.int8
+            self.memory.buffer, dtype=torch.int8, count=total
         )
         self._views: list[torch.Tensor] = []
         self.is_pinned = False
@@ -117,9 +118,6 @@ class ExactHostRegion:
             self.is_pinned = False
         self._views.clear()
         self._base = None
-        if self.mmap_obj is not None:
-            mapping, self.mmap_obj = self.mmap_obj, None
-            try:
-                mapping.close()
-            except BufferError:
-                logger.debug("host tier views outlive cleanup(); unmapped when they are freed")
+        if self.memory is not None:
+            memory, self.memory = self.memory, None
+            memory.close()

@@ -30,7 +30,7 @@ def test_views_of_the_registered_mapping_are_pinned_and_copy_exactly_both_ways()
         _copies_exactly_both_ways(mover, view, blocks, slots, generator)
     del views
     region.cleanup()
-    assert not region.is_pinned and region.mmap_obj is None
+    assert not region.is_pinned and region.memory is None
 
 
 def test_a_pool_over_several_files_registers_once_and_copies_exactly_both_ways() -> None:

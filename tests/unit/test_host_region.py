@@ -91,7 +91,7 @@ def test_cleanup_unmaps_and_views_it_gave_out_keep_their_bytes_alive():
     view = region.create_next_view(4096)
     view.fill_(7)
     region.cleanup()
-    assert region.mmap_obj is None and region._base is None
+    assert region.memory is None and region._base is None
     assert int(view[1, 4095]) == 7  # still mapped while a view lives
     with pytest.raises(RuntimeError, match="cleaned up"):
         region.create_next_view(4096)
@@ -112,10 +112,39 @@ def test_a_region_larger_than_available_memory_is_refused_before_any_page(monkey
 
     monkeypatch.setattr(host_region, "available_bytes", lambda: 3 * mmap.PAGESIZE)
     monkeypatch.setattr(
-        host_region, "faulted_mapping", lambda *a, **k: pytest.fail("mapped it anyway")
+        host_region, "faulted_memory", lambda *a, **k: pytest.fail("mapped it anyway")
     )
     needs, available = format_bytes(4 * mmap.PAGESIZE), format_bytes(3 * mmap.PAGESIZE)
     with pytest.raises(PinnedMemoryError) as refused:
         ExactHostRegion(4, [mmap.PAGESIZE])
     assert f"needs {needs} of host memory and {available} is available" in str(refused.value)
     assert "--kv-offloading-size" in str(refused.value)
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_faulted_memory_is_shared_zero_and_resident_on_one_file_or_several(monkeypatch, segments):
+    monkeypatch.setattr(host_mapping, "segment_count", lambda nbytes: segments)
+    nbytes = 9 * mmap.PAGESIZE + 5
+    memory = host_mapping.faulted_memory(nbytes, threads=2)
+    assert (memory.nbytes, memory.segments, memory.node) == (nbytes, segments, None)
+    assert resident_pages(memory.address, nbytes) == (10, 10)
+    tensor = torch.frombuffer(memory.buffer, dtype=torch.uint8, count=nbytes)
+    assert not tensor.any()
+    memory.close()  # the tensor still views it: kept until the tensor goes
+    tensor.fill_(9)
+    assert int(tensor.sum()) == 9 * nbytes
+    assert memory.buffer is None
+
+
+def test_a_region_over_several_files_takes_its_views_and_gives_them_back(monkeypatch):
+    monkeypatch.setattr(host_mapping, "segment_count", lambda nbytes: 4)
+    region = ExactHostRegion(8, [4096, 12288])
+    assert region.memory is not None and region.memory.segments == 4
+    views = [region.create_next_view(4096), region.create_next_view(12288)]
+    for view, value in zip(views, (3, -4), strict=True):
+        view.fill_(value)
+    assert int(views[0].sum()) == 3 * views[0].numel()
+    assert int(views[1].sum()) == -4 * views[1].numel()
+    del views
+    region.cleanup()
+    assert region.memory is None

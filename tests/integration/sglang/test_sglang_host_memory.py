@@ -16,6 +16,7 @@ from sglang.srt.mem_cache.pool_host import common  # noqa: E402
 from sglang.srt.mem_cache.pool_host.common import HostTensorAllocator  # noqa: E402
 from sglang_pools import mha_host, mla_host  # noqa: E402
 
+from kvcore import host_mapping  # noqa: E402
 from kvcore.metrics import METRICS  # noqa: E402
 from kvcore_sglang import guard, host_memory  # noqa: E402
 from tests.support.resident import resident_pages  # noqa: E402
@@ -79,7 +80,7 @@ def test_the_default_allocation_is_kvcores_mapping_as_stock_makes_it(hooked, map
 
 def test_a_large_buffer_is_spread_over_several_files(hooked, mapped_calls, monkeypatch):
     # Pools of 2 GiB and more: here a few pages stand in, the count forced to three.
-    monkeypatch.setattr(host_memory, "segment_count", lambda nbytes: 3)
+    monkeypatch.setattr(host_mapping, "segment_count", lambda nbytes: 3)
     tensor = HostTensorAllocator().allocate(DIMS, dtype=torch.bfloat16, device="cpu")
     nbytes = tensor.numel() * tensor.element_size()
     maps = Path("/proc/self/maps").read_text()
@@ -140,7 +141,7 @@ def test_a_failed_mapping_leaves_the_allocation_to_sglang_counted(hooked, monkey
     def refused(*args: Any, **kwargs: Any) -> Any:
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(host_memory, "faulted_mapping", refused)
+    monkeypatch.setattr(host_memory, "faulted_memory", refused)
     before = METRICS.snapshot()["fallbacks"].get("host_pool_stock:OSError", 0)
     tensor = HostTensorAllocator().allocate(DIMS, dtype=torch.float32, device="cpu")
     assert tensor.shape == DIMS and not tensor.any()

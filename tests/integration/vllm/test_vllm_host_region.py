@@ -109,7 +109,7 @@ def test_a_worker_that_fails_on_the_mapping_is_built_stock_and_counted(spec, mon
     before = _fallbacks().get("host_pool_stock:AssertionError", 0)
     assert spec.create_worker(_kv_caches([2048])) == SimpleNamespace(stock=True)
     assert _fallbacks()["host_pool_stock:AssertionError"] == before + 1
-    assert len(built) == 1 and built[0].mmap_obj is None  # given back
+    assert len(built) == 1 and built[0].memory is None  # given back
 
 
 @PINS_EACH_TENSOR
