@@ -40,7 +40,11 @@ def load(pin: bool) -> None:
     neither is the tier's cost; ModuleNotFoundError where vLLM is not installed, or is
     older than 0.32 (no shared region module: the row is skipped, not failed)."""
     from kvcore_vllm.region_faulting import REGION_MODULE
+    from kvcore_vllm.releases import installed_shape
 
+    if installed_shape().worker_pins_each_tensor:
+        # 0.25's region module is another class, for a region that kvcore maps itself.
+        raise ModuleNotFoundError("vLLM before 0.32 maps no shared region", name="vllm")
     importlib.import_module(REGION_MODULE)
     _segment_options()
     if pin:
