@@ -2,11 +2,13 @@
 
 A host tier's memory is pinned once at engine start. Torch's pinned allocator rounds each
 allocation up to a power of two and zeroes it on one thread; registering untouched memory
-faults every page in on the registering thread. :func:`faulted_mapping` maps exactly the
-bytes asked for (the kernel rounds to its page), places them on a NUMA node where asked
-(:mod:`kvcore.numa`), and faults every page in from several threads
-(:func:`kvcore.host_pinning.populate`), so that a registration that follows only pins.
-An anonymous mapping reads as zeros, as a zeroed tensor does.
+faults every page in on the registering thread. :func:`faulted_memory` maps exactly the
+bytes asked for (the kernel rounds to its page) as shared memory, from 2 GiB over several
+files (:mod:`kvcore.shared_segments`: the kernel serialises faults into one shared file),
+places them on a NUMA node where asked (:mod:`kvcore.numa`), and faults every page in from
+several threads (:func:`kvcore.host_pinning.populate`), so that a registration that follows
+only pins. :func:`faulted_mapping` is the same as one anonymous mapping, for the benchmarks'
+host buffers. Fresh anonymous memory reads as zeros, as a zeroed tensor does.
 """
 
 from __future__ import annotations
