@@ -42,10 +42,10 @@ def load(pin: bool) -> None:
     from kvcore_vllm.region_faulting import REGION_MODULE
     from kvcore_vllm.releases import installed_shape
 
+    importlib.import_module(REGION_MODULE)
     if installed_shape().worker_pins_each_tensor:
         # 0.25's region module is another class, for a region that kvcore maps itself.
         raise ModuleNotFoundError("vLLM before 0.32 maps no shared region", name="vllm")
-    importlib.import_module(REGION_MODULE)
     _segment_options()
     if pin:
         importlib.import_module("vllm.v1.kv_offload.cpu.gpu_worker")
