@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,25 +41,13 @@ from kvcore.host_pinning import format_bytes, usable_cpus
 from kvcore.metrics import METRICS
 
 from .guard import HOST_MEMORY_TARGET
+from .host_memory_choice import sglang_choice
 
 logger = logging.getLogger("kvcore.sglang")
 
 TARGET = HOST_MEMORY_TARGET
 """The allocation kvcore's hook wraps, as the guard names it."""
 ALLOCATOR_CLASS = TARGET.rsplit(".", 1)[0]
-
-SGLANG_CHOICES = ("SGLANG_HUGEPAGE_SIZE", "SGLANG_HICACHE_HOST_PARALLEL_ALLOC_THREADS")
-"""SGLang's own settings for its host allocation; either set leaves the allocation SGLang's."""
-
-
-def sglang_choice(environ: Mapping[str, str] | None = None) -> str | None:
-    """The SGLang setting that asks for SGLang's own host allocation, or None."""
-    env = os.environ if environ is None else environ
-    for name in SGLANG_CHOICES:
-        value = env.get(name, "").strip()
-        if value and value != "0":
-            return name
-    return None
 
 
 def _is_default_allocator(allocator: Any) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from kvcore.config import KVCoreConfig
 from kvcore.engine_args import EngineArgs
 
+from .host_memory_choice import sglang_choice
 from .served_layouts import IO_BACKENDS, SERVED_LAYOUTS
 
 NEEDS = "HiCache on: --enable-hierarchical-cache"
@@ -32,6 +33,12 @@ HICACHE_FLAGS = (
 def idle_warnings(args: EngineArgs, environ: Mapping[str, str], config: KVCoreConfig) -> list[str]:
     """One line per reason kvcore would do nothing (or less than asked) in this SGLang."""
     warnings = _plugin_allowlist(environ)
+    choice = sglang_choice(environ) if config.host_pool else None
+    if choice is not None:
+        warnings.append(
+            f"{choice} is set, so SGLang obtains its host pools its own way and "
+            f"KVCORE_HOST_POOL does nothing: unset {choice} for kvcore's"
+        )
     if args.opaque:
         return warnings
     if not (args.has(*HICACHE_FLAGS) or args.value("--disaggregation-mode") == "decode"):

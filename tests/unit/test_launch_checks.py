@@ -246,3 +246,22 @@ def tiering_message(name: str) -> str:
 )
 def test_vllm(args, env, expected):
     assert vllm_warnings(args, env) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "host_pool", "expected"),
+    [
+        ({"SGLANG_HICACHE_HOST_PARALLEL_ALLOC_THREADS": "8"}, True, True),
+        ({"SGLANG_HUGEPAGE_SIZE": "2MB"}, True, True),
+        ({"SGLANG_HICACHE_HOST_PARALLEL_ALLOC_THREADS": "0"}, True, False),
+        ({"SGLANG_HUGEPAGE_SIZE": "2MB"}, False, False),
+    ],
+)
+def test_sglangs_own_host_allocation_leaves_kvcores_host_pool_idle(env, host_pool, expected):
+    config = KVCoreConfig(enable={"sglang"}, transfers=False, host_pool=host_pool)
+    (name,) = env
+    line = (
+        f"{name} is set, so SGLang obtains its host pools its own way and KVCORE_HOST_POOL "
+        f"does nothing: unset {name} for kvcore's"
+    )
+    assert sglang_warnings(["--enable-hicache"], env, config) == ([line] if expected else [])

@@ -18,7 +18,7 @@ from sglang_pools import mha_host, mla_host  # noqa: E402
 
 from kvcore import host_mapping  # noqa: E402
 from kvcore.metrics import METRICS  # noqa: E402
-from kvcore_sglang import guard, host_memory  # noqa: E402
+from kvcore_sglang import guard, host_memory, host_memory_choice  # noqa: E402
 from tests.support.resident import resident_pages  # noqa: E402
 
 DIMS = (2, 3, 37, 4, 16)  # not a whole number of pages: the mapping is exactly its bytes
@@ -52,7 +52,7 @@ def hooked(sglang_hooks: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) ->
     """The plugin's hooks applied with the host pool on and the transfers off."""
     monkeypatch.setenv("KVCORE_TRANSFERS", "0")
     monkeypatch.delenv("KVCORE_HOST_POOL", raising=False)
-    for name in host_memory.SGLANG_CHOICES:
+    for name in host_memory_choice.SGLANG_CHOICES:
         monkeypatch.delenv(name, raising=False)
     yield sglang_hooks()
 
@@ -211,4 +211,4 @@ def test_a_patched_source_hooks_the_allocation_under_kvcore_host_pool(
     ],
 )
 def test_sglangs_own_settings_that_keep_its_allocation(environ, choice):
-    assert host_memory.sglang_choice(environ) == choice
+    assert host_memory_choice.sglang_choice(environ) == choice
