@@ -7,8 +7,7 @@ bytes asked for (the kernel rounds to its page) as shared memory, from 2 GiB ove
 files (:mod:`kvcore.shared_segments`: the kernel serialises faults into one shared file),
 places them on a NUMA node where asked (:mod:`kvcore.numa`), and faults every page in from
 several threads (:func:`kvcore.host_pinning.populate`), so that a registration that follows
-only pins. :func:`faulted_mapping` is the same as one anonymous mapping, for the benchmarks'
-host buffers. Fresh anonymous memory reads as zeros, as a zeroed tensor does.
+only pins. Fresh anonymous memory reads as zeros, as a zeroed tensor does.
 """
 
 from __future__ import annotations
@@ -23,32 +22,6 @@ import numpy as np
 from kvcore import numa
 from kvcore.host_pinning import populate, usable_cpus
 from kvcore.shared_segments import segment_count, segmented_shared
-
-
-@dataclass
-class FaultedMapping:
-    """An anonymous mapping whose pages are all faulted in."""
-
-    mapping: mmap.mmap
-    address: int
-    nbytes: int
-    node: int | None
-    """The NUMA node the pages were placed on (by policy, or by first touch from its CPUs);
-    None where placement was off or there was nothing to place."""
-
-
-def faulted_mapping(
-    nbytes: int, *, placement: numa.Placement | None = None, threads: int | None = None
-) -> FaultedMapping:
-    """Exactly ``nbytes`` of anonymous memory (page-rounded by the kernel), faulted in by
-    ``threads`` threads (default: every CPU the process may use), placed as ``placement``
-    says. Raises OSError where the kernel refuses the mapping (too little memory)."""
-    if nbytes <= 0:
-        raise ValueError(f"nbytes must be positive, got {nbytes}")
-    mapping = mmap.mmap(-1, nbytes)
-    address = mapping_address(mapping)
-    node = fault_in(address, nbytes, placement=placement, threads=threads)
-    return FaultedMapping(mapping, address, nbytes, node)
 
 
 @dataclass
@@ -95,11 +68,16 @@ def host_memory(nbytes: int, segments: int | None = None) -> HostMemory:
 
 
 def faulted_memory(
-    nbytes: int, *, placement: numa.Placement | None = None, threads: int | None = None
+    nbytes: int,
+    *,
+    placement: numa.Placement | None = None,
+    threads: int | None = None,
+    segments: int | None = None,
 ) -> HostMemory:
-    """:func:`host_memory` of ``nbytes``, every page faulted in by ``threads`` threads
-    (default: every CPU the process may use) and placed as ``placement`` says."""
-    memory = host_memory(nbytes)
+    """:func:`host_memory` of ``nbytes`` over ``segments`` files, every page faulted in by
+    ``threads`` threads (default: every CPU the process may use) and placed as
+    ``placement`` says. Raises OSError where the kernel refuses the memory."""
+    memory = host_memory(nbytes, segments)
     try:
         memory.node = fault_in(memory.address, nbytes, placement=placement, threads=threads)
     except BaseException:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvcore import numa
-from kvcore.host_mapping import faulted_mapping
+from kvcore.host_mapping import HostMemory, faulted_memory
 from kvcore.host_pinning import (
     CudaHostRegistrar,
     HostRegistrar,
@@ -101,10 +101,12 @@ class RegisteredBuffer(HostBuffer):
                 f"register_chunk_bytes {register_chunk_bytes} is not a positive multiple "
                 f"of the page size {mmap.PAGESIZE}"
             )
-        faulted = faulted_mapping(nbytes, placement=placement, threads=prefault_threads)
-        self._mmap: mmap.mmap | None = faulted.mapping
-        self.numa_node = faulted.node
-        array = np.frombuffer(faulted.mapping, dtype=np.uint8)
+        # One mapping: the registrations below are cut to the benchmark's own chunks.
+        self._memory: HostMemory | None = faulted_memory(
+            nbytes, placement=placement, threads=prefault_threads, segments=1
+        )
+        self.numa_node = self._memory.node
+        array = np.frombuffer(self._memory.buffer, dtype=np.uint8)
         super().__init__(torch.from_numpy(array))
         self._registrar = registrar
         self._registered: list[int] = []
@@ -129,12 +131,9 @@ class RegisteredBuffer(HostBuffer):
     def close(self) -> None:
         _unregister_all(self._registrar, self._registered)
         super().close()
-        if self._mmap is not None:
-            mapping, self._mmap = self._mmap, None
-            try:
-                mapping.close()
-            except BufferError:
-                logger.debug("host buffer views outlive close(); unmapped when they are freed")
+        if self._memory is not None:
+            memory, self._memory = self._memory, None
+            memory.close()
 
 
 def _unregister_all(registrar: HostRegistrar, registered: list[int]) -> None:

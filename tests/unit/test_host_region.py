@@ -16,17 +16,17 @@ from tests.support.resident import resident_pages
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_faulted_mapping_is_the_size_asked_every_page_in_and_zero(threads):
     nbytes = 37 * mmap.PAGESIZE + 123
-    faulted = host_mapping.faulted_mapping(nbytes, threads=threads)
-    assert faulted.nbytes == nbytes and len(faulted.mapping) == nbytes
+    faulted = host_mapping.faulted_memory(nbytes, threads=threads, segments=1)
+    assert faulted.nbytes == nbytes and len(faulted.buffer) == nbytes
     assert resident_pages(faulted.address, nbytes) == (-(-nbytes // mmap.PAGESIZE),) * 2
     assert faulted.node is None
-    assert faulted.mapping[:] == bytes(nbytes)
-    faulted.mapping.close()
+    assert faulted.buffer[:] == bytes(nbytes)
+    faulted.close()
 
 
 def test_a_faulted_mapping_refuses_no_bytes():
     with pytest.raises(ValueError, match="positive"):
-        host_mapping.faulted_mapping(0)
+        host_mapping.faulted_memory(0)
 
 
 def test_region_views_are_contiguous_page_aligned_and_distinct():
