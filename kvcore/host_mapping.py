@@ -13,6 +13,7 @@ only pins. Fresh anonymous memory reads as zeros, as a zeroed tensor does.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 
 from kvcore import numa
 from kvcore.host_pinning import populate, usable_cpus
+from kvcore.metrics import METRICS
 from kvcore.shared_segments import segment_count, segmented_shared
 
 
@@ -51,6 +53,16 @@ class HostMemory:
         if mapping is not None:
             with contextlib.suppress(BufferError):
                 mapping.close()
+
+
+def fell_back(logger: logging.Logger, exc: Exception, instead: str, counted: bool) -> None:
+    """Say in one line that kvcore could not obtain an engine's host tier (``exc``) and what
+    the engine does ``instead``; where ``counted`` (KVCORE_METRICS), count it
+    ``host_pool_stock:<type>``."""
+    reason = f"host_pool_stock:{type(exc).__name__}"
+    logger.warning("kvcore: %s (%s); %s", reason, exc, instead)
+    if counted:
+        METRICS.record_fallback(reason)
 
 
 def host_memory(nbytes: int, segments: int | None = None) -> HostMemory:

@@ -36,9 +36,8 @@ import torch
 
 from kvcore import numa
 from kvcore.config import KVCoreConfig
-from kvcore.host_mapping import faulted_memory
+from kvcore.host_mapping import faulted_memory, fell_back
 from kvcore.host_pinning import format_bytes, usable_cpus
-from kvcore.metrics import METRICS
 
 from .guard import HOST_MEMORY_TARGET
 from .host_memory_choice import sglang_choice
@@ -94,13 +93,8 @@ def allocate_hook(
         placement = numa.current_gpu_placement()
         tensor = mapped_pool_tensor(tuple(dims), dtype, placement=placement)
     except Exception as exc:
-        logger.warning(
-            "kvcore: mapping SGLang's host pool failed (%s: %s); SGLang allocates it itself",
-            type(exc).__name__,
-            exc,
-        )
-        if KVCoreConfig.from_env().metrics:
-            METRICS.record_fallback(f"host_pool_stock:{type(exc).__name__}")
+        instead = "SGLang allocates its host pool itself"
+        fell_back(logger, exc, instead, KVCoreConfig.from_env().metrics)
         return original(allocator, dims, dtype, device)
     # As SGLang's allocator does: its callers read them back.
     allocator.dtype, allocator.dims = dtype, dims

@@ -25,7 +25,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvcore import numa
 from kvcore.config import KVCoreConfig
-from kvcore.host_mapping import torch_pinned_bytes
+from kvcore.host_mapping import fell_back, torch_pinned_bytes
 from kvcore.host_pinning import format_bytes
 from kvcore.metrics import METRICS
 from kvcore_vllm.handler_install import install_handlers
@@ -69,17 +69,19 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         return self._manager
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
-        # From 0.32 the stock worker's host memory is vLLM's shared, pre-faulted,
-        # host-registered region, and stays so; only the handlers are kvcore's.
-        worker = self._worker_on_exact_region(kv_caches) or self._stock_worker(kv_caches)
+        config = KVCoreConfig.from_env()
+        worker = self._worker_on_exact_region(kv_caches, config) or self._stock_worker(
+            kv_caches, config
+        )
         put_handlers_in_place(worker, kv_caches)
         return worker
 
-    def _stock_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
-        """The stock worker; on 0.32 and later, for an engine of one worker and under
-        ``KVCORE_HOST_POOL``, its shared region faulted in by every usable CPU first
-        (:mod:`kvcore_vllm.region_faulting`)."""
-        config = KVCoreConfig.from_env()
+    def _stock_worker(
+        self, kv_caches: CanonicalKVCaches, config: KVCoreConfig
+    ) -> CPUOffloadingWorker:
+        """The stock worker (from 0.32 on vLLM's own shared region); for an engine of one
+        worker and under ``KVCORE_HOST_POOL``, that region faulted in by every usable CPU
+        first (:mod:`kvcore_vllm.region_faulting`)."""
         parallel = getattr(getattr(self, "config", None), "parallel", None)
         if not (
             config.host_pool
@@ -90,20 +92,18 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         from vllm.v1.kv_offload.cpu import shared_offload_region
 
         def count(exc: Exception) -> None:
-            reason = f"host_pool_stock:{type(exc).__name__}"
-            logger.warning("kvcore: %s (%s); vLLM faults its CPU tier in itself", reason, exc)
-            if config.metrics:
-                METRICS.record_fallback(reason)
+            fell_back(logger, exc, "vLLM faults its CPU tier in itself", config.metrics)
 
         with faulted_by_every_cpu(shared_offload_region, numa.current_gpu_placement(), count):
             return super().create_worker(kv_caches)
 
-    def _worker_on_exact_region(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker | None:
+    def _worker_on_exact_region(
+        self, kv_caches: CanonicalKVCaches, config: KVCoreConfig
+    ) -> CPUOffloadingWorker | None:
         """vLLM 0.25.1's worker on kvcore's host mapping (:class:`ExactHostRegion`), built
         as the stock ``create_worker`` builds it plus the region; None where the release or
         ``KVCORE_HOST_POOL`` leaves host memory stock, or where kvcore's mapping fails
         (logged and counted ``host_pool_stock:<type>``: the stock worker allocates)."""
-        config = KVCoreConfig.from_env()
         tensors = getattr(kv_caches, "tensors", None)
         if not (_SHAPE.worker_pins_each_tensor and config.host_pool and tensors):
             return None
@@ -130,10 +130,7 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         except Exception as exc:
             if region is not None:
                 region.cleanup()
-            reason = f"host_pool_stock:{type(exc).__name__}"
-            logger.warning("kvcore: %s (%s); vLLM allocates its CPU tier itself", reason, exc)
-            if config.metrics:
-                METRICS.record_fallback(reason)
+            fell_back(logger, exc, "vLLM allocates its CPU tier itself", config.metrics)
             return None
         logger.info(
             "kvcore: vLLM's CPU tier mapped by kvcore: %s for %d KV tensors in %.1f s "
