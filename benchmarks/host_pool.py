@@ -28,6 +28,7 @@ is pinned, and the read is a host copy: a smoke run of the same code.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing
 import queue
@@ -71,20 +72,28 @@ def _rss_gib() -> tuple[float, float]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-def _build(side: str, blocks: int, page: int, pin: bool) -> tuple[list[torch.Tensor], Any, int]:
-    """The tier's tensors as ``side`` builds them, what keeps them, and its bytes."""
+def _build_vllm_0251(side: str, gib: float, pin: bool) -> Built:
+    """vLLM 0.25.1's tier of ``gib`` as ``side`` builds it: the first KV tensor's host copy,
+    the tier's bytes, and what gives the tier back."""
+    blocks, page = tier_shape(gib)
     if side == "stock":
         tensors = [
             torch.zeros((blocks, page), dtype=torch.int8, pin_memory=pin) for _ in range(LAYERS)
         ]
         size = blocks * page
-        return tensors, None, (torch_pinned_bytes(size) if pin else size) * LAYERS
+        return tensors[0], (torch_pinned_bytes(size) if pin else size) * LAYERS, tensors.clear
     from kvcore_vllm.host_region import ExactHostRegion
 
     region = ExactHostRegion(blocks, [page] * LAYERS)
     if pin:
         register_as_vllm_does(region)
-    return [region.create_next_view(page) for _ in range(LAYERS)], region, region.total_size_bytes
+    views = [region.create_next_view(page) for _ in range(LAYERS)]
+
+    def release() -> None:
+        views.clear()
+        region.cleanup()
+
+    return views[0], region.total_size_bytes, release
 
 
 def register_as_vllm_does(region: Any) -> None:
@@ -114,20 +123,10 @@ def _read_speed(tensor: torch.Tensor, pin: bool) -> tuple[float, bool]:
     return tensor.numel() / best / 1e9, bool(torch.equal(target.cpu(), source))
 
 
-def _build_vllm_0251(side: str, gib: float, pin: bool) -> Built:
-    tensors, region, nbytes = _build(side, *tier_shape(gib), pin)
-
-    def release() -> None:
-        tensors.clear()
-        if region is not None:
-            region.cleanup()
-
-    return tensors[0], nbytes, release
-
-
 def _builder(engine: str, pin: bool) -> Builder:
     """``engine``'s build and the part of its tier to read back, its engine imported."""
     if engine == ENGINE:
+        importlib.import_module("kvcore_vllm.host_region")
         return _build_vllm_0251, lambda tensor: tensor
     if engine == "sglang":
         from benchmarks.sglang import host_pool_build
