@@ -9,7 +9,6 @@ engines' way (one thread, the faults taken during registration) and once kvcore'
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import time
 from pathlib import Path
@@ -108,13 +107,10 @@ def sample_size(pool_bytes: int, available: int | None) -> int:
 
 def _warm_up(registrar: host_pinning.HostRegistrar) -> None:
     """One small registration, so that the driver's one-time set-up is not timed."""
-    buffer = mmap.mmap(-1, mmap.PAGESIZE)
-    holder = ctypes.c_char.from_buffer(buffer)
-    address = ctypes.addressof(holder)
-    del holder
+    buffer = host_mapping.host_memory(mmap.PAGESIZE, segments=1)
     try:
-        registrar.register(address, mmap.PAGESIZE)
-        registrar.unregister(address)
+        registrar.register(buffer.address, mmap.PAGESIZE)
+        registrar.unregister(buffer.address)
     finally:
         buffer.close()
 

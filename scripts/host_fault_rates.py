@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcore import host_pinning
+from kvcore.host_mapping import mapping_address
 from kvcore.shared_segments import MAX_SEGMENTS as SEGMENTS
 from kvcore.shared_segments import segmented_shared
 
@@ -47,10 +48,7 @@ def _mapped(kind: str, nbytes: int) -> tuple[int, Callable[[], None]]:
         return shared.address, shared.release
     flags = mmap.MAP_SHARED if kind == "shared" else mmap.MAP_PRIVATE
     region = mmap.mmap(-1, nbytes, flags=flags | mmap.MAP_ANONYMOUS)
-    holder = ctypes.c_char.from_buffer(region)
-    address = ctypes.addressof(holder)
-    del holder
-    return address, region.close
+    return mapping_address(region), region.close
 
 
 def one_rate(kind: str, nbytes: int, threads: int, register: bool) -> dict[str, Any]:
