@@ -86,11 +86,8 @@ def test_a_large_buffer_is_spread_over_several_files(hooked, mapped_calls, monke
     maps = Path("/proc/self/maps").read_text()
     assert maps.count("kvcore-host-pool") >= 3
     assert _mapping_line(tensor.data_ptr()).split()[1] == "rw-s"
-    assert (
-        not tensor.any()
-        and resident_pages(tensor.data_ptr(), nbytes)[0]
-        == (resident_pages(tensor.data_ptr(), nbytes)[1])
-    )
+    resident, pages = resident_pages(tensor.data_ptr(), nbytes)
+    assert not tensor.any() and resident == pages
     data = torch.randn(DIMS, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
     tensor.copy_(data)
     assert torch.equal(tensor, data)
