@@ -67,6 +67,14 @@ class KVCoreConfig:
         "most runs one layer's copy takes as DMA straight into place (one cudaMemcpyBatchAsync "
         "descriptor each); past it the staged copy or the gather costs less host time",
     )
+    sglang_dma_in_place: bool = _setting(
+        False,
+        BOOLEAN,
+        "SGLang's kernel-backend transfers of paged pools: read each request's device indices "
+        "back when SGLang moves them (one small device-to-host copy a request, as SGLang's "
+        "direct backend makes), so that pages of 32 KiB and more go by DMA straight into "
+        "place, no kernel on any stream; 0 plans around the device indices unread",
+    )
     gather_ctas: int = _setting(
         8,
         _integer(1, 1024),

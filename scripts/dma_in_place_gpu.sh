@@ -1,20 +1,39 @@
 #!/usr/bin/env bash
-# Issue 44's copy-engine-only trial in one device call: both beside-compute benches with paged
-# rows copied by DMA straight into their pages (one cudaMemcpyBatchAsync descriptor a page,
-# no kernel) wherever a page is at least DMA_RUN_BYTES, against the default policy's paths.
-# Carry .whl-sglang and .vllm-tree (see beside_compute_gpu.sh and beside_compute_vllm_gpu.sh).
+# Issue 44's copy-engine-only trial in one device call: paged rows copied by DMA straight into
+# their pages (one cudaMemcpyBatchAsync descriptor a page, no kernel) wherever a page is at least
+# DMA_RUN_BYTES, beside the model's compute, against stock and kvcore's other paths.
+# Carry .whl-sglang (and .vllm-tree for the vLLM parts; see beside_compute_gpu.sh and
+# beside_compute_vllm_gpu.sh).
 #
-#   OUT=<dir> bash scripts/dma_in_place_gpu.sh
+#   OUT=<dir> [PARTS="sglang vllm vllm-staged"] bash scripts/dma_in_place_gpu.sh
 #
-# Writes $OUT/sglang-dma/, $OUT/vllm-dma/ and $OUT/vllm-staged/ (each the bench's JSON and log).
+# PARTS picks what runs (default: sglang):
+#   sglang       SGLang's kernel backend under KVCORE_SGLANG_DMA_IN_PLACE=1: kvcore reads the
+#                device indices back at their move and copies whole pages by DMA; its "own"
+#                side (rule off) does so at every size, its rule-on side where the rule serves
+#                -> $OUT/sglang-dma/
+#   vllm         vLLM's handler with blocks by DMA into place -> $OUT/vllm-dma/
+#   vllm-staged  vLLM's handler with DMA into device staging, then a scatter -> $OUT/vllm-staged/
+# Each writes the bench's JSON and log.
 set -uo pipefail
 OUT=${OUT:-out/dma-in-place}
 DMA_RUN_BYTES=${DMA_RUN_BYTES:-32KiB}
-export KVCORE_LONG_RUN_BYTES=$DMA_RUN_BYTES KVCORE_MAX_BATCHED_RUNS=4096
-(OUT=$OUT/sglang-dma BESIDE_SECONDS=240 bash scripts/beside_compute_gpu.sh --rows mha,mla \
-    --sizes 8192,32768 --pages 64,16 --compute prefill-4096,decode-64 --repeats 4)
-(OUT=$OUT/vllm-dma BESIDE_SECONDS=120 bash scripts/beside_compute_vllm_gpu.sh --sizes 8192,32768)
-unset KVCORE_LONG_RUN_BYTES KVCORE_MAX_BATCHED_RUNS
-# The other copy-engine way for vLLM's jobs: DMA into device staging, then a scatter.
-(KVCORE_STAGING_BYTES=2GiB OUT=$OUT/vllm-staged BESIDE_SECONDS=120 \
-    bash scripts/beside_compute_vllm_gpu.sh --sizes 8192)
+PARTS=${PARTS:-sglang}
+for part in $PARTS; do
+    case $part in
+        sglang)
+            (export KVCORE_SGLANG_DMA_IN_PLACE=1 KVCORE_LONG_RUN_BYTES=$DMA_RUN_BYTES \
+                KVCORE_MAX_BATCHED_RUNS=4096
+             OUT=$OUT/sglang-dma BESIDE_SECONDS=${BESIDE_SECONDS:-300} \
+                bash scripts/beside_compute_gpu.sh --rows mha,mla --sizes 8192,32768 \
+                --pages 64,16 --compute prefill-4096,decode-64 --repeats 4) ;;
+        vllm)
+            (export KVCORE_LONG_RUN_BYTES=$DMA_RUN_BYTES KVCORE_MAX_BATCHED_RUNS=4096
+             OUT=$OUT/vllm-dma BESIDE_SECONDS=120 \
+                bash scripts/beside_compute_vllm_gpu.sh --sizes 8192,32768) ;;
+        vllm-staged)
+            (KVCORE_STAGING_BYTES=2GiB OUT=$OUT/vllm-staged BESIDE_SECONDS=120 \
+                bash scripts/beside_compute_vllm_gpu.sh --sizes 8192) ;;
+        *) echo "dma_in_place_gpu.sh: unknown part '$part' (sglang, vllm, vllm-staged)" >&2; exit 2 ;;
+    esac
+done

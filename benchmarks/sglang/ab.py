@@ -45,7 +45,7 @@ from benchmarks.sglang.sgl_kernel_stub import install_sgl_kernel_stub
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.planning.path_policy import policy_from_config
+from kvcore_sglang.hook_mover import sglang_policy
 
 
 def options_for(args: argparse.Namespace) -> Options:
@@ -68,7 +68,7 @@ def bench_mover(*, serve_rule: bool = False) -> Iterator[Mover]:
     """
     from benchmarks.sglang.hook_adapter import using_mover
 
-    mover = Mover(policy_from_config(KVCoreConfig.from_env()), metrics=Metrics())
+    mover = Mover(sglang_policy(KVCoreConfig.from_env()), metrics=Metrics())
     with using_mover(mover, rule=serve_rule):
         yield mover
 

@@ -4,8 +4,9 @@ A reload is what SGLang's HiCache does on a hit: ``HiCacheController.move_indice
 ``L2TransferEngine.submit_host_to_device`` over the pool pair, one
 ``load_to_device_per_layer`` call per layer on the engine's host-to-device stream and a
 per-layer event the forward can wait on (``on_layer_done``). Each request is timed
-wall-clock from the submission until its copy is complete, with new index tensors every
-time, in three situations:
+wall-clock from the index move until its copy is complete (the move is the first call
+``start_loading`` makes; under ``KVCORE_SGLANG_DMA_IN_PLACE`` kvcore's read of the device
+indices starts there), with new index tensors every time, in three situations:
 
 - ``alone``: nothing else on the GPU;
 - ``independent``: another batch's forward (:class:`benchmarks.model_forward.ModelForward`,
@@ -52,6 +53,7 @@ from benchmarks.sglang.sweep_cells import _check, request_indices
 from benchmarks.sglang.sweep_options import LAYERS
 from benchmarks.sglang.sweep_sides import pool_hook, pool_method, serve_rule_off
 from kvcore.bench.measure import sync_device
+from kvcore.config import KVCoreConfig
 
 SITUATIONS = ("alone", "independent", "dependent")
 _METHOD = "load_to_device_per_layer"
@@ -132,13 +134,12 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
         return move_indices(HiCacheController.move_indices, controller, h, d)
 
     def own_move(controller: Any, h: torch.Tensor, d: torch.Tensor) -> Any:
-        # The host indices remembered as kvcore's hook does, without telling the pool's
+        # The indices remembered (and read back) as kvcore's hook does, without telling the pool's
         # bindings of a move: they belong to the rule-on side, which must find them as its
         # own requests left them (a move here would turn a binding back on under the stock
         # method _as_side puts back).
         moved = HiCacheController.move_indices(controller, h, d)
-        if moved[0] is not h:
-            bench_adapter().host_indices.remember(moved[0], h)
+        bench_adapter().indices_moved(controller, h, d, moved)
         return moved
 
     sides = [
@@ -163,12 +164,22 @@ class _Reloads:
         self.controller = _Controller(case.pool, self.device)
         self.layer_done = [torch.cuda.Event() for _ in range(layers)]
 
-    def prepared(self, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        """The request's transfer as the controller hands it over: new tensors of the
-        request's values, the device indices where SGLang's allocator leaves them."""
-        host, device = cpu[0].clone(), cpu[1].to(self.device)
-        moved = side.move(self.controller, host, device)
+    def request(self, cpu: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The request's indices as the controller holds them before ``start_loading``: new
+        tensors of the request's values, the device indices where SGLang's allocator
+        leaves them."""
+        return cpu[0].clone(), cpu[1].to(self.device)
+
+    def moved(self, side: _Side, request: tuple[torch.Tensor, ...]) -> Any:
+        """The request's transfer as ``start_loading`` hands it over: its indices moved
+        (``HiCacheController.move_indices``, timed with the transfer: kvcore's read of the
+        device indices, where it makes one, starts there)."""
+        moved = side.move(self.controller, request[0], request[1])
         return self._transfer(self.case.pool, self.case.device_pool, moved[0], moved[1])
+
+    def prepared(self, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        """:meth:`moved` of a new :meth:`request`, untimed."""
+        return self.moved(side, self.request(cpu))
 
     def submit(self, transfer: Any) -> Any:
         events = self.layer_done
@@ -190,10 +201,10 @@ class _Controller:
 
 def _alone(reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor]) -> float:
     with _as_side(reloads.case, side):
-        transfer = reloads.prepared(side, cpu)
+        request = reloads.request(cpu)
         torch.cuda.synchronize(reloads.device)
         started = time.perf_counter()
-        reloads.submit(transfer).finish_event.synchronize()
+        reloads.submit(reloads.moved(side, request)).finish_event.synchronize()
         return (time.perf_counter() - started) * 1e3
 
 
@@ -202,11 +213,11 @@ def _independent(
 ) -> tuple[float, float]:
     """(reload ms, forward ms) with the forward's graph replayed just before the submission."""
     with _as_side(reloads.case, side):
-        transfer = reloads.prepared(side, cpu)
+        request = reloads.request(cpu)
         torch.cuda.synchronize(reloads.device)
         events = forward.replay()
         started = time.perf_counter()
-        reloads.submit(transfer).finish_event.synchronize()
+        reloads.submit(reloads.moved(side, request)).finish_event.synchronize()
         reload_ms = (time.perf_counter() - started) * 1e3
         events[1].synchronize()
         return reload_ms, events[0].elapsed_time(events[1])
@@ -222,10 +233,10 @@ def _dependent(
         stream.wait_event(done[layer])
 
     with _as_side(reloads.case, side):
-        transfer = reloads.prepared(side, cpu)
+        request = reloads.request(cpu)
         torch.cuda.synchronize(reloads.device)
         started = time.perf_counter()
-        completion = reloads.submit(transfer)
+        completion = reloads.submit(reloads.moved(side, request))
         events = forward.model.queue(stream, before_layer=wait)
         assert events is not None
         completion.finish_event.synchronize()
@@ -376,6 +387,8 @@ def _document(
         skipped,
         serve_rule=opts.serve_rule,
         host_fragmentation=opts.host_level,
+        sglang_dma_in_place=KVCoreConfig.from_env().sglang_dma_in_place,
+        timed_from="move_indices",
     )
 
 

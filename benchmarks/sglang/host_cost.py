@@ -330,10 +330,19 @@ def run(args: argparse.Namespace) -> list[CostRow]:
     with contextlib.ExitStack() as stack:
         if not args.rule:
             stack.enter_context(sweep_sides.serve_rule_off())
-        if args.device_indices_unread:
+        if args.device_indices_unread or args.device_indices_read:
             if device.type != "cpu":
-                raise SystemExit("--device-indices-unread is for a CPU run: a GPU plans so")
-            stack.enter_context(sweep_sides.device_indices_unread())
+                raise SystemExit(
+                    "--device-indices-unread and --device-indices-read are for a CPU run: a "
+                    "GPU plans so itself (the second under KVCORE_SGLANG_DMA_IN_PLACE=1)"
+                )
+            if args.device_indices_unread and args.device_indices_read:
+                raise SystemExit("give one of --device-indices-unread and --device-indices-read")
+            stack.enter_context(
+                sweep_sides.device_indices_unread()
+                if args.device_indices_unread
+                else sweep_sides.device_indices_read()
+            )
         if args.no_copy:
             if device.type == "cpu":
                 stack.enter_context(stock_copies_left_out())
@@ -412,6 +421,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on a CPU, plan the kernel backend's calls around their device indices, as on "
         "a GPU (the same Python as there)",
+    )
+    p.add_argument(
+        "--device-indices-read",
+        action="store_true",
+        help="on a CPU, plan the kernel backend's calls as on a GPU under "
+        "KVCORE_SGLANG_DMA_IN_PLACE=1: device indices on the device, read back at the move",
     )
     p.add_argument(
         "--rule",

@@ -235,6 +235,27 @@ def device_indices_unread() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def device_indices_read() -> Iterator[None]:
+    """kvcore's SGLang hooks as under ``KVCORE_SGLANG_DMA_IN_PLACE`` on a GPU with the
+    ``kernel`` backend: every call's device indices on the device, with their host copy
+    read back at the move. On a CPU the device indices are CPU tensors marked on the
+    device, and a copy of them stands for the read."""
+    from benchmarks.sglang.hook_adapter import call_indices_through
+
+    def read(found_by: Callable[..., Any]) -> Callable[..., Any]:
+        def found_read(*args: Any) -> Any:
+            found = found_by(*args)
+            if isinstance(found, str):
+                return found
+            return dataclasses.replace(found, device_opaque=True, device_read=found.device.clone())
+
+        return found_read
+
+    with call_indices_through(read):
+        yield
+
+
 def rule_off(case: PoolCase, op: str, backend: str, layers: int) -> Side:
     """kvcore's hook called directly with the serve-or-pass rule off: its own paths
     wherever it can copy exactly, to read off where the rule should serve."""

@@ -32,9 +32,8 @@ from kvcore.config import KVCoreConfig
 from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.planning.path_policy import PathPolicy
+from kvcore.planning.path_policy import PathPolicy, dma_in_place_policy
 from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
-from kvcore_vllm.path_defaults import vllm_policy
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.stock_copies import gpu_tensors_of
 from kvcore_vllm.transfers import KVCoreOffloadingHandler
@@ -171,7 +170,7 @@ def kvcore_handler(
 
 def env_policy() -> PathPolicy:
     """The policy kvcore's vLLM handlers copy with, under this process's settings."""
-    return vllm_policy(KVCoreConfig.from_env())
+    return dma_in_place_policy(KVCoreConfig.from_env())
 
 
 def _named(streams: NamedStreams, name: str) -> Callable[[], Any]:

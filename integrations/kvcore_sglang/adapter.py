@@ -25,6 +25,7 @@ from kvcore.stock_share import StockShare
 
 from . import call_plans
 from .call_memos import HostIndexMemo, LayerPairsMemo
+from .device_reads import DeviceIndexReads, worth_reading
 from .hook_mover import HookMover, count_request_pass
 from .load_requests import LoadRequests, PoolLayers
 from .release_jobs import ReleaseJobs
@@ -50,6 +51,11 @@ class SGLangAdapter:
         self.load_requests = LoadRequests()
         self.pool_layers = PoolLayers()
         self.host_indices = HostIndexMemo()
+        self.device_reads: DeviceIndexReads | None = (
+            DeviceIndexReads() if self.config.sglang_dma_in_place else None
+        )
+        """The device indices read back at their move (``KVCORE_SGLANG_DMA_IN_PLACE``), so
+        that paged rows can go by DMA straight into place; None where they stay unread."""
         self.layer_pairs = LayerPairsMemo()
         self.release_jobs = ReleaseJobs()
         self.internal_errors = InternalErrors("SGLang", logger)
@@ -68,6 +74,25 @@ class SGLangAdapter:
         returns the one in use until now, for the caller to put back."""
         return self.movers.use(chosen)
 
+    def indices_moved(
+        self, controller: Any, host_indices: Any, device_indices: Any, moved: Any
+    ) -> None:
+        """Remember what ``HiCacheController.move_indices`` made of the two index tensors:
+        the CPU host indices of a copy it put on the GPU, and, under
+        ``KVCORE_SGLANG_DMA_IN_PLACE``, a read of device indices it left there."""
+        moved_host = moved[0] if isinstance(moved, tuple) and moved else None
+        if (
+            isinstance(host_indices, torch.Tensor)
+            and host_indices.device.type == "cpu"
+            and isinstance(moved_host, torch.Tensor)
+            and moved_host is not host_indices
+            and moved_host.device.type != "cpu"
+        ):
+            self.host_indices.remember(moved_host, host_indices)
+        moved_device = moved[1] if isinstance(moved, tuple) and len(moved) > 1 else None
+        if self.device_reads is not None and worth_reading(moved_device, controller):
+            self.device_reads.start(moved_device)
+
     def call_indices(
         self, pool: Any, served_class: str, host_indices: Any, device_indices: Any, io_backend: str
     ) -> call_plans.CallIndices | str:
@@ -75,7 +100,13 @@ class SGLangAdapter:
         (:func:`kvcore_sglang.call_plans.call_indices`); a benchmark may set a stand-in of
         the same signature on the instance."""
         return call_plans.call_indices(
-            pool, served_class, host_indices, device_indices, io_backend, self.host_indices
+            pool,
+            served_class,
+            host_indices,
+            device_indices,
+            io_backend,
+            self.host_indices,
+            self.device_reads,
         )
 
     def release(self) -> None:

@@ -9,7 +9,11 @@ exists. The hooks remember the CPU host indices of each moved tensor
 alone, the device indices staying on the GPU, unread
 (:func:`kvcore.planning.device_indexed.plan_device_indexed`: staged or gather). A
 ``kernel`` call whose host indices were not remembered runs stock
-(``sglang_indices_on_device``). kvcore never reads a device tensor back to plan.
+(``sglang_indices_on_device``). kvcore reads a device tensor back to plan only under
+``KVCORE_SGLANG_DMA_IN_PLACE`` (:mod:`kvcore_sglang.device_reads`): a call whose device
+indices were read at their move is planned from both sides, and takes that plan where it
+copies by DMA alone (one run, or runs batched straight into place); any other path keeps
+the plan made around the device indices.
 
 The pairs of one call (a layer's K and V; every layer of a backup) move in one
 submission where they share a row size (:meth:`kvcore.mover.Mover.execute_layers`), their
@@ -27,12 +31,13 @@ from kvcore.direction import Direction
 from kvcore.mover import Mover
 from kvcore.planning.device_indexed import plan_device_indexed, plan_device_indexed_for
 from kvcore.planning.host_run import HostRunFound
-from kvcore.planning.path_policy import TransferPath
+from kvcore.planning.path_policy import PathPolicy, TransferPath
 from kvcore.planning.plans import TransferPlan, plan, plan_for
 from kvcore.planning.submissions import Submission, submissions
 from kvcore.planning.transfer_sides import CheckedSides
 
 from .call_memos import HostIndexMemo, LayerPairsMemo
+from .device_reads import DeviceIndexReads
 from .pool_jobs import Job
 from .served_layouts import layout_reason
 from .served_pools import class_name
@@ -49,7 +54,14 @@ class CallIndices:
     """On the CPU: the call's own, or the ones ``move_indices`` was given."""
     device: torch.Tensor
     device_opaque: bool
-    """The device indices are on the device: planned around, never read."""
+    """The device indices are on the device: planned around, unread."""
+    device_read: torch.Tensor | None = None
+    """Where :attr:`device_opaque`: their host copy, read back at their move
+    (``KVCORE_SGLANG_DMA_IN_PLACE``), for a plan that copies by DMA alone."""
+
+
+# The paths that move a plan's rows by DMA alone: no kernel on any stream.
+DMA_PATHS = frozenset({TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS})
 
 
 def call_indices(
@@ -59,9 +71,11 @@ def call_indices(
     device_indices: Any,
     io_backend: str,
     moved: HostIndexMemo,
+    reads: DeviceIndexReads | None = None,
 ) -> CallIndices | str:
     """The indices to plan from, or why the call must run stock before looking at its
-    layers; ``moved``: the CPU host indices of the tensors ``move_indices`` moved."""
+    layers; ``moved``: the CPU host indices of the tensors ``move_indices`` moved;
+    ``reads``: the device indices read back there, where any were."""
     if class_name(pool) != served_class:
         # Subclasses (MXFP8, HiSparse...) reach here through super() with their own data.
         return "sglang_pool_class"
@@ -83,7 +97,12 @@ def call_indices(
     if opaque and (io_backend != "kernel" or pool.layout == "page_first_direct"):
         # page_first_direct copies whole pages named by the device indices' values.
         return "sglang_indices_on_device"
-    return CallIndices(host, device_indices, opaque)
+    read = reads.recall(device_indices) if opaque and reads is not None else None
+    if read is not None and (
+        read.shape != device_indices.shape or read.dtype != device_indices.dtype
+    ):
+        read = None
+    return CallIndices(host, device_indices, opaque, read)
 
 
 def plans(
@@ -91,13 +110,13 @@ def plans(
     job: Job,
     direction: Direction,
     chosen_mover: Mover,
-    device_opaque: bool,
+    indices: CallIndices,
     checked_pairs: LayerPairsMemo,
 ) -> list[Submission] | str:
     """One plan for every layer pair, moved in one submission where the pairs allow it, else
     rebound to each pair; or the reason the call must run stock. ``checked_pairs``: the
     pool's buffer pairs as checked before."""
-    first = first_plan(job, direction, chosen_mover, device_opaque)
+    first = first_plan(job, direction, chosen_mover, indices)
     if isinstance(first, str):
         return first
     page_in = direction is Direction.H2D
@@ -116,34 +135,65 @@ def first_plan(
     job: Job,
     direction: Direction,
     chosen_mover: Mover,
-    device_opaque: bool,
+    indices: CallIndices,
     kept_sides: CheckedSides | None = None,
     host_runs: HostRunFound | None = None,
 ) -> TransferPlan | str:
-    """The plan of the job's first pair, or why the call must run stock. ``kept_sides``:
-    that pair as checked when its layer's buffers were kept, used where the job's first
-    pair is those very buffers (the plan then checks only the indices). ``host_runs``:
-    the host rows as one run where the rule found them so (used where they are the
-    job's own)."""
+    """The plan of the job's first pair, or why the call must run stock. ``indices``: the
+    call's, as :func:`call_indices` found them (the job's rows come from them).
+    ``kept_sides``: that pair as checked when its layer's buffers were kept, used where the
+    job's first pair is those very buffers (the plan then checks only the indices).
+    ``host_runs``: the host rows as one run where the rule found them so (used where they
+    are the job's own)."""
     page_in = direction is Direction.H2D
     host, device = job.pairs[0]
     src, dst = (host, device) if page_in else (device, host)
+    if kept_sides is not None and not (kept_sides.src is src and kept_sides.dst is dst):
+        kept_sides = None
+    policy = chosen_mover.policy
     try:
-        src_idx, dst_idx = (
-            (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
-        )
-        policy = chosen_mover.policy
-        if kept_sides is not None and kept_sides.src is src and kept_sides.dst is dst:
-            if device_opaque:
-                first = plan_device_indexed_for(
-                    kept_sides, src_idx, dst_idx, policy=policy, host_found=host_runs
-                )
-            else:
-                first = plan_for(kept_sides, src_idx, dst_idx, policy=policy)
+        by_dma = _dma_plan(job, page_in, src, dst, indices, kept_sides, policy)
+        if by_dma is not None:
+            first = by_dma
         else:
-            planner = plan_device_indexed if device_opaque else plan
-            first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=policy)
+            src_idx, dst_idx = (
+                (job.host_rows, job.device_rows) if page_in else (job.device_rows, job.host_rows)
+            )
+            if kept_sides is not None:
+                if indices.device_opaque:
+                    first = plan_device_indexed_for(
+                        kept_sides, src_idx, dst_idx, policy=policy, host_found=host_runs
+                    )
+                else:
+                    first = plan_for(kept_sides, src_idx, dst_idx, policy=policy)
+            else:
+                planner = plan_device_indexed if indices.device_opaque else plan
+                first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=policy)
     except ValueError:
         # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
         return "sglang_invalid_indices"
     return first.reason if first.path is TransferPath.FALLBACK and first.reason else first
+
+
+def _dma_plan(
+    job: Job,
+    page_in: bool,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    indices: CallIndices,
+    kept_sides: CheckedSides | None,
+    policy: PathPolicy,
+) -> TransferPlan | None:
+    """The job planned from its device indices read back, where that plan copies by DMA
+    alone; None where none were read, the job's device rows are not the indices
+    themselves, or the plan would take another path. Raises ValueError as planning does."""
+    read = indices.device_read
+    if read is None or job.device_rows is not indices.device:
+        return None
+    src_idx, dst_idx = (job.host_rows, read) if page_in else (read, job.host_rows)
+    if kept_sides is not None:
+        planned = plan_for(kept_sides, src_idx, dst_idx, policy=policy)
+    else:
+        direction = Direction.H2D if page_in else Direction.D2H
+        planned = plan(src, dst, src_idx, dst_idx, direction=direction, policy=policy)
+    return planned if planned.path in DMA_PATHS else None

@@ -16,7 +16,7 @@ from collections import defaultdict
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover
-from kvcore.planning.path_policy import policy_from_config
+from kvcore.planning.path_policy import PathPolicy, dma_in_place_policy, policy_from_config
 
 
 class HookMover:
@@ -45,7 +45,7 @@ class HookMover:
         with self._lock:
             if self._mover is None:
                 metrics = METRICS if self._config.metrics else None
-                self._mover = Mover(policy_from_config(self._config), metrics=metrics)
+                self._mover = Mover(sglang_policy(self._config), metrics=metrics)
                 self._count_passes_in(self._mover)
             return self._mover
 
@@ -77,3 +77,12 @@ def count_request_pass(chosen: Mover, reason: str) -> None:
     """A whole request passed to stock: its decision and its pass, in one count."""
     if chosen.metrics is not None:
         chosen.metrics.record_pass(reason)
+
+
+def sglang_policy(config: KVCoreConfig) -> PathPolicy:
+    """The path policy SGLang's hooks copy with: ``config``'s, with paged rows by DMA straight
+    into place under ``KVCORE_SGLANG_DMA_IN_PLACE``
+    (:func:`kvcore.planning.path_policy.dma_in_place_policy`)."""
+    if config.sglang_dma_in_place:
+        return dma_in_place_policy(config)
+    return policy_from_config(config)

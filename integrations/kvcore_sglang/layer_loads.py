@@ -195,7 +195,7 @@ def _serve_layer(
             planned_from,
             Direction.H2D,
             chosen_mover,
-            indices.device_opaque,
+            indices,
             buffers.first_sides,
             request.host_runs,
         )

@@ -21,12 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from kvcore.direction import Direction
 
 from . import call_plans, pool_jobs
 from .adapter import SGLangAdapter
+from .call_plans import CallIndices
 from .hook_mover import count_request_pass
 from .layer_loads import continued, later_layer_served, load_layer, passes_from_here
 from .pool_jobs import Job, PoolJobs
@@ -73,25 +72,18 @@ def _make_move_indices_hook(adapter: SGLangAdapter) -> Callable[..., Any]:
     def move_indices_hook(
         original: Callable[..., Any], controller: Any, host_indices: Any, device_indices: Any
     ) -> Any:
-        """AROUND ``HiCacheController.move_indices``: remember host indices moved to the
-        GPU, and tell the controller's host pool's stock bindings a new transfer comes
+        """AROUND ``HiCacheController.move_indices``: remember what the move made of the
+        indices (:meth:`~kvcore_sglang.adapter.SGLangAdapter.indices_moved`), and tell the
+        controller's host pool's stock bindings a new transfer comes
         (:meth:`~kvcore_sglang.stock_binding.StockBindings.indices_moved`). Stock's move
         has run first; a failure of kvcore's own part after it only leaves the indices
         unremembered (their transfer then runs stock), counted."""
         moved = original(controller, host_indices, device_indices)
-        moved_host = moved[0] if isinstance(moved, tuple) and moved else None
         try:
             host_pool = getattr(controller, "mem_pool_host", None)
             if host_pool is not None:
                 adapter.bindings.indices_moved(host_pool)
-            if (
-                isinstance(host_indices, torch.Tensor)
-                and host_indices.device.type == "cpu"
-                and isinstance(moved_host, torch.Tensor)
-                and moved_host is not host_indices
-                and moved_host.device.type != "cpu"
-            ):
-                adapter.host_indices.remember(moved_host, host_indices)
+            adapter.indices_moved(controller, host_indices, device_indices, moved)
         except Exception as exc:
             internal_error(adapter.internal_errors, adapter.mover(), exc)
         return moved
@@ -103,17 +95,18 @@ def _serve(
     adapter: SGLangAdapter,
     stock: Callable[[], None],
     pool: Any,
-    job: Job | str,
+    work: tuple[Job, CallIndices] | str,
     direction: Direction,
-    device_opaque: bool,
 ) -> None:
+    """Copy ``work`` (a job and the indices it was built from) through the adapter's mover,
+    or run stock where it is a reason to (counted) or kvcore fails (counted)."""
     chosen_mover = adapter.mover()
     try:
         decided = (
-            job
-            if isinstance(job, str)
+            work
+            if isinstance(work, str)
             else call_plans.plans(
-                pool, job, direction, chosen_mover, device_opaque, adapter.layer_pairs
+                pool, work[0], direction, chosen_mover, work[1], adapter.layer_pairs
             )
         )
         if not isinstance(decided, str):
@@ -239,10 +232,10 @@ def _make_backup_hook(
         jobs = adapter.release_jobs.jobs_for(target, by_release)
         indices = adapter.call_indices(pool, pool_class, host_indices, device_indices, io_backend)
         if jobs is None:
-            _serve(adapter, stock, pool, SOURCE_UNKNOWN, Direction.D2H, False)
+            _serve(adapter, stock, pool, SOURCE_UNKNOWN, Direction.D2H)
             return
         if isinstance(indices, str):
-            _serve(adapter, stock, pool, indices, Direction.D2H, False)
+            _serve(adapter, stock, pool, indices, Direction.D2H)
             return
         passes, _ = host_runs_pass(rule, tokens, indices.host, chosen_mover.policy)
         if passes is not None:
@@ -251,6 +244,6 @@ def _make_backup_hook(
             return
         count_serve(chosen_mover)
         job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)
-        _serve(adapter, stock, pool, job, Direction.D2H, indices.device_opaque)
+        _serve(adapter, stock, pool, job if isinstance(job, str) else (job, indices), Direction.D2H)
 
     return backup_hook

@@ -17,12 +17,12 @@ import torch
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
+from kvcore.planning.path_policy import dma_in_place_policy
 from kvcore.streams import CudaStreams
 from kvcore.warm_up import warm_up
 from kvcore_vllm.device_pointers import gpu_rows
 from kvcore_vllm.installation import INSTALLATION
 from kvcore_vllm.page_rows import page_bytes
-from kvcore_vllm.path_defaults import vllm_policy
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.stock_copies import gpu_tensors_of
 from kvcore_vllm.transfers import KVCoreOffloadingHandler
@@ -59,7 +59,7 @@ def install_handlers(
                 metrics.record_fallback("no_kv_caches")
             return []
         shared = [gpu_rows(tensor) for tensor in kv_caches.tensors]
-    mover = Mover(vllm_policy(config), metrics=metrics)
+    mover = Mover(dma_in_place_policy(config), metrics=metrics)
     stocks: dict[str, tuple[Any, list[torch.Tensor]]] = {}
     for attribute in HANDLER_ATTRIBUTES:
         stock = getattr(worker, attribute, None)

@@ -2,6 +2,7 @@
 
 :class:`TransferPath` names each path, :class:`PathPolicy` holds the sizes the choice
 is made from and :func:`policy_from_config` reads them from a :class:`KVCoreConfig`;
+:func:`dma_in_place_policy` the same with paged rows copied by DMA straight into place;
 :data:`FALLBACK_REASONS` are the reasons a plan takes the engine's stock path. They sit
 apart from planning and execution because both (and the staging buffers, the adapters
 and the benchmarks) read them, while they depend on neither.
@@ -9,7 +10,9 @@ and the benchmarks) read them, while they depend on neither.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from kvcore.config import KVCoreConfig
@@ -93,4 +96,36 @@ def policy_from_config(config: KVCoreConfig) -> PathPolicy:
         gather_ctas_to_host=config.gather_ctas_to_host,
         gather_ctas_short_rows=config.gather_ctas_short_rows,
         staged_pieces=config.staged_pieces,
+    )
+
+
+DMA_IN_PLACE_RUN_BYTES = 32 << 10
+"""The shortest run :func:`dma_in_place_policy` copies by DMA straight into place: the
+shortest measured so beside the model's compute (vLLM's 32 KiB MHA blocks,
+docs/performance.md, "Reloads beside the model's compute")."""
+DMA_IN_PLACE_MOST_RUNS = 1 << 16
+"""The most runs of one layer it copies that way (131072 tokens of 16-token pages)."""
+DMA_IN_PLACE_OVERRIDES = ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS")
+"""The settings that, when set, keep the policy as configured."""
+
+
+def dma_in_place_policy(
+    config: KVCoreConfig, environ: Mapping[str, str] | None = None
+) -> PathPolicy:
+    """``config``'s path policy with runs of :data:`DMA_IN_PLACE_RUN_BYTES` and more copied
+    by DMA straight into place (one ``cudaMemcpyBatchAsync`` descriptor a run, no kernel on
+    any stream), unless the environment sets one of :data:`DMA_IN_PLACE_OVERRIDES` (an empty
+    variable counts as unset): the operator's thresholds then stand as configured.
+
+    vLLM's handlers always copy with it: a job moves whole blocks (16 tokens of one layer,
+    18-64 KiB on common models), and beside the model's compute blocks copied this way left
+    another batch's forward as fast as beside stock's copy, where kvcore's gather kernel
+    slowed it by 4-12%, for loads as fast as the gather's. MLA's 18 KiB blocks stay under
+    the threshold until measured. SGLang's hooks use it under ``KVCORE_SGLANG_DMA_IN_PLACE``."""
+    environ = os.environ if environ is None else environ
+    policy = policy_from_config(config)
+    if any(environ.get(name) for name in DMA_IN_PLACE_OVERRIDES):
+        return policy
+    return replace(
+        policy, long_run_bytes=DMA_IN_PLACE_RUN_BYTES, max_batched_runs=DMA_IN_PLACE_MOST_RUNS
     )

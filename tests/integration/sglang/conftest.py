@@ -45,6 +45,17 @@ def device_indices_unread() -> Iterator[None]:
 
 
 @pytest.fixture
+def device_indices_read() -> Iterator[None]:
+    """The hooks plan every call as under ``KVCORE_SGLANG_DMA_IN_PLACE`` on a GPU with
+    SGLang's ``kernel`` backend: the device indices on the device, a host copy of them
+    read back at the move (the device indices are CPU tensors here, a clone their read)."""
+    from benchmarks.sglang.sweep_sides import device_indices_read as read
+
+    with read():
+        yield
+
+
+@pytest.fixture
 def sglang_hooks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
     """A function that runs the plugin with KVCORE_ENABLE=sglang and applies its hooks
     (returns the status). Afterwards the plugin's own uninstall takes them back, and the

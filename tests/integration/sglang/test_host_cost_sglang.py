@@ -133,3 +133,27 @@ def test_device_indices_unread_plans_on_a_cpu_as_the_kernel_backend_does_on_a_gp
     assert row["paths"] == ["staged"]
     with pytest.raises(SystemExit, match="for a CPU run"):
         host_cost.main(["--device", "cuda", "--device-indices-unread", "--tokens", "64"])
+
+
+def test_device_indices_read_plans_whole_pages_by_dma_on_a_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on a GPU under KVCORE_SGLANG_DMA_IN_PLACE=1: pages of 64 MHA tokens go by DMA
+    into place, where the same calls planned around their device indices are staged."""
+    monkeypatch.setenv("KVCORE_SGLANG_DMA_IN_PLACE", "1")
+    paths = {}
+    for flag in ("--device-indices-read", "--device-indices-unread"):
+        out = tmp_path / f"{flag}.json"
+        argv = ["--device", "cpu", "--no-copy", flag, "--tokens", "1024", "--layers", "2"]
+        argv += ["--requests", "2", "--cases", "mha/layer_first/kernel/p64"]
+        argv += ["--host-frag", "100%", "--json", str(out)]
+        assert host_cost.main(argv) == 0
+        (row,) = json.loads(out.read_text())["rows"]
+        paths[flag] = row["paths"]
+    assert paths == {
+        "--device-indices-read": ["batched_runs"],
+        "--device-indices-unread": ["staged"],
+    }
+    both = ["--device", "cpu", "--device-indices-read", "--device-indices-unread"]
+    with pytest.raises(SystemExit, match="give one of"):
+        host_cost.main([*both, "--tokens", "64"])

@@ -37,6 +37,7 @@ from sglang_pools import dsa_host, mha_device, mha_host, mla_device, mla_host
 
 from benchmarks.sglang.hook_adapter import (
     bench_adapter,
+    drop_own_adapter,
     move_indices,
     register_transfer_hooks,
 )
@@ -54,6 +55,7 @@ from kvcore.warm_up import WarmUp
 from kvcore_sglang import (
     call_memos,
     call_plans,
+    device_reads,
     guard,
     layer_loads,
     load_requests,
@@ -208,13 +210,16 @@ def make_indices(
     kind: str, pool: Any, shape: str, n: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Host slots and device slots as SGLang hands them over: whole pages where the layout
-    copies pages (page_first_direct, DSA), else any ``shape`` of about ``n`` slots."""
+    copies pages (page_first_direct, DSA) or ``shape`` says so (``pages-contiguous``,
+    ``pages-scattered``), else any ``shape`` of about ``n`` slots."""
     total = device_slots(kind, pool)
-    if kind == "dsa" or pool.layout == "page_first_direct":
+    if kind == "dsa" or pool.layout == "page_first_direct" or shape.startswith(WHOLE_PAGES):
         page = pool.page_size
         host_pages, device_pages = pool.size // page, total // page
         count = min(max(n // page, 1), host_pages, device_pages - 1)
-        return _paged(shape, count, page, host_pages, device_pages, generator)
+        return _paged(
+            shape.removeprefix(WHOLE_PAGES), count, page, host_pages, device_pages, generator
+        )
     n = min(n, total - 1, 320)
     if shape == "contiguous":
         start = int(torch.randint(0, pool.size - n + 1, (1,), generator=generator))
@@ -245,6 +250,8 @@ def _paged(
     step = torch.arange(page)
     return (host[:, None] * page + step).reshape(-1), (device[:, None] * page + step).reshape(-1)
 
+
+WHOLE_PAGES = "pages-"
 
 # --- fixtures ------------------------------------------------------------------------------
 
@@ -362,6 +369,47 @@ def test_kernel_backend_calls_plan_around_device_indices(
                 check_served_call(kind, layout, io_backend, direction, shape, n, seed)
     taken = {p: c - before.get(p, 0) for p, c in paths_taken().items() if c != before.get(p, 0)}
     assert set(taken) == {"staged", "gather"}, taken
+
+
+# Runs of whole pages (16 rows of 32-64 B) go by DMA; one token's row (32-64 B) does not.
+DMA_POLICY = PathPolicy(
+    staging_bytes=1 << 20, long_run_bytes=256, max_dma_runs=8, max_batched_runs=4096
+)
+
+
+def test_device_indices_read_back_move_whole_pages_by_dma_alone(
+    use_mover, transfer_hooks, device_indices_read
+):
+    """Under KVCORE_SGLANG_DMA_IN_PLACE the kernel backend's device indices are read back
+    at their move (a copy of the CPU tensors here): calls of whole pages are planned from
+    both sides and copied by DMA alone, as stock copies them; calls whose plan from both
+    sides would need a kernel keep the plan made around the device indices: tokens
+    scattered one by one, and page_first's layers, whose host rows lie a slot apart."""
+    transfer_hooks()
+    use_mover(Mover(DMA_POLICY, metrics=METRICS, staging=StagingBuffers(SMALL_STAGING)))
+    taken: dict[tuple[str, str], dict[str, int]] = {}
+    for seed, (shape, n) in enumerate(
+        [("pages-contiguous", 96), ("pages-scattered", 128), ("scattered", 150)]
+    ):
+        for layout in ("layer_first", "page_first"):
+            before = paths_taken()
+            for kind in ("mha", "mla"):
+                for direction in ("load", "backup"):
+                    check_served_call(kind, layout, "kernel", direction, shape, n, seed)
+            taken[layout, shape] = {
+                path: count - before.get(path, 0)
+                for path, count in paths_taken().items()
+                if count != before.get(path, 0)
+            }
+    dma = {"batched_runs", "single_copy"}
+    for shape in ("pages-contiguous", "pages-scattered"):
+        assert set(taken["layer_first", shape]) <= dma, taken
+    assert taken["layer_first", "pages-scattered"].get("batched_runs"), taken
+    for layout, shape in [
+        ("layer_first", "scattered"),
+        *(("page_first", s) for s in ("pages-contiguous", "pages-scattered", "scattered")),
+    ]:
+        assert set(taken[layout, shape]) <= {"staged", "gather"}, taken
 
 
 def test_device_indexed_loads_plan_from_the_sides_kept_with_their_layer(
@@ -508,6 +556,73 @@ def test_move_indices_hook_remembers_only_what_it_moved_off_the_cpu(monkeypatch)
     assert same_device is device and memo.recall(moved) is host
     kept, _ = move_indices(lambda c, h, d: (h, d), None, host, device)
     assert kept is host and memo.recall(kept) is None  # direct backend: nothing moved
+
+
+def _reading_adapter(monkeypatch, reader: Any) -> Any:
+    """The tests' adapter built under KVCORE_SGLANG_DMA_IN_PLACE=1, reading through ``reader``."""
+    monkeypatch.setenv("KVCORE_SGLANG_DMA_IN_PLACE", "1")
+    drop_own_adapter()
+    adapter = bench_adapter()
+    assert adapter.device_reads is not None
+    monkeypatch.setattr(adapter, "device_reads", device_reads.DeviceIndexReads(reader))
+    return adapter
+
+
+def test_move_indices_hook_reads_paged_kernel_device_indices_back_only_under_the_setting(
+    monkeypatch,
+):
+    started: list[torch.Tensor] = []
+
+    def reader(device_indices: torch.Tensor) -> Any:
+        started.append(device_indices)
+        return torch.arange(device_indices.numel()), lambda: None
+
+    assert bench_adapter().device_reads is None, "off by default: the indices stay unread"
+    adapter = _reading_adapter(monkeypatch, reader)
+
+    def controller(io_backend: str, page_size: int) -> Any:
+        pool = types.SimpleNamespace(page_size=page_size)
+        return types.SimpleNamespace(mem_pool_host=pool, io_backend=io_backend)
+
+    def move(controller, host_indices, device_indices):
+        return host_indices.to("meta"), device_indices
+
+    host = torch.arange(64)
+    for io_backend, page_size in [("kernel", 1), ("direct", 64)]:
+        device = torch.arange(64).to("meta")
+        move_indices(move, controller(io_backend, page_size), host, device)
+        assert adapter.device_reads.recall(device) is None
+    device = torch.arange(64).to("meta")
+    moved, same_device = move_indices(move, controller("kernel", 64), host, device)
+    assert same_device is device and started == [device]
+    assert adapter.host_indices.recall(moved) is host
+    read = adapter.device_reads.recall(device)
+    assert read is not None and torch.equal(read, torch.arange(64))
+    pool = pool_for("mha", "layer_first")
+    found = adapter.call_indices(pool, transfers.MHA_POOL, moved, device, "kernel")
+    assert isinstance(found, call_plans.CallIndices) and found.device_opaque
+    assert found.device is device and found.device_read is read
+    # Read from indices of another length (a stand-in gone wrong): planned around instead.
+    other = torch.arange(32).to("meta")
+    move_indices(move, controller("kernel", 64), torch.arange(32), other)
+    monkeypatch.setattr(adapter.device_reads, "recall", lambda d: torch.arange(8))
+    found = adapter.call_indices(pool, transfers.MHA_POOL, moved, device, "kernel")
+    assert isinstance(found, call_plans.CallIndices) and found.device_read is None
+
+
+def test_a_failing_read_keeps_stocks_move_and_counts_once(monkeypatch):
+    def reader(device_indices: torch.Tensor) -> Any:
+        raise RuntimeError("injected read")
+
+    adapter = _reading_adapter(monkeypatch, reader)
+    pool = types.SimpleNamespace(page_size=64)
+    controller = types.SimpleNamespace(mem_pool_host=pool, io_backend="kernel")
+    host, device = torch.arange(8), torch.arange(8).to("meta")
+    before = fallbacks().get("internal_error:RuntimeError", 0)
+    moved, same_device = move_indices(lambda c, h, d: (h.to("meta"), d), controller, host, device)
+    assert moved.device.type == "meta" and same_device is device
+    assert fallbacks().get("internal_error:RuntimeError", 0) == before + 1
+    assert adapter.device_reads.recall(device) is None
 
 
 def test_a_failure_in_the_move_hook_keeps_stocks_move_and_counts_once(monkeypatch):

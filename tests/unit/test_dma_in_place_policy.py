@@ -1,4 +1,5 @@
-"""kvcore_vllm.path_defaults: vLLM's blocks go by DMA into place unless the settings say not."""
+"""path_policy.dma_in_place_policy: paged rows go by DMA into place unless the settings say not
+(vLLM's handlers always; SGLang's hooks under KVCORE_SGLANG_DMA_IN_PLACE)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,21 @@ import pytest
 
 from kvcore.config import KVCoreConfig
 from kvcore.planning.path_choice import choose_path
-from kvcore.planning.path_policy import PathPolicy, TransferPath
-from kvcore_vllm.path_defaults import DMA_BLOCK_BYTES, DMA_MOST_BLOCKS, vllm_policy
+from kvcore.planning.path_policy import (
+    DMA_IN_PLACE_MOST_RUNS,
+    DMA_IN_PLACE_RUN_BYTES,
+    PathPolicy,
+    TransferPath,
+    dma_in_place_policy,
+)
 
 
 def test_without_either_setting_blocks_go_by_dma_into_place():
-    policy = vllm_policy(KVCoreConfig.from_env({}), environ={})
-    assert (policy.long_run_bytes, policy.max_batched_runs) == (DMA_BLOCK_BYTES, DMA_MOST_BLOCKS)
+    policy = dma_in_place_policy(KVCoreConfig.from_env({}), environ={})
+    assert (policy.long_run_bytes, policy.max_batched_runs) == (
+        DMA_IN_PLACE_RUN_BYTES,
+        DMA_IN_PLACE_MOST_RUNS,
+    )
     # 2048 scattered 32 KiB blocks of one layer (32k tokens), host side in one run.
     blocks, block_bytes = 2048, 32 << 10
     assert choose_path(blocks, 1, blocks * block_bytes, policy) is TransferPath.BATCHED_RUNS
@@ -30,18 +39,18 @@ def test_without_either_setting_blocks_go_by_dma_into_place():
 )
 def test_either_setting_keeps_the_configured_policy(environ):
     config = KVCoreConfig.from_env(environ)
-    policy = vllm_policy(config, environ=environ)
+    policy = dma_in_place_policy(config, environ=environ)
     assert policy.long_run_bytes == config.long_run_bytes
     assert policy.max_batched_runs == config.max_batched_runs
 
 
 def test_an_empty_setting_counts_as_unset():
     environ = {"KVCORE_LONG_RUN_BYTES": ""}
-    policy = vllm_policy(KVCoreConfig.from_env(environ), environ=environ)
-    assert policy.long_run_bytes == DMA_BLOCK_BYTES
+    policy = dma_in_place_policy(KVCoreConfig.from_env(environ), environ=environ)
+    assert policy.long_run_bytes == DMA_IN_PLACE_RUN_BYTES
 
 
 def test_the_other_settings_carry_through():
     environ = {"KVCORE_STAGING_BYTES": "64MiB", "KVCORE_GATHER_CTAS": "6"}
-    policy = vllm_policy(KVCoreConfig.from_env(environ), environ=environ)
+    policy = dma_in_place_policy(KVCoreConfig.from_env(environ), environ=environ)
     assert policy.staging_bytes == 64 << 20 and policy.gather_ctas == 6

@@ -1,0 +1,105 @@
+"""Host copies of the device indices SGLang moves, read back under ``KVCORE_SGLANG_DMA_IN_PLACE``.
+
+With the ``kernel`` io backend SGLang's device indices exist only on the GPU, so kvcore
+plans around them: a staged copy or a gather, each a kernel on the transfer stream, which
+waits for SMs behind the model's kernels. Copying pages by DMA straight into place needs
+every destination address on the host. So where the setting is on, the move hook starts
+one device-to-host copy of the device indices on the stream that made them, when SGLang
+hands them over (``HiCacheController.move_indices``), and the request's first transfer
+call waits for it: the read SGLang's own ``direct`` backend makes with ``.cpu()`` in the
+same place, started earlier.
+
+:class:`DeviceIndexReads` keeps each read by the device tensor's identity, valid while
+the tensor lives and was not written since (its version counter), like
+:class:`kvcore_sglang.call_memos.HostIndexMemo`. The read itself is a :data:`Reader`, so
+that the logic runs on a CPU machine with a stand-in.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeGuard
+
+import torch
+
+from kvcore.runs import version_of
+
+Reader = Callable[[torch.Tensor], tuple[torch.Tensor, Callable[[], None]]]
+"""device indices -> (their host copy, a wait until the copy holds their values)."""
+
+MIN_PAGE_SIZE = 2
+"""Pools of one-token pages are never read for: their rows are too short to go by DMA."""
+
+
+def read_on_cuda(device_indices: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """One asynchronous copy of ``device_indices`` into pinned host memory, queued on the
+    current stream of their device (the allocator's, which made them), and its event's wait."""
+    stream = torch.cuda.current_stream(device_indices.device)
+    on_host = device_indices.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(stream)
+    return on_host, copied.synchronize
+
+
+class DeviceIndexReads:
+    """The host copies of device-index tensors read back at their move, by identity."""
+
+    def __init__(self, reader: Reader = read_on_cuda) -> None:
+        self._reader = reader
+        self._reads: dict[
+            int, tuple[weakref.ref[torch.Tensor], torch.Tensor, Callable[[], None], int]
+        ] = {}
+        self._lock = threading.Lock()
+
+    def start(self, device_indices: torch.Tensor) -> None:
+        """Start reading ``device_indices`` back; not for an inference tensor, whose later
+        writes could not be seen."""
+        version = version_of(device_indices)
+        if version is None:
+            return
+        on_host, wait = self._reader(device_indices)
+        key = id(device_indices)
+        alive = weakref.ref(device_indices, lambda _: self._forget(key))
+        with self._lock:
+            self._reads[key] = (alive, on_host, wait, version)
+
+    def recall(self, device_indices: torch.Tensor) -> torch.Tensor | None:
+        """The host copy of ``device_indices`` once it holds their values, or None where none
+        was read or the tensor was written since."""
+        with self._lock:
+            entry = self._reads.get(id(device_indices))
+        if entry is None or entry[0]() is not device_indices:
+            return None
+        if device_indices._version != entry[3]:
+            return None
+        entry[2]()
+        return entry[1]
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._reads.get(key)
+            if entry is not None and entry[0]() is None:
+                del self._reads[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._reads.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._reads)
+
+
+def worth_reading(device_indices: Any, controller: Any) -> TypeGuard[torch.Tensor]:
+    """Whether a move's device indices may go by DMA once read: the ``kernel`` backend's
+    device tensors of a pool with pages of :data:`MIN_PAGE_SIZE` tokens or more."""
+    pool = getattr(controller, "mem_pool_host", None)
+    return (
+        getattr(controller, "io_backend", None) == "kernel"
+        and isinstance(device_indices, torch.Tensor)
+        and device_indices.device.type != "cpu"
+        and device_indices.dim() == 1
+        and getattr(pool, "page_size", 1) >= MIN_PAGE_SIZE
+    )
