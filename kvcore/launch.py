@@ -154,7 +154,7 @@ def _launch(engine: str | None, rest: list[str], dry_run: bool) -> int:
             file=sys.stderr,
         )
     command = [sys.executable, "-m", ENGINE_ENTRY_MODULES[engine], *engine_args]
-    variables = config.to_env()
+    variables = _exported(config, rest, os.environ)
     installed = engine_installed(engine)
     if dry_run or dry_run_flag:
         _print_plan(variables, command)
@@ -171,6 +171,19 @@ def _launch(engine: str | None, rest: list[str], dry_run: bool) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(command[0], command, {**os.environ, **variables})
+
+
+def _exported(config: KVCoreConfig, rest: list[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``KVCORE_*`` variables the engine starts with: the engine list, each setting a flag
+    gave and each variable already set (spelled as kvcore reads it back). A setting nobody
+    gave stays unset, since unset can mean more than its default: vLLM's handlers copy
+    blocks by DMA into place unless ``KVCORE_LONG_RUN_BYTES`` or ``KVCORE_MAX_BATCHED_RUNS``
+    is set (:func:`kvcore.planning.path_policy.dma_in_place_policy`)."""
+    flags = flag_overrides(rest[: rest.index(SEPARATOR)] if SEPARATOR in rest else rest)
+    given = {ENABLE_SETTING.env} | {s.env for s in SETTINGS if s.name in flags}
+    return {
+        name: value for name, value in config.to_env().items() if name in given or environ.get(name)
+    }
 
 
 def _turned_off(rest: list[str], environ: Mapping[str, str]) -> str | None:

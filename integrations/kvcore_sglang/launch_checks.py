@@ -45,7 +45,15 @@ def idle_warnings(args: EngineArgs, environ: Mapping[str, str], config: KVCoreCo
         return [*warnings, NO_HICACHE]
     if config.transfers:
         warnings += _unserved_transfers(args)
+        if config.sglang_dma_in_place and args.value("--page-size") == "1":
+            warnings.append(ONE_TOKEN_PAGES)
     return warnings
+
+
+ONE_TOKEN_PAGES = (
+    "--page-size 1 leaves KVCORE_SGLANG_DMA_IN_PLACE nothing to copy by DMA (a token's row is "
+    "too short): use --page-size 16 or more for it"
+)
 
 
 def _plugin_allowlist(environ: Mapping[str, str]) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 from kvcore import __version__
 from kvcore.cli import main
 from kvcore.config import SETTINGS, KVCoreConfig
+from kvcore.planning.path_policy import DMA_IN_PLACE_RUN_BYTES, dma_in_place_policy
 
 DOCTOR_KEYS = {
     *("kvcore", "torch", "cuda", "engines", "pinned", "host", "config", "patches", "serve_rule")
@@ -135,10 +136,12 @@ def test_launch_dry_run(capsys, engine, module):
     assert main([*argv, "--", *engine_args]) == 0
     env, command = parse_dry_run(capsys.readouterr().out)
     assert command == [sys.executable, "-m", module, *engine_args]
-    expected = KVCoreConfig(enable={engine}, staging_bytes=512 << 20).to_env()
-    assert env == expected
-    assert env["KVCORE_ENABLE"] == engine
-    assert env["KVCORE_STAGING_BYTES"] == "512MiB"
+    # The engine list and what the flags gave; every other setting stays unset.
+    assert env == {
+        "KVCORE_ENABLE": engine,
+        "KVCORE_STAGING_BYTES": "512MiB",
+        "KVCORE_METRICS": "1",
+    }
 
 
 def test_launch_dry_run_adds_the_engine_to_enable_and_shows_only_changes(capsys, monkeypatch):
@@ -156,7 +159,19 @@ def test_launch_dry_run_adds_the_engine_to_enable_and_shows_only_changes(capsys,
     assert main(["launch", "--dry-run", "sglang", "--kvcore-gather-ctas=32"]) == 0
     env, _ = parse_dry_run(capsys.readouterr().out)
     assert "KVCORE_LOG_LEVEL" not in env
-    assert set(env) == {s.env for s in SETTINGS} - {"KVCORE_LOG_LEVEL"}
+    assert set(env) == {"KVCORE_ENABLE", "KVCORE_GATHER_CTAS"}
+
+
+def test_launch_leaves_unset_what_nobody_set(capsys, monkeypatch):
+    """Unset is more than the default for the thresholds vLLM's handlers read: with neither
+    set they copy blocks by DMA into place, so launch must not set them to their defaults."""
+    for setting in SETTINGS:
+        monkeypatch.delenv(setting.env, raising=False)
+    assert main(["launch", "--dry-run", "vllm", "--", "serve", "m"]) == 0
+    env, _ = parse_dry_run(capsys.readouterr().out)
+    assert env == {"KVCORE_ENABLE": "vllm"}
+    config = KVCoreConfig.from_env(env)
+    assert dma_in_place_policy(config, env).long_run_bytes == DMA_IN_PLACE_RUN_BYTES
 
 
 def test_launch_without_separator_passes_other_arguments_to_the_engine(capsys):
@@ -302,4 +317,5 @@ def test_console_script_launch_execs_the_engine(console_script, tmp_path):
     assert seen["other"] == "kept"
     config = KVCoreConfig.from_env(seen["env"])
     assert config == KVCoreConfig(enable={"sglang", "vllm"}, metrics=False)
-    assert set(seen["env"]) == {s.env for s in SETTINGS}
+    # The engine list and the variable already set; the rest stay unset.
+    assert set(seen["env"]) == {"KVCORE_ENABLE", "KVCORE_METRICS"}

@@ -265,3 +265,14 @@ def test_sglangs_own_host_allocation_leaves_kvcores_host_pool_idle(env, host_poo
         f"does nothing: unset {name} for kvcore's"
     )
     assert sglang_warnings(["--enable-hicache"], env, config) == ([line] if expected else [])
+
+
+@pytest.mark.parametrize(
+    ("page_size", "dma_in_place", "warned"),
+    [("1", True, True), ("16", True, False), (None, True, False), ("1", False, False)],
+)
+def test_one_token_pages_leave_sglangs_dma_in_place_idle(page_size, dma_in_place, warned):
+    config = KVCoreConfig(enable={"sglang"}, sglang_dma_in_place=dma_in_place)
+    args = ["--enable-hicache", *(["--page-size", page_size] if page_size else [])]
+    expected = [sglang_checks.ONE_TOKEN_PAGES] if warned else []
+    assert sglang_warnings(args, {}, config) == expected
