@@ -4,33 +4,68 @@
 ``HiCacheController.move_indices`` moved to the GPU, so that a ``kernel``-backend call can
 be planned without reading the GPU; :class:`LayerPairsMemo` keeps each pool's checked
 buffer pairs, so that a layer's buffers are checked once, not once per call. Both are
-state with their own locking, kept apart from the hooks that consult them.
+state with their own locking, kept apart from the hooks that consult them. :class:`ByTensor`
+is what the moved indices and the device indices read back
+(:class:`kvcore_sglang.device_reads.DeviceIndexReads`) are kept in.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from kvcore.planning.layers import LayerPairs, layer_pairs
 from kvcore.runs import version_of
 
+Kept = TypeVar("Kept")
 
-class HostIndexMemo:
+
+class ByTensor(Generic[Kept]):
+    """Something kept for each of some tensors, by the tensor's identity (tensors compare
+    element-wise, so they cannot be dict keys), while the tensor lives."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[weakref.ref[torch.Tensor], Kept]] = {}
+        self._lock = threading.Lock()
+
+    def _keep(self, tensor: torch.Tensor, kept: Kept) -> None:
+        key = id(tensor)
+        alive = weakref.ref(tensor, lambda _: self._forget(key))
+        with self._lock:
+            self._kept[key] = (alive, kept)
+
+    def _kept_for(self, tensor: torch.Tensor) -> Kept | None:
+        with self._lock:
+            entry = self._kept.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        return entry[1]
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._kept.get(key)
+            if entry is not None and entry[0]() is None:
+                del self._kept[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._kept)
+
+
+class HostIndexMemo(ByTensor[tuple[torch.Tensor, int, int]]):
     """The CPU host indices of each host-index tensor ``move_indices`` moved to the GPU.
 
     Held while the moved tensor lives (SGLang keeps it until the transfer is queued);
     an entry is valid only while neither tensor was written since (their version counters),
     so that the moved tensor still holds the CPU one's values.
-    Keyed by identity: tensors compare element-wise, so they cannot be dict keys.
     """
-
-    def __init__(self) -> None:
-        self._moved: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int, int]] = {}
-        self._lock = threading.Lock()
 
     def remember(self, moved: torch.Tensor, on_cpu: torch.Tensor) -> None:
         """Keep ``on_cpu`` for ``moved``; not where either has no version counter (an
@@ -38,36 +73,13 @@ class HostIndexMemo:
         on_cpu_version, moved_version = version_of(on_cpu), version_of(moved)
         if on_cpu_version is None or moved_version is None:
             return
-        key = id(moved)
-        alive = weakref.ref(moved, lambda _: self._forget(key))
-        with self._lock:
-            self._moved[key] = (alive, on_cpu, on_cpu_version, moved_version)
+        self._keep(moved, (on_cpu, on_cpu_version, moved_version))
 
     def recall(self, moved: torch.Tensor) -> torch.Tensor | None:
-        with self._lock:
-            entry = self._moved.get(id(moved))
-        if (
-            entry is None
-            or entry[0]() is not moved
-            or entry[1]._version != entry[2]
-            or moved._version != entry[3]
-        ):
+        kept = self._kept_for(moved)
+        if kept is None or kept[0]._version != kept[1] or moved._version != kept[2]:
             return None
-        return entry[1]
-
-    def _forget(self, key: int) -> None:
-        with self._lock:
-            entry = self._moved.get(key)
-            if entry is not None and entry[0]() is None:
-                del self._moved[key]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._moved.clear()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._moved)
+        return kept[0]
 
 
 class LayerPairsMemo:

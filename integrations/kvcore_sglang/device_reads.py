@@ -10,21 +10,21 @@ call waits for it: the read SGLang's own ``direct`` backend makes with ``.cpu()`
 same place, started earlier.
 
 :class:`DeviceIndexReads` keeps each read by the device tensor's identity, valid while
-the tensor lives and was not written since (its version counter), like
-:class:`kvcore_sglang.call_memos.HostIndexMemo`. The read itself is a :data:`Reader`, so
-that the logic runs on a CPU machine with a stand-in.
+the tensor lives and was not written since (its version counter), as
+:class:`kvcore_sglang.call_memos.HostIndexMemo` keeps moved host indices. The read
+itself is a :data:`Reader`, so that the logic runs on a CPU machine with a stand-in.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
 import torch
 
 from kvcore.runs import version_of
+
+from .call_memos import ByTensor
 
 Reader = Callable[[torch.Tensor], tuple[torch.Tensor, Callable[[], None]]]
 """device indices -> (their host copy, a wait until the copy holds their values)."""
@@ -43,15 +43,12 @@ def read_on_cuda(device_indices: torch.Tensor) -> tuple[torch.Tensor, Callable[[
     return on_host, copied.synchronize
 
 
-class DeviceIndexReads:
+class DeviceIndexReads(ByTensor[tuple[torch.Tensor, Callable[[], None], int]]):
     """The host copies of device-index tensors read back at their move, by identity."""
 
     def __init__(self, reader: Reader = read_on_cuda) -> None:
+        super().__init__()
         self._reader = reader
-        self._reads: dict[
-            int, tuple[weakref.ref[torch.Tensor], torch.Tensor, Callable[[], None], int]
-        ] = {}
-        self._lock = threading.Lock()
 
     def start(self, device_indices: torch.Tensor) -> None:
         """Start reading ``device_indices`` back; not for an inference tensor, whose later
@@ -60,36 +57,16 @@ class DeviceIndexReads:
         if version is None:
             return
         on_host, wait = self._reader(device_indices)
-        key = id(device_indices)
-        alive = weakref.ref(device_indices, lambda _: self._forget(key))
-        with self._lock:
-            self._reads[key] = (alive, on_host, wait, version)
+        self._keep(device_indices, (on_host, wait, version))
 
     def recall(self, device_indices: torch.Tensor) -> torch.Tensor | None:
         """The host copy of ``device_indices`` once it holds their values, or None where none
         was read or the tensor was written since."""
-        with self._lock:
-            entry = self._reads.get(id(device_indices))
-        if entry is None or entry[0]() is not device_indices:
+        kept = self._kept_for(device_indices)
+        if kept is None or device_indices._version != kept[2]:
             return None
-        if device_indices._version != entry[3]:
-            return None
-        entry[2]()
-        return entry[1]
-
-    def _forget(self, key: int) -> None:
-        with self._lock:
-            entry = self._reads.get(key)
-            if entry is not None and entry[0]() is None:
-                del self._reads[key]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._reads.clear()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._reads)
+        kept[1]()
+        return kept[0]
 
 
 def worth_reading(device_indices: Any, controller: Any) -> TypeGuard[torch.Tensor]:
