@@ -29,6 +29,7 @@ from .device_reads import DeviceIndexReads, worth_reading
 from .hook_mover import HookMover, count_request_pass
 from .load_requests import LoadRequests, PoolLayers
 from .release_jobs import ReleaseJobs
+from .serve_or_pass import pass_limit
 from .stock_binding import StockBindings
 
 logger = logging.getLogger("kvcore")
@@ -90,8 +91,22 @@ class SGLangAdapter:
         ):
             self.host_indices.remember(moved_host, host_indices)
         moved_device = moved[1] if isinstance(moved, tuple) and len(moved) > 1 else None
-        if self.device_reads is not None and worth_reading(moved_device, controller):
+        if (
+            self.device_reads is not None
+            and worth_reading(moved_device, controller)
+            and self._rule_may_serve(controller, moved_device.numel())
+        ):
             self.device_reads.start(moved_device)
+
+    def _rule_may_serve(self, controller: Any, tokens: int) -> bool:
+        """Whether the serve-or-pass rule may serve a load or a backup of ``tokens`` tokens
+        of the controller's host pool: a move does not say which it is for, and a request
+        the rule passes has no use for its device indices read back."""
+        pool, io_backend = controller.mem_pool_host, controller.io_backend
+        return any(
+            tokens >= pass_limit(self.serve_rule, op, pool, io_backend)[0]
+            for op in ("load", "backup")
+        )
 
     def call_indices(
         self, pool: Any, served_class: str, host_indices: Any, device_indices: Any, io_backend: str

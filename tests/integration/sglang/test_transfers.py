@@ -610,6 +610,25 @@ def test_move_indices_hook_reads_paged_kernel_device_indices_back_only_under_the
     assert isinstance(found, call_plans.CallIndices) and found.device_read is None
 
 
+def test_no_read_for_a_request_the_serve_rule_passes(monkeypatch):
+    """A move does not say whether a load or a backup follows: the device indices are read
+    only where the rule may serve either at that size (it serves these pools from 32k)."""
+    monkeypatch.setenv("KVCORE_SERVE_RULE", "1")
+    started: list[int] = []
+
+    def reader(device_indices: torch.Tensor) -> Any:
+        started.append(device_indices.numel())
+        return torch.zeros(device_indices.numel(), dtype=torch.int64), lambda: None
+
+    _reading_adapter(monkeypatch, reader)
+    pool = pool_for("mha", "layer_first")
+    controller = types.SimpleNamespace(mem_pool_host=pool, io_backend="kernel")
+    for tokens in (8192, 32768):
+        device = torch.arange(tokens).to("meta")
+        move_indices(lambda c, h, d: (h.to("meta"), d), controller, torch.arange(tokens), device)
+    assert started == [32768]
+
+
 def test_a_failing_read_keeps_stocks_move_and_counts_once(monkeypatch):
     def reader(device_indices: torch.Tensor) -> Any:
         raise RuntimeError("injected read")
