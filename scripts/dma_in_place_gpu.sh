@@ -19,9 +19,13 @@ set -uo pipefail
 OUT=${OUT:-out/dma-in-place}
 DMA_RUN_BYTES=${DMA_RUN_BYTES:-32KiB}
 PARTS=${PARTS:-sglang}
+mkdir -p "$OUT"
 for part in $PARTS; do
     case $part in
         sglang)
+            PYTHONPATH=$PWD:$PWD/integrations python3 -m pytest -q -p no:cacheprovider \
+                tests/gpu/test_device_reads_gpu.py \
+                2>&1 | tail -3 | tee "$OUT/device-reads-tests.log"
             (export KVCORE_SGLANG_DMA_IN_PLACE=1 KVCORE_LONG_RUN_BYTES=$DMA_RUN_BYTES \
                 KVCORE_MAX_BATCHED_RUNS=4096
              OUT=$OUT/sglang-dma BESIDE_SECONDS=${BESIDE_SECONDS:-300} \
