@@ -182,8 +182,10 @@ def kvcore_side(
 
     from benchmarks.sglang.hook_adapter import move_indices
 
-    # What the hook reads of SGLang's cache controller: the host pool it moves indices for.
-    controller = types.SimpleNamespace(mem_pool_host=pool)
+    # What the hook reads of SGLang's cache controller: the host pool it moves indices for,
+    # and the io backend (under KVCORE_SGLANG_DMA_IN_PLACE the kernel backend's device
+    # indices are read back there).
+    controller = types.SimpleNamespace(mem_pool_host=pool, io_backend=backend)
 
     def prepare(h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Where SGLang's controller puts the indices (stock's side says), through kvcore's
