@@ -3,7 +3,8 @@
 # `kvcore bench --host-pool` (vLLM 0.25.1's CPU tier built stock's way and kvcore's, no vLLM
 # needed; SGLang's pool buffer through SGLang's own allocation with and without kvcore's
 # hook, where .whl-sglang/ is carried: see sglang_ab.sh; its rows say "skipped" otherwise),
-# then how fast this host faults in and pins each kind of mapping.
+# then how fast this host faults in and pins each kind of mapping, and what registering in the
+# background would cost (scripts/registration_probe.py).
 #
 #   OUT=<dir> bash scripts/host_pool_gpu.sh   (carry .whl-sglang for SGLang's rows and
 #                                              .vllm-tree for vllm-shared-region's)
@@ -12,7 +13,8 @@
 # 96 GiB take 128; vLLM's region must also fit /dev/shm's free space, and three engines at
 # four sizes may need most of a 600 s call: 16,32,64 is quicker), FAULT_GIB
 # (host_fault_rates' size, 8). Writes under $OUT: env.txt (env-vllm.txt),
-# pytest-gpu.log, host-pool.json, host-pool.log, fault-rates.json, fault-rates.log.
+# pytest-gpu.log, host-pool.json, host-pool.log, fault-rates.json, fault-rates.log,
+# registration-probe.json, registration-probe.log.
 set -uo pipefail
 OUT=${OUT:-out/host-pool}
 mkdir -p "$OUT"
@@ -44,5 +46,8 @@ bench_rc=${PIPESTATUS[0]}
 python3 scripts/host_fault_rates.py --gib "${FAULT_GIB:-8}" --threads 1,4,16 \
     --json "$OUT/fault-rates.json" 2>&1 | tee "$OUT/fault-rates.log"
 rates_rc=${PIPESTATUS[0]}
-echo "gpu test rc=$tests_rc host-pool rc=$bench_rc fault rates rc=$rates_rc"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$rates_rc" = 0 ]
+python3 scripts/registration_probe.py --gib "${FAULT_GIB:-8}" \
+    --json "$OUT/registration-probe.json" 2>&1 | tee "$OUT/registration-probe.log"
+probe_rc=${PIPESTATUS[0]}
+echo "gpu test rc=$tests_rc host-pool rc=$bench_rc fault rates rc=$rates_rc probe rc=$probe_rc"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$rates_rc" = 0 ] && [ "$probe_rc" = 0 ]
