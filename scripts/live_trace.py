@@ -1,7 +1,7 @@
 """A multi-turn request trace against a live OpenAI-compatible server, timed as users see it.
 
     python3 scripts/live_trace.py run --url http://127.0.0.1:8000 --model DIR --mode NAME \\
-        --out FILE.json [--conversations 14] [--turns 3] [--concurrency 8] [--seed 0]
+        --out FILE.json [--conversations 14] [--turns 3] [--concurrency 8[,32...]] [--seed 0]
     python3 scripts/live_trace.py combine FILE.json... --out SUMMARY.json [--device TEXT]
 
 ``run`` sends prompts as token ids (the server runs with ``--skip-tokenizer-init``) over
@@ -12,13 +12,19 @@ user message. Every conversation's first turn goes out before any second turn, i
 shuffled order, so that by its next turn a conversation's KV has left the GPU's small
 cache and comes back from the CPU tier.
 
-Two passes over one trace shape, each with its own token ids:
+Passes over one trace shape, each with its own token ids:
 - ``sequential``: one request at a time, greedy, a fixed number of output tokens. The
   server's ``/metrics`` is read before and after each request, so each request carries
   what the offload tier moved for it (``vllm:kv_offload_*``) and kvcore's counters. Its
-  output tokens are what ``combine`` compares across modes.
-- ``concurrent``: the same shape, ``--concurrency`` requests in flight per turn, for
-  throughput.
+  output tokens are what ``combine`` compares across modes. The report keeps its summary
+  (``sequential``) and every request (``sequential_requests``).
+- concurrent: one pass per level of ``--concurrency`` (comma-separated, e.g. ``8,32``;
+  level 1 is the sequential pass's and adds none), in the order given, with that many
+  requests in flight per turn, for throughput. ``concurrent_levels`` holds each pass's
+  summary with its ``concurrency``; ``concurrent`` is the first one's, as in reports
+  that had one concurrent pass. A summary has tokens per second (prompt and output, and
+  ``output_tokens_per_s``) and each request's time per output token after its first
+  (``tpot_ms_p50``, ``tpot_ms_p90``).
 
 A request counts as a CPU-tier hit when it is a later turn and the offload tier loaded
 bytes for it (where the server's counters are not read, when it is a later turn).
@@ -26,7 +32,10 @@ bytes for it (where the server's counters are not read, when it is a later turn)
 writes the summary (per mode: TTFT of CPU-tier hits, median and p99, tokens per second,
 whether the sequential outputs equal the first mode's, and per first-turn size the hit
 TTFT median's difference from the first mode's with a 95% bootstrap interval) as
-docs/bench/h200-live-*.json.
+docs/bench/h200-live-*.json. Where a mode ran in two or more server processes, as stock
+did, the summary pairs stock's processes with the mode's on each machine: hit TTFT
+(``paired_processes``), and per concurrency level output tokens per second and TPOT
+(``paired_concurrency``).
 ``run`` uses only the standard library: the client runs beside the server on the GPU
 machine; ``combine`` also takes kvcore's paired speed and median difference (kvcore is
 installed there too).
@@ -63,6 +72,21 @@ def _token_counts(text: str) -> list[int]:
     return counts
 
 
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from None
+    if min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"a level below 1 in {text!r}")
+    if len(set(levels)) < len(levels):
+        # Two passes at one level could not be told apart when combine pairs them.
+        raise argparse.ArgumentTypeError(f"a level given twice in {text!r}")
+    return levels
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -75,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--conversations", type=int, default=14)
     one.add_argument("--turns", type=int, default=3)
     one.add_argument("--max-tokens", type=int, default=16)
-    one.add_argument("--concurrency", type=int, default=8)
+    one.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=[8],
+        help="requests in flight in each concurrent pass, one pass per level, "
+        "comma-separated (default 8; 1: no concurrent pass)",
+    )
     one.add_argument("--seed", type=int, default=0)
     one.add_argument(
         "--first-turn-tokens",
@@ -135,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ab['kvcore_ttft_ms_p50']} ms ({ab['kvcore_hits']}) against stock "
                 f"{ab['stock_ttft_ms_p50']} ms ({ab['stock_hits']}), difference "
                 f"{ab['ttft_ms_p50_difference']} {ab['ttft_ms_difference_interval']}"
+            )
+    for mode, rows in summary.get("paired_concurrency", {}).items():
+        for row in rows:
+            print(
+                f"{mode:>18}: concurrency {row['concurrency']}, {row['processes']} pairs: "
+                f"output tok/s x{row['throughput']} {row['throughput_interval']}, "
+                f"TPOT x{row['tpot_speed']} {row['tpot_speed_interval']} against stock"
             )
     return 0
 

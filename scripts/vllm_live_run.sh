@@ -24,10 +24,12 @@
 # live-*.json here in the order they ran (`live_trace.py combine`; a label seen again
 # becomes LABEL#2).
 # Settings: VSITE, KSITE (as vllm_live_setup.sh), MODEL_DIR (/tmp/llama-8b), PORT (8000),
-# CONVERSATIONS (28), TURNS (3), CONCURRENCY (8), GPU_BLOCKS (2560: 40960 tokens of GPU KV
-# cache, so conversations leave it between turns), CPU_GIB (48; at most half the host's
-# memory), MAX_LEN (33792), FIRST_TURNS (comma-separated first-turn sizes the conversations
-# cycle through; empty: live_trace.py's own, 512 to 32000),
+# CONVERSATIONS (28), TURNS (3), CONCURRENCY (8,32: comma-separated levels, one concurrent
+# pass each, whose output tokens/s and TPOT the summary pairs across stock's and each
+# mode's processes as `paired_concurrency`; 1: none), GPU_BLOCKS (2560: 40960 tokens of
+# GPU KV cache, so conversations leave it between turns), CPU_GIB (48; at most half the
+# host's memory), MAX_LEN (33792), FIRST_TURNS (comma-separated first-turn sizes the
+# conversations cycle through; empty: live_trace.py's own, 512 to 32000),
 # START_TIMEOUT_S (300), AB_SHARE (0.5), PYTHON (python3).
 set -euo pipefail
 
@@ -142,7 +144,7 @@ for mode in "${modes[@]}"; do
         if "$python" "$repo/scripts/live_trace.py" run --url "$url" --model "$model" \
             --mode "$mode" --label "$label" --out "$out/live-$label.json" "${trace_args[@]}" \
             --conversations "${CONVERSATIONS:-28}" --turns "${TURNS:-3}" \
-            --concurrency "${CONCURRENCY:-8}" > "$logs/trace-$label.txt" 2>&1; then
+            --concurrency "${CONCURRENCY:-8,32}" > "$logs/trace-$label.txt" 2>&1; then
             reports+=("$out/live-$label.json")
         else
             echo "$label: the trace failed:" >&2

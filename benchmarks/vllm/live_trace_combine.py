@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.vllm.live_trace_compare import compare_hits, in_process_ab
+from benchmarks.vllm.live_trace_concurrency import paired_concurrency
 from benchmarks.vllm.live_trace_pairs import paired_processes, unique_labels
 from benchmarks.vllm.live_trace_result import Result
 from benchmarks.vllm.live_trace_summary import summarize
@@ -19,7 +20,8 @@ from benchmarks.vllm.live_trace_summary import summarize
 def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[str, Any]:
     """The summary across runs (keyed by label: a mode run again is ``<mode>-2``, ...);
     outputs and hit TTFT are compared with the first report's, and modes run in several
-    processes with stock's in pairs (:func:`paired_processes`)."""
+    processes with stock's in pairs: hit TTFT (:func:`paired_processes`), and output
+    tokens per second and TPOT per concurrency level (:func:`paired_concurrency`)."""
     reference = [r["output"] for r in reports[0]["sequential_requests"]]
     reference_requests = [Result(**r) for r in reports[0]["sequential_requests"]]
     modes: dict[str, dict[str, Any]] = {}
@@ -35,6 +37,7 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
             "outputs_identical": outputs == reference,
             "sequential": sequential,
             "concurrent": concurrent,
+            "concurrent_levels": report.get("concurrent_levels", []),
             "hit_ttft_against_first_mode": compare_hits(requests, reference_requests),
             "kvcore_counters": {
                 k: v for k, v in report["metrics_end"].items() if k.startswith("kvcore_")
@@ -46,4 +49,7 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
     paired = paired_processes(reports)
     if paired:
         summary["paired_processes"] = paired
+    by_level = paired_concurrency(reports)
+    if by_level:
+        summary["paired_concurrency"] = by_level
     return summary

@@ -1,6 +1,7 @@
 """Stock's server processes paired with each other mode's, for the live trace's summary
 (``scripts/live_trace.py combine``): what kvcore does to hit TTFT, told apart from the
-engine's drift between processes.
+engine's drift between processes. The pairing itself (:func:`stock_pairs`) is also what
+live_trace_concurrency pairs the concurrent passes by.
 """
 
 from __future__ import annotations
@@ -29,30 +30,34 @@ def unique_labels(reports: Sequence[dict[str, Any]]) -> list[str]:
     return labels
 
 
-def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Per mode other than stock that ran in two or more processes, as stock did: per
-    first-turn size, each pair's hit TTFT medians, stock's process against the mode's,
-    with stock's own spread across its processes. Pairs never cross machines (a report's
-    ``machine``: machines differ in speed more than kvcore moves a hit): on each machine
-    the n-th stock process goes with the n-th of the mode's, in the order given, the
-    fewer side's processes taken again in turn where the two counts differ. One process a
-    mode cannot tell kvcore from the engine's drift between processes, which has moved
-    hit TTFT as much as kvcore does (docs/lab/benchmarks.md, sessions 25 and 26). The pairs'
-    speed is kvcore's paired_speed (the median of the pairs' ratios and its bootstrap
-    interval), imported here so that ``run`` stays on the standard library, and only
-    where there are pairs."""
-    machines: dict[Any, dict[str, list[tuple[str, list[Result]]]]] = {}
-    for report, label in zip(reports, unique_labels(reports), strict=True):
-        requests = [Result(**r) for r in report["sequential_requests"]]
-        hits = [r for r in requests if r.cpu_tier_hit]
+Run = tuple[str, dict[str, Any]]
+"""One server process: its label in the summary and its report."""
+
+
+def labelled(reports: Sequence[dict[str, Any]]) -> list[Run]:
+    """Each report with its label (:func:`unique_labels`)."""
+    return list(zip(unique_labels(reports), reports, strict=True))
+
+
+def stock_pairs(runs: Sequence[Run]) -> dict[str, list[tuple[Run, Run]]]:
+    """Per mode other than stock that ran in two or more processes, as stock did, and made
+    two or more pairs: stock's processes paired with the mode's. Pairs never cross
+    machines (a report's ``machine``: machines differ in speed more than kvcore moves a
+    hit): on each machine the n-th stock process goes with the n-th of the mode's, in the
+    order given, the fewer side's processes taken again in turn where the two counts
+    differ. One process a mode cannot tell kvcore from the engine's drift between
+    processes, which has moved hit TTFT as much as kvcore does (docs/lab/benchmarks.md,
+    sessions 25 and 26)."""
+    machines: dict[Any, dict[str, list[Run]]] = {}
+    for label, report in runs:
         by_mode = machines.setdefault(report.get("machine"), {})
-        by_mode.setdefault(report["mode"], []).append((label, hits))
+        by_mode.setdefault(report["mode"], []).append((label, report))
     modes = dict.fromkeys(m for by_mode in machines.values() for m in by_mode)
-    compared = {}
+    pairs_of = {}
     for mode in modes:
         if mode == BASELINE_MODE:
             continue
-        paired: list[tuple[tuple[str, list[Result]], tuple[str, list[Result]]]] = []
+        paired: list[tuple[Run, Run]] = []
         for by_mode in machines.values():
             stock_runs, mode_runs = by_mode.get(BASELINE_MODE, []), by_mode.get(mode, [])
             if stock_runs and mode_runs:
@@ -65,16 +70,27 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[s
             sum(len(by_mode.get(name, [])) for by_mode in machines.values())
             for name in (BASELINE_MODE, mode)
         ]
-        if min(runs_of) < 2 or len(paired) < 2:
-            continue
+        if min(runs_of) >= 2 and len(paired) >= 2:
+            pairs_of[mode] = paired
+    return pairs_of
+
+
+def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per mode paired with stock (:func:`stock_pairs`): per first-turn size, each pair's
+    hit TTFT medians, stock's process against the mode's, with stock's own spread across
+    its processes. The pairs' speed is kvcore's paired_speed (the median of the pairs'
+    ratios and its bootstrap interval), imported here so that ``run`` stays on the
+    standard library, and only where there are pairs."""
+    compared = {}
+    for mode, paired in stock_pairs(labelled(reports)).items():
         from benchmarks.paired_speed import paired_speed
 
-        stock = [hits for (_, hits), _ in paired]
-        processes = [hits for _, (_, hits) in paired]
+        stock = [_hits(report) for (_, report), _ in paired]
+        processes = [_hits(report) for _, (_, report) in paired]
         pairs = len(paired)
         labels = [[stock_label, mode_label] for (stock_label, _), (mode_label, _) in paired]
         rows = []
-        for size in sizes([r for pair in paired for _, hits in pair for r in hits]):
+        for size in sizes([r for hits in stock + processes for r in hits]):
             medians = {}
             for side, group in (("stock", stock), ("other", processes)):
                 per_process = [[r for r in hits if r.first_turn_tokens == size] for hits in group]
@@ -110,3 +126,9 @@ def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[s
             )
         compared[mode] = rows
     return compared
+
+
+def _hits(report: dict[str, Any]) -> list[Result]:
+    """The report's sequential requests that were CPU-tier hits."""
+    requests = [Result(**r) for r in report["sequential_requests"]]
+    return [r for r in requests if r.cpu_tier_hit]

@@ -1,5 +1,6 @@
-"""One live-trace run's report (``scripts/live_trace.py run``): both passes over one trace
-shape against the server, with what the server's counters and log say of each request.
+"""One live-trace run's report (``scripts/live_trace.py run``): the sequential pass and a
+concurrent pass per concurrency level, each over one trace shape against the server, with
+what the server's counters and log say of each sequential request.
 
 The report keeps every sequential request, not only the summary, so that ``combine`` and
 ``attribute`` can work from the saved file after the server is gone.
@@ -30,6 +31,9 @@ def machine_id() -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The report of one server process: the sequential pass, then one concurrent pass per
+    level of ``args.concurrency`` above 1, in the order given (level 1 is the sequential
+    pass's own)."""
     server = Server(args.url, args.model, args.max_tokens)
     settings = ("conversations", "turns", "max_tokens", "concurrency", "seed", "first_turn_tokens")
     report: dict[str, Any] = {
@@ -50,11 +54,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["ab_attribution"] = attribution(results, args.ab_log, ab_offset)
     report["sequential"] = summarize(results, wall_s)
     report["sequential_requests"] = [asdict(r) for r in results]
-    if args.concurrency > 1:
+    levels: list[dict[str, Any]] = []
+    for k, level in enumerate((level for level in args.concurrency if level > 1), start=1):
+        # Each level its own token ids, so that no level finds another's prompts cached.
+        seed = args.seed + 1000 * k
         concurrent = make_conversations(
-            args.conversations, args.turns, args.seed + 1000, args.first_turn_tokens
+            args.conversations, args.turns, seed, args.first_turn_tokens
         )
-        results, wall = run_concurrent(server, concurrent, args.seed + 1000, args.concurrency)
-        report["concurrent"] = summarize(results, wall)
+        results, wall = run_concurrent(server, concurrent, seed, level)
+        summary = summarize(results, wall)
+        # The first level's pass also goes where reports had their one concurrent pass:
+        # combine's tokens_per_s reads it there, in older reports and in these.
+        report.setdefault("concurrent", summary)
+        levels.append({**summary, "concurrency": level})
+    report["concurrent_levels"] = levels
     report["metrics_end"] = server.metrics()
     return report

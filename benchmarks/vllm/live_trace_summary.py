@@ -1,5 +1,5 @@
-"""One pass of the live trace (``scripts/live_trace.py``) summed up: hit TTFT, reload time
-and throughput.
+"""One pass of the live trace (``scripts/live_trace.py``) summed up: hit TTFT, reload time,
+time per output token and throughput.
 
 ``run`` summarizes each pass as it ends and ``combine`` summarizes each report's sequential
 requests again, both through here, so that a mode's summary means the same in either.
@@ -26,11 +26,13 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def summarize(results: list[Result], wall_s: float | None = None) -> dict[str, Any]:
     """TTFT of CPU-tier hits and of cold first turns, the reload time the tier reported
-    for the hits, and (given the pass's wall time) tokens per second."""
+    for the hits, every request's time per output token after its first, and (given the
+    pass's wall time) tokens per second: prompt and output, and output alone."""
     # Without the tier's counters (the concurrent pass reads none), later turns count.
     metered = any(LOAD_BYTES in r.counted for r in results)
     hits = [r for r in results if (r.cpu_tier_hit if metered else r.turn > 0)]
     cold = [r for r in results if r.turn == 0]
+    tpots = _tpots(results)
     summary: dict[str, Any] = {
         "requests": len(results),
         "cpu_tier_hits": len(hits),
@@ -43,11 +45,25 @@ def summarize(results: list[Result], wall_s: float | None = None) -> dict[str, A
         ),
         "reload_bytes": sum(r.counted.get(LOAD_BYTES, 0.0) for r in hits),
         "by_size": _by_size(hits),
+        "tpot_ms_p50": ms(statistics.median(tpots) if tpots else None),
+        "tpot_ms_p90": ms(percentile(tpots, 0.9)),
     }
     if wall_s is not None:
-        produced = sum(r.prompt_tokens + len(r.output) for r in results)
-        summary.update(wall_s=round(wall_s, 3), tokens_per_s=round(produced / wall_s, 1))
+        output = sum(len(r.output) for r in results)
+        produced = output + sum(r.prompt_tokens for r in results)
+        summary.update(
+            wall_s=round(wall_s, 3),
+            tokens_per_s=round(produced / wall_s, 1),
+            output_tokens_per_s=round(output / wall_s, 1),
+        )
     return summary
+
+
+def _tpots(results: list[Result]) -> list[float]:
+    """Each request's seconds per output token after its first, as a running request
+    sees the engine's decode steps; the first token's wait is TTFT's, so a request of one
+    output token has none."""
+    return [(r.total_s - r.ttft_s) / (len(r.output) - 1) for r in results if len(r.output) >= 2]
 
 
 def _by_size(hits: list[Result]) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ import pytest
 from benchmarks.vllm.live_trace_attribution import ATTRIBUTED, ab_copies, attribute_copies
 from benchmarks.vllm.live_trace_combine import combine
 from benchmarks.vllm.live_trace_compare import compare_hits, in_process_ab
+from benchmarks.vllm.live_trace_concurrency import paired_concurrency
 from benchmarks.vllm.live_trace_metrics import LOAD_BYTES, LOAD_JOBS, LOAD_TIME, parse_metrics
 from benchmarks.vllm.live_trace_result import Result
 from benchmarks.vllm.live_trace_run import machine_id
@@ -535,3 +536,157 @@ def test_a_report_names_the_machine_it_ran_on_and_combine_falls_back_to_its_fold
         ["stock#2", "kvcore-transfers#2"],
         ["stock#2", "kvcore-transfers-2#2"],
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "levels"), [("8", [8]), ("8,32", [8, 32]), ("1,32,8", [1, 32, 8])]
+)
+def test_concurrency_is_a_list_of_levels_in_the_order_given(text: str, levels: list[int]) -> None:
+    assert live_trace._levels(text) == levels
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("8,x", "not a comma-separated list of integers: '8,x'"),
+        ("", "not a comma-separated list of integers: ''"),
+        ("8,,32", "not a comma-separated list of integers: '8,,32'"),
+        ("2.5", "not a comma-separated list of integers: '2.5'"),
+        ("0", "a level below 1 in '0'"),
+        ("8,-1", "a level below 1 in '8,-1'"),
+        ("8,8", "a level given twice in '8,8'"),
+    ],
+)
+def test_a_bad_concurrency_is_a_one_line_usage_error(text: str, reason: str, capsys) -> None:
+    argv = ["run", "--model", "m", "--mode", "stock", "--out", "x", "--concurrency", text]
+    with pytest.raises(SystemExit) as stopped:
+        live_trace.main(argv)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert error.splitlines()[-1].endswith(f" run: error: argument --concurrency: {reason}")
+    assert "Traceback" not in error
+
+
+def test_summary_times_each_output_token_after_the_first_and_counts_output_tokens_per_s():
+    def request(tpot_s: float, outputs: int) -> Result:
+        return Result(0, 512, 0, 100, 0.25, 0.25 + tpot_s * (outputs - 1), [7] * outputs)
+
+    # 10 to 100 ms a token, over 2 to 11 output tokens; a request of one token has no
+    # time per output token and is left out of it.
+    requests = [request(0.010 * n, n + 1) for n in range(1, 11)] + [request(0.0, 1)]
+    summary = summarize(requests, 4.0)
+    # The median of ten; the nearest rank's 0.9 is the ninth (an interpolation gives 91).
+    assert summary["tpot_ms_p50"] == 55.0 and summary["tpot_ms_p90"] == 90.0
+    # 66 output tokens and 1100 prompt tokens over 4 s.
+    assert summary["output_tokens_per_s"] == 16.5 and summary["tokens_per_s"] == 291.5
+    assert "output_tokens_per_s" not in summarize(requests)
+    alone = summarize([request(0.0, 1)], 1.0)
+    assert alone["tpot_ms_p50"] is None and alone["tpot_ms_p90"] is None
+    assert alone["output_tokens_per_s"] == 1.0
+
+
+def test_each_concurrency_level_runs_its_own_pass_on_its_own_conversations(serve, tmp_path):
+    stand_in = StandIn()
+    out = tmp_path / "stock.json"
+    argv = ["run", "--url", serve(stand_in), "--model", "m", "--mode", "stock"]
+    argv += ["--out", str(out), "--conversations", "4", "--concurrency", "1,3,2"]
+    assert live_trace.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["concurrency"] == [1, 3, 2]
+    levels = report["concurrent_levels"]
+    assert [level["concurrency"] for level in levels] == [3, 2]
+    assert [level["requests"] for level in levels] == [12, 12]
+    assert all(level["output_tokens_per_s"] > 0 for level in levels)
+    assert all(level["tpot_ms_p50"] is not None for level in levels)
+    assert report["concurrent"] == {k: v for k, v in levels[0].items() if k != "concurrency"}
+    # The sequential pass and each level send prompts of their own: none is sent twice.
+    assert len(stand_in.seen) == 3 * 12 and len(set(stand_in.seen)) == 3 * 12
+
+
+def _levels_report(
+    mode: str, label: str, machine: str, levels: dict[int, tuple[float, float | None]]
+) -> dict:
+    """A report of concurrent passes only: per level, output tokens/s and TPOT p50 (ms)."""
+    return {
+        "mode": mode,
+        "label": label,
+        "machine": machine,
+        "concurrent_levels": [
+            {"concurrency": level, "output_tokens_per_s": tps, "tpot_ms_p50": tpot}
+            for level, (tps, tpot) in levels.items()
+        ],
+    }
+
+
+def test_concurrent_passes_are_paired_per_level_with_stocks_processes():
+    # An older report (no levels) comes first: it keeps the label "stock" but pairs with
+    # nothing, or stock would have three processes and kvcore's be taken again.
+    old = {"mode": "stock", "label": "stock", "machine": "a", "concurrent": {}}
+    reports = [
+        old,
+        _levels_report("stock", "stock", "a", {8: (100.0, 20.0), 32: (300.0, 40.0)}),
+        _levels_report("kvcore", "kvcore", "a", {8: (110.0, 16.0), 32: (300.0, 40.0)}),
+        _levels_report("stock", "stock-2", "a", {8: (120.0, 24.0), 32: (330.0, None)}),
+        _levels_report("kvcore", "kvcore-2", "a", {8: (156.0, 20.0), 32: (330.0, 44.0)}),
+        # One process: not paired. A level only one pair ran: not compared.
+        _levels_report("kvcore-ab", "kvcore-ab", "a", {8: (1.0, 1.0)}),
+    ]
+    reports[1]["concurrent_levels"].append(
+        {"concurrency": 64, "output_tokens_per_s": 1.0, "tpot_ms_p50": 1.0}
+    )
+    reports[2]["concurrent_levels"].append(
+        {"concurrency": 64, "output_tokens_per_s": 2.0, "tpot_ms_p50": 1.0}
+    )
+    paired = paired_concurrency(reports)
+    assert list(paired) == ["kvcore"]
+    at_8, at_32 = paired["kvcore"]
+    assert at_8 == {
+        "concurrency": 8,
+        "processes": 2,
+        "pairs": [["stock#2", "kvcore"], ["stock-2", "kvcore-2"]],
+        "stock_output_tokens_per_s": [100.0, 120.0],
+        "output_tokens_per_s": [110.0, 156.0],
+        # kvcore's tokens/s over stock's: 1.1 and 1.3; stock's TPOT over kvcore's: 1.25, 1.2.
+        "throughput": 1.2,
+        "throughput_interval": [1.1, 1.3],
+        "stock_tpot_ms_p50": [20.0, 24.0],
+        "tpot_ms_p50": [16.0, 20.0],
+        "tpot_speed": 1.225,
+        "tpot_speed_interval": [1.2, 1.25],
+    }
+    assert at_32["concurrency"] == 32
+    assert (at_32["throughput"], at_32["throughput_interval"]) == (1.0, [1.0, 1.0])
+    # A pass with no request of two output tokens has no TPOT: no speed, not a wrong one.
+    assert at_32["stock_tpot_ms_p50"] == [40.0, None]
+    assert at_32["tpot_speed"] is None and at_32["tpot_speed_interval"] is None
+
+
+def test_concurrent_passes_are_not_paired_across_machines_or_from_older_reports():
+    levels = {8: (100.0, 20.0)}
+    reports = [
+        _levels_report("stock", "stock", "a", levels),
+        _levels_report("stock", "stock-2", "a", levels),
+        _levels_report("kvcore", "kvcore", "b", levels),
+        _levels_report("kvcore", "kvcore-2", "b", levels),
+    ]
+    assert paired_concurrency(reports) == {}
+    older = [_report(mode, mode, {512: [0.05, 0.06]}, 0.004) for mode in ("stock", "kvcore")] * 2
+    assert paired_concurrency(older) == {}
+    summary = combine(older, "d", "v")
+    assert "paired_processes" in summary and "paired_concurrency" not in summary
+    assert summary["modes"]["stock"]["concurrent_levels"] == []
+
+
+def test_combine_keeps_each_modes_levels_and_pairs_them():
+    reports = []
+    for label, mode, tps in (("stock", "stock", 100.0), ("kvcore", "kvcore", 90.0)) * 2:
+        report = _report(mode, label, {512: [0.05]}, 0.004)
+        report["concurrent_levels"] = [
+            {"concurrency": 8, "output_tokens_per_s": tps, "tpot_ms_p50": 10.0}
+        ]
+        reports.append(report)
+    summary = combine(reports, "d", "v")
+    assert summary["modes"]["kvcore#2"]["concurrent_levels"] == reports[3]["concurrent_levels"]
+    (row,) = summary["paired_concurrency"]["kvcore"]
+    assert row["pairs"] == [["stock", "kvcore"], ["stock#2", "kvcore#2"]]
+    assert row["throughput"] == 0.9 and row["tpot_speed"] == 1.0
