@@ -44,7 +44,7 @@ def summarize(results: list[Result], wall_s: float | None = None) -> dict[str, A
             statistics.median([r.counted.get(LOAD_TIME, 0.0) for r in hits]) if hits else None
         ),
         "reload_bytes": sum(r.counted.get(LOAD_BYTES, 0.0) for r in hits),
-        "by_size": _by_size(hits),
+        "by_size": _by_size(hits, cold),
         "tpot_ms_p50": ms(statistics.median(tpots) if tpots else None),
         "tpot_ms_p90": ms(percentile(tpots, 0.9)),
     }
@@ -66,14 +66,17 @@ def _tpots(results: list[Result]) -> list[float]:
     return [(r.total_s - r.ttft_s) / (len(r.output) - 1) for r in results if len(r.output) >= 2]
 
 
-def _by_size(hits: list[Result]) -> list[dict[str, Any]]:
+def _by_size(hits: list[Result], cold: list[Result]) -> list[dict[str, Any]]:
     """Per first-turn size: hit TTFT and reload time medians, the reload's GB/s, the
     median of each hit's TTFT less its reload time (the engine's own steps around the
     reload), and the load jobs a hit took (median and most: a reload split over two jobs
-    waits for both)."""
+    waits for both). Beside them, the TTFT of that size's cold first turns, computed from
+    nothing, and both sides' prompt lengths: a hit slower than a cold prompt about as
+    long costs more than recomputing its prefix would."""
     rows = []
     for size in sizes(hits):
         group = [r for r in hits if r.first_turn_tokens == size]
+        firsts = [r for r in cold if r.first_turn_tokens == size]
         reload_s = statistics.median([r.counted.get(LOAD_TIME, 0.0) for r in group])
         loaded = statistics.median([r.counted.get(LOAD_BYTES, 0.0) for r in group])
         rows.append(
@@ -89,6 +92,13 @@ def _by_size(hits: list[Result]) -> list[dict[str, Any]]:
                 ),
                 "load_jobs_p50": _jobs(group, statistics.median),
                 "load_jobs_max": _jobs(group, max),
+                "prompt_tokens_p50": statistics.median([r.prompt_tokens for r in group]),
+                "cold_ttft_ms_p50": ms(statistics.median([r.ttft_s for r in firsts]))
+                if firsts
+                else None,
+                "cold_prompt_tokens_p50": statistics.median([r.prompt_tokens for r in firsts])
+                if firsts
+                else None,
             }
         )
     return rows

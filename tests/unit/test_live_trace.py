@@ -256,6 +256,22 @@ def test_each_size_splits_hit_ttft_into_reload_and_the_rest_and_counts_load_jobs
     assert by_size[512]["load_jobs_p50"] == 1 and by_size[512]["load_jobs_max"] == 2
     # A tier that reports no load-size histogram: no job count, not zero.
     assert by_size[1024]["load_jobs_p50"] is None and by_size[1024]["load_jobs_max"] is None
+    # No cold first turn of either size among these requests.
+    assert by_size[512]["cold_ttft_ms_p50"] is None and by_size[512]["prompt_tokens_p50"] == 512
+
+
+def test_each_size_puts_its_hits_beside_its_cold_first_turns():
+    counted = {LOAD_BYTES: 1e6, LOAD_TIME: 0.01}
+    hits = [Result(0, 512, t, 560 + t, 0.040 + t / 100, 0.1, [1, 2], counted) for t in (1, 2)]
+    firsts = [
+        Result(c, size, 0, size, ttft, 0.1, [1, 2])
+        for c, size, ttft in ((1, 512, 0.030), (2, 512, 0.050), (3, 512, 0.070), (4, 1024, 0.090))
+    ]
+    (row,) = summarize([*hits, *firsts])["by_size"]
+    assert row["first_turn_tokens"] == 512 and row["hits"] == 2
+    assert row["ttft_ms_p50"] == pytest.approx(55.0) and row["prompt_tokens_p50"] == 561.5
+    assert row["cold_ttft_ms_p50"] == pytest.approx(50.0)
+    assert row["cold_prompt_tokens_p50"] == 512
 
 
 def _report(mode: str, label: str, ttfts_s: dict[int, list[float]], load_s: float) -> dict:
