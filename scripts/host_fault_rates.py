@@ -8,7 +8,9 @@ opt-in parallel path a private one, which transparent hugepages may back with 2 
 The kernel serialises page-cache inserts per shmem file, so ``shared-segments`` maps the same
 bytes contiguously from 32 memfd files, as vLLM 0.33's region does: where it faults much
 faster than ``shared`` at 16 threads, one shared object is the limit kvcore's SGLang hook
-meets. Each kind is faulted in by kvcore.host_pinning.populate from N threads, then
+meets. ``shared-kvcore`` is the mapping kvcore makes for that size
+(:func:`kvcore.host_mapping.host_memory`: one file a GiB, up to 32), whose ``files`` says
+how many it took. Each kind is faulted in by kvcore.host_pinning.populate from N threads, then
 registered with CUDA where a GPU is present (and unregistered).
 """
 
@@ -27,12 +29,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcore import host_pinning
-from kvcore.host_mapping import mapping_address
+from kvcore.host_mapping import host_memory, mapping_address
 from kvcore.shared_segments import MAX_SEGMENTS as SEGMENTS
-from kvcore.shared_segments import segmented_shared
+from kvcore.shared_segments import segment_count, segmented_shared
 
 MADV_HUGEPAGE = 14
-KINDS = ("shared", "shared-segments", "private", "private-hugepage")
+KINDS = ("shared", "shared-segments", "shared-kvcore", "private", "private-hugepage")
 
 
 def _madvise(address: int, nbytes: int, advice: int) -> int:
@@ -46,6 +48,9 @@ def _mapped(kind: str, nbytes: int) -> tuple[int, Callable[[], None]]:
     if kind == "shared-segments":
         shared = segmented_shared(nbytes, SEGMENTS)
         return shared.address, shared.release
+    if kind == "shared-kvcore":
+        memory = host_memory(nbytes)
+        return memory.address, memory.close
     flags = mmap.MAP_SHARED if kind == "shared" else mmap.MAP_PRIVATE
     region = mmap.mmap(-1, nbytes, flags=flags | mmap.MAP_ANONYMOUS)
     return mapping_address(region), region.close
@@ -73,6 +78,9 @@ def one_rate(kind: str, nbytes: int, threads: int, register: bool) -> dict[str, 
             "threads": threads,
             "gib": gib,
             "hugepage_advised": advised,
+            "files": {"shared-segments": SEGMENTS, "shared-kvcore": segment_count(nbytes)}.get(
+                kind, 1 if kind == "shared" else None
+            ),
             "fault_gib_per_s": gib / faulted,
             "register_gib_per_s": None if register_s is None else gib / register_s,
         }
