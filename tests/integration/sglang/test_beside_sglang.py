@@ -81,3 +81,50 @@ def test_rule_on_side_serves_32k_reloads_after_its_8k_reloads_passed(
         # poison elsewhere (the passes ran stock's copies, left out on a CPU).
         served = [ok for tokens, name, ok in checked if (tokens, name) != (8192, "kvcore")]
         assert len(served) == 6 and all(served)
+
+
+def test_with_dma_in_place_whole_pages_go_by_dma_where_each_side_serves(
+    monkeypatch: pytest.MonkeyPatch, device_indices_read: None
+) -> None:
+    """Under KVCORE_SGLANG_DMA_IN_PLACE (the device indices read back at the move, a copy
+    of the CPU tensors here), the bench's kvcore sides copy paged MHA reloads by DMA
+    straight into place: the rule-off side at 8k and 32k, the rule-on side at 32k (it
+    passes 8k), every copied row exact."""
+    import tvm_ffi
+
+    monkeypatch.setattr(tvm_ffi, "use_torch_stream", contextlib.nullcontext)
+    monkeypatch.setenv("KVCORE_SGLANG_DMA_IN_PLACE", "1")
+    cpu = torch.device("cpu")
+    opts = beside.BesideOptions(device=cpu)
+    layers = 2
+    with (
+        bench_mover(serve_rule=True) as mover,
+        stock_copies_left_out(),
+        pool_case(
+            "mha", "layer_first", 64, Options(tokens=32768, layers=layers, device=cpu)
+        ) as case,
+    ):
+        sides = [side for side in beside._sides(case, opts) if side.name != "stock"]
+        controller = beside._Controller(case.pool, cpu)
+        gen = torch.Generator().manual_seed(5)
+        taken: dict[tuple[int, str], list[str]] = {}
+        for tokens in (8192, 32768):
+            (indices,) = request_indices(case, tokens, "0%", 1, gen)
+            for side in sides:
+                case.restore_device()
+                with beside._as_side(case, side):
+                    host, device = side.move(controller, indices[0].clone(), indices[1])
+                    before = mover.metrics.snapshot()
+                    for layer in range(layers):
+                        case.pool.load_to_device_per_layer_physical(
+                            case.device_pool, host, device, layer, "kernel"
+                        )
+                    taken[tokens, side.name] = paths_taken(before, mover.metrics.snapshot())
+                if taken[tokens, side.name]:
+                    assert _check(case, "load", layers, indices[0], indices[1])
+        assert taken == {
+            (8192, "kvcore"): [],
+            (8192, "own"): ["batched_runs"],
+            (32768, "kvcore"): ["batched_runs"],
+            (32768, "own"): ["batched_runs"],
+        }
