@@ -70,7 +70,8 @@ class KVCoreConfig:
     sglang_dma_in_place: bool = _setting(
         False,
         BOOLEAN,
-        "SGLang's kernel-backend transfers of paged pools: read each request's device indices "
+        "SGLang's kernel-backend transfers of paged layer_first pools: read each request's "
+        "device indices "
         "back when SGLang moves them (one small device-to-host copy a request, as SGLang's "
         "direct backend makes), so that pages of 32 KiB and more go by DMA straight into "
         "place, no kernel on any stream; 0 plans around the device indices unread",

@@ -71,12 +71,15 @@ class DeviceIndexReads(ByTensor[tuple[torch.Tensor, Callable[[], None], int]]):
 
 def worth_reading(device_indices: Any, controller: Any) -> TypeGuard[torch.Tensor]:
     """Whether a move's device indices may go by DMA once read: the ``kernel`` backend's
-    device tensors of a pool with pages of :data:`MIN_PAGE_SIZE` tokens or more."""
+    device tensors of a ``layer_first`` pool with pages of :data:`MIN_PAGE_SIZE` tokens or
+    more (``page_first`` keeps a slot's layers together, so one layer's rows lie a slot
+    apart on the host and never make a run)."""
     pool = getattr(controller, "mem_pool_host", None)
     return (
         getattr(controller, "io_backend", None) == "kernel"
         and isinstance(device_indices, torch.Tensor)
         and device_indices.device.type != "cpu"
         and device_indices.dim() == 1
+        and getattr(pool, "layout", None) == "layer_first"
         and getattr(pool, "page_size", 1) >= MIN_PAGE_SIZE
     )

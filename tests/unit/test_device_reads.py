@@ -66,17 +66,19 @@ def test_a_read_goes_with_its_tensor():
     assert len(reads) == 0
 
 
-def test_only_the_kernel_backends_paged_device_tensors_are_worth_reading():
-    def controller(io_backend: str = "kernel", page_size: int = 64) -> SimpleNamespace:
-        return SimpleNamespace(
-            io_backend=io_backend, mem_pool_host=SimpleNamespace(page_size=page_size)
-        )
+def test_only_the_kernel_backends_paged_layer_first_device_tensors_are_worth_reading():
+    def controller(
+        io_backend: str = "kernel", page_size: int = 64, layout: str = "layer_first"
+    ) -> SimpleNamespace:
+        pool = SimpleNamespace(page_size=page_size, layout=layout)
+        return SimpleNamespace(io_backend=io_backend, mem_pool_host=pool)
 
     on_device = torch.arange(64).to("meta")
     assert worth_reading(on_device, controller())
     assert worth_reading(on_device, controller(page_size=2))
     assert not worth_reading(on_device, controller(page_size=1))
     assert not worth_reading(on_device, controller("direct"))
+    assert not worth_reading(on_device, controller(layout="page_first"))
     assert not worth_reading(torch.arange(64), controller())
     assert not worth_reading(on_device.reshape(8, 8), controller())
     assert not worth_reading([1, 2, 3], controller())

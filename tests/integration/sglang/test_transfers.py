@@ -581,7 +581,7 @@ def test_move_indices_hook_reads_paged_kernel_device_indices_back_only_under_the
     adapter = _reading_adapter(monkeypatch, reader)
 
     def controller(io_backend: str, page_size: int) -> Any:
-        pool = types.SimpleNamespace(page_size=page_size)
+        pool = types.SimpleNamespace(page_size=page_size, layout="layer_first")
         return types.SimpleNamespace(mem_pool_host=pool, io_backend=io_backend)
 
     def move(controller, host_indices, device_indices):
@@ -634,7 +634,7 @@ def test_a_failing_read_keeps_stocks_move_and_counts_once(monkeypatch):
         raise RuntimeError("injected read")
 
     adapter = _reading_adapter(monkeypatch, reader)
-    pool = types.SimpleNamespace(page_size=64)
+    pool = types.SimpleNamespace(page_size=64, layout="layer_first")
     controller = types.SimpleNamespace(mem_pool_host=pool, io_backend="kernel")
     host, device = torch.arange(8), torch.arange(8).to("meta")
     before = fallbacks().get("internal_error:RuntimeError", 0)
