@@ -1,6 +1,7 @@
 """Reference kernels: plain torch ops on byte-level row views.
 
-They are the CPU implementation of every op the mover issues, and also valid
+They are the CPU implementation of every op the mover issues (every field of
+:class:`kvcore.kernels.KernelSet`, as the CUDA set has them), and also valid
 (if slower) on CUDA because they only use device-agnostic torch ops. Faster
 device kernels must stay byte-identical to these.
 
@@ -11,7 +12,7 @@ keeps NaN payloads, fp8 and bf16 bit-exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -104,6 +105,29 @@ def gather_rows(
     # so its rows must have arrived (a non-blocking copy to the host returns before).
     arrived = rows.to(dst_words.device, non_blocking=dst_words.device.type != "cpu")
     dst_words.index_copy_(0, index_on(dst_idx, dst_words.device), arrived)
+
+
+def copy_runs_layers(pairs: LayerPairs, runs: PairedRuns) -> None:
+    """:func:`copy_runs` for every pair."""
+    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+        copy_runs(src_words, dst_words, runs)
+
+
+def gather_layers(pairs: LayerPairs, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """:func:`gather_rows` for every pair."""
+    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+        gather_rows(src_words, src_idx, dst_words, dst_idx)
+
+
+def prepare_gather(
+    src_words: torch.Tensor, dst_words: torch.Tensor
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """:func:`gather_rows` bound to one pair's views, for a plan executed again and again."""
+
+    def gather(src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+        gather_rows(src_words, src_idx, dst_words, dst_idx)
+
+    return gather
 
 
 def prepare_rows(

@@ -32,7 +32,8 @@ class BrokenMover(Mover):
             start = int(runs.dst_starts[0])
             dst[start].bitwise_not_()
 
-        return dataclasses.replace(base, copy_runs=copy_runs)
+        # Without the op over several pairs, the mover runs this one for each pair.
+        return dataclasses.replace(base, copy_runs=copy_runs, copy_runs_layers=None)
 
 
 def test_every_path_both_directions_one_pair_and_layers_per_row_size():
