@@ -142,7 +142,8 @@ def _launch(engine: str | None, rest: list[str], dry_run: bool) -> int:
         raise LaunchError(f"unknown engine {engine!r}; choose {choices}")
     config, engine_args, dry_run_flag = split_args(rest)
     config.configure_logging()
-    turned_off = _turned_off(rest, os.environ)
+    flags = flag_overrides(rest[: rest.index(SEPARATOR)] if SEPARATOR in rest else rest)
+    turned_off = _turned_off(flags, os.environ)
     if turned_off is None:
         config = replace(config, enable=config.enable | {engine})
         for warning in idle_warnings(engine, engine_args, config, os.environ):
@@ -154,7 +155,7 @@ def _launch(engine: str | None, rest: list[str], dry_run: bool) -> int:
             file=sys.stderr,
         )
     command = [sys.executable, "-m", ENGINE_ENTRY_MODULES[engine], *engine_args]
-    variables = _exported(config, rest, os.environ)
+    variables = _exported(config, flags, os.environ)
     installed = engine_installed(engine)
     if dry_run or dry_run_flag:
         _print_plan(variables, command)
@@ -173,20 +174,22 @@ def _launch(engine: str | None, rest: list[str], dry_run: bool) -> int:
     os.execvpe(command[0], command, {**os.environ, **variables})
 
 
-def _exported(config: KVCoreConfig, rest: list[str], environ: Mapping[str, str]) -> dict[str, str]:
+def _exported(
+    config: KVCoreConfig, flags: Mapping[str, Any], environ: Mapping[str, str]
+) -> dict[str, str]:
     """The ``KVCORE_*`` variables the engine starts with: the engine list, each setting a flag
     gave and each variable already set (spelled as kvcore reads it back). A setting nobody
     gave stays unset, since unset can mean more than its default: vLLM's handlers copy
     blocks by DMA into place unless ``KVCORE_LONG_RUN_BYTES`` or ``KVCORE_MAX_BATCHED_RUNS``
-    is set (:func:`kvcore.planning.path_policy.dma_in_place_policy`)."""
-    flags = flag_overrides(rest[: rest.index(SEPARATOR)] if SEPARATOR in rest else rest)
+    is set (:func:`kvcore.planning.path_policy.dma_in_place_policy`). ``flags``: what the
+    ``--kvcore-*`` flags said (:func:`~kvcore.config.flag_overrides`)."""
     given = {ENABLE_SETTING.env} | {s.env for s in SETTINGS if s.name in flags}
     return {
         name: value for name, value in config.to_env().items() if name in given or environ.get(name)
     }
 
 
-def _turned_off(rest: list[str], environ: Mapping[str, str]) -> str | None:
+def _turned_off(flags: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:
     """How the launch was told to keep kvcore off (``--kvcore-enable 0``, or
     ``KVCORE_ENABLE=0`` with no flag over it), else None.
 
@@ -194,7 +197,6 @@ def _turned_off(rest: list[str], environ: Mapping[str, str]) -> str | None:
     added, as it always has, and an unset or empty variable means "not said".
     """
     setting = ENABLE_SETTING
-    flags = flag_overrides(rest[: rest.index(SEPARATOR)] if SEPARATOR in rest else rest)
     if setting.name in flags:
         off = not flags[setting.name]
         return f"{setting.flag} {setting.kind.render(flags[setting.name])}" if off else None
