@@ -139,7 +139,7 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
         # own requests left them (a move here would turn a binding back on under the stock
         # method _as_side puts back).
         moved = HiCacheController.move_indices(controller, h, d)
-        bench_adapter().indices_moved(controller, h, d, moved)
+        bench_adapter().indices_moved(controller, h, moved)
         return moved
 
     sides = [

@@ -75,12 +75,10 @@ class SGLangAdapter:
         returns the one in use until now, for the caller to put back."""
         return self.movers.use(chosen)
 
-    def indices_moved(
-        self, controller: Any, host_indices: Any, device_indices: Any, moved: Any
-    ) -> None:
-        """Remember what ``HiCacheController.move_indices`` made of the two index tensors:
-        the CPU host indices of a copy it put on the GPU, and, under
-        ``KVCORE_SGLANG_DMA_IN_PLACE``, a read of device indices it left there."""
+    def indices_moved(self, controller: Any, host_indices: Any, moved: Any) -> None:
+        """Remember what ``HiCacheController.move_indices`` made of the index tensors it was
+        given (``moved``: its result): the CPU host indices of a copy it put on the GPU,
+        and, under ``KVCORE_SGLANG_DMA_IN_PLACE``, a read of device indices it left there."""
         moved_host = moved[0] if isinstance(moved, tuple) and moved else None
         if (
             isinstance(host_indices, torch.Tensor)

@@ -83,7 +83,7 @@ def _make_move_indices_hook(adapter: SGLangAdapter) -> Callable[..., Any]:
             host_pool = getattr(controller, "mem_pool_host", None)
             if host_pool is not None:
                 adapter.bindings.indices_moved(host_pool)
-            adapter.indices_moved(controller, host_indices, device_indices, moved)
+            adapter.indices_moved(controller, host_indices, moved)
         except Exception as exc:
             internal_error(adapter.internal_errors, adapter.mover(), exc)
         return moved
