@@ -142,8 +142,7 @@ def gather_prepared(pairs: LayerPairs, rows: object) -> None:
     if not (isinstance(rows, tuple) and len(rows) == 2):
         raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
     src_idx, dst_idx = rows
-    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-        gather_rows(src_words, src_idx, dst_words, dst_idx)
+    gather_layers(pairs, src_idx, dst_idx)
 
 
 def runs_to_staging(
