@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcore.direction import Direction
+from kvcore.mover import Mover
+from kvcore.planning import serve_rule
 
 from . import call_plans, pool_jobs
 from .adapter import SGLangAdapter
@@ -229,21 +231,51 @@ def _make_backup_hook(
             )
             stock()
             return
-        jobs = adapter.release_jobs.jobs_for(target, by_release)
-        indices = adapter.call_indices(pool, pool_class, host_indices, device_indices, io_backend)
-        if jobs is None:
-            _serve(adapter, stock, pool, SOURCE_UNKNOWN, Direction.D2H)
-            return
-        if isinstance(indices, str):
-            _serve(adapter, stock, pool, indices, Direction.D2H)
-            return
-        passes, _ = host_runs_pass(rule, tokens, indices.host, chosen_mover.policy)
-        if passes is not None:
-            count_request_pass(chosen_mover, passes)
+        try:
+            work = _backup_work(
+                adapter.call_indices(pool, pool_class, host_indices, device_indices, io_backend),
+                adapter.release_jobs.jobs_for(target, by_release),
+                rule,
+                tokens,
+                chosen_mover,
+                pool,
+                device_pool,
+                io_backend,
+            )
+        except Exception as exc:
+            # Finding the indices (a device read's wait among them) or the job failed.
+            internal_error(adapter.internal_errors, chosen_mover, exc)
             stock()
             return
-        count_serve(chosen_mover)
-        job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)
-        _serve(adapter, stock, pool, job if isinstance(job, str) else (job, indices), Direction.D2H)
+        if work is None:
+            stock()
+            return
+        _serve(adapter, stock, pool, work, Direction.D2H)
 
     return backup_hook
+
+
+def _backup_work(
+    indices: CallIndices | str,
+    jobs: PoolJobs | None,
+    rule: serve_rule.SGLangRule | None,
+    tokens: int,
+    chosen_mover: Mover,
+    pool: Any,
+    device_pool: Any,
+    io_backend: str,
+) -> tuple[Job, CallIndices] | str | None:
+    """What a backup the rule did not pass by size copies: its job and indices, the reason it
+    runs stock (counted by :func:`_serve`), or None where the rule passes its host slots
+    (counted here)."""
+    if jobs is None:
+        return SOURCE_UNKNOWN
+    if isinstance(indices, str):
+        return indices
+    passes, _ = host_runs_pass(rule, tokens, indices.host, chosen_mover.policy)
+    if passes is not None:
+        count_request_pass(chosen_mover, passes)
+        return None
+    count_serve(chosen_mover)
+    job = jobs.backup(pool, device_pool, indices.host, indices.device, io_backend)
+    return job if isinstance(job, str) else (job, indices)

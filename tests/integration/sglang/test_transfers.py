@@ -662,6 +662,36 @@ def test_a_failure_in_the_move_hook_keeps_stocks_move_and_counts_once(monkeypatc
     assert memo.recall(moved) is None
 
 
+def test_a_failure_finding_a_backups_indices_runs_stock_and_counts_once(
+    transfer_hooks, small_mover, monkeypatch
+):
+    """kvcore fails before it has a plan for a backup (here its indices; on a GPU a device
+    read's wait could): SGLang's own backup runs, once, and the failure is counted once."""
+    transfer_hooks()
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(bench_adapter(), "call_indices", broken)
+    gen = torch.Generator().manual_seed(31)
+    with cpu_hicache():  # SGLang's direct copy, in torch, as the stock path here
+        pool = pool_for("mha", "layer_first")
+        parts = components("mha", pool)
+        randomise(all_tensors(parts), gen)
+        host_idx, device_idx = make_indices("mha", pool, "scattered", 64, gen)
+        before = fallbacks().get("internal_error:RuntimeError", 0)
+        pool.backup_from_device_all_layer(
+            device_pool_of("mha", pool), host_idx, device_idx, "direct"
+        )
+    assert fallbacks().get("internal_error:RuntimeError", 0) == before + 1
+    pairs = list(zip(*reference_slots("mha", pool, host_idx, device_idx), strict=True))
+    for part in parts:
+        for layer, device in enumerate(part.devices):
+            for slot, row in pairs:
+                copied = part.row(part.host.view(torch.uint8), layer, slot)
+                assert torch.equal(copied, device.view(torch.uint8)[row])
+
+
 def reload_every_layer(pool: Any, parts: list[Component], host_idx, device_idx) -> None:
     """An MHA pool's reload, layer by layer as SGLang calls it (the ``direct`` backend),
     every device buffer then checked against the rows the host slots hold."""
