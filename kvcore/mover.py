@@ -171,15 +171,7 @@ class Mover:
         take the engine's stock path: the caller runs that path instead;
         :class:`StalePlanError` where the plan's indices were written since planning.
         """
-        plan.check_indices()
-        problem = layers_mismatch(plan, pairs)
-        if problem is not None:
-            raise ValueError(problem)
-        started = time.perf_counter()
-        degraded = None
-        if plan.rows and plan.row_bytes:
-            degraded = self._copy_layers(plan, pairs)
-        self._record_layers(plan, pairs, time.perf_counter() - started, degraded)
+        self.execute_prepared(PreparedLayers(plan, None, None), pairs)
 
     def prepare_layers(
         self, plan: TransferPlan, *, src_idx_on_device: torch.Tensor | None = None
