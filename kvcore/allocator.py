@@ -94,16 +94,46 @@ def check_pool_size(size: int, page_size: int) -> tuple[int, int]:
 class ContiguousSlotAllocator:
     """Slots ``[0, size)`` in pages of ``page_size``, handed out as contiguous runs."""
 
-    def __init__(self, size: int, page_size: int = 1, *, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        page_size: int = 1,
+        *,
+        metrics: Metrics | None = None,
+        ready: int | None = None,
+    ) -> None:
         size, page_size = check_pool_size(size, page_size)
         self.size = size
         self.page_size = page_size
         self._pages = size // page_size
         self._metrics = metrics
+        self._ready_pages = self._ready_pages_of(size if ready is None else ready)
         self.clear()
 
+    @property
+    def ready_size(self) -> int:
+        """Slots ``[0, ready_size)`` may be handed out; the rest wait for :meth:`grow_ready`
+        (memory not ready yet, such as a host pool still being pinned)."""
+        return self._ready_pages * self.page_size
+
+    def grow_ready(self, ready: int) -> None:
+        """Slots ``[0, ready)`` may be handed out from now on (whole pages); a smaller
+        ``ready`` than today's changes nothing."""
+        pages = self._ready_pages_of(ready)
+        if pages > self._ready_pages:
+            self._release(((self._ready_pages, pages - self._ready_pages),))
+            self._ready_pages = pages
+
+    def _ready_pages_of(self, ready: int) -> int:
+        ready = operator.index(ready)
+        if not 0 <= ready <= self.size or ready % self.page_size:
+            raise ValueError(
+                f"ready size {ready} is not whole pages of {self.page_size} within [0, {self.size}]"
+            )
+        return ready // self.page_size
+
     def clear(self) -> None:
-        """Everything free again, statistics reset."""
+        """Everything ready free again, statistics reset."""
         self._by_length: SortedList = SortedList()
         self._length_at: dict[int, int] = {}
         self._start_before: dict[int, int] = {}
@@ -111,9 +141,9 @@ class ContiguousSlotAllocator:
         # the map ever handing out a page twice; numpy reads it far cheaper per call.
         self.page_used = torch.zeros(self._pages, dtype=torch.bool)
         self._used = self.page_used.numpy()
-        if self._pages:
-            self._add_free(0, self._pages)
-        self._free_pages = self._pages
+        if self._ready_pages:
+            self._add_free(0, self._ready_pages)
+        self._free_pages = self._ready_pages
         self._allocations = 0
         self._one_run_allocations = 0
         self._runs_total = 0

@@ -115,6 +115,14 @@ class KVCoreConfig:
         "region, SGLang's default HiCache host allocator): the exact size, faulted in by "
         "every usable CPU, on the GPU's NUMA node; 0 keeps the engine's own allocation",
     )
+    host_pool_pin_first: int = _setting(
+        0,
+        _size(0, 1 << 50, "more host memory than any machine holds"),
+        "SGLang's MHA and MLA host pools (layer_first, page_first): pin this much before the "
+        "engine starts and the rest on a background thread, handing out only pinned slots "
+        "(kvcore's copies wait for the whole pool; the engine's own run meanwhile); 0 pins the "
+        "whole pool before the engine starts, as SGLang does",
+    )
     serve_rule: bool = _setting(
         True,
         BOOLEAN,

@@ -107,7 +107,8 @@ def announce_stock_share(logger: logging.Logger, engine: str, share: float) -> N
 
 
 def settings_shown(config: KVCoreConfig) -> dict[str, bool | float]:
-    """The settings an engine's status shows: the switches, and a stock share where set."""
+    """The settings an engine's status shows: the switches, and a stock share and a first
+    pinned share where set."""
     shown: dict[str, bool | float] = {
         "transfers": config.transfers,
         "serve_rule": config.serve_rule,
@@ -115,6 +116,8 @@ def settings_shown(config: KVCoreConfig) -> dict[str, bool | float]:
     }
     if config.stock_share:
         shown["stock_share"] = config.stock_share
+    if config.host_pool_pin_first:
+        shown["host_pool_pin_first"] = config.host_pool_pin_first
     return shown
 
 

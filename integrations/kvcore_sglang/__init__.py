@@ -29,7 +29,8 @@ def status(config: KVCoreConfig | None = None) -> EngineStatus:
     targets are those (``plugin_applied``); elsewhere nothing was patched and the
     skipped targets are the guard's verdict. Where SGLang is installed and enabled,
     ``would_patch`` is what the guard passes for the installed source (read from its
-    files, SGLang is not imported) under ``config``'s KVCORE_TRANSFERS and KVCORE_HOST_POOL.
+    files, SGLang is not imported) under ``config``'s KVCORE_TRANSFERS, KVCORE_HOST_POOL and
+    KVCORE_HOST_POOL_PIN_FIRST.
     """
     from kvcore_sglang.plugin import applied_status
 
@@ -55,6 +56,7 @@ def _add_guard_verdict(found: EngineStatus, config: KVCoreConfig) -> None:
     for groups, on, off in (
         (guard.TRANSFER_GROUPS, config.transfers, "KVCORE_TRANSFERS=0"),
         (guard.HOST_MEMORY_GROUPS, config.host_pool, "KVCORE_HOST_POOL=0"),
+        (guard.PINNING_GROUPS, config.host_pool_pin_first > 0, "KVCORE_HOST_POOL_PIN_FIRST=0"),
     ):
         if on:
             checked.update(groups)

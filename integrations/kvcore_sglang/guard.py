@@ -68,7 +68,25 @@ HOST_MEMORY_GROUP = "host pool memory"
 HOST_MEMORY_TARGET = f"{_POOL_HOST}.common.HostTensorAllocator.allocate"
 HOST_MEMORY_GROUPS: dict[str, tuple[str, ...]] = {HOST_MEMORY_GROUP: (HOST_MEMORY_TARGET,)}
 
-EVERY_GROUP: dict[str, tuple[str, ...]] = {**TARGET_GROUPS, **TRANSFER_GROUPS, **HOST_MEMORY_GROUPS}
+# SGLang's MHA and MLA host pools pinned in steps (kvcore_sglang.pool_pinning). Checked and
+# registered only under KVCORE_HOST_POOL_PIN_FIRST, and only with the host-slot allocator's
+# group: that allocator is what hands out pinned slots alone.
+PINNING_GROUP = "host pool pinning"
+PINNING_TARGETS: tuple[str, ...] = (
+    *(
+        f"{_POOL_HOST}.{pool}.init_kv_buffer"
+        for pool in ("mha.MHATokenToKVPoolHost", "mla.MLATokenToKVPoolHost")
+    ),
+    f"{HOST_KV_CACHE}.destroy",
+)
+PINNING_GROUPS: dict[str, tuple[str, ...]] = {PINNING_GROUP: PINNING_TARGETS}
+
+EVERY_GROUP: dict[str, tuple[str, ...]] = {
+    **TARGET_GROUPS,
+    **TRANSFER_GROUPS,
+    **HOST_MEMORY_GROUPS,
+    **PINNING_GROUPS,
+}
 """Every group the plugin may hook, in the order it registers them."""
 
 _REGISTER = "sglang.srt.plugins.hook_registry.HookRegistry.register"
@@ -105,6 +123,18 @@ DEPENDENCIES: dict[str, tuple[str, ...]] = {
         _APPLY,
         "sglang.srt.mem_cache.storage.mmap.mmap_allocator.alloc_mmap",
         f"{_POOL_HOST}.common.alloc_with_host_register",
+    ),
+    # The buffer's allocation and registration that the hooks turn off and stand in for,
+    # the unregistration that reads kvcore's ranges, and the constructor that builds the
+    # buffer before it makes the pool's lock and calls clear().
+    PINNING_GROUP: (
+        _REGISTER,
+        _APPLY,
+        f"{_POOL_HOST}.common.alloc_with_host_register",
+        f"{_POOL_HOST}.common._cuda_host_register",
+        f"{_POOL_HOST}.common._cuda_host_unregister",
+        f"{HOST_KV_CACHE}._allocate_host_buffer",
+        f"{HOST_KV_CACHE}.__init__",
     ),
 }
 

@@ -49,7 +49,7 @@ TARGET = HOST_MEMORY_TARGET
 ALLOCATOR_CLASS = TARGET.rsplit(".", 1)[0]
 
 
-def _is_default_allocator(allocator: Any) -> bool:
+def is_default_allocator(allocator: Any) -> bool:
     cls = type(allocator)
     return f"{cls.__module__}.{cls.__qualname__}" == ALLOCATOR_CLASS
 
@@ -81,7 +81,7 @@ def allocate_hook(
     device: str,
 ) -> torch.Tensor:
     """The AROUND hook of :data:`TARGET`: SGLang's default allocation, faulted in by kvcore."""
-    if device != "cpu" or not _is_default_allocator(allocator) or math.prod(dims) == 0:
+    if device != "cpu" or not is_default_allocator(allocator) or math.prod(dims) == 0:
         return original(allocator, dims, dtype, device)
     choice = sglang_choice()
     if choice is not None:

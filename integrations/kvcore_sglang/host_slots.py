@@ -23,6 +23,7 @@ with nothing changed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,9 @@ from kvcore.metrics import METRICS
 # HostKVCache.__init__) ends by calling clear(), and clear() is also SGLang's reset,
 # so state is created and reset exactly where the stock code creates and resets it.
 SLOTS_ATTR = "_kvcore_slots"
+# A pool kvcore pins in steps keeps its kvcore.stepwise_pinning.StepwisePinning here
+# (kvcore_sglang.pool_pinning): its allocator hands out only the slots pinned so far.
+PINNING_ATTR = "_kvcore_pinning"
 
 _POOL_PACKAGE = "sglang.srt.mem_cache.pool_host"
 # Pool classes kvcore serves: they use HostKVCache's allocator unchanged and are
@@ -118,19 +122,36 @@ def clear_hook(original: Callable[..., Any], pool: Any) -> None:
     if not is_served(type(pool)):
         original(pool)
         return
-    with pool.lock:
+    pinning = pool.__dict__.get(PINNING_ATTR)
+    with pool.lock, pinning.lock if pinning is not None else contextlib.nullcontext():
         size, page_size = pool.logical_size, pool.logical_page_size
+        ready = None if pinning is None else pinning.ready_slots
         served = ServedSlots(
-            ContiguousSlotAllocator(size, page_size, metrics=METRICS),
+            ContiguousSlotAllocator(size, page_size, metrics=METRICS, ready=ready),
             FreeSlotList(size, page_size),
             np.zeros(size, dtype=np.bool_),
         )
+        if ready is not None:
+            served.free_list.take(np.arange(ready // page_size, size // page_size))
         pool.__dict__[SLOTS_ATTR] = served
         pool.mem_state = torch.zeros((size,), dtype=torch.uint8, device=pool.device)
         pool.free_slots = served.free_list.slots
         pool.release_slots = []
         pool.num_release_slots = 0
         pool.slot_used = torch.from_numpy(served.used)
+
+
+def grow_ready(pool: Any, served: ServedSlots, ready: int) -> None:
+    """Slots ``[0, ready)`` of the pool may be handed out from now on (its memory is
+    pinned that far); the caller holds the pool's lock."""
+    allocator = served.allocator
+    page_size = allocator.page_size
+    before = allocator.ready_size
+    allocator.grow_ready(ready)
+    after = allocator.ready_size
+    if after > before:
+        served.free_list.give_back(np.arange(before // page_size, after // page_size))
+        pool.free_slots = served.free_list.slots
 
 
 def available_size_hook(original: Callable[..., Any], pool: Any) -> int:

@@ -8,8 +8,10 @@ the plugin's own AROUND hook for that target (:data:`kvcore_sglang.host_slots.HO
 installation's adapter), gated
 as the plugin gates it: the targets of ``guard.TRANSFER_GROUPS`` only under
 ``KVCORE_TRANSFERS``, those of ``guard.HOST_MEMORY_GROUPS`` only under
-``KVCORE_HOST_POOL``. A release's patch set hooks every target of the guard's groups
-recorded for that release (not the functions the groups merely depend on).
+``KVCORE_HOST_POOL``, those of ``guard.PINNING_GROUPS`` only under a non-zero
+``KVCORE_HOST_POOL_PIN_FIRST`` (:mod:`kvcore_sglang.pool_pinning`). A release's patch set
+hooks every target of the guard's groups recorded for that release (not the functions the
+groups merely depend on).
 
 Patched mode is on in a patched build unless ``KVCORE_ENABLE`` is set and leaves sglang
 out (``KVCORE_ENABLE=0`` turns it off), or a ``KVCORE_*`` variable is bad (one logged line
@@ -108,6 +110,12 @@ def _implementation(target: str) -> Callable[..., Any] | None:
         from . import host_memory
 
         return host_memory.HOOKS[target]
+    if target in _group_targets(guard.PINNING_GROUPS):
+        if not config.host_pool_pin_first:
+            return None
+        from . import pool_pinning
+
+        return pool_pinning.hooks(config)[target]
     from . import host_slots
 
     return {f"{guard.HOST_KV_CACHE}.{name}": h for name, h in host_slots.HOOKS.items()}[target]

@@ -86,6 +86,8 @@ def register_hooks(
             )
         if config.host_pool:
             _register_host_memory(status, release_of(status.version or ""))
+        if config.host_pool_pin_first:
+            _register_pinning(status, release_of(status.version or ""), config)
         announce_activation(logger, "SGLang", status, transfers, config.serve_rule)
         if transfers:
             announce_stock_share(logger, "SGLang", config.stock_share)
@@ -147,6 +149,19 @@ def _register_host_memory(status: EngineStatus, version: str) -> None:
     from . import guard, host_memory
 
     _register_checked(status, version, guard.HOST_MEMORY_GROUPS, host_memory.HOOKS, "host pool")
+
+
+def _register_pinning(status: EngineStatus, version: str, config: KVCoreConfig) -> None:
+    from . import guard, pool_pinning
+
+    if not set(guard.ALLOCATOR_TARGETS) <= set(status.patched_targets):
+        reason = "the host-slot allocator stays stock: only kvcore's hands out pinned slots alone"
+        for target in guard.PINNING_TARGETS:
+            status.skip(target, reason, guard.PINNING_GROUP)
+        logger.warning("kvcore: SGLang's host pools are pinned whole: %s", reason)
+        return
+    hooks = pool_pinning.hooks(config)
+    _register_checked(status, version, guard.PINNING_GROUPS, hooks, "host pool pinning")
 
 
 def _register_checked(

@@ -31,6 +31,7 @@ from .call_plans import CallIndices
 from .hook_mover import count_request_pass
 from .layer_loads import continued, later_layer_served, load_layer, passes_from_here
 from .pool_jobs import Job, PoolJobs
+from .pool_pinning import pinning_incomplete
 from .release_jobs import SOURCE_UNKNOWN
 from .serve_or_pass import (
     call_rule,
@@ -43,6 +44,9 @@ from .serve_or_pass import (
 )
 from .served_pools import DSA_POOL, MHA_POOL, MLA_POOL
 
+PINNING_PASS = "host_pool_pinning"
+"""The pass counted for each call on a pool not pinned whole yet
+(:mod:`~kvcore_sglang.pool_pinning`)."""
 MOVE_INDICES = "sglang.srt.managers.cache_controller.HiCacheController.move_indices"
 _LOAD = "load_to_device_per_layer"
 _BACKUP = "backup_from_device_all_layer"
@@ -140,6 +144,18 @@ def _make_load_hook(
         *,
         is_draft: bool = False,
     ) -> None:
+        if pinning_incomplete(pool):
+            count_pass(adapter.mover(), PINNING_PASS)
+            original(
+                pool,
+                device_pool,
+                host_indices,
+                device_indices,
+                layer_id,
+                io_backend,
+                is_draft=is_draft,
+            )
+            return
         latest = adapter.load_requests.latest(pool, device_pool)
         request = continued(
             adapter, latest, pool, device_pool, host_indices, device_indices, io_backend, is_draft
@@ -212,6 +228,10 @@ def _make_backup_hook(
         def stock() -> None:
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
+        if pinning_incomplete(pool):
+            count_pass(adapter.mover(), PINNING_PASS)
+            stock()
+            return
         rule = call_rule(adapter.serve_rule, "backup", pool, io_backend)
         if adapter.bindings.bypass_if_never(original, pool, _BACKUP, rule, io_backend):
             stock()

@@ -29,6 +29,14 @@ from kvcore_vllm import guard as vllm_guard
 from kvcore_vllm import plugin as vllm_plugin
 
 SGLANG_GROUPS = sglang_guard.EVERY_GROUP
+# What doctor would patch by default: every group but the pinning one, which is off until
+# KVCORE_HOST_POOL_PIN_FIRST asks for it.
+SGLANG_DEFAULT_TARGETS = [
+    t
+    for group, targets in SGLANG_GROUPS.items()
+    if group != sglang_guard.PINNING_GROUP
+    for t in targets
+]
 SGLANG_CHECKED = sglang_guard.recorded_targets(SGLANG_GROUPS)
 ALLOC = f"{sglang_guard.HOST_KV_CACHE}.alloc"
 PREPARE_STORE = "vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager.prepare_store"
@@ -130,6 +138,7 @@ def test_sglang_with_transfers_off_would_patch_every_allocator_target_alone(fake
     assert status.groups_off == {
         **dict.fromkeys(sglang_guard.TRANSFER_GROUPS, "KVCORE_TRANSFERS=0"),
         sglang_guard.HOST_MEMORY_GROUP: "KVCORE_HOST_POOL=0",
+        sglang_guard.PINNING_GROUP: "KVCORE_HOST_POOL_PIN_FIRST=0",
     }
     assert status.target_groups == {g: list(t) for g, t in SGLANG_GROUPS.items()}
     assert status.settings == {"transfers": False, "serve_rule": True, "host_pool": False}
@@ -138,10 +147,17 @@ def test_sglang_with_transfers_off_would_patch_every_allocator_target_alone(fake
 
 
 def test_sglang_enabled_alone_would_patch_every_group(fake_sglang):
-    status = kvcore_sglang.status(KVCoreConfig(enable={"sglang"}, serve_rule=False))
+    status = kvcore_sglang.status(
+        KVCoreConfig(enable={"sglang"}, serve_rule=False, host_pool_pin_first=1 << 30)
+    )
     assert status.would_patch == [t for targets in SGLANG_GROUPS.values() for t in targets]
     assert status.groups_off == {} and status.skipped_targets == []
-    assert status.settings == {"transfers": True, "serve_rule": False, "host_pool": True}
+    assert status.settings == {
+        "transfers": True,
+        "serve_rule": False,
+        "host_pool": True,
+        "host_pool_pin_first": 1 << 30,
+    }
 
 
 def test_sglang_not_enabled_runs_no_guard(fake_sglang):
@@ -274,6 +290,6 @@ def test_doctor_json_lists_would_patch(fake_sglang, capsys, monkeypatch):
     monkeypatch.setenv("KVCORE_ENABLE", "sglang")
     assert main(["doctor", "--json"]) == 0
     entry = engine_entry(json.loads(capsys.readouterr().out), "sglang")
-    assert entry["would_patch"] == [t for targets in SGLANG_GROUPS.values() for t in targets]
+    assert entry["would_patch"] == SGLANG_DEFAULT_TARGETS
     assert entry["patched_targets"] == [] and entry["plugin_applied"] is False
     assert entry["settings"] == {"transfers": True, "serve_rule": True, "host_pool": True}

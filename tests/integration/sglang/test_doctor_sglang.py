@@ -16,21 +16,28 @@ pytestmark = pytest.mark.sglang
 ALLOC = f"{guard.HOST_KV_CACHE}.alloc"
 
 
-@pytest.mark.parametrize("host_pool", ["0", "1"])
-@pytest.mark.parametrize("transfers", ["0", "1"])
-def test_doctor_would_patch_the_guard_table(transfers, host_pool):
+@pytest.mark.parametrize(
+    ("transfers", "host_pool", "pin_first"),
+    [("0", "0", "0"), ("0", "1", "0"), ("1", "0", "0"), ("1", "1", "0"), ("1", "1", "4GiB")],
+)
+def test_doctor_would_patch_the_guard_table(transfers, host_pool, pin_first):
     result = run_doctor(
         ["-m", "kvcore", "doctor", "--json"],
         KVCORE_ENABLE="sglang",
         KVCORE_TRANSFERS=transfers,
         KVCORE_HOST_POOL=host_pool,
+        KVCORE_HOST_POOL_PIN_FIRST=pin_first,
     )
     assert result.returncode == 0, result.stderr
     entry = engine_entry(result.stdout, "sglang")
     groups = dict(guard.TARGET_GROUPS)
     off: set[str] = set()
-    for switched, on in ((guard.TRANSFER_GROUPS, transfers), (guard.HOST_MEMORY_GROUPS, host_pool)):
-        if on == "1":
+    for switched, on in (
+        (guard.TRANSFER_GROUPS, transfers == "1"),
+        (guard.HOST_MEMORY_GROUPS, host_pool == "1"),
+        (guard.PINNING_GROUPS, pin_first != "0"),
+    ):
+        if on:
             groups.update(switched)
         else:
             off.update(switched)
@@ -38,11 +45,10 @@ def test_doctor_would_patch_the_guard_table(transfers, host_pool):
     assert entry["would_patch"] and entry["would_patch"] == expected
     assert entry["skipped_targets"] == []
     assert entry["patched_targets"] == [] and entry["plugin_applied"] is False
-    assert entry["settings"] == {
-        "transfers": transfers == "1",
-        "serve_rule": True,
-        "host_pool": host_pool == "1",
-    }
+    shown = {"transfers": transfers == "1", "serve_rule": True, "host_pool": host_pool == "1"}
+    if pin_first != "0":
+        shown["host_pool_pin_first"] = 4 << 30
+    assert entry["settings"] == shown
     assert set(entry["groups_off"]) == off
 
 

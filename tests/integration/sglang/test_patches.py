@@ -167,6 +167,8 @@ def test_patched_tree_imports_hooked_and_the_plugin_does_not_hook_again(mirrored
     targets = sorted(t for f in PATCH_SET.files for t in f.targets)
     env = {key: value for key, value in os.environ.items() if not key.startswith("KVCORE_")} | {
         "KVCORE_TRANSFERS": "1",
+        # Every group on, so that every target of the set is hooked.
+        "KVCORE_HOST_POOL_PIN_FIRST": "1GiB",
         "PYTHONPATH": os.pathsep.join([str(mirrored.root), str(HERE)]),
         "PYTHONDONTWRITEBYTECODE": "1",
     }

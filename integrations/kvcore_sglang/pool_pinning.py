@@ -1,0 +1,200 @@
+"""SGLang's MHA and MLA host pools pinned in steps: a first share before SGLang goes on, the
+rest on a background thread (``KVCORE_HOST_POOL_PIN_FIRST``).
+
+SGLang registers a whole ``layer_first`` host pool with CUDA in one call while it builds
+the pool. AROUND hooks on the MHA and MLA pools' ``init_kv_buffer`` build the buffer with
+``pin_memory`` off for that one call, so SGLang allocates it (through kvcore's faulting
+hook, :mod:`kvcore_sglang.host_memory`) but registers nothing. kvcore then registers it in
+steps of slots (:mod:`kvcore.stepwise_pinning`): the first holding at least the setting's
+bytes, the rest from a thread. The ranges go where SGLang keeps its own
+(``_sglang_cuda_host_registered_ranges`` on the buffer), so SGLang's ``destroy`` unregisters
+them; an AROUND hook on ``HostKVCache.destroy`` stops the thread first.
+
+What keeps every copy on pinned memory:
+
+- kvcore's slot allocator (:mod:`kvcore_sglang.host_slots`) hands out only slots already
+  pinned, and ``available_size()`` grows as the steps land;
+- kvcore's own transfers of the pool run SGLang's stock copy until the whole pool is in
+  (:func:`pinning_incomplete`): a DMA run may span two steps' registrations, SGLang's
+  kernels read slot by slot.
+
+The pool is pinned whole, as SGLang would, where: the setting is 0; the pool does not pin or
+is not one kvcore's allocator serves; the allocator is a storage backend's. Where there is no
+CUDA registrar, no dimension of the buffer is the pool's slots (``page_first_direct`` and
+the other page layouts), its parts do not start on memory pages, or kvcore's first step
+fails (taken back whole), SGLang's own registration pins it, counted
+``host_pool_stock:<type>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcore.config import KVCoreConfig
+from kvcore.host_mapping import fell_back
+from kvcore.host_pinning import CudaHostRegistrar, HostRegistrar, format_bytes
+from kvcore.stepwise_pinning import StepwisePinning, slot_layout, slot_steps
+
+from . import host_slots
+from .host_memory import is_default_allocator
+from .host_slots import PINNING_ATTR
+from .served_pools import MHA_POOL, MLA_POOL
+
+logger = logging.getLogger("kvcore.sglang")
+
+# Where SGLang keeps the ranges it registered on a buffer, for destroy to unregister.
+SGLANG_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
+_COMMON = "sglang.srt.mem_cache.pool_host.common"
+HOST_KV_CACHE = "sglang.srt.mem_cache.pool_host.base.HostKVCache"
+STEP_BYTES = 2 << 30
+"""About how much of the pool each background step pins."""
+
+TARGETS: tuple[str, ...] = (
+    f"{MHA_POOL}.init_kv_buffer",
+    f"{MLA_POOL}.init_kv_buffer",
+    f"{HOST_KV_CACHE}.destroy",
+)
+"""Every target the pinning hooks wrap, as the guard names them."""
+
+RegistrarFactory = Callable[[], HostRegistrar]
+
+
+def pinning_of(pool: Any) -> StepwisePinning | None:
+    """The pool's stepwise pinning, or None where it was pinned whole."""
+    return pool.__dict__.get(PINNING_ATTR)
+
+
+def pinning_incomplete(pool: Any) -> bool:
+    """Whether part of the pool is not pinned yet (or never will be: a step failed)."""
+    pinning = pool.__dict__.get(PINNING_ATTR)
+    return pinning is not None and not pinning.done
+
+
+def hooks(
+    config: KVCoreConfig,
+    registrar: RegistrarFactory = CudaHostRegistrar,
+    step_bytes: int = STEP_BYTES,
+) -> dict[str, Callable[..., Any]]:
+    """Target (as the guard names it) -> its hook, pinning ``config``'s first share, then
+    steps of about ``step_bytes``, through the registrars ``registrar`` makes."""
+
+    def init_kv_buffer_hook(original: Callable[..., Any], pool: Any) -> Any:
+        return _init_kv_buffer(
+            original, pool, (config.host_pool_pin_first, step_bytes), registrar, config.metrics
+        )
+
+    return {
+        f"{MHA_POOL}.init_kv_buffer": init_kv_buffer_hook,
+        f"{MLA_POOL}.init_kv_buffer": init_kv_buffer_hook,
+        f"{HOST_KV_CACHE}.destroy": destroy_hook,
+    }
+
+
+def destroy_hook(original: Callable[..., Any], pool: Any) -> Any:
+    """AROUND ``HostKVCache.destroy``: no step lands after SGLang unregisters the pool."""
+    pinning = pool.__dict__.get(PINNING_ATTR)
+    if pinning is not None:
+        pinning.stop()
+    return original(pool)
+
+
+def _init_kv_buffer(
+    original: Callable[..., Any],
+    pool: Any,
+    sizes: tuple[int, int],
+    registrar: RegistrarFactory,
+    counted: bool,
+) -> Any:
+    if _pinned_whole(pool, sizes[0]) is not None:
+        return original(pool)
+    try:
+        chosen = registrar()
+    except Exception as exc:
+        fell_back(logger, exc, "SGLang pins its host pool itself", counted)
+        return original(pool)
+    pool.pin_memory = False
+    try:
+        buffer = original(pool)
+    finally:
+        pool.pin_memory = True
+    try:
+        _pin_in_steps(pool, buffer, sizes, chosen)
+    except Exception as exc:
+        fell_back(logger, exc, "SGLang pins its host pool itself", counted)
+        importlib.import_module(_COMMON)._cuda_host_register(buffer)
+    return buffer
+
+
+def _pinned_whole(pool: Any, first_bytes: int) -> str | None:
+    """Why the pool is pinned whole, as SGLang pins it; None where it may go in steps."""
+    if first_bytes <= 0:
+        return "KVCORE_HOST_POOL_PIN_FIRST is 0"
+    if not getattr(pool, "pin_memory", False):
+        return "the pool does not pin"
+    if not host_slots.is_served(type(pool)):
+        return "kvcore's slot allocator does not serve the pool"
+    if not is_default_allocator(getattr(pool, "allocator", None)):
+        return "a storage backend allocates the pool"
+    if torch.version.hip is not None:
+        return "on ROCm SGLang's default pools come from hipHostMalloc"
+    return None
+
+
+def _pin_in_steps(pool: Any, buffer: Any, sizes: tuple[int, int], registrar: HostRegistrar) -> None:
+    """Pin ``buffer``'s first step (``sizes[0]`` bytes or more) now and the rest, steps of
+    about ``sizes[1]``, from a thread; ValueError where its layout has no steps (SGLang's
+    registration then pins it whole)."""
+    layout = slot_layout(buffer, pool.size) if isinstance(buffer, torch.Tensor) else None
+    steps = None if layout is None else slot_steps(layout, pool.page_size, *sizes)
+    if layout is None or steps is None:
+        raise ValueError(f"the {pool.layout} buffer cannot be pinned in steps of slots")
+    pool_ref = weakref.ref(pool)
+    pinning = StepwisePinning(
+        steps,
+        registrar,
+        on_ready=lambda: _grow(pool_ref, pinning),
+        name=f"{type(pool).__name__} host pool",
+    )
+    started = time.perf_counter()
+    pinning.pin_first()
+    setattr(buffer, SGLANG_RANGES_ATTR, pinning.registered)
+    pool.__dict__[PINNING_ATTR] = pinning
+    logger.info(
+        "kvcore: %s of the %s host pool pinned in %.1f s (%d of %d slots); the rest pins in "
+        "%d steps on a background thread",
+        format_bytes(steps[0].nbytes),
+        format_bytes(layout.nbytes),
+        time.perf_counter() - started,
+        pinning.ready_slots,
+        layout.slots,
+        len(steps) - 1,
+    )
+    pinning.start()
+
+
+def _grow(pool_ref: weakref.ref[Any], pinning: StepwisePinning) -> None:
+    """Hand the slots of a step that landed to the pool's allocator, under the pool's lock
+    (SGLang makes it after the buffer, so a step may land before it exists)."""
+    pool = pool_ref()
+    if pool is None:
+        return
+    while True:
+        lock = pool.__dict__.get("lock")
+        with lock if lock is not None else contextlib.nullcontext(), pinning.lock:
+            served = host_slots.served_slots(pool)
+            if served is None:
+                return  # clear() has not run: it reads ready_slots itself
+            if lock is None:
+                continue  # the pool made its lock meanwhile: take it
+            host_slots.grow_ready(pool, served, pinning.ready_slots)
+            if pinning.done:
+                logger.info("kvcore: the %s host pool is pinned whole", type(pool).__name__)
+            return

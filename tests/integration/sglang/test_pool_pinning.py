@@ -1,0 +1,233 @@
+"""SGLang host pools pinned in steps (kvcore_sglang.pool_pinning), on the CPU with a
+registrar that records what CUDA would be asked to pin."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.pool_host", reason="needs SGLang installed")
+pytestmark = pytest.mark.sglang
+
+import torch  # noqa: E402
+from hicache_cpu import transfer_kv_direct  # noqa: E402
+from sglang.srt.mem_cache.pool_host import common, mha  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import HostKVCache  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang_pools import mha_device, mla_device  # noqa: E402
+
+from benchmarks.sglang.hook_adapter import register_transfer_hooks  # noqa: E402
+from benchmarks.sglang.host_pools import mha_host_pool, mla_host_pool  # noqa: E402
+from kvcore.config import KVCoreConfig  # noqa: E402
+from kvcore.metrics import METRICS  # noqa: E402
+from kvcore_sglang import guard, pool_pinning, transfers  # noqa: E402
+
+# Page 16, one head of 8 bf16 dims: a slot's row is 16 B, so a step ends on 256 slots
+# (4 KiB of each part); 1016 device tokens give a host pool of 2048 slots.
+TOKENS, PAGE = 1016, 16
+SIZE = 2048
+FIRST_BYTES = 16 << 10  # 256 slots of 4 parts of 16 B
+STEP_BYTES = 32 << 10  # 512 slots a step: steps end at 256, 768, 1280, 1792, 2048
+STEP_ENDS = [256, 768, 1280, 1792, 2048]
+
+
+class Recorder:
+    """Records registrations, refuses overlaps and unknown unregistrations; blocks the
+    registrations after the first ``free_calls`` until :attr:`go` is set; fails call
+    ``fail_on`` (1-based)."""
+
+    def __init__(self, free_calls: int = 1 << 30, fail_on: int = 0) -> None:
+        self.ranges: dict[int, int] = {}
+        self.calls = 0
+        self.free_calls = free_calls
+        self.fail_on = fail_on
+        self.go = threading.Event()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.calls += 1
+        if self.calls > self.free_calls:
+            assert self.go.wait(10)
+        if self.calls == self.fail_on:
+            raise RuntimeError("cudaHostRegister failed: out of memory")
+        for start, size in self.ranges.items():
+            assert ptr + nbytes <= start or start + size <= ptr, "registered twice"
+        self.ranges[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        del self.ranges[ptr]
+
+    def bytes(self) -> int:
+        return sum(self.ranges.values())
+
+
+def fallbacks() -> dict[str, int]:
+    return dict(METRICS.snapshot()["fallbacks"])
+
+
+@pytest.fixture
+def pinned_pools(
+    sglang_hooks: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., Any]]:
+    """Builds pinned host pools through the plugin's allocator and transfer hooks, with the
+    pinning hooks over a test's registrar (undone before the plugin's own check)."""
+    monkeypatch.setenv("KVCORE_SERVE_RULE", "0")
+    monkeypatch.setenv("KVCORE_HOST_POOL", "0")
+    register_transfer_hooks()
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    HookRegistry.apply_hooks()
+    registered: list[tuple[int, Any]] = []
+
+    def register(buffer: Any, granularity: int | None = None) -> None:
+        registered.append((buffer.data_ptr(), granularity))
+
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(common, "_cuda_host_register", register)
+        patcher.setattr(mha, "transfer_kv_direct", transfer_kv_direct, raising=False)
+
+        def build(
+            recorder: Recorder, kind: str = "mha", layout: str = "layer_first", first: int = 1
+        ) -> Any:
+            config = KVCoreConfig(host_pool_pin_first=FIRST_BYTES * first)
+            hooks = pool_pinning.hooks(config, lambda: recorder, STEP_BYTES)
+            for cls in (MHATokenToKVPoolHost, MLATokenToKVPoolHost, HostKVCache):
+                for name in ("init_kv_buffer", "destroy"):
+                    target = f"{cls.__module__}.{cls.__qualname__}.{name}"
+                    if target in hooks and name in vars(cls):
+                        patcher.setattr(cls, name, _around(hooks[target], vars(cls)[name]))
+            args = dict(host_to_device_ratio=2.0, host_size=0, page_size=PAGE, layout=layout)
+            if kind == "mha":
+                return mha_host_pool(mha_device(TOKENS, PAGE), pin_memory=True, **args)
+            return mla_host_pool(mla_device(TOKENS, PAGE), pin_memory=True, **args)
+
+        build.stock_registered = registered  # type: ignore[attr-defined]
+        yield build
+
+
+def _around(hook: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    def hooked(pool: Any) -> Any:
+        return hook(original, pool)
+
+    return hooked
+
+
+def test_only_pinned_slots_are_handed_out_until_every_step_is_in(pinned_pools) -> None:
+    recorder = Recorder(free_calls=4)
+    pool = pinned_pools(recorder)
+    pinning = pool_pinning.pinning_of(pool)
+    assert pinning is not None and pool.size == SIZE and pool.pin_memory
+    assert [step.ready_slots for step in pinning.steps] == STEP_ENDS
+    buffer = pool.kv_buffer
+    # The first step: slots [0, 256) in each of K and V of both layers, 4 KiB each.
+    assert recorder.ranges == {buffer.data_ptr() + part * SIZE * 16: 256 * 16 for part in range(4)}
+    assert getattr(buffer, pool_pinning.SGLANG_RANGES_ATTR) is pinning.registered
+    assert pool.available_size() == 256
+    assert sorted(pool.free_slots.tolist()) == list(range(256))
+    taken = pool.alloc(256)
+    assert taken is not None and int(taken.max()) < 256
+    assert pool.alloc(PAGE) is None
+    pool.free(taken)
+    recorder.go.set()
+    assert pinning.wait(10) and pinning.done and pinning.failure is None
+    assert recorder.bytes() == buffer.numel() * buffer.element_size()
+    assert pool.available_size() == SIZE
+    assert sorted(pool.free_slots.tolist()) == list(range(SIZE))
+    assert not pool_pinning.pinning_incomplete(pool)
+    assert pinned_pools.stock_registered == []
+
+
+def test_a_reset_while_pinning_frees_only_the_pinned_slots(pinned_pools) -> None:
+    recorder = Recorder(free_calls=4)
+    pool = pinned_pools(recorder)
+    assert pool.alloc(128) is not None
+    pool.clear()
+    assert pool.available_size() == 256
+    recorder.go.set()
+    assert pool_pinning.pinning_of(pool).wait(10)
+    assert pool.available_size() == SIZE
+
+
+def test_kvcores_copies_wait_for_the_whole_pool_and_stocks_run_meanwhile(pinned_pools) -> None:
+    recorder = Recorder(free_calls=4)
+    pool = pinned_pools(recorder)
+    generator = torch.Generator().manual_seed(3)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
+    device_k = pool.device_k_buffers[0]
+    host_idx = torch.arange(0, 64, dtype=torch.int64)
+    device_idx = torch.randperm(TOKENS, generator=generator)[:64]
+    before = fallbacks()
+    pool.load_to_device_per_layer(None, host_idx, device_idx, 0, "direct")
+    assert torch.equal(device_k[device_idx], pool.kv_buffer[0, 0, host_idx])
+    passed = fallbacks().get(transfers.PINNING_PASS, 0) - before.get(transfers.PINNING_PASS, 0)
+    assert passed == 1
+    recorder.go.set()
+    assert pool_pinning.pinning_of(pool).wait(10)
+    device_k.zero_()
+    before = fallbacks()
+    pool.load_to_device_per_layer(None, host_idx, device_idx, 0, "direct")
+    assert torch.equal(device_k[device_idx], pool.kv_buffer[0, 0, host_idx])
+    assert fallbacks().get(transfers.PINNING_PASS, 0) == before.get(transfers.PINNING_PASS, 0)
+
+
+def test_a_failed_step_keeps_the_pinned_slots_and_never_hands_out_the_rest(pinned_pools) -> None:
+    recorder = Recorder(fail_on=4 * 2 + 3)  # the third range of the third step
+    pool = pinned_pools(recorder)
+    pinning = pool_pinning.pinning_of(pool)
+    assert pinning.wait(10)
+    assert pinning.failure is not None and "ulimit -l" in pinning.failure
+    assert pinning.ready_slots == 768 and pool.available_size() == 768
+    # Two whole steps pinned, the failed one taken back.
+    assert recorder.bytes() == 768 * 16 * 4
+    assert pool_pinning.pinning_incomplete(pool)
+
+
+def test_destroy_stops_the_background_steps_first(pinned_pools) -> None:
+    recorder = Recorder(free_calls=4)
+    pool = pinned_pools(recorder)
+    pinning = pool_pinning.pinning_of(pool)
+    destroyer = threading.Thread(target=pool.destroy)
+    destroyer.start()
+    recorder.go.set()
+    destroyer.join(10)
+    assert not destroyer.is_alive() and pinning.wait(0)
+    assert pool.kv_buffer is None
+    assert not pinning.done
+
+
+def test_a_first_step_that_fails_leaves_sglang_to_pin_the_pool(pinned_pools) -> None:
+    before = fallbacks()
+    pool = pinned_pools(Recorder(fail_on=2))
+    assert pool_pinning.pinning_of(pool) is None
+    assert pinned_pools.stock_registered == [(pool.kv_buffer.data_ptr(), None)]
+    assert pool.available_size() == SIZE
+    assert fallbacks().get("host_pool_stock:RuntimeError", 0) == (
+        before.get("host_pool_stock:RuntimeError", 0) + 1
+    )
+
+
+def test_a_layout_without_a_slot_dimension_is_pinned_whole_by_sglang(pinned_pools) -> None:
+    pool = pinned_pools(Recorder(), layout="page_first_direct")
+    assert pool_pinning.pinning_of(pool) is None
+    assert [ptr for ptr, _ in pinned_pools.stock_registered] == [pool.kv_buffer.data_ptr()]
+
+
+def test_a_first_share_past_the_pool_pins_it_whole_before_sglang_goes_on(pinned_pools) -> None:
+    recorder = Recorder()
+    pool = pinned_pools(recorder, kind="mla", first=1 << 10)
+    pinning = pool_pinning.pinning_of(pool)
+    assert pinning.done and len(pinning.steps) == 1
+    buffer = pool.kv_buffer
+    assert recorder.ranges == {buffer.data_ptr(): buffer.numel() * buffer.element_size()}
+    assert pool.available_size() == SIZE
+
+
+def test_the_plugin_registers_the_pinning_hooks_only_under_the_setting(
+    sglang_hooks, monkeypatch
+) -> None:
+    monkeypatch.setenv("KVCORE_HOST_POOL_PIN_FIRST", "4GiB")
+    status = sglang_hooks()
+    assert set(guard.PINNING_TARGETS) <= set(status.patched_targets)
