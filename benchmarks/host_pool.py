@@ -19,10 +19,12 @@ and registration, with and without kvcore's faulting
 
 Each side of each engine and size runs in a process of its own, so that each starts from the
 same memory and its peak RSS is its own. Reported, per engine and size: the time until the
-tier is usable (neither side pins in the background, so it is also the time until fully
-pinned), the steady and peak RSS, the bytes the tier takes, and a part of it read to the GPU
-(the pinned memory must be as fast to copy from), its bytes compared. Without CUDA nothing
-is pinned, and the read is a host copy: a smoke run of the same code.
+tier is usable and until it is pinned whole (the same but for ``sglang-pin-first``, whose
+kvcore side pins a first share and the rest in the background:
+:mod:`kvcore_sglang.pool_pinning`), the steady and peak RSS, the bytes the tier takes, and
+a part of it read to the GPU (the pinned memory must be as fast to copy from), its bytes
+compared. Without CUDA nothing is pinned, and the read is a host copy: a smoke run of the
+same code.
 """
 
 from __future__ import annotations
@@ -44,15 +46,20 @@ from kvcore.host_mapping import torch_pinned_bytes
 
 ENGINE = "vllm-0.25.1"
 REGION_ENGINE = "vllm-shared-region"
-ENGINES = (ENGINE, "sglang", REGION_ENGINE)
+SGLANG = "sglang"
+SGLANG_PIN_FIRST = "sglang-pin-first"
+ENGINES = (ENGINE, SGLANG, SGLANG_PIN_FIRST, REGION_ENGINE)
 LAYERS = 32
 BLOCK_BYTES = 16 * 8 * 128 * 2 * 2
 DEFAULT_GIB = (16.0, 32.0, 64.0, 96.0)
 SIDES = ("stock", "kvcore")
+MEASURED = ("ready_s", "full_s", "rss_gib", "peak_rss_gib", "tier_gib", "read_gbps", "identical")
+"""What each side's process reports, each a row field ``<side>_<name>``."""
 
-Built = tuple[torch.Tensor, int, Callable[[], None]]
-"""What an engine's build hands back: the bytes to read back from, the tier's bytes, and
-what gives the tier back (once the bytes are dropped)."""
+Built = tuple[torch.Tensor, int, Callable[[], None], Callable[[], None] | None]
+"""What an engine's build hands back: the bytes to read back from, the tier's bytes, what
+gives the tier back (once the bytes are dropped), and what waits until the tier is pinned
+whole (None where it is pinned whole when the build returns)."""
 Builder = tuple[Callable[[str, float, bool], Built], Callable[[torch.Tensor], torch.Tensor]]
 
 
@@ -81,7 +88,8 @@ def _build_vllm_0251(side: str, gib: float, pin: bool) -> Built:
             torch.zeros((blocks, page), dtype=torch.int8, pin_memory=pin) for _ in range(LAYERS)
         ]
         size = blocks * page
-        return tensors[0], (torch_pinned_bytes(size) if pin else size) * LAYERS, tensors.clear
+        pinned = (torch_pinned_bytes(size) if pin else size) * LAYERS
+        return tensors[0], pinned, tensors.clear, None
     from kvcore_vllm.host_region import ExactHostRegion
 
     region = ExactHostRegion(blocks, [page] * LAYERS)
@@ -93,7 +101,7 @@ def _build_vllm_0251(side: str, gib: float, pin: bool) -> Built:
         views.clear()
         region.cleanup()
 
-    return views[0], region.total_size_bytes, release
+    return views[0], region.total_size_bytes, release, None
 
 
 def register_as_vllm_does(region: Any) -> None:
@@ -128,11 +136,12 @@ def _builder(engine: str, pin: bool) -> Builder:
     if engine == ENGINE:
         importlib.import_module("kvcore_vllm.host_region")
         return _build_vllm_0251, lambda tensor: tensor
-    if engine == "sglang":
+    if engine in (SGLANG, SGLANG_PIN_FIRST):
         from benchmarks.sglang import host_pool_build
 
         host_pool_build.load()
-        return host_pool_build.build, host_pool_build.first_layer_bytes
+        build = host_pool_build.build if engine == SGLANG else host_pool_build.build_pin_first
+        return build, host_pool_build.first_layer_bytes
     from benchmarks.vllm import shared_region_build
 
     shared_region_build.load(pin)
@@ -146,8 +155,11 @@ def measure_side(engine: str, side: str, gib: float, pin: bool) -> dict[str, Any
     build, read_back = _builder(engine, pin)
     rss_before, _ = _rss_gib()
     started = time.perf_counter()
-    tensor, nbytes, release = build(side, gib, pin)
+    tensor, nbytes, release, pinned_whole = build(side, gib, pin)
     ready = time.perf_counter() - started
+    if pinned_whole is not None:
+        pinned_whole()
+    full = time.perf_counter() - started
     rss, peak = _rss_gib()
     gbps, identical = _read_speed(read_back(tensor), pin)
     del tensor  # a mapping that something still views is not given back
@@ -155,6 +167,7 @@ def measure_side(engine: str, side: str, gib: float, pin: bool) -> dict[str, Any
     return {
         "side": side,
         "ready_s": ready,
+        "full_s": full,
         "rss_gib": rss - rss_before,
         "peak_rss_gib": peak - rss_before,
         "tier_gib": nbytes / (1 << 30),
@@ -179,7 +192,7 @@ def _tensor_bytes(engine: str, gib: float) -> int:
     if engine == ENGINE:
         blocks, page = tier_shape(gib)
         return LAYERS * blocks * page
-    if engine == "sglang":
+    if engine in (SGLANG, SGLANG_PIN_FIRST):
         from benchmarks.sglang.host_pool_build import TOKEN_ROW_BYTES, pool_dims
 
         return pool_dims(gib)[2] * TOKEN_ROW_BYTES
@@ -218,11 +231,11 @@ def measure(gib: float, pin: bool, engine: str = ENGINE) -> dict[str, Any]:
         if "error" in found:
             row[f"{side}_error"] = found["error"]
             continue
-        row[f"{side}_ready_s"] = row[f"{side}_full_s"] = found["ready_s"]
-        for key in ("rss_gib", "peak_rss_gib", "tier_gib", "read_gbps", "identical"):
+        for key in MEASURED:
             row[f"{side}_{key}"] = found[key]
     if "stock_ready_s" in row and "kvcore_ready_s" in row:
         row["ready_ratio"] = row["kvcore_ready_s"] / row["stock_ready_s"]
+        row["full_ratio"] = row["kvcore_full_s"] / row["stock_full_s"]
     return row
 
 
@@ -255,7 +268,8 @@ def format_row(row: dict[str, Any]) -> str:
         if f"{name}_error" in row:
             return f"{name} failed: {row[f'{name}_error']}"
         return (
-            f"{name} {row[f'{name}_ready_s']:.2f} s, {row[f'{name}_tier_gib']:.2f} GiB, "
+            f"{name} {row[f'{name}_ready_s']:.2f} s (whole {row[f'{name}_full_s']:.2f} s), "
+            f"{row[f'{name}_tier_gib']:.2f} GiB, "
             f"rss {row[f'{name}_rss_gib']:.2f} (peak {row[f'{name}_peak_rss_gib']:.2f}) GiB, "
             f"read {row[f'{name}_read_gbps']:.1f} GB/s"
             + ("" if row[f"{name}_identical"] else " WRONG BYTES")

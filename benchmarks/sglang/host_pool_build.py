@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from benchmarks.host_pool import Built
 
 ENGINE = "sglang"
 LAYERS = 32
@@ -25,12 +27,25 @@ HEAD_DIM = 128
 DTYPE = torch.bfloat16
 TOKEN_ROW_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * 2
 """Bytes one token takes in the pool: K and V of every layer."""
+PAGE_SIZE = 64
+PIN_FIRST_BYTES = 2 << 30
+"""What the ``sglang-pin-first`` rows pin before the pool is usable."""
+
+
+@dataclass
+class PoolShape:
+    """What kvcore's pinning reads of a host pool (and keeps on it)."""
+
+    size: int
+    page_size: int
+    layout: str = "layer_first"
 
 
 def pool_dims(gib: float) -> tuple[int, ...]:
-    """The ``layer_first`` buffer's dims for a pool of ``gib``."""
-    tokens = max(1, int(gib * (1 << 30)) // TOKEN_ROW_BYTES)
-    return (2, LAYERS, tokens, HEADS, HEAD_DIM)
+    """The ``layer_first`` buffer's dims for a pool of ``gib``: whole pages of tokens, as
+    SGLang sizes its pools."""
+    tokens = int(gib * (1 << 30)) // TOKEN_ROW_BYTES // PAGE_SIZE * PAGE_SIZE
+    return (2, LAYERS, max(PAGE_SIZE, tokens), HEADS, HEAD_DIM)
 
 
 def _with_kvcores_hook(allocator_class: Any) -> None:
@@ -55,7 +70,7 @@ def load() -> None:
     importlib.import_module("kvcore_sglang.host_memory")
 
 
-def build(side: str, gib: float, pin: bool) -> tuple[torch.Tensor, int, Callable[[], None]]:
+def build(side: str, gib: float, pin: bool) -> Built:
     """The pool buffer as ``side`` builds it (in this process, which it changes for good),
     its bytes, and what gives it back; :func:`load` first."""
     from sglang.srt.mem_cache.pool_host.common import (
@@ -74,7 +89,25 @@ def build(side: str, gib: float, pin: bool) -> tuple[torch.Tensor, int, Callable
         if pin:
             _cuda_host_unregister(buffer)
 
-    return buffer, buffer.numel() * buffer.element_size(), release
+    return buffer, buffer.numel() * buffer.element_size(), release, None
+
+
+def build_pin_first(side: str, gib: float, pin: bool) -> Built:
+    """:func:`build`, but kvcore's side pins the buffer as kvcore's pinning hook does under
+    ``KVCORE_HOST_POOL_PIN_FIRST`` of :data:`PIN_FIRST_BYTES` (:func:`~kvcore_sglang.
+    pool_pinning.pin_in_steps`, the rest on a thread) where SGLang would pin it whole;
+    what it hands back waits for the rest."""
+    if side != "kvcore" or not pin:
+        return build(side, gib, pin)
+    from kvcore.host_pinning import CudaHostRegistrar
+    from kvcore_sglang import pool_pinning
+
+    buffer, nbytes, _, _ = build(side, gib, False)
+    dims = pool_dims(gib)
+    pool = PoolShape(dims[2], PAGE_SIZE)
+    sizes = (PIN_FIRST_BYTES, pool_pinning.STEP_BYTES)
+    pinning = pool_pinning.pin_in_steps(pool, buffer, sizes, CudaHostRegistrar())
+    return buffer, nbytes, pinning.unpin, functools.partial(pinning.wait, None)
 
 
 def first_layer_bytes(buffer: torch.Tensor) -> torch.Tensor:

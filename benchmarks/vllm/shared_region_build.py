@@ -139,7 +139,7 @@ def build(side: str, gib: float, pin: bool) -> Built:
     except BaseException:
         region.cleanup()
         raise
-    return region.base_tensor, region.total_size_bytes, region.cleanup
+    return region.base_tensor, region.total_size_bytes, region.cleanup, None
 
 
 def first_chunks(base: torch.Tensor) -> torch.Tensor:

@@ -126,7 +126,7 @@ def _init_kv_buffer(
     finally:
         pool.pin_memory = True
     try:
-        _pin_in_steps(pool, buffer, sizes, chosen)
+        pin_in_steps(pool, buffer, sizes, chosen)
     except Exception as exc:
         fell_back(logger, exc, "SGLang pins its host pool itself", counted)
         importlib.import_module(_COMMON)._cuda_host_register(buffer)
@@ -148,10 +148,14 @@ def _pinned_whole(pool: Any, first_bytes: int) -> str | None:
     return None
 
 
-def _pin_in_steps(pool: Any, buffer: Any, sizes: tuple[int, int], registrar: HostRegistrar) -> None:
-    """Pin ``buffer``'s first step (``sizes[0]`` bytes or more) now and the rest, steps of
-    about ``sizes[1]``, from a thread; ValueError where its layout has no steps (SGLang's
-    registration then pins it whole)."""
+def pin_in_steps(
+    pool: Any, buffer: Any, sizes: tuple[int, int], registrar: HostRegistrar
+) -> StepwisePinning:
+    """Pin ``buffer``, the buffer of ``pool`` (its ``size``, ``page_size`` and ``layout``
+    are read), its first step (``sizes[0]`` bytes or more) now and the rest, steps of about
+    ``sizes[1]``, from a thread; the pinning, kept on the pool. ValueError where the
+    buffer's layout has no steps; a failure of the first step is raised, nothing left
+    registered."""
     layout = slot_layout(buffer, pool.size) if isinstance(buffer, torch.Tensor) else None
     steps = None if layout is None else slot_steps(layout, pool.page_size, *sizes)
     if layout is None or steps is None:
@@ -178,6 +182,7 @@ def _pin_in_steps(pool: Any, buffer: Any, sizes: tuple[int, int], registrar: Hos
         len(steps) - 1,
     )
     pinning.start()
+    return pinning
 
 
 def _grow(pool_ref: weakref.ref[Any], pinning: StepwisePinning) -> None:

@@ -28,14 +28,16 @@ def test_a_smoke_run_builds_both_tiers_with_the_issues_fields(tmp_path, capsys):
     args = argparse.Namespace(pool_gib="0.04", json=str(out))
     assert host_pool.main(args) == 0
     report = json.loads(out.read_text())
-    engines = ["vllm-0.25.1", "sglang", "vllm-shared-region"]
+    engines = ["vllm-0.25.1", "sglang", "sglang-pin-first", "vllm-shared-region"]
     assert report["pinned"] is False and report["engines"] == engines
     printed = capsys.readouterr().out
-    row, sglang_row, region_row = report["rows"]
+    row, sglang_row, pin_first_row, region_row = report["rows"]
     assert [each["engine"] for each in report["rows"]] == engines
     if importlib.util.find_spec("sglang") is None:
-        assert sglang_row["skipped"].startswith("ModuleNotFoundError")
+        for skipped in (sglang_row, pin_first_row):
+            assert skipped["skipped"].startswith("ModuleNotFoundError")
         assert "sglang 0.04 GiB (0.04 in tensors): skipped" in printed
+        assert "sglang-pin-first 0.04 GiB (0.04 in tensors): skipped" in printed
     if importlib.util.find_spec("vllm") is None:
         # One 32 MiB chunk: the region's whole chunks that fit 0.04 GiB.
         assert region_row["skipped"].startswith("ModuleNotFoundError")

@@ -26,8 +26,41 @@ def test_both_sides_build_the_pool_exactly_resident_and_readable():
         assert row[f"{side}_identical"]
 
 
-def test_pool_dims_fill_the_size_with_whole_tokens():
-    dims = host_pool_build.pool_dims(1)
+def test_pool_dims_fill_the_size_with_whole_pages_of_tokens():
+    dims = host_pool_build.pool_dims(1.01)
+    page = host_pool_build.PAGE_SIZE
     assert dims[:2] == (2, host_pool_build.LAYERS) and dims[3:] == (8, 128)
-    assert dims[2] * host_pool_build.TOKEN_ROW_BYTES <= 1 << 30
-    assert (dims[2] + 1) * host_pool_build.TOKEN_ROW_BYTES > 1 << 30
+    assert dims[2] % page == 0
+    assert dims[2] * host_pool_build.TOKEN_ROW_BYTES <= 1.01 * (1 << 30)
+    assert (dims[2] + page) * host_pool_build.TOKEN_ROW_BYTES > 1.01 * (1 << 30)
+
+
+class Recorder:
+    """Records what CUDA would be asked to pin."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, int] = {}
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.ranges[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        del self.ranges[ptr]
+
+
+def test_the_pin_first_build_is_usable_after_its_first_share_and_waits_for_the_rest(
+    monkeypatch,
+):
+    from kvcore import host_pinning
+
+    recorder = Recorder()
+    monkeypatch.setattr(host_pinning, "CudaHostRegistrar", lambda: recorder)
+    monkeypatch.setattr(host_pool_build, "PIN_FIRST_BYTES", 1 << 20)
+    host_pool_build.load()
+    buffer, nbytes, release, pinned_whole = host_pool_build.build_pin_first("kvcore", 0.04, True)
+    assert nbytes == buffer.numel() * buffer.element_size()
+    assert pinned_whole is not None
+    pinned_whole()
+    assert sum(recorder.ranges.values()) == nbytes
+    release()
+    assert recorder.ranges == {}
