@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 46's figures in one device call: the GPU test of kvcore's exact host mapping, then
+# Issue 46's figures in one device call: the GPU tests of kvcore's exact host mapping and of
+# a pool pinned in steps, then
 # `kvcore bench --host-pool` (vLLM 0.25.1's CPU tier built stock's way and kvcore's, no vLLM
 # needed; SGLang's pool buffer through SGLang's own allocation with and without kvcore's
 # hook, where .whl-sglang/ is carried: see sglang_ab.sh; its rows say "skipped" otherwise),
@@ -38,6 +39,7 @@ fi
     python3 -c "import torch; print('torch', torch.__version__)"
 } >>"$OUT/env.txt" 2>&1
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_host_region_gpu.py \
+    tests/gpu/test_stepwise_pinning_gpu.py \
     2>&1 | tee "$OUT/pytest-gpu.log"
 tests_rc=${PIPESTATUS[0]}
 python3 -m kvcore bench --host-pool --pool-gib "${POOL_GIB:-16,32,48,64}" \
