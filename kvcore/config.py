@@ -119,8 +119,8 @@ class KVCoreConfig:
         0,
         _size(0, 1 << 50, "more host memory than any machine holds"),
         "SGLang's MHA and MLA host pools (layer_first, page_first): pin this much before the "
-        "engine starts and the rest on a background thread, handing out only pinned slots "
-        "(kvcore's copies wait for the whole pool; the engine's own run meanwhile); 0 pins the "
+        "engine starts and the rest on a background thread, handing out only pinned slots; "
+        "such a pool's copies stay SGLang's own, and need its kernel io backend; 0 pins the "
         "whole pool before the engine starts, as SGLang does",
     )
     serve_rule: bool = _setting(

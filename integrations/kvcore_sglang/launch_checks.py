@@ -43,6 +43,8 @@ def idle_warnings(args: EngineArgs, environ: Mapping[str, str], config: KVCoreCo
         return warnings
     if not (args.has(*HICACHE_FLAGS) or args.value("--disaggregation-mode") == "decode"):
         return [*warnings, NO_HICACHE]
+    if config.host_pool_pin_first and args.value("--hicache-io-backend") == "direct":
+        warnings.append(PIN_FIRST_DIRECT)
     if config.transfers:
         warnings += _unserved_transfers(args)
         if config.sglang_dma_in_place and args.value("--page-size") == "1":
@@ -50,6 +52,11 @@ def idle_warnings(args: EngineArgs, environ: Mapping[str, str], config: KVCoreCo
     return warnings
 
 
+PIN_FIRST_DIRECT = (
+    "KVCORE_HOST_POOL_PIN_FIRST leaves the pool one registration per step, and SGLang's "
+    "direct io backend copies with the copy engines, which cannot cross two: use "
+    "--hicache-io-backend kernel with it, or KVCORE_HOST_POOL_PIN_FIRST=0"
+)
 ONE_TOKEN_PAGES = (
     "--page-size 1 leaves KVCORE_SGLANG_DMA_IN_PLACE nothing to copy by DMA (a token's row is "
     "too short): use --page-size 16 or more for it"

@@ -14,9 +14,13 @@ What keeps every copy on pinned memory:
 
 - kvcore's slot allocator (:mod:`kvcore_sglang.host_slots`) hands out only slots already
   pinned, and ``available_size()`` grows as the steps land;
-- kvcore's own transfers of the pool run SGLang's stock copy until the whole pool is in
-  (:func:`pinning_incomplete`): a DMA run may span two steps' registrations, SGLang's
-  kernels read slot by slot.
+- kvcore's own transfers of such a pool always run SGLang's stock copy
+  (:func:`copies_stay_stock`): the pool stays one registration per step and part, and one
+  DMA may not span two (the driver refuses it), while kvcore's runs of slots may cross a
+  step's end. SGLang's ``kernel`` io backend reads the rows slot by slot, by their device
+  address, wherever they are registered. SGLang's ``direct`` backend copies with the copy
+  engines and may merge neighbouring pages: use this setting with the ``kernel`` backend
+  (SGLang's default; ``kvcore launch sglang`` warns of the pair).
 
 The pool is pinned whole, as SGLang would, where: the setting is 0; the pool does not pin or
 is not one kvcore's allocator serves; the allocator is a storage backend's. Where there is no
@@ -72,10 +76,11 @@ def pinning_of(pool: Any) -> StepwisePinning | None:
     return pool.__dict__.get(PINNING_ATTR)
 
 
-def pinning_incomplete(pool: Any) -> bool:
-    """Whether part of the pool is not pinned yet (or never will be: a step failed)."""
+def copies_stay_stock(pool: Any) -> bool:
+    """Whether the pool is pinned in more than one registration a part, so that its copies
+    must stay SGLang's own."""
     pinning = pool.__dict__.get(PINNING_ATTR)
-    return pinning is not None and not pinning.done
+    return pinning is not None and len(pinning.steps) > 1
 
 
 def hooks(

@@ -31,7 +31,7 @@ from .call_plans import CallIndices
 from .hook_mover import count_request_pass
 from .layer_loads import continued, later_layer_served, load_layer, passes_from_here
 from .pool_jobs import Job, PoolJobs
-from .pool_pinning import pinning_incomplete
+from .pool_pinning import copies_stay_stock
 from .release_jobs import SOURCE_UNKNOWN
 from .serve_or_pass import (
     call_rule,
@@ -45,8 +45,8 @@ from .serve_or_pass import (
 from .served_pools import DSA_POOL, MHA_POOL, MLA_POOL
 
 PINNING_PASS = "host_pool_pinning"
-"""The pass counted for each call on a pool not pinned whole yet
-(:mod:`~kvcore_sglang.pool_pinning`)."""
+"""The pass counted for each call on a pool pinned in steps
+(:func:`~kvcore_sglang.pool_pinning.copies_stay_stock`)."""
 MOVE_INDICES = "sglang.srt.managers.cache_controller.HiCacheController.move_indices"
 _LOAD = "load_to_device_per_layer"
 _BACKUP = "backup_from_device_all_layer"
@@ -144,7 +144,7 @@ def _make_load_hook(
         *,
         is_draft: bool = False,
     ) -> None:
-        if pinning_incomplete(pool):
+        if copies_stay_stock(pool):
             count_pass(adapter.mover(), PINNING_PASS)
             original(
                 pool,
@@ -228,7 +228,7 @@ def _make_backup_hook(
         def stock() -> None:
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
-        if pinning_incomplete(pool):
+        if copies_stay_stock(pool):
             count_pass(adapter.mover(), PINNING_PASS)
             stock()
             return

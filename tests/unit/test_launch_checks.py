@@ -276,3 +276,19 @@ def test_one_token_pages_leave_sglangs_dma_in_place_idle(page_size, dma_in_place
     args = ["--enable-hicache", *(["--page-size", page_size] if page_size else [])]
     expected = [sglang_checks.ONE_TOKEN_PAGES] if warned else []
     assert sglang_warnings(args, {}, config) == expected
+
+
+@pytest.mark.parametrize(
+    ("backend", "pin_first", "warned"),
+    [
+        ("direct", 1 << 30, True),
+        ("kernel", 1 << 30, False),
+        (None, 1 << 30, False),
+        ("direct", 0, False),
+    ],
+)
+def test_pinning_in_steps_with_sglangs_direct_backend_is_named(backend, pin_first, warned):
+    config = KVCoreConfig(enable={"sglang"}, host_pool_pin_first=pin_first)
+    args = ["--enable-hicache", *(["--hicache-io-backend", backend] if backend else [])]
+    found = sglang_warnings(args, {}, config)
+    assert (sglang_checks.PIN_FIRST_DIRECT in found) is warned

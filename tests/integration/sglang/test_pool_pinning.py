@@ -136,7 +136,7 @@ def test_only_pinned_slots_are_handed_out_until_every_step_is_in(pinned_pools) -
     assert recorder.bytes() == buffer.numel() * buffer.element_size()
     assert pool.available_size() == SIZE
     assert sorted(pool.free_slots.tolist()) == list(range(SIZE))
-    assert not pool_pinning.pinning_incomplete(pool)
+    assert pool_pinning.copies_stay_stock(pool)
     assert pinned_pools.stock_registered == []
 
 
@@ -151,26 +151,27 @@ def test_a_reset_while_pinning_frees_only_the_pinned_slots(pinned_pools) -> None
     assert pool.available_size() == SIZE
 
 
-def test_kvcores_copies_wait_for_the_whole_pool_and_stocks_run_meanwhile(pinned_pools) -> None:
+def test_a_pool_pinned_in_steps_keeps_sglangs_copies_before_and_after(pinned_pools) -> None:
     recorder = Recorder(free_calls=4)
     pool = pinned_pools(recorder)
     generator = torch.Generator().manual_seed(3)
-    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
     device_k = pool.device_k_buffers[0]
     host_idx = torch.arange(0, 64, dtype=torch.int64)
     device_idx = torch.randperm(TOKENS, generator=generator)[:64]
-    before = fallbacks()
-    pool.load_to_device_per_layer(None, host_idx, device_idx, 0, "direct")
-    assert torch.equal(device_k[device_idx], pool.kv_buffer[0, 0, host_idx])
-    passed = fallbacks().get(transfers.PINNING_PASS, 0) - before.get(transfers.PINNING_PASS, 0)
-    assert passed == 1
-    recorder.go.set()
-    assert pool_pinning.pinning_of(pool).wait(10)
-    device_k.zero_()
-    before = fallbacks()
-    pool.load_to_device_per_layer(None, host_idx, device_idx, 0, "direct")
-    assert torch.equal(device_k[device_idx], pool.kv_buffer[0, 0, host_idx])
-    assert fallbacks().get(transfers.PINNING_PASS, 0) == before.get(transfers.PINNING_PASS, 0)
+    for pinned_whole in (False, True):
+        if pinned_whole:
+            recorder.go.set()
+            assert pool_pinning.pinning_of(pool).wait(10)
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
+        device_k.zero_()
+        before = fallbacks()
+        pool.load_to_device_per_layer(None, host_idx, device_idx, 0, "direct")
+        assert torch.equal(device_k[device_idx], pool.kv_buffer[0, 0, host_idx])
+        others = torch.ones(len(device_k), dtype=torch.bool)
+        others[device_idx] = False
+        assert not device_k[others].any()
+        counted = fallbacks().get(transfers.PINNING_PASS, 0)
+        assert counted == before.get(transfers.PINNING_PASS, 0) + 1
 
 
 def test_a_failed_step_keeps_the_pinned_slots_and_never_hands_out_the_rest(pinned_pools) -> None:
@@ -182,7 +183,7 @@ def test_a_failed_step_keeps_the_pinned_slots_and_never_hands_out_the_rest(pinne
     assert pinning.ready_slots == 768 and pool.available_size() == 768
     # Two whole steps pinned, the failed one taken back.
     assert recorder.bytes() == 768 * 16 * 4
-    assert pool_pinning.pinning_incomplete(pool)
+    assert pool_pinning.copies_stay_stock(pool)
 
 
 def test_destroy_stops_the_background_steps_first(pinned_pools) -> None:
@@ -223,6 +224,8 @@ def test_a_first_share_past_the_pool_pins_it_whole_before_sglang_goes_on(pinned_
     buffer = pool.kv_buffer
     assert recorder.ranges == {buffer.data_ptr(): buffer.numel() * buffer.element_size()}
     assert pool.available_size() == SIZE
+    # One registration: kvcore's own copies may serve it.
+    assert not pool_pinning.copies_stay_stock(pool)
 
 
 def test_the_plugin_registers_the_pinning_hooks_only_under_the_setting(
