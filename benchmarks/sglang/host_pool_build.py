@@ -107,7 +107,11 @@ def build_pin_first(side: str, gib: float, pin: bool) -> Built:
     pool = PoolShape(dims[2], PAGE_SIZE)
     sizes = (PIN_FIRST_BYTES, pool_pinning.STEP_BYTES)
     pinning = pool_pinning.pin_in_steps(pool, buffer, sizes, CudaHostRegistrar())
-    return buffer, nbytes, pinning.unpin, functools.partial(pinning.wait, None)
+
+    def pinned_whole() -> None:
+        pinning.wait()
+
+    return buffer, nbytes, pinning.unpin, pinned_whole
 
 
 def first_layer_bytes(buffer: torch.Tensor) -> torch.Tensor:
