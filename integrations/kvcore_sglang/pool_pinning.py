@@ -134,7 +134,9 @@ def _init_kv_buffer(
         pin_in_steps(pool, buffer, sizes, chosen)
     except Exception as exc:
         fell_back(logger, exc, "SGLang pins its host pool itself", counted)
-        importlib.import_module(_COMMON)._cuda_host_register(buffer)
+        register = importlib.import_module(_COMMON)._cuda_host_register
+        for each in buffer if isinstance(buffer, list | tuple) else (buffer,):
+            register(each)
     return buffer
 
 
