@@ -146,58 +146,56 @@ def _make_load_hook(
     ) -> None:
         if copies_stay_stock(pool):
             count_pass(adapter.mover(), PINNING_PASS)
-            original(
-                pool,
-                device_pool,
-                host_indices,
-                device_indices,
-                layer_id,
-                io_backend,
-                is_draft=is_draft,
-            )
-            return
-        latest = adapter.load_requests.latest(pool, device_pool)
-        request = continued(
-            adapter, latest, pool, device_pool, host_indices, device_indices, io_backend, is_draft
-        )
-        if request is not None and later_layer_served(
-            adapter, request, device_pool, layer_id, is_draft
-        ):
-            return
-        # A later layer of a request that passes costs the first check alone (none at all
-        # once its binding is on the pool).
-        if latest is None or not latest.passing_for(host_indices, device_indices):
-            rule = call_rule(adapter.serve_rule, "load", pool, io_backend)
-            if adapter.bindings.bypass_if_never(original, pool, _LOAD, rule, io_backend):
-                pass
-            elif load_layer(
+        else:
+            latest = adapter.load_requests.latest(pool, device_pool)
+            request = continued(
                 adapter,
-                adapter.release_jobs.jobs_for(target, by_release),
-                rule,
-                pool_class,
+                latest,
                 pool,
                 device_pool,
                 host_indices,
                 device_indices,
-                layer_id,
                 io_backend,
                 is_draft,
-                request,
+            )
+            if request is not None and later_layer_served(
+                adapter, request, device_pool, layer_id, is_draft
             ):
                 return
-            elif passes_from_here(
-                adapter.load_requests, pool, device_pool, host_indices, device_indices
-            ):
-                adapter.bindings.bind_passing_reload(
-                    load_hook,
-                    original,
+            # A later layer of a request that passes costs the first check alone (none at all
+            # once its binding is on the pool).
+            if latest is None or not latest.passing_for(host_indices, device_indices):
+                rule = call_rule(adapter.serve_rule, "load", pool, io_backend)
+                if adapter.bindings.bypass_if_never(original, pool, _LOAD, rule, io_backend):
+                    pass
+                elif load_layer(
+                    adapter,
+                    adapter.release_jobs.jobs_for(target, by_release),
+                    rule,
+                    pool_class,
                     pool,
-                    _LOAD,
+                    device_pool,
                     host_indices,
                     device_indices,
-                    load_pass_limit,
-                    adapter.count_request_pass,
-                )
+                    layer_id,
+                    io_backend,
+                    is_draft,
+                    request,
+                ):
+                    return
+                elif passes_from_here(
+                    adapter.load_requests, pool, device_pool, host_indices, device_indices
+                ):
+                    adapter.bindings.bind_passing_reload(
+                        load_hook,
+                        original,
+                        pool,
+                        _LOAD,
+                        host_indices,
+                        device_indices,
+                        load_pass_limit,
+                        adapter.count_request_pass,
+                    )
         original(
             pool,
             device_pool,
