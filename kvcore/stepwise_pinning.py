@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvcore.host_pinning import HostRegistrar, format_bytes
@@ -125,6 +126,16 @@ def _step_ranges(layout: SlotLayout, begin: int, end: int) -> tuple[tuple[int, i
     return tuple(ranges)
 
 
+def crosses_step(slots: np.ndarray, ends: np.ndarray) -> bool:
+    """Whether two neighbouring entries of ``slots`` are neighbouring slots on either side
+    of a step's end (``ends``, sorted): a copy of that run would cross two registrations."""
+    if len(slots) < 2 or not len(ends):
+        return False
+    after = slots[1:]
+    joined = after[after == slots[:-1] + 1]
+    return bool(np.isin(joined, ends).any())
+
+
 class StepwisePinning:
     """Registers ``steps`` in order: :meth:`pin_first` on the caller's thread, :meth:`start`
     the rest on a daemon thread, calling ``on_ready`` after each of those with no lock
@@ -141,6 +152,8 @@ class StepwisePinning:
         if not steps:
             raise ValueError("nothing to pin: no steps")
         self.steps = tuple(steps)
+        self.step_ends = np.array([step.ready_slots for step in self.steps[:-1]], dtype=np.int64)
+        """Where one registration ends and the next begins, in slots, sorted."""
         self.registered: list[tuple[int, int]] = []
         """Every range registered and not taken back, in order (what unregistering needs)."""
         self.lock = threading.Lock()

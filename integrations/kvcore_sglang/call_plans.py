@@ -35,10 +35,12 @@ from kvcore.planning.path_policy import PathPolicy, TransferPath
 from kvcore.planning.plans import TransferPlan, plan, plan_for
 from kvcore.planning.submissions import Submission, submissions
 from kvcore.planning.transfer_sides import CheckedSides
+from kvcore.stepwise_pinning import crosses_step
 
 from .call_memos import HostIndexMemo, LayerPairsMemo
 from .device_reads import DeviceIndexReads
 from .pool_jobs import Job
+from .pool_pinning import step_ends
 from .served_layouts import layout_reason
 from .served_pools import class_name
 
@@ -62,6 +64,9 @@ class CallIndices:
 
 # The paths that move a plan's rows by DMA alone: no kernel on any stream.
 DMA_PATHS = frozenset({TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS})
+STEP_CROSSED = "host_pool_step_crossed"
+"""Why a call on a pool pinned in steps runs stock: its host slots run across a step's end,
+and a DMA cannot cross two registrations (:mod:`kvcore_sglang.pool_pinning`)."""
 
 
 def call_indices(
@@ -93,6 +98,9 @@ def call_indices(
         if recalled is None or recalled.shape != host.shape or recalled.dtype != host.dtype:
             return "sglang_indices_on_device"
         host = recalled
+    ends = step_ends(pool)
+    if ends is not None and crosses_step(host.numpy(), ends):
+        return STEP_CROSSED
     opaque = device_indices.device.type != "cpu"
     if opaque and (io_backend != "kernel" or pool.layout == "page_first_direct"):
         # page_first_direct copies whole pages named by the device indices' values.

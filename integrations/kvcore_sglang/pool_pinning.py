@@ -14,13 +14,13 @@ What keeps every copy on pinned memory:
 
 - kvcore's slot allocator (:mod:`kvcore_sglang.host_slots`) hands out only slots already
   pinned, and ``available_size()`` grows as the steps land;
-- kvcore's own transfers of such a pool always run SGLang's stock copy
-  (:func:`copies_stay_stock`): the pool stays one registration per step and part, and one
-  DMA may not span two (the driver refuses it), while kvcore's runs of slots may cross a
-  step's end. SGLang's ``kernel`` io backend reads the rows slot by slot, by their device
-  address, wherever they are registered. SGLang's ``direct`` backend copies with the copy
-  engines and may merge neighbouring pages: use this setting with the ``kernel`` backend
-  (SGLang's default; ``kvcore launch sglang`` warns of the pair).
+- the pool stays one registration per step and part, and one DMA may not span two (the
+  driver refuses it): a call whose host slots run across a step's end
+  (:func:`step_ends`) runs SGLang's stock copy (:mod:`kvcore_sglang.call_plans`). SGLang's
+  ``kernel`` io backend reads the rows slot by slot, by their device address, wherever
+  they are registered. SGLang's ``direct`` backend copies with the copy engines and may
+  merge neighbouring pages: use this setting with the ``kernel`` backend (SGLang's
+  default; ``kvcore launch sglang`` warns of the pair).
 
 The pool is pinned whole, as SGLang would, where: the setting is 0; the pool does not pin or
 is not one kvcore's allocator serves; the allocator is a storage backend's. Where there is no
@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcore.config import KVCoreConfig
@@ -76,11 +77,14 @@ def pinning_of(pool: Any) -> StepwisePinning | None:
     return pool.__dict__.get(PINNING_ATTR)
 
 
-def copies_stay_stock(pool: Any) -> bool:
-    """Whether the pool is pinned in more than one registration a part, so that its copies
-    must stay SGLang's own."""
+def step_ends(pool: Any) -> np.ndarray | None:
+    """Where one of the pool's registrations ends and the next begins, in slots; None
+    where the pool is one registration a part."""
     pinning = pool.__dict__.get(PINNING_ATTR)
-    return pinning is not None and len(pinning.steps) > 1
+    if pinning is None or len(pinning.steps) < 2:
+        return None
+    ends: np.ndarray = pinning.step_ends
+    return ends
 
 
 def hooks(

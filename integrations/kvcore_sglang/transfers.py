@@ -31,7 +31,6 @@ from .call_plans import CallIndices
 from .hook_mover import count_request_pass
 from .layer_loads import continued, later_layer_served, load_layer, passes_from_here
 from .pool_jobs import Job, PoolJobs
-from .pool_pinning import copies_stay_stock
 from .release_jobs import SOURCE_UNKNOWN
 from .serve_or_pass import (
     call_rule,
@@ -44,9 +43,6 @@ from .serve_or_pass import (
 )
 from .served_pools import DSA_POOL, MHA_POOL, MLA_POOL
 
-PINNING_PASS = "host_pool_pinning"
-"""The pass counted for each call on a pool pinned in steps
-(:func:`~kvcore_sglang.pool_pinning.copies_stay_stock`)."""
 MOVE_INDICES = "sglang.srt.managers.cache_controller.HiCacheController.move_indices"
 _LOAD = "load_to_device_per_layer"
 _BACKUP = "backup_from_device_all_layer"
@@ -144,58 +140,48 @@ def _make_load_hook(
         *,
         is_draft: bool = False,
     ) -> None:
-        if copies_stay_stock(pool):
-            count_pass(adapter.mover(), PINNING_PASS)
-        else:
-            latest = adapter.load_requests.latest(pool, device_pool)
-            request = continued(
+        latest = adapter.load_requests.latest(pool, device_pool)
+        request = continued(
+            adapter, latest, pool, device_pool, host_indices, device_indices, io_backend, is_draft
+        )
+        if request is not None and later_layer_served(
+            adapter, request, device_pool, layer_id, is_draft
+        ):
+            return
+        # A later layer of a request that passes costs the first check alone (none at all
+        # once its binding is on the pool).
+        if latest is None or not latest.passing_for(host_indices, device_indices):
+            rule = call_rule(adapter.serve_rule, "load", pool, io_backend)
+            if adapter.bindings.bypass_if_never(original, pool, _LOAD, rule, io_backend):
+                pass
+            elif load_layer(
                 adapter,
-                latest,
+                adapter.release_jobs.jobs_for(target, by_release),
+                rule,
+                pool_class,
                 pool,
                 device_pool,
                 host_indices,
                 device_indices,
+                layer_id,
                 io_backend,
                 is_draft,
-            )
-            if request is not None and later_layer_served(
-                adapter, request, device_pool, layer_id, is_draft
+                request,
             ):
                 return
-            # A later layer of a request that passes costs the first check alone (none at all
-            # once its binding is on the pool).
-            if latest is None or not latest.passing_for(host_indices, device_indices):
-                rule = call_rule(adapter.serve_rule, "load", pool, io_backend)
-                if adapter.bindings.bypass_if_never(original, pool, _LOAD, rule, io_backend):
-                    pass
-                elif load_layer(
-                    adapter,
-                    adapter.release_jobs.jobs_for(target, by_release),
-                    rule,
-                    pool_class,
+            elif passes_from_here(
+                adapter.load_requests, pool, device_pool, host_indices, device_indices
+            ):
+                adapter.bindings.bind_passing_reload(
+                    load_hook,
+                    original,
                     pool,
-                    device_pool,
+                    _LOAD,
                     host_indices,
                     device_indices,
-                    layer_id,
-                    io_backend,
-                    is_draft,
-                    request,
-                ):
-                    return
-                elif passes_from_here(
-                    adapter.load_requests, pool, device_pool, host_indices, device_indices
-                ):
-                    adapter.bindings.bind_passing_reload(
-                        load_hook,
-                        original,
-                        pool,
-                        _LOAD,
-                        host_indices,
-                        device_indices,
-                        load_pass_limit,
-                        adapter.count_request_pass,
-                    )
+                    load_pass_limit,
+                    adapter.count_request_pass,
+                )
         original(
             pool,
             device_pool,
@@ -226,10 +212,6 @@ def _make_backup_hook(
         def stock() -> None:
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
-        if copies_stay_stock(pool):
-            count_pass(adapter.mover(), PINNING_PASS)
-            stock()
-            return
         rule = call_rule(adapter.serve_rule, "backup", pool, io_backend)
         if adapter.bindings.bypass_if_never(original, pool, _BACKUP, rule, io_backend):
             stock()

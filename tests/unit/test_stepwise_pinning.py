@@ -7,6 +7,7 @@ import mmap
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from kvcore.stepwise_pinning import (
     PinStep,
     SlotLayout,
     StepwisePinning,
+    crosses_step,
     slot_layout,
     slot_steps,
     slot_unit,
@@ -268,3 +270,24 @@ def test_misuse() -> None:
     pinning.pin_first(1)
     with pytest.raises(RuntimeError, match="once"):
         pinning.pin_first(1)
+
+
+@pytest.mark.parametrize(
+    ("slots", "crossed"),
+    [
+        ([254, 255, 256, 257], True),  # one run over the end at 256
+        ([255, 257, 256], False),  # 255 and 256 are not neighbours in the list
+        ([256, 255], False),  # descending: two runs of one slot
+        ([0, 1, 2, 511, 512], True),
+        ([0, 1, 2, 300, 301], False),
+        ([7], False),
+        ([], False),
+    ],
+)
+def test_crosses_step_finds_a_run_over_a_steps_end(slots: list[int], crossed: bool) -> None:
+    ends = np.array([256, 512], dtype=np.int64)
+    assert crosses_step(np.array(slots, dtype=np.int64), ends) is crossed
+
+
+def test_crosses_step_without_ends_is_false() -> None:
+    assert not crosses_step(np.arange(10), np.array([], dtype=np.int64))

@@ -51,8 +51,12 @@ class Recorder:
 def test_the_pin_first_build_is_usable_after_its_first_share_and_waits_for_the_rest(
     monkeypatch,
 ):
+    from sglang.srt.mem_cache.pool_host.common import HostTensorAllocator
+
     from kvcore import host_pinning
 
+    # kvcore's side wraps SGLang's allocation for good, as in the bench's own process.
+    monkeypatch.setattr(HostTensorAllocator, "allocate", vars(HostTensorAllocator)["allocate"])
     recorder = Recorder()
     monkeypatch.setattr(host_pinning, "CudaHostRegistrar", lambda: recorder)
     monkeypatch.setattr(host_pool_build, "PIN_FIRST_BYTES", 1 << 20)

@@ -24,7 +24,7 @@ from benchmarks.sglang.hook_adapter import register_transfer_hooks  # noqa: E402
 from benchmarks.sglang.host_pools import mha_host_pool, mla_host_pool  # noqa: E402
 from kvcore.config import KVCoreConfig  # noqa: E402
 from kvcore.metrics import METRICS  # noqa: E402
-from kvcore_sglang import guard, pool_pinning, transfers  # noqa: E402
+from kvcore_sglang import call_plans, guard, pool_pinning  # noqa: E402
 
 # Page 16, one head of 8 bf16 dims: a slot's row is 16 B, so a step ends on 256 slots
 # (4 KiB of each part); 1016 device tokens give a host pool of 2048 slots.
@@ -136,7 +136,7 @@ def test_only_pinned_slots_are_handed_out_until_every_step_is_in(pinned_pools) -
     assert recorder.bytes() == buffer.numel() * buffer.element_size()
     assert pool.available_size() == SIZE
     assert sorted(pool.free_slots.tolist()) == list(range(SIZE))
-    assert pool_pinning.copies_stay_stock(pool)
+    assert pool_pinning.step_ends(pool) is not None
     assert pinned_pools.stock_registered == []
 
 
@@ -151,27 +151,38 @@ def test_a_reset_while_pinning_frees_only_the_pinned_slots(pinned_pools) -> None
     assert pool.available_size() == SIZE
 
 
-def test_a_pool_pinned_in_steps_keeps_sglangs_copies_before_and_after(pinned_pools) -> None:
+def served_paths() -> int:
+    return sum(row["count"] for row in METRICS.snapshot()["transfers"])
+
+
+@pytest.mark.parametrize("pinned_whole", [False, True])
+def test_kvcore_copies_slots_within_a_step_and_passes_a_run_across_a_steps_end(
+    pinned_pools, pinned_whole
+) -> None:
     recorder = Recorder(free_calls=4)
     pool = pinned_pools(recorder)
+    if pinned_whole:
+        recorder.go.set()
+        assert pool_pinning.pinning_of(pool).wait(10)
     generator = torch.Generator().manual_seed(3)
     device_k = pool.device_k_buffers[0]
-    host_idx = torch.arange(0, 64, dtype=torch.int64)
-    device_idx = torch.randperm(TOKENS, generator=generator)[:64]
-    for pinned_whole in (False, True):
-        if pinned_whole:
-            recorder.go.set()
-            assert pool_pinning.pinning_of(pool).wait(10)
+    device_idx = torch.randperm(len(device_k), generator=generator)[:16]
+    within = torch.arange(224, 240)  # inside the first step, pinned from the start
+    across = torch.arange(248, 264)  # 255 and 256 sit in two registrations
+    for host_idx, served in ((within, True), (across, False)):
         pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
         device_k.zero_()
-        before = fallbacks()
+        before, paths = fallbacks(), served_paths()
         pool.load_to_device_per_layer(None, host_idx, device_idx, 0, "direct")
         assert torch.equal(device_k[device_idx], pool.kv_buffer[0, 0, host_idx])
         others = torch.ones(len(device_k), dtype=torch.bool)
         others[device_idx] = False
         assert not device_k[others].any()
-        counted = fallbacks().get(transfers.PINNING_PASS, 0)
-        assert counted == before.get(transfers.PINNING_PASS, 0) + 1
+        crossed = fallbacks().get(call_plans.STEP_CROSSED, 0) - before.get(
+            call_plans.STEP_CROSSED, 0
+        )
+        assert (crossed, served_paths() > paths) == ((0, True) if served else (1, False))
+    recorder.go.set()
 
 
 def test_a_failed_step_keeps_the_pinned_slots_and_never_hands_out_the_rest(pinned_pools) -> None:
@@ -183,7 +194,7 @@ def test_a_failed_step_keeps_the_pinned_slots_and_never_hands_out_the_rest(pinne
     assert pinning.ready_slots == 768 and pool.available_size() == 768
     # Two whole steps pinned, the failed one taken back.
     assert recorder.bytes() == 768 * 16 * 4
-    assert pool_pinning.copies_stay_stock(pool)
+    assert pool_pinning.step_ends(pool) is not None
 
 
 def test_destroy_stops_the_background_steps_first(pinned_pools) -> None:
@@ -224,8 +235,8 @@ def test_a_first_share_past_the_pool_pins_it_whole_before_sglang_goes_on(pinned_
     buffer = pool.kv_buffer
     assert recorder.ranges == {buffer.data_ptr(): buffer.numel() * buffer.element_size()}
     assert pool.available_size() == SIZE
-    # One registration: kvcore's own copies may serve it.
-    assert not pool_pinning.copies_stay_stock(pool)
+    # One registration a part: no run of slots can cross two.
+    assert pool_pinning.step_ends(pool) is None
 
 
 def test_the_plugin_registers_the_pinning_hooks_only_under_the_setting(
