@@ -156,6 +156,9 @@ def _pinned_whole(pool: Any, first_bytes: int) -> str | None:
         return "a storage backend allocates the pool"
     if torch.version.hip is not None:
         return "on ROCm SGLang's default pools come from hipHostMalloc"
+    if getattr(pool, "dcp_size", 1) != 1:
+        # Slots the allocator hands out are then not the buffer's rows.
+        return "decode context parallel shares a row among several slots"
     return None
 
 

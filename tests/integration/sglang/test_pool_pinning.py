@@ -245,3 +245,21 @@ def test_the_plugin_registers_the_pinning_hooks_only_under_the_setting(
     monkeypatch.setenv("KVCORE_HOST_POOL_PIN_FIRST", "4GiB")
     status = sglang_hooks()
     assert set(guard.PINNING_TARGETS) <= set(status.patched_targets)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({}, None),
+        ({"dcp_size": 2}, "decode context parallel"),
+        ({"pin_memory": False}, "does not pin"),
+        ({"allocator": object()}, "storage backend"),
+    ],
+)
+def test_what_leaves_a_pool_pinned_whole(changes: dict[str, Any], reason: str | None) -> None:
+    pool = object.__new__(MHATokenToKVPoolHost)
+    attributes = {"pin_memory": True, "allocator": common.HostTensorAllocator(), "dcp_size": 1}
+    pool.__dict__.update(attributes | changes)
+    found = pool_pinning._pinned_whole(pool, 1 << 30)
+    assert found is None if reason is None else reason in found
+    assert pool_pinning._pinned_whole(pool, 0) == "KVCORE_HOST_POOL_PIN_FIRST is 0"
