@@ -139,7 +139,7 @@ def crosses_step(slots: np.ndarray, ends: np.ndarray) -> bool:
 class StepwisePinning:
     """Registers ``steps`` in order: :meth:`pin_first` on the caller's thread, :meth:`start`
     the rest on a daemon thread, calling ``on_ready`` after each of those with no lock
-    held."""
+    held; ``memory``, what owns the ranges, is kept alive with it."""
 
     def __init__(
         self,
@@ -148,6 +148,7 @@ class StepwisePinning:
         *,
         on_ready: Callable[[], None] | None = None,
         name: str = "host pool",
+        memory: object = None,
     ) -> None:
         if not steps:
             raise ValueError("nothing to pin: no steps")
@@ -160,6 +161,8 @@ class StepwisePinning:
         """Held by callers that read :attr:`ready_slots` and act on it as one step."""
         self.failure: str | None = None
         self._registrar = registrar
+        # What owns the memory (a tensor, a mapping): it must outlive every registration.
+        self._memory = memory
         self._on_ready = on_ready
         self._name = name
         self._next = 0

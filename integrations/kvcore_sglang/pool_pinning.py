@@ -180,6 +180,7 @@ def pin_in_steps(
         registrar,
         on_ready=lambda: _grow(pool_ref, pinning),
         name=f"{type(pool).__name__} host pool",
+        memory=buffer,
     )
     started = time.perf_counter()
     pinning.pin_first()

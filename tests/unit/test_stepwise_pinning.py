@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import mmap
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -291,3 +293,16 @@ def test_crosses_step_finds_a_run_over_a_steps_end(slots: list[int], crossed: bo
 
 def test_crosses_step_without_ends_is_false() -> None:
     assert not crosses_step(np.arange(10), np.array([], dtype=np.int64))
+
+
+def test_the_memory_lives_as_long_as_the_pinning() -> None:
+    _, steps = page_first_steps()
+    memory = torch.empty(16)
+    kept = weakref.ref(memory)
+    pinning = StepwisePinning(steps, Recorder(), memory=memory)
+    del memory
+    gc.collect()
+    assert kept() is not None
+    del pinning
+    gc.collect()
+    assert kept() is None
