@@ -162,7 +162,7 @@ def doctor_report(config: KVCoreConfig, pool_gib: float | None = None) -> dict[s
         ],
         "patches": installed_patch_states(),
         "pinned": _pinned_limits(),
-        "host": host_report.host_report(pool_gib),
+        "host": host_report.host_report(pool_gib, config.host_pool_pin_first),
         "config": config.to_dict(),
         "serve_rule": {"enabled": config.serve_rule, "rules": serve_rule.describe()},
     }
@@ -383,10 +383,17 @@ def _describe_estimate(estimate: dict[str, Any]) -> str:
     )
     if estimate["register_gib_per_s"] is None:
         return text + "; registration not measured (no CUDA)"
-    return (
+    text = (
         f"{text}, registered at {estimate['register_gib_per_s']:.1f} GiB/s; the engines' way "
         f"(registration faulting every page on one thread) about "
         f"{estimate['stock_seconds']:.0f} s (scaled from {_gib(estimate['sample_bytes'])})"
+    )
+    usable = estimate["kvcore_usable_seconds"]
+    if usable is None:
+        return text
+    return (
+        f"{text}; SGLang's pool usable after about {usable:.0f} s, its first "
+        f"{_gib(estimate['first_bytes'])} pinned (KVCORE_HOST_POOL_PIN_FIRST)"
     )
 
 

@@ -121,10 +121,13 @@ def pin_estimate(
     sample_bytes: int | None = None,
     threads: int | None = None,
     registrar: host_pinning.HostRegistrar | None = None,
+    first_bytes: int = 0,
 ) -> dict[str, Any]:
     """How long ``pool_bytes`` take to pin here, scaled from a sample: the engines' way
     (registration faults every page in, on one thread; measured only with a registrar)
-    and kvcore's (``threads`` fault the pages in, then registration)."""
+    and kvcore's (``threads`` fault the pages in, then registration); with ``first_bytes``
+    (``KVCORE_HOST_POOL_PIN_FIRST``), also until that first share is pinned (SGLang's
+    pool usable, :mod:`kvcore_sglang.pool_pinning`)."""
     if sample_bytes is None:
         sample_bytes = sample_size(pool_bytes, available_bytes())
     threads = host_pinning.usable_cpus() if threads is None else threads
@@ -149,6 +152,12 @@ def pin_estimate(
         "register_gib_per_s": _rate(sample_bytes, register_s) if registrar else None,
         "kvcore_seconds": (fault_s + register_s) * scale if registrar else fault_s * scale,
         "stock_seconds": stock_s,
+        "first_bytes": first_bytes,
+        "kvcore_usable_seconds": (
+            fault_s * scale + register_s * min(first_bytes, pool_bytes) / sample_bytes
+            if first_bytes and registrar
+            else None
+        ),
     }
 
 
@@ -156,8 +165,9 @@ def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / GIB / max(seconds, 1e-9)
 
 
-def host_report(pool_gib: float | None = None) -> dict[str, Any]:
-    """Doctor's host-memory section; with ``pool_gib``, the pin estimate for that size."""
+def host_report(pool_gib: float | None = None, first_bytes: int = 0) -> dict[str, Any]:
+    """Doctor's host-memory section; with ``pool_gib``, the pin estimate for that size
+    (and, with ``first_bytes``, until that first share is pinned)."""
     report: dict[str, Any] = {
         "available_bytes": available_bytes(),
         "usable_cpus": host_pinning.usable_cpus(),
@@ -165,5 +175,7 @@ def host_report(pool_gib: float | None = None) -> dict[str, Any]:
         "pin_estimate": None,
     }
     if pool_gib is not None:
-        report["pin_estimate"] = pin_estimate(int(pool_gib * GIB), registrar=cuda_registrar())
+        report["pin_estimate"] = pin_estimate(
+            int(pool_gib * GIB), registrar=cuda_registrar(), first_bytes=first_bytes
+        )
     return report

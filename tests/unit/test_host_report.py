@@ -65,6 +65,21 @@ def test_an_estimate_scales_the_sample_to_the_pool_and_unregisters_it():
     assert estimate["threads"] == 2 and estimate["pool_bytes"] == 64 * 16 * PAGE
     assert estimate["fault_gib_per_s"] > 0 and estimate["register_gib_per_s"] > 0
     assert estimate["kvcore_seconds"] > 0 and estimate["stock_seconds"] is not None
+    assert estimate["kvcore_usable_seconds"] is None
+
+
+def test_a_first_share_is_usable_after_the_faulting_and_its_own_registration():
+    estimate = host_report.pin_estimate(
+        64 * 16 * PAGE,
+        sample_bytes=16 * PAGE,
+        threads=2,
+        registrar=FakeRegistrar(),
+        first_bytes=16 * PAGE,
+    )
+    fault_s = estimate["pool_bytes"] / (estimate["fault_gib_per_s"] * (1 << 30))
+    register_s = 16 * PAGE / (estimate["register_gib_per_s"] * (1 << 30))
+    assert estimate["kvcore_usable_seconds"] == pytest.approx(fault_s + register_s, rel=1e-6)
+    assert estimate["kvcore_usable_seconds"] < estimate["kvcore_seconds"]
 
 
 def test_the_sample_is_the_pool_up_to_a_cap_and_a_quarter_of_what_is_free():
