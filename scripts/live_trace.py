@@ -120,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the server's log, where kvcore logs each load's copy (KVCORE_STOCK_SHARE): "
         "the sequential requests get their loads' copies, and combine compares the arms",
     )
+    one.add_argument(
+        "--startup-s",
+        type=float,
+        help="seconds the server took from its start until /health answered (recorded as "
+        "given, with --cpu-tier-gib: the start-up cost of pinning the CPU tier)",
+    )
+    one.add_argument("--cpu-tier-gib", type=float, help="the server's --kv-offloading-size")
     again = commands.add_parser(
         "attribute",
         help="a run's report with its loads' copies taken again from the saved server log",
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.turns < 2:
             parser.error("--turns must be at least 2: hits come from later turns")
         report = run(args)
+        report["startup_s"], report["cpu_tier_gib"] = args.startup_s, args.cpu_tier_gib
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         print(json.dumps({"mode": args.mode, **report["sequential"]}, indent=1))
         return 0

@@ -9,7 +9,9 @@
 #                     summary compares the two copies' hits inside one process
 #                     (`in_process_ab`), free of the drift between processes
 # Each server is started, its trace sent, its /metrics and log kept, and stopped before the
-# next starts. Writes under $OUT: live-MODE.json, doctor.txt, the summary h200-live-vllm.json
+# next starts; each report records how long its server took to answer /health (`startup_s`,
+# with `cpu_tier_gib`: issue 46's start-up cost of the CPU tier, stock's against kvcore's).
+# Writes under $OUT: live-MODE.json, doctor.txt, the summary h200-live-vllm.json
 # (live_trace.py combine) and logs.tar.gz (each mode's server log, trace output, /metrics
 # page and kvcore log lines).
 #
@@ -127,7 +129,8 @@ start_server() {
         fi
         sleep 2
     done
-    echo "$label: up after $((SECONDS - started)) s"
+    up_after=$((SECONDS - started))
+    echo "$label: up after $up_after s"
 }
 
 reports=()
@@ -144,7 +147,8 @@ for mode in "${modes[@]}"; do
         if "$python" "$repo/scripts/live_trace.py" run --url "$url" --model "$model" \
             --mode "$mode" --label "$label" --out "$out/live-$label.json" "${trace_args[@]}" \
             --conversations "${CONVERSATIONS:-28}" --turns "${TURNS:-3}" \
-            --concurrency "${CONCURRENCY:-8,32}" > "$logs/trace-$label.txt" 2>&1; then
+            --concurrency "${CONCURRENCY:-8,32}" --startup-s "$up_after" \
+            --cpu-tier-gib "${CPU_GIB:-48}" > "$logs/trace-$label.txt" 2>&1; then
             reports+=("$out/live-$label.json")
         else
             echo "$label: the trace failed:" >&2

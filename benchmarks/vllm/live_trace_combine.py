@@ -38,6 +38,8 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
             "sequential": sequential,
             "concurrent": concurrent,
             "concurrent_levels": report.get("concurrent_levels", []),
+            "startup_s": report.get("startup_s"),
+            "cpu_tier_gib": report.get("cpu_tier_gib"),
             "hit_ttft_against_first_mode": compare_hits(requests, reference_requests),
             "kvcore_counters": {
                 k: v for k, v in report["metrics_end"].items() if k.startswith("kvcore_")

@@ -172,10 +172,12 @@ def test_sequential_pass_times_streams_and_marks_cpu_tier_hits(serve, tmp_path):
 
 def test_combine_compares_outputs_with_the_first_mode(serve, tmp_path):
     paths = []
-    for mode, shift in (("stock", 0), ("kvcore", 0), ("broken", 1)):
+    for mode, shift, startup in (("stock", 0, "81"), ("kvcore", 0, "23.5"), ("broken", 1, None)):
         out = tmp_path / f"{mode}.json"
         url = serve(StandIn(shift))
         argv = ["run", "--url", url, "--model", "m", "--mode", mode, "--out", str(out)]
+        if startup is not None:
+            argv += ["--startup-s", startup, "--cpu-tier-gib", "48"]
         live_trace.main([*argv, "--conversations", "3", "--concurrency", "1"])
         paths.append(str(out))
     summary_path = tmp_path / "summary.json"
@@ -189,6 +191,9 @@ def test_combine_compares_outputs_with_the_first_mode(serve, tmp_path):
         False,
     ]
     assert modes["kvcore"]["kvcore_counters"] == {"kvcore_transfers": 9.0}
+    # Each server's start-up, as the run script timed it, with its CPU tier's size.
+    startups = [(modes[m]["startup_s"], modes[m]["cpu_tier_gib"]) for m in modes]
+    assert startups == [(81.0, 48.0), (23.5, 48.0), (None, None)]
     assert modes["stock"]["ttft_ms_p50"] is not None and modes["stock"]["tokens_per_s"] > 0
 
 
