@@ -4,6 +4,7 @@ registrar that records what CUDA would be asked to pin."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -263,3 +264,44 @@ def test_what_leaves_a_pool_pinned_whole(changes: dict[str, Any], reason: str | 
     found = pool_pinning._pinned_whole(pool, 1 << 30)
     assert found is None if reason is None else reason in found
     assert pool_pinning._pinned_whole(pool, 0) == "KVCORE_HOST_POOL_PIN_FIRST is 0"
+
+
+class SteppedRecorder(Recorder):
+    """Registers the first step's 4 ranges at once, then one range per release."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.releases = threading.Semaphore(0)
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        if self.calls >= 4:
+            assert self.releases.acquire(timeout=10)
+        super().register(ptr, nbytes)
+
+
+def test_churn_while_steps_land_keeps_exact_accounting(pinned_pools) -> None:
+    recorder = SteppedRecorder()
+    pool = pinned_pools(recorder)
+    pinning = pool_pinning.pinning_of(pool)
+    rng = torch.Generator().manual_seed(11)
+    held: list[torch.Tensor] = []
+    for ready in STEP_ENDS:
+        deadline = time.monotonic() + 10
+        while pool.available_size() + sum(len(h) for h in held) < ready:
+            assert time.monotonic() < deadline, "a step's slots never reached the pool"
+            time.sleep(0.01)
+        for _ in range(40):
+            if held and int(torch.randint(0, 3, (1,), generator=rng)) == 0:
+                pool.free(held.pop(int(torch.randint(0, len(held), (1,), generator=rng))))
+                continue
+            taken = pool.alloc(PAGE * int(torch.randint(1, 5, (1,), generator=rng)))
+            if taken is not None:
+                held.append(taken)
+        used = torch.cat(held).tolist() if held else []
+        assert len(used) == len(set(used)) and all(slot < ready for slot in used)
+        assert pool.available_size() == ready - len(used)
+        assert sorted(pool.free_slots.tolist()) == sorted(set(range(ready)) - set(used))
+        assert int(pool.slot_used.sum()) == len(used)
+        for _ in range(4):  # the next step's four ranges
+            recorder.releases.release()
+    assert pinning.wait(10) and pinning.done
