@@ -235,7 +235,13 @@ class StepwisePinning:
                     logger.error("kvcore: %s", self.failure)
                     return
                 if self._on_ready is not None:
-                    self._on_ready()
+                    try:
+                        self._on_ready()
+                    except Exception as exc:
+                        # The step is pinned, its slots not handed out: stop here.
+                        self.failure = f"handing out the {self._name}'s pinned slots failed: {exc}"
+                        logger.exception("kvcore: %s", self.failure)
+                        return
         finally:
             self._finished.set()
 

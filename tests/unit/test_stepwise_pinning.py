@@ -306,3 +306,18 @@ def test_the_memory_lives_as_long_as_the_pinning() -> None:
     del pinning
     gc.collect()
     assert kept() is None
+
+
+def test_a_failing_hand_out_stops_the_thread_with_a_failure() -> None:
+    _, steps = page_first_steps()
+    recorder = Recorder()
+
+    def on_ready() -> None:
+        raise RuntimeError("the allocator refused")
+
+    pinning = StepwisePinning(steps, recorder, on_ready=on_ready, name="test pool")
+    pinning.pin_first()
+    pinning.start()
+    assert pinning.wait(10)
+    assert pinning.failure is not None and "the allocator refused" in pinning.failure
+    assert not pinning.done and pinning.ready_slots == steps[1].ready_slots
