@@ -140,8 +140,9 @@ def _builder(engine: str, pin: bool) -> Builder:
         from benchmarks.sglang import host_pool_build
 
         host_pool_build.load()
-        build = host_pool_build.build if engine == SGLANG else host_pool_build.build_pin_first
-        return build, host_pool_build.first_layer_bytes
+        if engine == SGLANG:
+            return host_pool_build.build, host_pool_build.first_layer_bytes
+        return host_pool_build.build_pin_first, host_pool_build.first_step_bytes
     from benchmarks.vllm import shared_region_build
 
     shared_region_build.load(pin)

@@ -117,3 +117,9 @@ def build_pin_first(side: str, gib: float, pin: bool) -> Built:
 def first_layer_bytes(buffer: torch.Tensor) -> torch.Tensor:
     """The first layer's K rows as bytes: a contiguous part of the pool to read back."""
     return buffer[0, 0].view(torch.int8)
+
+
+def first_step_bytes(buffer: torch.Tensor) -> torch.Tensor:
+    """The first layer's K rows of the slots the first step pins, as bytes: one copy may
+    not cross two of a pool's registrations once it is pinned in steps."""
+    return buffer[0, 0, : PIN_FIRST_BYTES // TOKEN_ROW_BYTES].view(torch.int8)

@@ -1,7 +1,8 @@
 """A layer_first host pool pinned in steps with CUDA (kvcore.stepwise_pinning): the slots
 each step makes ready copy exactly to and from the GPU while later steps register, through
-kvcore's gather (which reads the host rows by their device address) and through torch's
-own copies, and the whole pool once every step is in."""
+kvcore's gather (which reads the host rows by their device address); once every step is
+in, each step's rows both ways by DMA (a DMA may not cross two registrations) and rows of
+every step in one gather."""
 
 from __future__ import annotations
 
@@ -49,14 +50,24 @@ def test_ready_slots_copy_exactly_while_the_rest_registers() -> None:
         assert torch.equal(device[rows.cuda()].cpu(), source[slots])
         assert not device[others].any()
     assert pinning.wait(60) and pinning.done and pinning.failure is None
-    # The whole pool, both ways, with every step in: one copy spans every registration.
-    whole = host[1].cuda(non_blocking=True)
+    # Every step in: each step's slots of a layer copy both ways by DMA (one registration
+    # each), and a gather reads slots of every step in one launch.
+    begin = 0
+    for end in [*pinning.step_ends.tolist(), SLOTS]:
+        rows_of_step = host[1, 2, begin:end]
+        assert torch.equal(rows_of_step.cuda(non_blocking=True).cpu(), rows_of_step)
+        back = torch.randint(-128, 128, rows_of_step.shape, dtype=torch.int8, device="cuda")
+        rows_of_step.copy_(back, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(rows_of_step, back.cpu())
+        begin = end
+    everywhere = torch.randperm(SLOTS, generator=generator)[: len(rows)]
+    device = torch.zeros((SLOTS, ROW), dtype=torch.int8, device="cuda")
+    gather = TransferPath.GATHER
+    source = host[1, 3]
+    mover.execute(plan(source, device, everywhere, rows, direction=Direction.H2D, force=gather))
     torch.cuda.synchronize()
-    assert torch.equal(whole.cpu(), host[1])
-    back = torch.randint(-128, 128, (SLOTS, ROW), dtype=torch.int8, device="cuda")
-    host[1, 2].copy_(back, non_blocking=True)
-    torch.cuda.synchronize()
-    assert torch.equal(host[1, 2], back.cpu())
+    assert torch.equal(device[rows.cuda()].cpu(), source[everywhere])
     pinning.unpin()
-    del host, whole
+    del host, source, rows_of_step
     memory.close()

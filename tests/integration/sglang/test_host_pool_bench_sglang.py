@@ -66,5 +66,9 @@ def test_the_pin_first_build_is_usable_after_its_first_share_and_waits_for_the_r
     assert pinned_whole is not None
     pinned_whole()
     assert sum(recorder.ranges.values()) == nbytes
+    # What the bench reads back lies in the first step's ranges (one registration a part).
+    read = host_pool_build.first_step_bytes(buffer)
+    start, end = read.data_ptr(), read.data_ptr() + read.numel()
+    assert any(ptr <= start and end <= ptr + size for ptr, size in recorder.ranges.items())
     release()
     assert recorder.ranges == {}
