@@ -53,6 +53,7 @@ import kvcore_vllm.page_rows  # noqa: F401
 import kvcore_vllm.region_faulting  # noqa: F401
 import kvcore_vllm.transfers  # noqa: F401
 import vllm.v1.kv_offload.cpu.shared_offload_region  # noqa: F401  (kvcore bench --host-pool)
+import vllm.v1.kv_offload.cpu.spec  # noqa: F401  (where 0.33 keeps the region's segment count)
 
 assert type(vllm.platforms.current_platform).__module__ == "vllm.platforms.cuda"
 site = sys.argv[1]

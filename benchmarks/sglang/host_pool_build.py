@@ -64,8 +64,11 @@ def load() -> None:
     """Import SGLang's pool code and kvcore's hook, before any build is timed (SGLang's
     imports take seconds); ModuleNotFoundError where SGLang is not installed."""
     from benchmarks.sglang.import_stubs import install_torchvision_stub
+    from benchmarks.sglang.sgl_kernel_stub import install_sgl_kernel_stub
 
     install_torchvision_stub()
+    # On CUDA SGLang's pool modules import sgl_kernel, which the GPU machine lacks.
+    install_sgl_kernel_stub()
     importlib.import_module("sglang.srt.mem_cache.pool_host.common")
     importlib.import_module("kvcore_sglang.host_memory")
 
