@@ -181,10 +181,6 @@ class StepwisePinning:
         """Whether every step is in."""
         return self._next == len(self.steps)
 
-    @property
-    def total_slots(self) -> int:
-        return self.steps[-1].ready_slots
-
     def pin_first(self, count: int = 1) -> None:
         """Register the first ``count`` steps now; on a failure take back what this call
         registered and raise it."""

@@ -49,6 +49,7 @@ from kvcore.host_pinning import CudaHostRegistrar, HostRegistrar, format_bytes
 from kvcore.stepwise_pinning import StepwisePinning, slot_layout, slot_steps
 
 from . import host_slots
+from .guard import HOST_KV_CACHE
 from .host_memory import is_default_allocator
 from .host_slots import PINNING_ATTR
 from .served_pools import MHA_POOL, MLA_POOL
@@ -58,16 +59,8 @@ logger = logging.getLogger("kvcore.sglang")
 # Where SGLang keeps the ranges it registered on a buffer, for destroy to unregister.
 SGLANG_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
 _COMMON = "sglang.srt.mem_cache.pool_host.common"
-HOST_KV_CACHE = "sglang.srt.mem_cache.pool_host.base.HostKVCache"
 STEP_BYTES = 2 << 30
 """About how much of the pool each background step pins."""
-
-TARGETS: tuple[str, ...] = (
-    f"{MHA_POOL}.init_kv_buffer",
-    f"{MLA_POOL}.init_kv_buffer",
-    f"{HOST_KV_CACHE}.destroy",
-)
-"""Every target the pinning hooks wrap, as the guard names them."""
 
 RegistrarFactory = Callable[[], HostRegistrar]
 

@@ -183,7 +183,7 @@ def test_pin_first_then_background_pins_everything() -> None:
         seen.append((pinning.ready_slots, free))
 
     pinning = StepwisePinning(steps, recorder, on_ready=on_ready, name="test pool")
-    assert pinning.ready_slots == 0 and not pinning.done and pinning.total_slots == 160
+    assert pinning.ready_slots == 0 and not pinning.done and pinning.steps[-1].ready_slots == 160
     pinning.pin_first(1)
     assert recorder.held == dict(steps[0].ranges)
     assert pinning.ready_slots == steps[0].ready_slots and pinning.registered == list(
