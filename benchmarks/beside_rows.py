@@ -37,6 +37,8 @@ class RowPlace:
     tokens: int
     page_size: int
     layers: int
+    row_bytes: int | None = None
+    """Bytes of one token's row of one layer, where the case has such rows."""
 
 
 def reload_row(
@@ -59,6 +61,7 @@ def reload_row(
         "tokens": place.tokens,
         "page_size": place.page_size,
         "layers": place.layers,
+        "row_bytes": place.row_bytes,
         "stock_ms": median(times["stock"]),
         "kvcore_ms": median(times["kvcore"]),
         "link_ms": link_ms,

@@ -9,9 +9,10 @@
 #
 # PARTS picks what runs (default: sglang):
 #   sglang       SGLang's kernel backend under KVCORE_SGLANG_DMA_IN_PLACE=1: kvcore reads the
-#                device indices back at their move and copies whole pages by DMA; its "own"
-#                side (rule off) does so at every size, its rule-on side where the rule serves
-#                -> $OUT/sglang-dma/
+#                device indices back at their move and copies whole pages by DMA where they
+#                hold 128 KiB and the request is under 32k tokens; its "own" side (rule off)
+#                does so at every such size, its rule-on side where the rule serves; cells
+#                from SGLANG_CELLS (default: MHA page 64, 4k-32k tokens) -> $OUT/sglang-dma/
 #   vllm         vLLM's handler with blocks by DMA into place -> $OUT/vllm-dma/
 #   vllm-staged  vLLM's handler with DMA into device staging, then a scatter -> $OUT/vllm-staged/
 # Each writes the bench's JSON and log.
@@ -26,11 +27,13 @@ for part in $PARTS; do
             PYTHONPATH=$PWD:$PWD/integrations python3 -m pytest -q -p no:cacheprovider \
                 tests/gpu/test_device_reads_gpu.py \
                 2>&1 | tail -3 | tee "$OUT/device-reads-tests.log"
-            (export KVCORE_SGLANG_DMA_IN_PLACE=1 KVCORE_LONG_RUN_BYTES=$DMA_RUN_BYTES \
-                KVCORE_MAX_BATCHED_RUNS=4096
+            # The setting's own thresholds (SGLang's pages from 128 KiB, requests under
+            # 32k tokens); SGLANG_CELLS picks the cells.
+            # shellcheck disable=SC2086
+            (export KVCORE_SGLANG_DMA_IN_PLACE=1
              OUT=$OUT/sglang-dma BESIDE_SECONDS=${BESIDE_SECONDS:-300} \
-                bash scripts/beside_compute_gpu.sh --rows mha,mla --sizes 8192,32768 \
-                --pages 64,16 --compute prefill-4096,decode-64 --repeats 4) ;;
+                bash scripts/beside_compute_gpu.sh ${SGLANG_CELLS:---rows mha --sizes 4096,8192,16384,32768 --pages 64} \
+                --compute prefill-4096,decode-64 --repeats 4) ;;
         vllm)
             (export KVCORE_LONG_RUN_BYTES=$DMA_RUN_BYTES KVCORE_MAX_BATCHED_RUNS=4096
              OUT=$OUT/vllm-dma BESIDE_SECONDS=120 \

@@ -285,6 +285,7 @@ def _cells(
         tokens,
         case.page_size,
         layers,
+        case.row_bytes,
     )
     yield reload_row(place, "alone", "none", link_ms, times, {}, None, identical, tally)
     stock_alone = median(times["stock"])

@@ -89,12 +89,20 @@ class SGLangAdapter:
         ):
             self.host_indices.remember(moved_host, host_indices)
         moved_device = moved[1] if isinstance(moved, tuple) and len(moved) > 1 else None
+        dma_page_bytes = self.dma_page_bytes()
         if (
             self.device_reads is not None
-            and worth_reading(moved_device, controller)
+            and dma_page_bytes is not None
+            and worth_reading(moved_device, controller, dma_page_bytes)
             and self._rule_may_serve(controller, moved_device.numel())
         ):
             self.device_reads.start(moved_device)
+
+    def dma_page_bytes(self) -> int | None:
+        """The shortest page of one layer that goes by DMA straight into place under
+        ``KVCORE_SGLANG_DMA_IN_PLACE`` (the mover's long-run bytes); None where the setting
+        is off."""
+        return None if self.device_reads is None else self.mover().policy.long_run_bytes
 
     def _rule_may_serve(self, controller: Any, tokens: int) -> bool:
         """Whether the serve-or-pass rule may serve a load or a backup of ``tokens`` tokens
@@ -102,7 +110,7 @@ class SGLangAdapter:
         the rule passes has no use for its device indices read back."""
         pool, io_backend = controller.mem_pool_host, controller.io_backend
         return any(
-            tokens >= pass_limit(self.serve_rule, op, pool, io_backend)[0]
+            tokens >= pass_limit(self.serve_rule, op, pool, io_backend, self.dma_page_bytes())[0]
             for op in ("load", "backup")
         )
 

@@ -25,12 +25,16 @@ import torch
 from kvcore.runs import version_of
 
 from .call_memos import ByTensor
+from .pool_rows import pool_row_bytes
 
 Reader = Callable[[torch.Tensor], tuple[torch.Tensor, Callable[[], None]]]
 """device indices -> (their host copy, a wait until the copy holds their values)."""
 
-MIN_PAGE_SIZE = 2
-"""Pools of one-token pages are never read for: their rows are too short to go by DMA."""
+DMA_BELOW_TOKENS = 32768
+"""Requests of this many tokens or more keep the plan made around their device indices (the
+layer ring, for few long host runs), and are not read for: beside a 4096-token prefill, a
+32k-token MHA reload by DMA into place left the hit's own forward 1.16x its ideal pipeline,
+the ring 0.99-1.05x (docs/performance.md, "Pages by DMA straight into place")."""
 
 
 def read_on_cuda(device_indices: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -69,17 +73,33 @@ class DeviceIndexReads(ByTensor[tuple[torch.Tensor, Callable[[], None], int]]):
         return kept[0]
 
 
-def worth_reading(device_indices: Any, controller: Any) -> TypeGuard[torch.Tensor]:
-    """Whether a move's device indices may go by DMA once read: the ``kernel`` backend's
-    device tensors of a ``layer_first`` pool with pages of :data:`MIN_PAGE_SIZE` tokens or
-    more (``page_first`` keeps a slot's layers together, so one layer's rows lie a slot
-    apart on the host and never make a run)."""
-    pool = getattr(controller, "mem_pool_host", None)
+def pages_by_dma(pool: Any, io_backend: str, min_page_bytes: int) -> bool:
+    """Whether ``pool``'s pages may go by DMA straight into place once their device indices
+    are read: the ``kernel`` backend's ``layer_first`` pools whose page of one layer holds
+    ``min_page_bytes`` or more (``page_first`` keeps a slot's layers together, so one layer's
+    rows lie a slot apart on the host and never make a run)."""
+    if io_backend != "kernel" or getattr(pool, "layout", None) != "layer_first":
+        return False
+    row_bytes, page_size = pool_row_bytes(pool), getattr(pool, "page_size", None)
+    if row_bytes is None or not isinstance(page_size, int):
+        return False
+    return page_size > 1 and page_size * row_bytes >= min_page_bytes
+
+
+def worth_reading(
+    device_indices: Any, controller: Any, min_page_bytes: int
+) -> TypeGuard[torch.Tensor]:
+    """Whether a move's device indices may go by DMA once read: a one-dimensional device
+    tensor of fewer than :data:`DMA_BELOW_TOKENS` entries, for a pool whose pages go by DMA
+    (:func:`pages_by_dma`)."""
     return (
-        getattr(controller, "io_backend", None) == "kernel"
-        and isinstance(device_indices, torch.Tensor)
+        isinstance(device_indices, torch.Tensor)
         and device_indices.device.type != "cpu"
         and device_indices.dim() == 1
-        and getattr(pool, "layout", None) == "layer_first"
-        and getattr(pool, "page_size", 1) >= MIN_PAGE_SIZE
+        and device_indices.numel() < DMA_BELOW_TOKENS
+        and pages_by_dma(
+            getattr(controller, "mem_pool_host", None),
+            getattr(controller, "io_backend", ""),
+            min_page_bytes,
+        )
     )

@@ -16,7 +16,12 @@ from collections import defaultdict
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover
-from kvcore.planning.path_policy import PathPolicy, dma_in_place_policy, policy_from_config
+from kvcore.planning.path_policy import (
+    SGLANG_DMA_IN_PLACE_RUN_BYTES,
+    PathPolicy,
+    dma_in_place_policy,
+    policy_from_config,
+)
 
 
 class HookMover:
@@ -80,9 +85,10 @@ def count_request_pass(chosen: Mover, reason: str) -> None:
 
 
 def sglang_policy(config: KVCoreConfig) -> PathPolicy:
-    """The path policy SGLang's hooks copy with: ``config``'s, with paged rows by DMA straight
-    into place under ``KVCORE_SGLANG_DMA_IN_PLACE``
+    """The path policy SGLang's hooks copy with: ``config``'s, with pages of
+    :data:`~kvcore.planning.path_policy.SGLANG_DMA_IN_PLACE_RUN_BYTES` and more by DMA
+    straight into place under ``KVCORE_SGLANG_DMA_IN_PLACE``
     (:func:`kvcore.planning.path_policy.dma_in_place_policy`)."""
     if config.sglang_dma_in_place:
-        return dma_in_place_policy(config)
+        return dma_in_place_policy(config, shortest_run=SGLANG_DMA_IN_PLACE_RUN_BYTES)
     return policy_from_config(config)

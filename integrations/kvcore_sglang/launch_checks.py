@@ -59,7 +59,8 @@ PIN_FIRST_DIRECT = (
 )
 ONE_TOKEN_PAGES = (
     "--page-size 1 leaves KVCORE_SGLANG_DMA_IN_PLACE nothing to copy by DMA (a token's row is "
-    "too short): use --page-size 16 or more for it"
+    "too short): it takes pages of 128 KiB of a layer or more, --page-size 64 on an 8-head, "
+    "128-dim bf16 model"
 )
 
 

@@ -29,6 +29,8 @@ from torch import device as Device
 
 from kvcore.warm_up import warm_up
 
+from .pool_rows import pool_row_bytes
+
 if TYPE_CHECKING:
     from .adapter import SGLangAdapter
 
@@ -37,9 +39,6 @@ logger = logging.getLogger("kvcore.sglang")
 _POOL_HOST = "sglang.srt.mem_cache.pool_host"
 # The host pools whose transfers kvcore serves (transfers.MHA_POOL, transfers.MLA_POOL).
 POOL_CLASSES = (f"{_POOL_HOST}.mha.MHATokenToKVPoolHost", f"{_POOL_HOST}.mla.MLATokenToKVPoolHost")
-# Host layouts whose buffer's last two dimensions are one token's row of one layer (heads x
-# head dim, or 1 x the MLA row), the rows kvcore's jobs copy.
-_TOKEN_ROW_LAYOUTS = frozenset({"layer_first", "page_first", "page_first_direct"})
 _TRANSFER_METHODS = ("load_to_device_per_layer", "backup_from_device_all_layer")
 
 
@@ -49,17 +48,6 @@ def _warm_up_device() -> torch.device:
     if torch.cuda.is_available():
         return Device("cuda", torch.cuda.current_device())
     return Device("cpu")
-
-
-def pool_row_bytes(pool: Any) -> int | None:
-    """Bytes of one token's row of one layer in ``pool``'s host buffer; None where its
-    layout has no such row (or the buffer is not built yet)."""
-    buffer = getattr(pool, "kv_buffer", None)
-    if getattr(pool, "layout", None) not in _TOKEN_ROW_LAYOUTS:
-        return None
-    if not isinstance(buffer, torch.Tensor) or buffer.dim() < 3:
-        return None
-    return int(buffer.shape[-2] * buffer.shape[-1] * buffer.element_size())
 
 
 def warm_up_pool(adapter: SGLangAdapter, pool: Any) -> bool | None:

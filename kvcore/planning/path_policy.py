@@ -103,6 +103,11 @@ DMA_IN_PLACE_RUN_BYTES = 32 << 10
 """The shortest run :func:`dma_in_place_policy` copies by DMA straight into place: the
 shortest measured so beside the model's compute (vLLM's 32 KiB MHA blocks,
 docs/performance.md, "Reloads beside the model's compute")."""
+SGLANG_DMA_IN_PLACE_RUN_BYTES = 128 << 10
+"""The same for SGLang's pages (``KVCORE_SGLANG_DMA_IN_PLACE``): beside the model's compute,
+MHA's 128 KiB pages went by DMA with every forward as fast as beside stock's kernel, while
+pages of 32 KiB (MHA, 16 tokens) and 18-72 KiB (MLA) left the hit's own forward up to 1.5x
+slower (docs/performance.md, "Pages by DMA straight into place")."""
 DMA_IN_PLACE_MOST_RUNS = 1 << 16
 """The most runs of one layer it copies that way (131072 tokens of 16-token pages)."""
 DMA_IN_PLACE_OVERRIDES = ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS")
@@ -110,9 +115,12 @@ DMA_IN_PLACE_OVERRIDES = ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS")
 
 
 def dma_in_place_policy(
-    config: KVCoreConfig, environ: Mapping[str, str] | None = None
+    config: KVCoreConfig,
+    environ: Mapping[str, str] | None = None,
+    *,
+    shortest_run: int = DMA_IN_PLACE_RUN_BYTES,
 ) -> PathPolicy:
-    """``config``'s path policy with runs of :data:`DMA_IN_PLACE_RUN_BYTES` and more copied
+    """``config``'s path policy with runs of ``shortest_run`` bytes and more copied
     by DMA straight into place (one ``cudaMemcpyBatchAsync`` descriptor a run, no kernel on
     any stream), unless the environment sets one of :data:`DMA_IN_PLACE_OVERRIDES` (an empty
     variable counts as unset): the operator's thresholds then stand as configured.
@@ -121,11 +129,10 @@ def dma_in_place_policy(
     18-64 KiB on common models), and beside the model's compute blocks copied this way left
     another batch's forward as fast as beside stock's copy, where kvcore's gather kernel
     slowed it by 4-12%, for loads as fast as the gather's. MLA's 18 KiB blocks stay under
-    the threshold until measured. SGLang's hooks use it under ``KVCORE_SGLANG_DMA_IN_PLACE``."""
+    the threshold until measured. SGLang's hooks use it under ``KVCORE_SGLANG_DMA_IN_PLACE``,
+    from :data:`SGLANG_DMA_IN_PLACE_RUN_BYTES`."""
     environ = os.environ if environ is None else environ
     policy = policy_from_config(config)
     if any(environ.get(name) for name in DMA_IN_PLACE_OVERRIDES):
         return policy
-    return replace(
-        policy, long_run_bytes=DMA_IN_PLACE_RUN_BYTES, max_batched_runs=DMA_IN_PLACE_MOST_RUNS
-    )
+    return replace(policy, long_run_bytes=shortest_run, max_batched_runs=DMA_IN_PLACE_MOST_RUNS)

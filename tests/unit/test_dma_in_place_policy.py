@@ -10,10 +10,13 @@ from kvcore.planning.path_choice import choose_path
 from kvcore.planning.path_policy import (
     DMA_IN_PLACE_MOST_RUNS,
     DMA_IN_PLACE_RUN_BYTES,
+    SGLANG_DMA_IN_PLACE_RUN_BYTES,
     PathPolicy,
     TransferPath,
     dma_in_place_policy,
+    policy_from_config,
 )
+from kvcore_sglang.hook_mover import sglang_policy
 
 
 def test_without_either_setting_blocks_go_by_dma_into_place():
@@ -54,3 +57,16 @@ def test_the_other_settings_carry_through():
     environ = {"KVCORE_STAGING_BYTES": "64MiB", "KVCORE_GATHER_CTAS": "6"}
     policy = dma_in_place_policy(KVCoreConfig.from_env(environ), environ=environ)
     assert policy.staging_bytes == 64 << 20 and policy.gather_ctas == 6
+
+
+def test_sglangs_hooks_take_pages_by_dma_from_128_kib():
+    """MHA's 128 KiB pages by DMA; its 32 KiB pages and MLA's 72 KiB ones keep the other
+    paths, which left the hit's own forward faster beside compute."""
+    config = KVCoreConfig.from_env({"KVCORE_SGLANG_DMA_IN_PLACE": "1"})
+    policy = sglang_policy(config)
+    assert policy.long_run_bytes == SGLANG_DMA_IN_PLACE_RUN_BYTES == 128 << 10
+    pages = 128
+    for page_bytes, by_dma in ((128 << 10, True), (72 << 10, False), (32 << 10, False)):
+        path = choose_path(pages, 1, pages * page_bytes, policy)
+        assert (path is TransferPath.BATCHED_RUNS) == by_dma, page_bytes
+    assert sglang_policy(KVCoreConfig.from_env({})) == policy_from_config(KVCoreConfig())

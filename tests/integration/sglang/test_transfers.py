@@ -61,6 +61,7 @@ from kvcore_sglang import (
     load_requests,
     plugin,
     pool_jobs,
+    pool_rows,
     pool_warm_up,
     release_jobs,
     transfers,
@@ -581,17 +582,24 @@ def test_move_indices_hook_reads_paged_kernel_device_indices_back_only_under_the
     adapter = _reading_adapter(monkeypatch, reader)
 
     def controller(io_backend: str, page_size: int) -> Any:
-        pool = types.SimpleNamespace(page_size=page_size, layout="layer_first")
+        # MHA rows of 8 heads x 128 bf16: 2 KiB a token, so 128 KiB pages of 64 tokens.
+        rows = torch.empty((2, 1, 256, 8, 128), dtype=torch.bfloat16, device="meta")
+        pool = types.SimpleNamespace(page_size=page_size, layout="layer_first", kv_buffer=rows)
         return types.SimpleNamespace(mem_pool_host=pool, io_backend=io_backend)
 
     def move(controller, host_indices, device_indices):
         return host_indices.to("meta"), device_indices
 
     host = torch.arange(64)
-    for io_backend, page_size in [("kernel", 1), ("direct", 64)]:
+    # Token rows, the direct backend and 32 KiB pages stay unread, as does a request the
+    # ring takes (DMA_BELOW_TOKENS and more).
+    for io_backend, page_size in [("kernel", 1), ("direct", 64), ("kernel", 16)]:
         device = torch.arange(64).to("meta")
         move_indices(move, controller(io_backend, page_size), host, device)
         assert adapter.device_reads.recall(device) is None
+    large = torch.arange(device_reads.DMA_BELOW_TOKENS)
+    move_indices(move, controller("kernel", 64), large, large.to("meta"))
+    assert not started
     device = torch.arange(64).to("meta")
     moved, same_device = move_indices(move, controller("kernel", 64), host, device)
     assert same_device is device and started == [device]
@@ -610,9 +618,14 @@ def test_move_indices_hook_reads_paged_kernel_device_indices_back_only_under_the
     assert isinstance(found, call_plans.CallIndices) and found.device_read is None
 
 
-def test_no_read_for_a_request_the_serve_rule_passes(monkeypatch):
+def test_no_read_for_a_request_the_serve_rule_passes_or_the_ring_takes(monkeypatch):
     """A move does not say whether a load or a backup follows: the device indices are read
-    only where the rule may serve either at that size (it serves these pools from 32k)."""
+    only where the rule may serve either at that size (loads whose pages go by DMA from 8k)
+    and below the size the layer ring takes instead (DMA_BELOW_TOKENS)."""
+    pool = pool_for("mha", "layer_first")
+    page_bytes = pool_rows.pool_row_bytes(pool) * pool.page_size
+    # These pools' pages are small: the setting's threshold is lowered to them.
+    monkeypatch.setenv("KVCORE_LONG_RUN_BYTES", str(page_bytes))
     monkeypatch.setenv("KVCORE_SERVE_RULE", "1")
     started: list[int] = []
 
@@ -620,13 +633,13 @@ def test_no_read_for_a_request_the_serve_rule_passes(monkeypatch):
         started.append(device_indices.numel())
         return torch.zeros(device_indices.numel(), dtype=torch.int64), lambda: None
 
-    _reading_adapter(monkeypatch, reader)
-    pool = pool_for("mha", "layer_first")
+    adapter = _reading_adapter(monkeypatch, reader)
+    assert adapter.dma_page_bytes() == page_bytes
     controller = types.SimpleNamespace(mem_pool_host=pool, io_backend="kernel")
-    for tokens in (8192, 32768):
+    for tokens in (8191, 8192, device_reads.DMA_BELOW_TOKENS):
         device = torch.arange(tokens).to("meta")
         move_indices(lambda c, h, d: (h.to("meta"), d), controller, torch.arange(tokens), device)
-    assert started == [32768]
+    assert started == [8192]
 
 
 def test_a_failing_read_keeps_stocks_move_and_counts_once(monkeypatch):
@@ -634,7 +647,8 @@ def test_a_failing_read_keeps_stocks_move_and_counts_once(monkeypatch):
         raise RuntimeError("injected read")
 
     adapter = _reading_adapter(monkeypatch, reader)
-    pool = types.SimpleNamespace(page_size=64, layout="layer_first")
+    rows = torch.empty((2, 1, 256, 8, 128), dtype=torch.bfloat16, device="meta")
+    pool = types.SimpleNamespace(page_size=64, layout="layer_first", kv_buffer=rows)
     controller = types.SimpleNamespace(mem_pool_host=pool, io_backend="kernel")
     host, device = torch.arange(8), torch.arange(8).to("meta")
     before = fallbacks().get("internal_error:RuntimeError", 0)
