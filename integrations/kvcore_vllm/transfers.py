@@ -49,10 +49,10 @@ from kvcore.internal_errors import InternalErrors, device_in_doubt
 from kvcore.kernels.cudart import clear_pending_error
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.planning import serve_rule
 from kvcore.planning.layers import LayerPairs, layer_pairs
 from kvcore.planning.plans import plan
 from kvcore.planning.submissions import Submission, submissions
+from kvcore.planning.vllm_rule import VLLM_RULES
 from kvcore.runs import has_duplicates
 from kvcore.stock_share import REASON as STOCK_SHARE
 from kvcore.stock_share import StockShare
@@ -67,8 +67,8 @@ logger = logging.getLogger("kvcore.vllm")
 
 INTERNAL_ERRORS = InternalErrors("vLLM", logger)
 
-# When stock's batched copy costs less than kvcore's (measured: kvcore.planning.serve_rule).
-RULES = serve_rule.VLLM_RULES
+# When stock's batched copy costs less than kvcore's (measured: kvcore.planning.vllm_rule).
+RULES = VLLM_RULES
 
 # Starts the line logged for each load while loads are shared with stock (``stock_share``).
 AB_LOG_PREFIX = "kvcore A/B: load"
@@ -388,7 +388,7 @@ class KVCoreOffloadingHandler:
         docs/lab/benchmarks.md), so it keeps them. Large pages: stock's batched DMA is near the
         link, so stores of them stay stock, loads need more pages a submission, and scattered
         loads over one KV tensor of the largest pages stay stock too
-        (:class:`kvcore.planning.serve_rule.VLLMRules` holds the thresholds and their evidence).
+        (:class:`kvcore.planning.vllm_rule.VLLMRules` holds the thresholds and their evidence).
         """
         if not self._stock_rules:
             return None

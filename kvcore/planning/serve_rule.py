@@ -1,6 +1,7 @@
 """Serve or pass: for each engine call, whether kvcore's copy or the engine's stock copy is faster.
 
-Every input of the rule is in :data:`SGLANG_RULES` and :data:`VLLM_RULES`, each entry
+Every input of the rule is in :data:`SGLANG_RULES` and
+:data:`kvcore.planning.vllm_rule.VLLM_RULES`, each entry
 naming the engine-shaped sweep cells it was read from (docs/performance.md, "Evidence behind
 the serve-or-pass rule"). An adapter asks :func:`sglang_decision` (or reads the vLLM
 thresholds) once per request, before it plans anything, so a call that passes costs stock's
@@ -14,6 +15,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from kvcore.planning.vllm_rule import VLLM_RULES
 
 ANY = "*"
 
@@ -367,64 +370,6 @@ def sglang_decision(
     return SERVE if rule is None else rule.decision(tokens)
 
 
-@dataclass(frozen=True)
-class VLLMRules:
-    """The vLLM handler's thresholds (:class:`kvcore_vllm.transfers.KVCoreOffloadingHandler`)."""
-
-    min_pages_per_submission: int = 512
-    """A job with fewer pages per submission it would need stays with stock's one batched
-    copy: kvcore's submission costs a few hundred microseconds of host time, stock's driver
-    ~0.5-1 us a page. H200 A/Bs: kvcore lost at 32-256 pages a submission and won from
-    512 (4 KiB to 64 KiB pages); jobs of 32 and 256 pages (of 256 KiB and 2 MiB) ran at
-    0.88-0.99x of stock on kvcore's paths, 0.98-1.03x left to stock."""
-    large_page_bytes: int = 64 << 10
-    """Pages from this size on take the two rules below."""
-    min_large_pages_per_submission: int = 2048
-    """The same threshold for large pages, where stock's batched DMA is near the link: in
-    vLLM 0.25.1 serving an 8B-shaped model on the H200 (64 KiB pages, 32 layers), reloads of
-    512 tokens (1024 pages) took 1.10x stock's device time through kvcore, 1024 tokens
-    (2048 pages) 0.85x, 2048 and more 0.73-0.85x. Checked again with the staged ring,
-    both copies drawn inside one live process: reloads of 832 and 1088 pages were
-    resolvably slower through kvcore (about 3 ms against 2.1 and 2.6), 1344 pages level."""
-    stock_stores_from_page_bytes: int | None = 64 << 10
-    """Stores of pages this large stay stock (None: kvcore may take any store). Stock's
-    batched DMA holds no SMs; in the same live run its stores moved 52 GB/s of device time
-    beside the model's compute, kvcore's 24 GB/s (read from that run's logs: its JSON holds
-    no store rates), and on an idle GPU at 64 KiB pages
-    (50-100% fragmented) stock moved 32-37 GB/s, kvcore 27-29."""
-    stock_kernel_loads: bool = True
-    """Loads over a single KV tensor (cross-layer layout) that are not one run per group
-    stay with vLLM's Triton kernel, which moves them as fast as kvcore's gather for less
-    host time."""
-
-    stock_scattered_loads_from_page_bytes: int | None = 1 << 20
-    """Loads over a single KV tensor (cross-layer layout) of pages this large stay with
-    stock's batched DMA unless they are one run per group (None: no such rule). Each page
-    is one long DMA there, near the link: in vLLM 0.25.1's engine-shaped sweep on the H200,
-    kvcore's gather moved scattered 4096-page loads of 1 MiB pages at 0.94x stock's speed
-    (it did not copy those of 1.1 MiB pages: unaligned rows); one-run loads (a single DMA)
-    at 1.02x."""
-
-    def min_pages(self, page_bytes: int) -> int:
-        """Pages a submission must cover, on average, for pages of ``page_bytes``."""
-        if page_bytes >= self.large_page_bytes:
-            return self.min_large_pages_per_submission
-        return self.min_pages_per_submission
-
-    def scattered_load_passes(self, page_bytes: int) -> bool:
-        """Whether scattered loads over one KV tensor of pages of ``page_bytes`` stay stock."""
-        limit = self.stock_scattered_loads_from_page_bytes
-        return limit is not None and page_bytes >= limit
-
-    def store_passes(self, page_bytes: int) -> bool:
-        """Whether stores of pages of ``page_bytes`` stay with stock at any size."""
-        limit = self.stock_stores_from_page_bytes
-        return limit is not None and page_bytes >= limit
-
-
-VLLM_RULES = VLLMRules()
-
-
 def _page_range(low: int, high: int) -> str:
     if high >= 1 << 30:
         return f"{low}+"
@@ -440,7 +385,10 @@ def _serves(rule: SGLangRule) -> str:
         parts.append(size if rule.dense_host else f"{size}, scattered host slots")
     if rule.dense_min_tokens is not None:
         parts.append(f">= {rule.dense_min_tokens} tokens on few long host runs (DMA)")
-    return "; ".join(parts)
+    served = "; ".join(parts)
+    if rule.dma_in_place:
+        return f"{served}, pages by DMA into place (KVCORE_SGLANG_DMA_IN_PLACE)"
+    return served
 
 
 def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, object]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.planning import serve_rule
+from kvcore.planning import serve_rule, vllm_rule
 from kvcore.planning.path_policy import SGLANG_DMA_IN_PLACE_RUN_BYTES
 from kvcore.planning.serve_rule import SERVE, SGLangRule, sglang_decision
 from kvcore_sglang.device_reads import DMA_BELOW_TOKENS
@@ -92,7 +92,7 @@ def test_describe_lists_every_rule_once_with_its_evidence():
 
 
 def test_vllm_large_pages_take_their_own_thresholds():
-    rules = serve_rule.VLLM_RULES
+    rules = vllm_rule.VLLM_RULES
     small, large = rules.large_page_bytes // 2, rules.large_page_bytes
     assert rules.min_pages(small) == rules.min_pages_per_submission
     assert rules.min_pages(large) == rules.min_large_pages_per_submission

@@ -40,7 +40,7 @@ from kvcore.config import KVCoreConfig
 from kvcore.kernels import KernelSet, kernels_for
 from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover
-from kvcore.planning import serve_rule
+from kvcore.planning import vllm_rule
 from kvcore.planning.path_policy import PathPolicy
 from kvcore.streams import CpuSyncStreams
 from kvcore.warm_up import WarmUp
@@ -1019,7 +1019,7 @@ def test_the_block_count_a_job_passes_under_is_the_page_rule_read_once(
 
 @FILLS_FROM_BLOCK_IDS
 def test_pass_cost_script_counts_kvcores_calls_beyond_stocks_on_cpu(monkeypatch, capsys):
-    monkeypatch.setattr(transfers, "RULES", serve_rule.VLLM_RULES)
+    monkeypatch.setattr(transfers, "RULES", vllm_rule.VLLM_RULES)
     module = load_script("vllm_pass_cost")
     assert module.main(["--jobs", "20", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
