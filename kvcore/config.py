@@ -72,9 +72,9 @@ class KVCoreConfig:
         BOOLEAN,
         "SGLang's kernel-backend transfers of paged layer_first pools: read each request's "
         "device indices back when SGLang moves them (one small device-to-host copy a "
-        "request, as SGLang's direct backend makes), so that loads of 8k-32k tokens whose "
+        "request, as SGLang's direct backend makes), so that requests under 32k tokens whose "
         "pages hold 128 KiB or more of a layer go by DMA straight into place, no kernel on any "
-        "stream, and are served from 8k tokens; 0 plans around the device indices unread",
+        "stream, where kvcore serves them; 0 plans around the device indices unread",
     )
     gather_ctas: int = _setting(
         8,

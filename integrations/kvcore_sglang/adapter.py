@@ -110,7 +110,7 @@ class SGLangAdapter:
         the rule passes has no use for its device indices read back."""
         pool, io_backend = controller.mem_pool_host, controller.io_backend
         return any(
-            tokens >= pass_limit(self.serve_rule, op, pool, io_backend, self.dma_page_bytes())[0]
+            tokens >= pass_limit(self.serve_rule, op, pool, io_backend)[0]
             for op in ("load", "backup")
         )
 

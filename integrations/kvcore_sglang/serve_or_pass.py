@@ -20,7 +20,6 @@ from kvcore.planning.host_run import HostRunFound, one_host_run
 from kvcore.planning.path_policy import PathPolicy
 from kvcore.runs import run_count_up_to
 
-from .device_reads import pages_by_dma
 from .served_pools import DSA_POOL, MHA_POOL, MLA_POOL, class_name
 
 # The pool classes kvcore serves, by the kind the rule's rows name.
@@ -32,33 +31,25 @@ def _pool_kind(pool: Any) -> str:
     return _POOL_KINDS.get(class_name(pool), "")
 
 
-def call_rule(
-    rule_on: bool, op: str, pool: Any, io_backend: str, dma_page_bytes: int | None = None
-) -> serve_rule.SGLangRule | None:
+def call_rule(rule_on: bool, op: str, pool: Any, io_backend: str) -> serve_rule.SGLangRule | None:
     """The rule's row for this call, looked up once per call: None where the rule is off,
     the pool lacks a layout or page size (the checks that follow say why such a pool runs
     stock), or no row matches (kvcore serves). ``rule_on``: the adapter's
-    ``KVCORE_SERVE_RULE``; ``dma_page_bytes``: the shortest page that goes by DMA straight
-    into place (``KVCORE_SGLANG_DMA_IN_PLACE``), None where none does."""
+    ``KVCORE_SERVE_RULE``."""
     if not rule_on:
         return None
     layout, page_size = getattr(pool, "layout", None), getattr(pool, "page_size", None)
     if not isinstance(layout, str) or not isinstance(page_size, int):
         return None
-    dma = dma_page_bytes is not None and pages_by_dma(pool, io_backend, dma_page_bytes)
-    return serve_rule.sglang_rule(
-        op, io_backend, layout, page_size, pool=_pool_kind(pool), dma_in_place=dma
-    )
+    return serve_rule.sglang_rule(op, io_backend, layout, page_size, pool=_pool_kind(pool))
 
 
-def pass_limit(
-    rule_on: bool, op: str, pool: Any, io_backend: str, dma_page_bytes: int | None = None
-) -> tuple[int, str]:
+def pass_limit(rule_on: bool, op: str, pool: Any, io_backend: str) -> tuple[int, str]:
     """(the fewest tokens the rule's row for the pool's ``op`` with ``io_backend`` may serve,
     its reason to pass below that): what a pool's binding for passing calls keeps
     (:mod:`~kvcore_sglang.stock_binding`); ``(0, "")`` where the hook must decide every call
-    (the rule is off, or no row matches). ``dma_page_bytes`` as for :func:`call_rule`."""
-    row = call_rule(rule_on, op, pool, io_backend, dma_page_bytes)
+    (the rule is off, or no row matches)."""
+    row = call_rule(rule_on, op, pool, io_backend)
     if row is None:
         return 0, ""
     lowest = row.serves_from

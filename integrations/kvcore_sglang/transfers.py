@@ -127,7 +127,7 @@ def _make_load_hook(
     adapter: SGLangAdapter, pool_class: str, target: str, by_release: dict[str, PoolJobs]
 ) -> Callable[..., None]:
     def load_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
-        return pass_limit(adapter.serve_rule, "load", pool, io_backend, adapter.dma_page_bytes())
+        return pass_limit(adapter.serve_rule, "load", pool, io_backend)
 
     def load_hook(
         original: Callable[..., Any],
@@ -151,7 +151,7 @@ def _make_load_hook(
         # A later layer of a request that passes costs the first check alone (none at all
         # once its binding is on the pool).
         if latest is None or not latest.passing_for(host_indices, device_indices):
-            rule = call_rule(adapter.serve_rule, "load", pool, io_backend, adapter.dma_page_bytes())
+            rule = call_rule(adapter.serve_rule, "load", pool, io_backend)
             if adapter.bindings.bypass_if_never(original, pool, _LOAD, rule, io_backend):
                 pass
             elif load_layer(
@@ -199,7 +199,7 @@ def _make_backup_hook(
     adapter: SGLangAdapter, pool_class: str, target: str, by_release: dict[str, PoolJobs]
 ) -> Callable[..., None]:
     def backup_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
-        return pass_limit(adapter.serve_rule, "backup", pool, io_backend, adapter.dma_page_bytes())
+        return pass_limit(adapter.serve_rule, "backup", pool, io_backend)
 
     def backup_hook(
         original: Callable[..., Any],
@@ -212,7 +212,7 @@ def _make_backup_hook(
         def stock() -> None:
             original(pool, device_pool, host_indices, device_indices, io_backend)
 
-        rule = call_rule(adapter.serve_rule, "backup", pool, io_backend, adapter.dma_page_bytes())
+        rule = call_rule(adapter.serve_rule, "backup", pool, io_backend)
         if adapter.bindings.bypass_if_never(original, pool, _BACKUP, rule, io_backend):
             stock()
             return

@@ -59,9 +59,6 @@ class SGLangRule:
     cited: tuple[str, ...] = ()
     """The benchmark JSON files (under docs/bench/) the entry was decided from; a test holds
     the entry to them."""
-    dma_in_place: bool | None = None
-    """True: the row meets only calls whose pages go by DMA straight into place
-    (``KVCORE_SGLANG_DMA_IN_PLACE``, pages long enough); False: only the others; None: any."""
 
     @property
     def never(self) -> bool:
@@ -98,17 +95,10 @@ class SGLangRule:
         return SERVE if self.min_tokens is not None and tokens >= self.min_tokens else self.reason
 
     def matches(
-        self,
-        op: str,
-        io_backend: str,
-        layout: str,
-        page_size: int,
-        pool: str = "",
-        dma_in_place: bool = False,
+        self, op: str, io_backend: str, layout: str, page_size: int, pool: str = ""
     ) -> bool:
         return (
-            self.dma_in_place in (None, dma_in_place)
-            and self.op in (ANY, op)
+            self.op in (ANY, op)
             and self.io_backend in (ANY, io_backend)
             and self.layout in (ANY, layout)
             and self.page_sizes[0] <= page_size <= self.page_sizes[1]
@@ -132,29 +122,7 @@ _BESIDE_COMPUTE = (
     "docs/bench/h200-beside-compute-sglang-2026-12-04-b.json",
 )
 
-DMA_IN_PLACE_EVIDENCE = "docs/bench/h200-beside-compute-sglang-2026-12-05-dma-in-place.json"
-"""The beside-compute rows of SGLang's pages copied by DMA straight into place
-(``KVCORE_SGLANG_DMA_IN_PLACE=1``) that the row serving them is judged from."""
-
 SGLANG_RULES: tuple[SGLangRule, ...] = (
-    SGLangRule(
-        "load",
-        "kernel",
-        "layer_first",
-        _PAGED,
-        None,
-        "stock_kernel_near_link",
-        "MHA layer_first reloads whose pages go by DMA straight into place "
-        "(KVCORE_SGLANG_DMA_IN_PLACE, pages of 128 KiB and more), on few long host runs, "
-        "beside compute at 8k tokens: reload 20.4 ms against stock's 29.8 beside a prefill "
-        "(link 19.4), another batch's prefill 22.5 against 24.2 (alone 21.8), the hit's "
-        "prefill done at 99.6 against 99.1 (ideal 94.2), its decode-64 at 20.5 against 22.0 "
-        f"({DMA_IN_PLACE_EVIDENCE}, mha/.../p64). From 32k the ring takes them, as below",
-        dense_min_tokens=8192,
-        pool="mha",
-        cited=(DMA_IN_PLACE_EVIDENCE,),
-        dma_in_place=True,
-    ),
     SGLangRule(
         "load",
         "kernel",
@@ -323,32 +291,20 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
 
 @functools.lru_cache(maxsize=4096)
 def _sglang_rule(
-    op: str, io_backend: str, layout: str, page_size: int, pool: str, dma_in_place: bool
+    op: str, io_backend: str, layout: str, page_size: int, pool: str
 ) -> SGLangRule | None:
     return next(
-        (
-            r
-            for r in SGLANG_RULES
-            if r.matches(op, io_backend, layout, page_size, pool, dma_in_place)
-        ),
-        None,
+        (r for r in SGLANG_RULES if r.matches(op, io_backend, layout, page_size, pool)), None
     )
 
 
 def sglang_rule(
-    op: str,
-    io_backend: str,
-    layout: str,
-    page_size: int,
-    *,
-    pool: str = "",
-    dma_in_place: bool = False,
+    op: str, io_backend: str, layout: str, page_size: int, *, pool: str = ""
 ) -> SGLangRule | None:
     """The row that decides this kind of SGLang call (the first that matches), or None
     where none does (kvcore serves). An adapter looks it up once per call and asks it
-    everything after: :meth:`SGLangRule.decision`, ``min_tokens``, ``dense_host``.
-    ``dma_in_place``: the pool's pages go by DMA straight into place."""
-    return _sglang_rule(op, io_backend, layout, page_size, pool, dma_in_place)
+    everything after: :meth:`SGLangRule.decision`, ``min_tokens``, ``dense_host``."""
+    return _sglang_rule(op, io_backend, layout, page_size, pool)
 
 
 def sglang_decision(
@@ -360,13 +316,12 @@ def sglang_decision(
     *,
     pool: str = "",
     enabled: bool = True,
-    dma_in_place: bool = False,
 ) -> str | None:
     """None when kvcore serves this SGLang call, else the reason it passes to stock.
     ``pool`` is the host pool's kind; "" (unknown) meets only the rows for any pool."""
     if not enabled:
         return SERVE
-    rule = _sglang_rule(op, io_backend, layout, page_size, pool, dma_in_place)
+    rule = _sglang_rule(op, io_backend, layout, page_size, pool)
     return SERVE if rule is None else rule.decision(tokens)
 
 
@@ -385,10 +340,7 @@ def _serves(rule: SGLangRule) -> str:
         parts.append(size if rule.dense_host else f"{size}, scattered host slots")
     if rule.dense_min_tokens is not None:
         parts.append(f">= {rule.dense_min_tokens} tokens on few long host runs (DMA)")
-    served = "; ".join(parts)
-    if rule.dma_in_place:
-        return f"{served}, pages by DMA into place (KVCORE_SGLANG_DMA_IN_PLACE)"
-    return served
+    return "; ".join(parts)
 
 
 def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, object]]:

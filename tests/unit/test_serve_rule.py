@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.planning import serve_rule, vllm_rule
-from kvcore.planning.path_policy import SGLANG_DMA_IN_PLACE_RUN_BYTES
 from kvcore.planning.serve_rule import SERVE, SGLangRule, sglang_decision
-from kvcore_sglang.device_reads import DMA_BELOW_TOKENS
 
 
 @pytest.mark.parametrize(
@@ -254,24 +252,9 @@ def test_token_granular_mla_reloads_are_served_from_32k_on_any_host_slots(
 _FORWARD_NOISE = 1.03
 
 
-# Bytes of one token's row of one layer in the bench's cases, for JSON written before its rows
-# said so: Llama-3-8B's 8 KV heads of 128 and DeepSeek-V3's 576-wide latent, in bf16.
-_BENCH_ROW_BYTES = {"mha": 8 * 128 * 2, "mla": 576 * 2}
-
-
-def _goes_by_dma(row: dict) -> bool:
-    """Whether the cell's reload went by DMA straight into place under the setting."""
-    row_bytes = row.get("row_bytes") or _BENCH_ROW_BYTES[row["case"].split("/")[0]]
-    return (
-        row["page_size"] * row_bytes >= SGLANG_DMA_IN_PLACE_RUN_BYTES
-        and row["tokens"] < DMA_BELOW_TOKENS
-    )
-
-
 def _beside_cells(rule: SGLangRule) -> list[dict]:
     """The beside-compute rows of the JSON files ``rule`` cites that its calls would meet:
-    its pool and layout, its page sizes, pages by DMA into place or not as the row asks,
-    with compute running."""
+    its pool and layout, its page sizes, with compute running."""
     root = Path(__file__).resolve().parents[2]
     low, high = rule.page_sizes
     found = []
@@ -284,7 +267,6 @@ def _beside_cells(rule: SGLangRule) -> list[dict]:
                 and backend == rule.io_backend
                 and low <= row["page_size"] <= high
                 and row["situation"] != "alone"
-                and rule.dma_in_place in (None, _goes_by_dma(row))
             ):
                 found.append(row)
     return found
@@ -305,8 +287,7 @@ def _kvcore_wins(row: dict) -> bool:
 )
 def test_rows_judged_beside_compute_hold_against_the_json_they_cite(rule):
     """Every cell the row serves (few long host runs, from its size) was won beside compute;
-    where its files measured smaller requests, some cell of them was lost, which is why the
-    row starts where it does."""
+    below that size some cell was lost, which is why the row starts where it does."""
     cells = _beside_cells(rule)
     threshold = rule.dense_min_tokens
     assert cells and threshold is not None
@@ -317,40 +298,5 @@ def test_rows_judged_beside_compute_hold_against_the_json_they_cite(rule):
         for row in served
         if not _kvcore_wins(row)
     ]
-    if threshold > min(row["tokens"] for row in cells):
-        assert not all(_kvcore_wins(row) for row in passed)
+    assert passed and not all(_kvcore_wins(row) for row in passed)
     assert all(row["identical"] for row in cells)
-
-
-@pytest.mark.parametrize(
-    ("pool", "page", "tokens", "few_host_runs", "expected"),
-    [
-        ("mha", 64, 8191, True, "stock_kernel_near_link"),
-        ("mha", 64, 8192, True, SERVE),
-        ("mha", 16, 8192, True, SERVE),
-        ("mha", 64, 1 << 20, False, "stock_kernel_near_link"),
-        # MLA has no row of its own for pages by DMA: its paged row serves from 32k.
-        ("mla", 64, 8192, True, "stock_kernel_near_link"),
-        ("mla", 64, 32768, True, SERVE),
-    ],
-)
-def test_loads_whose_pages_go_by_dma_into_place_are_served_from_8k_on_few_host_runs(
-    pool, page, tokens, few_host_runs, expected
-):
-    """The row is met only where the adapter says the pool's pages go by DMA straight into
-    place (``KVCORE_SGLANG_DMA_IN_PLACE``, pages long enough); the same call without it
-    meets the ring's row, from 32k tokens."""
-    rule = serve_rule.sglang_rule(
-        "load", "kernel", "layer_first", page, pool=pool, dma_in_place=True
-    )
-    assert rule is not None
-    assert rule.host_decision(tokens, few_host_runs) == expected
-    without = serve_rule.sglang_rule("load", "kernel", "layer_first", page, pool=pool)
-    assert without is not None and without.serves_from == 32768
-
-
-def test_pages_by_dma_leave_backups_to_their_own_rows():
-    for page in (1, 64):
-        assert serve_rule.sglang_rule(
-            "backup", "kernel", "layer_first", page, pool="mha", dma_in_place=True
-        ) is serve_rule.sglang_rule("backup", "kernel", "layer_first", page, pool="mha")

@@ -620,25 +620,29 @@ def test_move_indices_hook_reads_paged_kernel_device_indices_back_only_under_the
 
 def test_no_read_for_a_request_the_serve_rule_passes_or_the_ring_takes(monkeypatch):
     """A move does not say whether a load or a backup follows: the device indices are read
-    only where the rule may serve either at that size (loads whose pages go by DMA from 8k)
-    and below the size the layer ring takes instead (DMA_BELOW_TOKENS)."""
+    only where the rule may serve either at that size, and below the size the layer ring
+    takes instead (DMA_BELOW_TOKENS). The rule serves these pools from 32k, so only with it
+    off is a request of 8k read."""
     pool = pool_for("mha", "layer_first")
     page_bytes = pool_rows.pool_row_bytes(pool) * pool.page_size
     # These pools' pages are small: the setting's threshold is lowered to them.
     monkeypatch.setenv("KVCORE_LONG_RUN_BYTES", str(page_bytes))
-    monkeypatch.setenv("KVCORE_SERVE_RULE", "1")
     started: list[int] = []
 
     def reader(device_indices: torch.Tensor) -> Any:
         started.append(device_indices.numel())
         return torch.zeros(device_indices.numel(), dtype=torch.int64), lambda: None
 
-    adapter = _reading_adapter(monkeypatch, reader)
-    assert adapter.dma_page_bytes() == page_bytes
     controller = types.SimpleNamespace(mem_pool_host=pool, io_backend="kernel")
-    for tokens in (8191, 8192, device_reads.DMA_BELOW_TOKENS):
-        device = torch.arange(tokens).to("meta")
-        move_indices(lambda c, h, d: (h.to("meta"), d), controller, torch.arange(tokens), device)
+    for rule in ("1", "0"):
+        monkeypatch.setenv("KVCORE_SERVE_RULE", rule)
+        adapter = _reading_adapter(monkeypatch, reader)
+        assert adapter.dma_page_bytes() == page_bytes
+        for tokens in (8192, device_reads.DMA_BELOW_TOKENS):
+            device = torch.arange(tokens).to("meta")
+            move_indices(
+                lambda c, h, d: (h.to("meta"), d), controller, torch.arange(tokens), device
+            )
     assert started == [8192]
 
 
