@@ -120,9 +120,9 @@ class KVCoreConfig:
         _size(0, 1 << 50, "more host memory than any machine holds"),
         "SGLang's MHA and MLA host pools (layer_first, page_first): pin this much before the "
         "engine starts and the rest on a background thread, handing out only pinned slots "
-        "(a call whose slots run across two steps' registrations copies SGLang's way; use "
-        "SGLang's kernel io backend with it); 0 pins the whole pool before the engine "
-        "starts, as SGLang does",
+        "(a call whose slots run across two steps' registrations is copied one registration "
+        "at a time; use SGLang's kernel io backend with it); 0 pins the whole pool before "
+        "the engine starts, as SGLang does",
     )
     serve_rule: bool = _setting(
         True,

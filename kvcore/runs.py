@@ -25,7 +25,8 @@ _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint
 
 @dataclass(frozen=True, slots=True)
 class Runs:
-    """Maximal runs ``[starts[i], starts[i] + lengths[i])`` in index order."""
+    """Runs ``[starts[i], starts[i] + lengths[i])`` in index order: maximal, unless cut
+    where a host registration ends (:func:`cut_runs`)."""
 
     starts: torch.Tensor
     lengths: torch.Tensor
@@ -473,3 +474,36 @@ def slice_runs(runs: Runs, begin: int, end: int) -> Runs:
     piece_ends = np.minimum(run_ends[keep], end)
     starts = runs.starts.numpy()[keep] + (piece_begins - run_begins[keep])
     return Runs(torch.from_numpy(starts), torch.from_numpy(piece_ends - piece_begins))
+
+
+def cut_runs(runs: Runs, cuts: np.ndarray) -> Runs:
+    """``runs`` with every run that spans one of ``cuts`` (sorted row positions, each the
+    first row of a new piece) cut there, in the same order; ``runs`` itself where none does.
+
+    A DMA cannot cross from one host registration into the next, so a run over a pool
+    registered in steps is copied as one piece per registration it touches.
+    """
+    if not runs.count or not len(cuts):
+        return runs
+    starts = runs.starts.numpy()
+    ends = starts + runs.lengths.numpy()
+    # The cuts strictly inside run i are cuts[first[i]:last[i]].
+    first = np.searchsorted(cuts, starts, side="right")
+    last = np.searchsorted(cuts, ends, side="left")
+    inside = np.maximum(last - first, 0)
+    if not inside.any():
+        return runs
+    pieces = inside + 1
+    owner = np.repeat(np.arange(runs.count), pieces)
+    # Each piece begins at its run's start or at a cut inside it, and ends where the next
+    # piece of its run begins or at its run's end.
+    rank = np.arange(owner.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    begins = np.where(rank == 0, starts[owner], cuts[first[owner] + rank - 1])
+    last_piece = rank == pieces[owner] - 1
+    piece_ends = np.where(
+        last_piece, ends[owner], cuts[np.minimum(first[owner] + rank, len(cuts) - 1)]
+    )
+    return Runs(
+        torch.from_numpy(begins.astype(np.int64)),
+        torch.from_numpy((piece_ends - begins).astype(np.int64)),
+    )

@@ -328,10 +328,6 @@ def run(args: argparse.Namespace) -> list[CostRow]:
     install_sgl_kernel_stub()
     install_torchvision_stub()
     with contextlib.ExitStack() as stack:
-        if device.type == "cuda":
-            # SGLang issues its loads on a stream of its own, and cudaMemcpyBatchAsync refuses
-            # the legacy default stream: there kvcore's batched DMA would go one copy per run.
-            stack.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))
         if not args.rule:
             stack.enter_context(sweep_sides.serve_rule_off())
         if args.device_indices_unread or args.device_indices_read:
@@ -347,6 +343,10 @@ def run(args: argparse.Namespace) -> list[CostRow]:
                 if args.device_indices_unread
                 else sweep_sides.device_indices_read()
             )
+        if device.type == "cuda":
+            # SGLang issues its loads on a stream of its own, and cudaMemcpyBatchAsync refuses
+            # the legacy default stream: there kvcore's batched DMA would go one copy per run.
+            stack.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))
         if args.no_copy:
             if device.type == "cpu":
                 stack.enter_context(stock_copies_left_out())

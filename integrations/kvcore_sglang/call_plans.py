@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcore.direction import Direction
@@ -60,13 +61,20 @@ class CallIndices:
     device_read: torch.Tensor | None = None
     """Where :attr:`device_opaque`: their host copy, read back at their move
     (``KVCORE_SGLANG_DMA_IN_PLACE``), for a plan that copies by DMA alone."""
+    host_cuts: np.ndarray | None = None
+    """Where the host slots run across the end of one of the pool's registrations (a pool
+    pinned in steps): the slots where each registration after the first begins, at which
+    the plan cuts its host runs, since no DMA may cross two."""
 
 
 # The paths that move a plan's rows by DMA alone: no kernel on any stream.
 DMA_PATHS = frozenset({TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS})
 STEP_CROSSED = "host_pool_step_crossed"
 """Why a call on a pool pinned in steps runs stock: its host slots run across a step's end,
-and a DMA cannot cross two registrations (:mod:`kvcore_sglang.pool_pinning`)."""
+a DMA cannot cross two registrations (:mod:`kvcore_sglang.pool_pinning`), and both its
+indices are on the host (the ``direct`` backend), where the plan pairs their runs; with
+the device indices unread (the ``kernel`` backend) the plan cuts its host runs at the
+step's end instead."""
 
 
 def call_indices(
@@ -98,19 +106,20 @@ def call_indices(
         if recalled is None or recalled.shape != host.shape or recalled.dtype != host.dtype:
             return "sglang_indices_on_device"
         host = recalled
-    ends = step_ends(pool)
-    if ends is not None and crosses_step(host.numpy(), ends):
-        return STEP_CROSSED
     opaque = device_indices.device.type != "cpu"
     if opaque and (io_backend != "kernel" or pool.layout == "page_first_direct"):
         # page_first_direct copies whole pages named by the device indices' values.
         return "sglang_indices_on_device"
+    ends = step_ends(pool)
+    cuts = ends if ends is not None and crosses_step(host.numpy(), ends) else None
+    if cuts is not None and io_backend == "direct":
+        return STEP_CROSSED
     read = reads.recall(device_indices) if opaque and reads is not None else None
     if read is not None and (
         read.shape != device_indices.shape or read.dtype != device_indices.dtype
     ):
         read = None
-    return CallIndices(host, device_indices, opaque, read)
+    return CallIndices(host, device_indices, opaque, read, cuts)
 
 
 def plans(
@@ -153,6 +162,9 @@ def first_plan(
     job's first pair is those very buffers (the plan then checks only the indices).
     ``host_runs``: the host rows as one run where the rule found them so (used where they
     are the job's own)."""
+    if indices.host_cuts is not None and not indices.device_opaque:
+        # Both sides' runs would pair up, and the host side's are not cut.
+        return STEP_CROSSED
     page_in = direction is Direction.H2D
     host, device = job.pairs[0]
     src, dst = (host, device) if page_in else (device, host)
@@ -160,6 +172,7 @@ def first_plan(
         kept_sides = None
     policy = chosen_mover.policy
     try:
+        host_cuts = _row_cuts(job, indices.host_cuts)
         by_dma = _dma_plan(job, page_in, src, dst, indices, kept_sides, policy)
         if by_dma is not None:
             first = by_dma
@@ -170,17 +183,40 @@ def first_plan(
             if kept_sides is not None:
                 if indices.device_opaque:
                     first = plan_device_indexed_for(
-                        kept_sides, src_idx, dst_idx, policy=policy, host_found=host_runs
+                        kept_sides,
+                        src_idx,
+                        dst_idx,
+                        policy=policy,
+                        host_found=host_runs,
+                        host_cuts=host_cuts,
                     )
                 else:
                     first = plan_for(kept_sides, src_idx, dst_idx, policy=policy)
+            elif indices.device_opaque:
+                first = plan_device_indexed(
+                    src,
+                    dst,
+                    src_idx,
+                    dst_idx,
+                    direction=direction,
+                    policy=policy,
+                    host_cuts=host_cuts,
+                )
             else:
-                planner = plan_device_indexed if indices.device_opaque else plan
-                first = planner(src, dst, src_idx, dst_idx, direction=direction, policy=policy)
+                first = plan(src, dst, src_idx, dst_idx, direction=direction, policy=policy)
     except ValueError:
         # Out-of-range or duplicate indices: stock's behaviour, whatever it is, is kept.
         return "sglang_invalid_indices"
     return first.reason if first.path is TransferPath.FALLBACK and first.reason else first
+
+
+def _row_cuts(job: Job, slot_cuts: np.ndarray | None) -> np.ndarray | None:
+    """The job's host view rows where a new registration begins, from the slots where it
+    does; ValueError as :meth:`kvcore.row_views.RowMap.rows_of` raises."""
+    if slot_cuts is None:
+        return None
+    rows: np.ndarray = job.rows.slot_map.rows_of(torch.from_numpy(slot_cuts)).numpy()
+    return rows
 
 
 def _dma_plan(
@@ -193,10 +229,12 @@ def _dma_plan(
     policy: PathPolicy,
 ) -> TransferPlan | None:
     """The job planned from its device indices read back, where that plan copies by DMA
-    alone; None where none were read, the job's device rows are not the indices
-    themselves, or the plan would take another path. Raises ValueError as planning does."""
+    alone; None where none were read, the host slots cross a registration's end, the job's
+    device rows are not the indices themselves, or the plan would take another path.
+    Raises ValueError as planning does."""
     read = indices.device_read
-    if read is None or job.device_rows is not indices.device:
+    # Pages by DMA pair host and device runs: the host side's are not cut at a step's end.
+    if read is None or indices.host_cuts is not None or job.device_rows is not indices.device:
         return None
     src_idx, dst_idx = (job.host_rows, read) if page_in else (read, job.host_rows)
     if kept_sides is not None:

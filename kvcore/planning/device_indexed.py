@@ -7,6 +7,7 @@ side's index alone, and choose between the paths that need no device runs.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvcore.direction import Direction
@@ -16,7 +17,7 @@ from kvcore.planning.path_policy import PathPolicy, TransferPath
 from kvcore.planning.plans import TransferPlan, decided, watchable
 from kvcore.planning.transfer_sides import CheckedSides, check_sides
 from kvcore.repeats import duplicates_below
-from kvcore.runs import PairedRuns, check_index, span_and_runs_of
+from kvcore.runs import PairedRuns, check_index, cut_runs, find_runs, span_and_runs_of
 
 
 def plan_device_indexed(
@@ -28,6 +29,7 @@ def plan_device_indexed(
     direction: Direction,
     policy: PathPolicy = PathPolicy(),
     force: TransferPath | None = None,
+    host_cuts: np.ndarray | None = None,
 ) -> TransferPlan:
     """:func:`plan` for a device-side index that stays on the device and is never read.
 
@@ -37,9 +39,13 @@ def plan_device_indexed(
     STAGED (the host side is a few long runs: DMA plus an on-device index_copy_ or
     index_select) or GATHER; single and batched copies need both sides' runs. As in the
     engines' own kernels, the device index is not bounds- or duplicate-checked.
+    ``host_cuts``: sorted host rows where a new host registration begins; no DMA of the
+    plan runs across one (:func:`kvcore.runs.cut_runs`).
     """
     sides = check_sides(src, dst, Direction(direction))
-    return plan_device_indexed_for(sides, src_idx, dst_idx, policy=policy, force=force)
+    return plan_device_indexed_for(
+        sides, src_idx, dst_idx, policy=policy, force=force, host_cuts=host_cuts
+    )
 
 
 def plan_device_indexed_for(
@@ -50,10 +56,12 @@ def plan_device_indexed_for(
     policy: PathPolicy = PathPolicy(),
     force: TransferPath | None = None,
     host_found: HostRunFound | None = None,
+    host_cuts: np.ndarray | None = None,
 ) -> TransferPlan:
     """:func:`plan_device_indexed` between buffers :func:`check_sides` has checked.
     ``host_found``: the host index as one run where the caller found it so
-    (:func:`kvcore.planning.host_run.one_host_run`), used where it holds for the index."""
+    (:func:`kvcore.planning.host_run.one_host_run`), used where it holds for the index;
+    ``host_cuts`` as for :func:`plan_device_indexed`."""
     page_in = sides.direction is Direction.H2D
     host_idx, device_idx = (src_idx, dst_idx) if page_in else (dst_idx, src_idx)
     host, device = (sides.src, sides.dst) if page_in else (sides.dst, sides.src)
@@ -90,6 +98,12 @@ def plan_device_indexed_for(
         host_span, host_run_count, host_runs = host_found.span, 1, host_found.runs
         if host_span > host.shape[0]:
             raise ValueError(f"the host index holds {host_span - 1}, outside [0, {host.shape[0]})")
+    if host_cuts is not None:
+        if host_runs is None and force is TransferPath.STAGED:
+            host_runs = find_runs(host_idx)
+        if host_runs is not None:
+            host_runs = cut_runs(host_runs, host_cuts)
+            host_run_count = host_runs.count
     if not page_in and duplicates_below(host_values, host_span):
         raise ValueError("the host index holds duplicate destinations")
     src_row_bytes = sides.row_bytes

@@ -71,3 +71,52 @@ def test_ready_slots_copy_exactly_while_the_rest_registers() -> None:
     pinning.unpin()
     del host, source, rows_of_step
     memory.close()
+
+
+@pytest.mark.parametrize("direction", [Direction.H2D, Direction.D2H], ids=lambda d: d.name)
+def test_a_staged_copy_across_every_steps_end_goes_one_registration_at_a_time(direction) -> None:
+    """One run of slots over every step's end, its device rows scattered: the staged plan
+    cuts its host runs at the step ends (``host_cuts``), so each DMA stays inside one
+    registration; every byte lands where it belongs and the rest is untouched."""
+    from kvcore.planning.device_indexed import plan_device_indexed
+
+    nbytes = 2 * LAYERS * SLOTS * ROW
+    memory = mmap.mmap(-1, nbytes)
+    host = torch.frombuffer(memory, dtype=torch.int8, count=nbytes).view(2, LAYERS, SLOTS, ROW)
+    host.copy_(torch.randint(-128, 128, host.shape, dtype=torch.int8))
+    layout = slot_layout(host, SLOTS)
+    assert layout is not None
+    steps = slot_steps(layout, 64, 8 << 20, 16 << 20)
+    assert steps is not None and len(steps) > 2
+    pinning = StepwisePinning(steps, CudaHostRegistrar())
+    pinning.pin_first()
+    pinning.start()
+    assert pinning.wait(60) and pinning.failure is None
+    cuts = pinning.step_ends
+    generator = torch.Generator().manual_seed(7)
+    slots = torch.arange(int(cuts[0]) - 100, int(cuts[-1]) + 100)
+    rows = torch.randperm(SLOTS, generator=generator)[: len(slots)].cuda()
+    device = torch.randint(-128, 128, (SLOTS, ROW), dtype=torch.int8, device="cuda")
+    source = host[0, 1]
+    before_host, before_device = source.clone(), device.clone()
+    src, dst, src_idx, dst_idx = (
+        (source, device, slots, rows)
+        if direction is Direction.H2D
+        else (device, source, rows, slots)
+    )
+    chosen = plan_device_indexed(src, dst, src_idx, dst_idx, direction=direction, host_cuts=cuts)
+    assert chosen.path is TransferPath.STAGED
+    assert chosen.host_runs.count == 1 + len(cuts)
+    Mover().execute(chosen)
+    torch.cuda.synchronize()
+    if direction is Direction.H2D:
+        expected = before_device.clone()
+        expected[rows] = before_host[slots].cuda()
+        assert torch.equal(device, expected) and torch.equal(source, before_host)
+    else:
+        expected = before_host.clone()
+        expected[slots] = before_device[rows].cpu()
+        assert torch.equal(source, expected) and torch.equal(device, before_device)
+    pinning.unpin()
+    del host, source, src, dst
+    memory.close()

@@ -186,6 +186,55 @@ def test_kvcore_copies_slots_within_a_step_and_passes_a_run_across_a_steps_end(
     recorder.go.set()
 
 
+def test_the_kernel_backend_copies_a_run_across_a_steps_end_one_registration_at_a_time(
+    pinned_pools, device_indices_unread, use_mover, monkeypatch
+) -> None:
+    """As on a GPU, the kernel backend's device indices stay unread: the plan stages the
+    host slots by DMA, its runs cut where a registration ends, so no copy crosses two."""
+    from kvcore.kernels import reference
+    from kvcore.mover import Mover
+    from kvcore.planning.path_policy import PathPolicy
+
+    # This pool's rows are 16 B: runs of them count as long enough for DMA.
+    use_mover(Mover(PathPolicy(long_run_bytes=16), metrics=METRICS))
+
+    copied: list[tuple[int, int]] = []
+    listed = reference.listed_runs_to_staging
+
+    def recording(host_words: Any, host_runs: Any, staging: Any, *, into_staging: bool) -> None:
+        runs = list(host_runs)
+        copied.extend(runs)
+        listed(host_words, runs, staging, into_staging=into_staging)
+
+    monkeypatch.setattr(reference, "listed_runs_to_staging", recording)
+    recorder = Recorder(free_calls=4)
+    pool = pinned_pools(recorder)
+    recorder.go.set()
+    assert pool_pinning.pinning_of(pool).wait(10)
+    ends = pool_pinning.step_ends(pool)
+    assert ends is not None and 256 in ends
+    generator = torch.Generator().manual_seed(5)
+    device_k, device_v = pool.device_k_buffers[0], pool.device_v_buffers[0]
+    host_idx = torch.arange(200, 320)  # over slot 256, where the second step begins
+    device_idx = torch.randperm(len(device_k), generator=generator)[: len(host_idx)]
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
+    host_before = pool.kv_buffer.clone()
+    device_k.zero_()
+    device_v.zero_()
+    before, paths = fallbacks(), served_paths()
+    copied.clear()  # the pool's warm-up staged rows of its own
+    pool.load_to_device_per_layer(None, host_idx, device_idx, 0, "kernel")
+    for kv, device in enumerate((device_k, device_v)):
+        assert torch.equal(device[device_idx], pool.kv_buffer[kv, 0, host_idx])
+        others = torch.ones(len(device), dtype=torch.bool)
+        others[device_idx] = False
+        assert not device[others].any()
+    assert torch.equal(pool.kv_buffer, host_before)
+    assert fallbacks() == before and served_paths() > paths
+    assert copied and sum(length for _, length in copied) == 2 * len(host_idx)
+    assert not any(start < 256 < start + length for start, length in copied)
+
+
 def test_a_failed_step_keeps_the_pinned_slots_and_never_hands_out_the_rest(pinned_pools) -> None:
     recorder = Recorder(fail_on=4 * 2 + 3)  # the third range of the third step
     pool = pinned_pools(recorder)
