@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 LAYERS, SLOTS, ROW = 4, 8192, 2048  # 2 x 4 parts of 16 MiB: 128 MiB in all
 
 
-def test_ready_slots_copy_exactly_while_the_rest_registers() -> None:
+def _pool_in_steps() -> tuple[mmap.mmap, torch.Tensor, StepwisePinning]:
+    """A layer_first pool of random bytes, its first step pinned, the rest still to go."""
     nbytes = 2 * LAYERS * SLOTS * ROW
     memory = mmap.mmap(-1, nbytes)
     host = torch.frombuffer(memory, dtype=torch.int8, count=nbytes).view(2, LAYERS, SLOTS, ROW)
@@ -34,6 +35,11 @@ def test_ready_slots_copy_exactly_while_the_rest_registers() -> None:
     assert steps is not None and len(steps) > 2
     pinning = StepwisePinning(steps, CudaHostRegistrar())
     pinning.pin_first()
+    return memory, host, pinning
+
+
+def test_ready_slots_copy_exactly_while_the_rest_registers() -> None:
+    memory, host, pinning = _pool_in_steps()
     ready = pinning.ready_slots
     pinning.start()
     mover = Mover()
@@ -80,16 +86,7 @@ def test_a_staged_copy_across_every_steps_end_goes_one_registration_at_a_time(di
     registration; every byte lands where it belongs and the rest is untouched."""
     from kvcore.planning.device_indexed import plan_device_indexed
 
-    nbytes = 2 * LAYERS * SLOTS * ROW
-    memory = mmap.mmap(-1, nbytes)
-    host = torch.frombuffer(memory, dtype=torch.int8, count=nbytes).view(2, LAYERS, SLOTS, ROW)
-    host.copy_(torch.randint(-128, 128, host.shape, dtype=torch.int8))
-    layout = slot_layout(host, SLOTS)
-    assert layout is not None
-    steps = slot_steps(layout, 64, 8 << 20, 16 << 20)
-    assert steps is not None and len(steps) > 2
-    pinning = StepwisePinning(steps, CudaHostRegistrar())
-    pinning.pin_first()
+    memory, host, pinning = _pool_in_steps()
     pinning.start()
     assert pinning.wait(60) and pinning.failure is None
     cuts = pinning.step_ends
