@@ -56,8 +56,6 @@ from .served_pools import MHA_POOL, MLA_POOL
 
 logger = logging.getLogger("kvcore.sglang")
 
-# Where SGLang keeps the ranges it registered on a buffer, for destroy to unregister.
-SGLANG_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"
 _COMMON = "sglang.srt.mem_cache.pool_host.common"
 STEP_BYTES = 2 << 30
 """About how much of the pool each background step pins."""
@@ -137,6 +135,14 @@ def _init_kv_buffer(
     return buffer
 
 
+def _sglang_ranges_attr() -> str:
+    """The buffer attribute where SGLang keeps the ranges it registered, for ``destroy()``
+    to unregister, read from SGLang itself; AttributeError where the release keeps them
+    elsewhere (SGLang then pins the pool itself)."""
+    name: str = importlib.import_module(_COMMON)._CUDA_HOST_REGISTERED_RANGES_ATTR
+    return name
+
+
 def _pinned_whole(pool: Any, first_bytes: int) -> str | None:
     """Why the pool is pinned whole, as SGLang pins it; None where it may go in steps."""
     if first_bytes <= 0:
@@ -163,6 +169,7 @@ def pin_in_steps(
     ``sizes[1]``, from a thread; the pinning, kept on the pool. ValueError where the
     buffer's layout has no steps; a failure of the first step is raised, nothing left
     registered."""
+    ranges_attr = _sglang_ranges_attr()
     layout = slot_layout(buffer, pool.size) if isinstance(buffer, torch.Tensor) else None
     steps = None if layout is None else slot_steps(layout, pool.page_size, *sizes)
     if layout is None or steps is None:
@@ -177,7 +184,7 @@ def pin_in_steps(
     )
     started = time.perf_counter()
     pinning.pin_first()
-    setattr(buffer, SGLANG_RANGES_ATTR, pinning.registered)
+    setattr(buffer, ranges_attr, pinning.registered)
     pool.__dict__[PINNING_ATTR] = pinning
     logger.info(
         "kvcore: %s of the %s host pool pinned in %.1f s (%d of %d slots); the rest pins in "

@@ -125,7 +125,7 @@ def test_only_pinned_slots_are_handed_out_until_every_step_is_in(pinned_pools) -
     buffer = pool.kv_buffer
     # The first step: slots [0, 256) in each of K and V of both layers, 4 KiB each.
     assert recorder.ranges == {buffer.data_ptr() + part * SIZE * 16: 256 * 16 for part in range(4)}
-    assert getattr(buffer, pool_pinning.SGLANG_RANGES_ATTR) is pinning.registered
+    assert getattr(buffer, common._CUDA_HOST_REGISTERED_RANGES_ATTR) is pinning.registered
     assert pool.available_size() == 256
     assert sorted(pool.free_slots.tolist()) == list(range(256))
     taken = pool.alloc(256)
@@ -268,6 +268,23 @@ def test_a_first_step_that_fails_leaves_sglang_to_pin_the_pool(pinned_pools) -> 
     assert pool.available_size() == SIZE
     assert fallbacks().get("host_pool_stock:RuntimeError", 0) == (
         before.get("host_pool_stock:RuntimeError", 0) + 1
+    )
+
+
+def test_a_release_that_keeps_its_ranges_elsewhere_pins_the_pool_itself(
+    pinned_pools, monkeypatch
+) -> None:
+    """kvcore reads where SGLang keeps a buffer's registered ranges from SGLang's own
+    module: without that name, destroy() could not unregister kvcore's steps, so nothing is
+    registered in steps and SGLang pins the pool as it would."""
+    monkeypatch.delattr(common, "_CUDA_HOST_REGISTERED_RANGES_ATTR")
+    recorder = Recorder()
+    before = fallbacks()
+    pool = pinned_pools(recorder)
+    assert pool_pinning.pinning_of(pool) is None and recorder.ranges == {}
+    assert pinned_pools.stock_registered == [(pool.kv_buffer.data_ptr(), None)]
+    assert fallbacks().get("host_pool_stock:AttributeError", 0) == (
+        before.get("host_pool_stock:AttributeError", 0) + 1
     )
 
 
