@@ -123,6 +123,7 @@ def first_layer_bytes(buffer: torch.Tensor) -> torch.Tensor:
 
 
 def first_step_bytes(buffer: torch.Tensor) -> torch.Tensor:
-    """The first layer's K rows of the slots the first step pins, as bytes: one copy may
-    not cross two of a pool's registrations once it is pinned in steps."""
+    """The first layer's K rows of the first :data:`PIN_FIRST_BYTES` worth of slots, as
+    bytes: all inside the first step, which pins at least that much, since one copy may not
+    cross two of a pool's registrations once it is pinned in steps."""
     return buffer[0, 0, : PIN_FIRST_BYTES // TOKEN_ROW_BYTES].view(torch.int8)
