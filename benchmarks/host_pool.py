@@ -279,26 +279,48 @@ def format_row(row: dict[str, Any]) -> str:
     return head + "; ".join(side(name) for name in SIDES)
 
 
+def parse_engines(text: str | None) -> tuple[str, ...]:
+    """``--host-engines``' engines, in :data:`ENGINES`' order; ValueError naming one that
+    is not an engine here."""
+    if text is None:
+        return ENGINES
+    asked = [entry.strip() for entry in text.split(",")]
+    unknown = [entry for entry in asked if entry not in ENGINES]
+    if unknown or not asked:
+        raise ValueError(
+            f"--host-engines {text}: {', '.join(map(repr, unknown))} is not an engine here; "
+            f"give a comma list of {', '.join(ENGINES)}"
+        )
+    return tuple(engine for engine in ENGINES if engine in asked)
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the sizes ``args.pool_gib`` names; 1 where a side failed or moved a wrong byte."""
+    """Run the engines ``args.host_engines`` and sizes ``args.pool_gib`` name; 1 where a side
+    failed or moved a wrong byte. The JSON is written again after every row, so that a run
+    cut short keeps the rows it measured (``complete`` says whether it ran to the end)."""
     sizes = parse_gib(getattr(args, "pool_gib", None))
+    engines = parse_engines(getattr(args, "host_engines", None))
     pin = torch.cuda.is_available()
     if not pin:
         print("kvcore bench --host-pool: no CUDA here; nothing is pinned (a smoke run)")
-    rows = []
-    for engine in ENGINES:
+    rows: list[dict[str, Any]] = []
+    report = {
+        "engines": list(engines),
+        "device": torch.cuda.get_device_name() if pin else "cpu",
+        "pinned": pin,
+        "command": " ".join(sys.argv),
+        "complete": False,
+        "rows": rows,
+    }
+    path = getattr(args, "json", None)
+    for engine in engines:
         for gib in sizes:
             row = measure(gib, pin, engine)
             rows.append(row)
             print(format_row(row), flush=True)
-    report = {
-        "engines": list(ENGINES),
-        "device": torch.cuda.get_device_name() if pin else "cpu",
-        "pinned": pin,
-        "command": " ".join(sys.argv),
-        "rows": rows,
-    }
-    path = getattr(args, "json", None)
+            if path:
+                Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    report["complete"] = True
     if path:
         Path(path).write_text(json.dumps(report, indent=2) + "\n")
     failed = any(

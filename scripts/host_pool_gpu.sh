@@ -10,9 +10,11 @@
 #   OUT=<dir> bash scripts/host_pool_gpu.sh   (carry .whl-sglang for SGLang's rows and
 #                                              .vllm-tree for vllm-shared-region's)
 #
-# Settings: POOL_GIB (the tier sizes, 16,32,48,64: on a 128 GiB host stock's rounding makes
+# Settings: HOST_ENGINES (a comma list for --host-engines; default every engine), POOL_GIB
+# (the tier sizes, 16,32,48,64: on a 128 GiB host stock's rounding makes
 # 96 GiB take 128; vLLM's region must also fit /dev/shm's free space, and three engines at
-# four sizes may need most of a 600 s call: 16,32,64 is quicker), FAULT_GIB
+# four sizes may need more than a 600 s call: four engines at 16,64 took 590 s on an H100
+# before the last row; the JSON keeps each row as it lands), FAULT_GIB
 # (host_fault_rates' size, 8). Writes under $OUT: env.txt (env-vllm.txt),
 # pytest-gpu.log, host-pool.json, host-pool.log, fault-rates.json, fault-rates.log,
 # registration-probe.json, registration-probe.log.
@@ -43,6 +45,7 @@ python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_host_region_gpu.p
     2>&1 | tee "$OUT/pytest-gpu.log"
 tests_rc=${PIPESTATUS[0]}
 python3 -m kvcore bench --host-pool --pool-gib "${POOL_GIB:-16,32,48,64}" \
+    ${HOST_ENGINES:+--host-engines "$HOST_ENGINES"} \
     --json "$OUT/host-pool.json" 2>&1 | tee "$OUT/host-pool.log"
 bench_rc=${PIPESTATUS[0]}
 python3 scripts/host_fault_rates.py --gib "${FAULT_GIB:-8}" --threads 1,4,16 \

@@ -99,6 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --host-pool: comma list of tier sizes in GiB (default 16,32,64,96)",
     )
     parser.add_argument(
+        "--host-engines",
+        help=(
+            "with --host-pool: comma list of vllm-0.25.1, sglang, sglang-pin-first, "
+            "vllm-shared-region (default all)"
+        ),
+    )
+    parser.add_argument(
         "--no-rule",
         action="store_true",
         help="with --sweep: kvcore serves every call it can (serve-or-pass rule off)",
@@ -214,10 +221,16 @@ def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _host_pool_problems(args: argparse.Namespace) -> list[str]:
-    """``--host-pool`` runs alone; ``--pool-gib`` means something only with it."""
+    """``--host-pool`` runs alone; ``--pool-gib`` and ``--host-engines`` mean something only
+    with it."""
     gib = getattr(args, "pool_gib", None)
+    engines = getattr(args, "host_engines", None)
     if not getattr(args, "host_pool", False):
-        return [] if gib is None else [f"--pool-gib {gib}: it applies only with --host-pool"]
+        return [
+            f"{option} {value}: it applies only with --host-pool"
+            for option, value in (("--pool-gib", gib), ("--host-engines", engines))
+            if value is not None
+        ]
     problems = [
         f"{option}: --host-pool runs alone; leave {option} out"
         for option in ("--engine", "--sweep")
@@ -226,12 +239,13 @@ def _host_pool_problems(args: argparse.Namespace) -> list[str]:
     if engine_benchmarks() is None:
         problems.append(f"--host-pool: {NO_CHECKOUT}")
     else:
-        from benchmarks.host_pool import parse_gib
+        from benchmarks.host_pool import parse_engines, parse_gib
 
-        try:
-            parse_gib(gib)
-        except ValueError as exc:
-            problems.append(str(exc))
+        for check, value in ((parse_gib, gib), (parse_engines, engines)):
+            try:
+                check(value)
+            except ValueError as exc:
+                problems.append(str(exc))
     return problems
 
 

@@ -68,6 +68,8 @@ def test_tier_shape_fills_the_size_with_whole_blocks_of_every_layer():
         (["--host-pool", "--pool-gib", "8,-1"], "'-1' is not a size in GiB"),
         (["--pool-gib", "8"], "it applies only with --host-pool"),
         (["--host-pool", "--sweep"], "--sweep: --host-pool runs alone"),
+        (["--host-engines", "sglang"], "--host-engines sglang: it applies only with --host-pool"),
+        (["--host-pool", "--host-engines", "sglang,lmcache"], "'lmcache' is not an engine here"),
     ],
 )
 def test_bad_host_pool_options_are_refused_in_one_line(argv, problem, capsys):
@@ -88,3 +90,26 @@ def test_a_side_whose_process_dies_unreported_is_an_error_not_a_hang():
 
     found = host_pool._result_of(Dead(), queue.Queue())
     assert found == {"error": "its process ended (exit code -9) unreported"}
+
+
+def test_the_engines_asked_run_in_order_and_each_row_lands_in_the_json_at_once(
+    tmp_path, monkeypatch
+):
+    """A run cut short (a device call's time limit) keeps every row it measured."""
+    out = tmp_path / "host-pool.json"
+    seen: list[list[str]] = []
+
+    def measured(gib, pin, engine):
+        if out.exists():
+            seen.append([row["engine"] for row in json.loads(out.read_text())["rows"]])
+        return {"engine": engine, "gib": gib, "skipped": "stand-in"}
+
+    monkeypatch.setattr(host_pool, "measure", measured)
+    monkeypatch.setattr(host_pool, "format_row", lambda row: row["engine"])
+    args = argparse.Namespace(
+        pool_gib="1", json=str(out), host_engines="vllm-shared-region,vllm-0.25.1"
+    )
+    assert host_pool.main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["engines"] == ["vllm-0.25.1", "vllm-shared-region"] and report["complete"]
+    assert seen == [["vllm-0.25.1"]]
