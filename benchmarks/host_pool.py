@@ -313,16 +313,19 @@ def main(args: argparse.Namespace) -> int:
         "rows": rows,
     }
     path = getattr(args, "json", None)
+
+    def save() -> None:
+        if path:
+            Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
     for engine in engines:
         for gib in sizes:
             row = measure(gib, pin, engine)
             rows.append(row)
             print(format_row(row), flush=True)
-            if path:
-                Path(path).write_text(json.dumps(report, indent=2) + "\n")
+            save()
     report["complete"] = True
-    if path:
-        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    save()
     failed = any(
         f"{side}_error" in row or not row.get(f"{side}_identical", False)
         for row in rows

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,11 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.host_pinning import HostRegistrar, format_bytes
+from kvcore.host_pinning import PAGE, HostRegistrar, format_bytes
 
 logger = logging.getLogger(__name__)
-
-PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)

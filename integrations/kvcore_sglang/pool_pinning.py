@@ -71,7 +71,7 @@ def pinning_of(pool: Any) -> StepwisePinning | None:
 def step_ends(pool: Any) -> np.ndarray | None:
     """Where one of the pool's registrations ends and the next begins, in slots; None
     where the pool is one registration a part."""
-    pinning = pool.__dict__.get(PINNING_ATTR)
+    pinning = pinning_of(pool)
     if pinning is None or len(pinning.steps) < 2:
         return None
     ends: np.ndarray = pinning.step_ends
