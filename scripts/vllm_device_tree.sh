@@ -29,7 +29,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 TREE="$REPO/.vllm-tree"
 VENV_PY=${VENV_PY:-$REPO/.venv-vllm/bin/python}  # a venv of vLLM $VLLM_VERSION (ci/install_vllm.sh)
 VLLM_VERSION=0.33.0
-WHEELS=(msgspec==0.22.0 pyzmq==27.3.0 psutil==7.2.2 regex==2026.11.19)
+WHEELS=(msgspec==0.22.0 pyzmq==27.3.0 psutil==7.2.2 regex==2026.11.19 cbor2==6.3.0)
 
 site=$("$VENV_PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 have=$("$VENV_PY" -c "import importlib.metadata as m; print(m.version('vllm'))")

@@ -32,6 +32,7 @@ from kvcore.kernels.run_copies import copy_runs, copy_runs_layers, host_pinned
 from kvcore.kernels.triton_kernels import triton_available
 from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.kernels.triton_rows import row_gather
+from kvcore.kernels.triton_scatter import SlotScatter
 from kvcore.planning.layers import LayerPairs
 from kvcore.runs import Runs, slice_runs
 
@@ -46,6 +47,10 @@ _MIN_PIECE_BYTES = 8 << 20
 # more pairs is a whole job (vLLM's every layer), which the overlapped ring or the serial
 # path take as before: the layer ring was measured only on SGLang's per-layer reloads.
 _RING_MOST_PAIRS = 2
+# The layer ring's scatter runs on a high-priority stream beside the model's kernels: a
+# bounded grid leaves most SMs to them and still moves a layer's rows in a small part of
+# the time its DMAs take.
+_RING_SCATTER_CTAS = 32
 
 
 def _host_side(src_words: torch.Tensor, dst_words: torch.Tensor) -> torch.Tensor:
@@ -108,6 +113,7 @@ class _CudaIndexedOps:
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._lanes: dict[torch.device, StageInLanes] = {}
         self._rings: dict[torch.device, LayerRing] = {}
+        self._slot_scatter = SlotScatter(_RING_SCATTER_CTAS)
         self.overlap_max_slots = OVERLAP_MAX_SLOTS
         self._launches: weakref.WeakKeyDictionary[LayerPairs, _TableLaunch | str] = (
             weakref.WeakKeyDictionary()
@@ -324,7 +330,7 @@ class _CudaIndexedOps:
             )
         if slots is None:
             if pair_count > _RING_MOST_PAIRS or not stage_in_ring(
-                self._rings, pairs, chunks, prepared, staging
+                self._rings, pairs, chunks, prepared, staging, self._slot_scatter
             ):
                 reference.stage_in_prepared(pairs, chunks, staging)
         else:

@@ -9,12 +9,16 @@ import torch
 
 from kvcore.kernels import reference
 from kvcore.kernels.cudart import StreamCalls, stream_calls
+from kvcore.kernels.triton_scatter import SlotScatter
 from kvcore.planning.layers import LayerPairs
 from kvcore.staging import lease_number
 
 # The most slots the layer ring (LayerRing) cycles through: enough for a reload's DMAs to
 # run layers ahead of a scatter held back by the model's kernels, few enough events.
 _RING_MAX_SLOTS = 16
+# Private but long-standing (Triton and inductor read streams through it); absent in CPU
+# builds, where the ring never runs.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class LayerRing:
@@ -28,9 +32,11 @@ class LayerRing:
     priority, takes SMs as soon as any free up. A request's first call (or any call after
     another user of the staging buffer, or a new buffer) orders the DMAs after the caller's
     earlier work; its later layers read host rows that call already ordered. The copies and
-    events go through the CUDA runtime directly (:class:`~kvcore.kernels.cudart.StreamCalls`):
-    SGLang queues the hit's forward only once every layer's call has returned, so the ring's
-    host time per layer delays the model.
+    events go through the CUDA runtime directly (:class:`~kvcore.kernels.cudart.StreamCalls`)
+    and the scatter is one launch of a compiled kernel
+    (:class:`~kvcore.kernels.triton_scatter.SlotScatter`): SGLang queues the hit's forward
+    only once every layer's call has returned, so the ring's host time per layer delays the
+    model.
     """
 
     def __init__(self, device: torch.device, calls: StreamCalls) -> None:
@@ -45,8 +51,9 @@ class LayerRing:
         self.cursor = 0
         self.geometry: tuple[int, int, int] = (0, 0, 0)
         """(staging address, slot bytes, slots) the slots were cut for."""
-        self.views: dict[tuple[torch.dtype, int, int, int], torch.Tensor] = {}
-        """Each slot's rows as a word view, by (dtype, words, slot, rows): made once."""
+        self.views: dict[tuple[torch.dtype, int, int, int, int], list[torch.Tensor]] = {}
+        """Each slot's rows of its pairs as word views, by (dtype, words, slot, rows, pairs):
+        made once."""
         self.request: weakref.ref[object] | None = None
         self.lease = -1
 
@@ -65,17 +72,22 @@ class LayerRing:
         self.views.clear()
         return True
 
-    def slot_view(
-        self, staging: torch.Tensor, like: torch.Tensor, slot: int, rows: int
-    ) -> torch.Tensor:
-        key = (like.dtype, like.shape[1], slot, rows)
-        view = self.views.get(key)
-        if view is None:
-            slot_rows = self.geometry[1] // (like.shape[1] * like.element_size())
-            whole = reference.buffer_rows(staging, slot_rows * (slot + 1), like)
-            view = whole[slot * slot_rows : slot * slot_rows + rows]
-            self.views[key] = view
-        return view
+    def slot_views(
+        self, staging: torch.Tensor, like: torch.Tensor, slot: int, rows: int, pairs: int
+    ) -> list[torch.Tensor]:
+        """The first ``rows`` rows of each pair's part of ``slot``, as views like ``like``."""
+        key = (like.dtype, like.shape[1], slot, rows, pairs)
+        views = self.views.get(key)
+        if views is None:
+            pair_rows = self.geometry[1] // (pairs * like.shape[1] * like.element_size())
+            first = slot * pairs * pair_rows
+            whole = reference.buffer_rows(staging, first + pairs * pair_rows, like)
+            views = [
+                whole[first + pair * pair_rows : first + pair * pair_rows + rows]
+                for pair in range(pairs)
+            ]
+            self.views[key] = views
+        return views
 
 
 def _highest_priority() -> int:
@@ -90,19 +102,28 @@ def stage_in_ring(
     chunks: reference.PreparedStageIn,
     request: object,
     staging: torch.Tensor,
+    scatter_rows: SlotScatter,
 ) -> bool:
     """One call of a request through the device's :class:`LayerRing` in ``rings``; False
     (nothing issued) where fewer than two slots of the call's largest unit fit the buffer,
     the pairs' rows differ in size, or no CUDA runtime is reachable. ``request`` is the
     prepared page-in every call of the request passes: a later layer's call of the same
-    request reads host rows its first call already ordered after the caller's stream."""
+    request reads host rows its first call already ordered after the caller's stream.
+
+    Where two slots of them fit, a slot holds a chunk of every pair (K and V), so a chunk
+    costs one wait for the slot, the pairs' DMAs, one event and one scatter launch
+    (``scatter_rows``; an ``index_copy_`` a pair where it refuses the rows)."""
     calls = stream_calls()
     src_words = pairs.src_words[0]
     row_bytes = src_words.shape[1] * src_words.element_size()
     if calls is None or any(s.shape[1] * s.element_size() != row_bytes for s in pairs.src_words):
         return False
-    slot_rows = max(rows for _, _, rows in chunks.chunks)
-    slot_bytes = slot_rows * row_bytes
+    pair_bytes = max(rows for _, _, rows in chunks.chunks) * row_bytes
+    # A slot holds a chunk of every pair where two such slots fit, else of one pair.
+    together = len(pairs.src_words)
+    if staging.numel() // (pair_bytes * together) < 2:
+        together = 1
+    slot_bytes = pair_bytes * together
     slots = min(staging.numel() // slot_bytes, _RING_MAX_SLOTS)
     if slots < 2:
         return False
@@ -110,7 +131,7 @@ def stage_in_ring(
     ring = rings.get(device)
     if ring is None:
         ring = rings.setdefault(device, LayerRing(device, calls))
-    current = torch.cuda.current_stream(device).cuda_stream
+    current = _current_stream(device)
     lease = lease_number(staging)
     later_layer = ring.request is not None and ring.request() is request and ring.lease == lease - 1
     fresh = ring.shape(staging, slot_bytes, slots)
@@ -123,26 +144,32 @@ def stage_in_ring(
             rows_on_device.record_stream(ring.scatter)
     calls.wait(scatter, ring.start)
     base = staging.data_ptr()
+    hosts = [src.data_ptr() for src in pairs.src_words]
+    groups = [
+        (hosts[first : first + together], pairs.dst_words[first : first + together])
+        for first in range(0, len(hosts), together)
+    ]
     completed = False
     try:
-        with torch.cuda.stream(ring.scatter):
-            for src, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-                host = src.data_ptr()
-                for host_runs, rows_on_device, rows in chunks.chunks:
-                    slot = ring.cursor
-                    ring.cursor = (slot + 1) % slots
-                    if ring.armed[slot]:
-                        calls.wait(dma, ring.freed[slot])
-                    into = base + slot * slot_bytes
+        for host_runs, rows_on_device, rows in chunks.chunks:
+            for group_hosts, group_dsts in groups:
+                slot = ring.cursor
+                ring.cursor = (slot + 1) % slots
+                if ring.armed[slot]:
+                    calls.wait(dma, ring.freed[slot])
+                into = base + slot * slot_bytes
+                for host in group_hosts:
+                    at = into
                     for start, length in host_runs:
-                        calls.copy(into, host + start * row_bytes, length * row_bytes, dma)
-                        into += length * row_bytes
-                    calls.record(ring.filled[slot], dma)
-                    calls.wait(scatter, ring.filled[slot])
-                    staged = ring.slot_view(staging, src, slot, rows)
-                    dst_words.index_copy_(0, rows_on_device, staged)
-                    calls.record(ring.freed[slot], scatter)
-                    ring.armed[slot] = True
+                        calls.copy(at, host + start * row_bytes, length * row_bytes, dma)
+                        at += length * row_bytes
+                    into += pair_bytes
+                calls.record(ring.filled[slot], dma)
+                calls.wait(scatter, ring.filled[slot])
+                staged = ring.slot_views(staging, src_words, slot, rows, together)
+                _scatter(ring, scatter_rows, staged, group_dsts, rows_on_device)
+                calls.record(ring.freed[slot], scatter)
+                ring.armed[slot] = True
         completed = True
     finally:
         # The caller's stream goes on after every scatter issued: the engine's per-layer
@@ -157,3 +184,24 @@ def stage_in_ring(
             calls.wait(current, ring.done)
             ring.request = None
     return True
+
+
+def _scatter(
+    ring: LayerRing,
+    scatter_rows: SlotScatter,
+    staged: list[torch.Tensor],
+    dsts: tuple[torch.Tensor, ...],
+    rows_on_device: torch.Tensor,
+) -> None:
+    if not scatter_rows(ring.scatter, ring.scatter_handle, staged, dsts, rows_on_device):
+        with torch.cuda.stream(ring.scatter):
+            for rows_staged, dst_words in zip(staged, dsts, strict=True):
+                dst_words.index_copy_(0, rows_on_device, rows_staged)
+
+
+def _current_stream(device: torch.device) -> int:
+    """The raw handle of ``device``'s current stream, without building a Stream object
+    where torch offers that (two of them cost more than the rest of a layer's call)."""
+    if _current_raw_stream is None or device.index is None:
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    return int(_current_raw_stream(device.index))

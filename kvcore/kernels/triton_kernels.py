@@ -1,10 +1,12 @@
 """The Triton kernels of the UVA row gather: device code only, no launch logic.
 
 ``_copy_tile`` copies one tile of rows; ``gather_rows_kernel`` runs it over one pair of
-buffers and ``gather_layers_kernel`` over many pairs at once, each pair an offset from the
-first. Apart from the host code that picks their tiles and launches them
-(:mod:`~kvcore.kernels.triton_rows`, :mod:`~kvcore.kernels.triton_layers`) so that both
-launchers share one tile loop and the codegen checks compile every kernel from one module.
+buffers, ``gather_layers_kernel`` over many pairs at once, each pair an offset from the
+first, and ``scatter_slot_kernel`` from a staging slot's rows in order to one or two pairs'
+rows (the layer ring's scatter). Apart from the host code that picks their tiles and
+launches them (:mod:`~kvcore.kernels.triton_rows`, :mod:`~kvcore.kernels.triton_layers`,
+:mod:`~kvcore.kernels.triton_scatter`) so that the launchers share one tile loop and the
+codegen checks compile every kernel from one module.
 Triton is optional: without it ``triton`` and ``tl`` are None and no kernel is defined, so
 import this module freely and ask ``triton_available()`` first.
 """
@@ -49,12 +51,14 @@ if triton is not None:
         ROWS: tl.constexpr,
         BLOCK_W: tl.constexpr,
         ALIGN: tl.constexpr,
+        SRC_IN_ORDER: tl.constexpr,
     ):
         row_lane = tl.arange(0, ROWS)
         col_lane = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
         k = tile * ROWS + row_lane
         row_ok = k < n_rows
-        src_row = tl.load(src_idx_ptr + k, mask=row_ok, other=0)
+        # A staging slot's rows are in order: no source index to read.
+        src_row = k.to(tl.int64) if SRC_IN_ORDER else tl.load(src_idx_ptr + k, mask=row_ok, other=0)
         dst_row = tl.load(dst_idx_ptr + k, mask=row_ok, other=0)
         src_off = tl.multiple_of(src_row * src_pitch, ALIGN)
         dst_off = tl.multiple_of(dst_row * dst_pitch, ALIGN)
@@ -97,6 +101,7 @@ if triton is not None:
                 ROWS,
                 BLOCK_W,
                 ALIGN,
+                False,
             )
             tile += n_programs
 
@@ -136,5 +141,61 @@ if triton is not None:
                 ROWS,
                 BLOCK_W,
                 ALIGN,
+                False,
             )
+            work += n_programs
+
+    @triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["dst_idx_ptr"])
+    def scatter_slot_kernel(
+        src_ptr,
+        second_src_ptr,
+        dst_ptr,
+        second_dst_ptr,
+        dst_idx_ptr,
+        n_rows,
+        dst_pitch,
+        PAIRS: tl.constexpr,
+        WORDS: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        ALIGN: tl.constexpr,
+    ):
+        # One staging slot's rows, in order, of one or two pairs (K and V) to rows
+        # dst_idx of each pair's destination: the layer ring's scatter, one launch a layer.
+        n_programs = tl.num_programs(0)
+        n_tiles = tl.cdiv(n_rows, ROWS)
+        work = tl.program_id(0)
+        while work < n_tiles * PAIRS:
+            if work < n_tiles:
+                _copy_tile(
+                    src_ptr,
+                    dst_ptr,
+                    dst_idx_ptr,
+                    dst_idx_ptr,
+                    work,
+                    n_rows,
+                    WORDS,
+                    dst_pitch,
+                    WORDS,
+                    ROWS,
+                    BLOCK_W,
+                    ALIGN,
+                    True,
+                )
+            else:
+                _copy_tile(
+                    second_src_ptr,
+                    second_dst_ptr,
+                    dst_idx_ptr,
+                    dst_idx_ptr,
+                    work - n_tiles,
+                    n_rows,
+                    WORDS,
+                    dst_pitch,
+                    WORDS,
+                    ROWS,
+                    BLOCK_W,
+                    ALIGN,
+                    True,
+                )
             work += n_programs

@@ -321,16 +321,24 @@ def _ring_request(
     return mover.prepare_layers(chosen), src_idx, dst_idx
 
 
-@pytest.mark.parametrize("slots", [2, 5])
-def test_layer_ring_reloads_copy_exactly_behind_a_held_back_stream(slots):
-    """SGLang-shaped reloads (K and V a layer, one call a layer) through the layer ring: the
-    DMAs of later layers run ahead on their own stream while each layer's scatter waits for
-    the load stream, held back on the GPU and writing every destination layer just before
-    its call; another stream's staged page-in takes the staging buffer between some layers.
-    A DMA into a slot whose scatter has not run, or a scatter before the load stream's own
-    write, would leave wrong bytes."""
-    row_bytes, count, layers = 1152, 1500, 6
-    device = [[_random(ROWS, row_bytes, host=False) for _ in range(2)] for _ in range(layers)]
+@pytest.mark.parametrize(
+    ("slots", "row_bytes", "count", "pairs"),
+    [
+        (2, 1152, 1500, 2),  # one pair a slot: two slots of K and V do not fit
+        (5, 1152, 1500, 2),  # K and V a slot, one scatter launch
+        (5, 1000, 1501, 2),  # V's rows off 16 bytes in the slot: index_copy_ scatters
+        (3, 1152, 1500, 1),  # MLA: one buffer a layer
+    ],
+)
+def test_layer_ring_reloads_copy_exactly_behind_a_held_back_stream(slots, row_bytes, count, pairs):
+    """SGLang-shaped reloads (K and V a layer, or MLA's one buffer, one call a layer)
+    through the layer ring: the DMAs of later layers run ahead on their own stream while
+    each layer's scatter waits for the load stream, held back on the GPU and writing every
+    destination layer just before its call; another stream's staged page-in takes the
+    staging buffer between some layers. A DMA into a slot whose scatter has not run, or a
+    scatter before the load stream's own write, would leave wrong bytes."""
+    layers = 6
+    device = [[_random(ROWS, row_bytes, host=False) for _ in range(pairs)] for _ in range(layers)]
     poison = [[t.clone() for t in pair] for pair in device]
     mover = Mover(PathPolicy(staging_bytes=slots * count * row_bytes), metrics=Metrics())
     gen = torch.Generator().manual_seed(slots)
@@ -342,7 +350,7 @@ def test_layer_ring_reloads_copy_exactly_behind_a_held_back_stream(slots):
     other_plan = _staged_page_in(mover, other_host, other_device, other_src, other_dst)
     load, other = torch.cuda.Stream(), torch.cuda.Stream()
     for request in range(3):
-        host = [[_random(ROWS, row_bytes, host=True) for _ in range(2)] for _ in range(layers)]
+        host = [[_random(ROWS, row_bytes, host=True) for _ in range(pairs)] for _ in range(layers)]
         kept = [[t.clone() for t in pair] for pair in host]
         prepared, src_idx, dst_idx = _ring_request(
             mover, host[0][0], device[0][0], request * 700, count, gen
@@ -367,8 +375,10 @@ def test_layer_ring_reloads_copy_exactly_behind_a_held_back_stream(slots):
                 assert torch.equal(_bytes(src), _bytes(copy))
     torch.cuda.synchronize()
     assert torch.equal(_bytes(other_device), _bytes(other_want))
-    rings = mover.kernels(torch.device("cuda")).stage_in_prepared.__self__._rings
-    assert rings, "the reloads did not take the layer ring"
+    ops = mover.kernels(torch.device("cuda")).stage_in_prepared.__self__
+    assert ops._rings, "the reloads did not take the layer ring"
+    # Rows on 16 bytes take the compiled scatter; V's rows off them take index_copy_.
+    assert bool(ops._slot_scatter._compiled) == (row_bytes % 16 == 0)
 
 
 def test_a_layer_ring_call_that_fails_midway_leaves_the_next_request_exact(monkeypatch):
