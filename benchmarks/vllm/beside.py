@@ -71,6 +71,8 @@ class VllmBesideOptions:
     frag: float = 0.0
     """The host blocks' fragmentation (kvcore's allocator keeps a request's chunks in a run)."""
     with_own: bool = True
+    stores: bool = False
+    """Also time stores (GPU to CPU: the page-outs of what the forward just wrote)."""
     device: torch.device = field(default_factory=lambda: torch.device("cuda"))
     seed: int = 4321
     partial_json: str | None = None
@@ -127,21 +129,24 @@ def cells(
     sides: Sequence[Side],
     forwards: dict[str, Forward],
     opts: VllmBesideOptions,
+    gpu_to_cpu: bool = False,
 ) -> Iterator[dict[str, Any]]:
-    """Each request size's rows: alone, then beside each compute load's forward."""
+    """Each request size's rows: alone, then beside each compute load's forward; loads, or
+    stores where ``gpu_to_cpu``."""
     kvcore = next(side for side in sides if side.name == "kvcore")
+    op = "store" if gpu_to_cpu else "load"
     for tokens in opts.tokens:
         blocks = tokens // BLOCK_TOKENS
         link_ms = blocks * model.block_bytes / LINK_GBPS / 1e6
         place = RowPlace(
-            "vllm", f"{model.name}/host-{opts.frag:.0%}/load", tokens, 16, model.layers
+            "vllm", f"{model.name}/host-{opts.frag:.0%}/{op}", tokens, 16, model.layers
         )
         ok = True
         times: dict[str, list[float]] = {side.name: [] for side in sides}
         tally = Tally(_Metrics(kvcore))
         # A warm-up, then the requests timed, each with new block ids.
         for i in range(opts.repeats + 1):
-            request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=False)
+            request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu)
             for side in _order(sides, i):
                 ms, checked = tally.timed(side, functools.partial(loads.through, side, request))
                 ok &= checked
@@ -161,7 +166,7 @@ def cells(
                 end.synchronize()
                 if i:
                     alone.append(start.elapsed_time(end))
-                request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=False)
+                request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu)
                 for side in _order(sides, i):
                     ms, checked, forward_ms = tally.timed(
                         side, functools.partial(_beside, loads, side, request, forward)
@@ -232,26 +237,27 @@ def _layout_rows(
     progress: Callable[[str], None],
 ) -> list[dict[str, Any]]:
     pools = Pools(model.layout(blocks), region.view(torch.int8), opts.device, generator)
-    stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=False)
-    label, stock_run = stock_side(stock, opts.device)
-    if stock_run is None:
-        raise RuntimeError(f"stock's handler cannot run here: {label}")
-    sides = [stock_run, kvcore_side(stock, opts.device)]
-    if opts.with_own:
-        sides.append(kvcore_side(stock, opts.device, rule=False))
     forwards = {
         load: measured_forward(kind, load, model.layers, opts.device) for load in opts.loads
     }
+    loads = _Loads(pools, blocks, opts.seed)
     rows = []
-    try:
-        loads = _Loads(pools, blocks, opts.seed)
-        for row in cells(model, loads, sides, dict(forwards), opts):
-            row["stock_copy"] = label
-            progress(summary_line(row))
-            rows.append(row)
-    finally:
-        for side in sides:
-            side.handler.shutdown()
+    for gpu_to_cpu in (False, True) if opts.stores else (False,):
+        stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
+        label, stock_run = stock_side(stock, opts.device)
+        if stock_run is None:
+            raise RuntimeError(f"stock's handler cannot run here: {label}")
+        sides = [stock_run, kvcore_side(stock, opts.device)]
+        if opts.with_own:
+            sides.append(kvcore_side(stock, opts.device, rule=False))
+        try:
+            for row in cells(model, loads, sides, dict(forwards), opts, gpu_to_cpu):
+                row["stock_copy"] = label
+                progress(summary_line(row))
+                rows.append(row)
+        finally:
+            for side in sides:
+                side.handler.shutdown()
     if not pools.verify_all():
         for row in rows:
             row["identical"] = False
@@ -265,7 +271,9 @@ def _document(
 
 
 def options_for(args: argparse.Namespace) -> VllmBesideOptions:
-    return replace(VllmBesideOptions(), **shared_options(args))
+    return replace(
+        VllmBesideOptions(), **shared_options(args), stores=bool(getattr(args, "stores", False))
+    )
 
 
 def main(args: argparse.Namespace) -> int:

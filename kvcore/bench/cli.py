@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pages", help="with --beside-compute: comma list of page sizes (default 64,16,1)"
     )
     parser.add_argument(
+        "--stores",
+        action="store_true",
+        help="with --beside-compute --engine vllm: also vLLM's stores (GPU to CPU)",
+    )
+    parser.add_argument(
         "--host-pool",
         action="store_true",
         help=(
@@ -205,6 +210,8 @@ def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
     pages = getattr(args, "pages", None)
     if pages is not None and beside and engine == "vllm":
         problems.append(f"--pages {pages}: vLLM's blocks are 16 tokens; --pages is SGLang's")
+    if getattr(args, "stores", False) and not (beside and engine == "vllm"):
+        problems.append("--stores: it applies only with --engine vllm --sweep --beside-compute")
     if compute is not None:
         from benchmarks.model_forward import COMPUTE_LOADS
 

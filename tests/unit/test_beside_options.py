@@ -95,6 +95,10 @@ def test_a_row_carries_the_fields_the_issue_names_and_a_paired_interval():
             "--pages 64: vLLM's blocks are 16 tokens; --pages is SGLang's",
         ),
         (["--compute", "decode-64"], "--compute decode-64: it applies only with"),
+        (
+            ["--engine", "sglang", "--sweep", "--beside-compute", "--stores"],
+            "--stores: it applies only with --engine vllm --sweep --beside-compute",
+        ),
         (["--pages", "64"], "--pages 64: it applies only with"),
         (
             ["--engine", "sglang", "--sweep", "--beside-compute", "--compute", "prefill-9"],

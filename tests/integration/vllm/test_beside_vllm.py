@@ -52,13 +52,13 @@ class FakeForward:
         return FakeEvent(0.0), FakeEvent(3.0)
 
 
-def _setup(monkeypatch: pytest.MonkeyPatch):
+def _setup(monkeypatch: pytest.MonkeyPatch, gpu_to_cpu: bool = False):
     blocks = slice_blocks(max(TOKENS) // 16)
     device = torch.device("cpu")
     layout = MODEL.layout(blocks)
     region = torch.empty(layout.host_row_bytes * blocks, dtype=torch.int8)
     pools = Pools(layout, region, device, torch.Generator().manual_seed(1))
-    stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=False)
+    stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
     # vLLM's own handler cannot run on a CPU: a kvcore side without its rule stands in.
     stand_in = kvcore_side(stock, device, rule=False)
     stand_in.name = "stock"
@@ -114,3 +114,19 @@ def test_a_side_that_moves_a_wrong_byte_marks_its_rows(monkeypatch):
     opts = beside.VllmBesideOptions(tokens=(256,), loads=(), repeats=2, device=torch.device("cpu"))
     [row] = beside.cells(MODEL, loads, sides, {}, opts)
     assert row["identical"] is False
+
+
+def test_stores_beside_a_forward_are_rows_of_their_own_every_one_checked(monkeypatch):
+    pools, blocks, sides = _setup(monkeypatch, gpu_to_cpu=True)
+    loads = beside._Loads(pools, blocks, seed=5)
+    forward = FakeForward(loads)
+    opts = beside.VllmBesideOptions(
+        tokens=(256,), loads=("decode-64",), repeats=2, device=torch.device("cpu"), stores=True
+    )
+    rows = list(beside.cells(MODEL, loads, sides, {"decode-64": forward}, opts, gpu_to_cpu=True))
+    assert [(r["case"], r["situation"]) for r in rows] == [
+        (f"{MODEL.name}/host-0%/store", "alone"),
+        (f"{MODEL.name}/host-0%/store", "independent"),
+    ]
+    assert all(row["identical"] and row["own_ms"] > 0 for row in rows)
+    assert pools.verify_all()
