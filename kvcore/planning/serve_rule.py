@@ -116,10 +116,18 @@ BESIDE_COMPUTE_EVIDENCE = "docs/bench/h200-beside-compute-sglang-2026-12-05.json
 """The beside-compute rows (SGLang 0.5.23 through its L2TransferEngine, H200) that the load
 rows below are judged from: kvcore serves where its reload beside the model's forward is
 faster than stock's and neither forward beside it is slower."""
+RING_EVIDENCE = (
+    "docs/bench/h200-beside-compute-sglang-2026-12-05-ring-a.json",
+    "docs/bench/h200-beside-compute-sglang-2026-12-05-ring-b.json",
+    "docs/bench/h200-beside-compute-sglang-2026-12-05-ring-4k-8k.json",
+)
+"""The same runs with the layer ring's host time halved (one scatter launch a layer):
+MHA and MLA page 64 at 8k and 32k twice, pages 64 and 1 at 4k and 8k."""
 _BESIDE_COMPUTE = (
     BESIDE_COMPUTE_EVIDENCE,
     "docs/bench/h200-beside-compute-sglang-2026-12-04.json",
     "docs/bench/h200-beside-compute-sglang-2026-12-04-b.json",
+    *RING_EVIDENCE,
 )
 
 SGLANG_RULES: tuple[SGLangRule, ...] = (
@@ -149,18 +157,18 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         _ALL_PAGES,
         None,
         "stock_kernel_near_link",
-        "MHA and paged MLA layer_first reloads on few long host runs, beside compute at 32k "
-        "tokens (the layer ring): MHA page 64 reloads 78.5-84.0 ms against stock's 85.8-108.7 "
-        "(link 77.7), another batch's prefill 86.4 ms against 95.5 (alone 80.5), the hit's "
-        "prefill done at 102.2 against 113.5 (ideal 98.5); pages 16 and 1 alike; MLA page 64 "
-        "42.5-47.2 against 47.5-114.1 (link 41.6). At 8k the reload is faster too (MHA 21.4 "
-        "against 31.5 beside a prefill) but the hit's own prefill finished 0.5-3.1% later "
-        "than with stock's, and paged MLA's decode-64 at 28.8-29.3 ms against 28.4-28.5 "
-        f"({BESIDE_COMPUTE_EVIDENCE}; the 2026-12-04 runs alike). "
-        "Scattered host slots stay stock's: kvcore's gather is no faster",
-        dense_min_tokens=32768,
+        "MHA layer_first reloads on few long host runs, beside compute (the layer ring, one "
+        "scatter launch a layer): at 8k, page 64, reloads 21.1-21.6 ms against stock's "
+        "30.0-30.2 beside another batch's prefill (link 19.4), that prefill 21.7-22.6 ms "
+        "against 24.3-24.5 (alone 21.7-21.9), the hit's own prefill done at 98.5-100.8 against "
+        "98.9-100.4; at 4k 10.8 against 16.2, the hit's prefill 98.0 against 97.5; page 1 "
+        "alike; at 32k 81.6-81.7 against 105.1-106.2 (link 77.7), the hit's prefill 100.5-100.6 "
+        f"against 111.0-111.8 ({', '.join(RING_EVIDENCE)}). Served from 4k, the smallest size "
+        "measured; page 16 not measured with this ring. Scattered host slots stay stock's: "
+        "kvcore's gather is no faster",
+        dense_min_tokens=4096,
         pool="mha",
-        cited=_BESIDE_COMPUTE,
+        cited=RING_EVIDENCE,
     ),
     SGLangRule(
         "load",
@@ -169,7 +177,12 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         _PAGED,
         None,
         "stock_kernel_near_link",
-        "the row above, for MLA's paged reloads",
+        "paged MLA layer_first reloads on few long host runs, beside compute at 32k tokens "
+        "(the layer ring): page 64 reloads 42.5-47.2 ms against stock's 47.5-114.1 (link "
+        "41.6); at 4k and 8k faster too, but the hit's decode-64 done later than with stock's "
+        f"(29.8 against 29.0 ms at 8k, 28.6 against 27.6 at 4k; {RING_EVIDENCE[2]}; "
+        f"{BESIDE_COMPUTE_EVIDENCE} and the 2026-12-04 runs alike). Scattered host slots stay "
+        "stock's: kvcore's gather is no faster",
         dense_min_tokens=32768,
         pool="mla",
         cited=_BESIDE_COMPUTE,
@@ -184,7 +197,8 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "SGLang's JIT load kernel moves paged reloads at 50-51 GB/s from 4k tokens up, for "
         "19-26 us of host time a layer; kvcore's own loads 0.97-1.20x from 8k tokens (H200 "
         "engine sweep, 2026-12-04; the 1.20x a scattered 32k token-granular page_first MHA "
-        "load, idle GPU). The layer_first rows above serve few long host runs from 32k tokens",
+        "load, idle GPU). The layer_first rows above serve few long host runs (MHA from 4k "
+        "tokens, MLA from 32k)",
     ),
     SGLangRule(
         "backup",

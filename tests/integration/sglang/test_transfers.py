@@ -621,8 +621,8 @@ def test_move_indices_hook_reads_paged_kernel_device_indices_back_only_under_the
 def test_no_read_for_a_request_the_serve_rule_passes_or_the_ring_takes(monkeypatch):
     """A move does not say whether a load or a backup follows: the device indices are read
     only where the rule may serve either at that size, and below the size the layer ring
-    takes instead (DMA_BELOW_TOKENS). The rule serves these pools from 32k, so only with it
-    off is a request of 8k read."""
+    takes instead (DMA_BELOW_TOKENS). The rule serves these pools from 4k, so only with it
+    off is a request of 2k read."""
     pool = pool_for("mha", "layer_first")
     page_bytes = pool_rows.pool_row_bytes(pool) * pool.page_size
     # These pools' pages are small: the setting's threshold is lowered to them.
@@ -638,12 +638,12 @@ def test_no_read_for_a_request_the_serve_rule_passes_or_the_ring_takes(monkeypat
         monkeypatch.setenv("KVCORE_SERVE_RULE", rule)
         adapter = _reading_adapter(monkeypatch, reader)
         assert adapter.dma_page_bytes() == page_bytes
-        for tokens in (8192, device_reads.DMA_BELOW_TOKENS):
+        for tokens in (2048, device_reads.DMA_BELOW_TOKENS):
             device = torch.arange(tokens).to("meta")
             move_indices(
                 lambda c, h, d: (h.to("meta"), d), controller, torch.arange(tokens), device
             )
-    assert started == [8192]
+    assert started == [2048]
 
 
 def test_a_failing_read_keeps_stocks_move_and_counts_once(monkeypatch):
