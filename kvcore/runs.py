@@ -152,7 +152,7 @@ def span_and_runs_of(
     a plan that stages few host runs needs them, and the index is not differenced twice."""
     if values.size < 2:
         span = span_of(values, size, name)
-        return span, values.size, _one_run(values) if values.size else _no_runs()
+        return span, values.size, _one_run(values) if values.size else no_runs()
     run_count = _run_count(values, count_up_to)
     if run_count == 1:
         span, run = span_and_one_run(values, size, name)
@@ -181,7 +181,8 @@ def _one_run(values: np.ndarray) -> Runs:
     )
 
 
-def _no_runs() -> Runs:
+def no_runs() -> Runs:
+    """Runs over no rows."""
     empty = torch.empty(0, dtype=torch.int64)
     return Runs(empty, empty.clone())
 
@@ -331,7 +332,7 @@ def find_runs(index: torch.Tensor) -> Runs:
     """Split ``index`` into maximal ascending unit-stride runs, in order."""
     index = check_index(index)
     if index.numel() == 0:
-        return _no_runs()
+        return no_runs()
     values = index.numpy()
     steps, _, breaks, _, _ = SCRATCH.arrays(values.size - 1)
     _steps_and_breaks(values, steps, breaks)
@@ -454,56 +455,3 @@ def _own_runs(values: np.ndarray, breaks: np.ndarray, paired: Runs) -> Runs:
         return paired
     (starts,), lengths, _ = _runs_at(breaks, values)
     return Runs(starts, lengths)
-
-
-def slice_runs(runs: Runs, begin: int, end: int) -> Runs:
-    """The part of ``runs`` that covers positions ``[begin, end)`` of their concatenation.
-
-    Staged copies are split into pieces by position so that the scatter of one piece
-    overlaps the DMA of the next; each piece needs the host runs it spans.
-    """
-    if not 0 <= begin <= end <= runs.total:
-        raise ValueError(f"[{begin}, {end}) is not within [0, {runs.total}]")
-    if begin == end:
-        return _no_runs()
-    lengths = runs.lengths.numpy()
-    run_ends = np.cumsum(lengths)
-    run_begins = run_ends - lengths
-    keep = (run_ends > begin) & (run_begins < end)
-    piece_begins = np.maximum(run_begins[keep], begin)
-    piece_ends = np.minimum(run_ends[keep], end)
-    starts = runs.starts.numpy()[keep] + (piece_begins - run_begins[keep])
-    return Runs(torch.from_numpy(starts), torch.from_numpy(piece_ends - piece_begins))
-
-
-def cut_runs(runs: Runs, cuts: np.ndarray) -> Runs:
-    """``runs`` with every run that spans one of ``cuts`` (sorted row positions, each the
-    first row of a new piece) cut there, in the same order; ``runs`` itself where none does.
-
-    A DMA cannot cross from one host registration into the next, so a run over a pool
-    registered in steps is copied as one piece per registration it touches.
-    """
-    if not runs.count or not len(cuts):
-        return runs
-    starts = runs.starts.numpy()
-    ends = starts + runs.lengths.numpy()
-    # The cuts strictly inside run i are cuts[first[i]:last[i]].
-    first = np.searchsorted(cuts, starts, side="right")
-    last = np.searchsorted(cuts, ends, side="left")
-    inside = np.maximum(last - first, 0)
-    if not inside.any():
-        return runs
-    pieces = inside + 1
-    owner = np.repeat(np.arange(runs.count), pieces)
-    # Each piece begins at its run's start or at a cut inside it, and ends where the next
-    # piece of its run begins or at its run's end.
-    rank = np.arange(owner.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    begins = np.where(rank == 0, starts[owner], cuts[first[owner] + rank - 1])
-    last_piece = rank == pieces[owner] - 1
-    piece_ends = np.where(
-        last_piece, ends[owner], cuts[np.minimum(first[owner] + rank, len(cuts) - 1)]
-    )
-    return Runs(
-        torch.from_numpy(begins.astype(np.int64)),
-        torch.from_numpy((piece_ends - begins).astype(np.int64)),
-    )

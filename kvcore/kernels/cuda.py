@@ -34,7 +34,8 @@ from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.kernels.triton_rows import row_gather
 from kvcore.kernels.triton_scatter import SlotScatter
 from kvcore.planning.layers import LayerPairs
-from kvcore.runs import Runs, slice_runs
+from kvcore.run_pieces import slice_runs
+from kvcore.runs import Runs
 
 if TYPE_CHECKING:
     from kvcore.planning.staged_chunks import StagedChunk

@@ -17,7 +17,8 @@ from kvcore.planning.path_policy import PathPolicy, TransferPath
 from kvcore.planning.plans import TransferPlan, decided, watchable
 from kvcore.planning.transfer_sides import CheckedSides, check_sides
 from kvcore.repeats import duplicates_below
-from kvcore.runs import PairedRuns, check_index, cut_runs, find_runs, span_and_runs_of
+from kvcore.run_pieces import cut_runs
+from kvcore.runs import PairedRuns, check_index, find_runs, span_and_runs_of
 
 
 def plan_device_indexed(

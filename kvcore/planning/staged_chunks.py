@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcore.runs import Runs, slice_runs
+from kvcore.run_pieces import slice_runs
+from kvcore.runs import Runs
 
 
 @dataclass(frozen=True)

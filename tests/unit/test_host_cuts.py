@@ -14,7 +14,8 @@ from kvcore.kernels import reference
 from kvcore.mover import Mover
 from kvcore.planning.device_indexed import plan_device_indexed
 from kvcore.planning.path_policy import PathPolicy, TransferPath
-from kvcore.runs import Runs, cut_runs, find_runs
+from kvcore.run_pieces import cut_runs
+from kvcore.runs import Runs, find_runs
 
 ROW = (1, 576)  # 1152 B, as MLA's token rows
 # Staging of 40 rows, so that a 64-row request is staged in two chunks.

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcore.run_pieces import slice_runs
 from kvcore.runs import (
     COUNT_PREFIX,
     check_bounds,
@@ -19,7 +20,6 @@ from kvcore.runs import (
     has_duplicates_below,
     run_count_up_to,
     segment_transfer,
-    slice_runs,
     span_and_run_count,
     span_and_runs_of,
 )
