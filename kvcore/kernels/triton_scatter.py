@@ -10,6 +10,7 @@ returned. Two ``index_copy_`` calls under a stream switch cost several times the
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from kvcore.kernels.triton_tile import VECTOR_BYTES, Launch
 
 if triton is not None:
     from kvcore.kernels.triton_kernels import scatter_slot_kernel
+
+logger = logging.getLogger(__name__)
 
 _WORD_BY_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _MOST_PAIRS = 2
@@ -112,8 +115,7 @@ class SlotScatter:
         tiles = -(-n_rows // shape.launch.rows) * pairs
         compiled = self._compiled.get(key)
         if compiled is None or launch_hooked():
-            self._jit(key, shape, stream, slot, dsts, dst_idx, tiles)
-            return True
+            return self._jit(key, shape, stream, slot, dsts, dst_idx, tiles)
         compiled.run(
             min(self.ctas, tiles),
             1,
@@ -141,17 +143,31 @@ class SlotScatter:
         dsts: Sequence[torch.Tensor],
         dst_idx: torch.Tensor,
         tiles: int,
-    ) -> None:
+    ) -> bool:
+        """The launch through Triton's JIT; False where it fails (a compiler or driver that
+        refuses the kernel), and this shape is never tried again: the caller's own copy
+        takes it from here."""
         srcs = [t.view(shape.word) for t in slot]
         targets = [t.view(shape.word) for t in dsts]
         if shape.pairs == 1:
             srcs, targets = srcs * 2, targets * 2
         args = (*srcs, *targets, dst_idx, dst_idx.shape[0], shape.dst_pitch, shape.pairs)
         device = dst_idx.device
-        # The JIT launches on the current stream (None: Triton's interpreter, on a CPU).
-        with torch.cuda.stream(stream):
-            compiled = shape.launch.run(
-                scatter_slot_kernel, args, tiles, self.ctas, shape.align, device
+        try:
+            # The JIT launches on the current stream (None: Triton's interpreter, on a CPU).
+            with torch.cuda.stream(stream):
+                compiled = shape.launch.run(
+                    scatter_slot_kernel, args, tiles, self.ctas, shape.align, device
+                )
+        except Exception as exc:  # a scatter that cannot launch leaves the rows to the caller
+            self._shapes[key] = None
+            logger.warning(
+                "kvcore: the layer ring's scatter kernel failed to launch (%s: %s); "
+                "index_copy_ scatters these rows from now on",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
             )
+            return False
         if device.type == "cuda" and hasattr(compiled, "run"):
             self._compiled[key] = compiled
+        return True
