@@ -2,7 +2,8 @@
 # Issue 44's copy-engine-only trial in one device call: paged rows copied by DMA straight into
 # their pages (one cudaMemcpyBatchAsync descriptor a page, no kernel) wherever a page is at least
 # DMA_RUN_BYTES, beside the model's compute, against stock and kvcore's other paths.
-# Carry .whl-sglang (and .vllm-tree for the vLLM parts; see beside_compute_gpu.sh and
+# Carry .whl-sglang for the SGLang part, .vllm-tree for the vLLM parts (47 and 24 MB: one
+# call carries 64 MiB, so run them in separate calls; see beside_compute_gpu.sh and
 # beside_compute_vllm_gpu.sh).
 #
 #   OUT=<dir> [PARTS="sglang vllm vllm-staged"] bash scripts/dma_in_place_gpu.sh

@@ -7,8 +7,9 @@
 # then how fast this host faults in and pins each kind of mapping, and what registering in the
 # background would cost (scripts/registration_probe.py).
 #
-#   OUT=<dir> bash scripts/host_pool_gpu.sh   (carry .whl-sglang for SGLang's rows and
-#                                              .vllm-tree for vllm-shared-region's)
+#   OUT=<dir> bash scripts/host_pool_gpu.sh   (carry .whl-sglang for SGLang's rows or
+#                                              .vllm-tree for vllm-shared-region's: 47 and
+#                                              24 MB, not both in one call's 64 MiB)
 #
 # Settings: HOST_ENGINES (a comma list for --host-engines; default every engine), POOL_GIB
 # (the tier sizes, 16,32,48,64: on a 128 GiB host stock's rounding makes

@@ -10,7 +10,11 @@ wheels=()
 [ -d .whl ] && wheels+=(.whl/*.whl)
 for wheel in .vllm-tree/wheels/*.whl; do
     module=$(basename "$wheel" | cut -d- -f1)
-    [ "$module" = pyzmq ] && module=zmq
+    case $module in
+        pyzmq) module=zmq ;;
+        oss_harmony) module=openai_harmony ;;
+        apache_tvm_ffi) module=tvm_ffi ;;
+    esac
     python3 -c "import $module" 2>/dev/null || wheels+=("$wheel")
 done
 if [ ${#wheels[@]} -gt 0 ]; then

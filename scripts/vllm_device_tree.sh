@@ -30,6 +30,13 @@ TREE="$REPO/.vllm-tree"
 VENV_PY=${VENV_PY:-$REPO/.venv-vllm/bin/python}  # a venv of vLLM $VLLM_VERSION (ci/install_vllm.sh)
 VLLM_VERSION=0.33.0
 WHEELS=(msgspec==0.22.0 pyzmq==27.3.0 psutil==7.2.2 regex==2026.11.19 cbor2==6.3.0)
+# What importing vLLM 0.33's shared region and CPU worker reaches beyond the image's packages
+# (found by blocking every distribution scripts/device_image_packages.txt does not list).
+WHEELS+=(oss-harmony==0.0.11 openai==3.63.0 sniffio==1.3.1 pybase64==1.5.1 cachetools==8.0.2)
+WHEELS+=(xgrammar==0.2.8 llguidance==1.7.6 apache-tvm-ffi==0.1.15.post2 fastapi==0.136.3)
+WHEELS+=(starlette==1.10.0 partial-json-parser==0.2.1.1.post7 pydantic==2.14.4)
+WHEELS+=(pydantic-core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0)
+WHEELS+=(httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5)
 
 site=$("$VENV_PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 have=$("$VENV_PY" -c "import importlib.metadata as m; print(m.version('vllm'))")
@@ -89,7 +96,8 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_VERSION" \
 if [ "${1:-}" != "--offline" ]; then
     rm -f "$TREE"/wheels/*.whl
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_27_x86_64 \
         --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d "$TREE/wheels" "${WHEELS[@]}"
 fi
