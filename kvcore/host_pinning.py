@@ -72,7 +72,12 @@ class CudaHostRegistrar:
 
     def _check(self, err: object, call: str) -> None:
         if err != self._cudart.cudaError.success:
+            from kvcore.kernels.cudart import clear_pending_error
+
             reason = self._cudart.cudaGetErrorString(err)
+            # The runtime keeps the failure as its last error: torch's next launch check
+            # would report it as its own, in the engine's code, after kvcore moved on.
+            clear_pending_error()
             raise PinnedMemoryError(f"{call} failed: {reason}")
 
 

@@ -30,6 +30,7 @@ from kvcore import numa
 from kvcore.host_mapping import HostMemory, faulted_memory
 from kvcore.host_pinning import PinnedMemoryError, format_bytes
 from kvcore.host_report import available_bytes
+from kvcore.kernels.cudart import clear_pending_error
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -114,6 +115,8 @@ class ExactHostRegion:
         if self.is_pinned and self._base is not None:
             result = torch.cuda.cudart().cudaHostUnregister(self.address)
             if int(getattr(result, "value", result)) != 0:
+                # Read off, or torch's next launch check would report it as its own.
+                clear_pending_error()
                 logger.warning("kvcore: cudaHostUnregister of the host tier failed (%s)", result)
             self.is_pinned = False
         self._views.clear()

@@ -270,3 +270,40 @@ def test_a_kernel_without_populate_write_is_told_once_and_pages_are_touched(
     assert (array == 7).all() and caplog.text.count("MADV_POPULATE_WRITE refused (EINVAL)") == 1
     del array
     mapping.close()
+
+
+def test_a_refused_registration_leaves_no_error_for_torchs_next_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cudaHostRegister's failure stays the runtime's last error until read: the registrar
+    reads it off before raising, or the engine's next launch would report it as its own."""
+    from kvcore.kernels import cudart
+
+    cleared: list[None] = []
+    monkeypatch.setattr(cudart, "clear_pending_error", lambda: cleared.append(None) or True)
+
+    class RefusingRuntime:
+        class cudaError:
+            success = 0
+
+        @staticmethod
+        def cudaHostRegister(ptr: int, nbytes: int, flags: int) -> int:
+            return 1
+
+        @staticmethod
+        def cudaHostUnregister(ptr: int) -> int:
+            return 0
+
+        @staticmethod
+        def cudaGetErrorString(err: int) -> str:
+            return "invalid argument"
+
+    registrar = object.__new__(host_pinning.CudaHostRegistrar)
+    registrar._cudart = RefusingRuntime()
+    registrar.unregister(4096)
+    assert cleared == []
+    with pytest.raises(
+        PinnedMemoryError, match=r"cudaHostRegister\(8192\) failed: invalid argument"
+    ):
+        registrar.register(4096, 8192)
+    assert cleared == [None]

@@ -148,3 +148,26 @@ def test_a_region_over_several_files_takes_its_views_and_gives_them_back(monkeyp
     del views
     region.cleanup()
     assert region.memory is None
+
+
+def test_a_refused_unregistration_at_cleanup_leaves_no_error_for_torchs_next_check(
+    monkeypatch, caplog
+):
+    """The worker pinned the region; an unregistration the runtime refuses is warned about
+    and read off the runtime's last error, and the region is unmapped all the same."""
+    from kvcore_vllm import host_region
+
+    cleared: list[None] = []
+    monkeypatch.setattr(host_region, "clear_pending_error", lambda: cleared.append(None) or True)
+
+    class RefusingRuntime:
+        @staticmethod
+        def cudaHostUnregister(address: int) -> int:
+            return 1
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingRuntime())
+    region = ExactHostRegion(2, [4096], threads=1)
+    region.is_pinned = True
+    region.cleanup()
+    assert cleared == [None] and not region.is_pinned and region.memory is None
+    assert "cudaHostUnregister of the host tier failed" in caplog.text
