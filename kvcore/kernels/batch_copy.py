@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore.kernels.cudart import loaded_cudart
+from kvcore.kernels.cudart import clear_pending_error, loaded_cudart
 from kvcore.row_words import check_word_views
 
 _MIN_CUDA_VERSION = 12080  # cudaMemcpyBatchAsync first shipped in CUDA 12.8
@@ -272,6 +272,7 @@ def _submit_batch(
             stream.cuda_stream,
         )
         if err != 0:
+            clear_pending_error()
             raise BatchCopyError(rt.cudaGetErrorName(rt.cudaError_t(err))[1].decode())
         return
     result = rt.cudaMemcpyBatchAsync(
@@ -280,6 +281,9 @@ def _submit_batch(
     # CUDA 12.8/12.9 bindings return (err, failIdx); CUDA 13 dropped failIdx and returns (err,).
     err = result[0] if isinstance(result, tuple) else result
     if err != rt.cudaError_t.cudaSuccess:
+        # The caller copies the runs another way and goes on: the refusal must not stay the
+        # runtime's last error for torch's next launch check to report as its own.
+        clear_pending_error()
         name = rt.cudaGetErrorName(err)[1].decode()
         detail = (
             f"failed at copy {result[1]}" if isinstance(result, tuple) and len(result) > 1 else ""

@@ -85,8 +85,10 @@ def test_the_default_limit_keeps_every_call_within_the_driver_safe_size(recorder
 
 
 def test_a_refused_call_raises_and_submits_nothing_after_it(
-    recorder: _Recorder,
+    recorder: _Recorder, monkeypatch: pytest.MonkeyPatch
 ):
+    cleared: list[None] = []
+    monkeypatch.setattr(batch_copy, "clear_pending_error", lambda: cleared.append(None) or True)
     recorder.fail_on_call = 2
     dsts, srcs, sizes = _arrays(600)
     with pytest.raises(batch_copy.BatchCopyError, match="cudaError1"):
@@ -94,6 +96,8 @@ def test_a_refused_call_raises_and_submits_nothing_after_it(
             dsts, srcs, sizes, STREAM, source_in_stream_order=True, max_copies_per_call=256
         )
     assert [len(call) for call in recorder.calls] == [256, 256]
+    # The refusal is read off the runtime: torch's next launch check must not find it.
+    assert cleared == [None]
 
 
 def test_a_non_positive_limit_is_refused(recorder: _Recorder):
