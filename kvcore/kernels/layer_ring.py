@@ -90,6 +90,16 @@ class LayerRing:
         return views
 
 
+def ring_geometry(staging_bytes: int, pair_bytes: int, pairs: int) -> tuple[int, int, int] | None:
+    """(pairs a slot holds, slot bytes, slots) for units of ``pair_bytes`` a pair: a slot
+    holds a unit of every pair where two such slots fit the buffer, else of one pair; at
+    most :data:`_RING_MAX_SLOTS` slots. None where not even two one-pair slots fit."""
+    together = pairs if staging_bytes // (pair_bytes * pairs) >= 2 else 1
+    slot_bytes = pair_bytes * together
+    slots = min(staging_bytes // slot_bytes, _RING_MAX_SLOTS)
+    return (together, slot_bytes, slots) if slots >= 2 else None
+
+
 def _highest_priority() -> int:
     # A static method at run time, typed as an instance method in torch's stubs.
     _least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
@@ -119,14 +129,10 @@ def stage_in_ring(
     if calls is None or any(s.shape[1] * s.element_size() != row_bytes for s in pairs.src_words):
         return False
     pair_bytes = max(rows for _, _, rows in chunks.chunks) * row_bytes
-    # A slot holds a chunk of every pair where two such slots fit, else of one pair.
-    together = len(pairs.src_words)
-    if staging.numel() // (pair_bytes * together) < 2:
-        together = 1
-    slot_bytes = pair_bytes * together
-    slots = min(staging.numel() // slot_bytes, _RING_MAX_SLOTS)
-    if slots < 2:
+    geometry = ring_geometry(staging.numel(), pair_bytes, len(pairs.src_words))
+    if geometry is None:
         return False
+    together, slot_bytes, slots = geometry
     device = staging.device
     ring = rings.get(device)
     if ring is None:
