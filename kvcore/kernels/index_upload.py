@@ -57,7 +57,7 @@ class KeptUpload:
 
     def order_current_stream(self) -> None:
         """Make work issued next on the current stream wait for the upload (once a stream)."""
-        handle = _stream_handle(self._device, self._device_index)
+        handle = current_stream_handle(self._device, self._device_index)
         if handle in self._ordered:
             return
         consumer = torch.cuda.current_stream(self._device)
@@ -66,10 +66,11 @@ class KeptUpload:
         self._ordered.add(handle)
 
 
-def _stream_handle(device: torch.device, device_index: int) -> int:
-    """The current stream's raw handle, without building a Stream object (a few µs a call,
-    on every layer of a transfer) where torch offers that."""
-    if _current_raw_stream is None:
+def current_stream_handle(device: torch.device, device_index: int | None) -> int:
+    """The current stream's raw handle on ``device`` (``device_index``: its index, None where
+    unknown), without building a Stream object (a few µs a call, on every layer of a
+    transfer) where torch offers that."""
+    if _current_raw_stream is None or device_index is None:
         return int(torch.cuda.current_stream(device).cuda_stream)
     return int(_current_raw_stream(device_index))
 
@@ -144,7 +145,7 @@ class IndexUploader:
                 if hit is not None:
                     self._recent.move_to_end(key)
         if hit is not None:
-            handle = _stream_handle(self.device, self._device_index)
+            handle = current_stream_handle(self.device, self._device_index)
             if handle not in hit.ordered:
                 consumer = torch.cuda.current_stream(self.device)
                 consumer.wait_event(hit.done)

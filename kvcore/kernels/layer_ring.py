@@ -9,6 +9,7 @@ import torch
 
 from kvcore.kernels import reference
 from kvcore.kernels.cudart import StreamCalls, stream_calls
+from kvcore.kernels.index_upload import current_stream_handle
 from kvcore.kernels.triton_scatter import SlotScatter
 from kvcore.planning.layers import LayerPairs
 from kvcore.staging import lease_number
@@ -16,9 +17,6 @@ from kvcore.staging import lease_number
 # The most slots the layer ring (LayerRing) cycles through: enough for a reload's DMAs to
 # run layers ahead of a scatter held back by the model's kernels, few enough events.
 _RING_MAX_SLOTS = 16
-# Private but long-standing (Triton and inductor read streams through it); absent in CPU
-# builds, where the ring never runs.
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class LayerRing:
@@ -137,7 +135,7 @@ def stage_in_ring(
     ring = rings.get(device)
     if ring is None:
         ring = rings.setdefault(device, LayerRing(device, calls))
-    current = _current_stream(device)
+    current = current_stream_handle(device, device.index)
     lease = lease_number(staging)
     later_layer = ring.request is not None and ring.request() is request and ring.lease == lease - 1
     fresh = ring.shape(staging, slot_bytes, slots)
@@ -203,11 +201,3 @@ def _scatter(
         with torch.cuda.stream(ring.scatter):
             for rows_staged, dst_words in zip(staged, dsts, strict=True):
                 dst_words.index_copy_(0, rows_on_device, rows_staged)
-
-
-def _current_stream(device: torch.device) -> int:
-    """The raw handle of ``device``'s current stream, without building a Stream object
-    where torch offers that (two of them cost more than the rest of a layer's call)."""
-    if _current_raw_stream is None or device.index is None:
-        return int(torch.cuda.current_stream(device).cuda_stream)
-    return int(_current_raw_stream(device.index))
