@@ -1,5 +1,8 @@
-"""``python -m ci.matrix {list,run,render}``: the engine compatibility matrix.
+"""``python -m ci.matrix {list,run,render,gpu-record}``: the engine compatibility matrix.
 
+``gpu-record FOLDER`` stores a GPU lane's run (``scripts/vllm_upstream_gpu.sh run``'s
+``$OUT``, fetched from the GPU machine) in ``ci/gpu_lanes/`` and rewrites only the GPU
+section of docs/compat.md.
 ``run`` exits 1 when a selected lane could not run, fails a test that does not also fail
 in its release's stock lane, or (drift) finds a changed target.
 """
@@ -7,10 +10,19 @@ in its release's stock lane, or (drift) finds a changed target.
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ci.matrix.gpu_lanes import (
+    GpuLaneError,
+    GpuLaneRun,
+    load_runs,
+    read_run,
+    record_path,
+    splice_gpu_lanes,
+)
 from ci.matrix.lanes import DRIFT, Lane, Matrix, MatrixError, load_matrix
 from ci.matrix.render import render_compat, stock_of
 from ci.matrix.results import LaneResult, also_failing_on_stock, load_all, save
@@ -28,6 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lane", action="append", default=[], help="a lane name or glob; repeatable")
     run.add_argument("--all", action="store_true", help="every lane")
     commands.add_parser("render", help="rewrite docs/compat.md from the stored results")
+    gpu = commands.add_parser(
+        "gpu-record", help="store a GPU lane's run, then rewrite docs/compat.md"
+    )
+    gpu.add_argument("folder", type=Path, help="scripts/vllm_upstream_gpu.sh run's $OUT")
+    gpu.add_argument("--date", default=datetime.date.today().isoformat(), help="YYYY-MM-DD")
+    gpu.add_argument(
+        "--produced-by",
+        default="scripts/vllm_upstream_gpu.sh run",
+        help="the command that produced the folder",
+    )
+    parser.add_argument("--gpu-lanes", type=Path, default=REPO / "ci" / "gpu_lanes")
     return parser
 
 
@@ -50,7 +73,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(lane.name for lane in matrix.lanes()))
             return 0
         selected = matrix.select(args.lane, args.all) if args.command == "run" else []
-    except (MatrixError, OSError) as exc:
+        if args.command == "gpu-record":
+            run = read_run(args.folder, args.date, args.produced_by)
+            args.gpu_lanes.mkdir(parents=True, exist_ok=True)
+            stored = record_path(args.gpu_lanes, run)
+            stored.write_text(run.to_json(), encoding="utf-8")
+            compat = args.compat.read_text(encoding="utf-8")
+            runs = load_runs(args.gpu_lanes)
+            args.compat.write_text(splice_gpu_lanes(compat, runs), encoding="utf-8")
+            print(f"ci.matrix: stored {stored}; {args.compat} shows {len(runs)} GPU run(s)")
+            return 0
+        gpu_runs = load_runs(args.gpu_lanes)
+    except (MatrixError, GpuLaneError, OSError) as exc:
         print(f"ci.matrix: {exc}", file=sys.stderr)
         return 2
     for lane in selected:
@@ -59,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         save(result, ws.results)
         print(f"[{lane.name}] {_describe(result)}", flush=True)
     results = load_all(ws.results)
-    _write_compat(args.compat, matrix, results)
+    _write_compat(args.compat, matrix, results, gpu_runs)
     red = [lane.name for lane in selected if lane_is_red(lane, results[lane.name], results)]
     if red:
         print(f"ci.matrix: red lanes: {', '.join(red)}", file=sys.stderr)
@@ -72,9 +106,11 @@ def _describe(result: LaneResult) -> str:
     return f"{result.status}: {counts} in {result.minutes:.1f} min{detail}"
 
 
-def _write_compat(path: Path, matrix: Matrix, results: dict[str, LaneResult]) -> None:
+def _write_compat(
+    path: Path, matrix: Matrix, results: dict[str, LaneResult], gpu_runs: list[GpuLaneRun]
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_compat(matrix.lanes(), results), encoding="utf-8")
+    path.write_text(render_compat(matrix.lanes(), results, gpu_runs), encoding="utf-8")
 
 
 if __name__ == "__main__":

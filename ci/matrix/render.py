@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ci.matrix.gpu_lanes import GpuLaneRun, render_gpu_lanes
 from ci.matrix.lanes import DRIFT, Lane
 from ci.matrix.results import INTEGRATION, Coverage, LaneResult, also_failing_on_stock, grouped
 
@@ -22,8 +23,9 @@ and names the version-guard targets whose source differs from the newest tested 
 a newest release kvcore does not support is marked UNSUPPORTED and fails the run.
 
 Where each release ran: every lane here runs on a CPU, kvcore's handlers over host
-memory with the engine's own descriptor code. On a GPU (the lent H200, torch 2.11):
-vLLM 0.25.1 served live and ran its own GPU-worker tests with kvcore's handlers;
+memory with the engine's own descriptor code. On a GPU (the lent H200 or H100, torch 2.11):
+vLLM 0.25.1 served live and ran its own GPU-worker tests with kvcore's handlers (the
+GPU lanes below);
 SGLang 0.5.23's transfer path ran through its own controller and `L2TransferEngine`
 (its server needs a newer torch). vLLM 0.32.0, 0.33.0 and 0.34.0 need a newer torch
 than that machine has and ran on a CPU only (docs/performance.md has the GPU runs).
@@ -153,9 +155,13 @@ def _cases(count: int) -> str:
     return f" ({count} cases)" if count > 1 else ""
 
 
-def render_compat(lanes: Sequence[Lane], results: Mapping[str, LaneResult]) -> str:
-    """The whole docs/compat.md: the table, each lane's failing tests by name, then the
-    adapters' line coverage by lane."""
+def render_compat(
+    lanes: Sequence[Lane],
+    results: Mapping[str, LaneResult],
+    gpu_runs: Sequence[GpuLaneRun] = (),
+) -> str:
+    """The whole docs/compat.md: the table, each lane's failing tests by name, the GPU
+    lanes' recorded runs, then the adapters' line coverage by lane."""
     out = [HEADER, "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     out.extend(_row(lane, results.get(lane.name), results) for lane in lanes)
     detail_blocks: list[str] = []
@@ -169,5 +175,6 @@ def render_compat(lanes: Sequence[Lane], results: Mapping[str, LaneResult]) -> s
     if detail_blocks:
         out.append("\n## Failing tests and changed targets, by lane")
         out.extend(detail_blocks)
+    out.extend(render_gpu_lanes(gpu_runs))
     out.extend(render_coverage(lanes, results))
     return "\n".join(out) + "\n"
