@@ -18,7 +18,8 @@
 # Then: PYTHONPATH=$VSITE:$KSITE VLLM_USE_FLASHINFER_SAMPLER=0, a model directory from
 # scripts/llama_config.py, and LLM(..., load_format="dummy", skip_tokenizer_init=True).
 #
-# Settings: PART_SIZE (split's -b, default 55m), PARTS_ROOT (where the part folders go,
+# Settings: PART_SIZE (split's -b, default 44m: a call carries 64 MiB with the working tree,
+# about 11 MB), PARTS_ROOT (where the part folders go,
 # default the repo), STAGE (/tmp/stage), VSITE (/tmp/vsite), KSITE (/tmp/ksite; empty:
 # kvcore is not installed), PYTHON (python3).
 set -euo pipefail
@@ -27,7 +28,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 VLLM_VERSION=0.25.1
 wheel_dir="$repo/.whl/vllm-live"
 parts_root="${PARTS_ROOT:-$repo}"
-part_size="${PART_SIZE:-55m}"
+part_size="${PART_SIZE:-44m}"
 stage="${STAGE:-/tmp/stage}"
 vsite="${VSITE:-/tmp/vsite}"
 ksite="${KSITE-/tmp/ksite}"

@@ -21,7 +21,8 @@
 # PASS_SECONDS (run: wall seconds a pass may take, 90), OUT (run: out/vllm-upstream-gpu).
 # Writes under $OUT four files: upstream-gpu.log and junit-stock.xml, junit-kvcore-rule.xml,
 # junit-kvcore-norule.xml. Exit status: 0 when all three passes pass, else 1 (the log's last
-# lines give each pass's pytest status).
+# lines give each pass's pytest status). Back here, `python -m ci.matrix gpu-record DIR`
+# (DIR: the fetched $OUT) stores the run in ci/gpu_lanes/ and shows it in docs/compat.md.
 set -uo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
