@@ -276,6 +276,9 @@ class KVCoreOffloadingHandler:
             return None, 0
         if self.gpu_to_cpu and RULES.store_passes(self._page_bytes):
             return "stock_store_large_pages", sys.maxsize
+        # Whole jobs of these pages: decided here alone, so _stock_is_cheaper never sees them.
+        if RULES.gathered_job_passes(self._page_bytes, self._mover.policy.long_run_bytes):
+            return "stock_gather_beside_compute", sys.maxsize
         if not self._max_tensors:
             return "few_pages", sys.maxsize
         # blocks * tensors < min_pages, as a block count.

@@ -16,7 +16,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvcore.planning.vllm_rule import VLLM_RULES
+from kvcore.planning.vllm_rule import GATHER_EVIDENCE, VLLM_RULES
 
 ANY = "*"
 
@@ -385,6 +385,23 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
             }
         )
     large = f"{VLLM_RULES.large_page_bytes >> 10} KiB"
+    gathered_from = VLLM_RULES.stock_gathered_from_page_bytes
+    if gathered_from is not None:
+        rows.append(
+            {
+                "engine": "vllm",
+                "pool": "-",
+                "op": "store/load",
+                "io_backend": "-",
+                "layout": "per-layer or cross-layer",
+                "page_sizes": f">= {gathered_from >> 10} KiB, under the DMA-in-place runs",
+                "serves": "never",
+                "reason": "stock_gather_beside_compute",
+                "evidence": "beside compute, kvcore's gather slowed another batch's forward "
+                "1.06-1.47x against stock's copy (MLA 18 KiB blocks)",
+                "cited": list(GATHER_EVIDENCE),
+            }
+        )
     stores_from = VLLM_RULES.stock_stores_from_page_bytes
     if stores_from is not None:
         rows.append(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.planning import serve_rule, vllm_rule
+from kvcore.planning import path_policy, serve_rule, vllm_rule
 from kvcore.planning.serve_rule import SERVE, SGLangRule, sglang_decision
 
 
@@ -81,6 +81,7 @@ def test_describe_lists_every_rule_once_with_its_evidence():
     assert len(sglang) == len(serve_rule.SGLANG_RULES)
     assert all(row["evidence"] and row["reason"] for row in rows)
     assert [row["reason"] for row in rows if row["engine"] == "vllm"] == [
+        "stock_gather_beside_compute",
         "stock_store_large_pages",
         "few_pages",
         "few_pages",
@@ -308,3 +309,33 @@ def test_rows_judged_beside_compute_hold_against_the_json_they_cite(rule):
     else:
         assert threshold == min(row["tokens"] for row in cells)
     assert all(row["identical"] for row in cells)
+
+
+def test_vllm_jobs_kvcore_would_gather_pass_from_16_kib_until_dma_takes_their_pages():
+    rules = vllm_rule.VLLM_RULES
+    dma_from = path_policy.DMA_IN_PLACE_RUN_BYTES
+    assert rules.gathered_job_passes(18 << 10, dma_from)  # MLA's blocks, measured
+    assert not rules.gathered_job_passes(dma_from, dma_from)  # MHA's 32 KiB go by DMA
+    assert not rules.gathered_job_passes(8 << 10, dma_from)  # not measured beside compute
+    assert not rules.gathered_job_passes(18 << 10, 16 << 10)  # an operator's DMA from 16 KiB
+    unset = replace(rules, stock_gathered_from_page_bytes=None)
+    assert not unset.gathered_job_passes(18 << 10, dma_from)
+
+
+def test_the_gather_rules_evidence_holds_against_the_json_it_cites():
+    """In the cited runs, beside compute, kvcore's gather slowed the other batch's forward
+    beyond noise against stock's copy in most cells (MLA's 18 KiB blocks among them), and
+    blocks copied by DMA into place never past 1.06x."""
+    root = Path(__file__).resolve().parents[2]
+    gathered, by_dma = [], []
+    for cited in vllm_rule.GATHER_EVIDENCE:
+        for row in json.loads((root / cited).read_text())["rows"]:
+            if row["situation"] == "alone":
+                continue
+            slowdown = row["forward_with_own_ms"] / row["forward_with_stock_ms"]
+            block = row["case"].split("/")[2]
+            (gathered if row["kvcore_paths"] == ["gather"] else by_dma).append((block, slowdown))
+    mla = [s for block, s in gathered if block == "mla-18KiB"]
+    assert len([s for s in mla if s > _FORWARD_NOISE]) > len(mla) / 2
+    assert len([s for _, s in gathered if s > _FORWARD_NOISE]) > len(gathered) / 2
+    assert by_dma and all(s <= 1.06 for _, s in by_dma)

@@ -1035,3 +1035,36 @@ def test_pass_cost_script_counts_kvcores_calls_beyond_stocks_on_cpu(monkeypatch,
     extra = {p: kvcore.calls_per_job(p) - stock.calls_per_job(p) for p in module.PHASES}
     assert extra == {"transfer_async": 2, "wait": 1, "get_finished": 1, "idle get_finished": 1}
     kvcore.handler.shutdown()
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_jobs_kvcore_would_gather_stay_stock_unless_their_pages_go_by_dma(monkeypatch, gpu_to_cpu):
+    rules = replace(
+        transfers.RULES,
+        min_pages_per_submission=1,
+        stock_gathered_from_page_bytes=512,
+        stock_stores_from_page_bytes=None,
+    )
+    monkeypatch.setattr(transfers, "RULES", rules)
+    layout = Layout(page_bytes=1024, tensors=2, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(14))
+    scattered = [([9, 3, 12], [0, 5, 2], 0)]
+    # SMALL's runs go by DMA from 256 KiB: kvcore would gather these 1 KiB pages.
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu)
+    expected = reference(gpu, host, layout, scattered, gpu_to_cpu)
+    submit(handler, 1, *make_job(scattered, gpu_to_cpu))
+    assert_tensors_are(gpu, host, expected)
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    assert issued == [6] and mover.ops == []
+    assert metrics.snapshot()["fallbacks"] == {"stock_gather_beside_compute": 1}
+    # Runs of 1 KiB and more by DMA into place: kvcore copies them.
+    stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
+    dma = RecordingMover(replace(SMALL, long_run_bytes=1024))
+    counted = Metrics()
+    served = kvcore_handler(stock, mover=dma, metrics=counted)
+    again = [([4, 14, 6], [7, 1, 11], 0)]
+    expected = reference(gpu, host, layout, again, gpu_to_cpu)
+    submit(served, 2, *make_job(again, gpu_to_cpu))
+    assert_tensors_are(gpu, host, expected)
+    assert [r.job_id for r in served.get_finished()] == [2]
+    assert dma.ops and counted.snapshot()["fallbacks"] == {}
