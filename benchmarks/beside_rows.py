@@ -125,8 +125,9 @@ def summary_line(row: dict[str, Any]) -> str:
         if "forward_with_own_ms" in row:
             forward += f" with own {row['forward_with_own_ms']:.1f}"
     own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""
+    case = f"{row['case']}/{row['op']}" if "op" in row else row["case"]
     return (
-        f"{row['case']} {row['tokens']} {row['situation']} {row['compute']}: link "
+        f"{case} {row['tokens']} {row['situation']} {row['compute']}: link "
         f"{row['link_ms']:.1f} stock {row['stock_ms']:.1f} kvcore {row['kvcore_ms']:.1f}{own}"
         f"{forward} identical={row['identical']}"
     )

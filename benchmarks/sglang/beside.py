@@ -17,6 +17,12 @@ indices starts there), with new index tensors every time, in three situations:
   event before computing layer ``i``; its completion is compared with the ideal pipeline,
   the first layer's copy plus, per layer, the longer of its compute and its copy at the link.
 
+With ``backups`` (``--stores``), each pool's backups follow its reloads: what ``start_writing``
+does, the indices moved, then ``L2TransferEngine.submit_device_to_host`` (one
+``backup_from_device_all_layer`` call on the device-to-host stream), alone and beside
+another batch's forward (nothing waits for a backup, so there is no dependent situation);
+their rows carry ``op`` "backup".
+
 Stock is SGLang's own method; kvcore is its AROUND hook with stock's method as
 ``original``, as SGLang's HookRegistry calls it (``--no-rule``: the serve-or-pass rule off).
 Both sides run in one process on the same pools, alternating request by request; after
@@ -51,12 +57,11 @@ from benchmarks.beside_rows import (
 from benchmarks.model_forward import COMPUTE_LOADS, ForwardGraph, measured_forward
 from benchmarks.sglang.sweep_cells import _check, request_indices
 from benchmarks.sglang.sweep_options import LAYERS
-from benchmarks.sglang.sweep_sides import pool_hook, pool_method, serve_rule_off
+from benchmarks.sglang.sweep_sides import METHOD_NAMES, pool_hook, pool_method, serve_rule_off
 from kvcore.bench.measure import sync_device
 from kvcore.config import KVCoreConfig
 
 SITUATIONS = ("alone", "independent", "dependent")
-_METHOD = "load_to_device_per_layer"
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ class BesideOptions:
     layers: dict[str, int] | None = None
     partial_json: str | None = None
     """Where to write the rows so far after every pool, so a run cut short keeps them."""
+    backups: bool = False
+    """Also time backups (device to host), alone and beside another batch's forward."""
 
 
 @dataclass
@@ -85,6 +92,7 @@ class _Side:
     """What the pool class's method is during this side's requests."""
     move: Callable[[Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     rule: bool = True
+    method_name: str = METHOD_NAMES["load"]
 
 
 @contextmanager
@@ -92,27 +100,27 @@ def _as_side(case: Any, side: _Side) -> Iterator[None]:
     """The pool class's method set to this side's; stock's side, and kvcore's with its rule
     off, also without the bindings kvcore's rule leaves on the pool (stock's method, where
     the rule never serves: they stay for kvcore's next request, as in an engine)."""
-    cls = type(case.pool)
-    saved_class = vars(cls)[_METHOD]
-    saved_binding = case.pool.__dict__.pop(_METHOD, None) if side.name != "kvcore" else None
-    setattr(cls, _METHOD, side.method)
+    cls, name = type(case.pool), side.method_name
+    saved_class = vars(cls)[name]
+    saved_binding = case.pool.__dict__.pop(name, None) if side.name != "kvcore" else None
+    setattr(cls, name, side.method)
     try:
         with contextlib.nullcontext() if side.rule else serve_rule_off():
             yield
     finally:
-        setattr(cls, _METHOD, saved_class)
+        setattr(cls, name, saved_class)
         if saved_binding is not None:
-            case.pool.__dict__[_METHOD] = saved_binding
+            case.pool.__dict__[name] = saved_binding
 
 
-def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
-    """Stock, kvcore, and kvcore with its rule off (where asked)."""
+def _sides(case: Any, opts: BesideOptions, op: str = "load") -> list[_Side]:
+    """Stock, kvcore, and kvcore with its rule off (where asked), for ``op``'s method."""
     import tvm_ffi
     from sglang.srt.managers.cache_controller import HiCacheController
 
     from benchmarks.sglang.hook_adapter import bench_adapter, move_indices
 
-    original = pool_method(case, "load")
+    original = pool_method(case, op)
 
     @functools.wraps(original)
     def stock(*args: Any, **kwargs: Any) -> Any:
@@ -121,7 +129,7 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
         with tvm_ffi.use_torch_stream():
             return original(*args, **kwargs)
 
-    hook = pool_hook(case, "load")
+    hook = pool_hook(case, op)
 
     @functools.wraps(stock)
     def hooked(pool: Any, *args: Any, **kwargs: Any) -> Any:
@@ -142,12 +150,13 @@ def _sides(case: Any, opts: BesideOptions) -> list[_Side]:
         bench_adapter().indices_moved(controller, h, moved)
         return moved
 
+    name = METHOD_NAMES[op]
     sides = [
-        _Side("stock", stock, stock_move),
-        _Side("kvcore", hooked, kvcore_move, opts.serve_rule),
+        _Side("stock", stock, stock_move, method_name=name),
+        _Side("kvcore", hooked, kvcore_move, opts.serve_rule, name),
     ]
     if opts.with_own and opts.serve_rule:
-        sides.append(_Side("own", hooked, own_move, rule=False))
+        sides.append(_Side("own", hooked, own_move, False, name))
     return sides
 
 
@@ -188,6 +197,15 @@ class _Reloads:
             transfer_layer_id_max=self.layers,
             on_layer_done=lambda layer: events[layer].record(),
         )
+
+
+class _Backups(_Reloads):
+    """One pool pair's backups through SGLang's L2TransferEngine, as ``start_writing``
+    submits them (its indices moved as ``_move_write_operation`` moves a layer_first
+    pool's)."""
+
+    def submit(self, transfer: Any) -> Any:
+        return self.engine.submit_device_to_host([transfer])
 
 
 @dataclass
@@ -245,30 +263,42 @@ def _dependent(
         return reload_ms, (time.perf_counter() - started) * 1e3
 
 
-def _identical(reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor]) -> bool:
+def _identical(
+    reloads: _Reloads, side: _Side, cpu: tuple[torch.Tensor, torch.Tensor], op: str
+) -> bool:
     """One more request of this side, alone, checked: every layer's rows copied, every other
-    row its poison."""
+    row its poison (a backup's host rows their intended bytes)."""
     case = reloads.case
     case.restore_device()
+    if op == "backup":
+        case.restore_host()
     with _as_side(case, side):
         reloads.submit(reloads.prepared(side, cpu)).finish_event.synchronize()
     torch.cuda.synchronize(reloads.device)
-    return bool(_check(case, "load", reloads.layers, cpu[0], cpu[1]))
+    return bool(_check(case, op, reloads.layers, cpu[0], cpu[1]))
 
 
 def _cells(
-    case: Any, tokens: int, opts: BesideOptions, forwards: dict[str, ForwardGraph], metrics: Any
+    case: Any,
+    tokens: int,
+    opts: BesideOptions,
+    forwards: dict[str, ForwardGraph],
+    metrics: Any,
+    op: str = "load",
 ) -> Iterator[dict[str, Any]]:
+    """One request size's rows for ``op``: alone, then beside each compute load's forward
+    (reloads also feeding the hit's own forward)."""
     layers = case.opts.layers
-    reloads = _Reloads(case, layers)
-    sides = _sides(case, opts)
+    reloads = _Reloads(case, layers) if op == "load" else _Backups(case, layers)
+    sides = _sides(case, opts, op)
+    situations = ("independent", "dependent") if op == "load" else ("independent",)
     gen = torch.Generator().manual_seed(opts.seed + tokens + case.page_size)
     layer_bytes = tokens * case.row_bytes
     link_ms = layer_bytes * layers / LINK_GBPS / 1e6
     # A warm-up, then the requests timed, each with new indices (the checks draw their own).
     count = opts.repeats + 1
     identical = all(
-        _identical(reloads, side, cpu)
+        _identical(reloads, side, cpu, op)
         for side in sides
         for cpu in request_indices(case, tokens, opts.host_level, 1, gen)
     )
@@ -287,13 +317,15 @@ def _cells(
         layers,
         case.row_bytes,
     )
-    yield reload_row(place, "alone", "none", link_ms, times, {}, None, identical, tally)
+    yield _with_op(
+        reload_row(place, "alone", "none", link_ms, times, {}, None, identical, tally), op
+    )
     stock_alone = median(times["stock"])
     for load in opts.loads:
         forward = forwards[load]
         forward.size_for(stock_alone)
         alone = []
-        for situation in ("independent", "dependent"):
+        for situation in situations:
             reload_times: dict[str, list[float]] = {side.name: [] for side in sides}
             forward_times: dict[str, list[float]] = {side.name: [] for side in sides}
             requests = request_indices(case, tokens, opts.host_level, count, gen)
@@ -316,7 +348,7 @@ def _cells(
                 reference = median(alone)
             else:
                 reference = ideal_pipeline_ms(layer_bytes, layers, forward.layer_ms)
-            yield reload_row(
+            row = reload_row(
                 place,
                 situation,
                 load,
@@ -327,7 +359,13 @@ def _cells(
                 identical,
                 tally,
             )
+            yield _with_op(row, op)
         sync_device(opts.device)
+
+
+def _with_op(row: dict[str, Any], op: str) -> dict[str, Any]:
+    """A backup's row says so; a reload's stays as rows always were."""
+    return row if op == "load" else {**row, "op": op}
 
 
 def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
@@ -360,10 +398,11 @@ def run(opts: BesideOptions, progress: Callable[[str], None] = lambda line: None
                 )
                 try:
                     with pool_case(kind, "layer_first", page, base) as case:
-                        for tokens in (t for t in opts.tokens if t % page == 0):
-                            for row in _cells(case, tokens, opts, forwards, mover.metrics):
-                                progress(summary_line(row))
-                                rows.append(row)
+                        for op in ("load", "backup") if opts.backups else ("load",):
+                            for tokens in (t for t in opts.tokens if t % page == 0):
+                                for row in _cells(case, tokens, opts, forwards, mover.metrics, op):
+                                    progress(summary_line(row))
+                                    rows.append(row)
                 except Exception as exc:  # one pool failing says why; the others still run
                     why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                     progress(f"{kind} p{page}: {why}")
@@ -399,6 +438,8 @@ def options_for(args: argparse.Namespace) -> BesideOptions:
         opts = replace(opts, pages=tuple(int(page) for page in args.pages.split(",")))
     if getattr(args, "no_rule", False):
         opts = replace(opts, serve_rule=False)
+    if getattr(args, "stores", False):
+        opts = replace(opts, backups=True)
     return opts
 
 

@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stores",
         action="store_true",
-        help="with --beside-compute --engine vllm: also vLLM's stores (GPU to CPU)",
+        help="with --beside-compute: also the engine's page-outs (vLLM's stores, SGLang's "
+        "backups), GPU to CPU",
     )
     parser.add_argument(
         "--host-pool",
@@ -210,8 +211,8 @@ def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
     pages = getattr(args, "pages", None)
     if pages is not None and beside and engine == "vllm":
         problems.append(f"--pages {pages}: vLLM's blocks are 16 tokens; --pages is SGLang's")
-    if getattr(args, "stores", False) and not (beside and engine == "vllm"):
-        problems.append("--stores: it applies only with --engine vllm --sweep --beside-compute")
+    if getattr(args, "stores", False) and not beside:
+        problems.append("--stores: it applies only with --beside-compute")
     if compute is not None:
         from benchmarks.model_forward import COMPUTE_LOADS
 

@@ -51,7 +51,8 @@ def test_options_come_from_the_bench_arguments():
     opts = beside.options_for(args)
     assert opts.tokens == (8192, 32768) and opts.pages == (64, 1)
     assert opts.loads == ("decode-64",) and opts.repeats == 4
-    assert not opts.serve_rule and opts.partial_json == "out.json"
+    assert not opts.serve_rule and opts.partial_json == "out.json" and not opts.backups
+    assert beside.options_for(_args("--stores")).backups
     assert beside.options_for(_args()).loads == ("decode-64", "decode-256", "prefill-4096")
 
 
@@ -95,10 +96,7 @@ def test_a_row_carries_the_fields_the_issue_names_and_a_paired_interval():
             "--pages 64: vLLM's blocks are 16 tokens; --pages is SGLang's",
         ),
         (["--compute", "decode-64"], "--compute decode-64: it applies only with"),
-        (
-            ["--engine", "sglang", "--sweep", "--beside-compute", "--stores"],
-            "--stores: it applies only with --engine vllm --sweep --beside-compute",
-        ),
+        (["--engine", "sglang", "--sweep", "--stores"], "--stores: it applies only with"),
         (["--pages", "64"], "--pages 64: it applies only with"),
         (
             ["--engine", "sglang", "--sweep", "--beside-compute", "--compute", "prefill-9"],
@@ -185,9 +183,9 @@ def test_a_cell_yields_alone_then_each_load_in_both_situations(monkeypatch):
         return run
 
     sides = [types.SimpleNamespace(name=n) for n in ("stock", "kvcore", "own")]
-    monkeypatch.setattr(beside, "_sides", lambda case, opts: sides)
+    monkeypatch.setattr(beside, "_sides", lambda case, opts, op: sides)
     monkeypatch.setattr(beside, "_Reloads", lambda case, layers: None)
-    monkeypatch.setattr(beside, "_identical", lambda reloads, side, cpu: True)
+    monkeypatch.setattr(beside, "_identical", lambda reloads, side, cpu, op: True)
     monkeypatch.setattr(beside, "_alone", timing("alone", 1.0))
     monkeypatch.setattr(beside, "_independent", timing("independent", 3.0))
     monkeypatch.setattr(beside, "_dependent", timing("dependent", 4.0))
@@ -219,3 +217,39 @@ def test_a_cell_yields_alone_then_each_load_in_both_situations(monkeypatch):
     # Each request's sides alternate their order.
     alone = [name for situation, name in calls if situation == "alone"]
     assert alone[:6] == ["stock", "kvcore", "own", "own", "kvcore", "stock"]
+
+
+def test_backups_yield_alone_then_each_load_beside_another_batch_only(monkeypatch):
+    """A backup cell on a CPU, timings stood in for: SGLang's device-to-host submission
+    (``_Backups``), checked as a backup, no dependent situation, each row saying ``op``."""
+    made, checked = [], []
+    sides = [types.SimpleNamespace(name=n) for n in ("stock", "kvcore")]
+    monkeypatch.setattr(beside, "_sides", lambda case, opts, op: checked.append(op) or sides)
+    monkeypatch.setattr(beside, "_Reloads", lambda case, layers: made.append("reloads"))
+    monkeypatch.setattr(beside, "_Backups", lambda case, layers: made.append("backups"))
+    monkeypatch.setattr(beside, "_identical", lambda r, side, cpu, op: checked.append(op) or True)
+    monkeypatch.setattr(beside, "_alone", lambda *a: 2.0)
+    monkeypatch.setattr(beside, "_independent", lambda *a: (3.0, 5.0))
+    monkeypatch.setattr(beside, "_dependent", lambda *a: pytest.fail("a backup has no dependent"))
+    forward = types.SimpleNamespace(
+        layer_ms=0.5,
+        size_for=lambda ms: None,
+        replay=lambda: (
+            types.SimpleNamespace(elapsed_time=lambda end: 4.0),
+            types.SimpleNamespace(synchronize=lambda: None),
+        ),
+    )
+    case = types.SimpleNamespace(
+        kind="mla", page_size=1, row_bytes=1152, opts=types.SimpleNamespace(layers=3)
+    )
+    opts = beside.BesideOptions(
+        repeats=2, loads=("prefill-4096",), with_own=False, device=beside.torch.device("cpu")
+    )
+    rows = list(beside._cells(case, 64, opts, {"prefill-4096": forward}, _Metrics(), "backup"))
+    assert made == ["backups"] and set(checked) == {"backup"}
+    assert [(r["situation"], r["compute"], r["op"]) for r in rows] == [
+        ("alone", "none", "backup"),
+        ("independent", "prefill-4096", "backup"),
+    ]
+    assert rows[1]["forward_with_stock_ms"] == 5.0 and rows[1]["forward_alone_ms"] == 4.0
+    assert beside_rows.summary_line(rows[1]).startswith("mla/layer_first/kernel/p1/backup 64 ")

@@ -272,6 +272,7 @@ def _beside_cells(rule: SGLangRule) -> list[dict]:
                 and backend == rule.io_backend
                 and low <= row["page_size"] <= high
                 and row["situation"] != "alone"
+                and row.get("op", "load") == rule.op
             ):
                 found.append(row)
     return found
