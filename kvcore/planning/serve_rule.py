@@ -384,90 +384,96 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
                 "cited": list(rule.cited),
             }
         )
+    return rows + _vllm_rows()
+
+
+_BOTH_LAYOUTS = "per-layer or cross-layer"
+_ONE_TENSOR = "cross-layer (one KV tensor)"
+
+
+def _vllm_row(
+    op: str, layout: str, page_sizes: str, serves: str, reason: str, evidence: str, **more: object
+) -> dict[str, object]:
+    row: dict[str, object] = {"engine": "vllm", "pool": "-", "op": op, "io_backend": "-"}
+    return row | {
+        "layout": layout,
+        "page_sizes": page_sizes,
+        "serves": serves,
+        "reason": reason,
+        "evidence": evidence,
+        **more,
+    }
+
+
+def _vllm_rows() -> list[dict[str, object]]:
+    """:data:`VLLM_RULES` as rows, in the order the handler asks them."""
+    rows = []
     large = f"{VLLM_RULES.large_page_bytes >> 10} KiB"
     gathered_from = VLLM_RULES.stock_gathered_from_page_bytes
     if gathered_from is not None:
         rows.append(
-            {
-                "engine": "vllm",
-                "pool": "-",
-                "op": "store/load",
-                "io_backend": "-",
-                "layout": "per-layer or cross-layer",
-                "page_sizes": f">= {gathered_from >> 10} KiB, under the DMA-in-place runs",
-                "serves": "never",
-                "reason": "stock_gather_beside_compute",
-                "evidence": "beside compute, kvcore's gather slowed another batch's forward "
-                "1.06-1.47x against stock's copy (MLA 18 KiB blocks)",
-                "cited": list(GATHER_EVIDENCE),
-            }
+            _vllm_row(
+                "store/load",
+                _BOTH_LAYOUTS,
+                f">= {gathered_from >> 10} KiB, under the DMA-in-place runs",
+                "never",
+                "stock_gather_beside_compute",
+                "beside compute, kvcore's gather slowed another batch's forward 1.06-1.47x "
+                "against stock's copy (MLA 18 KiB blocks)",
+                cited=list(GATHER_EVIDENCE),
+            )
         )
     stores_from = VLLM_RULES.stock_stores_from_page_bytes
     if stores_from is not None:
         rows.append(
-            {
-                "engine": "vllm",
-                "pool": "-",
-                "op": "store",
-                "io_backend": "-",
-                "layout": "per-layer or cross-layer",
-                "page_sizes": f">= {stores_from >> 10} KiB",
-                "serves": "never",
-                "reason": "stock_store_large_pages",
-                "evidence": "live vLLM 0.25.1, 8B shape: stock's stores 52 GB/s, kvcore's 24",
-            }
+            _vllm_row(
+                "store",
+                _BOTH_LAYOUTS,
+                f">= {stores_from >> 10} KiB",
+                "never",
+                "stock_store_large_pages",
+                "live vLLM 0.25.1, 8B shape: stock's stores 52 GB/s, kvcore's 24",
+            )
         )
     rows += [
-        {
-            "engine": "vllm",
-            "pool": "-",
-            "op": "store/load",
-            "io_backend": "-",
-            "layout": "per-layer or cross-layer",
-            "page_sizes": f"< {large}",
-            "serves": f">= {VLLM_RULES.min_pages_per_submission} pages per submission",
-            "reason": "few_pages",
-            "evidence": "jobs of 32-256 pages: kvcore 0.88-0.99x on its own paths (H200 A/B)",
-        },
-        {
-            "engine": "vllm",
-            "pool": "-",
-            "op": "store/load",
-            "io_backend": "-",
-            "layout": "per-layer or cross-layer",
-            "page_sizes": f">= {large}",
-            "serves": f">= {VLLM_RULES.min_large_pages_per_submission} pages per submission",
-            "reason": "few_pages",
-            "evidence": "live vLLM 0.25.1, 8B shape: 1024-page reloads 1.10x stock's time",
-        },
+        _vllm_row(
+            "store/load",
+            _BOTH_LAYOUTS,
+            f"< {large}",
+            f">= {VLLM_RULES.min_pages_per_submission} pages per submission",
+            "few_pages",
+            "jobs of 32-256 pages: kvcore 0.88-0.99x on its own paths (H200 A/B)",
+        ),
+        _vllm_row(
+            "store/load",
+            _BOTH_LAYOUTS,
+            f">= {large}",
+            f">= {VLLM_RULES.min_large_pages_per_submission} pages per submission",
+            "few_pages",
+            "live vLLM 0.25.1, 8B shape: 1024-page reloads 1.10x stock's time",
+        ),
     ]
     if VLLM_RULES.stock_kernel_loads:
         rows.append(
-            {
-                "engine": "vllm",
-                "pool": "-",
-                "op": "load",
-                "io_backend": "-",
-                "layout": "cross-layer (one KV tensor)",
-                "page_sizes": "< 28 KiB",
-                "serves": "only one run per group",
-                "reason": "stock_kernel_load",
-                "evidence": "vLLM's Triton load kernel as fast as kvcore's gather there",
-            }
+            _vllm_row(
+                "load",
+                _ONE_TENSOR,
+                "< 28 KiB",
+                "only one run per group",
+                "stock_kernel_load",
+                "vLLM's Triton load kernel as fast as kvcore's gather there",
+            )
         )
     scattered_from = VLLM_RULES.stock_scattered_loads_from_page_bytes
     if scattered_from is not None:
         rows.append(
-            {
-                "engine": "vllm",
-                "pool": "-",
-                "op": "load",
-                "io_backend": "-",
-                "layout": "cross-layer (one KV tensor)",
-                "page_sizes": f">= {scattered_from >> 10} KiB",
-                "serves": "only one run per group",
-                "reason": "stock_dma_large_pages",
-                "evidence": "vLLM 0.25.1 sweep: kvcore's gather 0.94-1.00x of stock's DMA",
-            }
+            _vllm_row(
+                "load",
+                _ONE_TENSOR,
+                f">= {scattered_from >> 10} KiB",
+                "only one run per group",
+                "stock_dma_large_pages",
+                "vLLM 0.25.1 sweep: kvcore's gather 0.94-1.00x of stock's DMA",
+            )
         )
     return rows
