@@ -94,6 +94,13 @@ class KVCoreConfig:
         "thread blocks of the UVA gather kernel where it writes device rows shorter than 2 "
         "KiB (token-granular MLA loads): as fast as on 8 and fewer SMs taken from the model",
     )
+    ring_scatter_ctas: int = _setting(
+        32,
+        _integer(1, 1024),
+        "thread blocks of the layer ring's scatter (SGLang reloads staged a layer at a time: "
+        "DMA into a slot, then this scatter into the pages): SMs taken from the model while "
+        "it runs",
+    )
     staged_pieces: int = _setting(
         1,
         _integer(1, 16),

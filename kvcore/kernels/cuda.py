@@ -34,6 +34,7 @@ from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.kernels.triton_rows import row_gather
 from kvcore.kernels.triton_scatter import SlotScatter
 from kvcore.planning.layers import LayerPairs
+from kvcore.planning.path_policy import PathPolicy
 from kvcore.run_pieces import slice_runs
 from kvcore.runs import Runs
 
@@ -51,7 +52,7 @@ _RING_MOST_PAIRS = 2
 # The layer ring's scatter runs on a high-priority stream beside the model's kernels: a
 # bounded grid leaves most SMs to them and still moves a layer's rows in a small part of
 # the time its DMAs take.
-_RING_SCATTER_CTAS = 32
+RING_SCATTER_CTAS = PathPolicy.ring_scatter_ctas
 
 
 def _host_side(src_words: torch.Tensor, dst_words: torch.Tensor) -> torch.Tensor:
@@ -104,6 +105,7 @@ class _CudaIndexedOps:
         staged_pieces: int,
         gather_ctas_to_host: int,
         short_rows: tuple[int, int] | None = None,
+        ring_scatter_ctas: int = RING_SCATTER_CTAS,
     ) -> None:
         self.gather_ctas = gather_ctas
         self.gather_ctas_to_host = gather_ctas_to_host
@@ -114,7 +116,7 @@ class _CudaIndexedOps:
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._lanes: dict[torch.device, StageInLanes] = {}
         self._rings: dict[torch.device, LayerRing] = {}
-        self._slot_scatter = SlotScatter(_RING_SCATTER_CTAS)
+        self._slot_scatter = SlotScatter(ring_scatter_ctas)
         self.overlap_max_slots = OVERLAP_MAX_SLOTS
         self._launches: weakref.WeakKeyDictionary[LayerPairs, _TableLaunch | str] = (
             weakref.WeakKeyDictionary()
@@ -399,15 +401,19 @@ def cuda_kernels(
     gather_ctas_to_host: int,
     *,
     short_rows: tuple[int, int] | None = None,
+    ring_scatter_ctas: int = RING_SCATTER_CTAS,
 ) -> KernelSet:
     """``short_rows``: (CTAs, bytes), the gather's CTAs for device rows under that many
-    bytes (None: ``gather_ctas`` for every device row)."""
-    ops = _CudaIndexedOps(gather_ctas, staged_pieces, gather_ctas_to_host, short_rows)
+    bytes (None: ``gather_ctas`` for every device row); ``ring_scatter_ctas``: the layer
+    ring's scatter's."""
+    ops = _CudaIndexedOps(
+        gather_ctas, staged_pieces, gather_ctas_to_host, short_rows, ring_scatter_ctas
+    )
     short = "" if short_rows is None else f", short_rows={short_rows[0]}@<{short_rows[1]}B"
     return KernelSet(
         name=(
             f"cuda(gather_ctas={gather_ctas}, gather_ctas_to_host={gather_ctas_to_host}"
-            f"{short}, staged_pieces={staged_pieces})"
+            f"{short}, ring_scatter_ctas={ring_scatter_ctas}, staged_pieces={staged_pieces})"
         ),
         copy_runs=copy_runs,
         gather_rows=ops.gather_rows,

@@ -58,6 +58,9 @@ class PathPolicy:
     "The gather's SM share at 4, 6 and 8 CTAs")."""
     short_row_bytes: int = 2048
     """Device rows under this many bytes take :attr:`gather_ctas_short_rows`."""
+    ring_scatter_ctas: int = 32
+    """CTAs the layer ring's scatter (a slot's rows into their pages) may occupy on CUDA;
+    not tuned beside compute yet."""
     max_dma_runs: int = 16
     """Most host runs a staged copy takes: each is one torch copy_, whose host time adds up
     (docs/lab/benchmarks.md, "Host time to submit one layer")."""
@@ -78,6 +81,7 @@ class PathPolicy:
             self.gather_ctas_to_host,
             self.gather_ctas_short_rows,
             self.short_row_bytes,
+            self.ring_scatter_ctas,
             self.max_dma_runs,
             self.max_batched_runs,
             self.staged_pieces,
@@ -95,6 +99,7 @@ def policy_from_config(config: KVCoreConfig) -> PathPolicy:
         gather_ctas=config.gather_ctas,
         gather_ctas_to_host=config.gather_ctas_to_host,
         gather_ctas_short_rows=config.gather_ctas_short_rows,
+        ring_scatter_ctas=config.ring_scatter_ctas,
         staged_pieces=config.staged_pieces,
     )
 

@@ -92,6 +92,7 @@ def test_the_policy_carries_both_cta_counts_from_the_settings():
         "KVCORE_GATHER_CTAS": "6",
         "KVCORE_GATHER_CTAS_TO_HOST": "2",
         "KVCORE_GATHER_CTAS_SHORT_ROWS": "3",
+        "KVCORE_RING_SCATTER_CTAS": "12",
     }
     policy = policy_from_config(KVCoreConfig.from_env(env))
     assert (policy.gather_ctas, policy.gather_ctas_to_host, policy.gather_ctas_short_rows) == (
@@ -99,9 +100,11 @@ def test_the_policy_carries_both_cta_counts_from_the_settings():
         2,
         3,
     )
+    assert policy.ring_scatter_ctas == 12
     defaults = policy_from_config(KVCoreConfig.from_env({}))
     assert (defaults.gather_ctas, defaults.gather_ctas_to_host) == (8, 4)
     assert (defaults.gather_ctas_short_rows, defaults.short_row_bytes) == (4, 2048)
+    assert defaults.ring_scatter_ctas == cuda.RING_SCATTER_CTAS == 32
 
 
 def test_a_staged_page_in_of_many_long_units_goes_through_a_ring_of_slots():
@@ -141,3 +144,16 @@ def test_a_rings_units_take_the_slots_in_turn_each_its_own_rows_of_the_buffer():
         # Unit n takes slot n % 3: its rows start that slot's rows into the buffer.
         assert staged.shape == (rows_per_pair, words)
         assert staged.data_ptr() - base == (number % slots) * slot_rows * words * 8
+
+
+def test_the_layer_rings_scatter_takes_the_policys_ctas():
+    from kvcore.kernels import kernels_for
+    from kvcore.planning.path_policy import PathPolicy
+
+    ops = cuda._CudaIndexedOps(
+        gather_ctas=8, staged_pieces=1, gather_ctas_to_host=3, ring_scatter_ctas=12
+    )
+    assert ops._slot_scatter.ctas == 12
+    assert cuda._CudaIndexedOps(8, 1, 3)._slot_scatter.ctas == cuda.RING_SCATTER_CTAS
+    named = kernels_for(torch.device("cuda"), PathPolicy(ring_scatter_ctas=5)).name
+    assert "ring_scatter_ctas=5" in named
