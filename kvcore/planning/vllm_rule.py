@@ -86,6 +86,6 @@ GATHER_EVIDENCE = (
     "docs/bench/h200-beside-compute-vllm-2026-12-05-dma.json",
     "docs/bench/h100-beside-compute-vllm-2026-12-05-stores.json",
 )
-"""The beside-compute runs :attr:`VLLMRules.stock_gathered_jobs` is judged from."""
+"""The beside-compute runs :attr:`VLLMRules.stock_gathered_from_page_bytes` is judged from."""
 
 VLLM_RULES = VLLMRules()
