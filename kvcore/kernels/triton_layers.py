@@ -18,6 +18,7 @@ import torch
 
 from kvcore.kernels.triton_kernels import triton
 from kvcore.kernels.triton_tile import (
+    I32_LIMIT,
     VECTOR_BYTES,
     Launch,
     check_ctas,
@@ -151,7 +152,6 @@ def gather_layers_uva(
 # builds, where no compiled kernel is launched.
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device_index = getattr(torch._C, "_cuda_getDevice", None)
-_I32_LIMIT = 1 << 31
 
 
 def launch_hooked() -> bool:
@@ -215,7 +215,7 @@ class LayeredLaunch:
         device_index = self.device.index
         if (
             compiled is None
-            or n_rows >= _I32_LIMIT
+            or n_rows >= I32_LIMIT
             or _current_raw_stream is None
             or _current_device_index is None
             or _current_device_index() != device_index
@@ -258,5 +258,5 @@ class LayeredLaunch:
         compiled = table.launch.run(
             gather_layers_kernel, args, tiles, self.ctas, table.align, self.device
         )
-        if self.device.type == "cuda" and n_rows < _I32_LIMIT and hasattr(compiled, "run"):
+        if self.device.type == "cuda" and n_rows < I32_LIMIT and hasattr(compiled, "run"):
             self._compiled = compiled

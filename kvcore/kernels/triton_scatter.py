@@ -20,17 +20,14 @@ import torch
 
 from kvcore.kernels.triton_kernels import triton
 from kvcore.kernels.triton_layers import launch_hooked
-from kvcore.kernels.triton_tile import VECTOR_BYTES, Launch
+from kvcore.kernels.triton_tile import I32_LIMIT, VECTOR_BYTES, WORD_DTYPE_BY_SIZE, Launch
 
 if triton is not None:
     from kvcore.kernels.triton_kernels import scatter_slot_kernel
 
 logger = logging.getLogger(__name__)
 
-_WORD_BY_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _MOST_PAIRS = 2
-# Triton passes a count below this as a 32-bit integer: the compiled kernel takes no more.
-_I32_LIMIT = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ def _shape_of(dst: torch.Tensor, pairs: int) -> _Shape | None:
     words, pitch = row_bytes // size, pitch_bytes // size
     launch = Launch(words, size, None, None, None)
     align = math.gcd(words, pitch, VECTOR_BYTES // size)
-    return _Shape(_WORD_BY_SIZE[size], words, pitch, pairs, launch, align)
+    return _Shape(WORD_DTYPE_BY_SIZE[size], words, pitch, pairs, launch, align)
 
 
 def _alike(first: torch.Tensor, slot: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> bool:
@@ -97,7 +94,7 @@ class SlotScatter:
         call (no Triton, more than two pairs, mixed shapes, an address off 16 bytes, too
         many rows): the caller then copies the rows its own way."""
         pairs, n_rows = len(dsts), dst_idx.shape[0]
-        if triton is None or not 0 < pairs <= _MOST_PAIRS or not 0 < n_rows < _I32_LIMIT:
+        if triton is None or not 0 < pairs <= _MOST_PAIRS or not 0 < n_rows < I32_LIMIT:
             return False
         first = dsts[0]
         key = (first.device, first.dtype, first.shape[1], first.stride(0), pairs)

@@ -27,7 +27,9 @@ _MAX_BLOCK_BYTES = 32 * 1024
 _MAX_TILE_ROWS = 1024
 VECTOR_BYTES = 16
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
-_WORD_DTYPE_BY_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+WORD_DTYPE_BY_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Triton passes a count below this as a 32-bit integer: a compiled kernel takes no more.
+I32_LIMIT = 1 << 31
 
 
 def gather_sm_count(ctas: int) -> int:
@@ -60,7 +62,7 @@ def widest_word(src: torch.Tensor, dst: torch.Tensor) -> torch.dtype:
     )
     for size in (8, 4, 2):
         if all(fact % size == 0 for fact in byte_facts):
-            return _WORD_DTYPE_BY_SIZE[size]
+            return WORD_DTYPE_BY_SIZE[size]
     return torch.uint8
 
 
