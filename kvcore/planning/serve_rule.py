@@ -394,8 +394,11 @@ _ONE_TENSOR = "cross-layer (one KV tensor)"
 def _vllm_row(
     op: str, layout: str, page_sizes: str, serves: str, reason: str, evidence: str, **more: object
 ) -> dict[str, object]:
-    row: dict[str, object] = {"engine": "vllm", "pool": "-", "op": op, "io_backend": "-"}
-    return row | {
+    return {
+        "engine": "vllm",
+        "pool": "-",
+        "op": op,
+        "io_backend": "-",
         "layout": layout,
         "page_sizes": page_sizes,
         "serves": serves,
