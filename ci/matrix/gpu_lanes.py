@@ -26,6 +26,8 @@ PASSES = (
 )
 TESTS = "tests/v1/kv_offload/cpu/test_gpu_worker.py"
 _HEADING = re.compile(r"^=== (\S+):", re.MULTILINE)
+_VERSIONS = re.compile(r"^torch \S+ vllm (\S+) cuda", re.MULTILINE)
+_DEVICE = re.compile(r"^name, driver_version, memory\.total.*\n([^,\n]+),", re.MULTILINE)
 _JOBS = re.compile(
     r"kvcore: jobs copied by kvcore (\d+), handed to stock (\d+); reasons: (none|\{.*\})"
 )
@@ -88,29 +90,24 @@ def _jobs(section: str) -> tuple[int | None, int | None, dict[str, int]]:
     return int(found.group(1)), int(found.group(2)), dict(reasons)
 
 
-_VERSIONS = re.compile(r"^torch \S+ vllm (\S+) cuda", re.MULTILINE)
-_DEVICE = re.compile(r"^name, driver_version, memory\.total.*\n([^,\n]+),", re.MULTILINE)
-
-
 def read_run(folder: Path, date: str, command: str) -> GpuLaneRun:
     """A run of vLLM's GPU-worker lane from the script's output folder: the release and the
     device as its log names them, and each pass."""
-    passes = read_passes(folder)
-    log = (folder / "upstream-gpu.log").read_text(encoding="utf-8", errors="replace")
+    log_path = folder / "upstream-gpu.log"
+    if not log_path.is_file():
+        raise GpuLaneError(f"no {log_path.name} in {folder}: pass the script's $OUT folder")
+    log = log_path.read_text(encoding="utf-8", errors="replace")
     version, device = _VERSIONS.search(log), _DEVICE.search(log)
     if version is None or device is None:
-        raise GpuLaneError(f"{folder / 'upstream-gpu.log'} names no vLLM release or no device")
+        raise GpuLaneError(f"{log_path} names no vLLM release or no device")
+    passes = _passes(folder, _log_sections(log))
     return GpuLaneRun(
         "vllm", version.group(1), TESTS, device.group(1).strip(), date, command, passes
     )
 
 
-def read_passes(folder: Path) -> tuple[GpuPass, ...]:
-    """The passes of one ``vllm_upstream_gpu.sh run`` output folder."""
-    log_path = folder / "upstream-gpu.log"
-    if not log_path.is_file():
-        raise GpuLaneError(f"no {log_path.name} in {folder}: pass the script's $OUT folder")
-    sections = _log_sections(log_path.read_text(encoding="utf-8", errors="replace"))
+def _passes(folder: Path, sections: dict[str, str]) -> tuple[GpuPass, ...]:
+    """Each pass of the folder: its JUnit counts, and the jobs its log section counts."""
     passes = []
     for mode, stem, heading in PASSES:
         junit = folder / f"{stem}.xml"
