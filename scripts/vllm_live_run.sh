@@ -32,7 +32,8 @@
 # GPU KV cache, so conversations leave it between turns), CPU_GIB (48; at most half the
 # host's memory), MAX_LEN (33792), FIRST_TURNS (comma-separated first-turn sizes the
 # conversations cycle through; empty: live_trace.py's own, 512 to 32000),
-# START_TIMEOUT_S (300), AB_SHARE (0.5), PYTHON (python3).
+# START_TIMEOUT_S (300), TRACE_TIMEOUT_S (300: a mode's trace is stopped after it, its
+# server's log end shown and the next mode started), AB_SHARE (0.5), PYTHON (python3).
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -144,12 +145,19 @@ for mode in "${modes[@]}"; do
         trace_args=()
         [[ "$mode" == kvcore-ab ]] && trace_args=(--ab-log "$logs/server-$label.log")
         [[ -n "${FIRST_TURNS:-}" ]] && trace_args+=(--first-turn-tokens "$FIRST_TURNS")
-        if "$python" "$repo/scripts/live_trace.py" run --url "$url" --model "$model" \
+        trace_rc=0
+        timeout "${TRACE_TIMEOUT_S:-300}" "$python" "$repo/scripts/live_trace.py" run \
+            --url "$url" --model "$model" \
             --mode "$mode" --label "$label" --out "$out/live-$label.json" "${trace_args[@]}" \
             --conversations "${CONVERSATIONS:-28}" --turns "${TURNS:-3}" \
             --concurrency "${CONCURRENCY:-8,32}" --startup-s "$up_after" \
-            --cpu-tier-gib "${CPU_GIB:-48}" > "$logs/trace-$label.txt" 2>&1; then
+            --cpu-tier-gib "${CPU_GIB:-48}" > "$logs/trace-$label.txt" 2>&1 || trace_rc=$?
+        if ((trace_rc == 0)); then
             reports+=("$out/live-$label.json")
+        elif ((trace_rc == 124)); then
+            echo "$label: the trace did not finish in ${TRACE_TIMEOUT_S:-300} s" \
+                "(TRACE_TIMEOUT_S); the server log's end:" >&2
+            tail -20 "$logs/server-$label.log" >&2
         else
             echo "$label: the trace failed:" >&2
             tail -20 "$logs/trace-$label.txt" >&2

@@ -15,7 +15,7 @@ from typing import Any
 
 from benchmarks.median_difference import median_difference_interval
 from benchmarks.vllm.live_trace_attribution import KVCORE_COPY, STOCK_SHARE
-from benchmarks.vllm.live_trace_metrics import LOAD_TIME
+from benchmarks.vllm.live_trace_metrics import LOAD_BYTES, LOAD_TIME
 from benchmarks.vllm.live_trace_result import Result, ms, sizes
 
 
@@ -42,14 +42,28 @@ def compare_hits(requests: list[Result], reference: list[Result]) -> list[dict[s
     return rows
 
 
+# A later turn can find most of its conversation still on the GPU and load only a
+# top-up from the CPU tier. Against a whole-prefix reload that is not the same work,
+# so the A/B keeps the hits that loaded at least this share of their size's largest load.
+WHOLE_RELOAD_SHARE = 0.5
+
+
+def whole_reloads(hits: list[Result]) -> list[Result]:
+    """The hits that reloaded their conversation's prefix, not a top-up of it."""
+    largest = max((r.counted.get(LOAD_BYTES, 0.0) for r in hits), default=0.0)
+    return [r for r in hits if r.counted.get(LOAD_BYTES, 0.0) >= WHOLE_RELOAD_SHARE * largest]
+
+
 def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
     """Per first-turn size, the CPU-tier hits of one process whose loads kvcore copied
     against those whose loads were drawn for stock's copy (``stock_share``): TTFT and
     reload medians of each, and kvcore's TTFT median less stock's with its bootstrap
-    interval. Both arms share the process, its engine and its drift."""
+    interval. Both arms share the process, its engine and its drift. Top-up loads are left
+    out (:func:`whole_reloads`) and counted as ``top_ups_left_out``."""
     rows = []
     for size in sizes(requests):
-        hits = [r for r in requests if r.cpu_tier_hit and r.first_turn_tokens == size]
+        sized = [r for r in requests if r.cpu_tier_hit and r.first_turn_tokens == size]
+        hits = whole_reloads(sized)
         arms = {
             copy: [r for r in hits if r.copies and set(r.copies) == {copy}]
             for copy in (KVCORE_COPY, STOCK_SHARE)
@@ -70,6 +84,7 @@ def in_process_ab(requests: list[Result]) -> list[dict[str, Any]]:
                 "first_turn_tokens": size,
                 "kvcore_hits": len(kvcore),
                 "stock_hits": len(stock),
+                "top_ups_left_out": len(sized) - len(hits),
                 "kvcore_ttft_ms_p50": ms(statistics.median(r.ttft_s for r in kvcore)),
                 "stock_ttft_ms_p50": ms(statistics.median(r.ttft_s for r in stock)),
                 "kvcore_reload_ms_p50": ms(

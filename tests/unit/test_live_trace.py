@@ -449,9 +449,9 @@ def test_attribute_takes_the_copies_again_from_the_saved_log(tmp_path):
     assert json.loads(out.read_text())["sequential_requests"][0]["copies"] == []
 
 
-def _hit(ttft_s: float, copies: list[str], size: int = 2048) -> Any:
+def _hit(ttft_s: float, copies: list[str], size: int = 2048, load_bytes: float = 1e6) -> Any:
     """A CPU-tier hit whose reload took a tenth of its TTFT."""
-    counted = {LOAD_BYTES: 1e6, LOAD_TIME: ttft_s / 10}
+    counted = {LOAD_BYTES: load_bytes, LOAD_TIME: ttft_s / 10}
     return Result(0, size, 1, size, ttft_s, ttft_s, [1], counted, copies)
 
 
@@ -471,6 +471,18 @@ def test_in_process_ab_compares_kvcores_hits_with_stocks_and_leaves_mixed_ones_o
     assert low <= -9.0 <= high < 0
     low, high = row["reload_ms_difference_interval"]
     assert low <= -0.9 <= high < 0
+
+
+def test_in_process_ab_leaves_out_a_later_turns_top_up_load():
+    # The kvcore arm reloads the whole 32k prefix; stock's only draw was a later turn that
+    # found most of its conversation on the GPU and loaded a fourteenth of it.
+    requests = [_hit(0.120, ["kvcore"], 32000, load_bytes=4.2e9)]
+    requests.append(_hit(0.049, ["stock_share"], 32000, load_bytes=0.3e9))
+    assert in_process_ab(requests) == []
+    requests.append(_hit(0.130, ["stock_share"], 32000, load_bytes=4.0e9))
+    (row,) = in_process_ab(requests)
+    assert (row["kvcore_hits"], row["stock_hits"], row["top_ups_left_out"]) == (1, 1, 1)
+    assert row["ttft_ms_p50_difference"] == pytest.approx(-10.0)
 
 
 def test_a_trace_of_chosen_first_turns_is_summarized_at_those_sizes_only():

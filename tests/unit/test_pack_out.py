@@ -31,9 +31,29 @@ def test_logs_go_into_one_archive_and_the_json_stays(tmp_path: Path) -> None:
         assert member is not None and member.read() == b"log of b\n"
 
 
-def test_more_json_files_than_a_call_brings_back_fail(tmp_path: Path) -> None:
-    for i in range(9):
+def test_more_json_files_than_a_call_brings_back_go_into_the_archive_too(tmp_path: Path) -> None:
+    for suite in ("c8", "c16"):
+        (tmp_path / suite).mkdir()
+        (tmp_path / suite / "beside.json").write_text(f'{{"suite": "{suite}"}}')
+    (tmp_path / "fs").mkdir()
+    for i in range(6):
+        (tmp_path / "fs" / f"r{i}.json").write_text(f'{{"i": {i}}}')
+        (tmp_path / "fs" / f"r{i}.log").write_text(f"log {i}\n")
+    result = _pack(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "8 JSON files" in result.stderr
+    left = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert left == [tmp_path / "rest.tar.gz"]
+    with tarfile.open(tmp_path / "rest.tar.gz") as archive:
+        names = sorted(archive.getnames())
+        assert len(names) == 14 and "./fs/r5.json" in names and "./c16/beside.json" in names
+        member = archive.extractfile("./fs/r3.json")
+        assert member is not None and member.read() == b'{"i": 3}'
+
+
+def test_eight_json_files_and_no_logs_come_back_as_they_are(tmp_path: Path) -> None:
+    for i in range(8):
         (tmp_path / f"r{i}.json").write_text("{}")
     result = _pack(tmp_path)
-    assert result.returncode == 1
-    assert "9 files left" in result.stderr and not (tmp_path / "rest.tar.gz").exists()
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"r{i}.json" for i in range(8)]
