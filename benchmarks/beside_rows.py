@@ -124,6 +124,9 @@ def summary_line(row: dict[str, Any]) -> str:
         )
         if "forward_with_own_ms" in row:
             forward += f" with own {row['forward_with_own_ms']:.1f}"
+        launches = row.get("forward_launch_host_ms")
+        if launches:
+            forward += " launch host " + "/".join(f"{ms:.2f}" for ms in launches.values())
     own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""
     case = f"{row['case']}/{row['op']}" if "op" in row else row["case"]
     return (

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -159,6 +160,7 @@ def cells(
             forward.size_for(reference)
             reload_times: dict[str, list[float]] = {side.name: [] for side in sides}
             forward_times: dict[str, list[float]] = {side.name: [] for side in sides}
+            launch_times: dict[str, list[float]] = {side.name: [] for side in sides}
             alone: list[float] = []
             tally = Tally(_Metrics(kvcore))
             for i in range(opts.repeats + 1):
@@ -168,14 +170,15 @@ def cells(
                     alone.append(start.elapsed_time(end))
                 request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu)
                 for side in _order(sides, i):
-                    ms, checked, forward_ms = tally.timed(
+                    ms, checked, forward_ms, launch_ms = tally.timed(
                         side, functools.partial(_beside, loads, side, request, forward)
                     )
                     ok &= checked
                     if i:
                         reload_times[side.name].append(ms)
                         forward_times[side.name].append(forward_ms)
-            yield reload_row(
+                        launch_times[side.name].append(launch_ms)
+            row = reload_row(
                 place,
                 "independent",
                 load,
@@ -186,16 +189,28 @@ def cells(
                 ok,
                 tally,
             )
+            row["forward_launch_host_ms"] = {name: median(t) for name, t in launch_times.items()}
+            yield row
 
 
-def _beside(loads: _Loads, side: Side, request: Any, forward: Forward) -> tuple[float, bool, float]:
-    """(load ms, checked ok, forward ms) of one request with the forward queued right after
-    its submissions."""
+def _beside(
+    loads: _Loads, side: Side, request: Any, forward: Forward
+) -> tuple[float, bool, float, float]:
+    """(load ms, checked ok, forward ms, forward launch host ms) of one request with the
+    forward queued right after its submissions. The launch's host time tells a forward held
+    back on the host (its start event already queued) from one slowed on the GPU."""
     events: list[tuple[Any, Any]] = []
-    ms, ok = loads.through(side, request, lambda: events.append(forward.replay()))
+    launch: list[float] = []
+
+    def queue_forward() -> None:
+        began = time.perf_counter()
+        events.append(forward.replay())
+        launch.append((time.perf_counter() - began) * 1e3)
+
+    ms, ok = loads.through(side, request, queue_forward)
     start, end = events[0]
     end.synchronize()
-    return ms, ok, start.elapsed_time(end)
+    return ms, ok, start.elapsed_time(end), launch[0]
 
 
 def run(

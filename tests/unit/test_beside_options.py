@@ -86,6 +86,26 @@ def test_a_row_carries_the_fields_the_issue_names_and_a_paired_interval():
     assert alone["forward_with_stock_ms"] is None and alone["identical"] is False
 
 
+def test_the_summary_line_gives_each_sides_forward_launch_host_time_where_the_row_has_it():
+    place = beside_rows.RowPlace("vllm", "per-layer/32L/mha-32KiB/host-0%/load", 8192, 16, 32)
+    times = {"stock": [18.0, 19.0], "kvcore": [12.0, 12.5]}
+    row = beside_rows.reload_row(
+        place,
+        "independent",
+        "decode-64",
+        9.7,
+        times,
+        {"stock": [26.0], "kvcore": [26.5]},
+        16.0,
+        True,
+    )
+    assert "launch host" not in beside_rows.summary_line(row)
+    row["forward_launch_host_ms"] = {"stock": 0.04, "kvcore": 9.5}
+    assert beside_rows.summary_line(row).endswith(
+        "with kvcore 26.5 launch host 0.04/9.50 identical=True"
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

@@ -3,6 +3,7 @@ forward queued between their submission and their collection, every one checked.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.vllm
 
 MODEL = ModelLayout(False, 4, "small", 1 << 10)
 TOKENS = (256, 1024)  # 16 and 64 blocks
+LAUNCH_S = 0.002
 
 
 @dataclass
@@ -49,6 +51,8 @@ class FakeForward:
     def replay(self) -> tuple[FakeEvent, FakeEvent]:
         # Job ids handed out so far: a replay inside a request comes after its submission.
         self.replays.append(f"after job {self.loads.next_id - 1}")
+        # A launch that holds the host (as a full launch queue would) for 2 ms.
+        time.sleep(LAUNCH_S)
         return FakeEvent(0.0), FakeEvent(3.0)
 
 
@@ -90,6 +94,10 @@ def test_every_cell_has_its_rows_checked_and_the_forward_beside_each_request(mon
     independent = rows[1]
     assert independent["forward_alone_ms"] == 3.0
     assert independent["forward_with_kvcore_ms"] == independent["forward_with_own_ms"] == 3.0
+    launches = independent["forward_launch_host_ms"]
+    assert set(launches) == {"stock", "kvcore", "own"}
+    assert all(LAUNCH_S * 1e3 <= ms < 50 * LAUNCH_S * 1e3 for ms in launches.values())
+    assert "forward_launch_host_ms" not in rows[0]
     # Per cell: one replay alone and one inside each side's request, for the warm-up too;
     # each inside a request comes after that request's job was submitted.
     inside = [r for r in forward.replays if r != "after job -1"]
