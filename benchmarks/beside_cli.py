@@ -19,8 +19,9 @@ Progress = Callable[[str], None]
 
 def shared_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options fields both benches take from ``kvcore bench``'s arguments, where given:
-    ``kinds`` (--rows), ``tokens`` (--sizes), ``loads`` (--compute), ``repeats`` and
-    ``partial_json`` (--json: the rows so far are written there as the run goes)."""
+    ``kinds`` (--rows), ``tokens`` (--sizes), ``loads`` (--compute), ``repeats``,
+    ``forward_span`` and ``partial_json`` (--json: the rows so far are written there as the
+    run goes)."""
     fields: dict[str, Any] = {}
     if getattr(args, "rows", None):
         fields["kinds"] = tuple(args.rows.split(","))
@@ -30,6 +31,8 @@ def shared_options(args: argparse.Namespace) -> dict[str, Any]:
         fields["loads"] = tuple(args.compute.split(","))
     if getattr(args, "repeats", 0):
         fields["repeats"] = int(args.repeats)
+    if getattr(args, "forward_span", None):
+        fields["forward_span"] = float(args.forward_span)
     if getattr(args, "json", None):
         fields["partial_json"] = args.json
     return fields

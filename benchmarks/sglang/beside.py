@@ -83,6 +83,9 @@ class BesideOptions:
     """Where to write the rows so far after every pool, so a run cut short keeps them."""
     backups: bool = False
     """Also time backups (device to host), alone and beside another batch's forward."""
+    forward_span: float = 1.0
+    """Another batch's forward lasts about this many times stock's copy alone (over 1: the
+    GPU stays busy through the copy, as in an engine running forwards back to back)."""
 
 
 @dataclass
@@ -323,7 +326,7 @@ def _cells(
     stock_alone = median(times["stock"])
     for load in opts.loads:
         forward = forwards[load]
-        forward.size_for(stock_alone)
+        forward.size_for(stock_alone * opts.forward_span)
         alone = []
         for situation in situations:
             reload_times: dict[str, list[float]] = {side.name: [] for side in sides}
@@ -429,6 +432,7 @@ def _document(
         host_fragmentation=opts.host_level,
         sglang_dma_in_place=KVCoreConfig.from_env().sglang_dma_in_place,
         timed_from="move_indices",
+        forward_span=opts.forward_span,
     )
 
 

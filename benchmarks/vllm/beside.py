@@ -78,6 +78,8 @@ class VllmBesideOptions:
     seed: int = 4321
     partial_json: str | None = None
     """Where to write the rows so far after every layout, so a run cut short keeps them."""
+    forward_span: float = 1.0
+    """Another batch's forward lasts about this many times stock's load alone."""
 
 
 class Forward(Protocol):
@@ -157,7 +159,7 @@ def cells(
         reference = median(times["stock"]) if times.get("stock") else median(times["kvcore"])
         for load in opts.loads:
             forward = forwards[load]
-            forward.size_for(reference)
+            forward.size_for(reference * opts.forward_span)
             reload_times: dict[str, list[float]] = {side.name: [] for side in sides}
             forward_times: dict[str, list[float]] = {side.name: [] for side in sides}
             launch_times: dict[str, list[float]] = {side.name: [] for side in sides}
@@ -282,7 +284,15 @@ def _layout_rows(
 def _document(
     opts: VllmBesideOptions, vllm: Any, rows: list[dict[str, Any]], skipped: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    return document("vllm", opts.device, vllm, rows, skipped, host_fragmentation=opts.frag)
+    return document(
+        "vllm",
+        opts.device,
+        vllm,
+        rows,
+        skipped,
+        host_fragmentation=opts.frag,
+        forward_span=opts.forward_span,
+    )
 
 
 def options_for(args: argparse.Namespace) -> VllmBesideOptions:

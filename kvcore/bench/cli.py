@@ -87,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pages", help="with --beside-compute: comma list of page sizes (default 64,16,1)"
     )
     parser.add_argument(
+        "--forward-span",
+        type=float,
+        help="with --beside-compute: size another batch's forward to this many times stock's "
+        "copy alone (default 1; 3 or more keeps the GPU busy through the copy, as an engine "
+        "running forwards back to back does)",
+    )
+    parser.add_argument(
         "--stores",
         action="store_true",
         help="with --beside-compute: also the engine's page-outs (vLLM's stores, SGLang's "
@@ -213,6 +220,14 @@ def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--pages {pages}: vLLM's blocks are 16 tokens; --pages is SGLang's")
     if getattr(args, "stores", False) and not beside:
         problems.append("--stores: it applies only with --beside-compute")
+    span = getattr(args, "forward_span", None)
+    if span is not None and not beside:
+        problems.append(f"--forward-span {span:g}: it applies only with --beside-compute")
+    elif span is not None and not 0.1 <= span <= 100:
+        problems.append(
+            f"--forward-span {span:g}: give a multiple of stock's copy time from 0.1 to 100 "
+            "(1, the default, lasts about as long as the copy)"
+        )
     if compute is not None:
         from benchmarks.model_forward import COMPUTE_LOADS
 

@@ -53,6 +53,8 @@ def test_options_come_from_the_bench_arguments():
     assert opts.loads == ("decode-64",) and opts.repeats == 4
     assert not opts.serve_rule and opts.partial_json == "out.json" and not opts.backups
     assert beside.options_for(_args("--stores")).backups
+    assert opts.forward_span == 1.0
+    assert beside.options_for(_args("--forward-span", "4")).forward_span == 4.0
     assert beside.options_for(_args()).loads == ("decode-64", "decode-256", "prefill-4096")
 
 
@@ -118,6 +120,11 @@ def test_the_summary_line_gives_each_sides_forward_launch_host_time_where_the_ro
         (["--compute", "decode-64"], "--compute decode-64: it applies only with"),
         (["--engine", "sglang", "--sweep", "--stores"], "--stores: it applies only with"),
         (["--pages", "64"], "--pages 64: it applies only with"),
+        (["--forward-span", "3"], "--forward-span 3: it applies only with --beside-compute"),
+        (
+            ["--engine", "vllm", "--sweep", "--beside-compute", "--forward-span", "0"],
+            "--forward-span 0: give a multiple of stock's copy time from 0.1 to 100",
+        ),
         (
             ["--engine", "sglang", "--sweep", "--beside-compute", "--compute", "prefill-9"],
             "'prefill-9' is no compute load; give a comma list of decode-64, decode-256",
@@ -229,6 +236,11 @@ def test_a_cell_yields_alone_then_each_load_in_both_situations(monkeypatch):
         ("dependent", "decode-64"),
     ]
     assert sized == [1.0]  # the forward sized to stock's reload alone
+    span = beside.BesideOptions(
+        repeats=2, loads=("decode-64",), device=beside.torch.device("cpu"), forward_span=3.0
+    )
+    list(beside._cells(case, 128, span, {"decode-64": forward}, metrics))
+    assert sized == [1.0, 3.0]  # --forward-span 3: three times as long
     assert [r["repeats"] for r in rows] == [2, 2, 2]  # the warm-up request is not timed
     assert rows[1]["forward_alone_ms"] == 9.0 and rows[1]["forward_with_kvcore_ms"] == 6.0
     ideal = beside_rows.ideal_pipeline_ms(128 * 4096, 4, 0.5)

@@ -108,6 +108,22 @@ def test_every_cell_has_its_rows_checked_and_the_forward_beside_each_request(mon
     assert pools.verify_all()
 
 
+def test_a_forward_span_sizes_the_forward_to_that_many_loads(monkeypatch):
+    pools, blocks, sides = _setup(monkeypatch)
+    loads = beside._Loads(pools, blocks, seed=5)
+    forward = FakeForward(loads)
+    opts = beside.VllmBesideOptions(
+        tokens=TOKENS[:1],
+        loads=("decode-64",),
+        repeats=1,
+        device=torch.device("cpu"),
+        forward_span=4.0,
+    )
+    rows = list(beside.cells(MODEL, loads, sides, {"decode-64": forward}, opts))
+    assert forward.sized == [pytest.approx(4.0 * rows[0]["stock_ms"])]
+    assert pools.verify_all()
+
+
 def test_a_side_that_moves_a_wrong_byte_marks_its_rows(monkeypatch):
     pools, blocks, sides = _setup(monkeypatch)
     loads = beside._Loads(pools, blocks, seed=4)
