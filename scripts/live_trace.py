@@ -100,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--turns", type=int, default=3)
     one.add_argument("--max-tokens", type=int, default=16)
     one.add_argument(
+        "--concurrent-max-tokens",
+        type=int,
+        help="each answer's length in the concurrent passes (default: --max-tokens), "
+        "e.g. 256 to keep requests decoding while later turns' hits load",
+    )
+    one.add_argument(
         "--concurrency",
         type=_levels,
         default=[8],
@@ -143,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         if args.turns < 2:
             parser.error("--turns must be at least 2: hits come from later turns")
+        for option, value in (
+            ("--max-tokens", args.max_tokens),
+            ("--concurrent-max-tokens", args.concurrent_max_tokens),
+        ):
+            if value is not None and value < 1:
+                parser.error(f"{option} {value}: give 1 or more tokens")
         report = run(args)
         report["startup_s"], report["cpu_tier_gib"] = args.startup_s, args.cpu_tier_gib
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

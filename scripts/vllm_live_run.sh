@@ -32,6 +32,8 @@
 # GPU KV cache, so conversations leave it between turns), CPU_GIB (48; at most half the
 # host's memory), MAX_LEN (33792), FIRST_TURNS (comma-separated first-turn sizes the
 # conversations cycle through; empty: live_trace.py's own, 512 to 32000),
+# MAX_TOKENS (16: each answer's length), CONCURRENT_MAX_TOKENS (MAX_TOKENS: in the concurrent
+# passes, e.g. 256 to keep requests decoding while hits load beside them),
 # START_TIMEOUT_S (300), TRACE_TIMEOUT_S (300: a mode's trace is stopped after it, its
 # server's log end shown and the next mode started), AB_SHARE (0.5), PYTHON (python3).
 set -euo pipefail
@@ -150,6 +152,8 @@ for mode in "${modes[@]}"; do
             --url "$url" --model "$model" \
             --mode "$mode" --label "$label" --out "$out/live-$label.json" "${trace_args[@]}" \
             --conversations "${CONVERSATIONS:-28}" --turns "${TURNS:-3}" \
+            --max-tokens "${MAX_TOKENS:-16}" \
+            --concurrent-max-tokens "${CONCURRENT_MAX_TOKENS:-${MAX_TOKENS:-16}}" \
             --concurrency "${CONCURRENCY:-8,32}" --startup-s "$up_after" \
             --cpu-tier-gib "${CPU_GIB:-48}" > "$logs/trace-$label.txt" 2>&1 || trace_rc=$?
         if ((trace_rc == 0)); then

@@ -35,7 +35,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     level of ``args.concurrency`` above 1, in the order given (level 1 is the sequential
     pass's own)."""
     server = Server(args.url, args.model, args.max_tokens)
-    settings = ("conversations", "turns", "max_tokens", "concurrency", "seed", "first_turn_tokens")
+    settings = (
+        "conversations",
+        "turns",
+        "max_tokens",
+        "concurrent_max_tokens",
+        "concurrency",
+        "seed",
+        "first_turn_tokens",
+    )
     report: dict[str, Any] = {
         "mode": args.mode,
         "label": args.label or args.mode,
@@ -55,13 +63,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["sequential"] = summarize(results, wall_s)
     report["sequential_requests"] = [asdict(r) for r in results]
     levels: list[dict[str, Any]] = []
+    # Longer answers in the concurrent passes keep requests decoding while later turns'
+    # hits load beside them, which is what the passes' output tokens/s and TPOT are for.
+    decoding = Server(args.url, args.model, args.concurrent_max_tokens or args.max_tokens)
     for k, level in enumerate((level for level in args.concurrency if level > 1), start=1):
         # Each level its own token ids, so that no level finds another's prompts cached.
         seed = args.seed + 1000 * k
         concurrent = make_conversations(
             args.conversations, args.turns, seed, args.first_turn_tokens
         )
-        results, wall = run_concurrent(server, concurrent, seed, level)
+        results, wall = run_concurrent(decoding, concurrent, seed, level)
         summary = summarize(results, wall)
         # The first level's pass also goes where reports had their one concurrent pass:
         # combine's tokens_per_s reads it there, in older reports and in these.

@@ -636,6 +636,39 @@ def test_each_concurrency_level_runs_its_own_pass_on_its_own_conversations(serve
     assert len(stand_in.seen) == 3 * 12 and len(set(stand_in.seen)) == 3 * 12
 
 
+def test_concurrent_passes_answer_at_their_own_length(serve, tmp_path):
+    class Lengths(StandIn):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: list[int] = []
+
+        def answer(self, prompt: list[int], count: int) -> list[int]:
+            self.counts.append(count)
+            return super().answer(prompt, count)
+
+    stand_in = Lengths()
+    out = tmp_path / "stock.json"
+    argv = ["run", "--url", serve(stand_in), "--model", "m", "--mode", "stock"]
+    argv += ["--out", str(out), "--conversations", "3", "--concurrency", "2"]
+    assert live_trace.main([*argv, "--max-tokens", "4", "--concurrent-max-tokens", "40"]) == 0
+    # The sequential pass's 9 answers are 4 tokens long, the concurrent pass's 9 are 40.
+    assert stand_in.counts[:9] == [4] * 9 and stand_in.counts[9:] == [40] * 9
+    report = json.loads(out.read_text())
+    assert report["settings"]["concurrent_max_tokens"] == 40
+    level = report["concurrent_levels"][0]
+    assert level["output_tokens_per_s"] > 0 and level["tpot_ms_p50"] is not None
+
+
+@pytest.mark.parametrize("option", ["--max-tokens", "--concurrent-max-tokens"])
+def test_an_answer_length_under_one_is_a_one_line_usage_error(option: str, capsys) -> None:
+    argv = ["run", "--model", "m", "--mode", "stock", "--out", "x", option, "0"]
+    with pytest.raises(SystemExit) as stopped:
+        live_trace.main(argv)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert error.splitlines()[-1].endswith(f"error: {option} 0: give 1 or more tokens")
+
+
 def _levels_report(
     mode: str, label: str, machine: str, levels: dict[int, tuple[float, float | None]]
 ) -> dict:
