@@ -1,7 +1,8 @@
 """Why does another batch's forward stretch by a whole copy's time beside a CPU-tier load?
 
     python3 scripts/forward_stretch_probe.py [--kind mha] [--load decode-64] [--layers 32]
-        [--copy-mib 1024] [--repeats 5] [--extra-streams 0,40] [--stream-gaps 1,2,8,32] [--json F]
+        [--copy-mib 1024] [--repeats 5] [--extra-streams 0,40] [--stream-gaps 1,2,8,32]
+        [--host pinned|registered] [--one-call] [--json F]
 
 ``benchmarks/vllm/beside.py`` saw its forward (``ForwardGraph``) take its own time plus the
 load's beside every copy side, DMA included. This times that forward beside plain copies,
@@ -14,6 +15,9 @@ no engine, one thing changed at a time (ms, medians of ``--repeats`` after a war
 - ``one-copy`` (one pinned host-to-device ``copy_``) or ``batched`` (the same bytes as 32 KiB
   pages to shuffled device pages, cudaMemcpyBatchAsync per layer): a stretch beside batched
   only is the many small copy commands' (H3); ``copy-first`` (the harness's order) or not;
+  ``--one-call`` issues every layer's pages in one call, as vLLM's copy op takes a job, and
+  ``--host registered`` copies from memory mapped and registered as the bench's CPU tier is
+  (H6: the 2026-12-05 H100 run, per-layer calls from torch's pinned memory, saw no stretch);
 - streams: ``torch.cuda.Stream()`` deals torch's pool of 32 streams round-robin, so
   ``--extra-streams`` K only shifts both in the pool; the forward's stream is drawn G
   (``--stream-gaps``) after the copy's. torch created the pool interleaving its priorities
@@ -54,7 +58,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.model_forward import COMPUTE_LOADS, ForwardGraph, measured_forward
-from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
+from kvcore.bench.host_buffers import HostBuffer, allocate_host_buffer
+from kvcore.kernels.batch_copy import (
+    MAX_COPIES_PER_CALL,
+    batch_copy_available,
+    batch_copy_pointers,
+)
 from kvcore.kernels.cudart import loaded_cudart
 
 PAGE_BYTES = 32 * 1024  # an MHA block of vLLM's sweep (16 tokens x 8 heads x 128 x K,V x bf16)
@@ -138,6 +147,14 @@ def page_runs(
     return [(dsts[chunk], srcs[chunk], sizes[chunk]) for chunk in chunks]
 
 
+def one_call_runs(
+    runs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every layer's (dsts, srcs, sizes) as one call's, in layer order."""
+    dsts, srcs, sizes = (np.concatenate(parts) for parts in zip(*runs, strict=True))
+    return [(dsts, srcs, sizes)]
+
+
 def cuda_refusal() -> str | None:
     """Why this process cannot run the probe, or None."""
     with warnings.catch_warnings():
@@ -176,11 +193,30 @@ def _event() -> Any:
 class Rig:
     """The buffers, page runs and forward that every cell queues."""
 
-    def __init__(self, fg: ForwardGraph, nbytes: int, layers: int, device: torch.device):
+    def __init__(
+        self,
+        fg: ForwardGraph,
+        nbytes: int,
+        layers: int,
+        device: torch.device,
+        host: str = "pinned",
+        one_call: bool = False,
+    ):
         self.fg = fg
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.registered: HostBuffer | None = None
+        if host == "registered":
+            # As the vLLM bench's tier: mapped, faulted, then registered as one range.
+            self.registered = allocate_host_buffer(nbytes, pin=True, register_chunk_bytes=nbytes)
+            self.host = self.registered.tensor.view(torch.uint8)
+        else:
+            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.target = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.runs = page_runs(self.host.data_ptr(), self.target.data_ptr(), nbytes, layers)
+        # One call for every layer's pages (as vLLM's copy op takes a job), else a call a layer.
+        self.max_per_call: int | None = MAX_COPIES_PER_CALL
+        if one_call:
+            self.runs = one_call_runs(self.runs)
+            self.max_per_call = None
         self.marker = torch.zeros(1, device=device)
         self.scratch = torch.empty(MEMSET_BYTES, dtype=torch.uint8, device=device)
         self.memset = _memset_call()
@@ -195,7 +231,14 @@ class Rig:
             else:
                 for dsts, srcs, sizes in self.runs:
                     # No stream writes the host pages: any read order, as vLLM's loads.
-                    batch_copy_pointers(dsts, srcs, sizes, stream, source_in_stream_order=False)
+                    batch_copy_pointers(
+                        dsts,
+                        srcs,
+                        sizes,
+                        stream,
+                        source_in_stream_order=False,
+                        max_copies_per_call=self.max_per_call,
+                    )
             end.record()
         return Window(start, end, None, time.perf_counter() - began)
 
@@ -272,7 +315,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> int
     device = torch.device("cuda")
     connections = os.environ.get(CONNECTIONS, "unset")
     fg = measured_forward(args.kind, args.load, args.layers, device)
-    rig = Rig(fg, args.copy_mib << 20, args.layers, device)
+    rig = Rig(fg, args.copy_mib << 20, args.layers, device, args.host, args.one_call)
     once = torch.cuda.Stream(device)
     sized_to = measure(Cell(None, "one-copy", None, 0, 1), rig, {"copy": once}, 3)["copy_ms"]
     fg.size_for(sized_to)
@@ -285,6 +328,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> int
     env.update(torch=torch.__version__, cuda=torch.version.cuda, kind=args.kind, load=args.load)
     env.update(layer_ms=fg.layer_ms, forward_layers=fg.count, sized_to_copy_ms=sized_to)
     env.update(copy_mib=args.copy_mib, page_calls=len(rig.runs), repeats=args.repeats)
+    env.update(host=args.host, one_call=args.one_call)
     env["stream_priority_range"] = fg.stream.priority_range()
     emit({"env": {**env, "missing": missing}})
     rc = 0
@@ -336,6 +380,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--extra-streams", type=parse_ints, default=(0, 40))
     parser.add_argument("--stream-gaps", type=parse_ints, default=(1, 2, 8, 32))
+    parser.add_argument(
+        "--host",
+        choices=("pinned", "registered"),
+        default="pinned",
+        help="the copy's host memory: torch's pinned allocation, or mapped and registered "
+        "with cudaHostRegister as one range (as the vLLM bench's CPU tier)",
+    )
+    parser.add_argument(
+        "--one-call",
+        action="store_true",
+        help="batched: every layer's pages in one cudaMemcpyBatchAsync, as vLLM's copy op "
+        "takes a job (default: one call a layer, at most 256 copies each)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     positive = (args.layers, args.copy_mib, args.repeats, *args.stream_gaps)

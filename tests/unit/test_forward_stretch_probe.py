@@ -35,7 +35,8 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_exits_0_and_names_the_options():
     done = _run("--help")
     assert done.returncode == 0, done.stderr
-    for option in ("--kind", "--load", "--copy-mib", "--extra-streams", "--stream-gaps"):
+    options = ("--kind", "--load", "--copy-mib", "--extra-streams", "--stream-gaps", "--host")
+    for option in (*options, "--one-call"):
         assert option in done.stdout
 
 
@@ -60,7 +61,13 @@ def test_main_refuses_in_process_before_writing_json(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "args",
-    [["--stream-gaps", "0"], ["--extra-streams", "-1"], ["--layers", "0"], ["--load", "x"]],
+    [
+        ["--stream-gaps", "0"],
+        ["--extra-streams", "-1"],
+        ["--layers", "0"],
+        ["--load", "x"],
+        ["--host", "pageable"],
+    ],
 )
 def test_bad_arguments_are_usage_errors(args):
     with pytest.raises(SystemExit) as exit_info:
@@ -128,3 +135,13 @@ def test_page_runs_cover_every_page_once_in_layer_calls():
     assert [len(r[0]) for r in probe.page_runs(host, device, 3 * page, layers)] == [1, 1, 1]
     with pytest.raises(ValueError):
         probe.page_runs(host, device, page - 1, layers)
+
+
+def test_one_call_runs_hold_every_layers_pages_in_layer_order():
+    page = probe.PAGE_BYTES
+    runs = probe.page_runs(1 << 40, 1 << 44, 64 * page, 8, seed=1)
+    ((dsts, srcs, sizes),) = probe.one_call_runs(runs)
+    assert (dsts == np.concatenate([r[0] for r in runs])).all()
+    assert (srcs == np.concatenate([r[1] for r in runs])).all()
+    assert len(sizes) == 64 and (sizes == page).all()
+    assert all(a.dtype == np.uint64 and a.flags.c_contiguous for a in (dsts, srcs, sizes))
