@@ -17,7 +17,8 @@ no engine, one thing changed at a time (ms, medians of ``--repeats`` after a war
   only is the many small copy commands' (H3); ``copy-first`` (the harness's order) or not;
   ``--one-call`` issues every layer's pages in one call, as vLLM's copy op takes a job, and
   ``--host registered`` copies from memory mapped and registered as the bench's CPU tier is
-  (H6: the 2026-12-05 H100 run, per-layer calls from torch's pinned memory, saw no stretch);
+  (H6: what is left between the bench and this probe's default, per-layer calls from
+  torch's pinned memory, which stretched no forward in docs/lab/benchmarks.md, session 41);
 - streams: ``torch.cuda.Stream()`` deals torch's pool of 32 streams round-robin, so
   ``--extra-streams`` K only shifts both in the pool; the forward's stream is drawn G
   (``--stream-gaps``) after the copy's. torch created the pool interleaving its priorities
