@@ -278,12 +278,19 @@ def _beside_cells(rule: SGLangRule) -> list[dict]:
     return found
 
 
+# A backup kvcore serves may take this much longer than stock's (serve_rule.BACKUP_EVIDENCE:
+# nothing waits for it, but its pages stay locked until it is done).
+_BACKUP_SLACK = 1.25
+
+
 def _kvcore_wins(row: dict) -> bool:
-    """kvcore's own path (``own``: the rule off) reloads faster than stock beside compute,
-    and the forward beside it is no slower (noise aside)."""
-    return row["own_ms"] < row["stock_ms"] and (
-        row["forward_with_own_ms"] <= _FORWARD_NOISE * row["forward_with_stock_ms"]
-    )
+    """kvcore's own path (``own``: the rule off) is no worse for the forward beside it
+    (noise aside) and, for a reload, faster than stock's beside compute; for a backup, at
+    most :data:`_BACKUP_SLACK` slower."""
+    no_slower = row["forward_with_own_ms"] <= _FORWARD_NOISE * row["forward_with_stock_ms"]
+    if row.get("op") == "backup":
+        return no_slower and row["own_ms"] <= _BACKUP_SLACK * row["stock_ms"]
+    return no_slower and row["own_ms"] < row["stock_ms"]
 
 
 @pytest.mark.parametrize(
