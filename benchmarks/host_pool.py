@@ -19,9 +19,10 @@ and registration, with and without kvcore's faulting
 
 Each side of each engine and size runs in a process of its own, so that each starts from the
 same memory and its peak RSS is its own. Reported, per engine and size: the time until the
-tier is usable and until it is pinned whole (the same but for ``sglang-pin-first``, whose
-kvcore side pins a first share and the rest in the background:
-:mod:`kvcore_sglang.pool_pinning`), the steady and peak RSS, the bytes the tier takes, and
+tier is usable and until it is pinned whole (the same but for ``sglang-pin-first`` and
+``vllm-region-pin-first``, whose kvcore side pins a first share and the rest in the
+background: :mod:`kvcore_sglang.pool_pinning`, :mod:`kvcore_vllm.region_pinning`), the
+steady and peak RSS, the bytes the tier takes, and
 a part of it read to the GPU (the pinned memory must be as fast to copy from), its bytes
 compared. Without CUDA nothing is pinned, and the read is a host copy: a smoke run of the
 same code.
@@ -48,7 +49,8 @@ ENGINE = "vllm-0.25.1"
 REGION_ENGINE = "vllm-shared-region"
 SGLANG = "sglang"
 SGLANG_PIN_FIRST = "sglang-pin-first"
-ENGINES = (ENGINE, SGLANG, SGLANG_PIN_FIRST, REGION_ENGINE)
+REGION_PIN_FIRST = "vllm-region-pin-first"
+ENGINES = (ENGINE, SGLANG, SGLANG_PIN_FIRST, REGION_ENGINE, REGION_PIN_FIRST)
 LAYERS = 32
 BLOCK_BYTES = 16 * 8 * 128 * 2 * 2
 DEFAULT_GIB = (16.0, 32.0, 64.0, 96.0)
@@ -146,6 +148,8 @@ def _builder(engine: str, pin: bool) -> Builder:
     from benchmarks.vllm import shared_region_build
 
     shared_region_build.load(pin)
+    if engine == REGION_PIN_FIRST:
+        return shared_region_build.build_pin_first, shared_region_build.first_step_chunks
     return shared_region_build.build, shared_region_build.first_chunks
 
 
@@ -260,7 +264,9 @@ def parse_gib(text: str | None) -> tuple[float, ...]:
 
 
 def format_row(row: dict[str, Any]) -> str:
-    held_in = "one shared region" if row["engine"] == REGION_ENGINE else "tensors"
+    held_in = (
+        "one shared region" if row["engine"] in (REGION_ENGINE, REGION_PIN_FIRST) else "tensors"
+    )
     head = f"{row['engine']} {row['gib']:g} GiB ({row['tensor_bytes_gib']:.2f} in {held_in}): "
     if "skipped" in row:
         return head + f"skipped ({row['skipped']})"

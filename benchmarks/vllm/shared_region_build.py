@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,51 @@ def build(side: str, gib: float, pin: bool) -> Built:
         region.cleanup()
         raise
     return region.base_tensor, region.total_size_bytes, region.cleanup, None
+
+
+PIN_FIRST_BYTES = 2 << 30
+"""kvcore's first step under ``KVCORE_HOST_POOL_PIN_FIRST`` in the pin-first rows."""
+
+
+def build_pin_first(side: str, gib: float, pin: bool) -> Built:
+    """:func:`build`, but kvcore's side registers the region as kvcore's spec has vLLM's
+    worker do under ``KVCORE_HOST_POOL_PIN_FIRST`` of :data:`PIN_FIRST_BYTES`
+    (:func:`kvcore_vllm.region_pinning.pinned_in_steps`: the rest on a thread); what it
+    hands back waits for the rest."""
+    if side != "kvcore" or not pin:
+        return build(side, gib, pin)
+    from vllm.v1.kv_offload.cpu import gpu_worker
+
+    from kvcore.pin_progress import PinWatch
+    from kvcore_vllm.region_pinning import pinned_in_steps
+
+    region = _region(side, gib)
+    key = f"kvcore-bench-{uuid.uuid4().hex}-r0"
+    try:
+        with pinned_in_steps(gpu_worker, key, PIN_FIRST_BYTES, _raise):
+            register_as_worker_does(region)
+        watch = PinWatch.open(key)
+        if watch is None:
+            raise RuntimeError("kvcore's steps were not taken: vLLM pinned the region whole")
+    except BaseException:
+        region.cleanup()
+        raise
+
+    def pinned_whole() -> None:
+        try:
+            while watch.ready < watch.total:
+                time.sleep(0.001)
+        finally:
+            watch.close()
+
+    return region.base_tensor, region.total_size_bytes, region.cleanup, pinned_whole
+
+
+def first_step_chunks(base: torch.Tensor) -> torch.Tensor:
+    """:func:`first_chunks`, within the first :data:`PIN_FIRST_BYTES`: one copy may not
+    cross two of the region's registrations once it is pinned in steps."""
+    part = first_chunks(base)
+    return part[: max(1, PIN_FIRST_BYTES // CHUNK_BYTES) * CHUNK_BYTES]
 
 
 def first_chunks(base: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,10 @@ becomes its own copy descriptor. Here the ids of one ``prepare_store`` come from
 :class:`~kvcore.allocator.ContiguousSlotAllocator`: one ascending run whenever a free
 run is long enough. Only which ids are picked changes; capacity, eviction, events and
 statistics are the stock manager's, and the version guard checks the methods this
-relies on. The methods are written with vLLM 0.33's names; on a release that names the
-pool otherwise (:mod:`kvcore_vllm.releases`) they are bound under its names as well.
+relies on. Where the worker pins the tier in steps (:mod:`kvcore_vllm.region_pinning`),
+only chunks already pinned are handed out, the pool growing as the steps land. The
+methods are written with vLLM 0.33's names; on a release that names the pool otherwise
+(:mod:`kvcore_vllm.releases`) they are bound under its names as well.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvcore.allocator import AllocatorStats, ContiguousSlotAllocator
 from kvcore.metrics import Metrics
+from kvcore.pin_progress import PinWatch
 from kvcore_vllm.releases import installed_shape
 
 _SHAPE = installed_shape()
@@ -37,11 +40,22 @@ POOL_METHODS = ("_get_num_free_chunks", "_allocate_chunks", "_free_chunk")
 class KVCoreCPUOffloadingManager(CPUOffloadingManager):
     """A :class:`CPUOffloadingManager` whose chunk pool is a ContiguousSlotAllocator."""
 
-    def __init__(self, *args: Any, metrics: Metrics | None = None, **kwargs: Any):
-        # Stock's own arguments, under the installed release's names (0.25's pool size is
-        # num_blocks), so the class stands wherever stock's is built.
+    def __init__(
+        self,
+        *args: Any,
+        metrics: Metrics | None = None,
+        pinned_key: str | None = None,
+        **kwargs: Any,
+    ):
+        """``pinned_key``: the name of the tier's pinning progress where the worker may pin
+        it in steps; with no such progress (the worker pinned it whole) every chunk is
+        ready. Stock's own arguments go under the installed release's names (0.25's pool
+        size is num_blocks), so the class stands wherever stock's is built."""
         super().__init__(*args, **kwargs)
-        self._allocator = ContiguousSlotAllocator(_pool_size(self), metrics=metrics)
+        size = _pool_size(self)
+        self._pinned = PinWatch.open(pinned_key) if pinned_key else None
+        ready = None if self._pinned is None else min(self._pinned.ready, size)
+        self._allocator = ContiguousSlotAllocator(size, metrics=metrics, ready=ready)
         # Freed ids are handed back in one batch before the next allocation: evictions
         # arrive one chunk at a time, and one free call merges neighbouring runs once.
         self._released: list[int] = []
@@ -52,10 +66,12 @@ class KVCoreCPUOffloadingManager(CPUOffloadingManager):
         return self._allocator.stats
 
     def _get_num_free_chunks(self) -> int:
+        self._take_pinned()
         self._take_stock_frees()
         return self._allocator.available_size() + len(self._released)
 
     def _allocate_chunks(self, keys: list[OffloadKey]) -> list[Any]:
+        self._take_pinned()
         self._take_stock_frees()
         self._return_released()
         runs = self._allocator.alloc_runs(len(keys))
@@ -84,6 +100,19 @@ class KVCoreCPUOffloadingManager(CPUOffloadingManager):
             self._released += freed
             self._count_allocated(-len(freed))
             freed.clear()
+
+    def _take_pinned(self) -> None:
+        """Chunks the worker pinned since the last look, handed to the pool; once all are,
+        the progress is no longer read."""
+        watch = self._pinned
+        if watch is None:
+            return
+        size = self._allocator.size
+        ready = min(watch.ready, size)
+        self._allocator.grow_ready(ready)
+        if ready >= min(watch.total, size):
+            watch.close()
+            self._pinned = None
 
     def _count_allocated(self, delta: int) -> None:
         setattr(self, _ALLOCATED, getattr(self, _ALLOCATED) + delta)

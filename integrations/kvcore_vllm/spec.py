@@ -15,6 +15,7 @@ The plugin puts this class where vLLM's spec factory looks for its default spec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -32,6 +33,7 @@ from kvcore_vllm.handler_install import install_handlers
 from kvcore_vllm.host_region import ExactHostRegion
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.region_faulting import faulted_by_every_cpu
+from kvcore_vllm.region_pinning import pinned_in_steps, progress_key
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.transfers import INTERNAL_ERRORS
 
@@ -63,9 +65,13 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             for attribute, option in _OPTIONAL_OPTIONS:
                 if hasattr(self, attribute):
                     options[option] = getattr(self, attribute)
-            metrics = METRICS if KVCoreConfig.from_env().metrics else None
+            config = KVCoreConfig.from_env()
+            metrics = METRICS if config.metrics else None
             num_chunks = getattr(self, _SHAPE.name("num_chunks"))
-            self._manager = KVCoreCPUOffloadingManager(num_chunks, metrics=metrics, **options)
+            pinned_key = progress_key(self) if self._pins_in_steps(config) else None
+            self._manager = KVCoreCPUOffloadingManager(
+                num_chunks, metrics=metrics, pinned_key=pinned_key, **options
+            )
         return self._manager
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
@@ -76,25 +82,49 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         put_handlers_in_place(worker, kv_caches)
         return worker
 
+    def _one_worker_shared_region(self, config: KVCoreConfig) -> bool:
+        """Whether kvcore prepares this engine's CPU tier: vLLM's shared region (0.32 on)
+        of an engine of one worker, under ``KVCORE_HOST_POOL``."""
+        parallel = getattr(getattr(self, "config", None), "parallel", None)
+        return (
+            config.host_pool
+            and not _SHAPE.worker_pins_each_tensor
+            and getattr(parallel, "world_size", None) == 1
+        )
+
+    def _pins_in_steps(self, config: KVCoreConfig) -> bool:
+        """Whether the worker may pin the tier in steps (``KVCORE_HOST_POOL_PIN_FIRST``):
+        both the worker and the manager ask."""
+        return (
+            bool(config.host_pool_pin_first)
+            and self._one_worker_shared_region(config)
+            and progress_key(self) is not None
+        )
+
     def _stock_worker(
         self, kv_caches: CanonicalKVCaches, config: KVCoreConfig
     ) -> CPUOffloadingWorker:
         """The stock worker (from 0.32 on vLLM's own shared region); for an engine of one
         worker and under ``KVCORE_HOST_POOL``, that region faulted in by every usable CPU
-        first (:mod:`kvcore_vllm.region_faulting`)."""
-        parallel = getattr(getattr(self, "config", None), "parallel", None)
-        if not (
-            config.host_pool
-            and not _SHAPE.worker_pins_each_tensor
-            and getattr(parallel, "world_size", None) == 1
-        ):
+        first (:mod:`kvcore_vllm.region_faulting`) and, under ``KVCORE_HOST_POOL_PIN_FIRST``,
+        pinned in steps (:mod:`kvcore_vllm.region_pinning`)."""
+        if not self._one_worker_shared_region(config):
             return super().create_worker(kv_caches)
         from vllm.v1.kv_offload.cpu import shared_offload_region
 
         def count(exc: Exception) -> None:
             fell_back(logger, exc, "vLLM faults its CPU tier in itself", config.metrics)
 
-        with faulted_by_every_cpu(shared_offload_region, numa.current_gpu_placement(), count):
+        def count_pinning(exc: Exception) -> None:
+            fell_back(logger, exc, "vLLM pins its CPU tier whole itself", config.metrics)
+
+        with contextlib.ExitStack() as stack:
+            placement = numa.current_gpu_placement()
+            stack.enter_context(faulted_by_every_cpu(shared_offload_region, placement, count))
+            key = progress_key(self)
+            if self._pins_in_steps(config) and key is not None:
+                first = config.host_pool_pin_first
+                stack.enter_context(pinned_in_steps(gpu_worker, key, first, count_pinning))
             return super().create_worker(kv_caches)
 
     def _worker_on_exact_region(

@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-engines",
         help=(
             "with --host-pool: comma list of vllm-0.25.1, sglang, sglang-pin-first, "
-            "vllm-shared-region (default all)"
+            "vllm-shared-region, vllm-region-pin-first (default all)"
         ),
     )
     parser.add_argument(

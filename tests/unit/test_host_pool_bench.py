@@ -28,10 +28,16 @@ def test_a_smoke_run_builds_both_tiers_with_the_issues_fields(tmp_path, capsys):
     args = argparse.Namespace(pool_gib="0.04", json=str(out))
     assert host_pool.main(args) == 0
     report = json.loads(out.read_text())
-    engines = ["vllm-0.25.1", "sglang", "sglang-pin-first", "vllm-shared-region"]
+    engines = [
+        "vllm-0.25.1",
+        "sglang",
+        "sglang-pin-first",
+        "vllm-shared-region",
+        "vllm-region-pin-first",
+    ]
     assert report["pinned"] is False and report["engines"] == engines
     printed = capsys.readouterr().out
-    row, sglang_row, pin_first_row, region_row = report["rows"]
+    row, sglang_row, pin_first_row, region_row, region_pin_first_row = report["rows"]
     assert [each["engine"] for each in report["rows"]] == engines
     if importlib.util.find_spec("sglang") is None:
         for skipped in (sglang_row, pin_first_row):
@@ -40,8 +46,10 @@ def test_a_smoke_run_builds_both_tiers_with_the_issues_fields(tmp_path, capsys):
         assert "sglang-pin-first 0.04 GiB (0.04 in tensors): skipped" in printed
     if importlib.util.find_spec("vllm") is None:
         # One 32 MiB chunk: the region's whole chunks that fit 0.04 GiB.
-        assert region_row["skipped"].startswith("ModuleNotFoundError")
+        for skipped in (region_row, region_pin_first_row):
+            assert skipped["skipped"].startswith("ModuleNotFoundError")
         assert "vllm-shared-region 0.04 GiB (0.03 in one shared region): skipped" in printed
+        assert "vllm-region-pin-first 0.04 GiB (0.03 in one shared region): skipped" in printed
     assert set(ISSUE_FIELDS) <= set(row)
     blocks, page = host_pool.tier_shape(0.04)
     tensors_gib = host_pool.LAYERS * blocks * page / (1 << 30)

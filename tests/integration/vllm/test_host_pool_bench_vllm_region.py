@@ -41,3 +41,21 @@ def test_region_shape_fills_the_size_with_whole_page_aligned_chunks():
     chunks, _ = shared_region_build.region_shape(1.01)
     assert chunks * chunk_bytes <= 1.01 * (1 << 30) < (chunks + 1) * chunk_bytes
     assert shared_region_build.region_shape(0.001)[0] == 1
+
+
+def test_the_pin_first_rows_read_back_inside_the_first_step():
+    import torch
+
+    chunk = shared_region_build.CHUNK_BYTES
+    first_step = shared_region_build.PIN_FIRST_BYTES // chunk
+    for chunks, expected in ((100, 3), (96 * 32, first_step), (1, 1)):
+        base = torch.empty(chunks * chunk, dtype=torch.int8, device="meta")
+        assert shared_region_build.first_step_chunks(base).numel() == expected * chunk
+
+
+def test_the_pin_first_rows_run_as_the_region_rows_where_nothing_pins():
+    row = host_pool.measure(0.04, False, host_pool.REGION_PIN_FIRST)
+    if installed_shape().worker_pins_each_tensor:
+        assert row["skipped"].startswith("ModuleNotFoundError")
+        return
+    assert all(row[f"{side}_identical"] for side in host_pool.SIDES), row

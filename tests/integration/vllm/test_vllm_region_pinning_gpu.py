@@ -1,0 +1,85 @@
+"""vLLM's shared CPU tier pinned in steps with CUDA (``KVCORE_HOST_POOL_PIN_FIRST``): the
+rows the manager may hand out copy exactly to the GPU while later steps register, every
+row once all are in, and vLLM's cleanup unregisters every step."""
+
+from __future__ import annotations
+
+import mmap
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
+
+import torch
+
+from kvcore.pin_progress import PinWatch, progress_path
+from kvcore_vllm import region_pinning
+from kvcore_vllm.manager import KVCoreCPUOffloadingManager
+from kvcore_vllm.releases import installed_shape
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        installed_shape().worker_pins_each_tensor,
+        reason="this vLLM's worker pins each KV tensor; it maps no shared region (0.25.1)",
+    ),
+]
+
+ROW = 256 * mmap.PAGESIZE  # 1 MiB chunks of 4 KiB pages
+ROWS = 96
+
+
+def test_pinned_rows_copy_exactly_while_the_rest_registers(monkeypatch) -> None:
+    from vllm.v1.kv_offload.cpu import gpu_worker
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    monkeypatch.setattr(region_pinning, "STEP_BYTES", 8 * ROW)
+    region = SharedOffloadRegion(
+        engine_id=f"kvcore-test-{uuid.uuid4().hex}",
+        num_chunks=ROWS,
+        rank=0,
+        kv_bytes_per_chunk=ROW,
+        cpu_page_size=ROW,
+        barrier=None,
+    )
+    key = f"kvcore-gpu-test-{uuid.uuid4().hex}-r0"
+    failures: list[Exception] = []
+    try:
+        rows = region.base_tensor.view(ROWS, ROW)
+        rows.copy_(torch.randint(-128, 128, rows.shape, dtype=torch.int8))
+        with region_pinning.pinned_in_steps(gpu_worker, key, 10 * ROW, failures.append):
+            gpu_worker.pin_mmap_region(region, worker_slot_only=True)
+        assert failures == [] and region.is_pinned
+        watch = PinWatch.open(key)
+        assert watch is not None and watch.ready >= 10
+        manager = KVCoreCPUOffloadingManager(ROWS, pinned_key=key)
+        ready = manager._get_num_free_chunks()
+        assert 10 <= ready <= ROWS
+        # What the manager may hand out copies exactly, one row a DMA, from pinned memory.
+        device = torch.empty((ready, ROW), dtype=torch.int8, device="cuda")
+        for row in range(ready):
+            device[row].copy_(rows[row], non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(device.cpu(), rows[:ready])
+        for _ in range(6000):
+            if watch.ready == ROWS:
+                break
+            torch.cuda._sleep(1_000_000)
+            torch.cuda.synchronize()
+        assert watch.ready == ROWS and manager._get_num_free_chunks() == ROWS
+        # Every row now, each a DMA of its own (one may not cross two steps' registrations).
+        every = torch.empty((ROWS, ROW), dtype=torch.int8, device="cuda")
+        for row in range(ROWS):
+            every[row].copy_(rows[row], non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(every.cpu(), rows)
+        watch.close()
+        del rows
+    finally:
+        region.cleanup()
+    assert not region.is_pinned and not progress_path(key).exists()
+    # vLLM's cleanup unregistered every step and left no CUDA error behind.
+    cudart = torch.cuda.cudart()
+    assert cudart.cudaGetLastError() == cudart.cudaError.success
