@@ -53,6 +53,9 @@ class KVCoreCPUOffloadingManager(CPUOffloadingManager):
         size is num_blocks), so the class stands wherever stock's is built."""
         super().__init__(*args, **kwargs)
         size = _pool_size(self)
+        # vLLM's engine core builds the workers' KV caches, and with them the tier and its
+        # progress file, before the scheduler that builds this manager: no file means the
+        # worker pinned the tier whole.
         self._pinned = PinWatch.open(pinned_key) if pinned_key else None
         ready = None if self._pinned is None else min(self._pinned.ready, size)
         self._allocator = ContiguousSlotAllocator(size, metrics=metrics, ready=ready)
