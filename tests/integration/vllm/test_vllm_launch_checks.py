@@ -109,3 +109,25 @@ def test_warns_exactly_when_vllm_would_not_build_kvcores_spec(parser, monkeypatc
     warnings = launch_checks.idle_warnings(EngineArgs.of(["serve", "m", *argv]), env, config)
     assert (warnings == []) is serves
     assert len(warnings) <= 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "warned"),
+    [
+        ([], False),
+        (["--tensor-parallel-size", "1"], False),
+        (["-tp", "2"], True),
+        (["--tensor_parallel_size=4"], True),
+        (["--pipeline-parallel-size", "2"], True),
+        (["-dp", "2"], True),
+    ],
+)
+def test_pin_first_with_several_gpus_is_one_line(argv, warned):
+    args = EngineArgs.of(["serve", "m", "--kv-offloading-size", "4", *argv])
+    config = KVCoreConfig(enable={"vllm"}, host_pool_pin_first=2 << 30)
+    warnings = launch_checks.idle_warnings(args, {}, config)
+    assert len(warnings) == int(warned)
+    if warned:
+        assert "KVCORE_HOST_POOL_PIN_FIRST pins the CPU tier in steps" in warnings[0]
+    # Without the setting there is nothing to say.
+    assert launch_checks.idle_warnings(args, {}, KVCoreConfig(enable={"vllm"})) == []
