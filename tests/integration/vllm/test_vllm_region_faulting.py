@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-import uuid
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,22 +13,15 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm_support import spec_args
+from vllm_support import SHARED_REGION_ONLY, shared_region, spec_args
 
 from kvcore.host_mapping import mapping_address
 from kvcore.metrics import METRICS
 from kvcore_vllm import region_faulting
-from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 from tests.support.resident import resident_pages
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        installed_shape().worker_pins_each_tensor,
-        reason="this vLLM's worker pins each KV tensor; it maps no shared region (0.25.1)",
-    ),
-]
+pytestmark = [pytest.mark.vllm, SHARED_REGION_ONLY]
 
 CHUNK = 4 * mmap.PAGESIZE  # page-aligned, as vLLM requires of a chunk's bytes
 CHUNKS = 37
@@ -43,17 +35,7 @@ def _resident(region: Any) -> tuple[int, int]:
 def _stock_create_worker(self: Any, kv_caches: Any) -> Any:
     """What the stock create_worker does with host memory on a GPU: one shared region for
     the worker's slots, built by vLLM's own class."""
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-    region = SharedOffloadRegion(
-        engine_id=f"kvcore-test-{uuid.uuid4().hex}",
-        num_chunks=CHUNKS,
-        rank=0,
-        kv_bytes_per_chunk=CHUNK,
-        cpu_page_size=CHUNK,
-        barrier=None,
-    )
-    return SimpleNamespace(region=region)
+    return SimpleNamespace(region=shared_region(CHUNKS, CHUNK))
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm_support import spec_args
+from vllm_support import SHARED_REGION_ONLY, shared_region, spec_args
 
 from kvcore.host_pinning import PinnedMemoryError
 from kvcore.pin_progress import PinProgress, PinWatch, progress_path
@@ -26,13 +26,7 @@ from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        installed_shape().worker_pins_each_tensor,
-        reason="this vLLM's worker pins each KV tensor; it maps no shared region (0.25.1)",
-    ),
-]
+pytestmark = [pytest.mark.vllm, SHARED_REGION_ONLY]
 
 
 def _pool_size(manager: Any) -> int:
@@ -65,16 +59,7 @@ class Registrar:
 
 
 def _region() -> Any:
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-    return SharedOffloadRegion(
-        engine_id=f"kvcore-test-{uuid.uuid4().hex}",
-        num_chunks=ROWS,
-        rank=0,
-        kv_bytes_per_chunk=ROW,
-        cpu_page_size=ROW,
-        barrier=None,
-    )
+    return shared_region(ROWS, ROW)
 
 
 @pytest.fixture

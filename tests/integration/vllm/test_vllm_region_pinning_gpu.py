@@ -12,20 +12,13 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 import torch
+from vllm_support import SHARED_REGION_ONLY, shared_region
 
 from kvcore.pin_progress import PinWatch, progress_path
 from kvcore_vllm import region_pinning
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
-from kvcore_vllm.releases import installed_shape
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        installed_shape().worker_pins_each_tensor,
-        reason="this vLLM's worker pins each KV tensor; it maps no shared region (0.25.1)",
-    ),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.gpu, SHARED_REGION_ONLY]
 
 ROW = 256 * mmap.PAGESIZE  # 1 MiB chunks of 4 KiB pages
 ROWS = 96
@@ -33,17 +26,9 @@ ROWS = 96
 
 def test_pinned_rows_copy_exactly_while_the_rest_registers(monkeypatch) -> None:
     from vllm.v1.kv_offload.cpu import gpu_worker
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     monkeypatch.setattr(region_pinning, "STEP_BYTES", 8 * ROW)
-    region = SharedOffloadRegion(
-        engine_id=f"kvcore-test-{uuid.uuid4().hex}",
-        num_chunks=ROWS,
-        rank=0,
-        kv_bytes_per_chunk=ROW,
-        cpu_page_size=ROW,
-        barrier=None,
-    )
+    region = shared_region(ROWS, ROW)
     key = f"kvcore-gpu-test-{uuid.uuid4().hex}-r0"
     failures: list[Exception] = []
     try:

@@ -11,11 +11,13 @@ observe is compared, and the chunk ids each one hands out are checked for exclus
 from __future__ import annotations
 
 import random
+import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
@@ -29,6 +31,28 @@ SHAPE = installed_shape()
 def name(current: str) -> str:
     """The installed release's name for what vLLM 0.33 calls ``current``."""
     return SHAPE.name(current)
+
+
+SHARED_REGION_ONLY = pytest.mark.skipif(
+    SHAPE.worker_pins_each_tensor,
+    reason="this vLLM's worker pins each KV tensor; it maps no shared region (0.25.1)",
+)
+"""For tests of vLLM's shared CPU-tier region (0.32 and later)."""
+
+
+def shared_region(chunks: int, chunk_bytes: int) -> Any:
+    """One worker's shared region of ``chunks`` rows of ``chunk_bytes``, by vLLM's own class,
+    as its spec builds it on a GPU (a fresh engine id: its files are its own)."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    return SharedOffloadRegion(
+        engine_id=f"kvcore-test-{uuid.uuid4().hex}",
+        num_chunks=chunks,
+        rank=0,
+        kv_bytes_per_chunk=chunk_bytes,
+        cpu_page_size=chunk_bytes,
+        barrier=None,
+    )
 
 
 def spec_args(extra: dict[str, Any]) -> tuple[Any, ...]:
