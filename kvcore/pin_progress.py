@@ -29,7 +29,25 @@ def progress_path(key: str, directory: Path = SHM_DIR) -> Path:
     return directory / f"kvcore-pinned-{_UNSAFE.sub('_', key)}"
 
 
-class PinProgress:
+class _Counts:
+    """The file's two counts, mapped; :meth:`close` unmaps them."""
+
+    def __init__(self, mapping: mmap.mmap) -> None:
+        self._map: mmap.mmap | None = mapping
+        self._counts = np.frombuffer(mapping, dtype=np.int64, count=2)
+
+    @property
+    def total(self) -> int:
+        return int(self._counts[0])
+
+    def close(self) -> None:
+        if self._map is not None:
+            del self._counts  # the array holds the mapping's buffer: it must go first
+            self._map.close()
+            self._map = None
+
+
+class PinProgress(_Counts):
     """The pinning side: creates the file (replacing one a crashed run left) with ``total``
     slots and none pinned; :meth:`publish` raises the pinned prefix."""
 
@@ -40,16 +58,11 @@ class PinProgress:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, _BYTES)
-            self._map: mmap.mmap | None = mmap.mmap(fd, _BYTES)
+            super().__init__(mmap.mmap(fd, _BYTES))
         finally:
             os.close(fd)
-        self._counts = np.frombuffer(self._map, dtype=np.int64, count=2)
         self._counts[0] = total
         self._counts[1] = 0
-
-    @property
-    def total(self) -> int:
-        return int(self._counts[0])
 
     def publish(self, ready: int) -> None:
         """Slots ``[0, ready)`` are pinned; a count below the last one changes nothing."""
@@ -62,21 +75,14 @@ class PinProgress:
 
     def close(self) -> None:
         """Remove the file (a watcher that mapped it keeps reading the last count)."""
-        if self._map is None:
-            return
-        del self._counts
-        self._map.close()
-        self._map = None
-        self.path.unlink(missing_ok=True)
+        if self._map is not None:
+            super().close()
+            self.path.unlink(missing_ok=True)
 
 
-class PinWatch:
+class PinWatch(_Counts):
     """The handing-out side, on a file :class:`PinProgress` made; :meth:`open` is None while
     there is none."""
-
-    def __init__(self, mapping: mmap.mmap) -> None:
-        self._map: mmap.mmap | None = mapping
-        self._counts = np.frombuffer(mapping, dtype=np.int64, count=2)
 
     @classmethod
     def open(cls, key: str, directory: Path = SHM_DIR) -> PinWatch | None:
@@ -92,16 +98,6 @@ class PinWatch:
             os.close(fd)
 
     @property
-    def total(self) -> int:
-        return int(self._counts[0])
-
-    @property
     def ready(self) -> int:
         """Slots ``[0, ready)`` are pinned."""
         return int(self._counts[1])
-
-    def close(self) -> None:
-        if self._map is not None:
-            del self._counts
-            self._map.close()
-            self._map = None
