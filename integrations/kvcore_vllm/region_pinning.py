@@ -85,20 +85,19 @@ def _pin_rows(region: Any, key: str, first_bytes: int, registrar: HostRegistrar)
         return False
     started = time.perf_counter()
     progress = PinProgress(key, rows)
-    pinning: StepwisePinning | None = None
+
+    def publish() -> None:
+        progress.publish(pinning.ready_slots)
+
     try:
         pinning = StepwisePinning(
-            steps,
-            registrar,
-            on_ready=lambda: progress.publish(pinning.ready_slots if pinning else 0),
-            name="vLLM CPU tier",
-            memory=region,
+            steps, registrar, on_ready=publish, name="vLLM CPU tier", memory=region
         )
         pinning.pin_first()
     except Exception:
         progress.close()
         raise
-    progress.publish(pinning.ready_slots)
+    publish()
     region.is_pinned = True
     _stop_before_cleanup(region, pinning, progress)
     logger.info(

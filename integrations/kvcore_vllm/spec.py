@@ -68,7 +68,7 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             config = KVCoreConfig.from_env()
             metrics = METRICS if config.metrics else None
             num_chunks = getattr(self, _SHAPE.name("num_chunks"))
-            pinned_key = progress_key(self) if self._pins_in_steps(config) else None
+            pinned_key = self._step_pinning_key(config)
             self._manager = KVCoreCPUOffloadingManager(
                 num_chunks, metrics=metrics, pinned_key=pinned_key, **options
             )
@@ -92,14 +92,12 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             and getattr(parallel, "world_size", None) == 1
         )
 
-    def _pins_in_steps(self, config: KVCoreConfig) -> bool:
-        """Whether the worker may pin the tier in steps (``KVCORE_HOST_POOL_PIN_FIRST``):
-        both the worker and the manager ask."""
-        return (
-            bool(config.host_pool_pin_first)
-            and self._one_worker_shared_region(config)
-            and progress_key(self) is not None
-        )
+    def _step_pinning_key(self, config: KVCoreConfig) -> str | None:
+        """The name of the tier's pinning progress where the worker may pin it in steps
+        (``KVCORE_HOST_POOL_PIN_FIRST``), else None: both the worker and the manager ask."""
+        if not (config.host_pool_pin_first and self._one_worker_shared_region(config)):
+            return None
+        return progress_key(self)
 
     def _stock_worker(
         self, kv_caches: CanonicalKVCaches, config: KVCoreConfig
@@ -121,8 +119,8 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         with contextlib.ExitStack() as stack:
             placement = numa.current_gpu_placement()
             stack.enter_context(faulted_by_every_cpu(shared_offload_region, placement, count))
-            key = progress_key(self)
-            if self._pins_in_steps(config) and key is not None:
+            key = self._step_pinning_key(config)
+            if key is not None:
                 first = config.host_pool_pin_first
                 stack.enter_context(pinned_in_steps(gpu_worker, key, first, count_pinning))
             return super().create_worker(kv_caches)
