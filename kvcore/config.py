@@ -44,6 +44,12 @@ def _setting(default: Any, kind: ValueKind, help: str) -> Any:
     return field(default=default, metadata={"kind": kind, "help": help})
 
 
+def _ctas(default: int, help: str) -> Any:
+    """A setting of how many thread blocks one of kvcore's kernels runs on: every such
+    count takes the same range."""
+    return _setting(default, _integer(1, 1024), help)
+
+
 @dataclass(frozen=True)
 class KVCoreConfig:
     """Every kvcore setting. Values are checked (and text parsed) on construction."""
@@ -76,27 +82,23 @@ class KVCoreConfig:
         "pages hold 128 KiB or more of a layer go by DMA straight into place, no kernel on any "
         "stream, where kvcore serves them; 0 plans around the device indices unread",
     )
-    gather_ctas: int = _setting(
+    gather_ctas: int = _ctas(
         8,
-        _integer(1, 1024),
         "thread blocks of the UVA gather kernel where it writes device rows (loads): SMs "
         "taken from the model while a load runs",
     )
-    gather_ctas_to_host: int = _setting(
+    gather_ctas_to_host: int = _ctas(
         4,
-        _integer(1, 1024),
         "thread blocks of the UVA gather kernel where it writes host rows (backups, "
         "stores): SMs taken from the model while a backup runs",
     )
-    gather_ctas_short_rows: int = _setting(
+    gather_ctas_short_rows: int = _ctas(
         4,
-        _integer(1, 1024),
         "thread blocks of the UVA gather kernel where it writes device rows shorter than 2 "
         "KiB (token-granular MLA loads): as fast as on 8 and fewer SMs taken from the model",
     )
-    ring_scatter_ctas: int = _setting(
+    ring_scatter_ctas: int = _ctas(
         32,
-        _integer(1, 1024),
         "thread blocks of the layer ring's scatter (SGLang reloads staged a layer at a time: "
         "DMA into a slot, then this scatter into the pages): SMs taken from the model while "
         "it runs",

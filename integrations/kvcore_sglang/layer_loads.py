@@ -26,7 +26,15 @@ from kvcore.stock_share import REASON as STOCK_SHARE
 from . import call_plans
 from .call_plans import CallIndices
 from .hook_mover import count_request_pass
-from .load_requests import LayerBuffers, LoadRequest, LoadRequests, PoolLayers, layer_in, weakly
+from .load_requests import (
+    LayerBuffers,
+    LoadCall,
+    LoadRequest,
+    LoadRequests,
+    PoolLayers,
+    layer_in,
+    weakly,
+)
 from .pool_jobs import Job, PoolJobs
 from .release_jobs import SOURCE_UNKNOWN
 from .serve_or_pass import count_of, count_pass, count_serve, host_runs_pass, internal_error
@@ -41,12 +49,7 @@ def _start_load(
     jobs: PoolJobs | None,
     rule: serve_rule.SGLangRule | None,
     pool_class: str,
-    pool: Any,
-    device_pool: Any,
-    host_indices: Any,
-    device_indices: Any,
-    io_backend: str,
-    is_draft: bool,
+    call: LoadCall,
 ) -> LoadRequest | str:
     """Decide a new reload on its first call: a request kvcore serves, or why it passes.
 
@@ -55,6 +58,7 @@ def _start_load(
     from scattered slots then reads the host indices once. A request is kept only when its
     index tensors are tensors (their identity names it); its pass is counted once, here.
     """
+    host_indices, device_indices = call.host_indices, call.device_indices
     indices: CallIndices | str | None = None
     host_runs: HostRunFound | None = None
     tokens = count_of(host_indices)
@@ -66,7 +70,7 @@ def _start_load(
             reason = SOURCE_UNKNOWN
         else:
             indices = adapter.call_indices(
-                pool, pool_class, host_indices, device_indices, io_backend
+                call.pool, pool_class, host_indices, device_indices, call.io_backend
             )
             if isinstance(indices, str):
                 reason = indices
@@ -80,9 +84,7 @@ def _start_load(
         count_request_pass(chosen_mover, reason)
     if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
         return reason or "sglang_indices_on_device"
-    request = adapter.load_requests.start(
-        pool, device_pool, host_indices, device_indices, io_backend, is_draft, chosen_mover.policy
-    )
+    request = adapter.load_requests.start(*call, chosen_mover.policy)
     request.passes = reason
     request.call_indices = indices
     request.host_runs = host_runs
@@ -97,25 +99,6 @@ a write between its layers could not be seen, and its later layers would copy ol
 def _inference_indices(host_indices: Any, device_indices: Any) -> bool:
     return (isinstance(host_indices, torch.Tensor) and host_indices.is_inference()) or (
         isinstance(device_indices, torch.Tensor) and device_indices.is_inference()
-    )
-
-
-def _load_job(
-    jobs: PoolJobs,
-    request: LoadRequest,
-    pool: Any,
-    device_pool: Any,
-    layer_id: int,
-    indices: CallIndices,
-) -> Job | str:
-    return jobs.load(
-        pool,
-        device_pool,
-        layer_id,
-        request.is_draft,
-        indices.host,
-        indices.device,
-        request.io_backend,
     )
 
 
@@ -150,7 +133,15 @@ def _layer_buffers(
     kept = layer_in(layers, device_pool, key)
     if kept is not None:
         return kept, None
-    job = _load_job(jobs, request, pool, device_pool, layer_id, indices)
+    job = jobs.load(
+        pool,
+        device_pool,
+        layer_id,
+        request.is_draft,
+        indices.host,
+        indices.device,
+        request.io_backend,
+    )
     if isinstance(job, str):
         return job
     layered = layer_pairs([host for host, _ in job.pairs], [dev for _, dev in job.pairs])
@@ -177,13 +168,13 @@ def _serve_layer(
     chosen_mover: Mover,
     jobs: PoolJobs,
     request: LoadRequest,
-    pool: Any,
-    device_pool: Any,
+    call: LoadCall,
     layer_id: int,
     indices: CallIndices,
 ) -> str | None:
     """Copy one layer of a served reload; returns why the call must run stock instead."""
-    found = _layer_buffers(pool_layers, jobs, request, pool, device_pool, layer_id, indices)
+    pool = call.pool
+    found = _layer_buffers(pool_layers, jobs, request, pool, call.device_pool, layer_id, indices)
     if isinstance(found, str):
         return found
     buffers, job = found
@@ -228,52 +219,28 @@ def load_layer(
     jobs: PoolJobs | None,
     rule: serve_rule.SGLangRule | None,
     pool_class: str,
-    pool: Any,
-    device_pool: Any,
-    host_indices: Any,
-    device_indices: Any,
+    call: LoadCall,
     layer_id: int,
-    io_backend: str,
-    is_draft: bool,
     request: LoadRequest | None,
 ) -> bool:
-    """Move one layer of a reload on kvcore's paths; False when the call must run stock
-    (the request passes, this layer cannot be served, or kvcore failed: counted).
+    """Move layer ``layer_id`` of a reload on kvcore's paths; False when the call must run
+    stock (the request passes, this layer cannot be served, or kvcore failed: counted).
     ``rule``: the rule's row for the call (:func:`~kvcore_sglang.serve_or_pass.call_rule`),
     which a new request is decided by; ``request``: the request the call continues
     (:meth:`LoadRequest.matches` said so), None for a new one."""
     chosen_mover = adapter.mover()
     try:
         if request is None:
-            started = _start_load(
-                adapter,
-                chosen_mover,
-                jobs,
-                rule,
-                pool_class,
-                pool,
-                device_pool,
-                host_indices,
-                device_indices,
-                io_backend,
-                is_draft,
-            )
+            started = _start_load(adapter, chosen_mover, jobs, rule, pool_class, call)
             if isinstance(started, str):
                 return False
             request = started
         if request.passes is not None or jobs is None:
             return False
-        if not is_draft and not jobs.holds_layer(pool, device_pool, layer_id):
+        if not call.is_draft and not jobs.holds_layer(call.pool, call.device_pool, layer_id):
             return False  # a layer this pool does not hold: stock returns without copying
         reason = _serve_layer(
-            adapter.pool_layers,
-            chosen_mover,
-            jobs,
-            request,
-            pool,
-            device_pool,
-            layer_id,
-            request.call_indices,
+            adapter.pool_layers, chosen_mover, jobs, request, call, layer_id, request.call_indices
         )
     except Exception as exc:
         reason = internal_error(adapter.internal_errors, chosen_mover, exc)
@@ -335,9 +302,7 @@ def later_layer_served(
     return True
 
 
-def passes_from_here(
-    load_requests: LoadRequests, pool: Any, device_pool: Any, host_indices: Any, device_indices: Any
-) -> bool:
-    """Whether the reload these index tensors name passes to stock from this call on."""
-    latest = load_requests.latest(pool, device_pool)
-    return latest is not None and latest.passing_for(host_indices, device_indices)
+def passes_from_here(load_requests: LoadRequests, call: LoadCall) -> bool:
+    """Whether the reload ``call``'s index tensors name passes to stock from this call on."""
+    latest = load_requests.latest(call.pool, call.device_pool)
+    return latest is not None and latest.passing_for(call.host_indices, call.device_indices)

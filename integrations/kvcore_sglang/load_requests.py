@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,6 +47,19 @@ def _is(kept: Any, given: Any) -> bool:
     if isinstance(kept, weakref.ref):
         return kept() is given
     return kept is given
+
+
+class LoadCall(NamedTuple):
+    """A ``load_to_device_per_layer`` call's arguments but its layer, which every layer's call
+    of one reload shares: in the order :meth:`LoadRequests.start` takes them, before the
+    path policy."""
+
+    pool: Any
+    device_pool: Any
+    host_indices: Any
+    device_indices: Any
+    io_backend: str
+    is_draft: bool
 
 
 @dataclass(eq=False, slots=True)

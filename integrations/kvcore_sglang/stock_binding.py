@@ -60,10 +60,42 @@ def _limit_or_hook(pass_limit: PassLimit, pool: Any, io_backend: str) -> tuple[i
         return 0, ""
 
 
+def _passes_by_size(
+    movers: HookMover, pass_limit: PassLimit, count_pass: Callable[[str], None]
+) -> Callable[[Any, str, Any], bool]:
+    """A binding's size check, ``(pool, io_backend, host_indices) -> bool``: True where the
+    rule passes a call of that many tokens, the pass counted as kvcore's hook counts it (in
+    the mover's :attr:`~kvcore_sglang.hook_mover.HookMover.pass_counts`, else
+    ``count_pass``); False where the hook must decide the call. ``pass_limit`` is asked once
+    per io backend: a pool's layout, page size and kind are fixed, and so is the rule's
+    setting in an engine's life."""
+    limits: dict[str, tuple[int, str]] = {}
+
+    def passes(pool: Any, io_backend: str, host: Any) -> bool:
+        limit = limits.get(io_backend)
+        if limit is None:
+            limit = limits[io_backend] = _limit_or_hook(pass_limit, pool, io_backend)
+        serves_from, reason = limit
+        try:
+            tokens = host.numel()
+        except AttributeError:  # not a tensor: the hook decides
+            return False
+        if tokens >= serves_from:
+            return False
+        counts = movers.pass_counts
+        if counts is None:
+            count_pass(reason)
+        else:
+            counts[reason] += 1
+        return True
+
+    return passes
+
+
 class _Passing:
     """One pool's state for its passing reloads, read by its binding on every new reload."""
 
-    __slots__ = ("device", "host", "later_layer", "limits", "method", "moved_first", "skipping")
+    __slots__ = ("device", "host", "later_layer", "method", "moved_first", "skipping")
 
     def __init__(self, method: str, moved_first: bool) -> None:
         self.method = method
@@ -75,9 +107,6 @@ class _Passing:
         first (:func:`indices_moved`)."""
         self.skipping = False
         """Whether stock's method itself is bound on the pool now."""
-        self.limits: dict[str, tuple[int, str]] = {}
-        """The rule's :data:`PassLimit` per io backend, asked once: a pool's layout, page
-        size and kind are fixed, and so is the rule's setting in an engine's life."""
         self.later_layer: Callable[..., Any] | None = None
 
 
@@ -182,7 +211,8 @@ class StockBindings:
             return
         state = self._passing_state.get(pool)
         if state is None:
-            state = self._new_passing(hook, original, pool, method, pass_limit, count_pass)
+            passes = _passes_by_size(self._movers, pass_limit, count_pass)
+            state = self._new_passing(hook, original, pool, method, passes)
             if state is None:
                 return
         state.host, state.device = host_indices, device_indices
@@ -213,8 +243,7 @@ class StockBindings:
         original: Callable[..., Any],
         pool: Any,
         method: str,
-        pass_limit: PassLimit,
-        count_pass: Callable[[str], None],
+        passes: Callable[[Any, str, Any], bool],
     ) -> _Passing | None:
         """The pool's state for passing reloads and its checking binding, made once per pool;
         None for a pool that takes no attributes. The binding holds the pool weakly, so that
@@ -224,8 +253,6 @@ class StockBindings:
         except TypeError:
             return None
         state = _Passing(method, pool in self._moved_first)
-        limits = state.limits
-        movers = self._movers
 
         def later_layer(
             device_pool: Any,
@@ -238,15 +265,7 @@ class StockBindings:
         ) -> Any:
             bound = pool_ref()
             if host is not state.host or device is not state.device:
-                limit = limits.get(io_backend)
-                if limit is None:
-                    limit = limits[io_backend] = _limit_or_hook(pass_limit, bound, io_backend)
-                serves_from, reason = limit
-                try:
-                    tokens = host.numel()
-                except AttributeError:  # not a tensor: the hook decides
-                    tokens = serves_from
-                if tokens >= serves_from:
+                if not passes(bound, io_backend, host):
                     state.host = state.device = None
                     if bound.__dict__.get(method) is later_layer:
                         del bound.__dict__[method]
@@ -260,11 +279,6 @@ class StockBindings:
                         io_backend,
                         is_draft=is_draft,
                     )
-                counts = movers.pass_counts
-                if counts is None:
-                    count_pass(reason)
-                else:
-                    counts[reason] += 1
                 state.host, state.device = host, device
                 if state.moved_first:
                     bound.__dict__[method] = types.MethodType(original, bound)
@@ -308,29 +322,13 @@ class StockBindings:
             pool_ref = weakref.ref(pool)
         except TypeError:
             return
-        limits: dict[str, tuple[int, str]] = {}
-        movers = self._movers
+        passes = _passes_by_size(self._movers, pass_limit, count_pass)
 
         def gate(device_pool: Any, host: Any, device: Any, io_backend: str) -> Any:
-            # The size check and count of a passing reload's binding, written out again: a
-            # helper both called would add a frame to every pass, which is what they save.
             bound = pool_ref()
-            limit = limits.get(io_backend)
-            if limit is None:
-                limit = limits[io_backend] = _limit_or_hook(pass_limit, bound, io_backend)
-            serves_from, reason = limit
-            try:
-                tokens = host.numel()
-            except AttributeError:  # not a tensor: the hook decides
-                tokens = serves_from
-            if tokens >= serves_from:
-                return hook(original, bound, device_pool, host, device, io_backend)
-            counts = movers.pass_counts
-            if counts is None:
-                count_pass(reason)
-            else:
-                counts[reason] += 1
-            return original(bound, device_pool, host, device, io_backend)
+            if passes(bound, io_backend, host):
+                return original(bound, device_pool, host, device, io_backend)
+            return hook(original, bound, device_pool, host, device, io_backend)
 
         try:
             setattr(pool, method, gate)

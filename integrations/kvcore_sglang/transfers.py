@@ -30,6 +30,7 @@ from .adapter import SGLangAdapter
 from .call_plans import CallIndices
 from .hook_mover import count_request_pass
 from .layer_loads import continued, later_layer_served, load_layer, passes_from_here
+from .load_requests import LoadCall
 from .pool_jobs import Job, PoolJobs
 from .release_jobs import SOURCE_UNKNOWN
 from .serve_or_pass import (
@@ -42,6 +43,7 @@ from .serve_or_pass import (
     pass_limit,
 )
 from .served_pools import DSA_POOL, MHA_POOL, MLA_POOL
+from .stock_binding import PassLimit
 
 MOVE_INDICES = "sglang.srt.managers.cache_controller.HiCacheController.move_indices"
 _LOAD = "load_to_device_per_layer"
@@ -123,11 +125,20 @@ def _serve(
     stock()
 
 
+def _pass_limit_for(adapter: SGLangAdapter, op: str) -> PassLimit:
+    """The rule's :data:`~kvcore_sglang.stock_binding.PassLimit` for ``op`` (``"load"`` or
+    ``"backup"``), with the adapter's rule setting as it is when a binding asks."""
+
+    def limit(pool: Any, io_backend: str) -> tuple[int, str]:
+        return pass_limit(adapter.serve_rule, op, pool, io_backend)
+
+    return limit
+
+
 def _make_load_hook(
     adapter: SGLangAdapter, pool_class: str, target: str, by_release: dict[str, PoolJobs]
 ) -> Callable[..., None]:
-    def load_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
-        return pass_limit(adapter.serve_rule, "load", pool, io_backend)
+    load_pass_limit = _pass_limit_for(adapter, "load")
 
     def load_hook(
         original: Callable[..., Any],
@@ -152,6 +163,9 @@ def _make_load_hook(
         # once its binding is on the pool).
         if latest is None or not latest.passing_for(host_indices, device_indices):
             rule = call_rule(adapter.serve_rule, "load", pool, io_backend)
+            # Built only for a call that goes on to be decided: on every later layer it would
+            # cost several plain calls' time.
+            call = LoadCall(pool, device_pool, host_indices, device_indices, io_backend, is_draft)
             if adapter.bindings.bypass_if_never(original, pool, _LOAD, rule, io_backend):
                 pass
             elif load_layer(
@@ -159,19 +173,12 @@ def _make_load_hook(
                 adapter.release_jobs.jobs_for(target, by_release),
                 rule,
                 pool_class,
-                pool,
-                device_pool,
-                host_indices,
-                device_indices,
+                call,
                 layer_id,
-                io_backend,
-                is_draft,
                 request,
             ):
                 return
-            elif passes_from_here(
-                adapter.load_requests, pool, device_pool, host_indices, device_indices
-            ):
+            elif passes_from_here(adapter.load_requests, call):
                 adapter.bindings.bind_passing_reload(
                     load_hook,
                     original,
@@ -198,8 +205,7 @@ def _make_load_hook(
 def _make_backup_hook(
     adapter: SGLangAdapter, pool_class: str, target: str, by_release: dict[str, PoolJobs]
 ) -> Callable[..., None]:
-    def backup_pass_limit(pool: Any, io_backend: str) -> tuple[int, str]:
-        return pass_limit(adapter.serve_rule, "backup", pool, io_backend)
+    backup_pass_limit = _pass_limit_for(adapter, "backup")
 
     def backup_hook(
         original: Callable[..., Any],

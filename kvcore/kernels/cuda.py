@@ -264,6 +264,20 @@ class _CudaIndexedOps:
             stream = self._scatter_streams.setdefault(device, torch.cuda.Stream(device=device))
         return stream
 
+    def _second_stream_index(
+        self, index: torch.Tensor, device: torch.device
+    ) -> tuple[torch.cuda.Stream, torch.cuda.Stream, torch.Tensor]:
+        """(the current stream, the second stream of a copy in pieces, ``index`` on
+        ``device``), the index uploaded on the second stream, which reads it."""
+        copies = torch.cuda.current_stream(device)
+        second = self._scatter_stream(device)
+        # The device rows (a stage-in's destination, a stage-out's source) may still be in
+        # use by work queued before this transfer.
+        second.wait_stream(copies)
+        with torch.cuda.stream(second):
+            device_idx = self._on(index, device)
+        return copies, second, device_idx
+
     def stage_in(
         self,
         src_words: torch.Tensor,
@@ -281,12 +295,7 @@ class _CudaIndexedOps:
             reference.runs_to_staging(src_words, host_runs, staging, into_staging=True)
             dst_words.index_copy_(0, device_idx, staging)
             return
-        copies = torch.cuda.current_stream(device)
-        scatter = self._scatter_stream(device)
-        # The destination may still be in use by work queued before this transfer.
-        scatter.wait_stream(copies)
-        with torch.cuda.stream(scatter):
-            device_idx = self._on(dst_idx, device)
+        copies, scatter, device_idx = self._second_stream_index(dst_idx, device)
         for begin, end in pieces:
             piece = staging[begin:end]
             reference.runs_to_staging(
@@ -355,11 +364,7 @@ class _CudaIndexedOps:
             torch.index_select(src_words, 0, device_idx, out=staging)
             reference.runs_to_staging(dst_words, host_runs, staging, into_staging=False)
             return
-        copies = torch.cuda.current_stream(device)
-        gather = self._scatter_stream(device)
-        gather.wait_stream(copies)
-        with torch.cuda.stream(gather):
-            device_idx = self._on(src_idx, device)
+        copies, gather, device_idx = self._second_stream_index(src_idx, device)
         for begin, end in pieces:
             piece = staging[begin:end]
             with torch.cuda.stream(gather):
