@@ -57,10 +57,13 @@ vllm.platforms.builtin_platform_plugins["cuda"] = lambda: "vllm.platforms.cuda.C
 import benchmarks.vllm.ab  # noqa: F401
 import benchmarks.vllm.sweep  # noqa: F401
 import kvcore_vllm.page_rows  # noqa: F401
+import kvcore_vllm.manager  # noqa: F401
 import kvcore_vllm.region_faulting  # noqa: F401
 import kvcore_vllm.transfers  # noqa: F401
 import vllm.v1.kv_offload.cpu.shared_offload_region  # noqa: F401  (kvcore bench --host-pool)
 import vllm.v1.kv_offload.cpu.spec  # noqa: F401  (where 0.33 keeps the region's segment count)
+import vllm.v1.kv_offload.cpu.policies.arc  # noqa: F401  (the managers' policies, which
+import vllm.v1.kv_offload.cpu.policies.lru  # noqa: F401  vLLM's factory imports by name)
 
 assert type(vllm.platforms.current_platform).__module__ == "vllm.platforms.cuda"
 site = sys.argv[1]

@@ -16,6 +16,12 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvcore.planning.rule_evidence import (
+    BACKUP_EVIDENCE,
+    BESIDE_COMPUTE_EVIDENCE,
+    RING_EVIDENCE,
+    RING_EVIDENCE_H100,
+)
 from kvcore.planning.vllm_rule import GATHER_EVIDENCE, VLLM_RULES
 
 ANY = "*"
@@ -111,28 +117,6 @@ _ALL_PAGES = (1, 1 << 30)
 _PAGED = (2, 1 << 30)
 _TOKEN_PAGES = (1, 1)
 
-# First match wins, so specific entries come before general ones.
-BESIDE_COMPUTE_EVIDENCE = "docs/bench/h200-beside-compute-sglang-2026-12-05.json"
-"""The beside-compute rows (SGLang 0.5.23 through its L2TransferEngine, H200) that the load
-rows below are judged from: kvcore serves where its reload beside the model's forward is
-faster than stock's and neither forward beside it is slower."""
-RING_EVIDENCE = (
-    "docs/bench/h200-beside-compute-sglang-2026-12-05-ring-a.json",
-    "docs/bench/h200-beside-compute-sglang-2026-12-05-ring-b.json",
-    "docs/bench/h200-beside-compute-sglang-2026-12-05-ring-4k-8k.json",
-)
-"""The same runs with the layer ring's host time halved (one scatter launch a layer):
-MHA and MLA page 64 at 8k and 32k twice, pages 64 and 1 at 4k and 8k."""
-RING_EVIDENCE_H100 = (
-    "docs/bench/h100-beside-compute-sglang-2026-12-05-small.json",
-    "docs/bench/h100-beside-compute-sglang-2026-12-05-p16.json",
-)
-"""The same ring on an H100 (the H200 was not lent): MHA at 1k and 2k, pages 64 and 1, and
-page 16 at 8k and 32k."""
-BACKUP_EVIDENCE = ("docs/bench/h100-beside-compute-sglang-2026-12-05-backups.json",)
-"""Backups beside another batch's forward (H100). Nothing waits for a backup, so a backup row
-serves where the forward beside kvcore's is no slower than beside stock's and the backup
-itself takes at most a quarter longer than stock's (its pages stay locked that long)."""
 _BESIDE_COMPUTE = (
     BESIDE_COMPUTE_EVIDENCE,
     "docs/bench/h200-beside-compute-sglang-2026-12-04.json",
@@ -140,6 +124,7 @@ _BESIDE_COMPUTE = (
     *RING_EVIDENCE,
 )
 
+# First match wins, so specific entries come before general ones.
 SGLANG_RULES: tuple[SGLangRule, ...] = (
     SGLangRule(
         "load",
@@ -224,7 +209,8 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "kernel 56%; 0.90x at 8k. Scattered, kvcore's gather is no faster and holds as many "
         "SMs (H200 engine sweep with a GEMM beside it). Beside a forward at 32k, the forward "
         f"took 1.03-1.04x its time alone, 1.44-1.70x beside stock's ({BACKUP_EVIDENCE[0]}); "
-        "at 8k kvcore's backup took up to 1.48x stock's time",
+        "spanning four times the copy, 1.01-1.02x against 1.12-1.16x, the backup 1.02-1.16x "
+        f"stock's ({BACKUP_EVIDENCE[1]}); at 8k kvcore's backup took up to 2.3x stock's time",
         dense_min_tokens=32768,
         pool="mha",
         cited=BACKUP_EVIDENCE,
@@ -250,10 +236,28 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "host runs kvcore's DMA ran 1.00x stock at 32k tokens and left a concurrent GEMM 93% "
         "of its throughput, stock's kernel 69% (0.94x at 8k; H200 engine sweep with a GEMM). "
         "Beside a forward at 32k, the forward took 1.03-1.05x its time alone, 1.11-1.35x "
-        f"beside stock's ({BACKUP_EVIDENCE[0]}); at 8k kvcore's backup took up to 1.48x stock's",
+        f"beside stock's ({BACKUP_EVIDENCE[0]}); spanning four times the copy, 1.01x against "
+        f"1.03-1.08x, the backup 0.81-1.08x stock's ({BACKUP_EVIDENCE[1]}); at 8k kvcore's "
+        "backup took up to 2.2x stock's",
         dense_host=False,
         dense_min_tokens=32768,
         pool="mha",
+        cited=BACKUP_EVIDENCE,
+    ),
+    SGLangRule(
+        "backup",
+        "kernel",
+        "layer_first",
+        _TOKEN_PAGES,
+        16384,
+        "stock_kernel_small_backup",
+        "token-granular MLA layer_first backups: scattered host slots as below; on few long "
+        "host runs, beside a forward at 32k, kvcore's DMA backup took 0.82-1.04x stock's "
+        "time and the forward no longer than beside stock's, in both runs "
+        f"({', '.join(BACKUP_EVIDENCE)}); at 8k kvcore's backup took up to 3.9x stock's",
+        dense_host=False,
+        dense_min_tokens=32768,
+        pool="mla",
         cited=BACKUP_EVIDENCE,
     ),
     SGLangRule(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcore.planning import path_policy, serve_rule, vllm_rule
+from kvcore.planning import path_policy, rule_evidence, serve_rule, vllm_rule
 from kvcore.planning.serve_rule import SERVE, SGLangRule, sglang_decision
 
 
@@ -182,15 +182,19 @@ def test_a_row_serving_dense_host_runs_decides_by_size_then_by_the_host_slots():
 
 
 @pytest.mark.parametrize("page", [1, 64])
-def test_mha_layer_first_backups_on_few_host_runs_are_served_from_32k_tokens(page):
+def test_layer_first_backups_on_few_host_runs_are_served_from_32k_tokens_but_paged_mla(page):
     mha = serve_rule.sglang_rule("backup", "kernel", "layer_first", page, pool="mha")
     mla = serve_rule.sglang_rule("backup", "kernel", "layer_first", page, pool="mla")
     assert mha is not None and mla is not None
     assert mha.host_decision(32768, few_host_runs=True) is SERVE
     assert mha.host_decision(32767, few_host_runs=True) is not SERVE
-    # MLA's dense backups ran under 0.97x of stock: they stay stock.
-    assert mla.host_decision(1 << 20, few_host_runs=True) is not SERVE
-    assert mla.dense_min_tokens is None
+    if page == 1:
+        assert mla.host_decision(32768, few_host_runs=True) is SERVE
+        assert mla.host_decision(32767, few_host_runs=True) is not SERVE
+    else:
+        # Paged MLA backups beside a forward lost at both sizes: they stay stock.
+        assert mla.host_decision(1 << 20, few_host_runs=True) is not SERVE
+        assert mla.dense_min_tokens is None
 
 
 @pytest.mark.parametrize(
@@ -232,7 +236,7 @@ def test_layer_first_kernel_loads_are_served_only_on_few_long_host_runs(pool, pa
     assert rule.host_decision(first - 1, few_host_runs=True) is not SERVE
     scattered = rule.host_decision(1 << 20, few_host_runs=False)
     assert (scattered is SERVE) == (pool == "mla" and page == 1)
-    assert all(cited in rule.evidence for cited in serve_rule.RING_EVIDENCE) or pool == "mla"
+    assert all(cited in rule.evidence for cited in rule_evidence.RING_EVIDENCE) or pool == "mla"
 
 
 @pytest.mark.parametrize(
@@ -278,7 +282,7 @@ def _beside_cells(rule: SGLangRule) -> list[dict]:
     return found
 
 
-# A backup kvcore serves may take this much longer than stock's (serve_rule.BACKUP_EVIDENCE:
+# A backup kvcore serves may take this much longer than stock's (rule_evidence.BACKUP_EVIDENCE:
 # nothing waits for it, but its pages stay locked until it is done).
 _BACKUP_SLACK = 1.25
 
