@@ -98,7 +98,7 @@ class KVCoreConfig:
         "KiB (token-granular MLA loads): as fast as on 8 and fewer SMs taken from the model",
     )
     ring_scatter_ctas: int = _ctas(
-        32,
+        64,
         "thread blocks of the layer ring's scatter (SGLang reloads staged a layer at a time: "
         "DMA into a slot, then this scatter into the pages): SMs taken from the model while "
         "it runs",

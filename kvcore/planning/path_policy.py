@@ -58,9 +58,10 @@ class PathPolicy:
     "The gather's SM share at 4, 6 and 8 CTAs")."""
     short_row_bytes: int = 2048
     """Device rows under this many bytes take :attr:`gather_ctas_short_rows`."""
-    ring_scatter_ctas: int = 32
-    """CTAs the layer ring's scatter (a slot's rows into their pages) may occupy on CUDA;
-    not tuned beside compute yet."""
+    ring_scatter_ctas: int = 64
+    """CTAs the layer ring's scatter (a slot's rows into their pages) may occupy on CUDA:
+    beside a prefill on an H100 the forward lost less to a 32k reload on 64 than on 8, 16
+    or 32, the reload itself as fast (docs/performance.md, "The ring's scatter CTAs")."""
     max_dma_runs: int = 16
     """Most host runs a staged copy takes: each is one torch copy_, whose host time adds up
     (docs/lab/benchmarks.md, "Host time to submit one layer")."""

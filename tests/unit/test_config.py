@@ -386,7 +386,7 @@ def test_to_env_of_defaults():
         "KVCORE_GATHER_CTAS": "8",
         "KVCORE_GATHER_CTAS_TO_HOST": "4",
         "KVCORE_GATHER_CTAS_SHORT_ROWS": "4",
-        "KVCORE_RING_SCATTER_CTAS": "32",
+        "KVCORE_RING_SCATTER_CTAS": "64",
         "KVCORE_STAGED_PIECES": "1",
         "KVCORE_METRICS": "1",
         "KVCORE_TRANSFERS": "1",

@@ -104,7 +104,7 @@ def test_the_policy_carries_both_cta_counts_from_the_settings():
     defaults = policy_from_config(KVCoreConfig.from_env({}))
     assert (defaults.gather_ctas, defaults.gather_ctas_to_host) == (8, 4)
     assert (defaults.gather_ctas_short_rows, defaults.short_row_bytes) == (4, 2048)
-    assert defaults.ring_scatter_ctas == cuda.RING_SCATTER_CTAS == 32
+    assert defaults.ring_scatter_ctas == cuda.RING_SCATTER_CTAS == 64
 
 
 def test_a_staged_page_in_of_many_long_units_goes_through_a_ring_of_slots():
