@@ -136,7 +136,8 @@ def crosses_step(slots: np.ndarray, ends: np.ndarray) -> bool:
 class StepwisePinning:
     """Registers ``steps`` in order: :meth:`pin_first` on the caller's thread, :meth:`start`
     the rest on a daemon thread, calling ``on_ready`` after each of those with no lock
-    held; ``memory``, what owns the ranges, is kept alive with it."""
+    held; ``memory``, what owns the ranges, is kept alive with it; ``prepare`` runs on each
+    step just before its registration (a failure there fails the step)."""
 
     def __init__(
         self,
@@ -146,6 +147,7 @@ class StepwisePinning:
         on_ready: Callable[[], None] | None = None,
         name: str = "host pool",
         memory: object = None,
+        prepare: Callable[[PinStep], None] | None = None,
     ) -> None:
         if not steps:
             raise ValueError("nothing to pin: no steps")
@@ -161,6 +163,8 @@ class StepwisePinning:
         # What owns the memory (a tensor, a mapping): it must outlive every registration.
         self._memory = memory
         self._on_ready = on_ready
+        # Readies a step's memory (faults its pages in) just before it is registered.
+        self._prepare = prepare
         self._name = name
         self._next = 0
         self._ready = 0
@@ -242,6 +246,8 @@ class StepwisePinning:
         """Register the next step whole, or take back the part of it that got in."""
         step = self.steps[self._next]
         done = len(self.registered)
+        if self._prepare is not None:
+            self._prepare(step)
         try:
             for address, size in step.ranges:
                 self._registrar.register(address, size)

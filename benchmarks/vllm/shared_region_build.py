@@ -84,11 +84,12 @@ def _remove_region_files(engine_id: str) -> None:
             path.unlink()
 
 
-def _region(side: str, gib: float) -> Any:
-    """One worker's region of ``gib``, faulted in as ``side`` does it."""
+def _region(side: str, gib: float, steps: bool = False) -> Any:
+    """One worker's region of ``gib``, faulted in as ``side`` does it: kvcore's left
+    unfaulted where its pinning ``steps`` fault it."""
     from vllm.v1.kv_offload.cpu import shared_offload_region
 
-    from kvcore_vllm.region_faulting import faulted_by_every_cpu
+    from kvcore_vllm.region_faulting import faulted_by_every_cpu, faulting_left_to_pinning
 
     chunks, chunk_bytes = region_shape(gib)
     engine_id = f"kvcore-bench-{uuid.uuid4().hex}"
@@ -107,7 +108,12 @@ def _region(side: str, gib: float) -> Any:
     try:
         if side == "stock":
             return construct()
-        with faulted_by_every_cpu(shared_offload_region, placement=None, on_failure=_raise):
+        faulting = (
+            faulting_left_to_pinning(shared_offload_region)
+            if steps
+            else faulted_by_every_cpu(shared_offload_region, placement=None, on_failure=_raise)
+        )
+        with faulting:
             return construct()
     except BaseException:
         _remove_region_files(engine_id)
@@ -148,21 +154,23 @@ PIN_FIRST_BYTES = 2 << 30
 
 
 def build_pin_first(side: str, gib: float, pin: bool) -> Built:
-    """:func:`build`, but kvcore's side registers the region as kvcore's spec has vLLM's
-    worker do under ``KVCORE_HOST_POOL_PIN_FIRST`` of :data:`PIN_FIRST_BYTES`
-    (:func:`kvcore_vllm.region_pinning.pinned_in_steps`: the rest on a thread); what it
-    hands back waits for the rest."""
+    """:func:`build`, but kvcore's side faults and registers the region as kvcore's spec has
+    vLLM's worker do under ``KVCORE_HOST_POOL_PIN_FIRST`` of :data:`PIN_FIRST_BYTES`
+    (:func:`kvcore_vllm.region_pinning.pinned_in_steps`: each step's rows faulted in just
+    before they are registered, the rest on a thread); what it hands back waits for the
+    rest."""
     if side != "kvcore" or not pin:
         return build(side, gib, pin)
     from vllm.v1.kv_offload.cpu import gpu_worker
 
     from kvcore.pin_progress import PinWatch
+    from kvcore_vllm.region_faulting import fault_range
     from kvcore_vllm.region_pinning import pinned_in_steps
 
-    region = _region(side, gib)
+    region = _region(side, gib, steps=True)
     key = f"kvcore-bench-{uuid.uuid4().hex}-r0"
     try:
-        with pinned_in_steps(gpu_worker, key, PIN_FIRST_BYTES, _raise):
+        with pinned_in_steps(gpu_worker, key, PIN_FIRST_BYTES, _raise, fault=fault_range(None)):
             register_as_worker_does(region)
         watch = PinWatch.open(key)
         if watch is None:

@@ -51,6 +51,36 @@ def fault_region(mapping: mmap.mmap, placement: numa.Placement | None) -> None:
     )
 
 
+def fault_range(placement: numa.Placement | None) -> Callable[[int, int], None]:
+    """``(address, bytes) -> None``: that range of a region faulted in by every usable CPU,
+    placed as ``placement`` says (what each step of :mod:`kvcore_vllm.region_pinning` does
+    before it registers its rows)."""
+
+    def fault(address: int, nbytes: int) -> None:
+        fault_in(address, nbytes, placement=placement)
+
+    return fault
+
+
+def _left_unfaulted(mapping: mmap.mmap, offset: int, length: int) -> None:
+    """vLLM's populate call, answered with nothing: the pinning steps fault these pages."""
+
+
+@contextlib.contextmanager
+def faulting_left_to_pinning(region_module: Any) -> Iterator[None]:
+    """Within the block, each region ``region_module`` builds is left unfaulted: where the
+    worker pins it in steps (``KVCORE_HOST_POOL_PIN_FIRST``), each step faults its own rows
+    by every usable CPU just before registering them, so that the engine waits for the
+    first step's pages alone (:func:`kvcore_vllm.region_pinning.pinned_in_steps`, which
+    faults the whole region first where vLLM's own registration takes over)."""
+    stock = getattr(region_module, POPULATE_FN)
+    setattr(region_module, POPULATE_FN, lambda mapping: _left_unfaulted)
+    try:
+        yield
+    finally:
+        setattr(region_module, POPULATE_FN, stock)
+
+
 @contextlib.contextmanager
 def faulted_by_every_cpu(
     region_module: Any,

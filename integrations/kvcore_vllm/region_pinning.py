@@ -6,7 +6,9 @@ calls of up to 64 GiB) before the engine can serve, and registration runs at one
 one thread. While kvcore's spec builds the stock worker of a one-worker engine,
 :func:`pinned_in_steps` stands in for ``pin_mmap_region``: it registers the region's chunk
 rows in steps (:mod:`kvcore.stepwise_pinning`), the first before it returns (setting
-``is_pinned``, as vLLM's own does), the rest from a thread. The pinned prefix goes to a
+``is_pinned``, as vLLM's own does), the rest from a thread, each step's rows faulted in by
+every usable CPU just before they are registered (the region is built unfaulted, so the
+engine waits for the first step's pages alone). The pinned prefix goes to a
 :class:`~kvcore.pin_progress.PinProgress` named by the engine's id, which kvcore's manager
 (:mod:`kvcore_vllm.manager`, the scheduler's side) reads to hand out only pinned chunks.
 
@@ -21,6 +23,7 @@ pages or the first step fails, vLLM's own registration pins the region whole (co
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +31,7 @@ from typing import Any
 
 from kvcore.host_pinning import CudaHostRegistrar, HostRegistrar, format_bytes
 from kvcore.pin_progress import PinProgress
-from kvcore.stepwise_pinning import SlotLayout, StepwisePinning, slot_steps
+from kvcore.stepwise_pinning import PinStep, SlotLayout, StepwisePinning, slot_steps
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -53,18 +56,25 @@ def pinned_in_steps(
     first_bytes: int,
     on_failure: Callable[[Exception], None],
     registrar_factory: Callable[[], HostRegistrar] = CudaHostRegistrar,
+    fault: Callable[[int, int], None] | None = None,
 ) -> Iterator[None]:
     """Within the block, ``worker_module``'s (vLLM's ``gpu_worker``) ``pin_mmap_region``
     pins each region in steps, the first holding at least ``first_bytes``; where kvcore's
-    steps cannot be made or the first fails (passed to ``on_failure``), vLLM's own runs."""
+    steps cannot be made or the first fails (passed to ``on_failure``), vLLM's own runs.
+    ``fault(address, bytes)``, for a region built unfaulted
+    (:func:`kvcore_vllm.region_faulting.faulting_left_to_pinning`), faults each step's rows
+    in just before they are registered, and the whole region before vLLM's own
+    registration (which would fault it on one thread)."""
     stock = getattr(worker_module, PIN_FN)
 
     def pin(region: Any, *args: Any, **kwargs: Any) -> None:
         try:
-            if _pin_rows(region, key, first_bytes, registrar_factory()):
+            if _pin_rows(region, key, first_bytes, registrar_factory(), fault):
                 return
         except Exception as exc:
             on_failure(exc)
+        if fault is not None:
+            fault(region._base.data_ptr(), int(region.total_size_bytes))
         stock(region, *args, **kwargs)
 
     setattr(worker_module, PIN_FN, pin)
@@ -74,7 +84,13 @@ def pinned_in_steps(
         setattr(worker_module, PIN_FN, stock)
 
 
-def _pin_rows(region: Any, key: str, first_bytes: int, registrar: HostRegistrar) -> bool:
+def _pin_rows(
+    region: Any,
+    key: str,
+    first_bytes: int,
+    registrar: HostRegistrar,
+    fault: Callable[[int, int], None] | None,
+) -> bool:
     """Pin ``region``'s first rows now and start a thread for the rest; False where its rows
     cannot end on memory pages (nothing was pinned). Raises where the first step fails,
     with nothing left registered and no progress file."""
@@ -91,7 +107,12 @@ def _pin_rows(region: Any, key: str, first_bytes: int, registrar: HostRegistrar)
 
     try:
         pinning = StepwisePinning(
-            steps, registrar, on_ready=publish, name="vLLM CPU tier", memory=region
+            steps,
+            registrar,
+            on_ready=publish,
+            name="vLLM CPU tier",
+            memory=region,
+            prepare=None if fault is None else functools.partial(_fault_step, fault),
         )
         pinning.pin_first()
     except Exception:
@@ -110,6 +131,11 @@ def _pin_rows(region: Any, key: str, first_bytes: int, registrar: HostRegistrar)
     )
     pinning.start()
     return True
+
+
+def _fault_step(fault: Callable[[int, int], None], step: PinStep) -> None:
+    for address, nbytes in step.ranges:
+        fault(address, nbytes)
 
 
 def _stop_before_cleanup(region: Any, pinning: StepwisePinning, progress: PinProgress) -> None:

@@ -32,7 +32,11 @@ from kvcore.metrics import METRICS
 from kvcore_vllm.handler_install import install_handlers
 from kvcore_vllm.host_region import ExactHostRegion
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
-from kvcore_vllm.region_faulting import faulted_by_every_cpu
+from kvcore_vllm.region_faulting import (
+    fault_range,
+    faulted_by_every_cpu,
+    faulting_left_to_pinning,
+)
 from kvcore_vllm.region_pinning import pinned_in_steps, progress_key
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.transfers import INTERNAL_ERRORS
@@ -104,8 +108,8 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
     ) -> CPUOffloadingWorker:
         """The stock worker (from 0.32 on vLLM's own shared region); for an engine of one
         worker and under ``KVCORE_HOST_POOL``, that region faulted in by every usable CPU
-        first (:mod:`kvcore_vllm.region_faulting`) and, under ``KVCORE_HOST_POOL_PIN_FIRST``,
-        pinned in steps (:mod:`kvcore_vllm.region_pinning`)."""
+        first (:mod:`kvcore_vllm.region_faulting`) or, under ``KVCORE_HOST_POOL_PIN_FIRST``,
+        faulted and pinned in steps (:mod:`kvcore_vllm.region_pinning`)."""
         if not self._one_worker_shared_region(config):
             return super().create_worker(kv_caches)
         from vllm.v1.kv_offload.cpu import shared_offload_region
@@ -118,11 +122,21 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
 
         with contextlib.ExitStack() as stack:
             placement = numa.current_gpu_placement()
-            stack.enter_context(faulted_by_every_cpu(shared_offload_region, placement, count))
             key = self._step_pinning_key(config)
-            if key is not None:
-                first = config.host_pool_pin_first
-                stack.enter_context(pinned_in_steps(gpu_worker, key, first, count_pinning))
+            if key is None or not getattr(gpu_worker, "PIN_MEMORY", False):
+                stack.enter_context(faulted_by_every_cpu(shared_offload_region, placement, count))
+            else:
+                # Each step faults its own rows just before registering them.
+                stack.enter_context(faulting_left_to_pinning(shared_offload_region))
+                stack.enter_context(
+                    pinned_in_steps(
+                        gpu_worker,
+                        key,
+                        config.host_pool_pin_first,
+                        count_pinning,
+                        fault=fault_range(placement),
+                    )
+                )
             return super().create_worker(kv_caches)
 
     def _worker_on_exact_region(

@@ -321,3 +321,41 @@ def test_a_failing_hand_out_stops_the_thread_with_a_failure() -> None:
     assert pinning.wait(10)
     assert pinning.failure is not None and "the allocator refused" in pinning.failure
     assert not pinning.done and pinning.ready_slots == steps[1].ready_slots
+
+
+def test_each_step_is_prepared_just_before_its_registration() -> None:
+    _, steps = page_first_steps()
+    recorder = Recorder()
+    order: list[tuple[str, int]] = []
+
+    def prepare(step: PinStep) -> None:
+        assert not any(address in recorder.held for address, _ in step.ranges)
+        order.append(("prepare", step.ready_slots))
+
+    pinning = StepwisePinning(
+        steps, recorder, prepare=prepare, on_ready=lambda: order.append(("ready", 0))
+    )
+    pinning.pin_first(1)
+    pinning.start()
+    assert pinning.wait(10) and pinning.done
+    expected = [("prepare", steps[0].ready_slots)]
+    for step in steps[1:]:
+        expected += [("prepare", step.ready_slots), ("ready", 0)]
+    assert order == expected
+
+
+def test_a_step_whose_preparation_fails_is_not_registered() -> None:
+    _, steps = page_first_steps()
+    recorder = Recorder()
+
+    def prepare(step: PinStep) -> None:
+        if step is steps[2]:
+            raise OSError("cannot fault the pages in")
+
+    pinning = StepwisePinning(steps, recorder, prepare=prepare)
+    pinning.pin_first(1)
+    pinning.start()
+    assert pinning.wait(10)
+    assert recorder.held == ranges_of(steps[:2])
+    assert pinning.ready_slots == steps[1].ready_slots and not pinning.done
+    assert pinning.failure is not None and "cannot fault the pages in" in pinning.failure

@@ -8,6 +8,7 @@ import dataclasses
 import mmap
 import threading
 import uuid
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +22,7 @@ from vllm_support import SHARED_REGION_ONLY, shared_region, spec_args
 
 from kvcore.host_pinning import PinnedMemoryError
 from kvcore.pin_progress import PinProgress, PinWatch, progress_path
-from kvcore_vllm import region_pinning
+from kvcore_vllm import region_faulting, region_pinning
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.spec import KVCoreCPUOffloadingSpec
@@ -72,12 +73,18 @@ def unregistered(monkeypatch) -> list[int]:
     return addresses
 
 
-def _pin(region: Any, key: str, registrar: Registrar, failures: list[Exception]) -> None:
+def _pin(
+    region: Any,
+    key: str,
+    registrar: Registrar,
+    failures: list[Exception],
+    fault: Callable[[int, int], None] | None = None,
+) -> None:
     from vllm.v1.kv_offload.cpu import gpu_worker
 
     stock = gpu_worker.pin_mmap_region
     with region_pinning.pinned_in_steps(
-        gpu_worker, key, 10 * ROW, failures.append, lambda: registrar
+        gpu_worker, key, 10 * ROW, failures.append, lambda: registrar, fault
     ):
         gpu_worker.pin_mmap_region(region, worker_slot_only=True)
     assert gpu_worker.pin_mmap_region is stock
@@ -163,6 +170,67 @@ def test_a_failed_first_step_leaves_the_region_to_vllm_counted(monkeypatch, unre
         region.cleanup()
 
 
+def test_each_step_faults_its_rows_just_before_registering_them(monkeypatch, unregistered):
+    monkeypatch.setattr(region_pinning, "STEP_BYTES", 8 * ROW)
+    region, key = _region(), f"engine-{uuid.uuid4().hex}-r0"
+    registrar = Registrar()
+    events: list[tuple[str, int, int]] = []
+    register = registrar.register
+
+    def recorded_register(ptr: int, nbytes: int) -> None:
+        register(ptr, nbytes)
+        events.append(("register", ptr, nbytes))
+
+    monkeypatch.setattr(registrar, "register", recorded_register)
+    registrar.go.set()
+    try:
+        _pin(region, key, registrar, [], lambda ptr, n: events.append(("fault", ptr, n)))
+        watch = PinWatch.open(key)
+        assert watch is not None
+        _wait_ready(watch, ROWS)
+        watch.close()
+    finally:
+        region.cleanup()
+    faults = events[0::2]
+    assert [kind for kind, _, _ in faults] == ["fault"] * len(registrar.registered)
+    assert [(ptr, n) for _, ptr, n in faults] == registrar.registered
+    assert [(ptr, n) for _, ptr, n in events[1::2]] == registrar.registered
+
+
+def test_a_failed_first_step_faults_the_region_in_before_vllm_registers_it(
+    monkeypatch, unregistered
+):
+    from vllm.v1.kv_offload.cpu import gpu_worker
+
+    events: list[Any] = []
+    monkeypatch.setattr(
+        gpu_worker, "pin_mmap_region", lambda *a, **k: events.append(("stock", a[0]))
+    )
+    region, key = _region(), f"engine-{uuid.uuid4().hex}-r0"
+    failures: list[Exception] = []
+    try:
+        with region_pinning.pinned_in_steps(
+            gpu_worker,
+            key,
+            10 * ROW,
+            failures.append,
+            lambda: Registrar(fail_at=0),
+            lambda ptr, n: events.append(("fault", ptr, n)),
+        ):
+            gpu_worker.pin_mmap_region(region, worker_slot_only=True)
+        base = region._base.data_ptr()
+        # The first step faulted its rows before its registration failed; then the whole
+        # region, which vLLM's registration would otherwise fault on one thread.
+        assert events == [
+            ("fault", base, 10 * ROW),
+            ("fault", base, ROWS * ROW),
+            ("stock", region),
+        ]
+        assert [type(f) for f in failures] == [PinnedMemoryError]
+    finally:
+        region.cleanup()
+
+
 def _spec(monkeypatch, world_size: int = 1) -> KVCoreCPUOffloadingSpec:
     monkeypatch.setenv("KVCORE_TRANSFERS", "0")
     monkeypatch.setattr(CPUOffloadingSpec, "create_worker", lambda self, kv: SimpleNamespace(kv=kv))
@@ -181,7 +249,7 @@ def _spec(monkeypatch, world_size: int = 1) -> KVCoreCPUOffloadingSpec:
     ],
 )
 def test_the_worker_and_the_manager_agree_on_pinning_in_steps(monkeypatch, env, world_size, steps):
-    from vllm.v1.kv_offload.cpu import gpu_worker
+    from vllm.v1.kv_offload.cpu import gpu_worker, shared_offload_region
 
     monkeypatch.delenv("KVCORE_HOST_POOL_PIN_FIRST", raising=False)
     monkeypatch.delenv("KVCORE_HOST_POOL", raising=False)
@@ -192,13 +260,21 @@ def test_the_worker_and_the_manager_agree_on_pinning_in_steps(monkeypatch, env, 
 
     def stock_create(self: Any, kv: Any) -> Any:
         seen.append(gpu_worker.pin_mmap_region)
+        seen.append(shared_offload_region._get_populate_write_fn)
         return SimpleNamespace(kv=kv)
 
     monkeypatch.setattr(CPUOffloadingSpec, "create_worker", stock_create)
     stock = gpu_worker.pin_mmap_region
+    populate = shared_offload_region._get_populate_write_fn
     spec.create_worker(SimpleNamespace(tensors=[]))
-    # While the stock worker is built, pin_mmap_region is kvcore's where steps apply.
+    # While the stock worker is built, pin_mmap_region is kvcore's where steps apply, and
+    # the region is then left unfaulted for the steps to fault.
     assert (seen[0] is not stock) == steps and gpu_worker.pin_mmap_region is stock
+    if steps:
+        assert seen[1](None) is region_faulting._left_unfaulted
+    else:
+        assert "faulting_left_to_pinning" not in seen[1].__qualname__
+    assert shared_offload_region._get_populate_write_fn is populate
     # The manager reads the worker's progress where, and only where, the worker pins in steps.
     key = region_pinning.progress_key(spec)
     assert key is not None

@@ -4,6 +4,7 @@ row once all are in, and vLLM's cleanup unregisters every step."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import uuid
 
@@ -15,7 +16,7 @@ import torch
 from vllm_support import SHARED_REGION_ONLY, shared_region
 
 from kvcore.pin_progress import PinWatch, progress_path
-from kvcore_vllm import region_pinning
+from kvcore_vllm import region_faulting, region_pinning
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu, SHARED_REGION_ONLY]
@@ -24,19 +25,30 @@ ROW = 256 * mmap.PAGESIZE  # 1 MiB chunks of 4 KiB pages
 ROWS = 96
 
 
-def test_pinned_rows_copy_exactly_while_the_rest_registers(monkeypatch) -> None:
-    from vllm.v1.kv_offload.cpu import gpu_worker
+@pytest.mark.parametrize("faulted_by_steps", [False, True])
+def test_pinned_rows_copy_exactly_while_the_rest_registers(monkeypatch, faulted_by_steps) -> None:
+    """``faulted_by_steps``: the region built unfaulted and each step faulting its rows by
+    every CPU before registering them, as kvcore's spec has it under the setting."""
+    from vllm.v1.kv_offload.cpu import gpu_worker, shared_offload_region
 
     monkeypatch.setattr(region_pinning, "STEP_BYTES", 8 * ROW)
-    region = shared_region(ROWS, ROW)
+    faulting = contextlib.nullcontext()
+    fault = None
+    if faulted_by_steps:
+        faulting = region_faulting.faulting_left_to_pinning(shared_offload_region)
+        fault = region_faulting.fault_range(None)
+    with faulting:
+        region = shared_region(ROWS, ROW)
     key = f"kvcore-gpu-test-{uuid.uuid4().hex}-r0"
     failures: list[Exception] = []
     try:
-        rows = region.base_tensor.view(ROWS, ROW)
-        rows.copy_(torch.randint(-128, 128, rows.shape, dtype=torch.int8))
-        with region_pinning.pinned_in_steps(gpu_worker, key, 10 * ROW, failures.append):
+        with region_pinning.pinned_in_steps(
+            gpu_worker, key, 10 * ROW, failures.append, fault=fault
+        ):
             gpu_worker.pin_mmap_region(region, worker_slot_only=True)
         assert failures == [] and region.is_pinned
+        rows = region.base_tensor.view(ROWS, ROW)
+        rows.copy_(torch.randint(-128, 128, rows.shape, dtype=torch.int8))
         watch = PinWatch.open(key)
         assert watch is not None and watch.ready >= 10
         manager = KVCoreCPUOffloadingManager(ROWS, pinned_key=key)
