@@ -117,6 +117,26 @@ _ALL_PAGES = (1, 1 << 30)
 _PAGED = (2, 1 << 30)
 _TOKEN_PAGES = (1, 1)
 
+
+def _token_backup(evidence: str, pool: str = ANY, dense_from_32k: bool = False) -> SGLangRule:
+    """Token-granular ``layer_first`` backups (of ``pool``): served from 16k tokens on
+    scattered host slots; on few long host runs only where ``dense_from_32k``, from 32k (by
+    DMA), as the backup runs beside a forward show (:data:`BACKUP_EVIDENCE`)."""
+    return SGLangRule(
+        "backup",
+        "kernel",
+        "layer_first",
+        _TOKEN_PAGES,
+        16384,
+        "stock_kernel_small_backup",
+        evidence,
+        dense_host=False,
+        dense_min_tokens=32768 if dense_from_32k else None,
+        pool=pool,
+        cited=BACKUP_EVIDENCE if dense_from_32k else (),
+    )
+
+
 _BESIDE_COMPUTE = (
     BESIDE_COMPUTE_EVIDENCE,
     "docs/bench/h200-beside-compute-sglang-2026-12-04.json",
@@ -225,13 +245,7 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         "paged layer_first backups: stock's kernel at 51-53 GB/s; kvcore's own 0.15-0.87x "
         "below 16k tokens, 0.97-1.01x above (H200 engine sweep)",
     ),
-    SGLangRule(
-        "backup",
-        "kernel",
-        "layer_first",
-        _TOKEN_PAGES,
-        16384,
-        "stock_kernel_small_backup",
+    _token_backup(
         "token-granular MHA layer_first backups: scattered host slots as below; on few long "
         "host runs kvcore's DMA ran 1.00x stock at 32k tokens and left a concurrent GEMM 93% "
         "of its throughput, stock's kernel 69% (0.94x at 8k; H200 engine sweep with a GEMM). "
@@ -239,38 +253,21 @@ SGLANG_RULES: tuple[SGLangRule, ...] = (
         f"beside stock's ({BACKUP_EVIDENCE[0]}); spanning four times the copy, 1.01x against "
         f"1.03-1.08x, the backup 0.81-1.08x stock's ({BACKUP_EVIDENCE[1]}); at 8k kvcore's "
         "backup took up to 2.2x stock's",
-        dense_host=False,
-        dense_min_tokens=32768,
         pool="mha",
-        cited=BACKUP_EVIDENCE,
+        dense_from_32k=True,
     ),
-    SGLangRule(
-        "backup",
-        "kernel",
-        "layer_first",
-        _TOKEN_PAGES,
-        16384,
-        "stock_kernel_small_backup",
+    _token_backup(
         "token-granular MLA layer_first backups: scattered host slots as below; on few long "
         "host runs, beside a forward at 32k, kvcore's DMA backup took 0.82-1.04x stock's "
         "time and the forward no longer than beside stock's, in both runs "
         f"({', '.join(BACKUP_EVIDENCE)}); at 8k kvcore's backup took up to 3.9x stock's",
-        dense_host=False,
-        dense_min_tokens=32768,
         pool="mla",
-        cited=BACKUP_EVIDENCE,
+        dense_from_32k=True,
     ),
-    SGLangRule(
-        "backup",
-        "kernel",
-        "layer_first",
-        _TOKEN_PAGES,
-        16384,
-        "stock_kernel_small_backup",
+    _token_backup(
         "token-granular layer_first backups: stock's kernel drops to 26-42 GB/s on scattered "
         "host slots from 16k tokens (kvcore 1.23-1.86x); below, and on one dense host span "
         "(0.95-1.02x), stock is as fast",
-        dense_host=False,
     ),
     SGLangRule(
         "backup",
