@@ -392,8 +392,10 @@ def _describe_estimate(estimate: dict[str, Any]) -> str:
     if usable is None:
         return text
     return (
-        f"{text}; SGLang's pool usable after about {usable:.0f} s, its first "
-        f"{_gib(estimate['first_bytes'])} pinned (KVCORE_HOST_POOL_PIN_FIRST)"
+        f"{text}; with its first {_gib(estimate['first_bytes'])} pinned "
+        f"(KVCORE_HOST_POOL_PIN_FIRST), SGLang's pool usable after about {usable:.0f} s "
+        f"(every page faulted in first), vLLM's shared tier after about "
+        f"{estimate['vllm_region_usable_seconds']:.1f} s (that share's pages alone)"
     )
 
 

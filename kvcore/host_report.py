@@ -126,8 +126,10 @@ def pin_estimate(
     """How long ``pool_bytes`` take to pin here, scaled from a sample: the engines' way
     (registration faults every page in, on one thread; measured only with a registrar)
     and kvcore's (``threads`` fault the pages in, then registration); with ``first_bytes``
-    (``KVCORE_HOST_POOL_PIN_FIRST``), also until that first share is pinned (SGLang's
-    pool usable, :mod:`kvcore_sglang.pool_pinning`)."""
+    (``KVCORE_HOST_POOL_PIN_FIRST``), also until that first share is pinned: SGLang's
+    pool usable (every page faulted in, then the first share registered,
+    :mod:`kvcore_sglang.pool_pinning`) and vLLM's shared tier usable (the first share alone
+    faulted in and registered, :mod:`kvcore_vllm.region_pinning`)."""
     if sample_bytes is None:
         sample_bytes = sample_size(pool_bytes, available_bytes())
     threads = host_pinning.usable_cpus() if threads is None else threads
@@ -139,6 +141,8 @@ def pin_estimate(
     segments = min(segment_count(pool_bytes), sample_bytes // mmap.PAGESIZE)
     fault_s, register_s = _timed_sample(sample_bytes, threads, registrar, segments)
     one_thread_s, _ = _timed_sample(sample_bytes, 1, None)
+    # The first share, in samples.
+    first_share = min(first_bytes, pool_bytes) / sample_bytes
     stock_s = None
     if registrar is not None:
         _, stock_register_s = _timed_sample(sample_bytes, None, registrar)
@@ -154,9 +158,10 @@ def pin_estimate(
         "stock_seconds": stock_s,
         "first_bytes": first_bytes,
         "kvcore_usable_seconds": (
-            fault_s * scale + register_s * min(first_bytes, pool_bytes) / sample_bytes
-            if first_bytes and registrar
-            else None
+            fault_s * scale + register_s * first_share if first_bytes and registrar else None
+        ),
+        "vllm_region_usable_seconds": (
+            (fault_s + register_s) * first_share if first_bytes and registrar else None
         ),
     }
 

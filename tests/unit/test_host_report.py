@@ -8,7 +8,7 @@ import mmap
 import pytest
 
 from kvcore import host_report, numa
-from kvcore.cli import main
+from kvcore.cli import _describe_estimate, main
 
 PAGE = mmap.PAGESIZE
 
@@ -66,6 +66,7 @@ def test_an_estimate_scales_the_sample_to_the_pool_and_unregisters_it():
     assert estimate["fault_gib_per_s"] > 0 and estimate["register_gib_per_s"] > 0
     assert estimate["kvcore_seconds"] > 0 and estimate["stock_seconds"] is not None
     assert estimate["kvcore_usable_seconds"] is None
+    assert estimate["vllm_region_usable_seconds"] is None
 
 
 def test_a_first_share_is_usable_after_the_faulting_and_its_own_registration():
@@ -80,6 +81,11 @@ def test_a_first_share_is_usable_after_the_faulting_and_its_own_registration():
     register_s = 16 * PAGE / (estimate["register_gib_per_s"] * (1 << 30))
     assert estimate["kvcore_usable_seconds"] == pytest.approx(fault_s + register_s, rel=1e-6)
     assert estimate["kvcore_usable_seconds"] < estimate["kvcore_seconds"]
+    # vLLM's shared tier faults only the first share before it is usable: a 64th here.
+    first_fault_s = fault_s / 64
+    assert estimate["vllm_region_usable_seconds"] == pytest.approx(
+        first_fault_s + register_s, rel=1e-6
+    )
 
 
 def test_the_sample_is_the_pool_up_to_a_cap_and_a_quarter_of_what_is_free():
@@ -118,3 +124,18 @@ def test_doctor_reports_the_host_and_estimates_a_pool_asked_about(capsys, monkey
 def test_doctor_refuses_a_pool_size_that_is_no_size(capsys, value):
     assert main(["doctor", "--pool-gib", value]) == 2
     assert "not a positive number of GiB" in capsys.readouterr().err
+
+
+def test_doctor_says_when_each_engines_pool_is_usable_with_a_first_share():
+    estimate = host_report.pin_estimate(
+        64 * 16 * PAGE,
+        sample_bytes=16 * PAGE,
+        threads=2,
+        registrar=FakeRegistrar(),
+        first_bytes=16 * PAGE,
+    )
+    text = _describe_estimate(estimate)
+    assert "KVCORE_HOST_POOL_PIN_FIRST" in text
+    assert f"SGLang's pool usable after about {estimate['kvcore_usable_seconds']:.0f} s" in text
+    assert f"shared tier after about {estimate['vllm_region_usable_seconds']:.1f} s" in text
+    assert "pinned" not in _describe_estimate({**estimate, "kvcore_usable_seconds": None})
