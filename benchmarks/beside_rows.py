@@ -127,6 +127,8 @@ def summary_line(row: dict[str, Any]) -> str:
         launches = row.get("forward_launch_host_ms")
         if launches:
             forward += " launch host " + "/".join(f"{ms:.2f}" for ms in launches.values())
+        if "forward_harness_only_ms" in row:
+            forward += f" in a request of no job {row['forward_harness_only_ms']:.1f}"
     own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""
     case = f"{row['case']}/{row['op']}" if "op" in row else row["case"]
     return (

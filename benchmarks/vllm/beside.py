@@ -12,7 +12,9 @@ new block ids every time, in two situations:
   a Llama-3-8B-shaped layer beside MHA pages, a DeepSeek-V3-shaped one beside MLA pages,
   replayed as one CUDA graph on a compute stream sized to last about as long as stock's load
   alone) is queued right after the submissions, as the engine's next step is; its time alone
-  and beside each side's load says what the load costs everyone else.
+  and beside each side's load says what the load costs everyone else. A control row field,
+  ``forward_harness_only_ms``, times it inside a request of no job (the bench's own steps,
+  no copy), to tell a stretch the copies cause from one the bench does.
 
 vLLM schedules a request only once its loads are reported, so no forward waits layer by
 layer on them: there is no ``dependent`` situation as in SGLang's bench
@@ -164,12 +166,15 @@ def cells(
             forward_times: dict[str, list[float]] = {side.name: [] for side in sides}
             launch_times: dict[str, list[float]] = {side.name: [] for side in sides}
             alone: list[float] = []
+            harness_only: list[float] = []
             tally = Tally(_Metrics(kvcore))
             for i in range(opts.repeats + 1):
                 start, end = forward.replay()
                 end.synchronize()
+                control = _harness_only(kvcore, forward)
                 if i:
                     alone.append(start.elapsed_time(end))
+                    harness_only.append(control)
                 request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu)
                 for side in _order(sides, i):
                     ms, checked, forward_ms, launch_ms = tally.timed(
@@ -192,6 +197,7 @@ def cells(
                 tally,
             )
             row["forward_launch_host_ms"] = {name: median(t) for name, t in launch_times.items()}
+            row["forward_harness_only_ms"] = median(harness_only)
             yield row
 
 
@@ -213,6 +219,17 @@ def _beside(
     start, end = events[0]
     end.synchronize()
     return ms, ok, start.elapsed_time(end), launch[0]
+
+
+def _harness_only(side: Side, forward: Forward) -> float:
+    """The forward's ms queued where :func:`_beside` queues it, inside ``side``'s request
+    with no job submitted: what the bench's own steps (the side's synchronisation before
+    it submits, the handler's wait and collection) do to the forward, with no copy."""
+    events: list[tuple[Any, Any]] = []
+    side.run([], lambda: events.append(forward.replay()))
+    start, end = events[0]
+    end.synchronize()
+    return float(start.elapsed_time(end))
 
 
 def run(

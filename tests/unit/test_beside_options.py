@@ -106,6 +106,10 @@ def test_the_summary_line_gives_each_sides_forward_launch_host_time_where_the_ro
     assert beside_rows.summary_line(row).endswith(
         "with kvcore 26.5 launch host 0.04/9.50 identical=True"
     )
+    row["forward_harness_only_ms"] = 16.2
+    assert beside_rows.summary_line(row).endswith(
+        "launch host 0.04/9.50 in a request of no job 16.2 identical=True"
+    )
 
 
 @pytest.mark.parametrize(

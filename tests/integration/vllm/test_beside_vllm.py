@@ -98,10 +98,13 @@ def test_every_cell_has_its_rows_checked_and_the_forward_beside_each_request(mon
     assert set(launches) == {"stock", "kvcore", "own"}
     assert all(LAUNCH_S * 1e3 <= ms < 50 * LAUNCH_S * 1e3 for ms in launches.values())
     assert "forward_launch_host_ms" not in rows[0]
-    # Per cell: one replay alone and one inside each side's request, for the warm-up too;
-    # each inside a request comes after that request's job was submitted.
+    # The control: the forward inside a request with no job, no copy beside it.
+    assert independent["forward_harness_only_ms"] == 3.0
+    assert "forward_harness_only_ms" not in rows[0]
+    # Per cell: one replay alone, one in the control and one inside each side's request,
+    # for the warm-up too; each inside a request comes after that request's job.
     inside = [r for r in forward.replays if r != "after job -1"]
-    assert len(forward.replays) == 2 * 3 * (1 + len(sides))
+    assert len(forward.replays) == 2 * 3 * (2 + len(sides))
     assert len({r for r in inside}) >= 2 * 3 * len(sides)
     # The forward is sized to the stock side's median load alone.
     assert forward.sized == [rows[0]["stock_ms"], rows[2]["stock_ms"]]
