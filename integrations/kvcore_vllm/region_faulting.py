@@ -1,20 +1,25 @@
-"""vLLM's shared CPU tier (0.32 and later) faulted in by every usable CPU, for one worker.
+"""vLLM's shared CPU tier (0.32 and later) faulted in by every usable CPU, not one thread.
 
 From 0.32 vLLM maps its CPU tier as one shared region in ``/dev/shm``
 (``SharedOffloadRegion``; from 0.33 split into several files, so that page-cache inserts,
 serialised per file, can go on in parallel) and each worker faults its own part in with
-``MADV_POPULATE_WRITE``, on its own thread. With several workers the region is faulted by
-as many threads. With one worker (one GPU), which owns every slot, one thread faults all of
-it, and that is most of the tier's start-up.
+``MADV_POPULATE_WRITE``, on its own thread: with one worker (one GPU), which owns every
+slot, one thread faults all of it, and that is most of the tier's start-up; with several,
+one thread a worker.
 
-While kvcore's spec builds the stock worker of a one-worker engine, :func:`faulted_by_every_cpu`
-stands in for the region module's ``_get_populate_write_fn``, which the region asks for once
-before it faults its part in: kvcore first faults the whole mapping in from every usable CPU
-(placed on the GPU's NUMA node where the host has several,
-:func:`kvcore.host_mapping.fault_in`), then hands back vLLM's own function, whose calls then
-find every page present. The mapping, its size, its files and everything vLLM does with it
-afterwards stay vLLM's. Where kvcore's faulting fails, vLLM's own function does the work
-(the failure is passed to ``on_failure``).
+While kvcore's spec builds the stock worker, it stands in for the region module's
+``_get_populate_write_fn``, which the region asks for once before it faults its part in:
+- one worker (:func:`faulted_by_every_cpu`): kvcore first faults the whole mapping in from
+  every usable CPU, then hands back vLLM's own function, whose calls find every page present;
+- several (:func:`faulted_by_a_share_of_cpus`): each range the worker asks for (its slot of
+  each row, or its share of a replicated region) is faulted by its share of the CPUs;
+- one worker pinning in steps (:func:`faulting_left_to_pinning`): nothing now, each step
+  faults its own rows.
+
+Pages go to the GPU's NUMA node where the host has several
+(:func:`kvcore.host_mapping.fault_in`). The mapping, its size, its files and everything vLLM
+does with it afterwards stay vLLM's. Where kvcore's faulting fails, vLLM's own function does
+the work (the failure is passed to ``on_failure``).
 """
 
 from __future__ import annotations
@@ -75,6 +80,58 @@ def faulting_left_to_pinning(region_module: Any) -> Iterator[None]:
     faults the whole region first where vLLM's own registration takes over)."""
     stock = getattr(region_module, POPULATE_FN)
     setattr(region_module, POPULATE_FN, lambda mapping: _left_unfaulted)
+    try:
+        yield
+    finally:
+        setattr(region_module, POPULATE_FN, stock)
+
+
+@contextlib.contextmanager
+def faulted_by_a_share_of_cpus(
+    region_module: Any,
+    placement: numa.Placement | None,
+    workers: int,
+    on_failure: Callable[[Exception], None],
+) -> Iterator[None]:
+    """Within the block, each range a region ``region_module`` builds asks to fault in (one
+    worker's slot of each row, or its share of a replicated region) is faulted in by this
+    worker's share of the usable CPUs (the engine's ``workers`` fault their parts at the
+    same time), placed as ``placement`` says. Where kvcore's faulting fails, it is passed to
+    ``on_failure`` once and vLLM's own faulting does that range and every later one."""
+    stock = getattr(region_module, POPULATE_FN)
+    threads = max(1, usable_cpus() // max(1, workers))
+
+    def populate_write_fn(mapping: mmap.mmap) -> Callable[[mmap.mmap, int, int], None]:
+        own = stock(mapping)
+        base = mapping_address(mapping)
+        failed = False
+
+        first = True
+
+        def populate(target: mmap.mmap, offset: int, length: int) -> None:
+            nonlocal failed, first
+            if not failed:
+                try:
+                    node = fault_in(base + offset, length, placement=placement, threads=threads)
+                except Exception as exc:
+                    failed = True
+                    on_failure(exc)
+                else:
+                    if first:
+                        first = False
+                        logger.info(
+                            "kvcore: this worker's part of vLLM's CPU tier faulted in by %d "
+                            "threads (one worker of %d), NUMA node %s",
+                            threads,
+                            workers,
+                            "default" if node is None else node,
+                        )
+                    return
+            own(target, offset, length)
+
+        return populate
+
+    setattr(region_module, POPULATE_FN, populate_write_fn)
     try:
         yield
     finally:

@@ -34,6 +34,7 @@ from kvcore_vllm.host_region import ExactHostRegion
 from kvcore_vllm.manager import KVCoreCPUOffloadingManager
 from kvcore_vllm.region_faulting import (
     fault_range,
+    faulted_by_a_share_of_cpus,
     faulted_by_every_cpu,
     faulting_left_to_pinning,
 )
@@ -86,31 +87,34 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         put_handlers_in_place(worker, kv_caches)
         return worker
 
-    def _one_worker_shared_region(self, config: KVCoreConfig) -> bool:
-        """Whether kvcore prepares this engine's CPU tier: vLLM's shared region (0.32 on)
-        of an engine of one worker, under ``KVCORE_HOST_POOL``."""
+    def _region_workers(self, config: KVCoreConfig) -> int | None:
+        """How many workers share this engine's CPU tier where kvcore faults it in: vLLM's
+        shared region (0.32 on) under ``KVCORE_HOST_POOL``; None where kvcore leaves it."""
         parallel = getattr(getattr(self, "config", None), "parallel", None)
-        return (
-            config.host_pool
-            and not _SHAPE.worker_pins_each_tensor
-            and getattr(parallel, "world_size", None) == 1
-        )
+        workers = getattr(parallel, "world_size", None)
+        if not config.host_pool or _SHAPE.worker_pins_each_tensor or not isinstance(workers, int):
+            return None
+        return workers if workers >= 1 else None
 
     def _step_pinning_key(self, config: KVCoreConfig) -> str | None:
         """The name of the tier's pinning progress where the worker may pin it in steps
-        (``KVCORE_HOST_POOL_PIN_FIRST``), else None: both the worker and the manager ask."""
-        if not (config.host_pool_pin_first and self._one_worker_shared_region(config)):
+        (``KVCORE_HOST_POOL_PIN_FIRST``: the shared region of an engine of one worker), else
+        None: both the worker and the manager ask."""
+        if not (config.host_pool_pin_first and self._region_workers(config) == 1):
             return None
         return progress_key(self)
 
     def _stock_worker(
         self, kv_caches: CanonicalKVCaches, config: KVCoreConfig
     ) -> CPUOffloadingWorker:
-        """The stock worker (from 0.32 on vLLM's own shared region); for an engine of one
-        worker and under ``KVCORE_HOST_POOL``, that region faulted in by every usable CPU
-        first (:mod:`kvcore_vllm.region_faulting`) or, under ``KVCORE_HOST_POOL_PIN_FIRST``,
-        faulted and pinned in steps (:mod:`kvcore_vllm.region_pinning`)."""
-        if not self._one_worker_shared_region(config):
+        """The stock worker (from 0.32 on vLLM's own shared region); under
+        ``KVCORE_HOST_POOL`` that region faulted in by many CPUs
+        (:mod:`kvcore_vllm.region_faulting`): with one worker by every usable CPU first, or,
+        under ``KVCORE_HOST_POOL_PIN_FIRST``, in steps as it is pinned
+        (:mod:`kvcore_vllm.region_pinning`); with several, each worker's part by its share
+        of the CPUs."""
+        workers = self._region_workers(config)
+        if workers is None:
             return super().create_worker(kv_caches)
         from vllm.v1.kv_offload.cpu import shared_offload_region
 
@@ -123,7 +127,11 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
         with contextlib.ExitStack() as stack:
             placement = numa.current_gpu_placement()
             key = self._step_pinning_key(config)
-            if key is None or not getattr(gpu_worker, "PIN_MEMORY", False):
+            if workers > 1:
+                stack.enter_context(
+                    faulted_by_a_share_of_cpus(shared_offload_region, placement, workers, count)
+                )
+            elif key is None or not getattr(gpu_worker, "PIN_MEMORY", False):
                 stack.enter_context(faulted_by_every_cpu(shared_offload_region, placement, count))
             else:
                 # Each step faults its own rows just before registering them.
