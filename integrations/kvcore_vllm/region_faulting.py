@@ -67,96 +67,103 @@ def fault_range(placement: numa.Placement | None) -> Callable[[int, int], None]:
     return fault
 
 
+PopulateWrite = Callable[[mmap.mmap, int, int], None]
+"""vLLM's populate call: ``(mapping, offset, length)`` faulted in."""
+GetPopulateWrite = Callable[[mmap.mmap], PopulateWrite]
+"""The region module's ``_get_populate_write_fn``: a mapping's populate call."""
+
+
+@contextlib.contextmanager
+def _populate_replaced(
+    region_module: Any, replacement: Callable[[GetPopulateWrite], GetPopulateWrite]
+) -> Iterator[None]:
+    """Within the block, ``region_module``'s ``_get_populate_write_fn`` is
+    ``replacement(stock's)``; stock's again after it."""
+    stock = getattr(region_module, POPULATE_FN)
+    setattr(region_module, POPULATE_FN, replacement(stock))
+    try:
+        yield
+    finally:
+        setattr(region_module, POPULATE_FN, stock)
+
+
 def _left_unfaulted(mapping: mmap.mmap, offset: int, length: int) -> None:
     """vLLM's populate call, answered with nothing: the pinning steps fault these pages."""
 
 
-@contextlib.contextmanager
-def faulting_left_to_pinning(region_module: Any) -> Iterator[None]:
+def faulting_left_to_pinning(region_module: Any) -> contextlib.AbstractContextManager[None]:
     """Within the block, each region ``region_module`` builds is left unfaulted: where the
     worker pins it in steps (``KVCORE_HOST_POOL_PIN_FIRST``), each step faults its own rows
     by every usable CPU just before registering them, so that the engine waits for the
     first step's pages alone (:func:`kvcore_vllm.region_pinning.pinned_in_steps`, which
     faults the whole region first where vLLM's own registration takes over)."""
-    stock = getattr(region_module, POPULATE_FN)
-    setattr(region_module, POPULATE_FN, lambda mapping: _left_unfaulted)
-    try:
-        yield
-    finally:
-        setattr(region_module, POPULATE_FN, stock)
+    return _populate_replaced(region_module, lambda stock: lambda mapping: _left_unfaulted)
 
 
-@contextlib.contextmanager
 def faulted_by_a_share_of_cpus(
     region_module: Any,
     placement: numa.Placement | None,
     workers: int,
     on_failure: Callable[[Exception], None],
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Within the block, each range a region ``region_module`` builds asks to fault in (one
     worker's slot of each row, or its share of a replicated region) is faulted in by this
     worker's share of the usable CPUs (the engine's ``workers`` fault their parts at the
     same time), placed as ``placement`` says. Where kvcore's faulting fails, it is passed to
     ``on_failure`` once and vLLM's own faulting does that range and every later one."""
-    stock = getattr(region_module, POPULATE_FN)
     threads = max(1, usable_cpus() // max(1, workers))
 
-    def populate_write_fn(mapping: mmap.mmap) -> Callable[[mmap.mmap, int, int], None]:
-        own = stock(mapping)
-        base = mapping_address(mapping)
-        failed = False
+    def replacement(stock: GetPopulateWrite) -> GetPopulateWrite:
+        def populate_write_fn(mapping: mmap.mmap) -> PopulateWrite:
+            own = stock(mapping)
+            base = mapping_address(mapping)
+            failed = False
+            first = True
 
-        first = True
+            def populate(target: mmap.mmap, offset: int, length: int) -> None:
+                nonlocal failed, first
+                if not failed:
+                    try:
+                        node = fault_in(base + offset, length, placement=placement, threads=threads)
+                    except Exception as exc:
+                        failed = True
+                        on_failure(exc)
+                    else:
+                        if first:
+                            first = False
+                            logger.info(
+                                "kvcore: this worker's part of vLLM's CPU tier faulted in by "
+                                "%d threads (one worker of %d), NUMA node %s",
+                                threads,
+                                workers,
+                                "default" if node is None else node,
+                            )
+                        return
+                own(target, offset, length)
 
-        def populate(target: mmap.mmap, offset: int, length: int) -> None:
-            nonlocal failed, first
-            if not failed:
-                try:
-                    node = fault_in(base + offset, length, placement=placement, threads=threads)
-                except Exception as exc:
-                    failed = True
-                    on_failure(exc)
-                else:
-                    if first:
-                        first = False
-                        logger.info(
-                            "kvcore: this worker's part of vLLM's CPU tier faulted in by %d "
-                            "threads (one worker of %d), NUMA node %s",
-                            threads,
-                            workers,
-                            "default" if node is None else node,
-                        )
-                    return
-            own(target, offset, length)
+            return populate
 
-        return populate
+        return populate_write_fn
 
-    setattr(region_module, POPULATE_FN, populate_write_fn)
-    try:
-        yield
-    finally:
-        setattr(region_module, POPULATE_FN, stock)
+    return _populate_replaced(region_module, replacement)
 
 
-@contextlib.contextmanager
 def faulted_by_every_cpu(
     region_module: Any,
     placement: numa.Placement | None,
     on_failure: Callable[[Exception], None],
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Within the block, each region ``region_module`` (vLLM's shared region module) builds
     is faulted in by every usable CPU before vLLM's own faulting runs over it."""
-    stock = getattr(region_module, POPULATE_FN)
 
-    def populate_write_fn(mapping: mmap.mmap) -> Callable[[mmap.mmap, int, int], None]:
-        try:
-            fault_region(mapping, placement)
-        except Exception as exc:
-            on_failure(exc)
-        return stock(mapping)
+    def replacement(stock: GetPopulateWrite) -> GetPopulateWrite:
+        def populate_write_fn(mapping: mmap.mmap) -> PopulateWrite:
+            try:
+                fault_region(mapping, placement)
+            except Exception as exc:
+                on_failure(exc)
+            return stock(mapping)
 
-    setattr(region_module, POPULATE_FN, populate_write_fn)
-    try:
-        yield
-    finally:
-        setattr(region_module, POPULATE_FN, stock)
+        return populate_write_fn
+
+    return _populate_replaced(region_module, replacement)

@@ -69,14 +69,19 @@ def test_an_estimate_scales_the_sample_to_the_pool_and_unregisters_it():
     assert estimate["vllm_region_usable_seconds"] is None
 
 
-def test_a_first_share_is_usable_after_the_faulting_and_its_own_registration():
-    estimate = host_report.pin_estimate(
+def _estimate_with_a_first_share() -> dict:
+    """A 64-sample pool's estimate with one sample as its first share."""
+    return host_report.pin_estimate(
         64 * 16 * PAGE,
         sample_bytes=16 * PAGE,
         threads=2,
         registrar=FakeRegistrar(),
         first_bytes=16 * PAGE,
     )
+
+
+def test_a_first_share_is_usable_after_the_faulting_and_its_own_registration():
+    estimate = _estimate_with_a_first_share()
     fault_s = estimate["pool_bytes"] / (estimate["fault_gib_per_s"] * (1 << 30))
     register_s = 16 * PAGE / (estimate["register_gib_per_s"] * (1 << 30))
     assert estimate["kvcore_usable_seconds"] == pytest.approx(fault_s + register_s, rel=1e-6)
@@ -127,13 +132,7 @@ def test_doctor_refuses_a_pool_size_that_is_no_size(capsys, value):
 
 
 def test_doctor_says_when_each_engines_pool_is_usable_with_a_first_share():
-    estimate = host_report.pin_estimate(
-        64 * 16 * PAGE,
-        sample_bytes=16 * PAGE,
-        threads=2,
-        registrar=FakeRegistrar(),
-        first_bytes=16 * PAGE,
-    )
+    estimate = _estimate_with_a_first_share()
     text = _describe_estimate(estimate)
     assert "KVCORE_HOST_POOL_PIN_FIRST" in text
     assert f"SGLang's pool usable after about {estimate['kvcore_usable_seconds']:.0f} s" in text
