@@ -74,7 +74,10 @@ def pinned_in_steps(
         except Exception as exc:
             on_failure(exc)
         if fault is not None:
-            fault(region._base.data_ptr(), int(region.total_size_bytes))
+            try:
+                fault(region._base.data_ptr(), int(region.total_size_bytes))
+            except Exception as exc:  # vLLM's registration faults what is left
+                on_failure(exc)
         stock(region, *args, **kwargs)
 
     setattr(worker_module, PIN_FN, pin)

@@ -231,6 +231,29 @@ def test_a_failed_first_step_faults_the_region_in_before_vllm_registers_it(
         region.cleanup()
 
 
+def test_a_failed_faulting_leaves_the_region_to_vllms_registration(monkeypatch, unregistered):
+    from vllm.v1.kv_offload.cpu import gpu_worker
+
+    stock_calls: list[Any] = []
+    monkeypatch.setattr(gpu_worker, "pin_mmap_region", lambda *a, **k: stock_calls.append(a))
+    region, key = _region(), f"engine-{uuid.uuid4().hex}-r0"
+    failures: list[Exception] = []
+
+    def refused(address: int, nbytes: int) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    try:
+        with region_pinning.pinned_in_steps(
+            gpu_worker, key, 10 * ROW, failures.append, Registrar, refused
+        ):
+            gpu_worker.pin_mmap_region(region, worker_slot_only=True)
+        # The first step's faulting, then the whole region's: each counted, none raised.
+        assert [type(f) for f in failures] == [OSError, OSError]
+        assert stock_calls == [(region,)] and PinWatch.open(key) is None
+    finally:
+        region.cleanup()
+
+
 def _spec(monkeypatch, world_size: int = 1) -> KVCoreCPUOffloadingSpec:
     monkeypatch.setenv("KVCORE_TRANSFERS", "0")
     monkeypatch.setattr(CPUOffloadingSpec, "create_worker", lambda self, kv: SimpleNamespace(kv=kv))
