@@ -128,7 +128,7 @@ class KVCoreConfig:
         0,
         _size(0, 1 << 50, "more host memory than any machine holds"),
         "SGLang's MHA and MLA host pools (layer_first, page_first) and vLLM's shared CPU "
-        "tier (0.33 on, one GPU, whose pages are then also faulted in step by step): pin "
+        "tier (0.33 on, whose pages are then also faulted in step by step): pin "
         "this much before the engine starts and the rest on a background thread, handing "
         "out only pinned slots (in SGLang a call whose slots run "
         "across two steps' registrations is copied one registration at a time; use SGLang's "

@@ -106,6 +106,24 @@ def slot_steps(
     )
 
 
+def range_steps(
+    slot_ranges: Sequence[tuple[int, int]], first_bytes: int, step_bytes: int
+) -> tuple[PinStep, ...]:
+    """Registration steps over slots that each have a range of their own (``(address,
+    bytes)`` of slot i, in slot order, no two sharing a memory page): the first step holds
+    at least ``first_bytes``, each later one about ``step_bytes``, whole slots each."""
+    if not slot_ranges:
+        raise ValueError("nothing to pin: no slots")
+    steps: list[PinStep] = []
+    begin, held, goal = 0, 0, first_bytes
+    for end, (_, nbytes) in enumerate(slot_ranges, start=1):
+        held += nbytes
+        if held >= goal or end == len(slot_ranges):
+            steps.append(PinStep(tuple(slot_ranges[begin:end]), end))
+            begin, held, goal = end, 0, step_bytes
+    return tuple(steps)
+
+
 def _round_up(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 

@@ -31,34 +31,12 @@ CONNECTOR = "OffloadingConnector"
 TRANSFER_CONFIG = "--kv-transfer-config"
 
 
-PARALLEL_FLAGS = (
-    ("--tensor-parallel-size", "-tp"),
-    ("--pipeline-parallel-size", "-pp"),
-    ("--data-parallel-size", "-dp"),
-)
-
-
 def idle_warnings(args: EngineArgs, environ: Mapping[str, str], config: KVCoreConfig) -> list[str]:
     """One line per reason kvcore would do nothing in this vLLM (or leave a setting unused)."""
     warnings = _plugin_allowlist(environ)
     if args.opaque or args.command not in ENGINE_COMMANDS:
         return warnings
-    return warnings + _offloading(args, environ) + _pin_first(args, config)
-
-
-def _pin_first(args: EngineArgs, config: KVCoreConfig) -> list[str]:
-    """``KVCORE_HOST_POOL_PIN_FIRST`` pins a one-GPU engine's tier in steps; with several
-    GPUs each worker's vLLM pins its part whole."""
-    if not config.host_pool_pin_first:
-        return []
-    for flags in PARALLEL_FLAGS:
-        size = next((args.value(flag) for flag in flags if args.has(flag)), None)
-        if size is not None and size.isdigit() and int(size) > 1:
-            return [
-                f"{flags[0]} {size}: KVCORE_HOST_POOL_PIN_FIRST pins the CPU tier in steps "
-                "for an engine of one GPU only; here vLLM pins it whole before starting"
-            ]
-    return []
+    return warnings + _offloading(args, environ)
 
 
 def _plugin_allowlist(environ: Mapping[str, str]) -> list[str]:

@@ -14,6 +14,7 @@ methods are written with vLLM 0.33's names; on a release that names the pool oth
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,20 +45,22 @@ class KVCoreCPUOffloadingManager(CPUOffloadingManager):
         self,
         *args: Any,
         metrics: Metrics | None = None,
-        pinned_key: str | None = None,
+        pinned_keys: Sequence[str] = (),
         **kwargs: Any,
     ):
-        """``pinned_key``: the name of the tier's pinning progress where the worker may pin
-        it in steps; with no such progress (the worker pinned it whole) every chunk is
-        ready. Stock's own arguments go under the installed release's names (0.25's pool
-        size is num_blocks), so the class stands wherever stock's is built."""
+        """``pinned_keys``: the names of the workers' pinning progress where they may pin the
+        tier in steps (one a worker); a chunk is ready once every worker has pinned it, and a
+        worker with no such progress (it pinned its part whole) holds none back. Stock's own
+        arguments go under the installed release's names (0.25's pool size is num_blocks),
+        so the class stands wherever stock's is built."""
         super().__init__(*args, **kwargs)
         size = _pool_size(self)
         # vLLM's engine core builds the workers' KV caches, and with them the tier and its
         # progress file, before the scheduler that builds this manager: no file means the
         # worker pinned the tier whole.
-        self._pinned = PinWatch.open(pinned_key) if pinned_key else None
-        ready = None if self._pinned is None else min(self._pinned.ready, size)
+        opened = [PinWatch.open(key) for key in pinned_keys]
+        self._pinned = [watch for watch in opened if watch is not None]
+        ready = min(self._pinned_ready(), size) if self._pinned else None
         self._allocator = ContiguousSlotAllocator(size, metrics=metrics, ready=ready)
         # Freed ids are handed back in one batch before the next allocation: evictions
         # arrive one chunk at a time, and one free call merges neighbouring runs once.
@@ -104,18 +107,22 @@ class KVCoreCPUOffloadingManager(CPUOffloadingManager):
             self._count_allocated(-len(freed))
             freed.clear()
 
+    def _pinned_ready(self) -> int:
+        """Chunks every worker that pins in steps has pinned."""
+        return min(watch.ready for watch in self._pinned)
+
     def _take_pinned(self) -> None:
-        """Chunks the worker pinned since the last look, handed to the pool; once all are,
+        """Chunks the workers pinned since the last look, handed to the pool; once all are,
         the progress is no longer read."""
-        watch = self._pinned
-        if watch is None:
+        if not self._pinned:
             return
         size = self._allocator.size
-        ready = min(watch.ready, size)
+        ready = min(self._pinned_ready(), size)
         self._allocator.grow_ready(ready)
-        if ready >= min(watch.total, size):
-            watch.close()
-            self._pinned = None
+        if ready >= min(min(watch.total for watch in self._pinned), size):
+            for watch in self._pinned:
+                watch.close()
+            self._pinned = []
 
     def _count_allocated(self, delta: int) -> None:
         setattr(self, _ALLOCATED, getattr(self, _ALLOCATED) + delta)

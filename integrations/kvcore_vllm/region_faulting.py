@@ -56,13 +56,14 @@ def fault_region(mapping: mmap.mmap, placement: numa.Placement | None) -> None:
     )
 
 
-def fault_range(placement: numa.Placement | None) -> Callable[[int, int], None]:
-    """``(address, bytes) -> None``: that range of a region faulted in by every usable CPU,
-    placed as ``placement`` says (what each step of :mod:`kvcore_vllm.region_pinning` does
-    before it registers its rows)."""
+def fault_range(placement: numa.Placement | None, workers: int = 1) -> Callable[[int, int], None]:
+    """``(address, bytes) -> None``: that range of a region faulted in by this worker's
+    share of the usable CPUs (all of them for one of ``workers``), placed as ``placement``
+    says (what each step of :mod:`kvcore_vllm.region_pinning` does before it registers)."""
+    threads = max(1, usable_cpus() // max(1, workers))
 
     def fault(address: int, nbytes: int) -> None:
-        fault_in(address, nbytes, placement=placement)
+        fault_in(address, nbytes, placement=placement, threads=threads)
 
     return fault
 

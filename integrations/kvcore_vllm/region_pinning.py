@@ -1,23 +1,24 @@
-"""vLLM's shared CPU tier (0.33 and later) pinned in steps for one worker: a first share
+"""vLLM's shared CPU tier (0.33 and later) pinned in steps by each worker: a first share
 before the engine goes on, the rest on a background thread (``KVCORE_HOST_POOL_PIN_FIRST``).
 
-vLLM's worker registers its whole region with CUDA (``pin_mmap_region``, row-aligned
-calls of up to 64 GiB) before the engine can serve, and registration runs at one rate on
-one thread. While kvcore's spec builds the stock worker of a one-worker engine,
-:func:`pinned_in_steps` stands in for ``pin_mmap_region``: it registers the region's chunk
-rows in steps (:mod:`kvcore.stepwise_pinning`), the first before it returns (setting
-``is_pinned``, as vLLM's own does), the rest from a thread, each step's rows faulted in by
-every usable CPU just before they are registered (the region is built unfaulted, so the
-engine waits for the first step's pages alone). The pinned prefix goes to a
-:class:`~kvcore.pin_progress.PinProgress` named by the engine's id, which kvcore's manager
-(:mod:`kvcore_vllm.manager`, the scheduler's side) reads to hand out only pinned chunks.
+vLLM's worker registers its region with CUDA (``pin_mmap_region``: row-aligned calls of up
+to 64 GiB, or, a worker of several, its own slot of each row) before the engine can serve,
+and registration runs at one rate on one thread. While kvcore's spec builds the stock
+worker, :func:`pinned_in_steps` stands in for ``pin_mmap_region``: it registers the same
+ranges in steps of rows (:mod:`kvcore.stepwise_pinning`), the first before it returns
+(setting ``is_pinned``, as vLLM's own does), the rest from a thread, each step's rows
+faulted in just before they are registered (the region is built unfaulted, so the engine
+waits for the first step's pages alone). Each worker's pinned prefix goes to a
+:class:`~kvcore.pin_progress.PinProgress` named by the engine's id and its rank, which
+kvcore's manager (:mod:`kvcore_vllm.manager`, the scheduler's side) reads, every worker's,
+to hand out only chunks pinned everywhere.
 
-A copy never touches an unpinned row: every chunk the manager hands out is below the
+A copy never touches an unpinned row: every chunk the manager hands out is below each
 prefix, and no copy spans two chunk rows (a row holds one chunk of every KV tensor, so a
 tensor's neighbouring chunks lie a row apart), hence none spans two steps. The region's
 ``cleanup`` stops the thread first, then hands vLLM the addresses to unregister
-(``pinned_addresses``) and removes the progress file. Where the rows cannot end on memory
-pages or the first step fails, vLLM's own registration pins the region whole (counted).
+(``pinned_addresses``) and removes the progress file. Where whole rows cannot end on
+memory pages or the first step fails, vLLM's own registration pins the region (counted).
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from typing import Any
 
 from kvcore.host_pinning import CudaHostRegistrar, HostRegistrar, format_bytes
 from kvcore.pin_progress import PinProgress
-from kvcore.stepwise_pinning import PinStep, SlotLayout, StepwisePinning, slot_steps
+from kvcore.stepwise_pinning import (
+    PinStep,
+    SlotLayout,
+    StepwisePinning,
+    range_steps,
+    slot_steps,
+)
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -42,11 +49,28 @@ MOST_BYTES_A_CALL = 64 << 30
 """vLLM registers no more than this in one call; kvcore's first step neither."""
 
 
-def progress_key(spec: Any) -> str | None:
-    """The name both sides of one engine give its tier's pinning progress (the engine's id,
-    rank 0), or None where the spec has no engine id."""
-    engine_id = getattr(getattr(spec, "config", None), "engine_id", None)
-    return f"{engine_id}-r0" if engine_id else None
+MIN_SAVED = "MIN_HOST_REGISTER_SAVED_BYTES"
+"""vLLM's worker module's least saving per row for which a worker registers its own slot of
+each row rather than whole rows (0.33 on)."""
+
+
+def progress_key(spec: Any, rank: int | None = None) -> str | None:
+    """The name a worker (``rank``, default the spec's own) and the scheduler give that
+    worker's pinning progress of the engine's tier (the engine's id and the rank), or None
+    where the spec has no engine id."""
+    config = getattr(spec, "config", None)
+    engine_id = getattr(config, "engine_id", None)
+    if not engine_id:
+        return None
+    if rank is None:
+        rank = int(getattr(getattr(config, "parallel", None), "rank", 0) or 0)
+    return f"{engine_id}-r{rank}"
+
+
+def progress_keys(spec: Any, workers: int) -> tuple[str, ...]:
+    """Every worker's :func:`progress_key` (the scheduler reads them all), or none."""
+    keys = tuple(progress_key(spec, rank) for rank in range(workers))
+    return () if None in keys else tuple(key for key in keys if key is not None)
 
 
 @contextlib.contextmanager
@@ -63,19 +87,26 @@ def pinned_in_steps(
     steps cannot be made or the first fails (passed to ``on_failure``), vLLM's own runs.
     ``fault(address, bytes)``, for a region built unfaulted
     (:func:`kvcore_vllm.region_faulting.faulting_left_to_pinning`), faults each step's rows
-    in just before they are registered, and the whole region before vLLM's own
-    registration (which would fault it on one thread)."""
+    in just before they are registered, and what vLLM's own registration would take before
+    it runs (which would fault it on one thread). A worker of several registers only its
+    slot of each row where vLLM would (``worker_slot_only``, when the rest of a row saves
+    enough), in steps of rows all the same."""
     stock = getattr(worker_module, PIN_FN)
 
     def pin(region: Any, *args: Any, **kwargs: Any) -> None:
+        slot_only = bool(kwargs.get("worker_slot_only", args[0] if args else False))
+        ranges: list[tuple[int, int]] | None = None
         try:
-            if _pin_rows(region, key, first_bytes, registrar_factory(), fault):
+            ranges = _worker_slot_ranges(region, worker_module, slot_only)
+            if _pin_rows(region, key, first_bytes, registrar_factory(), fault, ranges):
                 return
         except Exception as exc:
             on_failure(exc)
         if fault is not None:
+            whole = [(region._base.data_ptr(), int(region.total_size_bytes))]
             try:
-                fault(region._base.data_ptr(), int(region.total_size_bytes))
+                for address, nbytes in ranges or whole:
+                    fault(address, nbytes)
             except Exception as exc:  # vLLM's registration faults what is left
                 on_failure(exc)
         stock(region, *args, **kwargs)
@@ -87,21 +118,49 @@ def pinned_in_steps(
         setattr(worker_module, PIN_FN, stock)
 
 
+def _worker_slot_ranges(
+    region: Any, worker_module: Any, slot_only: bool
+) -> list[tuple[int, int]] | None:
+    """This worker's slot of each row, ``(address, bytes)`` rounded out to memory pages, in
+    row order, where vLLM's registration would take those alone (a worker of several, when
+    the rest of a row saves enough); None where it registers whole rows."""
+    least = getattr(worker_module, MIN_SAVED, None)
+    stride, slot = int(region._row_stride), int(region.cpu_page_size)
+    if not slot_only or region.rank is None or least is None:
+        return None
+    if stride - slot < max(int(region.page_size), int(least)):
+        return None
+    page = int(region.page_size)
+    base = region._base.data_ptr() + int(region.rank) * slot
+    ranges = []
+    for row in range(int(region.num_chunks)):
+        start = base + row * stride
+        aligned = start - start % page
+        ranges.append((aligned, -(-(start + slot) // page) * page - aligned))
+    return ranges
+
+
 def _pin_rows(
     region: Any,
     key: str,
     first_bytes: int,
     registrar: HostRegistrar,
     fault: Callable[[int, int], None] | None,
+    slot_ranges: list[tuple[int, int]] | None,
 ) -> bool:
-    """Pin ``region``'s first rows now and start a thread for the rest; False where its rows
-    cannot end on memory pages (nothing was pinned). Raises where the first step fails,
-    with nothing left registered and no progress file."""
+    """Pin ``region``'s first rows now (``slot_ranges``: this worker's slot of each, else the
+    rows whole) and start a thread for the rest; False where whole rows cannot end on
+    memory pages (nothing was pinned). Raises where the first step fails, with nothing left
+    registered and no progress file."""
     rows, row_bytes = int(region.num_chunks), int(region._row_stride)
-    layout = SlotLayout(region._base.data_ptr(), 1, rows * row_bytes, rows, row_bytes)
-    steps = slot_steps(layout, 1, min(first_bytes, MOST_BYTES_A_CALL), STEP_BYTES)
-    if steps is None or steps[0].nbytes > MOST_BYTES_A_CALL:
-        return False
+    if slot_ranges is not None:
+        steps = range_steps(slot_ranges, first_bytes, STEP_BYTES)
+    else:
+        layout = SlotLayout(region._base.data_ptr(), 1, rows * row_bytes, rows, row_bytes)
+        found = slot_steps(layout, 1, min(first_bytes, MOST_BYTES_A_CALL), STEP_BYTES)
+        if found is None or found[0].nbytes > MOST_BYTES_A_CALL:
+            return False
+        steps = found
     started = time.perf_counter()
     progress = PinProgress(key, rows)
 
@@ -129,7 +188,7 @@ def _pin_rows(
         "(%.1f s), the rest on a background thread",
         len(steps),
         format_bytes(steps[0].nbytes),
-        format_bytes(layout.nbytes),
+        format_bytes(sum(step.nbytes for step in steps)),
         time.perf_counter() - started,
     )
     pinning.start()

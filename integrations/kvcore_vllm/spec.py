@@ -38,7 +38,7 @@ from kvcore_vllm.region_faulting import (
     faulted_by_every_cpu,
     faulting_left_to_pinning,
 )
-from kvcore_vllm.region_pinning import pinned_in_steps, progress_key
+from kvcore_vllm.region_pinning import pinned_in_steps, progress_key, progress_keys
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.transfers import INTERNAL_ERRORS
 
@@ -73,9 +73,8 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             config = KVCoreConfig.from_env()
             metrics = METRICS if config.metrics else None
             num_chunks = getattr(self, _SHAPE.name("num_chunks"))
-            pinned_key = self._step_pinning_key(config)
             self._manager = KVCoreCPUOffloadingManager(
-                num_chunks, metrics=metrics, pinned_key=pinned_key, **options
+                num_chunks, metrics=metrics, pinned_keys=self._step_pinning_keys(config), **options
             )
         return self._manager
 
@@ -96,13 +95,14 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
             return None
         return workers if workers >= 1 else None
 
-    def _step_pinning_key(self, config: KVCoreConfig) -> str | None:
-        """The name of the tier's pinning progress where the worker may pin it in steps
-        (``KVCORE_HOST_POOL_PIN_FIRST``: the shared region of an engine of one worker), else
-        None: both the worker and the manager ask."""
-        if not (config.host_pool_pin_first and self._region_workers(config) == 1):
-            return None
-        return progress_key(self)
+    def _step_pinning_keys(self, config: KVCoreConfig) -> tuple[str, ...]:
+        """The names of the workers' pinning progress where they may pin the tier in steps
+        (``KVCORE_HOST_POOL_PIN_FIRST``, vLLM's shared region), one a worker, else none:
+        the manager reads them all, each worker writes its own."""
+        workers = self._region_workers(config)
+        if not config.host_pool_pin_first or workers is None:
+            return ()
+        return progress_keys(self, workers)
 
     def _stock_worker(
         self, kv_caches: CanonicalKVCaches, config: KVCoreConfig
@@ -126,14 +126,8 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
 
         with contextlib.ExitStack() as stack:
             placement = numa.current_gpu_placement()
-            key = self._step_pinning_key(config)
-            if workers > 1:
-                stack.enter_context(
-                    faulted_by_a_share_of_cpus(shared_offload_region, placement, workers, count)
-                )
-            elif key is None or not getattr(gpu_worker, "PIN_MEMORY", False):
-                stack.enter_context(faulted_by_every_cpu(shared_offload_region, placement, count))
-            else:
+            key = progress_key(self) if self._step_pinning_keys(config) else None
+            if key is not None and getattr(gpu_worker, "PIN_MEMORY", False):
                 # Each step faults its own rows just before registering them.
                 stack.enter_context(faulting_left_to_pinning(shared_offload_region))
                 stack.enter_context(
@@ -142,9 +136,15 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
                         key,
                         config.host_pool_pin_first,
                         count_pinning,
-                        fault=fault_range(placement),
+                        fault=fault_range(placement, workers),
                     )
                 )
+            elif workers > 1:
+                stack.enter_context(
+                    faulted_by_a_share_of_cpus(shared_offload_region, placement, workers, count)
+                )
+            else:
+                stack.enter_context(faulted_by_every_cpu(shared_offload_region, placement, count))
             return super().create_worker(kv_caches)
 
     def _worker_on_exact_region(

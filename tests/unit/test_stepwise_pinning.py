@@ -19,6 +19,7 @@ from kvcore.stepwise_pinning import (
     SlotLayout,
     StepwisePinning,
     crosses_step,
+    range_steps,
     slot_layout,
     slot_steps,
     slot_unit,
@@ -359,3 +360,13 @@ def test_a_step_whose_preparation_fails_is_not_registered() -> None:
     assert recorder.held == ranges_of(steps[:2])
     assert pinning.ready_slots == steps[1].ready_slots and not pinning.done
     assert pinning.failure is not None and "cannot fault the pages in" in pinning.failure
+
+
+def test_range_steps_group_whole_slots_by_bytes() -> None:
+    ranges = [(1000 * i, 100) for i in range(10)]
+    steps = range_steps(ranges, first_bytes=250, step_bytes=400)
+    assert [step.ready_slots for step in steps] == [3, 7, 10]
+    assert [list(step.ranges) for step in steps] == [ranges[:3], ranges[3:7], ranges[7:]]
+    assert range_steps(ranges, first_bytes=1 << 30, step_bytes=1)[0].ready_slots == 10
+    with pytest.raises(ValueError, match="no slots"):
+        range_steps([], 1, 1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-import uuid
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm_support import SHARED_REGION_ONLY, shared_region, spec_args
+from vllm_support import SHARED_REGION_ONLY, second_workers_region, shared_region, spec_args
 
 from kvcore.host_mapping import mapping_address
 from kvcore.host_pinning import usable_cpus
@@ -119,18 +118,7 @@ SLOT = 4 * mmap.PAGESIZE  # a worker's slot of each row: the row holds two worke
 def _second_worker_create(self: Any, kv_caches: Any) -> Any:
     """The stock create_worker of the second of two workers: the region built by vLLM's own
     class, which faults in that worker's slot of each row."""
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-    return SimpleNamespace(
-        region=SharedOffloadRegion(
-            engine_id=f"kvcore-test-{uuid.uuid4().hex}",
-            num_chunks=CHUNKS,
-            rank=1,
-            kv_bytes_per_chunk=2 * SLOT,
-            cpu_page_size=SLOT,
-            barrier=None,
-        )
-    )
+    return SimpleNamespace(region=second_workers_region(CHUNKS, SLOT))
 
 
 @pytest.mark.parametrize("fails", [False, True])

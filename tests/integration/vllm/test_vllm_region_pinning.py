@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm_support import SHARED_REGION_ONLY, shared_region, spec_args
+from vllm_support import SHARED_REGION_ONLY, second_workers_region, shared_region, spec_args
 
 from kvcore.host_pinning import PinnedMemoryError
 from kvcore.pin_progress import PinProgress, PinWatch, progress_path
@@ -112,7 +112,7 @@ def test_the_first_rows_are_pinned_before_the_worker_goes_on_and_the_rest_after(
         assert registrar.registered == [(base, 10 * ROW)]
         watch = PinWatch.open(key)
         assert watch is not None and (watch.total, watch.ready) == (ROWS, 10)
-        manager = KVCoreCPUOffloadingManager(ROWS, pinned_key=key)
+        manager = KVCoreCPUOffloadingManager(ROWS, pinned_keys=[key])
         assert manager._get_num_free_chunks() == 10
         ctx = ReqContext(req_id="r")
         keys = [make_offload_key(f"k{i}".encode(), 0) for i in range(8)]
@@ -127,7 +127,7 @@ def test_the_first_rows_are_pinned_before_the_worker_goes_on_and_the_rest_after(
         ends = [(ptr - base + size) // ROW for ptr, size in registrar.registered]
         assert ends == [10, 18, 26, 34, 37]
         assert manager._get_num_free_chunks() == ROWS - 8
-        assert manager._pinned is None  # read no more once every chunk is in
+        assert manager._pinned == []  # read no more once every chunk is in
         watch.close()
     finally:
         region.cleanup()
@@ -165,7 +165,7 @@ def test_a_failed_first_step_leaves_the_region_to_vllm_counted(monkeypatch, unre
         assert [type(f) for f in failures] == [PinnedMemoryError]
         assert stock_calls == [(region,)]  # vLLM's own registration, whole
         assert PinWatch.open(key) is None  # the manager hands out every chunk
-        assert KVCoreCPUOffloadingManager(ROWS, pinned_key=key)._get_num_free_chunks() == ROWS
+        assert KVCoreCPUOffloadingManager(ROWS, pinned_keys=[key])._get_num_free_chunks() == ROWS
     finally:
         region.cleanup()
 
@@ -267,7 +267,7 @@ def _spec(monkeypatch, world_size: int = 1) -> KVCoreCPUOffloadingSpec:
     [
         ({"KVCORE_HOST_POOL_PIN_FIRST": "1GiB"}, 1, True),
         ({}, 1, False),
-        ({"KVCORE_HOST_POOL_PIN_FIRST": "1GiB"}, 2, False),
+        ({"KVCORE_HOST_POOL_PIN_FIRST": "1GiB"}, 2, True),
         ({"KVCORE_HOST_POOL_PIN_FIRST": "1GiB", "KVCORE_HOST_POOL": "0"}, 1, False),
     ],
 )
@@ -304,7 +304,66 @@ def test_the_worker_and_the_manager_agree_on_pinning_in_steps(monkeypatch, env, 
     progress = PinProgress(key, 64)
     try:
         manager = spec.get_manager()
-        assert (manager._pinned is not None) == steps
+        assert bool(manager._pinned) == steps
         assert manager._get_num_free_chunks() == (0 if steps else _pool_size(manager))
     finally:
         progress.close()
+
+
+SLOT = 2 * mmap.PAGESIZE  # a worker's slot of each row: the row holds two workers' slots
+
+
+def test_a_worker_of_several_pins_its_own_slots_in_steps_as_vllm_would_whole(
+    monkeypatch, unregistered
+):
+    from vllm.v1.kv_offload.cpu import gpu_worker
+
+    # The rest of a row (another worker's slot) saves enough to register slots alone.
+    monkeypatch.setattr(gpu_worker, region_pinning.MIN_SAVED, mmap.PAGESIZE)
+    monkeypatch.setattr(region_pinning, "STEP_BYTES", 8 * SLOT)
+    stock_ranges: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        gpu_worker, "host_register", lambda ptr, n: stock_ranges.append((ptr, n)) or True
+    )
+    stock_region = second_workers_region(ROWS, SLOT)
+    region = second_workers_region(ROWS, SLOT)
+    key = f"engine-{uuid.uuid4().hex}-r1"
+    registrar = Registrar()
+    registrar.go.set()
+    try:
+        gpu_worker.pin_mmap_region(stock_region, worker_slot_only=True)
+        stock_base = stock_region._base.data_ptr()
+        _pin(region, key, registrar, [])
+        watch = PinWatch.open(key)
+        assert watch is not None
+        _wait_ready(watch, ROWS)
+        watch.close()
+        base = region._base.data_ptr()
+        # Every row's slot of the second worker, each a registration of its own: vLLM's
+        # ranges, in steps of whole rows.
+        assert [(p - base, n) for p, n in registrar.registered] == [
+            (p - stock_base, n) for p, n in stock_ranges
+        ]
+        assert registrar.registered[0] == (base + SLOT, SLOT) and len(stock_ranges) == ROWS
+    finally:
+        stock_region.is_pinned = False  # its registration above was a recording
+        stock_region.cleanup()
+        region.cleanup()
+
+
+def test_the_manager_hands_out_what_every_worker_has_pinned(monkeypatch):
+    engine = f"engine-{uuid.uuid4().hex}"
+    first, second = PinProgress(f"{engine}-r0", ROWS), PinProgress(f"{engine}-r1", ROWS)
+    try:
+        first.publish(10)
+        second.publish(5)
+        keys = [f"{engine}-r0", f"{engine}-r1", f"{engine}-r2"]  # r2 pinned its part whole
+        manager = KVCoreCPUOffloadingManager(ROWS, pinned_keys=keys)
+        assert manager._get_num_free_chunks() == 5
+        second.publish(ROWS)
+        assert manager._get_num_free_chunks() == 10
+        first.publish(ROWS)
+        assert manager._get_num_free_chunks() == ROWS and manager._pinned == []
+    finally:
+        first.close()
+        second.close()

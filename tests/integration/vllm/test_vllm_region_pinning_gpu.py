@@ -51,7 +51,7 @@ def test_pinned_rows_copy_exactly_while_the_rest_registers(monkeypatch, faulted_
         rows.copy_(torch.randint(-128, 128, rows.shape, dtype=torch.int8))
         watch = PinWatch.open(key)
         assert watch is not None and watch.ready >= 10
-        manager = KVCoreCPUOffloadingManager(ROWS, pinned_key=key)
+        manager = KVCoreCPUOffloadingManager(ROWS, pinned_keys=[key])
         ready = manager._get_num_free_chunks()
         assert 10 <= ready <= ROWS
         # What the manager may hand out copies exactly, one row a DMA, from pinned memory.

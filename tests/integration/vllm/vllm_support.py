@@ -55,6 +55,21 @@ def shared_region(chunks: int, chunk_bytes: int) -> Any:
     )
 
 
+def second_workers_region(chunks: int, slot_bytes: int) -> Any:
+    """The region of the second of two workers, by vLLM's own class: each row holds the two
+    workers' slots of ``slot_bytes`` (a fresh engine id: its files are its own)."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    return SharedOffloadRegion(
+        engine_id=f"kvcore-test-{uuid.uuid4().hex}",
+        num_chunks=chunks,
+        rank=1,
+        kv_bytes_per_chunk=2 * slot_bytes,
+        cpu_page_size=slot_bytes,
+        barrier=None,
+    )
+
+
 def spec_args(extra: dict[str, Any]) -> tuple[Any, ...]:
     """What a spec's constructor takes on the installed release, for the setup of
     :func:`offloading_config`; vLLM 0.25 takes its engine and KV cache configs, of which
