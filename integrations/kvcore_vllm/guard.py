@@ -108,8 +108,8 @@ TARGETS: tuple[Target, ...] = (
     Target(_POINTERS, "iter_pointer_groups", pointers=True),
     # The worker registers kvcore's host mapping as it would its own region.
     Target(_WORKER, "pin_mmap_region", own_region=True),
-    # A one-worker engine's shared region is faulted in by kvcore before vLLM's own
-    # faulting, which asks the module for its populate function once per region.
+    # The shared region is faulted in by kvcore in place of vLLM's own faulting, which asks
+    # the module for its populate function once per region.
     Target(_REGION, "_get_populate_write_fn", shared_region=True),
     Target(_REGION, "SharedOffloadRegion.__init__", shared_region=True),
 )
