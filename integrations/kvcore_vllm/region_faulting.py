@@ -56,11 +56,16 @@ def fault_region(mapping: mmap.mmap, placement: numa.Placement | None) -> None:
     )
 
 
+def _threads_of(workers: int) -> int:
+    """One worker's share of the usable CPUs, where ``workers`` fault their parts at once."""
+    return max(1, usable_cpus() // max(1, workers))
+
+
 def fault_range(placement: numa.Placement | None, workers: int = 1) -> Callable[[int, int], None]:
     """``(address, bytes) -> None``: that range of a region faulted in by this worker's
     share of the usable CPUs (all of them for one of ``workers``), placed as ``placement``
     says (what each step of :mod:`kvcore_vllm.region_pinning` does before it registers)."""
-    threads = max(1, usable_cpus() // max(1, workers))
+    threads = _threads_of(workers)
 
     def fault(address: int, nbytes: int) -> None:
         fault_in(address, nbytes, placement=placement, threads=threads)
@@ -112,7 +117,7 @@ def faulted_by_a_share_of_cpus(
     worker's share of the usable CPUs (the engine's ``workers`` fault their parts at the
     same time), placed as ``placement`` says. Where kvcore's faulting fails, it is passed to
     ``on_failure`` once and vLLM's own faulting does that range and every later one."""
-    threads = max(1, usable_cpus() // max(1, workers))
+    threads = _threads_of(workers)
 
     def replacement(stock: GetPopulateWrite) -> GetPopulateWrite:
         def populate_write_fn(mapping: mmap.mmap) -> PopulateWrite:
@@ -123,24 +128,25 @@ def faulted_by_a_share_of_cpus(
 
             def populate(target: mmap.mmap, offset: int, length: int) -> None:
                 nonlocal failed, first
-                if not failed:
-                    try:
-                        node = fault_in(base + offset, length, placement=placement, threads=threads)
-                    except Exception as exc:
-                        failed = True
-                        on_failure(exc)
-                    else:
-                        if first:
-                            first = False
-                            logger.info(
-                                "kvcore: this worker's part of vLLM's CPU tier faulted in by "
-                                "%d threads (one worker of %d), NUMA node %s",
-                                threads,
-                                workers,
-                                "default" if node is None else node,
-                            )
-                        return
-                own(target, offset, length)
+                if failed:
+                    own(target, offset, length)
+                    return
+                try:
+                    node = fault_in(base + offset, length, placement=placement, threads=threads)
+                except Exception as exc:
+                    failed = True
+                    on_failure(exc)
+                    own(target, offset, length)
+                    return
+                if first:
+                    first = False
+                    logger.info(
+                        "kvcore: this worker's part of vLLM's CPU tier faulted in by %d "
+                        "threads (one worker of %d), NUMA node %s",
+                        threads,
+                        workers,
+                        "default" if node is None else node,
+                    )
 
             return populate
 

@@ -68,9 +68,10 @@ def progress_key(spec: Any, rank: int | None = None) -> str | None:
 
 
 def progress_keys(spec: Any, workers: int) -> tuple[str, ...]:
-    """Every worker's :func:`progress_key` (the scheduler reads them all), or none."""
-    keys = tuple(progress_key(spec, rank) for rank in range(workers))
-    return () if None in keys else tuple(key for key in keys if key is not None)
+    """Every worker's :func:`progress_key` (the scheduler reads them all), or none where
+    the spec has no engine id."""
+    keys = (progress_key(spec, rank) for rank in range(workers))
+    return tuple(key for key in keys if key is not None)
 
 
 @contextlib.contextmanager
@@ -125,12 +126,11 @@ def _worker_slot_ranges(
     row order, where vLLM's registration would take those alone (a worker of several, when
     the rest of a row saves enough); None where it registers whole rows."""
     least = getattr(worker_module, MIN_SAVED, None)
-    stride, slot = int(region._row_stride), int(region.cpu_page_size)
     if not slot_only or region.rank is None or least is None:
         return None
-    if stride - slot < max(int(region.page_size), int(least)):
+    stride, slot, page = int(region._row_stride), int(region.cpu_page_size), int(region.page_size)
+    if stride - slot < max(page, int(least)):
         return None
-    page = int(region.page_size)
     base = region._base.data_ptr() + int(region.rank) * slot
     ranges = []
     for row in range(int(region.num_chunks)):

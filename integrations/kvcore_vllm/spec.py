@@ -126,7 +126,7 @@ class KVCoreCPUOffloadingSpec(CPUOffloadingSpec):
 
         with contextlib.ExitStack() as stack:
             placement = numa.current_gpu_placement()
-            key = progress_key(self) if self._step_pinning_keys(config) else None
+            key = progress_key(self) if config.host_pool_pin_first else None
             if key is not None and getattr(gpu_worker, "PIN_MEMORY", False):
                 # Each step faults its own rows just before registering them.
                 stack.enter_context(faulting_left_to_pinning(shared_offload_region))
