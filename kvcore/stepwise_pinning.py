@@ -21,6 +21,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,8 +155,15 @@ def crosses_step(slots: np.ndarray, ends: np.ndarray) -> bool:
 class StepwisePinning:
     """Registers ``steps`` in order: :meth:`pin_first` on the caller's thread, :meth:`start`
     the rest on a daemon thread, calling ``on_ready`` after each of those with no lock
-    held; ``memory``, what owns the ranges, is kept alive with it; ``prepare`` runs on each
-    step just before its registration (a failure there fails the step)."""
+    held; ``memory``, what owns the ranges, is kept alive with it.
+
+    ``prepare(step, at_once)`` readies a step's memory (faults its pages in) before its
+    registration; a failure there fails the step. :meth:`pin_first` prepares each step just
+    before registering it (``at_once`` 1). The thread prepares up to ``prepare_ahead``
+    steps at once, ahead of the one it registers (``at_once`` that many, so that the
+    callee can share its threads among them): faulting one step's pages is capped where
+    they lie in one file (a ``/dev/shm`` file's page-cache inserts are serialised), and
+    registering a step goes on while later ones fault."""
 
     def __init__(
         self,
@@ -165,10 +173,13 @@ class StepwisePinning:
         on_ready: Callable[[], None] | None = None,
         name: str = "host pool",
         memory: object = None,
-        prepare: Callable[[PinStep], None] | None = None,
+        prepare: Callable[[PinStep, int], None] | None = None,
+        prepare_ahead: int = 1,
     ) -> None:
         if not steps:
             raise ValueError("nothing to pin: no steps")
+        if prepare_ahead < 1:
+            raise ValueError(f"prepare_ahead must be at least 1, not {prepare_ahead}")
         self.steps = tuple(steps)
         self.step_ends = np.array([step.ready_slots for step in self.steps[:-1]], dtype=np.int64)
         """Where one registration ends and the next begins, in slots, sorted."""
@@ -181,8 +192,8 @@ class StepwisePinning:
         # What owns the memory (a tensor, a mapping): it must outlive every registration.
         self._memory = memory
         self._on_ready = on_ready
-        # Readies a step's memory (faults its pages in) just before it is registered.
         self._prepare = prepare
+        self._prepare_ahead = prepare_ahead
         self._name = name
         self._next = 0
         self._ready = 0
@@ -241,10 +252,13 @@ class StepwisePinning:
         self._ready = self._next = 0
 
     def _run(self) -> None:
+        workers = self._prepare_ahead if self._prepare is not None else 0
+        pool = ThreadPoolExecutor(workers, f"kvcore-prepare-{self._name}") if workers else None
+        prepared: dict[int, Future[None]] = {}
         try:
             while not self.done and not self._stop.is_set():
                 try:
-                    self._pin_next()
+                    self._pin_next(self._prepared_ahead(pool, prepared))
                 except Exception as exc:
                     self.failure = self._failed(exc)
                     logger.error("kvcore: %s", self.failure)
@@ -258,14 +272,32 @@ class StepwisePinning:
                         logger.exception("kvcore: %s", self.failure)
                         return
         finally:
+            # No preparation may outlive the thread: stop() is followed by freeing the memory.
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
             self._finished.set()
 
-    def _pin_next(self) -> None:
-        """Register the next step whole, or take back the part of it that got in."""
+    def _prepared_ahead(
+        self, pool: ThreadPoolExecutor | None, prepared: dict[int, Future[None]]
+    ) -> Future[None] | None:
+        """The next step's preparation, running or done, with the following ones started
+        on ``pool`` up to ``prepare_ahead`` in all; None where there is no pool."""
+        if pool is None or self._prepare is None:
+            return None
+        for index in range(self._next, min(self._next + self._prepare_ahead, len(self.steps))):
+            if index not in prepared:
+                prepared[index] = pool.submit(self._prepare, self.steps[index], self._prepare_ahead)
+        return prepared.pop(self._next)
+
+    def _pin_next(self, prepared: Future[None] | None = None) -> None:
+        """Register the next step whole (once ``prepared``, its preparation, is done; else
+        prepared here), or take back the part of it that got in."""
         step = self.steps[self._next]
         done = len(self.registered)
-        if self._prepare is not None:
-            self._prepare(step)
+        if prepared is not None:
+            prepared.result()
+        elif self._prepare is not None:
+            self._prepare(step, 1)
         try:
             for address, size in step.ranges:
                 self._registrar.register(address, size)

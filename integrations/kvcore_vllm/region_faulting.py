@@ -61,14 +61,18 @@ def _threads_of(workers: int) -> int:
     return max(1, usable_cpus() // max(1, workers))
 
 
-def fault_range(placement: numa.Placement | None, workers: int = 1) -> Callable[[int, int], None]:
-    """``(address, bytes) -> None``: that range of a region faulted in by this worker's
-    share of the usable CPUs (all of them for one of ``workers``), placed as ``placement``
-    says (what each step of :mod:`kvcore_vllm.region_pinning` does before it registers)."""
-    threads = _threads_of(workers)
+FaultRange = Callable[[int, int, int], None]
+"""``(address, bytes, at_once)``: that range of a region faulted in, one of ``at_once``
+ranges faulted at the same time."""
 
-    def fault(address: int, nbytes: int) -> None:
-        fault_in(address, nbytes, placement=placement, threads=threads)
+
+def fault_range(placement: numa.Placement | None, workers: int = 1) -> FaultRange:
+    """A range of a region faulted in by its share of this worker's share of the usable
+    CPUs (all of them for one of ``workers`` faulting one range), placed as ``placement``
+    says (what each step of :mod:`kvcore_vllm.region_pinning` does before it registers)."""
+
+    def fault(address: int, nbytes: int, at_once: int = 1) -> None:
+        fault_in(address, nbytes, placement=placement, threads=_threads_of(workers * at_once))
 
     return fault
 

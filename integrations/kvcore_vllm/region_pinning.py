@@ -39,6 +39,7 @@ from kvcore.stepwise_pinning import (
     range_steps,
     slot_steps,
 )
+from kvcore_vllm.region_faulting import FaultRange
 
 logger = logging.getLogger("kvcore.vllm")
 
@@ -47,6 +48,10 @@ STEP_BYTES = 2 << 30
 """About how much of the tier each background step pins."""
 MOST_BYTES_A_CALL = 64 << 30
 """vLLM registers no more than this in one call; kvcore's first step neither."""
+FAULTED_AHEAD = 4
+"""How many steps the thread faults at once, ahead of the one it registers: vLLM splits the
+region into files of a few GiB, and one file's pages fault in at a capped rate however many
+threads fault them."""
 
 
 MIN_SAVED = "MIN_HOST_REGISTER_SAVED_BYTES"
@@ -81,7 +86,7 @@ def pinned_in_steps(
     first_bytes: int,
     on_failure: Callable[[Exception], None],
     registrar_factory: Callable[[], HostRegistrar] = CudaHostRegistrar,
-    fault: Callable[[int, int], None] | None = None,
+    fault: FaultRange | None = None,
 ) -> Iterator[None]:
     """Within the block, ``worker_module``'s (vLLM's ``gpu_worker``) ``pin_mmap_region``
     pins each region in steps, the first holding at least ``first_bytes``; where kvcore's
@@ -107,7 +112,7 @@ def pinned_in_steps(
             whole = [(region._base.data_ptr(), int(region.total_size_bytes))]
             try:
                 for address, nbytes in ranges or whole:
-                    fault(address, nbytes)
+                    fault(address, nbytes, 1)
             except Exception as exc:  # vLLM's registration faults what is left
                 on_failure(exc)
         stock(region, *args, **kwargs)
@@ -145,7 +150,7 @@ def _pin_rows(
     key: str,
     first_bytes: int,
     registrar: HostRegistrar,
-    fault: Callable[[int, int], None] | None,
+    fault: FaultRange | None,
     slot_ranges: list[tuple[int, int]] | None,
 ) -> bool:
     """Pin ``region``'s first rows now (``slot_ranges``: this worker's slot of each, else the
@@ -175,6 +180,7 @@ def _pin_rows(
             name="vLLM CPU tier",
             memory=region,
             prepare=None if fault is None else functools.partial(_fault_step, fault),
+            prepare_ahead=FAULTED_AHEAD,
         )
         pinning.pin_first()
     except Exception:
@@ -195,9 +201,9 @@ def _pin_rows(
     return True
 
 
-def _fault_step(fault: Callable[[int, int], None], step: PinStep) -> None:
+def _fault_step(fault: FaultRange, step: PinStep, at_once: int) -> None:
     for address, nbytes in step.ranges:
-        fault(address, nbytes)
+        fault(address, nbytes, at_once)
 
 
 def _stop_before_cleanup(region: Any, pinning: StepwisePinning, progress: PinProgress) -> None:

@@ -327,29 +327,103 @@ def test_a_failing_hand_out_stops_the_thread_with_a_failure() -> None:
 def test_each_step_is_prepared_just_before_its_registration() -> None:
     _, steps = page_first_steps()
     recorder = Recorder()
-    order: list[tuple[str, int]] = []
+    order: list[tuple[str, int, int]] = []
 
-    def prepare(step: PinStep) -> None:
+    def prepare(step: PinStep, at_once: int) -> None:
         assert not any(address in recorder.held for address, _ in step.ranges)
-        order.append(("prepare", step.ready_slots))
+        order.append(("prepare", step.ready_slots, at_once))
 
     pinning = StepwisePinning(
-        steps, recorder, prepare=prepare, on_ready=lambda: order.append(("ready", 0))
+        steps, recorder, prepare=prepare, on_ready=lambda: order.append(("ready", 0, 0))
     )
     pinning.pin_first(1)
     pinning.start()
     assert pinning.wait(10) and pinning.done
-    expected = [("prepare", steps[0].ready_slots)]
+    expected = [("prepare", steps[0].ready_slots, 1)]
     for step in steps[1:]:
-        expected += [("prepare", step.ready_slots), ("ready", 0)]
+        expected += [("prepare", step.ready_slots, 1), ("ready", 0, 0)]
     assert order == expected
+
+
+def test_later_steps_are_prepared_ahead_and_each_registered_only_once_prepared() -> None:
+    _, steps = page_first_steps()
+    recorder = Recorder()
+    lock = threading.Lock()
+    running: set[int] = set()
+    most_at_once = 0
+    prepared: set[int] = set()
+    second_registered = threading.Event()
+    register = recorder.register
+
+    def prepare(step: PinStep, at_once: int) -> None:
+        nonlocal most_at_once
+        assert at_once == (1 if step is steps[0] else 2)
+        with lock:
+            running.add(step.ready_slots)
+            most_at_once = max(most_at_once, len(running))
+        # The third step's preparation ends only once the second step is registered: one
+        # step at a time, prepared just before its registration, would never get there.
+        if step is steps[2]:
+            assert second_registered.wait(10)
+        with lock:
+            running.discard(step.ready_slots)
+            prepared.add(step.ready_slots)
+
+    def registered_once_prepared(ptr: int, nbytes: int) -> None:
+        step = next(s for s in steps if any(address == ptr for address, _ in s.ranges))
+        with lock:
+            assert step.ready_slots in prepared
+        register(ptr, nbytes)
+        if step is steps[1] and ptr == step.ranges[-1][0]:
+            second_registered.set()
+
+    recorder.register = registered_once_prepared  # type: ignore[method-assign]
+    pinning = StepwisePinning(steps, recorder, prepare=prepare, prepare_ahead=2)
+    pinning.pin_first(1)
+    pinning.start()
+    assert pinning.wait(10) and pinning.done and pinning.failure is None
+    assert recorder.held == ranges_of(steps)
+    assert most_at_once <= 2
+
+
+def test_stopping_waits_for_the_steps_being_prepared_and_starts_no_more() -> None:
+    _, steps = page_first_steps()
+    recorder = Recorder(block_on=3)  # the second step's first range, on the thread
+    started: list[int] = []
+    finished: list[int] = []
+
+    def prepare(step: PinStep, at_once: int) -> None:
+        started.append(step.ready_slots)
+        time.sleep(0.05)
+        finished.append(step.ready_slots)
+
+    pinning = StepwisePinning(steps, recorder, prepare=prepare, prepare_ahead=3)
+    pinning.pin_first(1)
+    pinning.start()
+    assert recorder.entered.wait(10)
+    stopper = threading.Thread(target=pinning.stop)
+    stopper.start()
+    recorder.release.set()
+    stopper.join(10)
+    assert not stopper.is_alive()
+    # Every preparation begun has ended once stop returns, and none begins after it.
+    assert sorted(started) == sorted(finished)
+    count = len(started)
+    time.sleep(0.1)
+    assert len(started) == count < len(steps)
+
+
+def test_preparing_ahead_needs_at_least_one_step() -> None:
+    _, steps = page_first_steps()
+    with pytest.raises(ValueError, match="prepare_ahead must be at least 1, not 0"):
+        StepwisePinning(steps, Recorder(), prepare_ahead=0)
 
 
 def test_a_step_whose_preparation_fails_is_not_registered() -> None:
     _, steps = page_first_steps()
     recorder = Recorder()
 
-    def prepare(step: PinStep) -> None:
+    def prepare(step: PinStep, at_once: int) -> None:
         if step is steps[2]:
             raise OSError("cannot fault the pages in")
 

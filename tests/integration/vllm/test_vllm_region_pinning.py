@@ -78,7 +78,7 @@ def _pin(
     key: str,
     registrar: Registrar,
     failures: list[Exception],
-    fault: Callable[[int, int], None] | None = None,
+    fault: Callable[[int, int, int], None] | None = None,
 ) -> None:
     from vllm.v1.kv_offload.cpu import gpu_worker
 
@@ -170,31 +170,39 @@ def test_a_failed_first_step_leaves_the_region_to_vllm_counted(monkeypatch, unre
         region.cleanup()
 
 
-def test_each_step_faults_its_rows_just_before_registering_them(monkeypatch, unregistered):
+def test_each_step_faults_its_rows_before_registering_them(monkeypatch, unregistered):
     monkeypatch.setattr(region_pinning, "STEP_BYTES", 8 * ROW)
     region, key = _region(), f"engine-{uuid.uuid4().hex}-r0"
     registrar = Registrar()
     events: list[tuple[str, int, int]] = []
+    shares: list[int] = []
     register = registrar.register
 
     def recorded_register(ptr: int, nbytes: int) -> None:
         register(ptr, nbytes)
         events.append(("register", ptr, nbytes))
 
+    def recorded_fault(ptr: int, nbytes: int, at_once: int) -> None:
+        events.append(("fault", ptr, nbytes))
+        shares.append(at_once)
+
     monkeypatch.setattr(registrar, "register", recorded_register)
     registrar.go.set()
     try:
-        _pin(region, key, registrar, [], lambda ptr, n: events.append(("fault", ptr, n)))
+        _pin(region, key, registrar, [], recorded_fault)
         watch = PinWatch.open(key)
         assert watch is not None
         _wait_ready(watch, ROWS)
         watch.close()
     finally:
         region.cleanup()
-    faults = events[0::2]
-    assert [kind for kind, _, _ in faults] == ["fault"] * len(registrar.registered)
-    assert [(ptr, n) for _, ptr, n in faults] == registrar.registered
-    assert [(ptr, n) for _, ptr, n in events[1::2]] == registrar.registered
+    # Each range faulted once, before its registration; the first step alone with every
+    # thread, the later ones several at once (ahead of the registrations), sharing them.
+    faults = [(ptr, n) for kind, ptr, n in events if kind == "fault"]
+    assert sorted(faults) == sorted(registrar.registered) and len(faults) > 2
+    for ptr, nbytes in registrar.registered:
+        assert events.index(("fault", ptr, nbytes)) < events.index(("register", ptr, nbytes))
+    assert shares[0] == 1 and set(shares[1:]) == {region_pinning.FAULTED_AHEAD}
 
 
 def test_a_failed_first_step_faults_the_region_in_before_vllm_registers_it(
@@ -215,7 +223,7 @@ def test_a_failed_first_step_faults_the_region_in_before_vllm_registers_it(
             10 * ROW,
             failures.append,
             lambda: Registrar(fail_at=0),
-            lambda ptr, n: events.append(("fault", ptr, n)),
+            lambda ptr, n, at_once: events.append(("fault", ptr, n)),
         ):
             gpu_worker.pin_mmap_region(region, worker_slot_only=True)
         base = region._base.data_ptr()
@@ -239,7 +247,7 @@ def test_a_failed_faulting_leaves_the_region_to_vllms_registration(monkeypatch, 
     region, key = _region(), f"engine-{uuid.uuid4().hex}-r0"
     failures: list[Exception] = []
 
-    def refused(address: int, nbytes: int) -> None:
+    def refused(address: int, nbytes: int, at_once: int) -> None:
         raise OSError(12, "Cannot allocate memory")
 
     try:
