@@ -276,16 +276,19 @@ def request_through(
     request: Request,
     ids: list[int],
     between: Callable[[], object] | None = None,
+    before_check: Callable[[], object] | None = None,
 ) -> tuple[float, float, list[str]]:
     """``request``'s jobs (numbered ``ids``) through one side, then checked: wall-clock and
     host seconds, and what was wrong (reports, bytes). ``between`` runs once the jobs are
-    submitted (:meth:`Side.run`)."""
+    submitted (:meth:`Side.run`), ``before_check`` once they are reported."""
     specs = [
         (job_id, job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
         for job_id, job in zip(ids, request.jobs, strict=True)
     ]
     pools.prepare(request)
     wall, host, results = side.run(specs, between)
+    if before_check is not None:
+        before_check()
     errors = [] if (error := _results_error(results, ids, request, pools)) is None else [error]
     # Checked whatever the reports said: the check also puts the request's rows back.
     if not pools.verify(request):

@@ -28,9 +28,10 @@ LAUNCH_S = 0.002
 @dataclass
 class FakeEvent:
     at: float
+    synchronized: bool = False
 
     def synchronize(self) -> None:
-        return None
+        self.synchronized = True
 
     def elapsed_time(self, end: FakeEvent) -> float:
         return end.at - self.at
@@ -44,6 +45,7 @@ class FakeForward:
     loads: beside._Loads
     replays: list[str] = field(default_factory=list)
     sized: list[float] = field(default_factory=list)
+    ends: list[FakeEvent] = field(default_factory=list)
 
     def size_for(self, target_ms: float) -> None:
         self.sized.append(target_ms)
@@ -53,7 +55,8 @@ class FakeForward:
         self.replays.append(f"after job {self.loads.next_id - 1}")
         # A launch that holds the host (as a full launch queue would) for 2 ms.
         time.sleep(LAUNCH_S)
-        return FakeEvent(0.0), FakeEvent(3.0)
+        self.ends.append(FakeEvent(3.0))
+        return FakeEvent(0.0), self.ends[-1]
 
 
 def _setup(monkeypatch: pytest.MonkeyPatch, gpu_to_cpu: bool = False):
@@ -125,6 +128,24 @@ def test_a_forward_span_sizes_the_forward_to_that_many_loads(monkeypatch):
     rows = list(beside.cells(MODEL, loads, sides, {"decode-64": forward}, opts))
     assert forward.sized == [pytest.approx(4.0 * rows[0]["stock_ms"])]
     assert pools.verify_all()
+
+
+def test_a_request_is_checked_only_once_the_forward_beside_it_is_done(monkeypatch):
+    pools, blocks, sides = _setup(monkeypatch)
+    loads = beside._Loads(pools, blocks, seed=6)
+    forward = FakeForward(loads)
+    verify = pools.verify
+    checked_after_forward: list[bool] = []
+
+    def verify_noting_the_forward(request):
+        checked_after_forward.append(bool(forward.ends) and forward.ends[-1].synchronized)
+        return verify(request)
+
+    monkeypatch.setattr(pools, "verify", verify_noting_the_forward)
+    request = loads.drawer.draw(TOKENS[0] // 16, 0.0, 1, gpu_to_cpu=False)
+    beside._beside(loads, sides[1], request, forward)
+    # The check's kernels would run beside the forward's tail and stretch its time.
+    assert checked_after_forward == [True]
 
 
 def test_a_side_that_moves_a_wrong_byte_marks_its_rows(monkeypatch):
