@@ -48,10 +48,11 @@ STEP_BYTES = 2 << 30
 """About how much of the tier each background step pins."""
 MOST_BYTES_A_CALL = 64 << 30
 """vLLM registers no more than this in one call; kvcore's first step neither."""
-FAULTED_AHEAD = 4
+FAULTED_AHEAD = 8
 """How many steps the thread faults at once, ahead of the one it registers: vLLM splits the
-region into files of a few GiB, and one file's pages fault in at a capped rate however many
-threads fault them."""
+region into files (32 at most, of 1 GiB or more), one step's rows lie in one or two, and one
+file's pages fault in at a capped rate however many threads fault them (docs/operations.md:
+16 threads over one file 4.2 GiB/s, over eight 14.2)."""
 
 
 MIN_SAVED = "MIN_HOST_REGISTER_SAVED_BYTES"
