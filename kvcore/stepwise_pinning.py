@@ -95,8 +95,8 @@ def slot_steps(
     if unit is None:
         return None
     per_slot = layout.parts * layout.slot_bytes
-    first = _round_up(max(1, -(-first_bytes // per_slot)), unit)
-    step = _round_up(max(1, step_bytes // per_slot), unit)
+    first = round_up(max(1, -(-first_bytes // per_slot)), unit)
+    step = round_up(max(1, step_bytes // per_slot), unit)
     ends = [min(first, layout.slots)]
     while ends[-1] < layout.slots:
         ends.append(min(ends[-1] + step, layout.slots))
@@ -125,7 +125,8 @@ def range_steps(
     return tuple(steps)
 
 
-def _round_up(value: int, unit: int) -> int:
+def round_up(value: int, unit: int) -> int:
+    """``value`` rounded up to a multiple of ``unit``."""
     return -(-value // unit) * unit
 
 
@@ -252,8 +253,9 @@ class StepwisePinning:
         self._ready = self._next = 0
 
     def _run(self) -> None:
-        workers = self._prepare_ahead if self._prepare is not None else 0
-        pool = ThreadPoolExecutor(workers, f"kvcore-prepare-{self._name}") if workers else None
+        pool = None
+        if self._prepare is not None:
+            pool = ThreadPoolExecutor(self._prepare_ahead, f"kvcore-prepare-{self._name}")
         prepared: dict[int, Future[None]] = {}
         try:
             while not self.done and not self._stop.is_set():

@@ -71,7 +71,7 @@ def fault_range(placement: numa.Placement | None, workers: int = 1) -> FaultRang
     CPUs (all of them for one of ``workers`` faulting one range), placed as ``placement``
     says (what each step of :mod:`kvcore_vllm.region_pinning` does before it registers)."""
 
-    def fault(address: int, nbytes: int, at_once: int = 1) -> None:
+    def fault(address: int, nbytes: int, at_once: int) -> None:
         fault_in(address, nbytes, placement=placement, threads=_threads_of(workers * at_once))
 
     return fault

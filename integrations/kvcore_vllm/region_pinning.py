@@ -37,6 +37,7 @@ from kvcore.stepwise_pinning import (
     SlotLayout,
     StepwisePinning,
     range_steps,
+    round_up,
     slot_steps,
 )
 from kvcore_vllm.region_faulting import FaultRange
@@ -142,7 +143,7 @@ def _worker_slot_ranges(
     for row in range(int(region.num_chunks)):
         start = base + row * stride
         aligned = start - start % page
-        ranges.append((aligned, -(-(start + slot) // page) * page - aligned))
+        ranges.append((aligned, round_up(start + slot, page) - aligned))
     return ranges
 
 
