@@ -16,8 +16,7 @@ only partly copied, a row layout it cannot express, duplicate destinations, a fa
 reason from the planner), or whose copy stock's costs less, goes whole to the stock
 handler's own ``transfer_async``, the reason counted; it costs what it costs stock, plus
 kvcore's decision (``scripts/vllm_pass_cost.py`` counts the calls). Stock keeps it on its
-own streams and reports it through ``get_finished`` and ``wait``, which this handler
-forwards. So does a job during which kvcore itself fails (counted ``internal_error:<type>``,
+own streams and reports it through ``get_finished`` and ``wait``, which this forwards. So does a job during which kvcore itself fails (counted ``internal_error:<type>``,
 logged once per type), after the part kvcore queued has finished; a CUDA error is raised
 instead (:mod:`kvcore.internal_errors`). Jobs on different streams may finish out of
 submission order; vLLM matches results by job id.
@@ -274,10 +273,11 @@ class KVCoreOffloadingHandler:
         any work on their ids (a comparison and a count per job)."""
         if not self._stock_rules:
             return None, 0
+        # Whole jobs of these pages: decided here alone, so _stock_is_cheaper never sees them.
         if self.gpu_to_cpu and RULES.store_passes(self._page_bytes):
             return "stock_store_large_pages", sys.maxsize
-        # Whole jobs of these pages: decided here alone, so _stock_is_cheaper never sees them.
-        if RULES.gathered_job_passes(self._page_bytes, self._mover.policy.long_run_bytes):
+        dma_from = self._mover.policy.long_run_bytes
+        if self.gpu_to_cpu and RULES.gathered_store_passes(self._page_bytes, dma_from):
             return "stock_gather_beside_compute", sys.maxsize
         if not self._max_tensors:
             return "few_pages", sys.maxsize

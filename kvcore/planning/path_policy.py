@@ -132,11 +132,11 @@ def dma_in_place_policy(
     variable counts as unset): the operator's thresholds then stand as configured.
 
     vLLM's handlers always copy with it: a job moves whole blocks (16 tokens of one layer,
-    18-64 KiB on common models), and beside the model's compute blocks copied this way left
-    another batch's forward as fast as beside stock's copy, where kvcore's gather kernel
-    slowed it by 4-12%, for loads as fast as the gather's. MLA's 18 KiB blocks stay under
-    the threshold until measured. SGLang's hooks use it under ``KVCORE_SGLANG_DMA_IN_PLACE``,
-    from :data:`SGLANG_DMA_IN_PLACE_RUN_BYTES`."""
+    18-64 KiB on common models), and beside the model's compute blocks of 32 KiB copied this
+    way left another batch's forward as fast as beside stock's copy, for loads as fast as
+    the gather's. MLA's 18 KiB blocks stay under the threshold: by DMA their loads ran at
+    about half the gather's speed. SGLang's hooks use it under
+    ``KVCORE_SGLANG_DMA_IN_PLACE``, from :data:`SGLANG_DMA_IN_PLACE_RUN_BYTES`."""
     environ = os.environ if environ is None else environ
     policy = policy_from_config(config)
     if any(environ.get(name) for name in DMA_IN_PLACE_OVERRIDES):

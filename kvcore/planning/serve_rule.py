@@ -423,17 +423,18 @@ def _vllm_rows() -> list[dict[str, object]]:
     """:data:`VLLM_RULES` as rows, in the order the handler asks them."""
     rows = []
     large = f"{VLLM_RULES.large_page_bytes >> 10} KiB"
-    gathered_from = VLLM_RULES.stock_gathered_from_page_bytes
+    gathered_from = VLLM_RULES.stock_gathered_stores_from_page_bytes
     if gathered_from is not None:
         rows.append(
             _vllm_row(
-                "store/load",
+                "store",
                 _BOTH_LAYOUTS,
                 f">= {gathered_from >> 10} KiB, under the DMA-in-place runs",
                 "never",
                 "stock_gather_beside_compute",
-                "beside compute, kvcore's gather slowed another batch's forward 1.06-1.47x "
-                "against stock's copy (MLA 18 KiB blocks)",
+                "beside compute, kvcore's gathered stores slowed another batch's forward "
+                "1.01-1.25x against stock's, which left it at its time alone (MLA 18 KiB "
+                "blocks, H100)",
                 cited=list(GATHER_EVIDENCE),
             )
         )

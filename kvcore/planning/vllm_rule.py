@@ -47,16 +47,15 @@ class VLLMRules:
     (it did not copy those of 1.1 MiB pages: unaligned rows); one-run loads (a single DMA)
     at 1.02x."""
 
-    stock_gathered_from_page_bytes: int | None = 16 << 10
-    """Jobs of pages from this size (None: no such rule) but shorter than the handler's DMA-in-
-    place runs, which kvcore would copy with its gather kernel (one launch for every layer),
-    stay stock, judged beside the model's compute: there the gather was faster than stock's copy
-    but slowed another batch's forward more than stock's did. vLLM 0.33 per-layer MLA blocks of
-    18 KiB on the H200 (:data:`GATHER_EVIDENCE`): loads 0.67-0.81x of stock's time, that forward
-    1.12-1.47x its time beside stock's load in 8 of 12 cells (prefill-4096 and decode-64; 0.90x
-    beside decode-256); on an H100, stores 1.31-1.73x faster beside decode-256 and prefill with
-    the forward 1.06-1.11x. Blocks copied by DMA into place (MHA's 32 KiB) left it at
-    0.99-1.06x. Smaller pages were not measured beside compute."""
+    stock_gathered_stores_from_page_bytes: int | None = 16 << 10
+    """Stores of pages from this size (None: no such rule) but shorter than the handler's
+    DMA-in-place runs, which kvcore would copy with its gather kernel, stay stock, judged
+    beside the model's compute (:data:`GATHER_EVIDENCE`, vLLM 0.33 per-layer MLA blocks of
+    18 KiB on an H100): stock's stores left another batch's forward at its time alone, the
+    gather's slowed it 1.01-1.25x (most beside decode-256 and prefill batches). Loads of such
+    pages are kvcore's: the gather took 0.66-0.86x of stock's time beside compute, and the
+    forward beside it 0.86-1.03x its time beside stock's load (vLLM's Triton kernel for MLA
+    slowed that forward 1.12-1.40x). Smaller pages were not measured beside compute."""
 
     def min_pages(self, page_bytes: int) -> int:
         """Pages a submission must cover, on average, for pages of ``page_bytes``."""
@@ -69,10 +68,10 @@ class VLLMRules:
         limit = self.stock_scattered_loads_from_page_bytes
         return limit is not None and page_bytes >= limit
 
-    def gathered_job_passes(self, page_bytes: int, dma_from_bytes: int) -> bool:
-        """Whether a job of pages of ``page_bytes`` stays stock because kvcore, copying runs
-        of ``dma_from_bytes`` and more by DMA into place, would gather it."""
-        limit = self.stock_gathered_from_page_bytes
+    def gathered_store_passes(self, page_bytes: int, dma_from_bytes: int) -> bool:
+        """Whether a store of pages of ``page_bytes`` stays stock because kvcore, copying
+        runs of ``dma_from_bytes`` and more by DMA into place, would gather it."""
+        limit = self.stock_gathered_stores_from_page_bytes
         return limit is not None and limit <= page_bytes < dma_from_bytes
 
     def store_passes(self, page_bytes: int) -> bool:
@@ -82,10 +81,11 @@ class VLLMRules:
 
 
 GATHER_EVIDENCE = (
-    "docs/bench/h200-beside-compute-vllm-2026-12-05.json",
-    "docs/bench/h200-beside-compute-vllm-2026-12-05-dma.json",
-    "docs/bench/h100-beside-compute-vllm-2026-12-05-stores.json",
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-rerun-mla.json",
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-rerun-mla-b.json",
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-rerun-stores-mla.json",
 )
-"""The beside-compute runs :attr:`VLLMRules.stock_gathered_from_page_bytes` is judged from."""
+"""The beside-compute runs :attr:`VLLMRules.stock_gathered_stores_from_page_bytes` is judged
+from."""
 
 VLLM_RULES = VLLMRules()

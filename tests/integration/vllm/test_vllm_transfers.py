@@ -1037,16 +1037,20 @@ def test_pass_cost_script_counts_kvcores_calls_beyond_stocks_on_cpu(monkeypatch,
     kvcore.handler.shutdown()
 
 
-@pytest.mark.parametrize("gpu_to_cpu", [True, False])
-def test_jobs_kvcore_would_gather_stay_stock_unless_their_pages_go_by_dma(monkeypatch, gpu_to_cpu):
+def _gathered_stores_pass_from_512_bytes(monkeypatch) -> Layout:
     rules = replace(
         transfers.RULES,
         min_pages_per_submission=1,
-        stock_gathered_from_page_bytes=512,
+        stock_gathered_stores_from_page_bytes=512,
         stock_stores_from_page_bytes=None,
     )
     monkeypatch.setattr(transfers, "RULES", rules)
-    layout = Layout(page_bytes=1024, tensors=2, gpu_blocks=16, cpu_chunks=16)
+    return Layout(page_bytes=1024, tensors=2, gpu_blocks=16, cpu_chunks=16)
+
+
+def test_stores_kvcore_would_gather_stay_stock_unless_their_pages_go_by_dma(monkeypatch):
+    gpu_to_cpu = True
+    layout = _gathered_stores_pass_from_512_bytes(monkeypatch)
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(14))
     scattered = [([9, 3, 12], [0, 5, 2], 0)]
     # SMALL's runs go by DMA from 256 KiB: kvcore would gather these 1 KiB pages.
@@ -1068,3 +1072,16 @@ def test_jobs_kvcore_would_gather_stay_stock_unless_their_pages_go_by_dma(monkey
     assert_tensors_are(gpu, host, expected)
     assert [r.job_id for r in served.get_finished()] == [2]
     assert dma.ops and counted.snapshot()["fallbacks"] == {}
+
+
+def test_loads_kvcore_would_gather_are_kvcores_under_the_store_rule(monkeypatch):
+    layout = _gathered_stores_pass_from_512_bytes(monkeypatch)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(15))
+    scattered = [([9, 3, 12], [0, 5, 2], 0)]
+    handler, mover, metrics, issued = logged_handler(gpu, host, layout, gpu_to_cpu=False)
+    expected = reference(gpu, host, layout, scattered, False)
+    submit(handler, 1, *make_job(scattered, False))
+    assert_tensors_are(gpu, host, expected)
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    assert issued == [] and mover.ops
+    assert metrics.snapshot()["fallbacks"] == {}
