@@ -52,8 +52,10 @@ class NamedStreams(Protocol):
 class CudaStreams:
     """One torch.cuda.Stream per name on ``device``; events that time the work between them."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, priority: int = 0) -> None:
         self.device = device
+        self.priority = priority
+        """The streams' CUDA priority (lower runs first; 0 is torch's default)."""
         self._streams: dict[str, torch.cuda.Stream] = {}
         # Released events, recorded again instead of creating (and later destroying) new
         # ones: three per job otherwise, each a driver call both ways.
@@ -62,7 +64,7 @@ class CudaStreams:
     def stream(self, name: Hashable) -> torch.cuda.Stream:
         key = str(name)
         if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device=self.device)
+            self._streams[key] = torch.cuda.Stream(device=self.device, priority=self.priority)
         return self._streams[key]
 
     def compute_stream(self) -> torch.cuda.Stream:

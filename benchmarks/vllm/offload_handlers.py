@@ -15,6 +15,7 @@ import copy
 import ctypes
 import functools
 import inspect
+import os
 import time
 import weakref
 from collections import deque
@@ -150,7 +151,7 @@ def kvcore_handler(
     device = gpu_tensors[0].device
     compute: Callable[[], Any]
     if streams is None and device.type == "cuda":
-        cuda = CudaStreams(device)
+        cuda = CudaStreams(device, priority=_bench_stream_priority())
         streams, compute = cuda, cuda.compute_stream
     else:
         streams = CpuSyncStreams() if streams is None else streams
@@ -289,3 +290,13 @@ def submit_and_collect(
         if time.perf_counter() > deadline:
             raise TimeoutError(f"{len(jobs) - len(results)} jobs were never reported finished")
     return results
+
+
+def _bench_stream_priority() -> int:
+    """kvcore's handler streams' priority in the bench: the highest where
+    ``KVCORE_BENCH_HIGH_PRIORITY`` is set (an experiment: a gather's CTAs ahead of the
+    model's queued ones), else torch's default."""
+    if not os.environ.get("KVCORE_BENCH_HIGH_PRIORITY"):
+        return 0
+    _least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
+    return int(greatest)
