@@ -19,7 +19,7 @@ kvcore's decision (``scripts/vllm_pass_cost.py`` counts the calls). Stock keeps 
 own streams and reports it through ``get_finished`` and ``wait``, which this forwards. So
 does a job during which kvcore itself fails (``internal_error:<type>``, logged once per
 type), after the part kvcore queued has finished; a CUDA error is raised instead
-(:mod:`kvcore.internal_errors`). Jobs on other streams may finish out of order (by id).
+(:mod:`kvcore.internal_errors`). Jobs on other streams may end out of order (vLLM matches by id).
 
 vLLM 0.34 hands the handler device pointers instead of GPU block ids
 (:mod:`kvcore_vllm.device_pointers` reads the ids back; a job whose pointers it cannot read
