@@ -123,3 +123,37 @@ def test_jobs_built_under_inference_mode_are_kvcores_and_exact(
                 assert torch.equal(target.reshape(-1, layout.page_bytes).cpu(), want)
         handler.shutdown()
     assert metrics.snapshot()["fallbacks"] == {}, INTERNAL_ERRORS.seen()
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
+def test_mla_sized_blocks_load_through_kvcore_and_store_through_stock(gpu_to_cpu: bool) -> None:
+    """The default rules beside compute: 18 KiB blocks (MLA's) load on kvcore's gather and
+    store by stock's copy (``stock_gather_beside_compute``); both exact, other pages kept."""
+    from kvcore.metrics import Metrics
+
+    device = torch.device("cuda")
+    layout = Layout(page_bytes=18 << 10, tensors=4, gpu_blocks=512, cpu_chunks=512)
+    gpu, host = layout.make_tensors(device, torch.Generator().manual_seed(5))
+    before = [t.cpu() for t in (host if gpu_to_cpu else gpu)]
+    sources = [t.cpu() for t in (gpu if gpu_to_cpu else host)]
+    stock = runnable_stock(stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu), device)
+    metrics = Metrics()
+    handler = kvcore_handler(stock, metrics=metrics)
+    rng = np.random.default_rng(6)
+    gpu_ids = rng.permutation(layout.gpu_blocks)[:200]
+    cpu_ids = np.sort(rng.permutation(layout.cpu_chunks)[:200])
+    assert handler.transfer_async(0, *job_specs(gpu_ids, cpu_ids, gpu_to_cpu=gpu_to_cpu))
+    handler.wait({0})
+    assert [r.job_id for r in handler.get_finished()] == [0]
+    read, written = (gpu_ids, cpu_ids) if gpu_to_cpu else (cpu_ids, gpu_ids)
+    for t, target in enumerate(host if gpu_to_cpu else gpu):
+        want = before[t].clone()
+        want[torch.from_numpy(written)] = sources[t][torch.from_numpy(read)]
+        assert torch.equal(target.cpu(), want)
+    handler.shutdown()
+    snapshot = metrics.snapshot()
+    if gpu_to_cpu:
+        assert snapshot["fallbacks"] == {"stock_gather_beside_compute": 1}
+    else:
+        assert snapshot["fallbacks"] == {}
+        assert [row["path"] for row in snapshot["transfers"]] == ["gather"]
