@@ -35,7 +35,7 @@ from kvcore.metrics import Metrics
 from kvcore.planning.path_policy import PathPolicy, TransferPath
 from kvcore.planning.plans import TransferPlan, plan
 from kvcore.planning.staged_chunks import StagedChunk, staged_chunks
-from kvcore.planning.submissions import Submission, layers_mismatch
+from kvcore.planning.submissions import layers_mismatch
 from kvcore.row_words import row_word_bytes, rows_as_words
 from kvcore.staging import StagingBuffers
 
@@ -56,8 +56,8 @@ class PreparedLayers:
     plan: TransferPlan
     rows: object | None
     """The kernel set's prepared indices (a gather's, or a staged page-in's chunks); None
-    where each layer runs :meth:`Mover.execute_layers` (other paths, kernels without the
-    op)."""
+    where each layer runs as :meth:`Mover.execute` over its pairs does (other paths, kernels
+    without the op)."""
     run: GatherPrepared | None
     """Copies one layer's pairs with ``rows``; set with them."""
     fits: dict[int, weakref.ref[LayerPairs]] = dataclasses.field(default_factory=dict)
@@ -129,14 +129,31 @@ class Mover:
         self.execute(chosen, stock=stock)
         return chosen
 
-    def execute(self, plan: TransferPlan, *, stock: Callable[[], None] | None = None) -> None:
-        """Run ``plan``; a FALLBACK runs ``stock`` (the engine's own path) or, without one,
-        copies the rows unchanged by torch indexing.
+    def execute(
+        self,
+        plan: TransferPlan,
+        pairs: LayerPairs | None = None,
+        *,
+        stock: Callable[[], None] | None = None,
+    ) -> None:
+        """Run ``plan`` over its own buffers or, given ``pairs``, its rows between every pair
+        of them: one submission for all where the device's kernels have one, one per pair
+        where not (``plan`` made for one pair of the same layout: engines plan the first
+        layer). A FALLBACK over its own buffers runs ``stock`` (the engine's own path) or,
+        without one, copies the rows unchanged by torch indexing.
 
         Raises :class:`StalePlanError` where the plan's indices were written since planning
         (unless ``stock`` runs: it reads the engine's own), TypeError or ValueError where a
-        FALLBACK without ``stock`` would need a conversion or a broadcast.
+        FALLBACK without ``stock`` would need a conversion or a broadcast. With ``pairs``,
+        raises ValueError when ``plan`` does not fit them or either says the copy must take
+        the engine's stock path (the caller runs that path instead), or where ``stock`` is
+        given too.
         """
+        if pairs is not None:
+            if stock is not None:
+                raise ValueError("stock runs in place of a plan over its own buffers only")
+            self.execute_prepared(PreparedLayers(plan, None, None), pairs)
+            return
         started = time.perf_counter()
         if plan.path is TransferPath.FALLBACK and stock is not None:
             stock()
@@ -154,24 +171,6 @@ class Mover:
             for reason in (plan.reason, degraded):
                 if reason is not None:
                     self.metrics.record_fallback(reason)
-
-    def submit(self, work: Submission) -> None:
-        """Run one :class:`Submission`."""
-        if work.pairs is None:
-            self.execute(work.plan)
-        else:
-            self.execute_layers(work.plan, work.pairs)
-
-    def execute_layers(self, plan: TransferPlan, pairs: LayerPairs) -> None:
-        """Run ``plan``'s rows between every pair of ``pairs``: one submission for all of
-        them where the device's kernels have one, one per pair where not.
-
-        ``plan`` is made for one pair of the same layout (engines plan the first layer).
-        Raises ValueError when it does not fit the pairs, or when either says the copy must
-        take the engine's stock path: the caller runs that path instead;
-        :class:`StalePlanError` where the plan's indices were written since planning.
-        """
-        self.execute_prepared(PreparedLayers(plan, None, None), pairs)
 
     def prepare_layers(
         self, plan: TransferPlan, *, src_idx_on_device: torch.Tensor | None = None
@@ -233,7 +232,7 @@ class Mover:
         return chunks
 
     def execute_prepared(self, prepared: PreparedLayers, pairs: LayerPairs) -> None:
-        """:meth:`execute_layers` for one layer of a prepared request; raises as it does,
+        """:meth:`execute` over ``pairs`` for one layer of a prepared request; raises as it does,
         but looks at all :func:`layers_mismatch` asks only where no earlier answer holds
         (:func:`_fits`)."""
         plan = prepared.plan

@@ -129,8 +129,5 @@ def _one_case(
     first = plan(
         srcs[0], dsts[0], src_idx, dst_idx, direction=direction, policy=mover.policy, force=path
     )
-    if layers == 1:
-        mover.execute(first)
-    else:
-        mover.execute_layers(first, layer_pairs(srcs, dsts))
+    mover.execute(first, None if layers == 1 else layer_pairs(srcs, dsts))
     return list(zip(dsts, expected, strict=True))

@@ -157,7 +157,7 @@ def _through_mover(mover: Mover, path: TransferPath) -> Way:
         dst: torch.Tensor,
     ) -> None:
         chosen = plan(host, gpu, src, dst, direction=Direction.H2D, policy=mover.policy, force=path)
-        mover.execute_layers(chosen, pairs)
+        mover.execute(chosen, pairs)
 
     return move
 

@@ -100,7 +100,7 @@ def layered_items(
     gen: torch.Generator,
 ) -> None:
     """A 32-layer job (vLLM's per-layer tensors; 4096 rows a layer at the default --rows): one
-    submission for every layer (Mover.execute_layers) against a rebound plan per layer."""
+    submission for every layer (Mover.execute over the pairs) against a rebound plan per layer."""
     layers = 32
     rows = host.shape[0] // (2 * layers)
     host_views = list(host[: layers * 2 * rows].view(layers, 2 * rows, -1))
@@ -128,7 +128,7 @@ def layered_items(
         pairs = layer_pairs(srcs, dsts)
         item(
             f"32_layers_{name}[{chosen.path.value}]_one_submission",
-            functools.partial(mover.execute_layers, chosen, pairs),
+            functools.partial(mover.execute, chosen, pairs),
         )
         item(
             f"32_layers_{name}_per_layer",

@@ -98,13 +98,13 @@ def _medians(runs: list[tuple[float, float, float | None]], nbytes: int) -> dict
 def _paths_taken(handler: Any) -> collections.Counter[str]:
     """Count the path of every submission kvcore's handler makes."""
     taken: collections.Counter[str] = collections.Counter()
-    submit = handler._mover.submit
+    execute = handler._mover.execute
 
-    def counted(work: Any) -> None:
-        taken[work.plan.path.value] += 1
-        submit(work)
+    def counted(plan: Any, pairs: Any = None, **kwargs: Any) -> None:
+        taken[plan.path.value] += 1
+        execute(plan, pairs, **kwargs)
 
-    handler._mover.submit = counted
+    handler._mover.execute = counted
     return taken
 
 

@@ -24,7 +24,7 @@ adding one left every other seed's case as it was):
   without ``stock=`` a TypeError (a conversion) or ValueError (a broadcast or reshape).
 * Layer pairs whose destinations share memory (an interleaved layout) take one submission
   only where the plan's destination rows can be read and do not meet there; else
-  execute_layers refuses and submissions() gives one per pair, in order, the last write
+  execute over the pairs refuses and submissions() gives one per pair, in order, the last write
   winning as in the engines' own loops. Some cases index such a destination directly, so
   that the pairs' writes meet.
 
@@ -984,21 +984,22 @@ class _Run:
     def _execute(
         self, chosen: TransferPlan, pair: int, *, submit: bool = False, stale: bool = False
     ) -> None:
-        """Execute ``chosen`` over ``pair`` (through submit() or execute()) and check;
+        """Execute ``chosen`` over ``pair`` (``submit``: as an engine's submission, with no
+        stock path; else with the pair's stock path, if any) and check;
         ``stale``: the plan's index was written since planning."""
         stock = self._stock(pair)
         calls_before = self.stock_calls
         if stale and (stock is None or chosen.path is not FALLBACK):
             # Only the engine's stock path may run: it reads the engine's own indices.
             if submit:
-                self._expect_stale(functools.partial(self.mover.submit, Submission(chosen)))
+                self._expect_stale(functools.partial(self.mover.execute, chosen))
             else:
                 self._expect_stale(lambda: self.mover.execute(chosen, stock=stock))
             return
         if self.case.dst_mismatch != "-" and stock is None:
             error, message = self._mismatch_refusal()
             if submit:
-                call = functools.partial(self.mover.submit, Submission(chosen))
+                call = functools.partial(self.mover.execute, chosen)
                 self._expect_refusal(message, call, error)
             else:
                 self._expect_refusal(message, lambda: self.mover.execute(chosen), error)
@@ -1010,7 +1011,7 @@ class _Run:
             )
             return
         if submit:
-            self.mover.submit(Submission(chosen))
+            self.mover.execute(chosen)
         else:
             self.mover.execute(chosen, stock=stock)
         ran_stock = self.stock_calls - calls_before
@@ -1155,7 +1156,7 @@ class _Run:
         return bool((start[order][1:] < end[order][:-1]).any())
 
     def _one_submission_refusal(self, chosen: TransferPlan, pairs: LayerPairs) -> str | None:
-        """The documented words of execute_layers' refusal of ``chosen`` over ``pairs``
+        """The documented words of execute's refusal of ``chosen`` over ``pairs``
         (made for the case's pairs), or None where it must take them in one submission."""
         if chosen.reason is not None:
             return rf"the plan falls back \({chosen.reason}\); run the stock path"
@@ -1188,19 +1189,19 @@ class _Run:
         pairs = layer_pairs(srcs, dsts)
         self._check_layer_pairs(pairs)
         if self._write_index_after_planning():
-            self._expect_stale(lambda: self.mover.execute_layers(chosen, pairs))
+            self._expect_stale(lambda: self.mover.execute(chosen, pairs))
             return
         refusal = self._one_submission_refusal(chosen, pairs)
         if refusal is not None:
-            self._expect_refusal(refusal, lambda: self.mover.execute_layers(chosen, pairs))
+            self._expect_refusal(refusal, lambda: self.mover.execute(chosen, pairs))
             return
         if self._staging_refuses(chosen):
             self._expect_refusal(
                 "does not fit the .* staging buffer",
-                lambda: self.mover.execute_layers(chosen, pairs),
+                lambda: self.mover.execute(chosen, pairs),
             )
             return
-        self.mover.execute_layers(chosen, pairs)
+        self.mover.execute(chosen, pairs)
         self._expect_applied(list(range(self.case.pairs)), chosen, chosen.nbytes * len(pairs))
 
     def _mode_submissions(self) -> None:
@@ -1222,7 +1223,7 @@ class _Run:
             return
         if isinstance(work, str):
             raise CaseFailure(_report(case, f"submissions fell back: {work}"))
-        # One submission for all pairs where execute_layers takes them, else the pairs
+        # One submission for all pairs where execute over them takes them, else the pairs
         # one by one in their order (where their writes meet, the last one wins).
         one = layered is not None and self._one_submission_refusal(chosen, layered) is None
         expected_count = 1 if one else case.pairs
@@ -1236,10 +1237,11 @@ class _Run:
             pairs = list(range(case.pairs)) if each.pairs is not None else [self._pair_of(each)]
             if self._staging_refuses(each.plan):
                 self._expect_refusal(
-                    "does not fit the .* staging buffer", functools.partial(self.mover.submit, each)
+                    "does not fit the .* staging buffer",
+                    functools.partial(self.mover.execute, each.plan, each.pairs),
                 )
                 return
-            self.mover.submit(each)
+            self.mover.execute(each.plan, each.pairs)
             self._expect_applied(pairs, each.plan, each.plan.nbytes * len(pairs))
 
     def _pair_of(self, work: Submission) -> int:

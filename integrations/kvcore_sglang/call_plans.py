@@ -16,7 +16,7 @@ copies by DMA alone (one run, or runs batched straight into place); any other pa
 the plan made around the device indices.
 
 The pairs of one call (a layer's K and V; every layer of a backup) move in one
-submission where they share a row size (:meth:`kvcore.mover.Mover.execute_layers`), their
+submission where they share a row size (:meth:`kvcore.mover.Mover.execute` over them), their
 checks kept per pool (:class:`kvcore_sglang.call_memos.LayerPairsMemo`).
 """
 

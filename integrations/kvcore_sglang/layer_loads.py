@@ -210,7 +210,7 @@ def _serve_layer(
     if isinstance(work, str):
         return work
     for each in work:
-        chosen_mover.submit(each)
+        chosen_mover.execute(each.plan, each.pairs)
     return None
 
 

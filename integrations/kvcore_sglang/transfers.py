@@ -115,7 +115,7 @@ def _serve(
         )
         if not isinstance(decided, str):
             for each in decided:
-                chosen_mover.submit(each)
+                chosen_mover.execute(each.plan, each.pairs)
             return
     except Exception as exc:
         internal_error(adapter.internal_errors, chosen_mover, exc)

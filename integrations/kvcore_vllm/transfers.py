@@ -9,7 +9,7 @@ are reported in submission order (:class:`kvcore.streams.OrderedJobs`). A job is
 from its block ids alone, never from device memory: per KV tensor, its pages become row
 indices (:mod:`kvcore_vllm.page_rows`), and KV tensors whose pages give the same row indices
 (a model's layers) share one plan and move in one submission
-(:meth:`kvcore.mover.Mover.execute_layers`: one gather launch or one batched DMA call).
+(:meth:`kvcore.mover.Mover.execute` over them: one gather launch or one batched DMA call).
 
 A job kvcore cannot prove it copies exactly as stock does (a canonical host layout, a page
 only partly copied, a row layout it cannot express, duplicate destinations, a fallback
@@ -428,7 +428,7 @@ class KVCoreOffloadingHandler:
 
     def _execute(self, work: list[Submission]) -> None:
         for each in work:
-            self._mover.submit(each)
+            self._mover.execute(each.plan, each.pairs)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs whose copies have finished, each reported once: kvcore's in submission order,

@@ -126,7 +126,7 @@ def layers_results(opts: BenchOptions, mover: Mover, ceiling: float) -> list[dic
 
         ways: dict[str, Callable[[], None]] = {
             f"kvcore:{first.path.value} x{_LAYERS} in one submission": functools.partial(
-                mover.execute_layers, first, pairs
+                mover.execute, first, pairs
             ),
             f"kvcore:{first.path.value} x{_LAYERS} one per layer": functools.partial(
                 execute_per_layer, mover, first, srcs, dsts

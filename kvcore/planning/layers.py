@@ -3,7 +3,7 @@
 Engines copy the same rows of every layer: vLLM's offload handler one job over all its
 KV tensors, SGLang's backups all layers at once. :func:`layer_pairs` checks the pairs
 once (the checks :meth:`TransferPlan.rebind` would repeat per layer and per transfer)
-and keeps their row views, so :meth:`Mover.execute_layers` can issue one submission for
+and keeps their row views, so :meth:`Mover.execute` can issue one submission for
 all of them where the device's kernels have one (a single gather launch, one batched
 DMA call) and one per pair where not.
 

@@ -51,7 +51,7 @@ class TransferPlan:
     that an index written in place after planning cannot send rows to the wrong places
     (or past the end of a buffer), the plan records the indices' version counters, which
     every in-place torch write bumps, and :meth:`check_indices` compares them: two
-    integer reads where execute, execute_layers and rebind start. Writes torch does not
+    integer reads where execute, execute_prepared and rebind start. Writes torch does not
     count, through a NumPy array sharing the memory, are not seen. Inference tensors
     have no counter: plans copy those. A device index of :func:`plan_device_indexed`
     is not watched: the plan never read it, and the copy reads it when it runs, as the

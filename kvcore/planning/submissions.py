@@ -3,7 +3,8 @@
 An engine's call moves the same rows between several buffer pairs (a layer's K and V, or
 every layer of a backup). :func:`submissions` makes one :class:`Submission` of them where
 one launch may take every pair (:func:`layers_mismatch` finds nothing against it), else
-the plan rebound to each pair; :meth:`kvcore.mover.Mover.submit` runs each.
+the plan rebound to each pair; :meth:`kvcore.mover.Mover.execute` runs each
+(``mover.execute(work.plan, work.pairs)``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvcore.runs import Runs
 @dataclass(frozen=True)
 class Submission:
     """One submission of an engine's call: ``plan`` over its own buffers, or over every
-    pair of ``pairs`` (:meth:`kvcore.mover.Mover.execute_layers`)."""
+    pair of ``pairs`` (:meth:`kvcore.mover.Mover.execute`)."""
 
     plan: TransferPlan
     pairs: LayerPairs | None = None
@@ -52,7 +53,7 @@ def submissions(
 
 
 def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
-    """Why :meth:`kvcore.mover.Mover.execute_layers` would refuse ``plan`` for ``pairs``,
+    """Why :meth:`kvcore.mover.Mover.execute` over ``pairs`` would refuse ``plan`` for ``pairs``,
     or None."""
     if plan.reason is not None:
         return f"the plan falls back ({plan.reason}); run the stock path"

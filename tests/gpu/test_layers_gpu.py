@@ -1,4 +1,4 @@
-"""Mover.execute_layers on a real GPU: every pair of a transfer in one submission.
+"""Mover.execute over layer pairs on a real GPU: every pair of a transfer in one submission.
 
 Host memory as vLLM lays it out (one pinned region whose chunk rows interleave the
 layers) or one pinned tensor per layer; device memory one tensor per layer. Each case is
@@ -88,7 +88,7 @@ def _batch_fallbacks(path: TransferPath) -> dict[str, int]:
 
 
 def _run_layers(path, direction, srcs, dsts, src_idx, dst_idx) -> dict[str, int]:
-    """execute_layers on a stream of its own, forced onto ``path``; returns the fallbacks."""
+    """execute over the pairs on a stream of its own, forced onto ``path``; the fallbacks."""
     chosen = plan(
         srcs[0], dsts[0], src_idx, dst_idx, direction=direction, policy=POLICY, force=path
     )
@@ -96,7 +96,7 @@ def _run_layers(path, direction, srcs, dsts, src_idx, dst_idx) -> dict[str, int]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        Mover(POLICY, metrics=metrics).execute_layers(chosen, layer_pairs(srcs, dsts))
+        Mover(POLICY, metrics=metrics).execute(chosen, layer_pairs(srcs, dsts))
     stream.synchronize()
     return metrics.snapshot()["fallbacks"]
 

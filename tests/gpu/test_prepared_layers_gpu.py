@@ -158,7 +158,7 @@ def test_layered_gathers_under_inference_mode_copy_exactly_and_never_reuse_a_sta
                 direction=Direction.H2D,
                 force=TransferPath.GATHER,
             )
-            mover.execute_layers(chosen, pairs)
+            mover.execute(chosen, pairs)
             torch.cuda.synchronize()
             for got, wanted in zip(device, want, strict=True):
                 assert torch.equal(_bytes(got), _bytes(wanted))
@@ -244,7 +244,7 @@ def test_staged_page_ins_of_many_pairs_back_to_back_copy_exactly(staging_rows, o
         chosen = _staged_page_in(mover, host[0], device[0], src_idx, dst_idx)
         with torch.cuda.stream(load):
             torch.cuda._sleep(500_000)
-            mover.execute_layers(chosen, layer_pairs(host, device))
+            mover.execute(chosen, layer_pairs(host, device))
     torch.cuda.synchronize()
     for got, wanted in zip(device, want, strict=True):
         assert torch.equal(_bytes(got), _bytes(wanted))
@@ -271,7 +271,7 @@ def test_a_staged_ring_that_fails_midway_leaves_the_next_page_in_exact(monkeypat
         src_idx = torch.arange(100, 100 + count)
         dst_idx = torch.randperm(ROWS, generator=gen)[:count]
         chosen = _staged_page_in(mover, host[0], device[0], src_idx, dst_idx)
-        mover.execute_layers(chosen, layer_pairs(host, device))
+        mover.execute(chosen, layer_pairs(host, device))
         return src_idx, dst_idx
 
     issued = []

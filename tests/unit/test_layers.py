@@ -1,4 +1,4 @@
-"""LayerPairs and Mover.execute_layers: every pair of a transfer moved with one plan.
+"""LayerPairs and Mover.execute over them: every pair of a transfer moved with one plan.
 
 On a CPU the reference kernels have no layered ops, so the mover issues each pair in
 turn; a kernel set with layered ops gets one call per transfer. The CUDA set's batched
@@ -115,10 +115,23 @@ def test_every_pair_moves_like_a_per_index_copy(path, direction, shared_host):
     expected = expected_after(srcs, dst_memory, dst_shared, src_idx, dst_idx)
     chosen = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=direction, policy=POLICY)
     assert chosen.path is path
-    Mover(POLICY).execute_layers(chosen, layer_pairs(srcs, dsts))
+    Mover(POLICY).execute(chosen, layer_pairs(srcs, dsts))
     # Untouched rows keep their random bytes; copied rows hold their source rows.
     assert same_bytes(dst_memory, expected)
     assert same_bytes(src_memory, src_before)
+
+
+def test_a_stock_path_runs_in_place_of_a_plan_over_its_own_buffers_only():
+    gen = torch.Generator().manual_seed(4)
+    _, host = side(False, gen)
+    device_memory, device = side(False, gen)
+    before = device_memory.clone()
+    src_idx, dst_idx = indices(PATHS[0], H2D, gen)
+    chosen = plan(host[0], device[0], src_idx, dst_idx, direction=H2D, policy=POLICY)
+    calls: list[int] = []
+    with pytest.raises(ValueError, match="own buffers only"):
+        Mover(POLICY).execute(chosen, layer_pairs(host, device), stock=lambda: calls.append(1))
+    assert calls == [] and same_bytes(device_memory, before)
 
 
 @settings(max_examples=80, deadline=None)
@@ -149,7 +162,7 @@ def test_random_layered_transfers_match_per_pair_copies(
     expected = expected_after(srcs, dst_memory, shared_host and direction is D2H, src_idx, dst_idx)
     policy = PathPolicy(staging_bytes=staging_rows * 1152, long_run_bytes=2048)
     chosen = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=direction, policy=policy)
-    Mover(policy).execute_layers(chosen, layer_pairs(srcs, dsts))
+    Mover(policy).execute(chosen, layer_pairs(srcs, dsts))
     assert same_bytes(dst_memory, expected)
     assert same_bytes(src_memory, src_before)
 
@@ -200,7 +213,7 @@ def test_layered_kernel_ops_take_every_pair_in_one_call(swap_kernels, path, call
     src_idx, dst_idx = indices(path, H2D, gen)
     expected = expected_after(host, device_memory, False, src_idx, dst_idx)
     chosen = plan(host[0], device[0], src_idx, dst_idx, direction=H2D, policy=POLICY)
-    Mover(POLICY).execute_layers(chosen, layer_pairs(host, device))
+    Mover(POLICY).execute(chosen, layer_pairs(host, device))
     assert issued == calls
     assert same_bytes(device_memory, expected)
 
@@ -251,7 +264,7 @@ def test_plans_that_do_not_fit_the_pairs_are_refused_before_any_copy():
     pairs = layer_pairs([long_src, short_src], dsts)
     assert "shortest pair has 10" in layers_mismatch(reaching, pairs)
     with pytest.raises(ValueError, match="shortest pair"):
-        Mover().execute_layers(reaching, pairs)
+        Mover().execute(reaching, pairs)
     forced = plan(
         long_src,
         dsts[0],
@@ -261,7 +274,7 @@ def test_plans_that_do_not_fit_the_pairs_are_refused_before_any_copy():
         force=TransferPath.FALLBACK,
     )
     with pytest.raises(ValueError, match="falls back"):
-        Mover().execute_layers(forced, pairs)
+        Mover().execute(forced, pairs)
     wide = plan(
         random_bytes((30, 32), torch.int32, gen),
         random_bytes((30, 32), torch.int32, gen),
@@ -270,10 +283,10 @@ def test_plans_that_do_not_fit_the_pairs_are_refused_before_any_copy():
         direction=H2D,
     )
     with pytest.raises(ValueError, match="rows of 128 B"):
-        Mover().execute_layers(wide, pairs)
+        Mover().execute(wide, pairs)
     mixed = layer_pairs([long_src, long_src.view(torch.float32)], dsts)
     with pytest.raises(ValueError, match="dtype_mismatch"):
-        Mover().execute_layers(wide, mixed)
+        Mover().execute(wide, mixed)
     for got, want in zip(dsts, before, strict=True):
         assert torch.equal(got, want)
 
@@ -284,7 +297,7 @@ def test_metrics_count_the_bytes_of_every_pair():
     dsts = [random_bytes((20, 64), torch.uint8, gen) for _ in range(4)]
     metrics = Metrics()
     chosen = plan(srcs[0], dsts[0], torch.arange(5), torch.arange(5, 10), direction=D2H)
-    Mover(metrics=metrics).execute_layers(chosen, layer_pairs(srcs, dsts))
+    Mover(metrics=metrics).execute(chosen, layer_pairs(srcs, dsts))
     (recorded,) = metrics.snapshot()["transfers"]
     assert (recorded["path"], recorded["count"], recorded["bytes"]) == (
         "single_copy",
@@ -373,13 +386,13 @@ def test_pairs_writing_one_destination_twice_are_refused(direction):
     first = plan(srcs[0], dst, src_idx, dst_idx, direction=direction)
     before = dst.clone()
     with pytest.raises(ValueError, match="overlapping_buffers"):
-        Mover().execute_layers(first, pairs)
+        Mover().execute(first, pairs)
     assert torch.equal(dst, before)
     # Pair by pair instead, in order: the engine's own result.
     work = submissions(first, [(srcs[0], dst), (srcs[1], dst)], pairs)
     assert isinstance(work, list) and [s.pairs for s in work] == [None, None]
     for each in work:
-        Mover().submit(each)
+        Mover().execute(each.plan, each.pairs)
     expected = before.clone()
     expected[dst_idx] = srcs[1][src_idx]  # the last pair's write wins, as in stock's loop
     assert torch.equal(dst, expected)
@@ -412,7 +425,7 @@ def test_shared_destinations_take_plans_whose_rows_stay_apart():
     meeting = plan(device[0], host[0], SLOTS[:2], torch.tensor([0, CHUNK_ROWS]), direction=D2H)
     before = host_memory.clone()
     with pytest.raises(ValueError, match="write a byte twice"):
-        Mover().execute_layers(meeting, pairs)
+        Mover().execute(meeting, pairs)
     assert same_bytes(host_memory, before)
     work = submissions(meeting, list(zip(device, host, strict=True)), pairs)
     assert isinstance(work, list) and len(work) == LAYERS
@@ -422,7 +435,7 @@ def test_shared_destinations_take_plans_whose_rows_stay_apart():
     )
     shared_device = layer_pairs([h.clone() for h in host], host)
     with pytest.raises(ValueError, match="unread"):
-        Mover().execute_layers(unread, shared_device)
+        Mover().execute(unread, shared_device)
 
 
 @settings(max_examples=60, deadline=None)

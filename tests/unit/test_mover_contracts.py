@@ -106,7 +106,7 @@ def test_an_index_written_after_planning_is_refused_for_every_layer():
     pairs = layer_pairs([src, src.clone()], [dst, poisoned(DST_ROWS)])
     dst_idx += DST_ROWS
     with pytest.raises(StalePlanError):
-        Mover(POLICY).execute_layers(chosen, pairs)
+        Mover(POLICY).execute(chosen, pairs)
     assert all(bool((as_bytes(d) == POISON).all()) for d in pairs.dsts)
 
 
@@ -196,7 +196,7 @@ def test_rows_of_no_bytes_plan_and_execute_as_a_no_op(direction, force):
         assert (chosen.rows, chosen.row_bytes, chosen.nbytes) == (16, 0, 0)
         mover.execute(chosen)
         pairs = layer_pairs([no_bytes(24), no_bytes(24)], [no_bytes(24), no_bytes(24)])
-        mover.execute_layers(chosen, pairs)
+        mover.execute(chosen, pairs)
         # Host rows past the end: the only index both planners read.
         bad = (host_idx + 24, device_idx) if direction is H2D else (device_idx, host_idx + 24)
         with pytest.raises(ValueError, match="outside"):

@@ -1,7 +1,7 @@
 """Mover.prepare_layers / execute_prepared: a plan made ready once, then one call a layer.
 
 Engines reload layer by layer with the same indices; the prepared path must move exactly
-what :meth:`Mover.execute_layers` moves, refuse what it refuses, and never read indices
+what :meth:`Mover.execute` over the pairs moves, refuse what it refuses, and never read indices
 written after planning. On a CPU the reference kernels stand for the device's ops.
 """
 

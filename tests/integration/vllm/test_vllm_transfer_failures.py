@@ -24,8 +24,9 @@ from benchmarks.vllm.offload_layout import Layout
 from kvcore.internal_errors import InternalErrors
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
+from kvcore.planning.layers import LayerPairs
 from kvcore.planning.path_policy import PathPolicy
-from kvcore.planning.submissions import Submission
+from kvcore.planning.plans import TransferPlan
 from kvcore.streams import CpuSyncStreams
 from kvcore_vllm import transfers
 from kvcore_vllm.releases import installed_shape
@@ -62,12 +63,12 @@ class BreakingMover(Mover):
         self.error, self.fail_at, self.after_copy = error, fail_at, after_copy
         self.submitted = 0
 
-    def submit(self, submission: Submission) -> None:
+    def execute(self, plan: TransferPlan, pairs: LayerPairs | None = None, **kwargs: Any) -> None:
         index = self.submitted
         self.submitted += 1
         if index >= self.fail_at and not self.after_copy:
             raise self.error
-        super().submit(submission)
+        super().execute(plan, pairs, **kwargs)
         if index >= self.fail_at:
             raise self.error
 
