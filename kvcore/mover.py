@@ -56,7 +56,7 @@ class PreparedLayers:
     plan: TransferPlan
     rows: object | None
     """The kernel set's prepared indices (a gather's, or a staged page-in's chunks); None
-    where each layer runs as :meth:`Mover.execute` over its pairs does (other paths, kernels
+    where each layer is copied as :meth:`Mover.execute` copies pairs (other paths, kernels
     without the op)."""
     run: GatherPrepared | None
     """Copies one layer's pairs with ``rows``; set with them."""

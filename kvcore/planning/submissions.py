@@ -53,8 +53,7 @@ def submissions(
 
 
 def layers_mismatch(plan: TransferPlan, pairs: LayerPairs) -> str | None:
-    """Why :meth:`kvcore.mover.Mover.execute` over ``pairs`` would refuse ``plan`` for ``pairs``,
-    or None."""
+    """Why :meth:`kvcore.mover.Mover.execute` would refuse ``plan`` over ``pairs``, or None."""
     if plan.reason is not None:
         return f"the plan falls back ({plan.reason}); run the stock path"
     if pairs.reason is not None:
