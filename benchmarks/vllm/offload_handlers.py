@@ -33,7 +33,7 @@ from kvcore.config import KVCoreConfig
 from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.planning.path_policy import PathPolicy, dma_in_place_policy
+from kvcore.planning.path_policy import PathPolicy, vllm_handler_policy
 from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.stock_copies import gpu_tensors_of
@@ -144,9 +144,12 @@ def kvcore_handler(
     streams: NamedStreams | None = None,
     stock_rules: bool = True,
     stock_share: float = 0.0,
+    plan_policy: PathPolicy | None = None,
 ) -> KVCoreOffloadingHandler:
     """kvcore's handler in place of ``stock``, on CUDA streams or, on a CPU, run at once;
-    ``policy`` defaults to the one the environment (KVCORE_*) asks for."""
+    ``policy`` defaults to the one the environment (KVCORE_*) asks for, and with it the
+    thresholds jobs are planned with (``plan_policy``, else the mover's) to the handler's
+    (:func:`env_policy`)."""
     gpu_tensors = handler_gpu_tensors(stock)
     device = gpu_tensors[0].device
     compute: Callable[[], Any]
@@ -156,6 +159,8 @@ def kvcore_handler(
     else:
         streams = CpuSyncStreams() if streams is None else streams
         compute = _named(streams, "compute")
+    if plan_policy is None and policy is None and mover is None:
+        plan_policy = env_policy(gpu_to_cpu=stock.gpu_to_cpu)
     return KVCoreOffloadingHandler(
         stock,
         mover=Mover(policy or env_policy(), metrics=metrics) if mover is None else mover,
@@ -166,12 +171,14 @@ def kvcore_handler(
         metrics=metrics,
         stock_rules=stock_rules,
         stock_share=stock_share,
+        plan_policy=plan_policy,
     )
 
 
-def env_policy() -> PathPolicy:
-    """The policy kvcore's vLLM handlers copy with, under this process's settings."""
-    return dma_in_place_policy(KVCoreConfig.from_env())
+def env_policy(*, gpu_to_cpu: bool = False) -> PathPolicy:
+    """The policy kvcore's vLLM handlers plan with, under this process's settings: the
+    shared mover's (a load handler's), or with ``gpu_to_cpu`` a store handler's."""
+    return vllm_handler_policy(KVCoreConfig.from_env(), gpu_to_cpu=gpu_to_cpu)
 
 
 def _named(streams: NamedStreams, name: str) -> Callable[[], Any]:

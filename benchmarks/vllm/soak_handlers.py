@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.vllm.offload_handlers import runnable_stock, stock_handler
+from benchmarks.vllm.offload_handlers import env_policy, runnable_stock, stock_handler
 from benchmarks.vllm.sweep_pools import Pools
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
@@ -98,6 +98,7 @@ def make_handlers(
             name=name,
             metrics=metrics,
             stock_rules=rule,
+            plan_policy=env_policy(gpu_to_cpu=gpu_to_cpu),
         )
         stocks[name], counted[name] = runnable, streams
     return Handlers(handlers["store"], handlers["load"], stocks, counted, metrics)

@@ -123,6 +123,7 @@ def kvcore_side(stock: Any, device: torch.device, *, rule: bool = True) -> Side:
         metrics=handler_metrics,
         mover=Mover(env_policy(), metrics=mover_metrics),
         stock_rules=rule,
+        plan_policy=env_policy(gpu_to_cpu=stock.gpu_to_cpu),
     )
     name = "kvcore" if rule else "own"
     return Side(name, handler, device, handler_metrics, mover_metrics)

@@ -17,7 +17,7 @@ import torch
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.planning.path_policy import dma_in_place_policy
+from kvcore.planning.path_policy import dma_in_place_policy, vllm_handler_policy
 from kvcore.streams import CudaStreams
 from kvcore.warm_up import warm_up
 from kvcore_vllm.device_pointers import gpu_rows
@@ -87,6 +87,7 @@ def install_handlers(
             metrics=metrics,
             stock_rules=config.serve_rule,
             stock_share=config.stock_share,
+            plan_policy=vllm_handler_policy(config, gpu_to_cpu=stock.gpu_to_cpu),
         )
     # All built before any is put in place: a worker never holds some of each.
     for attribute, handler in handlers.items():

@@ -35,7 +35,6 @@ import logging
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
@@ -49,6 +48,7 @@ from kvcore.kernels.cudart import clear_pending_error
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.planning.layers import LayerPairs, layer_pairs
+from kvcore.planning.path_policy import PathPolicy
 from kvcore.planning.plans import plan
 from kvcore.planning.submissions import Submission, submissions
 from kvcore.planning.vllm_rule import VLLM_RULES
@@ -57,8 +57,9 @@ from kvcore.stock_share import REASON as STOCK_SHARE
 from kvcore.stock_share import StockShare
 from kvcore.streams import NamedStreams, OrderedJobs
 from kvcore_vllm.device_pointers import PointerReader
+from kvcore_vllm.job_groups import Group, describe_groups
 from kvcore_vllm.job_segments import Segment, split_groups
-from kvcore_vllm.page_rows import PageRows, page_bytes, page_rows
+from kvcore_vllm.page_rows import PageRows, page_bytes
 from kvcore_vllm.releases import ReleaseShape, installed_shape
 from kvcore_vllm.stock_copies import StockCopies
 
@@ -74,15 +75,6 @@ AB_LOG_PREFIX = "kvcore A/B: load"
 
 # What _take returns for a job whose copy failed and is reported so (vLLM 0.34).
 _FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class _Group:
-    """What one KV cache group copies: its distinct KV tensors (indices into the stock lists)."""
-
-    tensors: tuple[int, ...]
-    page_bytes: int
-    """Bytes a stock job counts per block of this group (every layer reference)."""
 
 
 class KVCoreOffloadingHandler:
@@ -103,6 +95,7 @@ class KVCoreOffloadingHandler:
     ``shape``: the vLLM release's (the installed one's by default); where it passes
     device pointers, ``gpu_tensors`` are the GPU KV tensors as int8 rows
     (:func:`kvcore_vllm.device_pointers.gpu_rows`), which its stock handler lacks.
+    ``plan_policy``: the thresholds its jobs are planned with (the mover's by default).
     """
 
     def __init__(
@@ -119,6 +112,7 @@ class KVCoreOffloadingHandler:
         stock_rules: bool = True,
         stock_share: float = 0.0,
         ab_seed: int = 0,
+        plan_policy: PathPolicy | None = None,
     ) -> None:
         self._shape = installed_shape() if shape is None else shape
         self._stock = StockCopies(stock, self._shape, gpu_tensors)
@@ -130,6 +124,7 @@ class KVCoreOffloadingHandler:
         self.direction = Direction.D2H if self.gpu_to_cpu else Direction.H2D
         self.blocks_per_chunk: int = self._stock.blocks_per_chunk
         self._mover = mover
+        self._plan_policy = mover.policy if plan_policy is None else plan_policy
         self._jobs = OrderedJobs(streams, name, compute_stream)
         self._queued = self._jobs.queued
         # A pass is counted with no call: the metrics take the tally in when they are read.
@@ -137,12 +132,11 @@ class KVCoreOffloadingHandler:
         self._passes: defaultdict[str, int] = (
             defaultdict(int) if metrics is None else metrics.fallback_tally()
         )
-        self._rows: dict[int, PageRows] = {}
         self._pairs: dict[tuple[int, ...], LayerPairs] = {}
         self._batches_by_groups: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
         self._stock_rules = stock_rules
         self._stock_share = StockShare(0.0 if self.gpu_to_cpu else stock_share, ab_seed)
-        self._groups: list[_Group | str] = self._describe_groups()
+        self._groups, self._rows = describe_groups(self._stock, self.blocks_per_chunk)
         self._page_bytes = max(page_bytes(t) for t in self._stock.gpu_tensors)
         self._max_tensors = max(
             len({ref.tensor_idx for ref in refs}) for refs in self._stock.layer_refs_per_group
@@ -172,30 +166,6 @@ class KVCoreOffloadingHandler:
     def layer_refs_per_group(self) -> list[list[Any]]:
         """The stock handler's layer references, per KV cache group."""
         return self._stock.layer_refs_per_group
-
-    def _describe_groups(self) -> list[_Group | str]:
-        if self._stock.canonical_layout:
-            return ["canonical_layout"] * len(self._stock.layer_refs_per_group)
-        gpu_tensors, cpu_tensors = self._stock.gpu_tensors, self._stock.cpu_tensors
-        reasons: dict[int, str] = {}
-        for index, (gpu, cpu) in enumerate(zip(gpu_tensors, cpu_tensors, strict=True)):
-            rows = page_rows(gpu, cpu, self.blocks_per_chunk)
-            if isinstance(rows, str):
-                reasons[index] = rows
-            else:
-                self._rows[index] = rows
-        groups: list[_Group | str] = []
-        for refs in self._stock.layer_refs_per_group:
-            tensors = tuple(dict.fromkeys(ref.tensor_idx for ref in refs))
-            reason = next((reasons[t] for t in tensors if t in reasons), None)
-            if reason is None and any(
-                ref.page_size_bytes != page_bytes(gpu_tensors[ref.tensor_idx]) for ref in refs
-            ):
-                # Stock copies the unpadded head of each page; whole rows would copy more.
-                reason = "partial_page"
-            group_bytes = sum(ref.page_size_bytes for ref in refs)
-            groups.append(reason if reason is not None else _Group(tensors, group_bytes))
-        return groups
 
     def transfer_async(self, job_id: int, first: Any, second: Any) -> bool:
         """Queue job ``job_id``. ``first, second`` are what the release's worker passes: the
@@ -276,7 +246,7 @@ class KVCoreOffloadingHandler:
         # Whole jobs of these pages: decided here alone, so _stock_is_cheaper never sees them.
         if self.gpu_to_cpu and RULES.store_passes(self._page_bytes):
             return "stock_store_large_pages", sys.maxsize
-        dma_from = self._mover.policy.long_run_bytes
+        dma_from = self._plan_policy.long_run_bytes
         if self.gpu_to_cpu and RULES.gathered_store_passes(self._page_bytes, dma_from):
             return "stock_gather_beside_compute", sys.maxsize
         if not self._max_tensors:
@@ -304,9 +274,9 @@ class KVCoreOffloadingHandler:
         self._jobs.submit(job_id, nbytes, lambda: self._execute(work), planned_s)
         return None
 
-    def _group(self, segment: Segment) -> _Group:
+    def _group(self, segment: Segment) -> Group:
         group = self._groups[segment.group]
-        assert isinstance(group, _Group)
+        assert isinstance(group, Group)
         return group
 
     def _unsupported_group(self, segments: list[Segment]) -> str | None:
@@ -345,7 +315,7 @@ class KVCoreOffloadingHandler:
             src, dst = self._sides(rows)
             try:
                 first = plan(
-                    src, dst, src_idx, dst_idx, direction=self.direction, policy=self._mover.policy
+                    src, dst, src_idx, dst_idx, direction=self.direction, policy=self._plan_policy
                 )
             except ValueError:
                 # plan() checks for duplicates in the same pass as the runs; only a refused

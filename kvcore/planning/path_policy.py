@@ -109,6 +109,11 @@ DMA_IN_PLACE_RUN_BYTES = 32 << 10
 """The shortest run :func:`dma_in_place_policy` copies by DMA straight into place: the
 shortest measured so beside the model's compute (vLLM's 32 KiB MHA blocks,
 docs/performance.md, "Reloads beside the model's compute")."""
+VLLM_STORE_DMA_IN_PLACE_RUN_BYTES = 16 << 10
+"""The same for vLLM's stores: beside the model's compute, MLA's 18 KiB blocks stored this
+way moved at least as fast as stock's copy with another batch's forward untouched, where
+kvcore's gather slowed it; loaded this way they ran at about half the gather's speed
+(docs/performance.md, "Reloads beside the model's compute")."""
 SGLANG_DMA_IN_PLACE_RUN_BYTES = 128 << 10
 """The same for SGLang's pages (``KVCORE_SGLANG_DMA_IN_PLACE``): beside the model's compute,
 MHA's 128 KiB pages went by DMA with every forward as fast as beside stock's kernel, while
@@ -142,3 +147,13 @@ def dma_in_place_policy(
     if any(environ.get(name) for name in DMA_IN_PLACE_OVERRIDES):
         return policy
     return replace(policy, long_run_bytes=shortest_run, max_batched_runs=DMA_IN_PLACE_MOST_RUNS)
+
+
+def vllm_handler_policy(
+    config: KVCoreConfig, *, gpu_to_cpu: bool, environ: Mapping[str, str] | None = None
+) -> PathPolicy:
+    """The thresholds a vLLM handler plans its jobs with (:func:`dma_in_place_policy`): DMA
+    into place from :data:`DMA_IN_PLACE_RUN_BYTES`, for stores from
+    :data:`VLLM_STORE_DMA_IN_PLACE_RUN_BYTES`."""
+    shortest = VLLM_STORE_DMA_IN_PLACE_RUN_BYTES if gpu_to_cpu else DMA_IN_PLACE_RUN_BYTES
+    return dma_in_place_policy(config, environ, shortest_run=shortest)

@@ -48,8 +48,9 @@ class VLLMRules:
     at 1.02x."""
 
     stock_gathered_stores_from_page_bytes: int | None = 16 << 10
-    """Stores of pages from this size (None: no such rule) but shorter than the handler's
-    DMA-in-place runs, which kvcore would copy with its gather kernel, stay stock, judged
+    """Stores of pages from this size (None: no such rule) but shorter than the store
+    handler's DMA-in-place runs (16 KiB by default: only an operator's thresholds leave
+    such pages to the gather), which kvcore would copy with its gather kernel, stay stock, judged
     beside the model's compute (:data:`GATHER_EVIDENCE`, vLLM 0.33 per-layer MLA blocks of
     18 KiB on an H100): stock's stores left another batch's forward at its time alone, the
     gather's slowed it 1.01-1.25x (most beside decode-256 and prefill batches). Loads of such
@@ -87,5 +88,13 @@ GATHER_EVIDENCE = (
 )
 """The beside-compute runs :attr:`VLLMRules.stock_gathered_stores_from_page_bytes` is judged
 from."""
+
+STORE_DMA_EVIDENCE = (
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-rerun-mla-dma.json",
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-store-dma-1.json",
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-store-dma-2.json",
+)
+"""The beside-compute runs of MLA's 18 KiB blocks by DMA into place that
+:data:`kvcore.planning.path_policy.VLLM_STORE_DMA_IN_PLACE_RUN_BYTES` is judged from."""
 
 VLLM_RULES = VLLMRules()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.config import KVCoreConfig
 from kvcore.planning import path_policy, rule_evidence, serve_rule, vllm_rule
 from kvcore.planning.serve_rule import SERVE, SGLangRule, sglang_decision
 
@@ -334,18 +335,25 @@ def test_vllm_stores_kvcore_would_gather_pass_from_16_kib_until_dma_takes_their_
     assert not unset.gathered_store_passes(18 << 10, dma_from)
 
 
-def _gathered_mla_cells(op: str) -> list[dict]:
-    """The cited runs' MLA 18 KiB cells of ``op`` beside compute, where the rule-off side
-    (``own``) gathered."""
+def _mla_cells(
+    evidence: tuple[str, ...], op: str, situations: tuple[str, ...] = ("independent",)
+) -> list[dict]:
+    """The MLA 18 KiB cells of ``op`` in the ``evidence`` runs, in these situations."""
     root = Path(__file__).resolve().parents[2]
     return [
         row
-        for cited in vllm_rule.GATHER_EVIDENCE
+        for cited in evidence
         for row in json.loads((root / cited).read_text())["rows"]
-        if row["situation"] == "independent"
+        if row["situation"] in situations
         and row["case"].split("/")[2] == "mla-18KiB"
         and row["case"].endswith("/" + op)
     ]
+
+
+def _gathered_mla_cells(op: str) -> list[dict]:
+    """The gather-rule runs' cells of ``op`` beside compute, where the rule-off side
+    (``own``) gathered."""
+    return _mla_cells(vllm_rule.GATHER_EVIDENCE, op)
 
 
 def test_the_gather_rules_evidence_holds_against_the_json_it_cites():
@@ -362,3 +370,34 @@ def test_the_gather_rules_evidence_holds_against_the_json_it_cites():
         assert row["forward_with_own_ms"] <= _FORWARD_NOISE * row["forward_with_stock_ms"], row
         assert row["own_speed_paired"][1] > 1, row
         assert row["identical"]
+
+
+def test_vllm_stores_go_by_dma_into_place_from_16_kib_and_loads_from_32_kib():
+    config = KVCoreConfig()
+    store = path_policy.vllm_handler_policy(config, gpu_to_cpu=True, environ={})
+    load = path_policy.vllm_handler_policy(config, gpu_to_cpu=False, environ={})
+    assert store.long_run_bytes == path_policy.VLLM_STORE_DMA_IN_PLACE_RUN_BYTES == 16 << 10
+    assert load.long_run_bytes == path_policy.DMA_IN_PLACE_RUN_BYTES
+    # So MLA's 18 KiB stores are kvcore's by default; a gather of them would still pass.
+    assert not vllm_rule.VLLM_RULES.gathered_store_passes(18 << 10, store.long_run_bytes)
+    assert vllm_rule.VLLM_RULES.gathered_store_passes(18 << 10, load.long_run_bytes)
+    # An operator's threshold stands for both.
+    environ = {"KVCORE_LONG_RUN_BYTES": "64KiB"}
+    configured = path_policy.policy_from_config(config)
+    assert path_policy.vllm_handler_policy(config, gpu_to_cpu=True, environ=environ) == configured
+
+
+def test_the_store_dma_thresholds_evidence_holds_against_the_json_it_cites():
+    """In the cited runs, MLA's 18 KiB blocks went by DMA into place: every store at least
+    0.96x stock's speed (most faster) with the other batch's forward no slower than beside
+    stock's store; every load slower than stock's, which keeps loads at 32 KiB."""
+    stores = _mla_cells(vllm_rule.STORE_DMA_EVIDENCE, "store", ("alone", "independent"))
+    loads = _mla_cells(vllm_rule.STORE_DMA_EVIDENCE, "load", ("independent",))
+    assert len(stores) == 24 and len(loads) == 18
+    assert all(row["kvcore_paths"] == ["batched_runs"] and row["identical"] for row in stores)
+    speeds = [row["speed_paired"][0] for row in stores]
+    assert min(speeds) >= 0.96 and sum(speed > 1 for speed in speeds) >= 0.75 * len(speeds)
+    for row in stores:
+        if row["situation"] == "independent":
+            assert row["forward_with_kvcore_ms"] <= _FORWARD_NOISE * row["forward_with_stock_ms"]
+    assert sum(row["speed_paired"][0] < 1 for row in loads) > len(loads) / 2

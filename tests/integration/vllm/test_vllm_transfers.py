@@ -745,6 +745,33 @@ def test_install_leaves_non_cuda_handlers_stock_and_counts_them():
     assert metrics.snapshot()["fallbacks"] == {"unsupported_device": 2}
 
 
+def test_install_plans_stores_by_dma_from_16_kib_and_loads_from_32_kib(monkeypatch):
+    """Each handler gets its direction's planning thresholds; the mover keeps the loads'."""
+    for name in ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS"):
+        monkeypatch.delenv(name, raising=False)
+    worker = host_worker()
+    on_cuda = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(handler_install, "gpu_tensors_of", lambda stock: [on_cuda])
+    monkeypatch.setattr(handler_install, "gpu_rows", lambda tensor: on_cuda)
+    monkeypatch.setattr(handler_install, "_warmed_up", lambda *args: True)
+    monkeypatch.setattr(
+        handler_install, "CudaStreams", lambda device: SimpleNamespace(compute_stream=None)
+    )
+    monkeypatch.setattr(handler_install.INSTALLATION, "replace_handler", lambda *args: None)
+    built: dict[str, dict[str, Any]] = {}
+
+    def record(stock: Any, **kwargs: Any) -> dict[str, Any]:
+        return built.setdefault(kwargs["name"], kwargs)
+
+    monkeypatch.setattr(handler_install, "KVCoreOffloadingHandler", record)
+    installed = install_handlers(worker, KVCoreConfig(), Metrics(), worker.kv_caches)
+    assert installed == ["_store_handler", "_load_handler"]
+    store, load = built["_store_handler"], built["_load_handler"]
+    assert store["plan_policy"].long_run_bytes == 16 << 10
+    assert load["plan_policy"].long_run_bytes == load["mover"].policy.long_run_bytes == 32 << 10
+    assert store["mover"] is load["mover"]
+
+
 @pytest.mark.parametrize("transfers", ["0", "1"])
 def test_spec_installs_handlers_when_transfers_are_on(monkeypatch, transfers):
     worker = host_worker()
@@ -1085,3 +1112,28 @@ def test_loads_kvcore_would_gather_are_kvcores_under_the_store_rule(monkeypatch)
     assert [r.job_id for r in handler.get_finished()] == [1]
     assert issued == [] and mover.ops
     assert metrics.snapshot()["fallbacks"] == {}
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
+def test_mla_sized_blocks_store_by_dma_into_place_and_load_by_gather(monkeypatch, gpu_to_cpu):
+    """Under the default settings and rules, 18 KiB blocks (MLA's) are kvcore's both ways:
+    stores planned by DMA into place (from 16 KiB), loads by the gather (DMA from 32 KiB)."""
+    for name in ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS"):
+        monkeypatch.delenv(name, raising=False)
+    layout = Layout(page_bytes=18 << 10, tensors=2, gpu_blocks=640, cpu_chunks=640)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(16))
+    rng = np.random.default_rng(16)
+    job = [(rng.permutation(640)[:300].tolist(), sorted(rng.permutation(640)[:300].tolist()), 0)]
+    expected = reference(gpu, host, layout, job, gpu_to_cpu)
+    metrics = Metrics()
+    handler = kvcore_handler(
+        stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu), metrics=metrics
+    )
+    submit(handler, 1, *make_job(job, gpu_to_cpu))
+    assert_tensors_are(gpu, host, expected)
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    snapshot = metrics.snapshot()
+    assert snapshot["fallbacks"] == {}
+    assert [row["path"] for row in snapshot["transfers"]] == (
+        ["batched_runs"] if gpu_to_cpu else ["gather"]
+    )

@@ -126,9 +126,11 @@ def test_jobs_built_under_inference_mode_are_kvcores_and_exact(
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
-def test_mla_sized_blocks_load_through_kvcore_and_store_through_stock(gpu_to_cpu: bool) -> None:
-    """The default rules beside compute: 18 KiB blocks (MLA's) load on kvcore's gather and
-    store by stock's copy (``stock_gather_beside_compute``); both exact, other pages kept."""
+def test_mla_sized_blocks_store_by_dma_into_place_and_load_through_the_gather(
+    gpu_to_cpu: bool,
+) -> None:
+    """The default policies and rules: 18 KiB blocks (MLA's) store by DMA into place and
+    load through kvcore's gather; both exact, every other page kept."""
     from kvcore.metrics import Metrics
 
     device = torch.device("cuda")
@@ -152,8 +154,6 @@ def test_mla_sized_blocks_load_through_kvcore_and_store_through_stock(gpu_to_cpu
         assert torch.equal(target.cpu(), want)
     handler.shutdown()
     snapshot = metrics.snapshot()
-    if gpu_to_cpu:
-        assert snapshot["fallbacks"] == {"stock_gather_beside_compute": 1}
-    else:
-        assert snapshot["fallbacks"] == {}
-        assert [row["path"] for row in snapshot["transfers"]] == ["gather"]
+    assert snapshot["fallbacks"] == {}
+    paths = [row["path"] for row in snapshot["transfers"]]
+    assert paths == (["batched_runs"] if gpu_to_cpu else ["gather"])
