@@ -147,9 +147,9 @@ def kvcore_handler(
     plan_policy: PathPolicy | None = None,
 ) -> KVCoreOffloadingHandler:
     """kvcore's handler in place of ``stock``, on CUDA streams or, on a CPU, run at once;
-    ``policy`` defaults to the one the environment (KVCORE_*) asks for, and with it the
-    thresholds jobs are planned with (``plan_policy``, else the mover's) to the handler's
-    (:func:`env_policy`)."""
+    ``policy`` defaults to the one the environment (KVCORE_*) asks for. ``plan_policy``: the
+    thresholds jobs are planned with; by default the mover's, or, where neither ``policy``
+    nor ``mover`` is given, the environment's for the handler's direction (:func:`env_policy`)."""
     gpu_tensors = handler_gpu_tensors(stock)
     device = gpu_tensors[0].device
     compute: Callable[[], Any]
