@@ -49,6 +49,13 @@ class NamedStreams(Protocol):
         ...
 
 
+def highest_priority() -> int:
+    """The highest (most urgent) CUDA stream priority torch can create a stream with."""
+    # A static method at run time, typed as an instance method in torch's stubs.
+    _least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
+    return int(greatest)
+
+
 class CudaStreams:
     """One torch.cuda.Stream per name on ``device``; events that time the work between them."""
 

@@ -34,7 +34,7 @@ from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.planning.path_policy import PathPolicy, vllm_handler_policy
-from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
+from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams, highest_priority
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.stock_copies import gpu_tensors_of
 from kvcore_vllm.transfers import KVCoreOffloadingHandler
@@ -303,7 +303,4 @@ def _bench_stream_priority() -> int:
     """kvcore's handler streams' priority in the bench: the highest where
     ``KVCORE_BENCH_HIGH_PRIORITY`` is set (an experiment: a gather's CTAs ahead of the
     model's queued ones), else torch's default."""
-    if not os.environ.get("KVCORE_BENCH_HIGH_PRIORITY"):
-        return 0
-    _least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
-    return int(greatest)
+    return highest_priority() if os.environ.get("KVCORE_BENCH_HIGH_PRIORITY") else 0

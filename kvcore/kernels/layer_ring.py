@@ -13,6 +13,7 @@ from kvcore.kernels.index_upload import current_stream_handle
 from kvcore.kernels.triton_scatter import SlotScatter
 from kvcore.planning.layers import LayerPairs
 from kvcore.staging import lease_number
+from kvcore.streams import highest_priority
 
 # The most slots the layer ring (LayerRing) cycles through: enough for a reload's DMAs to
 # run layers ahead of a scatter held back by the model's kernels, few enough events.
@@ -40,7 +41,7 @@ class LayerRing:
     def __init__(self, device: torch.device, calls: StreamCalls) -> None:
         self.calls = calls
         self.dma = torch.cuda.Stream(device=device)
-        self.scatter = torch.cuda.Stream(device=device, priority=_highest_priority())
+        self.scatter = torch.cuda.Stream(device=device, priority=highest_priority())
         self.dma_handle, self.scatter_handle = self.dma.cuda_stream, self.scatter.cuda_stream
         self.start, self.done = calls.event(), calls.event()
         self.filled: list[int] = []
@@ -96,12 +97,6 @@ def ring_geometry(staging_bytes: int, pair_bytes: int, pairs: int) -> tuple[int,
     slot_bytes = pair_bytes * together
     slots = min(staging_bytes // slot_bytes, _RING_MAX_SLOTS)
     return (together, slot_bytes, slots) if slots >= 2 else None
-
-
-def _highest_priority() -> int:
-    # A static method at run time, typed as an instance method in torch's stubs.
-    _least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
-    return int(greatest)
 
 
 def stage_in_ring(
