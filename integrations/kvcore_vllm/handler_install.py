@@ -17,7 +17,7 @@ import torch
 from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.planning.path_policy import dma_in_place_policy, vllm_handler_policy
+from kvcore.planning.path_policy import vllm_handler_policy
 from kvcore.streams import CudaStreams
 from kvcore.warm_up import warm_up
 from kvcore_vllm.device_pointers import gpu_rows
@@ -59,7 +59,8 @@ def install_handlers(
                 metrics.record_fallback("no_kv_caches")
             return []
         shared = [gpu_rows(tensor) for tensor in kv_caches.tensors]
-    mover = Mover(dma_in_place_policy(config), metrics=metrics)
+    # The mover's own policy is the loads'; each handler plans with its direction's.
+    mover = Mover(vllm_handler_policy(config, gpu_to_cpu=False), metrics=metrics)
     stocks: dict[str, tuple[Any, list[torch.Tensor]]] = {}
     for attribute in HANDLER_ATTRIBUTES:
         stock = getattr(worker, attribute, None)

@@ -49,11 +49,12 @@ class VLLMRules:
 
     stock_gathered_stores_from_page_bytes: int | None = 16 << 10
     """Stores of pages from this size (None: no such rule) but shorter than the store
-    handler's DMA-in-place runs (16 KiB by default: only an operator's thresholds leave
-    such pages to the gather), which kvcore would copy with its gather kernel, stay stock, judged
-    beside the model's compute (:data:`GATHER_EVIDENCE`, vLLM 0.33 per-layer MLA blocks of
-    18 KiB on an H100): stock's stores left another batch's forward at its time alone, the
-    gather's slowed it 1.01-1.25x (most beside decode-256 and prefill batches). Loads of such
+    handler's DMA-in-place runs, which kvcore would copy with its gather kernel, stay stock.
+    By default those runs start at 16 KiB, so only an operator's thresholds leave such pages
+    to the gather. Judged beside the model's compute (:data:`GATHER_EVIDENCE`, vLLM 0.33
+    per-layer MLA blocks of 18 KiB on an H100): stock's stores left another batch's forward at
+    its time alone, the gather's slowed it 1.01-1.25x (most beside decode-256 and prefill
+    batches). Loads of such
     pages are kvcore's: the gather took 0.66-0.86x of stock's time beside compute, and the
     forward beside it 0.86-1.03x its time beside stock's load (vLLM's Triton kernel for MLA
     slowed that forward 1.12-1.40x). Smaller pages were not measured beside compute."""
