@@ -21,6 +21,7 @@ from benchmarks.sglang.soak_pool import pool_name
 from kvcore.direction import Direction
 from kvcore.mover import Mover
 from kvcore.planning.plans import TransferPlan
+from tests.support.mover_writes import executed_into
 
 pytestmark = pytest.mark.sglang
 
@@ -98,7 +99,7 @@ def _flip_first_load(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
         return wrapped
 
-    monkeypatch.setattr(Mover, "execute", wrap(Mover.execute, _executed_into))
+    monkeypatch.setattr(Mover, "execute", wrap(Mover.execute, executed_into))
     # A prepared request's layers (gathered or staged) come through here.
     monkeypatch.setattr(
         Mover,
@@ -121,8 +122,3 @@ def test_a_reload_with_one_wrong_byte_is_reported(tmp_path, monkeypatch):
 def test_an_unknown_pool_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no pool is named"):
         _soak(tmp_path, "--seconds", "1", "--pools", "mha/page_first_direct/p64")
-
-
-def _executed_into(plan: TransferPlan, pairs: Any = None, *_: Any) -> torch.Tensor:
-    """Where :meth:`Mover.execute` wrote first: the plan's own buffer, or its first pair's."""
-    return plan.dst if pairs is None else pairs.dsts[0]

@@ -20,6 +20,7 @@ from benchmarks.vllm.soak import PROFILES
 from kvcore.direction import Direction
 from kvcore.mover import Mover
 from kvcore.planning.plans import TransferPlan
+from tests.support.mover_writes import executed_into
 
 pytestmark = pytest.mark.vllm
 
@@ -76,7 +77,7 @@ def _flip_first_load(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
         return wrapped
 
-    monkeypatch.setattr(Mover, "execute", wrap(Mover.execute, _executed_into))
+    monkeypatch.setattr(Mover, "execute", wrap(Mover.execute, executed_into))
     return flipped
 
 
@@ -88,8 +89,3 @@ def test_a_load_with_one_wrong_byte_is_reported(tmp_path, monkeypatch):
     assert doc["mismatched_bytes"] == 1 and doc["mismatches"] == 1
     assert doc["stray_bytes"] == 0 and doc["leaks"] == 0
     assert any("1 bytes differ from what was stored" in e for e in doc["errors"])
-
-
-def _executed_into(plan: TransferPlan, pairs: Any = None, *_: Any) -> torch.Tensor:
-    """Where :meth:`Mover.execute` wrote first: the plan's own buffer, or its first pair's."""
-    return plan.dst if pairs is None else pairs.dsts[0]
