@@ -267,8 +267,13 @@ class Mover:
         runs_path = plan.path in (TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS)
         if runs_path and kernels.copy_runs_layers is not None:
             return kernels.copy_runs_layers(pairs, plan.runs)
-        if plan.path is TransferPath.GATHER and kernels.gather_layers is not None:
-            return kernels.gather_layers(pairs, plan.src_idx, plan.dst_idx)
+        if (
+            plan.path is TransferPath.GATHER
+            and kernels.prepare_rows is not None
+            and kernels.gather_prepared is not None
+        ):
+            rows = kernels.prepare_rows(plan.src_idx, plan.dst_idx, plan.device)
+            return kernels.gather_prepared(pairs, rows)
         if plan.path is TransferPath.STAGED:
             ready = self._stage_in_ready(plan, kernels)
             if ready is not None:
@@ -297,7 +302,7 @@ class Mover:
     def _prepare(self, plan: TransferPlan, kernels: KernelSet) -> _Prepared:
         src_words, dst_words = _word_views(plan.src, plan.dst)
         gather = None
-        if plan.path is TransferPath.GATHER and kernels.prepare_gather is not None:
+        if plan.path is TransferPath.GATHER:
             gather = kernels.prepare_gather(src_words, dst_words)
         # Views of the plan's tensors, never of the plan: the entry goes when the plan does.
         prepared = _Prepared(src_words, dst_words, gather)
@@ -315,7 +320,7 @@ class Mover:
         if plan.path in (TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS):
             return kernels.copy_runs(src_words, dst_words, plan.runs)
         if plan.path is TransferPath.GATHER:
-            return kernels.gather_rows(src_words, plan.src_idx, dst_words, plan.dst_idx)
+            return kernels.prepare_gather(src_words, dst_words)(plan.src_idx, plan.dst_idx)
         self._staged_pairs(plan, kernels, [(src_words, dst_words)])
         return None
 

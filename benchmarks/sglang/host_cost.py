@@ -107,11 +107,10 @@ def stock_copies_left_out() -> Iterator[None]:
 NO_COPY = KernelSet(
     name="no-copy",
     copy_runs=_no_copy,
-    gather_rows=_no_copy,
+    prepare_gather=lambda src_words, dst_words: _no_copy,
     stage_in=_no_copy,
     stage_out=_no_copy,
     copy_runs_layers=_no_copy,
-    gather_layers=_no_copy,
     prepare_rows=lambda src_idx, dst_idx, device: (src_idx, dst_idx),
     gather_prepared=_no_copy,
     prepare_stage_in=lambda chunks, dst_idx, device: (chunks, dst_idx),

@@ -24,18 +24,16 @@ if TYPE_CHECKING:
     from kvcore.planning.layers import LayerPairs
     from kvcore.planning.staged_chunks import StagedChunk
 
-# copy_runs and gather_rows return None, or the reason they had to take a slower
+# copy_runs and a prepared gather return None, or the reason they had to take a slower
 # way (a refused batch submission, a missing kernel), which the mover counts.
 CopyRuns = Callable[[torch.Tensor, torch.Tensor, PairedRuns], str | None]
-GatherRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], str | None]
-# gather_rows between two fixed row views, set up once: called with (src_idx, dst_idx).
+# A gather between two fixed row views, set up once: called with (src_idx, dst_idx).
 PreparedGather = Callable[[torch.Tensor, torch.Tensor], str | None]
 PrepareGather = Callable[[torch.Tensor, torch.Tensor], PreparedGather]
 StageIn = Callable[[torch.Tensor, Runs, torch.Tensor, torch.Tensor, torch.Tensor], None]
 StageOut = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Runs], None]
-# The same runs or rows of every pair of a LayerPairs, in one submission.
+# The same runs of every pair of a LayerPairs, in one submission.
 CopyRunsLayers = Callable[["LayerPairs", PairedRuns], str | None]
-GatherLayers = Callable[["LayerPairs", torch.Tensor, torch.Tensor], str | None]
 # A transfer's (src_idx, dst_idx) made ready on its device once, for every layer of one
 # request; what comes back is the kernel set's own, handed back to gather_prepared.
 PrepareRows = Callable[[torch.Tensor, torch.Tensor, torch.device], object]
@@ -48,25 +46,28 @@ StageInPrepared = Callable[["LayerPairs", object, torch.Tensor], None]
 
 @dataclass(frozen=True)
 class KernelSet:
-    """One implementation of each mover op; see :mod:`kvcore.kernels.reference` for semantics."""
+    """One implementation of each mover op; see :mod:`kvcore.kernels.reference` for semantics.
+
+    Each path has one op over one pair of buffers (``copy_runs``, ``prepare_gather``,
+    ``stage_in``, ``stage_out``); the optional ones take every pair of a
+    :class:`~kvcore.planning.layers.LayerPairs` at once, where the mover would otherwise
+    loop over the pairs."""
 
     name: str
     copy_runs: CopyRuns
-    gather_rows: GatherRows
+    prepare_gather: PrepareGather
+    """The gather ``dst_words[dst_idx[k]] = src_words[src_idx[k]]`` between
+    ``(src_words, dst_words)``, its checks and set-up done once; the mover keeps the result
+    per plan and calls it with ``(src_idx, dst_idx)``."""
     stage_in: StageIn
     stage_out: StageOut
     copy_runs_layers: CopyRunsLayers | None = None
     """None: the mover calls ``copy_runs`` once per pair."""
-    gather_layers: GatherLayers | None = None
-    """None: the mover calls ``gather_rows`` once per pair."""
-    prepare_gather: PrepareGather | None = None
-    """``gather_rows``'s checks and set-up for ``(src_words, dst_words)``, done once; the
-    mover keeps the result per plan. None: every gather is a ``gather_rows`` call."""
     prepare_rows: PrepareRows | None = None
-    """Both indices of a gather on its device, once for every layer of a request. None:
-    each layer's ``gather_layers`` (or ``gather_rows``) call takes the indices as they are."""
+    """Both indices of a gather on its device, once for every layer of a request. Set with
+    ``gather_prepared``; None: the mover gathers pair by pair."""
     gather_prepared: GatherPrepared | None = None
-    """``gather_layers`` with indices from ``prepare_rows``; set with it."""
+    """The gather for every pair at once, with indices from ``prepare_rows``."""
     prepare_stage_in: PrepareStageIn | None = None
     """A staged page-in's chunks made ready once for every layer of a request, where each
     layer's ``stage_in`` would issue the same ops (one piece). None: each layer's chunks
@@ -78,12 +79,10 @@ class KernelSet:
 REFERENCE = KernelSet(
     name="reference",
     copy_runs=reference.copy_runs,
-    gather_rows=reference.gather_rows,
+    prepare_gather=reference.prepare_gather,
     stage_in=reference.stage_in,
     stage_out=reference.stage_out,
     copy_runs_layers=reference.copy_runs_layers,
-    gather_layers=reference.gather_layers,
-    prepare_gather=reference.prepare_gather,
     prepare_rows=reference.prepare_rows,
     gather_prepared=reference.gather_prepared,
     prepare_stage_in=reference.prepare_stage_in,

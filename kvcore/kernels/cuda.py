@@ -151,15 +151,6 @@ class _CudaIndexedOps:
             uploader = self._uploaders.setdefault(device, IndexUploader(device))
         return uploader
 
-    def gather_rows(
-        self,
-        src_words: torch.Tensor,
-        src_idx: torch.Tensor,
-        dst_words: torch.Tensor,
-        dst_idx: torch.Tensor,
-    ) -> str | None:
-        return self.prepare_gather(src_words, dst_words)(src_idx, dst_idx)
-
     def prepare_gather(self, src_words: torch.Tensor, dst_words: torch.Tensor) -> PreparedGather:
         """The UVA gather between these views, checked once; the reference gather, with
         the reason, where the kernel cannot run."""
@@ -182,18 +173,6 @@ class _CudaIndexedOps:
 
         return gather
 
-    def gather_layers(
-        self, pairs: LayerPairs, src_idx: torch.Tensor, dst_idx: torch.Tensor
-    ) -> str | None:
-        """One launch for every pair; one gather per pair where the launch cannot serve them."""
-        launch = self._launch(pairs)
-        if isinstance(launch, str):
-            return self._gather_each(pairs, src_idx, dst_idx, launch)
-        src_on, dst_on = self._both_on(src_idx, dst_idx, launch.gather.device)
-        launch.offsets.order_current_stream()
-        launch.gather(src_on, dst_on)
-        return None
-
     def prepare_rows(
         self, src_idx: torch.Tensor, dst_idx: torch.Tensor, device: torch.device
     ) -> _DeviceRows:
@@ -211,13 +190,15 @@ class _CudaIndexedOps:
         return _DeviceRows(kept.on_device[0], dst_idx, (kept,))
 
     def gather_prepared(self, pairs: LayerPairs, rows: object) -> str | None:
-        """:meth:`gather_layers` with rows from :meth:`prepare_rows`: one launch, no upload."""
+        """The gather for every pair, with rows from :meth:`prepare_rows`: one launch, no
+        upload; one gather per pair where the launch cannot serve them."""
         if not isinstance(rows, _DeviceRows):
             raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
+        # Whichever way the rows are read, the current stream waits for their upload.
+        rows.ready()
         launch = self._launch(pairs)
         if isinstance(launch, str):
             return self._gather_each(pairs, rows.src_idx, rows.dst_idx, launch)
-        rows.ready()
         launch.offsets.order_current_stream()
         launch.gather(rows.src_idx, rows.dst_idx)
         return None
@@ -227,7 +208,7 @@ class _CudaIndexedOps:
     ) -> str:
         degraded = None
         for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-            degraded = self.gather_rows(src_words, src_idx, dst_words, dst_idx) or degraded
+            degraded = self.prepare_gather(src_words, dst_words)(src_idx, dst_idx) or degraded
         return degraded or reason
 
     def _launch(self, pairs: LayerPairs) -> _TableLaunch | str:
@@ -421,12 +402,10 @@ def cuda_kernels(
             f"{short}, ring_scatter_ctas={ring_scatter_ctas}, staged_pieces={staged_pieces})"
         ),
         copy_runs=copy_runs,
-        gather_rows=ops.gather_rows,
+        prepare_gather=ops.prepare_gather,
         stage_in=ops.stage_in,
         stage_out=ops.stage_out,
         copy_runs_layers=copy_runs_layers,
-        gather_layers=ops.gather_layers,
-        prepare_gather=ops.prepare_gather,
         prepare_rows=ops.prepare_rows,
         gather_prepared=ops.gather_prepared,
         # In pieces, a layer's scatters go on a second stream: stage_in orders them itself.

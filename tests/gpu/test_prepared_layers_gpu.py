@@ -120,8 +120,8 @@ def test_later_launches_skip_the_jit_and_indices_at_odd_addresses_still_copy(mon
         want = [t.clone() for t in device]
         for src, dst in zip(host, want, strict=True):
             dst[dst_idx.cuda()] = src[src_idx].cuda()
-        assert kernels.gather_layers is not None
-        kernels.gather_layers(pairs, src_on, dst_on)
+        assert kernels.prepare_rows is not None and kernels.gather_prepared is not None
+        kernels.gather_prepared(pairs, kernels.prepare_rows(src_on, dst_on, src_on.device))
         torch.cuda.synchronize()
         for got, wanted in zip(device, want, strict=True):
             assert torch.equal(_bytes(got), _bytes(wanted))

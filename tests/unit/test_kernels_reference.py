@@ -20,6 +20,7 @@ from kvcore.kernels.reference import (
     copy_runs,
     gather_rows,
     index_copy_rows,
+    prepare_gather,
     stage_in,
     stage_out,
     staging_words,
@@ -256,7 +257,7 @@ def test_reference_serves_unregistered_devices(swap_kernels):
     swap_kernels("meta", None)
     assert kernels_for(torch.device("cpu")) is REFERENCE
     assert kernels_for(torch.device("meta")) is REFERENCE
-    custom = KernelSet("custom", copy_runs, gather_rows, stage_in, stage_out)
+    custom = KernelSet("custom", copy_runs, prepare_gather, stage_in, stage_out)
     register_kernels("meta", custom)
     assert kernels_for(torch.device("meta")) is custom
     assert kernels_for(torch.device("cpu")) is REFERENCE
@@ -268,7 +269,7 @@ def test_unregister_kernels_hands_back_the_entry_and_the_reference_set_serves_ag
     swap_kernels("meta", None)
     meta = torch.device("meta")
     assert unregister_kernels("meta") is None
-    custom = KernelSet("custom", copy_runs, gather_rows, stage_in, stage_out)
+    custom = KernelSet("custom", copy_runs, prepare_gather, stage_in, stage_out)
     register_kernels("meta", custom)
     assert unregister_kernels("meta") is custom
     assert kernels_for(meta) is REFERENCE
@@ -290,7 +291,7 @@ def test_one_registry_serves_sets_and_factories_and_movers_keep_what_they_built(
 
     def factory(policy: PathPolicy) -> KernelSet:
         built.append(policy)
-        return KernelSet(f"built-{len(built)}", copy_runs, gather_rows, stage_in, stage_out)
+        return KernelSet(f"built-{len(built)}", copy_runs, prepare_gather, stage_in, stage_out)
 
     register_kernels("meta", factory)
     meta = torch.device("meta")
@@ -300,7 +301,7 @@ def test_one_registry_serves_sets_and_factories_and_movers_keep_what_they_built(
     assert Mover().kernels(meta) is not first  # another mover, its own tuning
     assert built[-1] == PathPolicy()
     assert kernels_for(meta).name == "built-3"
-    fixed = KernelSet("fixed", copy_runs, gather_rows, stage_in, stage_out)
+    fixed = KernelSet("fixed", copy_runs, prepare_gather, stage_in, stage_out)
     register_kernels("meta", fixed)  # a replaced entry replaces what movers built
     assert mover.kernels(meta) is fixed
     register_kernels("meta", factory)  # the same factory back: the same set, not rebuilt

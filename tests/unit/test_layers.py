@@ -173,10 +173,9 @@ def layered_kernels(calls: list[str]) -> KernelSet:
         for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
             REFERENCE.copy_runs(src, dst, runs)
 
-    def gather_layers(pairs, src_idx, dst_idx):
-        calls.append(f"gather_layers x{len(pairs)}")
-        for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
-            REFERENCE.gather_rows(src, src_idx, dst, dst_idx)
+    def gather_prepared(pairs, rows):
+        calls.append(f"gather_prepared x{len(pairs)}")
+        REFERENCE.gather_prepared(pairs, rows)
 
     def stage_in(*args):
         calls.append("stage_in")
@@ -185,11 +184,12 @@ def layered_kernels(calls: list[str]) -> KernelSet:
     return KernelSet(
         "layered",
         REFERENCE.copy_runs,
-        REFERENCE.gather_rows,
+        REFERENCE.prepare_gather,
         stage_in,
         REFERENCE.stage_out,
         copy_runs_layers=copy_runs_layers,
-        gather_layers=gather_layers,
+        prepare_rows=REFERENCE.prepare_rows,
+        gather_prepared=gather_prepared,
     )
 
 
@@ -198,7 +198,7 @@ def layered_kernels(calls: list[str]) -> KernelSet:
     [
         (TransferPath.SINGLE_COPY, ["copy_runs_layers x3"]),
         (TransferPath.BATCHED_RUNS, ["copy_runs_layers x3"]),
-        (TransferPath.GATHER, ["gather_layers x3"]),
+        (TransferPath.GATHER, ["gather_prepared x3"]),
         # No layered staging: each pair is staged in turn, in one piece of 12 rows.
         (TransferPath.STAGED, ["stage_in"] * 3),
     ],

@@ -7,6 +7,7 @@ KVCORE_FUZZ_CASES=N runs N cases; KVCORE_FUZZ_SEED=S replays case S alone.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -34,9 +35,10 @@ def test_mover_fuzz_case(seed: int) -> None:
 
 
 def _drops_the_last_row(
-    src_words: torch.Tensor, src_idx: torch.Tensor, dst_words: torch.Tensor, dst_idx: torch.Tensor
-) -> None:
-    REFERENCE.gather_rows(src_words, src_idx[:-1], dst_words, dst_idx[:-1])
+    src_words: torch.Tensor, dst_words: torch.Tensor
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    gather = REFERENCE.prepare_gather(src_words, dst_words)
+    return lambda src_idx, dst_idx: gather(src_idx[:-1], dst_idx[:-1])
 
 
 def _writes_one_row_more(
@@ -61,17 +63,12 @@ def _touches_the_source(
         src_words[int(src_idx[0])] += 1
 
 
-# Each break reaches every call of its op: the reference's ops over several pairs (and a
-# prepared gather) call its one-pair ops directly, not the set's, so they are left out and
-# the mover runs the broken op once per pair instead.
+# Each break reaches every call of its op: the reference's ops over several pairs call its
+# one-pair ops directly, not the set's, so they are left out and the mover runs the broken
+# op once per pair instead.
 BROKEN = {
     "gather_drops_a_row": dataclasses.replace(
-        REFERENCE,
-        gather_rows=_drops_the_last_row,
-        gather_layers=None,
-        prepare_gather=None,
-        prepare_rows=None,
-        gather_prepared=None,
+        REFERENCE, prepare_gather=_drops_the_last_row, prepare_rows=None, gather_prepared=None
     ),
     "copy_runs_writes_past_a_run": dataclasses.replace(
         REFERENCE, copy_runs=_writes_one_row_more, copy_runs_layers=None

@@ -871,11 +871,6 @@ def layered_cpu_kernels(calls: list[tuple[str, int]]) -> KernelSet:
         for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
             REFERENCE.copy_runs(src, dst, runs)
 
-    def gather_layers(pairs, src_idx, dst_idx):
-        calls.append(("gather_layers", len(pairs)))
-        for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
-            REFERENCE.gather_rows(src, src_idx, dst, dst_idx)
-
     def gather_prepared(pairs, rows):
         calls.append(("gather_prepared", len(pairs)))
         REFERENCE.gather_prepared(pairs, rows)
@@ -883,7 +878,6 @@ def layered_cpu_kernels(calls: list[tuple[str, int]]) -> KernelSet:
     return dataclasses.replace(
         REFERENCE,
         copy_runs_layers=copy_runs_layers,
-        gather_layers=gather_layers,
         gather_prepared=gather_prepared,
     )
 
@@ -902,7 +896,7 @@ def test_the_pairs_of_a_call_move_in_one_submission(
     assert calls == [("gather_prepared", pairs)]
     calls.clear()
     check_served_call(kind, "layer_first", "direct", "backup", "scattered", 100, 6)
-    assert calls == [("gather_layers", pairs * LAYERS)]
+    assert calls == [("gather_prepared", pairs * LAYERS)]
 
 
 def test_pairs_one_submission_cannot_take_are_moved_one_by_one(

@@ -98,9 +98,14 @@ class RecordingMover(Mover):
             self.ops.append(("copy_runs", runs.count))
             return base.copy_runs(src, dst, runs)
 
-        def gather_rows(src, src_idx, dst, dst_idx):
-            self.ops.append(("gather_rows", int(src_idx.numel())))
-            return base.gather_rows(src, src_idx, dst, dst_idx)
+        def prepare_gather(src, dst):
+            gather = base.prepare_gather(src, dst)
+
+            def recorded(src_idx, dst_idx):
+                self.ops.append(("gather", int(src_idx.numel())))
+                return gather(src_idx, dst_idx)
+
+            return recorded
 
         def stage_in(src, host_runs, staging, dst, dst_idx):
             self.ops.append(("stage_in", host_runs.count))
@@ -111,26 +116,28 @@ class RecordingMover(Mover):
             base.stage_out(src, src_idx, staging, dst, host_runs)
 
         if not self.layered:
-            return KernelSet("recording", copy_runs, gather_rows, stage_in, stage_out)
+            return KernelSet("recording", copy_runs, prepare_gather, stage_in, stage_out)
 
         def copy_runs_layers(pairs, runs):
             self.ops.append(("copy_runs_layers", runs.count * len(pairs)))
             for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
                 base.copy_runs(src, dst, runs)
 
-        def gather_layers(pairs, src_idx, dst_idx):
-            self.ops.append(("gather_layers", int(src_idx.numel()) * len(pairs)))
+        def gather_prepared(pairs, rows):
+            src_idx, dst_idx = rows
+            self.ops.append(("gather_prepared", int(src_idx.numel()) * len(pairs)))
             for src, dst in zip(pairs.src_words, pairs.dst_words, strict=True):
-                base.gather_rows(src, src_idx, dst, dst_idx)
+                base.prepare_gather(src, dst)(src_idx, dst_idx)
 
         return KernelSet(
             "recording",
             copy_runs,
-            gather_rows,
+            prepare_gather,
             stage_in,
             stage_out,
             copy_runs_layers=copy_runs_layers,
-            gather_layers=gather_layers,
+            prepare_rows=lambda src_idx, dst_idx, device: (src_idx, dst_idx),
+            gather_prepared=gather_prepared,
         )
 
 
@@ -344,7 +351,7 @@ def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_
         assert_tensors_are(gpu, host, expected)
     assert [job.job_id for job in handler.get_finished()] == [1, 2]
     # One call per job for all four tensors: a gather of 6 rows, then one copy, each tensor's.
-    assert mover.ops == [("gather_layers", 6 * 4), ("copy_runs_layers", 1 * 4)]
+    assert mover.ops == [("gather_prepared", 6 * 4), ("copy_runs_layers", 1 * 4)]
 
 
 def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
@@ -362,7 +369,7 @@ def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)
         submit(handler, 1, *make_job(groups, gpu_to_cpu))
         assert [job.job_id for job in handler.get_finished()] == [1]
-        assert [op for op, _ in mover.ops] == ["gather_rows"] * 3
+        assert [op for op, _ in mover.ops] == ["gather"] * 3
         assert_tensors_are(gpu, host, expected)
 
 
@@ -536,7 +543,7 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(monkeypat
     scattered_job_then_one_run(handler, gpu, host, layout, gpu_to_cpu)
     if gpu_to_cpu:  # vLLM never gives stores to its kernel: kvcore serves both
         assert issued == [] and metrics.snapshot()["fallbacks"] == {}
-        assert [op for op, *_ in mover.ops] == ["gather_rows", "copy_runs"]
+        assert [op for op, *_ in mover.ops] == ["gather", "copy_runs"]
     else:
         assert issued == [4] and metrics.snapshot()["fallbacks"] == {"stock_kernel_load": 1}
         assert [op for op, *_ in mover.ops] == ["copy_runs"]
@@ -554,7 +561,7 @@ def test_scattered_loads_of_the_largest_pages_over_one_tensor_stay_with_stocks_d
     scattered_job_then_one_run(handler, gpu, host, layout, gpu_to_cpu)
     if gpu_to_cpu:  # stores have rules of their own: kvcore serves both here
         assert issued == [] and metrics.snapshot()["fallbacks"] == {}
-        assert [op for op, *_ in mover.ops] == ["gather_rows", "copy_runs"]
+        assert [op for op, *_ in mover.ops] == ["gather", "copy_runs"]
     else:
         assert issued == [4] and metrics.snapshot()["fallbacks"] == {"stock_dma_large_pages": 1}
         assert [op for op, *_ in mover.ops] == ["copy_runs"]
@@ -565,7 +572,7 @@ def test_scattered_loads_of_the_largest_pages_over_per_layer_tensors_are_kvcores
     monkeypatch.setattr(transfers, "RULES", largest)
     mover, metrics, issued = scattered_load(tensors=3, seed=29)
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
-    assert [op for op, *_ in mover.ops] == ["gather_rows"] * 3
+    assert [op for op, *_ in mover.ops] == ["gather"] * 3
 
 
 def scattered_load(tensors: int, seed: int, wrap=lambda swap: swap):
@@ -588,7 +595,7 @@ def test_scattered_loads_over_per_layer_tensors_are_kvcores_despite_vllms_kernel
     mover, metrics, issued = scattered_load(tensors=3, seed=19, wrap=functools.partial)
     # One plan for the three layers, which the CPU kernels gather one by one.
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
-    assert [op for op, *_ in mover.ops] == ["gather_rows"] * 3
+    assert [op for op, *_ in mover.ops] == ["gather"] * 3
 
 
 def shared_loads(share: float, seed: int, caplog) -> tuple[list[str], dict[str, int], list[int]]:
@@ -927,7 +934,7 @@ def test_the_kernel_load_rule_switch_hands_those_loads_to_kvcore():
     # The autouse fixture turned the rule off: one KV tensor, yet kvcore's gather.
     mover, metrics, issued = scattered_load(tensors=1, seed=23, wrap=functools.partial)
     assert issued == [] and metrics.snapshot()["fallbacks"] == {}
-    assert [op for op, *_ in mover.ops] == ["gather_rows"]
+    assert [op for op, *_ in mover.ops] == ["gather"]
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
