@@ -157,3 +157,31 @@ def test_the_layer_rings_scatter_takes_the_policys_ctas():
     assert cuda._CudaIndexedOps(8, 1, 3)._slot_scatter.ctas == cuda.RING_SCATTER_CTAS
     named = kernels_for(torch.device("cuda"), PathPolicy(ring_scatter_ctas=5)).name
     assert "ring_scatter_ctas=5" in named
+
+
+def test_a_layered_gather_that_falls_back_pair_by_pair_waits_for_its_rows_first(monkeypatch):
+    """Rows kept on the device by ``prepare_rows`` may have been uploaded on another stream:
+    the per-pair gathers of a fallback read them only after the current stream is ordered
+    on that upload, as the one-launch path is."""
+    events: list[str] = []
+
+    class Upload:
+        def order_current_stream(self) -> None:
+            events.append("ordered")
+
+    def prepare_gather(src_words, dst_words):
+        def gather(src_idx, dst_idx):
+            events.append("gather")
+
+        return gather
+
+    ops = cuda._CudaIndexedOps(gather_ctas=4, staged_pieces=1, gather_ctas_to_host=2)
+    monkeypatch.setattr(ops, "_launch", lambda pairs: "gather_layers_unavailable:layout")
+    monkeypatch.setattr(ops, "prepare_gather", prepare_gather)
+    host = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
+    device = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
+    idx = torch.arange(4)
+    rows = cuda._DeviceRows(idx, idx, (Upload(),))
+    reason = ops.gather_prepared(layer_pairs(host, device), rows)
+    assert reason == "gather_layers_unavailable:layout"
+    assert events == ["ordered", "gather", "gather"]
