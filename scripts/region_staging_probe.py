@@ -36,6 +36,9 @@ from typing import Any
 
 import torch
 
+# The engine benches are in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 LINK_GBPS = 55.3
 BLOCK_TOKENS = 16
 WORD = torch.int64
