@@ -109,6 +109,14 @@ class KVCoreConfig:
         "pieces of a staged copy; more than 1 overlaps each piece's scatter with the next "
         "one's DMA (~1% more throughput, ~4x the host time to submit)",
     )
+    stage_regions: bool = _setting(
+        False,
+        BOOLEAN,
+        "vLLM's loads from its shared CPU region (one chunk holds every KV tensor's page of a "
+        "block): copy whole chunks by DMA into the staging buffer, then scatter each page "
+        "to its tensor from device memory, in place of the gather or one DMA a page; being "
+        "measured beside the model's compute, so off by default",
+    )
     metrics: bool = _setting(True, BOOLEAN, "collect transfer metrics (Prometheus when installed)")
     transfers: bool = _setting(
         True,

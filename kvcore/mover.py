@@ -36,6 +36,7 @@ from kvcore.planning.path_policy import PathPolicy, TransferPath
 from kvcore.planning.plans import TransferPlan, plan
 from kvcore.planning.staged_chunks import StagedChunk, staged_chunks
 from kvcore.planning.submissions import layers_mismatch
+from kvcore.region_staging import RegionStaging
 from kvcore.row_words import row_word_bytes, rows_as_words
 from kvcore.staging import StagingBuffers
 
@@ -78,6 +79,11 @@ class _Prepared:
     gather: PreparedGather | None
 
 
+_REGION_STAGED_PATHS = (TransferPath.GATHER, TransferPath.BATCHED_RUNS)
+"""The paths a page-in over one host region's adjacent pages takes staged by region: those
+that move its pages one by one."""
+
+
 class Mover:
     """Executes plans through the kernels of each plan's device side."""
 
@@ -99,6 +105,7 @@ class Mover:
             weakref.WeakKeyDictionary()
         )
         self._prepared_lock = threading.Lock()
+        self._regions = RegionStaging(self.staging)
 
     def kernels(self, device: torch.device) -> KernelSet:
         """The registry's kernel set for ``device``; one a factory builds (CUDA's, which
@@ -244,20 +251,41 @@ class Mover:
             _remember_fit(prepared, plan, pairs)
         started = time.perf_counter()
         degraded = None
+        path = plan.path
         if prepared.rows is not None and prepared.run is not None:
             degraded = prepared.run(pairs, prepared.rows)
+        elif self._stages_region(plan, pairs):
+            path = TransferPath.STAGED
+            degraded = self._regions.stage_in(plan, pairs, self.kernels(plan.device))
         elif plan.rows and plan.row_bytes:
             degraded = self._copy_layers(plan, pairs)
-        self._record_layers(plan, pairs, time.perf_counter() - started, degraded)
+        self._record_layers(plan, pairs, time.perf_counter() - started, degraded, path)
+
+    def _stages_region(self, plan: TransferPlan, pairs: LayerPairs) -> bool:
+        """Whether a page-in over ``pairs`` goes staged by whole chunks of their host region
+        (``PathPolicy.stage_regions``) in place of the gather or one DMA a page."""
+        return (
+            self.policy.stage_regions
+            and pairs.src_region is not None
+            and plan.direction is Direction.H2D
+            and plan.path in _REGION_STAGED_PATHS
+            and plan.rows > 0
+            and self._regions.takes(plan, pairs)
+        )
 
     def _record_layers(
-        self, plan: TransferPlan, pairs: LayerPairs, seconds: float, degraded: str | None
+        self,
+        plan: TransferPlan,
+        pairs: LayerPairs,
+        seconds: float,
+        degraded: str | None,
+        taken: TransferPath,
     ) -> None:
         if self.metrics is not None:
             nbytes = plan.nbytes * len(pairs.srcs)
             # _value_ is the members' plain attribute: .value is a Python-level descriptor,
             # two calls a read on every layer.
-            direction, path = plan.direction._value_, plan.path._value_
+            direction, path = plan.direction._value_, taken._value_
             self.metrics.record_transfer(direction, path, nbytes, seconds)
             if degraded is not None:
                 self.metrics.record_fallback(degraded)

@@ -31,6 +31,20 @@ from kvcore.row_words import row_bytes, rows_as_words
 from kvcore.runs import Runs
 
 
+@dataclass(frozen=True)
+class SourceRegion:
+    """Sources that are row views of one host region, ``spacing`` rows apart: sorted, their
+    first rows are the region's rows ``0, spacing, 2 * spacing, ...``."""
+
+    offsets: tuple[int, ...]
+    """Each pair's source's first row, in rows from the region's first."""
+    spacing: int
+    rows: int
+    """Rows of the region the sources reach together."""
+    base: int
+    """The pair whose source starts the region (offset 0)."""
+
+
 @dataclass(frozen=True, eq=False)
 class LayerPairs:
     """Pairs ``(srcs[i], dsts[i])`` with one row size, one source and one destination device."""
@@ -54,6 +68,11 @@ class LayerPairs:
     """Destinations that share memory at whole-row offsets, one group per region: each
     group's offsets in rows from its first, ascending and distinct. Empty where every
     destination has memory of its own, so that no plan needs a look at its rows."""
+    src_region: SourceRegion | None = None
+    """Where the sources are row views of one host region, evenly spaced (vLLM's CPU tier:
+    a chunk row holds every tensor's pages side by side): a run of ``spacing`` source rows
+    of every pair then lies in one span of the region's rows, which a page-in may copy whole
+    (:mod:`kvcore.region_staging`). None otherwise."""
     fitted_kind: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int]] = field(
         default_factory=list, repr=False
     )
@@ -123,7 +142,28 @@ def layer_pairs(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> L
         row_bytes=row_bytes(srcs[0]),
         reason=reason,
         shared_dsts=shared_dsts,
+        src_region=_source_region(srcs) if reason is None and len(srcs) > 1 else None,
     )
+
+
+def _source_region(srcs: tuple[torch.Tensor, ...]) -> SourceRegion | None:
+    """:attr:`LayerPairs.src_region` of checked sources (dense rows of one size)."""
+    if srcs[0].device.type != "cpu" or not all(t.is_contiguous() for t in srcs):
+        return None
+    storage = srcs[0].untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != storage for t in srcs):
+        return None
+    size = row_bytes(srcs[0])
+    starts = np.array([t.data_ptr() for t in srcs], dtype=np.int64)
+    shifts = starts - starts.min()
+    if size == 0 or bool((shifts % size).any()):
+        return None
+    offsets = shifts // size
+    spacing = int(np.sort(offsets)[1])
+    if spacing == 0 or not np.array_equal(np.sort(offsets), np.arange(len(srcs)) * spacing):
+        return None
+    rows = max(o + t.shape[0] for o, t in zip(offsets.tolist(), srcs, strict=True))
+    return SourceRegion(tuple(offsets.tolist()), spacing, rows, int(np.argmin(offsets)))
 
 
 def _shared_destinations(

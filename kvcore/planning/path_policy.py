@@ -73,6 +73,12 @@ class PathPolicy:
     overlapping the DMA of the next. One piece runs on one stream with no events, which
     costs far less host time for nearly the same bandwidth (docs/lab/benchmarks.md, "Lone and
     queued")."""
+    stage_regions: bool = False
+    """Page-ins over layer pairs whose sources are one host region's adjacent pages
+    (:attr:`~kvcore.planning.layers.LayerPairs.src_region`, vLLM's CPU tier): staged by
+    whole chunks, then scattered from device memory (:mod:`kvcore.region_staging`), where
+    the plan would gather or copy page by page. Off until measured beside the model's
+    compute (docs/lab/benchmarks.md, session 45)."""
 
     def __post_init__(self) -> None:
         sizes = (
@@ -102,6 +108,7 @@ def policy_from_config(config: KVCoreConfig) -> PathPolicy:
         gather_ctas_short_rows=config.gather_ctas_short_rows,
         ring_scatter_ctas=config.ring_scatter_ctas,
         staged_pieces=config.staged_pieces,
+        stage_regions=config.stage_regions,
     )
 
 

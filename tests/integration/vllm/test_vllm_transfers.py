@@ -1144,3 +1144,42 @@ def test_mla_sized_blocks_store_by_dma_into_place_and_load_by_gather(monkeypatch
     assert [row["path"] for row in snapshot["transfers"]] == (
         ["batched_runs"] if gpu_to_cpu else ["gather"]
     )
+
+
+@pytest.mark.parametrize("stage_regions", ["0", "1"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # MLA's 18 KiB blocks: five tensors' pages leave each chunk row padded to 4 KiB.
+        Layout(page_bytes=18 << 10, tensors=5, gpu_blocks=64, cpu_chunks=64, shared_region=True),
+        Layout(page_bytes=32 << 10, tensors=4, gpu_blocks=64, cpu_chunks=64, shared_region=True),
+        Layout(page_bytes=4096, tensors=3, blocks_per_chunk=2, shared_region=True),
+    ],
+    ids=["mla-18k-padded", "mha-32k", "two-blocks-a-chunk"],
+)
+def test_loads_from_the_shared_region_go_staged_by_region_under_the_setting(
+    monkeypatch, layout, stage_regions
+):
+    """``KVCORE_STAGE_REGIONS=1``: a load job of whole chunks is staged by region (every
+    tensor's pages of its chunks in one copy, then scattered), byte for byte what stock
+    copies; unset, it keeps the gather or one DMA a page."""
+    for name in ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVCORE_STAGE_REGIONS", stage_regions)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(45))
+    rng = np.random.default_rng(45)
+    chunks = layout.cpu_chunks // 2
+    gpu_ids = rng.permutation(layout.gpu_blocks)[: chunks * layout.blocks_per_chunk].tolist()
+    job = [(gpu_ids, list(range(3, 3 + chunks)), 0)]
+    expected = reference(gpu, host, layout, job, False)
+    metrics = Metrics()
+    handler = kvcore_handler(
+        stock_handler(gpu, host, layout, gpu_to_cpu=False), metrics=metrics, stock_rules=False
+    )
+    submit(handler, 1, *make_job(job, False))
+    assert_tensors_are(gpu, host, expected)
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    snapshot = metrics.snapshot()
+    assert snapshot["fallbacks"] == {}
+    paths = [row["path"] for row in snapshot["transfers"]]
+    assert (paths == ["staged"]) == (stage_regions == "1")

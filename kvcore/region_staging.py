@@ -1,0 +1,133 @@
+"""A page-in over the layer pairs of one host region, staged by whole chunks.
+
+vLLM's CPU tier is one host region whose chunk row holds every KV tensor's pages side by
+side, so one tensor's rows lie a chunk apart and each of its pages is a host run of its
+own: a gather kernel that holds SMs for the whole copy, or one DMA descriptor a page. Where
+the pairs' sources are such a region's views, evenly spaced
+(:class:`~kvcore.planning.layers.SourceRegion`), and the plan's source rows come in runs of
+that spacing (whole pages of every tensor), each run's rows of every pair lie in one span of
+the region: the spans go by DMA into the staging buffer as they lie (a request's chunks are
+one host run in kvcore's allocator, so one long copy where the chunk rows have no padding),
+and one layered gather reads each pair's rows back out of device memory into its tensor.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from kvcore.kernels import KernelSet
+from kvcore.planning.layers import LayerPairs, SourceRegion, layer_pairs
+from kvcore.planning.plans import TransferPlan
+from kvcore.runs import PairedRuns
+from kvcore.staging import StagingBuffers
+
+
+class RegionStaging:
+    """Stages page-ins by region; keeps, per pairs, the pairs that read the staging buffer."""
+
+    def __init__(self, staging: StagingBuffers) -> None:
+        self.staging = staging
+        self._from_staging: weakref.WeakKeyDictionary[LayerPairs, tuple[int, LayerPairs]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def spans_fitting(self, pairs: LayerPairs) -> int:
+        """How many spans (every pair's rows of one source run) one lease holds; 0 where the
+        pairs' sources are no region."""
+        region = pairs.src_region
+        if region is None:
+            return 0
+        return self.staging.capacity_bytes // (len(pairs) * region.spacing * pairs.row_bytes)
+
+    def takes(self, plan: TransferPlan, pairs: LayerPairs) -> bool:
+        """Whether :meth:`stage_in` can copy ``plan`` over ``pairs``: a region's sources, the
+        plan's source rows in runs of its spacing, and a span that fits the staging buffer."""
+        region = pairs.src_region
+        if region is None or self.spans_fitting(pairs) < 1:
+            return False
+        lengths = plan.host_runs.lengths
+        return lengths.numel() > 0 and bool((lengths == region.spacing).all())
+
+    def stage_in(self, plan: TransferPlan, pairs: LayerPairs, kernels: KernelSet) -> str | None:
+        """Copy ``plan``'s rows of every pair (:meth:`takes` holds); returns why a slower way
+        was taken, if one was."""
+        region = pairs.src_region
+        if region is None or not self.takes(plan, pairs):
+            raise ValueError("the plan's source rows are not whole spans of one host region")
+        span_rows = len(pairs) * region.spacing
+        base = pairs.src_words[region.base]
+        host = base.as_strided((region.rows, base.shape[1]), (base.shape[1], 1))
+        starts = plan.host_runs.starts.numpy()
+        per_lease = self.spans_fitting(pairs)
+        device = plan.device
+        degraded = None
+        with self.staging.lease(device) as buffer:
+            staged, from_staging = self._views(pairs, region, buffer, per_lease)
+            for begin in range(0, starts.size, per_lease):
+                end = min(begin + per_lease, starts.size)
+                runs = _span_runs(starts[begin:end], span_rows)
+                degraded = kernels.copy_runs(host, staged, runs) or degraded
+                positions = _positions(end - begin, region.spacing, span_rows)
+                dst_idx = plan.dst_idx[begin * region.spacing : end * region.spacing]
+                degraded = _scatter(kernels, from_staging, positions, dst_idx, device) or degraded
+        return degraded
+
+    def _views(
+        self, pairs: LayerPairs, region: SourceRegion, buffer: torch.Tensor, spans: int
+    ) -> tuple[torch.Tensor, LayerPairs]:
+        """The staging buffer's rows in the sources' words, and the pairs reading each pair's
+        rows of a staged span (from row ``offset``) into its destination."""
+        like = pairs.src_words[0]
+        rows = spans * len(pairs) * region.spacing
+        staged = buffer[: rows * like.shape[1] * like.element_size()].view(like.dtype)
+        staged = staged.view(rows, like.shape[1])
+        kept = self._from_staging.get(pairs)
+        if kept is not None and kept[0] == staged.data_ptr():
+            return staged, kept[1]
+        # Every view as long as the one furthest in can be, so that all share one row count.
+        length = rows - max(region.offsets)
+        srcs = [staged[o : o + length] for o in region.offsets]
+        from_staging = layer_pairs(srcs, pairs.dst_words)
+        if from_staging.reason is not None:
+            raise ValueError(f"the staging buffer's pairs cannot move: {from_staging.reason}")
+        self._from_staging[pairs] = (staged.data_ptr(), from_staging)
+        return staged, from_staging
+
+
+def _span_runs(starts: np.ndarray, span_rows: int) -> PairedRuns:
+    """The DMA runs of spans whose first region rows are ``starts`` (in order) into
+    consecutive staging spans: one run where a span follows the previous one in the region."""
+    breaks = np.flatnonzero(np.diff(starts) != span_rows) + 1
+    firsts = np.concatenate(([0], breaks)).astype(np.int64)
+    lasts = np.concatenate((breaks, [starts.size])).astype(np.int64)
+    staged_at = torch.from_numpy(firsts * span_rows)
+    return PairedRuns(
+        src_starts=torch.from_numpy(starts[firsts].astype(np.int64)),
+        dst_starts=staged_at,
+        lengths=torch.from_numpy((lasts - firsts) * span_rows),
+        offsets=staged_at,
+    )
+
+
+def _positions(spans: int, spacing: int, span_rows: int) -> torch.Tensor:
+    """The staging row, from a pair's view, of each plan row of ``spans`` spans in order."""
+    first = np.repeat(np.arange(spans, dtype=np.int64) * span_rows, spacing)
+    return torch.from_numpy(first + np.tile(np.arange(spacing, dtype=np.int64), spans))
+
+
+def _scatter(
+    kernels: KernelSet,
+    pairs: LayerPairs,
+    positions: torch.Tensor,
+    dst_idx: torch.Tensor,
+    device: torch.device,
+) -> str | None:
+    if kernels.prepare_rows is not None and kernels.gather_prepared is not None:
+        return kernels.gather_prepared(pairs, kernels.prepare_rows(positions, dst_idx, device))
+    degraded = None
+    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+        degraded = kernels.prepare_gather(src_words, dst_words)(positions, dst_idx) or degraded
+    return degraded

@@ -1,0 +1,138 @@
+"""Page-ins over one host region's evenly spaced views, staged by whole spans
+(kvcore/region_staging.py, ``PathPolicy.stage_regions``), on the CPU's reference kernels:
+vLLM's shared CPU tier, where a chunk row holds every tensor's pages side by side."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvcore.direction import Direction
+from kvcore.kernels import REFERENCE
+from kvcore.metrics import Metrics
+from kvcore.mover import Mover
+from kvcore.planning.layers import layer_pairs
+from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.plans import plan
+
+TENSORS, WORDS, BLOCKS = 3, 16, 12
+POISON = -7
+ROW_BYTES = WORDS * 8
+
+
+class Region:
+    """``chunks`` chunk rows of ``period`` rows; tensor t's page of chunk c is the
+    ``spacing`` rows from ``c * period + t * spacing`` (padding past ``TENSORS * spacing``)."""
+
+    def __init__(self, spacing: int, period: int, chunks: int = 12, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.spacing, self.period = spacing, period
+        self.host = torch.randint(-(2**62), 2**62, (chunks * period, WORDS), generator=gen)
+        self.dsts = [
+            torch.full((BLOCKS * spacing, WORDS), POISON, dtype=torch.int64) for _ in range(TENSORS)
+        ]
+
+    def srcs(self, order: list[int]) -> list[torch.Tensor]:
+        return [self.host[t * self.spacing :] for t in order]
+
+    def rows(self, chunks: list[int], blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A job's source and destination rows: whole pages of the chunks into the blocks."""
+        each = torch.arange(self.spacing)
+        src = (torch.tensor(chunks)[:, None] * self.period + each).reshape(-1)
+        dst = (torch.tensor(blocks)[:, None] * self.spacing + each).reshape(-1)
+        return src, dst
+
+
+def _load(
+    region: Region,
+    order: list[int],
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    policy: PathPolicy,
+    path: TransferPath = TransferPath.GATHER,
+) -> list[str]:
+    """The load through a mover of ``policy``; checks every byte and returns the paths taken."""
+    for dst in region.dsts:
+        dst.fill_(POISON)
+    srcs = region.srcs(order)
+    pairs = layer_pairs(srcs, region.dsts)
+    host_before = region.host.clone()
+    mover = Mover(policy, metrics=Metrics())
+    chosen = plan(srcs[0], region.dsts[0], src_idx, dst_idx, direction=Direction.H2D, force=path)
+    mover.execute(chosen, pairs)
+    untouched = torch.ones(BLOCKS * region.spacing, dtype=torch.bool)
+    untouched[dst_idx] = False
+    for src, dst in zip(srcs, region.dsts, strict=True):
+        assert torch.equal(dst[dst_idx], src[src_idx])
+        assert bool((dst[untouched] == POISON).all())
+    assert torch.equal(region.host, host_before)
+    assert mover.metrics is not None
+    return [row["path"] for row in mover.metrics.snapshot()["transfers"]]
+
+
+def test_evenly_spaced_views_of_one_host_region_are_a_source_region():
+    region = Region(spacing=2, period=7)
+    pairs = layer_pairs(region.srcs([2, 0, 1]), region.dsts)
+    assert pairs.src_region is not None
+    assert pairs.src_region.offsets == (4, 0, 2)
+    assert pairs.src_region.spacing == 2
+    assert pairs.src_region.base == 1
+    assert pairs.src_region.rows == region.host.shape[0]
+
+
+@pytest.mark.parametrize(
+    "srcs",
+    [
+        lambda host: [host[0:], host[1:], host[3:]],  # uneven spacing
+        lambda host: [host[0:], host[2:], host[2:]],  # one view twice
+        lambda host: [host.clone(), host.clone(), host.clone()],  # tensors of their own
+    ],
+    ids=["uneven", "repeated", "separate"],
+)
+def test_other_sources_are_no_source_region(srcs):
+    region = Region(spacing=1, period=3)
+    assert layer_pairs(srcs(region.host), region.dsts).src_region is None
+
+
+@pytest.mark.parametrize(("spacing", "period"), [(1, 3), (2, 6), (3, 11)], ids=str)
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]], ids=str)
+@pytest.mark.parametrize("spans_staged", [100, 2, 1])
+def test_a_load_staged_by_region_copies_every_pair_exactly(spacing, period, order, spans_staged):
+    """Whole pages of adjacent and scattered chunks, chunk rows with and without padding,
+    pairs in any order, a staging buffer holding the whole load or one span at a time."""
+    region = Region(spacing, period)
+    src_idx, dst_idx = region.rows([2, 3, 4, 7, 9], [5, 0, 11, 3, 8])
+    staging = spans_staged * TENSORS * spacing * ROW_BYTES
+    policy = PathPolicy(stage_regions=True, staging_bytes=staging)
+    assert _load(region, order, src_idx, dst_idx, policy) == ["staged"]
+
+
+def test_adjacent_chunks_go_in_one_dma_and_a_gap_starts_another(swap_kernels):
+    runs: list[int] = []
+
+    def copy_runs(src, dst, paired):
+        runs.append(paired.count)
+        return REFERENCE.copy_runs(src, dst, paired)
+
+    swap_kernels("cpu", dataclasses.replace(REFERENCE, copy_runs=copy_runs))
+    region = Region(spacing=1, period=TENSORS)
+    src_idx, dst_idx = region.rows([2, 3, 4, 7, 8], [1, 2, 3, 4, 5])
+    assert _load(region, [0, 1, 2], src_idx, dst_idx, PathPolicy(stage_regions=True)) == ["staged"]
+    assert runs == [2]
+
+
+def test_it_is_off_by_default_and_takes_only_page_ins_of_whole_pages():
+    region = Region(spacing=2, period=6)
+    src_idx, dst_idx = region.rows([2, 3], [0, 1])
+    assert _load(region, [0, 1, 2], src_idx, dst_idx, PathPolicy()) == ["gather"]
+    on = PathPolicy(stage_regions=True)
+    # Half of each page: the rows of every pair do not fill one span.
+    assert _load(region, [0, 1, 2], src_idx[::2], dst_idx[::2], on) == ["gather"]
+    # A span larger than the staging buffer.
+    tight = PathPolicy(stage_regions=True, staging_bytes=TENSORS * 2 * ROW_BYTES - 1)
+    assert _load(region, [0, 1, 2], src_idx, dst_idx, tight) == ["gather"]
+    # Paths that copy long runs already keep theirs.
+    assert _load(region, [0, 1, 2], src_idx, dst_idx, on, TransferPath.STAGED) == ["staged"]
+    assert _load(region, [0, 1, 2], src_idx, dst_idx, on, TransferPath.BATCHED_RUNS) == ["staged"]
