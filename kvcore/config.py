@@ -100,8 +100,8 @@ class KVCoreConfig:
     ring_scatter_ctas: int = _ctas(
         64,
         "thread blocks of the layer ring's scatter (SGLang reloads staged a layer at a time: "
-        "DMA into a slot, then this scatter into the pages): SMs taken from the model while "
-        "it runs",
+        "DMA into a slot, then this scatter into the pages) and of region staging's "
+        "(KVCORE_STAGE_REGIONS): SMs taken from the model while it runs",
     )
     staged_pieces: int = _setting(
         1,

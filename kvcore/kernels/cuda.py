@@ -236,7 +236,10 @@ class _CudaIndexedOps:
         # The offsets stay on the device for the table's life; their upload is ordered
         # before each stream's first launch.
         offsets = self._uploader(table.device).keep((table.offsets,))
-        ctas = self.ctas_for(pairs.dst_words[0])
+        # Sources in device memory are a staging buffer's rows (a page-in staged by region):
+        # a scatter at HBM speed between DMAs, given the layer ring's scatter's CTAs.
+        on_device = pairs.src_words[0].device.type != "cpu"
+        ctas = self._slot_scatter.ctas if on_device else self.ctas_for(pairs.dst_words[0])
         return _TableLaunch(LayeredLaunch(table, offsets.on_device[0], ctas), offsets)
 
     def _scatter_stream(self, device: torch.device) -> torch.cuda.Stream:

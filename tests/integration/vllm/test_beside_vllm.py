@@ -178,3 +178,23 @@ def test_stores_beside_a_forward_are_rows_of_their_own_every_one_checked(monkeyp
     ]
     assert all(row["identical"] and row["own_ms"] > 0 for row in rows)
     assert pools.verify_all()
+
+
+@pytest.mark.parametrize("stage_regions", ["0", "1"])
+def test_the_sides_stage_their_loads_by_region_under_the_setting(monkeypatch, stage_regions):
+    """``KVCORE_STAGE_REGIONS=1`` reaches the bench's kvcore sides (their movers take the
+    environment's policy): the own side's loads go staged, checked as every cell is."""
+    monkeypatch.setenv("KVCORE_STAGE_REGIONS", stage_regions)
+    pools, blocks, sides = _setup(monkeypatch)
+    loads = beside._Loads(pools, blocks, seed=7)
+    forward = FakeForward(loads)
+    opts = beside.VllmBesideOptions(
+        tokens=TOKENS[1:], loads=("decode-64",), repeats=1, device=torch.device("cpu")
+    )
+    rows = list(beside.cells(MODEL, loads, sides, {"decode-64": forward}, opts))
+    assert all(row["identical"] for row in rows)
+    own = sides[2].mover_metrics
+    assert own is not None
+    paths = {row["path"] for row in own.snapshot()["transfers"]}
+    assert paths == ({"staged"} if stage_regions == "1" else {"gather"})
+    assert pools.verify_all()
