@@ -14,6 +14,7 @@ and one layered gather reads each pair's rows back out of device memory into its
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ class RegionStaging:
 
     def __init__(self, staging: StagingBuffers) -> None:
         self.staging = staging
-        self._from_staging: weakref.WeakKeyDictionary[LayerPairs, tuple[int, LayerPairs]] = (
+        self._from_staging: weakref.WeakKeyDictionary[LayerPairs, _Staged] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -64,37 +65,55 @@ class RegionStaging:
         per_lease = self.spans_fitting(pairs)
         device = plan.device
         degraded = None
+        spacing = region.spacing
         with self.staging.lease(device) as buffer:
-            staged, from_staging = self._views(pairs, region, buffer, per_lease)
+            staged = self._views(pairs, region, buffer, per_lease)
             for begin in range(0, starts.size, per_lease):
                 end = min(begin + per_lease, starts.size)
                 runs = _span_runs(starts[begin:end], span_rows)
-                degraded = kernels.copy_runs(host, staged, runs) or degraded
-                positions = _positions(end - begin, region.spacing, span_rows)
-                dst_idx = plan.dst_idx[begin * region.spacing : end * region.spacing]
-                degraded = _scatter(kernels, from_staging, positions, dst_idx, device) or degraded
+                degraded = kernels.copy_runs(host, staged.rows, runs) or degraded
+                # A whole lease's positions are one tensor, so its upload is reused.
+                positions = staged.positions[: (end - begin) * spacing]
+                dst_idx = plan.dst_idx[begin * spacing : end * spacing]
+                degraded = _scatter(kernels, staged.pairs, positions, dst_idx, device) or degraded
         return degraded
 
     def _views(
         self, pairs: LayerPairs, region: SourceRegion, buffer: torch.Tensor, spans: int
-    ) -> tuple[torch.Tensor, LayerPairs]:
-        """The staging buffer's rows in the sources' words, and the pairs reading each pair's
-        rows of a staged span (from row ``offset``) into its destination."""
+    ) -> _Staged:
+        """What one lease of ``buffer`` holding ``spans`` spans reads and writes (kept per
+        pairs while the buffer is the same)."""
         like = pairs.src_words[0]
         rows = spans * len(pairs) * region.spacing
-        staged = buffer[: rows * like.shape[1] * like.element_size()].view(like.dtype)
-        staged = staged.view(rows, like.shape[1])
+        flat = buffer[: rows * like.shape[1] * like.element_size()].view(like.dtype)
+        staged_rows = flat.view(rows, like.shape[1])
         kept = self._from_staging.get(pairs)
-        if kept is not None and kept[0] == staged.data_ptr():
-            return staged, kept[1]
+        if kept is not None and kept.rows.data_ptr() == staged_rows.data_ptr():
+            return kept
         # Every view as long as the one furthest in can be, so that all share one row count.
         length = rows - max(region.offsets)
-        srcs = [staged[o : o + length] for o in region.offsets]
+        srcs = [staged_rows[o : o + length] for o in region.offsets]
         from_staging = layer_pairs(srcs, pairs.dst_words)
         if from_staging.reason is not None:
             raise ValueError(f"the staging buffer's pairs cannot move: {from_staging.reason}")
-        self._from_staging[pairs] = (staged.data_ptr(), from_staging)
-        return staged, from_staging
+        staged = _Staged(
+            staged_rows,
+            from_staging,
+            _positions(spans, region.spacing, len(pairs) * region.spacing),
+        )
+        self._from_staging[pairs] = staged
+        return staged
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """The staging buffer's rows in the sources' words, the pairs reading each pair's rows of
+    a staged span (from row ``offset``) into its destination, and each plan row's staging
+    position (from a pair's view) for a whole lease."""
+
+    rows: torch.Tensor
+    pairs: LayerPairs
+    positions: torch.Tensor
 
 
 def _span_runs(starts: np.ndarray, span_rows: int) -> PairedRuns:
