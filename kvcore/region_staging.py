@@ -72,7 +72,7 @@ class RegionStaging:
                 end = min(begin + per_lease, starts.size)
                 runs = _span_runs(starts[begin:end], span_rows)
                 degraded = kernels.copy_runs(host, staged.rows, runs) or degraded
-                # A whole lease's positions are one tensor, so its upload is reused.
+                # A whole lease's positions, made once: each piece takes its first ones.
                 positions = staged.positions[: (end - begin) * spacing]
                 dst_idx = plan.dst_idx[begin * spacing : end * spacing]
                 degraded = _scatter(kernels, staged.pairs, positions, dst_idx, device) or degraded
