@@ -28,6 +28,7 @@ from kvcore.kernels import (
     KernelSet,
     PreparedGather,
     StageInPrepared,
+    gather_pairs,
     registered,
 )
 from kvcore.kernels.reference import index_copy_rows, staging_words
@@ -295,13 +296,8 @@ class Mover:
         runs_path = plan.path in (TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS)
         if runs_path and kernels.copy_runs_layers is not None:
             return kernels.copy_runs_layers(pairs, plan.runs)
-        if (
-            plan.path is TransferPath.GATHER
-            and kernels.prepare_rows is not None
-            and kernels.gather_prepared is not None
-        ):
-            rows = kernels.prepare_rows(plan.src_idx, plan.dst_idx, plan.device)
-            return kernels.gather_prepared(pairs, rows)
+        if plan.path is TransferPath.GATHER:
+            return gather_pairs(kernels, pairs, plan.src_idx, plan.dst_idx, plan.device)
         if plan.path is TransferPath.STAGED:
             ready = self._stage_in_ready(plan, kernels)
             if ready is not None:
@@ -347,8 +343,6 @@ class Mover:
     ) -> str | None:
         if plan.path in (TransferPath.SINGLE_COPY, TransferPath.BATCHED_RUNS):
             return kernels.copy_runs(src_words, dst_words, plan.runs)
-        if plan.path is TransferPath.GATHER:
-            return kernels.prepare_gather(src_words, dst_words)(plan.src_idx, plan.dst_idx)
         self._staged_pairs(plan, kernels, [(src_words, dst_words)])
         return None
 

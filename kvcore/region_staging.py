@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcore.kernels import KernelSet
+from kvcore.kernels import KernelSet, gather_pairs
 from kvcore.planning.layers import LayerPairs, SourceRegion, layer_pairs
 from kvcore.planning.plans import TransferPlan
 from kvcore.runs import PairedRuns
@@ -75,7 +75,8 @@ class RegionStaging:
                 # A whole lease's positions, made once: each piece takes its first ones.
                 positions = staged.positions[: (end - begin) * spacing]
                 dst_idx = plan.dst_idx[begin * spacing : end * spacing]
-                degraded = _scatter(kernels, staged.pairs, positions, dst_idx, device) or degraded
+                scattered = gather_pairs(kernels, staged.pairs, positions, dst_idx, device)
+                degraded = scattered or degraded
         return degraded
 
     def _views(
@@ -135,18 +136,3 @@ def _positions(spans: int, spacing: int, span_rows: int) -> torch.Tensor:
     """The staging row, from a pair's view, of each plan row of ``spans`` spans in order."""
     first = np.repeat(np.arange(spans, dtype=np.int64) * span_rows, spacing)
     return torch.from_numpy(first + np.tile(np.arange(spacing, dtype=np.int64), spans))
-
-
-def _scatter(
-    kernels: KernelSet,
-    pairs: LayerPairs,
-    positions: torch.Tensor,
-    dst_idx: torch.Tensor,
-    device: torch.device,
-) -> str | None:
-    if kernels.prepare_rows is not None and kernels.gather_prepared is not None:
-        return kernels.gather_prepared(pairs, kernels.prepare_rows(positions, dst_idx, device))
-    degraded = None
-    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
-        degraded = kernels.prepare_gather(src_words, dst_words)(positions, dst_idx) or degraded
-    return degraded

@@ -90,6 +90,24 @@ REFERENCE = KernelSet(
 )
 
 
+def gather_pairs(
+    kernels: KernelSet,
+    pairs: LayerPairs,
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    device: torch.device,
+) -> str | None:
+    """The gather ``dst[dst_idx[k]] = src[src_idx[k]]`` for every pair of ``pairs``: one
+    submission where ``kernels`` have the ops over every pair, else one prepared gather a
+    pair; returns why a slower way was taken, if one was."""
+    if kernels.prepare_rows is not None and kernels.gather_prepared is not None:
+        return kernels.gather_prepared(pairs, kernels.prepare_rows(src_idx, dst_idx, device))
+    degraded = None
+    for src_words, dst_words in zip(pairs.src_words, pairs.dst_words, strict=True):
+        degraded = kernels.prepare_gather(src_words, dst_words)(src_idx, dst_idx) or degraded
+    return degraded
+
+
 KernelFactory = Callable[[PathPolicy], KernelSet]
 """Builds a kernel set for a mover's policy (its gather CTAs and staged pieces)."""
 
