@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -46,14 +47,17 @@ def document(
     skipped: list[dict[str, Any]],
     **settings: Any,
 ) -> dict[str, Any]:
-    """A run's JSON: where it ran (``module`` is the engine's package), its settings, its rows
-    and the cases that could not run."""
+    """A run's JSON: where it ran (``module`` is the engine's package), its settings (the
+    ``KVCORE_*`` variables set among them), its rows and the cases that could not run."""
     return {
         "device": torch.cuda.get_device_name(device),
         "engine": engine,
         "version": getattr(module, "__version__", "unknown"),
         "torch": torch.__version__,
         "link_gbps": LINK_GBPS,
+        "kvcore_variables": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith("KVCORE_")
+        },
         **settings,
         "rows": rows,
         "not_runnable": skipped,

@@ -22,6 +22,7 @@ from kvcore.config_values import (
     ENGINES,
     FALSE_WORDS,
     LOG_LEVEL,
+    REGION_STAGING,
     SHARE,
     SIZE_SYNTAX,
     STAGING_MAX_BYTES,
@@ -109,13 +110,14 @@ class KVCoreConfig:
         "pieces of a staged copy; more than 1 overlaps each piece's scatter with the next "
         "one's DMA (~1% more throughput, ~4x the host time to submit)",
     )
-    stage_regions: bool = _setting(
-        False,
-        BOOLEAN,
+    stage_regions: str = _setting(
+        "gather",
+        REGION_STAGING,
         "vLLM's loads from its shared CPU region (one chunk holds every KV tensor's page of a "
         "block): copy whole chunks by DMA into the staging buffer, then scatter each page "
-        "to its tensor from device memory, in place of the gather or one DMA a page; being "
-        "measured beside the model's compute, so off by default",
+        "to its tensor from device memory. gather: in place of the gather kernel (pages too "
+        "small for one DMA each, as MLA's); all: in place of one DMA a page too (the load "
+        "nearer the link, the forward beside it slower); off: neither",
     )
     metrics: bool = _setting(True, BOOLEAN, "collect transfer metrics (Prometheus when installed)")
     transfers: bool = _setting(

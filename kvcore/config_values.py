@@ -15,6 +15,7 @@ from typing import Any
 
 ENGINES: tuple[str, ...] = ("sglang", "vllm")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+REGION_STAGING_CHOICES: tuple[str, ...] = ("off", "gather", "all")
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -188,6 +189,24 @@ ENGINE_SET = ValueKind(
     "engine list",
     _parse_engines,
     lambda engines: ",".join(sorted(engines)) or "0",
+)
+
+
+def _parse_region_staging(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected one of {', '.join(REGION_STAGING_CHOICES)}, not {value!r}")
+    word = value.strip().lower()
+    if word in FALSE_WORDS:
+        return "off"
+    if word in TRUE_WORDS:
+        return "all"
+    if word not in REGION_STAGING_CHOICES:
+        raise ValueError(f"not one of {', '.join(REGION_STAGING_CHOICES)}")
+    return word
+
+
+REGION_STAGING = ValueKind(
+    "off (or 0), gather, or all (or 1)", "off/gather/all", _parse_region_staging, str
 )
 
 

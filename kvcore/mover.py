@@ -33,7 +33,7 @@ from kvcore.kernels import (
 )
 from kvcore.kernels.reference import index_copy_rows, staging_words
 from kvcore.metrics import Metrics
-from kvcore.planning.path_policy import PathPolicy, TransferPath
+from kvcore.planning.path_policy import REGION_STAGED_PATHS, PathPolicy, TransferPath
 from kvcore.planning.plans import TransferPlan, plan
 from kvcore.planning.staged_chunks import StagedChunk, staged_chunks
 from kvcore.planning.submissions import layers_mismatch
@@ -78,11 +78,6 @@ class _Prepared:
     src_words: torch.Tensor
     dst_words: torch.Tensor
     gather: PreparedGather | None
-
-
-_REGION_STAGED_PATHS = (TransferPath.GATHER, TransferPath.BATCHED_RUNS)
-"""The paths a page-in over one host region's adjacent pages takes staged by region: those
-that move its pages one by one."""
 
 
 class Mover:
@@ -266,10 +261,9 @@ class Mover:
         """Whether a page-in over ``pairs`` goes staged by whole chunks of their host region
         (``PathPolicy.stage_regions``) in place of the gather or one DMA a page."""
         return (
-            self.policy.stage_regions
-            and pairs.src_region is not None
+            pairs.src_region is not None
             and plan.direction is Direction.H2D
-            and plan.path in _REGION_STAGED_PATHS
+            and plan.path in REGION_STAGED_PATHS[self.policy.stage_regions]
             and plan.rows > 0
             and self._regions.takes(plan, pairs)
         )

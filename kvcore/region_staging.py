@@ -20,10 +20,16 @@ import numpy as np
 import torch
 
 from kvcore.kernels import KernelSet, gather_pairs
+from kvcore.kernels.overlap_ring import StageInLanes, slot_ring
 from kvcore.planning.layers import LayerPairs, SourceRegion, layer_pairs
 from kvcore.planning.plans import TransferPlan
 from kvcore.runs import PairedRuns
 from kvcore.staging import StagingBuffers
+
+# Slots of the lease's ring: DMAs run up to this many pieces ahead of a held-back scatter.
+RING_SLOTS = 4
+# Pieces shorter than this cross PCIe in less time than a DMA's set-up and a scatter's launch.
+_MIN_PIECE_BYTES = 4 << 20
 
 
 class RegionStaging:
@@ -31,6 +37,7 @@ class RegionStaging:
 
     def __init__(self, staging: StagingBuffers) -> None:
         self.staging = staging
+        self._lanes: dict[torch.device, StageInLanes] = {}
         self._from_staging: weakref.WeakKeyDictionary[LayerPairs, _Staged] = (
             weakref.WeakKeyDictionary()
         )
@@ -54,7 +61,11 @@ class RegionStaging:
 
     def stage_in(self, plan: TransferPlan, pairs: LayerPairs, kernels: KernelSet) -> str | None:
         """Copy ``plan``'s rows of every pair (:meth:`takes` holds); returns why a slower way
-        was taken, if one was."""
+        was taken, if one was.
+
+        The lease's buffer is a ring of slots: each piece of spans goes by DMA into a slot on
+        a second stream, then is scattered from it on the current one, so that the next
+        pieces' DMAs run while the model's kernels hold the SMs a scatter waits for."""
         region = pairs.src_region
         if region is None or not self.takes(plan, pairs):
             raise ValueError("the plan's source rows are not whole spans of one host region")
@@ -63,20 +74,25 @@ class RegionStaging:
         host = base.as_strided((region.rows, base.shape[1]), (base.shape[1], 1))
         starts = plan.host_runs.starts.numpy()
         per_lease = self.spans_fitting(pairs)
+        slots, per_slot = ring_slots(per_lease, starts.size, span_rows * pairs.row_bytes)
         device = plan.device
         degraded = None
         spacing = region.spacing
         with self.staging.lease(device) as buffer:
             staged = self._views(pairs, region, buffer, per_lease)
-            for begin in range(0, starts.size, per_lease):
-                end = min(begin + per_lease, starts.size)
-                runs = _span_runs(starts[begin:end], span_rows)
-                degraded = kernels.copy_runs(host, staged.rows, runs) or degraded
-                # A whole lease's positions, made once: each piece takes its first ones.
-                positions = staged.positions[: (end - begin) * spacing]
-                dst_idx = plan.dst_idx[begin * spacing : end * spacing]
-                scattered = gather_pairs(kernels, staged.pairs, positions, dst_idx, device)
-                degraded = scattered or degraded
+            with slot_ring(self._lanes, device, slots) as ring:
+                for piece, begin in enumerate(range(0, starts.size, per_slot)):
+                    end = min(begin + per_slot, starts.size)
+                    slot = piece % slots
+                    first = slot * per_slot
+                    runs = _span_runs(starts[begin:end], span_rows, first)
+                    with ring.filling(slot, reused=piece >= slots):
+                        degraded = kernels.copy_runs(host, staged.rows, runs) or degraded
+                    positions = staged.positions[first * spacing : (first + end - begin) * spacing]
+                    dst_idx = plan.dst_idx[begin * spacing : end * spacing]
+                    with ring.draining(slot, refilled=begin + slots * per_slot < starts.size):
+                        scattered = gather_pairs(kernels, staged.pairs, positions, dst_idx, device)
+                    degraded = scattered or degraded
         return degraded
 
     def _views(
@@ -117,18 +133,30 @@ class _Staged:
     positions: torch.Tensor
 
 
-def _span_runs(starts: np.ndarray, span_rows: int) -> PairedRuns:
+def ring_slots(per_lease: int, spans: int, span_bytes: int) -> tuple[int, int]:
+    """``(slots, spans a slot)`` of a lease holding ``per_lease`` spans of ``span_bytes``, for
+    a page-in of ``spans`` spans: up to ``RING_SLOTS`` slots, a page-in shorter than the
+    lease cut into that many pieces, none shorter than ``_MIN_PIECE_BYTES`` unless a slot
+    holds less."""
+    slots = max(1, min(RING_SLOTS, per_lease))
+    most = per_lease // slots
+    least = -(-_MIN_PIECE_BYTES // span_bytes)
+    per_slot = min(most, max(-(-spans // slots), least))
+    return slots, per_slot
+
+
+def _span_runs(starts: np.ndarray, span_rows: int, first_span: int) -> PairedRuns:
     """The DMA runs of spans whose first region rows are ``starts`` (in order) into
-    consecutive staging spans: one run where a span follows the previous one in the region."""
+    consecutive staging spans from span ``first_span``: one run where a span follows the
+    previous one in the region."""
     breaks = np.flatnonzero(np.diff(starts) != span_rows) + 1
     firsts = np.concatenate(([0], breaks)).astype(np.int64)
     lasts = np.concatenate((breaks, [starts.size])).astype(np.int64)
-    staged_at = torch.from_numpy(firsts * span_rows)
     return PairedRuns(
         src_starts=torch.from_numpy(starts[firsts].astype(np.int64)),
-        dst_starts=staged_at,
+        dst_starts=torch.from_numpy((firsts + first_span) * span_rows),
         lengths=torch.from_numpy((lasts - firsts) * span_rows),
-        offsets=staged_at,
+        offsets=torch.from_numpy(firsts * span_rows),
     )
 
 

@@ -56,7 +56,12 @@ from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.planning.device_indexed import plan_device_indexed
 from kvcore.planning.layers import LayerPairs, layer_pairs
-from kvcore.planning.path_policy import FALLBACK_REASONS, PathPolicy, TransferPath
+from kvcore.planning.path_policy import (
+    FALLBACK_REASONS,
+    REGION_STAGED_PATHS,
+    PathPolicy,
+    TransferPath,
+)
 from kvcore.planning.plans import StalePlanError, TransferPlan, plan
 from kvcore.planning.submissions import Submission, submissions
 from kvcore.staging import StagingBuffers
@@ -549,6 +554,7 @@ def _policy(rnd: random.Random, row_size: int) -> PathPolicy:
         max_dma_runs=rnd.randint(1, 16),
         max_batched_runs=rnd.randint(1, 256),
         staged_pieces=rnd.randint(1, 4),
+        stage_regions=rnd.choice(("off", "gather", "all")),
     )
 
 
@@ -1019,17 +1025,38 @@ class _Run:
             raise CaseFailure(_report(self.case, f"stock ran {ran_stock} times on {chosen.path}"))
         self._expect_applied(self._applied_pairs(pair), chosen, chosen.nbytes)
 
-    def _expect_applied(self, pairs: list[int], chosen: TransferPlan, nbytes: int) -> None:
+    def _expect_applied(
+        self,
+        pairs: list[int],
+        chosen: TransferPlan,
+        nbytes: int,
+        layers: LayerPairs | None = None,
+    ) -> None:
         for pair in pairs:
             self.world.apply(
                 self.src.buffers[pair], self.dst.buffers[pair], self.src_rows, self.dst_rows
             )
-        key = (chosen.direction.value, chosen.path.value)
+        path = STAGED if self._staged_by_region(chosen, layers) else chosen.path
+        key = (chosen.direction.value, path.value)
         count, total = self.transfers.get(key, [0, 0])
         self.transfers[key] = [count + 1, total + nbytes]
         if chosen.reason is not None:
             self.fallbacks[chosen.reason] = self.fallbacks.get(chosen.reason, 0) + 1
         self._check(f"after {chosen.describe()}")
+
+    def _staged_by_region(self, chosen: TransferPlan, layers: LayerPairs | None) -> bool:
+        """Whether the mover stages this page-in by region (``PathPolicy.stage_regions``): the
+        pairs' sources one host region, each host run of the plan one page of every pair
+        (a span), a span within the staging buffer."""
+        region = None if layers is None else layers.src_region
+        if layers is None or region is None or chosen.direction is not Direction.H2D:
+            return False
+        if chosen.path not in REGION_STAGED_PATHS[self.mover.policy.stage_regions]:
+            return False
+        span_bytes = len(layers) * region.spacing * layers.row_bytes
+        lengths = chosen.host_runs.lengths.tolist()
+        whole_pages = bool(lengths) and all(n == region.spacing for n in lengths)
+        return whole_pages and span_bytes <= self.mover.staging.capacity_bytes
 
     def _expect_refusal(
         self, message: str, call: Callable[[], object], error: type[Exception] = ValueError
@@ -1202,7 +1229,9 @@ class _Run:
             )
             return
         self.mover.execute(chosen, pairs)
-        self._expect_applied(list(range(self.case.pairs)), chosen, chosen.nbytes * len(pairs))
+        self._expect_applied(
+            list(range(self.case.pairs)), chosen, chosen.nbytes * len(pairs), pairs
+        )
 
     def _mode_submissions(self) -> None:
         case = self.case
@@ -1242,7 +1271,7 @@ class _Run:
                 )
                 return
             self.mover.execute(each.plan, each.pairs)
-            self._expect_applied(pairs, each.plan, each.plan.nbytes * len(pairs))
+            self._expect_applied(pairs, each.plan, each.plan.nbytes * len(pairs), each.pairs)
 
     def _pair_of(self, work: Submission) -> int:
         for pair, (s, d) in enumerate(zip(self.src.buffers, self.dst.buffers, strict=True)):

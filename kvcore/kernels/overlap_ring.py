@@ -5,6 +5,7 @@ unit's scatter follows its own DMA."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -38,6 +39,67 @@ class StageInLanes:
         while len(self.filled) < slots:
             self.filled.append(torch.cuda.Event())
             self.freed.append(torch.cuda.Event())
+
+
+class SlotRing:
+    """Slots of a staging buffer taken in turn: what is issued under :meth:`filling` goes on
+    the device's second stream, after the scatter that last read the slot; what is issued
+    under :meth:`draining` goes on the current stream, after the slot's fill. Off a GPU
+    both run in order, at once."""
+
+    def __init__(self, lanes: StageInLanes | None, current: torch.cuda.Stream | None) -> None:
+        self._lanes = lanes
+        self._current = current
+
+    @contextmanager
+    def filling(self, slot: int, reused: bool) -> Iterator[None]:
+        lanes = self._lanes
+        if lanes is None:
+            yield
+            return
+        with torch.cuda.stream(lanes.dma):
+            if reused:
+                lanes.dma.wait_event(lanes.freed[slot])
+            yield
+            lanes.filled[slot].record(lanes.dma)
+
+    def draining(self, slot: int, refilled: bool) -> AbstractContextManager[None]:
+        if self._lanes is None:
+            return nullcontext()
+        return self._draining(self._lanes, slot, refilled)
+
+    @contextmanager
+    def _draining(self, lanes: StageInLanes, slot: int, refilled: bool) -> Iterator[None]:
+        assert self._current is not None
+        self._current.wait_event(lanes.filled[slot])
+        yield
+        if refilled:
+            lanes.freed[slot].record(self._current)
+
+
+@contextmanager
+def slot_ring(
+    lanes_by_device: dict[torch.device, StageInLanes], device: torch.device, slots: int
+) -> Iterator[SlotRing]:
+    """A :class:`SlotRing` of ``slots`` slots on ``device``: its second stream first waits for
+    the current one (the engine's earlier work, an earlier lease's scatters), and the
+    current one ends waiting for it, after a failure too, so the call ends joined to it.
+    The device's lanes are kept in ``lanes_by_device``, made on its first use."""
+    if device.type != "cuda":
+        yield SlotRing(None, None)
+        return
+    lanes = lanes_by_device.get(device)
+    if lanes is None:
+        lanes = lanes_by_device.setdefault(device, StageInLanes(device))
+    lanes.events_for(slots)
+    current = torch.cuda.current_stream(device)
+    lanes.dma.wait_stream(current)
+    try:
+        yield SlotRing(lanes, current)
+    finally:
+        # A DMA left running by a failed call would otherwise write into the next
+        # holder's staging rows.
+        current.wait_stream(lanes.dma)
 
 
 def overlap_slots(

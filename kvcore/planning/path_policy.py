@@ -37,6 +37,14 @@ class TransferPath(str, Enum):
     FALLBACK = "fallback"
 
 
+REGION_STAGED_PATHS: dict[str, frozenset[TransferPath]] = {
+    "off": frozenset(),
+    "gather": frozenset({TransferPath.GATHER}),
+    "all": frozenset({TransferPath.GATHER, TransferPath.BATCHED_RUNS}),
+}
+"""The plans' paths whose page-ins :attr:`PathPolicy.stage_regions` stages by region."""
+
+
 @dataclass(frozen=True)
 class PathPolicy:
     """Thresholds for the path choice."""
@@ -73,12 +81,14 @@ class PathPolicy:
     overlapping the DMA of the next. One piece runs on one stream with no events, which
     costs far less host time for nearly the same bandwidth (docs/lab/benchmarks.md, "Lone and
     queued")."""
-    stage_regions: bool = False
+    stage_regions: str = "gather"
     """Page-ins over layer pairs whose sources are one host region's adjacent pages
-    (:attr:`~kvcore.planning.layers.LayerPairs.src_region`, vLLM's CPU tier): staged by
-    whole chunks, then scattered from device memory (:mod:`kvcore.region_staging`), where
-    the plan would gather or copy page by page. Off until measured beside the model's
-    compute (docs/lab/benchmarks.md, session 45)."""
+    (:attr:`~kvcore.planning.layers.LayerPairs.src_region`, vLLM's CPU tier) go staged by
+    whole chunks, then scattered from device memory (:mod:`kvcore.region_staging`), where the
+    plan would take a path of :data:`REGION_STAGED_PATHS` under this name. The gather's
+    place by default: beside the model's compute its loads ran nearer the link and the
+    forward beside them lost less; one DMA a page keeps its place, as it leaves the forward
+    untouched (docs/performance.md, "Reloads beside the model's compute")."""
 
     def __post_init__(self) -> None:
         sizes = (
@@ -95,6 +105,11 @@ class PathPolicy:
         )
         if min(sizes) < 1:
             raise ValueError(f"PathPolicy sizes must be positive, got {self}")
+        if self.stage_regions not in REGION_STAGED_PATHS:
+            raise ValueError(
+                f"stage_regions must be one of {', '.join(REGION_STAGED_PATHS)}, "
+                f"got {self.stage_regions!r}"
+            )
 
 
 def policy_from_config(config: KVCoreConfig) -> PathPolicy:

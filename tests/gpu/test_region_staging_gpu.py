@@ -54,7 +54,7 @@ def test_a_load_staged_by_region_copies_every_tensor_exactly(
     dst_idx = (blocks[:, None] * spacing + each).reshape(-1)
     for src, want in zip(srcs, expected, strict=True):
         want[dst_idx.cuda()] = src[src_idx].cuda()
-    policy = PathPolicy(stage_regions=True, staging_bytes=staging_spans * tensors * page_bytes)
+    policy = PathPolicy(stage_regions="all", staging_bytes=staging_spans * tensors * page_bytes)
     mover = Mover(policy, metrics=Metrics())
     pairs = layer_pairs(srcs, dsts)
     chosen = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D, force=path)

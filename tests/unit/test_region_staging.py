@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from kvcore import region_staging
 from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE
 from kvcore.metrics import Metrics
@@ -105,7 +106,7 @@ def test_a_load_staged_by_region_copies_every_pair_exactly(spacing, period, orde
     region = Region(spacing, period)
     src_idx, dst_idx = region.rows([2, 3, 4, 7, 9], [5, 0, 11, 3, 8])
     staging = spans_staged * TENSORS * spacing * ROW_BYTES
-    policy = PathPolicy(stage_regions=True, staging_bytes=staging)
+    policy = PathPolicy(stage_regions="all", staging_bytes=staging)
     assert _load(region, order, src_idx, dst_idx, policy) == ["staged"]
 
 
@@ -119,20 +120,86 @@ def test_adjacent_chunks_go_in_one_dma_and_a_gap_starts_another(swap_kernels):
     swap_kernels("cpu", dataclasses.replace(REFERENCE, copy_runs=copy_runs))
     region = Region(spacing=1, period=TENSORS)
     src_idx, dst_idx = region.rows([2, 3, 4, 7, 8], [1, 2, 3, 4, 5])
-    assert _load(region, [0, 1, 2], src_idx, dst_idx, PathPolicy(stage_regions=True)) == ["staged"]
+    assert _load(region, [0, 1, 2], src_idx, dst_idx, PathPolicy(stage_regions="all")) == ["staged"]
     assert runs == [2]
 
 
-def test_it_is_off_by_default_and_takes_only_page_ins_of_whole_pages():
+@pytest.mark.parametrize(
+    ("per_lease", "spans", "span_bytes", "layout"),
+    [
+        (64, 1000, 1 << 20, (4, 16)),  # a long page-in: the lease in four slots, reused
+        (64, 40, 1 << 20, (4, 10)),  # a page-in shorter than the lease: four pieces
+        (64, 40, 64 << 10, (4, 16)),  # small spans: pieces of at least 4 MiB, a slot's most
+        (64, 3, 64 << 10, (4, 16)),  # fewer spans than slots: one piece
+        (2, 40, 1 << 20, (2, 1)),  # a lease of two spans: two slots of one
+        (1, 40, 1 << 20, (1, 1)),
+    ],
+)
+def test_the_lease_is_cut_into_ring_slots(per_lease, spans, span_bytes, layout):
+    slots, per_slot = region_staging.ring_slots(per_lease, spans, span_bytes)
+    assert (slots, per_slot) == layout
+    assert slots * per_slot <= per_lease
+
+
+@pytest.mark.parametrize("spans_staged", [100, 7, 2])
+def test_pieces_through_the_ring_slots_copy_every_pair_exactly(
+    swap_kernels, monkeypatch, spans_staged
+):
+    """One span a piece: every slot filled and drained in turn, and filled again."""
+    monkeypatch.setattr(region_staging, "_MIN_PIECE_BYTES", 1)
+    runs: list[tuple[list[int], list[int]]] = []
+
+    def copy_runs(src, dst, paired):
+        runs.append((paired.dst_starts.tolist(), paired.offsets.tolist()))
+        return REFERENCE.copy_runs(src, dst, paired)
+
+    swap_kernels("cpu", dataclasses.replace(REFERENCE, copy_runs=copy_runs))
+    region = Region(spacing=2, period=7, chunks=30)
+    chunks = [2, 3, 4, 7, 9, 10, 11, 12, 20, 21, 25, 28]
+    src_idx, dst_idx = region.rows(chunks, list(range(BLOCKS)))
+    staging = spans_staged * TENSORS * 2 * ROW_BYTES
+    policy = PathPolicy(stage_regions="all", staging_bytes=staging)
+    assert _load(region, [1, 2, 0], src_idx, dst_idx, policy) == ["staged"]
+    slots, per_slot = region_staging.ring_slots(spans_staged, len(chunks), 1)
+    span_rows = TENSORS * 2
+    pieces = -(-len(chunks) // per_slot)
+    assert len(runs) == pieces
+    for piece, (dst_starts, offsets) in enumerate(runs):
+        assert dst_starts[0] == piece % slots * per_slot * span_rows
+        assert offsets[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("stage_regions", "in_place_of_gather", "in_place_of_dma"),
+    [
+        ("gather", "staged", "batched_runs"),
+        ("all", "staged", "staged"),
+        ("off", "gather", "batched_runs"),
+    ],
+)
+def test_the_setting_names_the_paths_it_takes_the_place_of(
+    stage_regions, in_place_of_gather, in_place_of_dma
+):
     region = Region(spacing=2, period=6)
     src_idx, dst_idx = region.rows([2, 3], [0, 1])
-    assert _load(region, [0, 1, 2], src_idx, dst_idx, PathPolicy()) == ["gather"]
-    on = PathPolicy(stage_regions=True)
+    policy = PathPolicy(stage_regions=stage_regions)
+    assert _load(region, [0, 1, 2], src_idx, dst_idx, policy) == [in_place_of_gather]
+    dma = TransferPath.BATCHED_RUNS
+    assert _load(region, [0, 1, 2], src_idx, dst_idx, policy, dma) == [in_place_of_dma]
+
+
+def test_the_gathers_place_is_the_default_and_a_wrong_name_is_refused():
+    assert PathPolicy().stage_regions == "gather"
+    with pytest.raises(ValueError, match="one of off, gather, all"):
+        PathPolicy(stage_regions="on")
+
+
+def test_it_takes_only_page_ins_of_whole_pages_whose_span_fits():
+    region = Region(spacing=2, period=6)
+    src_idx, dst_idx = region.rows([2, 3], [0, 1])
+    on = PathPolicy(stage_regions="all")
     # Half of each page: the rows of every pair do not fill one span.
     assert _load(region, [0, 1, 2], src_idx[::2], dst_idx[::2], on) == ["gather"]
     # A span larger than the staging buffer.
-    tight = PathPolicy(stage_regions=True, staging_bytes=TENSORS * 2 * ROW_BYTES - 1)
+    tight = PathPolicy(stage_regions="all", staging_bytes=TENSORS * 2 * ROW_BYTES - 1)
     assert _load(region, [0, 1, 2], src_idx, dst_idx, tight) == ["gather"]
-    # Paths that copy long runs already keep theirs.
-    assert _load(region, [0, 1, 2], src_idx, dst_idx, on, TransferPath.STAGED) == ["staged"]
-    assert _load(region, [0, 1, 2], src_idx, dst_idx, on, TransferPath.BATCHED_RUNS) == ["staged"]

@@ -180,9 +180,9 @@ def test_stores_beside_a_forward_are_rows_of_their_own_every_one_checked(monkeyp
     assert pools.verify_all()
 
 
-@pytest.mark.parametrize("stage_regions", ["0", "1"])
+@pytest.mark.parametrize("stage_regions", ["off", "gather"])
 def test_the_sides_stage_their_loads_by_region_under_the_setting(monkeypatch, stage_regions):
-    """``KVCORE_STAGE_REGIONS=1`` reaches the bench's kvcore sides (their movers take the
+    """``KVCORE_STAGE_REGIONS`` reaches the bench's kvcore sides (their movers take the
     environment's policy): the own side's loads go staged, checked as every cell is."""
     monkeypatch.setenv("KVCORE_STAGE_REGIONS", stage_regions)
     pools, blocks, sides = _setup(monkeypatch)
@@ -196,5 +196,5 @@ def test_the_sides_stage_their_loads_by_region_under_the_setting(monkeypatch, st
     own = sides[2].mover_metrics
     assert own is not None
     paths = {row["path"] for row in own.snapshot()["transfers"]}
-    assert paths == ({"staged"} if stage_regions == "1" else {"gather"})
+    assert paths == ({"gather"} if stage_regions == "off" else {"staged"})
     assert pools.verify_all()

@@ -351,7 +351,10 @@ def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_
         assert_tensors_are(gpu, host, expected)
     assert [job.job_id for job in handler.get_finished()] == [1, 2]
     # One call per job for all four tensors: a gather of 6 rows, then one copy, each tensor's.
-    assert mover.ops == [("gather_prepared", 6 * 4), ("copy_runs_layers", 1 * 4)]
+    # A load from the shared region gathers from the staging buffer, where one DMA submission
+    # put the six chunks' rows of every tensor first.
+    staged = [("copy_runs", 6)] if shared_region and not gpu_to_cpu else []
+    assert mover.ops == [*staged, ("gather_prepared", 6 * 4), ("copy_runs_layers", 1 * 4)]
 
 
 def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
@@ -1146,23 +1149,34 @@ def test_mla_sized_blocks_store_by_dma_into_place_and_load_by_gather(monkeypatch
     )
 
 
-@pytest.mark.parametrize("stage_regions", ["0", "1"])
+@pytest.mark.parametrize("stage_regions", ["off", "gather", "all"])
 @pytest.mark.parametrize(
-    "layout",
+    ("layout", "unstaged"),
     [
         # MLA's 18 KiB blocks: five tensors' pages leave each chunk row padded to 4 KiB.
-        Layout(page_bytes=18 << 10, tensors=5, gpu_blocks=64, cpu_chunks=64, shared_region=True),
-        Layout(page_bytes=32 << 10, tensors=4, gpu_blocks=64, cpu_chunks=64, shared_region=True),
-        Layout(page_bytes=4096, tensors=3, blocks_per_chunk=2, shared_region=True),
+        (
+            Layout(
+                page_bytes=18 << 10, tensors=5, gpu_blocks=64, cpu_chunks=64, shared_region=True
+            ),
+            "gather",
+        ),
+        (
+            Layout(
+                page_bytes=32 << 10, tensors=4, gpu_blocks=64, cpu_chunks=64, shared_region=True
+            ),
+            "batched_runs",
+        ),
+        (Layout(page_bytes=4096, tensors=3, blocks_per_chunk=2, shared_region=True), "gather"),
     ],
     ids=["mla-18k-padded", "mha-32k", "two-blocks-a-chunk"],
 )
 def test_loads_from_the_shared_region_go_staged_by_region_under_the_setting(
-    monkeypatch, layout, stage_regions
+    monkeypatch, layout, unstaged, stage_regions
 ):
-    """``KVCORE_STAGE_REGIONS=1``: a load job of whole chunks is staged by region (every
+    """``KVCORE_STAGE_REGIONS``: a load job of whole chunks is staged by region (every
     tensor's pages of its chunks in one copy, then scattered), byte for byte what stock
-    copies; unset, it keeps the gather or one DMA a page."""
+    copies, in place of the gather (``gather``, the default) or of either path (``all``);
+    ``off``, it keeps the gather or one DMA a page."""
     for name in ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVCORE_STAGE_REGIONS", stage_regions)
@@ -1182,4 +1196,5 @@ def test_loads_from_the_shared_region_go_staged_by_region_under_the_setting(
     snapshot = metrics.snapshot()
     assert snapshot["fallbacks"] == {}
     paths = [row["path"] for row in snapshot["transfers"]]
-    assert (paths == ["staged"]) == (stage_regions == "1")
+    staged = stage_regions == "all" or (stage_regions == "gather" and unstaged == "gather")
+    assert paths == ["staged" if staged else unstaged]

@@ -125,16 +125,24 @@ def test_jobs_built_under_inference_mode_are_kvcores_and_exact(
     assert metrics.snapshot()["fallbacks"] == {}, INTERNAL_ERRORS.seen()
 
 
+@pytest.mark.parametrize("shared_region", [False, True], ids=["own_tensors", "shared_region"])
 @pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
 def test_mla_sized_blocks_store_by_dma_into_place_and_load_through_the_gather(
-    gpu_to_cpu: bool,
+    gpu_to_cpu: bool, shared_region: bool
 ) -> None:
     """The default policies and rules: 18 KiB blocks (MLA's) store by DMA into place and
-    load through kvcore's gather; both exact, every other page kept."""
+    load through kvcore's gather, staged by region from a shared CPU region; all exact,
+    every other page kept."""
     from kvcore.metrics import Metrics
 
     device = torch.device("cuda")
-    layout = Layout(page_bytes=18 << 10, tensors=4, gpu_blocks=512, cpu_chunks=512)
+    layout = Layout(
+        page_bytes=18 << 10,
+        tensors=4,
+        gpu_blocks=512,
+        cpu_chunks=512,
+        shared_region=shared_region,
+    )
     gpu, host = layout.make_tensors(device, torch.Generator().manual_seed(5))
     before = [t.cpu() for t in (host if gpu_to_cpu else gpu)]
     sources = [t.cpu() for t in (gpu if gpu_to_cpu else host)]
@@ -156,4 +164,5 @@ def test_mla_sized_blocks_store_by_dma_into_place_and_load_through_the_gather(
     snapshot = metrics.snapshot()
     assert snapshot["fallbacks"] == {}
     paths = [row["path"] for row in snapshot["transfers"]]
-    assert paths == (["batched_runs"] if gpu_to_cpu else ["gather"])
+    load = "staged" if shared_region else "gather"
+    assert paths == (["batched_runs"] if gpu_to_cpu else [load])
