@@ -73,18 +73,22 @@ def _gpu_addresses(pairs: LayerPairs) -> dict[int, int] | None:
     return addresses
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class _DeviceRows:
-    """A transfer's two indices on its device, kept for every layer of one request."""
+    """A transfer's two indices on its device, kept for every layer of one request (made
+    afresh for each gather over a plan's pairs: slots, not frozen, as it is host time)."""
 
     src_idx: torch.Tensor
     dst_idx: torch.Tensor
     uploads: tuple[KeptUpload, ...]
     """The uploads the indices came from (none for indices that were on the device)."""
 
-    def ready(self) -> None:
+    def ready(self) -> int | None:
+        """Order the current stream after the uploads; its raw handle where one was read."""
+        handle = None
         for upload in self.uploads:
-            upload.order_current_stream()
+            handle = upload.order_current_stream(handle)
+        return handle
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,15 +181,15 @@ class _CudaIndexedOps:
         self, src_idx: torch.Tensor, dst_idx: torch.Tensor, device: torch.device
     ) -> _DeviceRows:
         """Both indices on ``device`` once, for every layer of a request."""
-        on_device = [index.device == device for index in (src_idx, dst_idx)]
-        if all(on_device):
+        src_on, dst_on = src_idx.device == device, dst_idx.device == device
+        if src_on and dst_on:
             return _DeviceRows(src_idx, dst_idx, ())
         uploader = self._uploader(device)
-        if not any(on_device):
+        if not (src_on or dst_on):
             kept = uploader.keep((src_idx, dst_idx))
             return _DeviceRows(kept.on_device[0], kept.on_device[1], (kept,))
-        kept = uploader.keep((dst_idx,) if on_device[0] else (src_idx,))
-        if on_device[0]:
+        kept = uploader.keep((dst_idx,) if src_on else (src_idx,))
+        if src_on:
             return _DeviceRows(src_idx, kept.on_device[0], (kept,))
         return _DeviceRows(kept.on_device[0], dst_idx, (kept,))
 
@@ -195,11 +199,11 @@ class _CudaIndexedOps:
         if not isinstance(rows, _DeviceRows):
             raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
         # Whichever way the rows are read, the current stream waits for their upload.
-        rows.ready()
+        handle = rows.ready()
         launch = self._launch(pairs)
         if isinstance(launch, str):
             return self._gather_each(pairs, rows.src_idx, rows.dst_idx, launch)
-        launch.offsets.order_current_stream()
+        launch.offsets.order_current_stream(handle)
         launch.gather(rows.src_idx, rows.dst_idx)
         return None
 

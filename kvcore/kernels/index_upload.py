@@ -44,7 +44,7 @@ class _Upload:
     ordered: set[int]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class KeptUpload:
     """Indices on the device for as long as the holder keeps this: a request's rows, used
     by each of its layers, or a launch table's offsets, used for the table's life."""
@@ -55,15 +55,19 @@ class KeptUpload:
     _device: torch.device
     _device_index: int
 
-    def order_current_stream(self) -> None:
-        """Make work issued next on the current stream wait for the upload (once a stream)."""
-        handle = current_stream_handle(self._device, self._device_index)
+    def order_current_stream(self, handle: int | None = None) -> int:
+        """Make work issued next on the current stream wait for the upload (once a stream);
+        returns the current stream's raw handle. ``handle``: that handle, where the caller
+        already has it (one query a launch, not one an upload)."""
+        if handle is None:
+            handle = current_stream_handle(self._device, self._device_index)
         if handle in self._ordered:
-            return
+            return handle
         consumer = torch.cuda.current_stream(self._device)
         consumer.wait_event(self._done)
         self.on_device[0].record_stream(consumer)
         self._ordered.add(handle)
+        return handle
 
 
 def current_stream_handle(device: torch.device, device_index: int | None) -> int:

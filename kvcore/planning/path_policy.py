@@ -44,6 +44,14 @@ REGION_STAGED_PATHS: dict[str, frozenset[TransferPath]] = {
 }
 """The plans' paths whose page-ins :attr:`PathPolicy.stage_regions` stages by region."""
 
+REGION_STAGING_EVIDENCE = (
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-stage-regions-default.json",
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-stage-regions-all.json",
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-stage-regions-off.json",
+)
+"""The beside-compute runs :attr:`PathPolicy.stage_regions`' default is judged from: at the
+default, and under ``all`` and ``off`` on one machine."""
+
 
 @dataclass(frozen=True)
 class PathPolicy:
@@ -88,7 +96,8 @@ class PathPolicy:
     plan would take a path of :data:`REGION_STAGED_PATHS` under this name. The gather's
     place by default: beside the model's compute its loads ran nearer the link and the
     forward beside them lost less; one DMA a page keeps its place, as it leaves the forward
-    untouched (docs/performance.md, "Reloads beside the model's compute")."""
+    untouched (:data:`REGION_STAGING_EVIDENCE`; docs/performance.md, "Reloads beside the
+    model's compute")."""
 
     def __post_init__(self) -> None:
         sizes = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import types
 
 import pytest
 import torch
@@ -166,8 +167,9 @@ def test_a_layered_gather_that_falls_back_pair_by_pair_waits_for_its_rows_first(
     events: list[str] = []
 
     class Upload:
-        def order_current_stream(self) -> None:
+        def order_current_stream(self, handle: int | None = None) -> int:
             events.append("ordered")
+            return 7
 
     def prepare_gather(src_words, dst_words):
         def gather(src_idx, dst_idx):
@@ -185,3 +187,40 @@ def test_a_layered_gather_that_falls_back_pair_by_pair_waits_for_its_rows_first(
     reason = ops.gather_prepared(layer_pairs(host, device), rows)
     assert reason == "gather_layers_unavailable:layout"
     assert events == ["ordered", "gather", "gather"]
+
+
+def test_a_layered_gather_reads_the_current_stream_once_for_its_rows_and_its_offsets(
+    monkeypatch,
+):
+    """The rows' upload and the launch table's offsets are ordered on one stream handle,
+    read once a launch (host time on every request's gather)."""
+    seen: list[object] = []
+
+    class Upload:
+        def order_current_stream(self, handle: int | None = None) -> int:
+            seen.append(("rows", handle))
+            return 7
+
+    class Offsets:
+        def order_current_stream(self, handle: int | None = None) -> int:
+            seen.append(("offsets", handle))
+            return 7 if handle is None else handle
+
+    def gather(src_idx, dst_idx):
+        seen.append("launch")
+
+    launch = types.SimpleNamespace(offsets=Offsets(), gather=gather)
+    ops = cuda._CudaIndexedOps(gather_ctas=4, staged_pieces=1, gather_ctas_to_host=2)
+    monkeypatch.setattr(ops, "_launch", lambda pairs: launch)
+    host = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
+    device = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
+    idx = torch.arange(4)
+    assert (
+        ops.gather_prepared(layer_pairs(host, device), cuda._DeviceRows(idx, idx, (Upload(),)))
+        is None
+    )
+    assert seen == [("rows", None), ("offsets", 7), "launch"]
+    seen.clear()
+    # Rows already on the device: no upload to order, so the offsets read the handle.
+    assert ops.gather_prepared(layer_pairs(host, device), cuda._DeviceRows(idx, idx, ())) is None
+    assert seen == [("offsets", None), "launch"]

@@ -401,3 +401,49 @@ def test_the_store_dma_thresholds_evidence_holds_against_the_json_it_cites():
         if row["situation"] == "independent":
             assert row["forward_with_kvcore_ms"] <= _FORWARD_NOISE * row["forward_with_stock_ms"]
     assert sum(row["speed_paired"][0] < 1 for row in loads) > len(loads) / 2
+
+
+def _cells(cited: str, block: str, situations: tuple[str, ...] = ("independent",)) -> list[dict]:
+    """The load cells of ``block`` (the case's block part, e.g. ``mla-18KiB``) in one run."""
+    root = Path(__file__).resolve().parents[2]
+    rows = json.loads((root / cited).read_text())["rows"]
+    return [
+        row
+        for row in rows
+        if row["situation"] in situations
+        and row["case"].split("/")[2] == block
+        and row["case"].endswith("/load")
+    ]
+
+
+def test_region_stagings_default_holds_against_the_json_it_cites():
+    """At the default, MLA's loads from the shared region went staged, each faster than
+    stock's (the paired interval's lower end) with the other forward no slower than beside
+    stock's; under ``all`` against ``off`` on one machine, staging left that forward no
+    slower than the gather did, and MHA's staged loads slowed it more than its DMA did in
+    most cells, which keeps MHA's loads by DMA."""
+    default, staged_all, off = path_policy.REGION_STAGING_EVIDENCE
+    assert path_policy.PathPolicy().stage_regions == "gather"
+    loads = _cells(default, "mla-18KiB", ("alone", "independent"))
+    assert len(loads) == 12
+    for row in loads:
+        assert row["kvcore_paths"] == ["staged"] and row["identical"], row
+        assert row["speed_paired"][1] > 1, row
+        if row["situation"] == "independent":
+            assert row["forward_with_kvcore_ms"] <= row["forward_with_stock_ms"], row
+    assert all(row["kvcore_paths"] == ["batched_runs"] for row in _cells(default, "mha-32KiB"))
+    for block, keeps in (("mla-18KiB", "gather"), ("mha-32KiB", "batched_runs")):
+        staged, kept = _cells(staged_all, block), _cells(off, block)
+        assert len(staged) == len(kept) == 6
+        assert all(row["kvcore_paths"] == [keeps] for row in kept)
+        forwards = [
+            (
+                a["forward_with_kvcore_ms"] / a["forward_alone_ms"],
+                b["forward_with_kvcore_ms"] / b["forward_alone_ms"],
+            )
+            for a, b in zip(staged, kept, strict=True)
+        ]
+        if block == "mla-18KiB":
+            assert all(s <= _FORWARD_NOISE * k for s, k in forwards), forwards
+        else:
+            assert sum(s > k for s, k in forwards) > len(forwards) / 2, forwards
