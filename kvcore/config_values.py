@@ -201,7 +201,7 @@ def _parse_region_staging(value: object) -> str:
     if word in TRUE_WORDS:
         return "all"
     if word not in REGION_STAGING_CHOICES:
-        raise ValueError(f"not one of {', '.join(REGION_STAGING_CHOICES)}")
+        raise ValueError("not a choice")
     return word
 
 

@@ -523,3 +523,11 @@ def test_logging_gets_a_handler_only_where_nothing_would_print_info():
     # The engine's root handler prints it, once.
     assert rooted.stdout == "0\n" and rooted.stderr == "root kvcore: hello\n"
     assert rooted_later.stdout == "1\n" and rooted_later.stderr == "root kvcore: hello\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("0", "off"), ("no", "off"), ("1", "all"), ("on", "all"), (" Gather ", "gather")],
+)
+def test_region_staging_takes_its_names_and_the_boolean_words(text, value):
+    assert KVCoreConfig.from_env({"KVCORE_STAGE_REGIONS": text}).stage_regions == value
