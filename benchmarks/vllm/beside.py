@@ -62,8 +62,15 @@ from benchmarks.vllm.sweep_sides import Side, kvcore_side, stock_side
 LAYOUTS: dict[str, ModelLayout] = {
     "mha": ModelLayout(False, 32, "mha", MHA_PAGE_BYTES),
     "mla": ModelLayout(False, 61, "mla", MLA_PAGE_BYTES),
+    "mha-64k": ModelLayout(False, 32, "mha", 2 * MHA_PAGE_BYTES),
+    "mha-cross": ModelLayout(True, 32, "mha", MHA_PAGE_BYTES),
+    "mla-cross": ModelLayout(True, 61, "mla", MLA_PAGE_BYTES),
 }
-"""Per-layer KV tensors, as vLLM's connector registers a model's layers, by pool kind."""
+"""The layouts by ``--rows`` name: per-layer KV tensors, as vLLM's connector registers a
+model's layers (``mha``, ``mla``; ``mha-64k``: pages of 64 KiB, where vLLM's rule keeps
+stores stock's and serves jobs from 2048 pages), or one tensor whose block holds every
+layer's page (``-cross``: blocks of 1 MiB and more, whose scattered loads the rule keeps
+stock's). The forward beside them is the model of their page (``ModelLayout.page``)."""
 
 
 @dataclass(frozen=True)
@@ -254,9 +261,9 @@ def run(
     host = host_region(max(m.layout(blocks).host_row_bytes for m in layouts) * blocks, opts.device)
     generator = torch.Generator().manual_seed(opts.seed)
     try:
-        for kind, model in zip(opts.kinds, layouts, strict=True):
+        for model in layouts:
             try:
-                rows += _layout_rows(kind, model, host.tensor, blocks, generator, opts, progress)
+                rows += _layout_rows(model, host.tensor, blocks, generator, opts, progress)
             except Exception as exc:  # one layout failing says why; the others still run
                 why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 progress(f"{model.name}: {why}")
@@ -270,7 +277,6 @@ def run(
 
 
 def _layout_rows(
-    kind: str,
     model: ModelLayout,
     region: torch.Tensor,
     blocks: int,
@@ -280,7 +286,7 @@ def _layout_rows(
 ) -> list[dict[str, Any]]:
     pools = Pools(model.layout(blocks), region.view(torch.int8), opts.device, generator)
     forwards = {
-        load: measured_forward(kind, load, model.layers, opts.device) for load in opts.loads
+        load: measured_forward(model.page, load, model.layers, opts.device) for load in opts.loads
     }
     loads = _Loads(pools, blocks, opts.seed)
     rows = []

@@ -59,10 +59,10 @@ class FakeForward:
         return FakeEvent(0.0), self.ends[-1]
 
 
-def _setup(monkeypatch: pytest.MonkeyPatch, gpu_to_cpu: bool = False):
+def _setup(monkeypatch: pytest.MonkeyPatch, gpu_to_cpu: bool = False, model: ModelLayout = MODEL):
     blocks = slice_blocks(max(TOKENS) // 16)
     device = torch.device("cpu")
-    layout = MODEL.layout(blocks)
+    layout = model.layout(blocks)
     region = torch.empty(layout.host_row_bytes * blocks, dtype=torch.int8)
     pools = Pools(layout, region, device, torch.Generator().manual_seed(1))
     stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
@@ -197,4 +197,32 @@ def test_the_sides_stage_their_loads_by_region_under_the_setting(monkeypatch, st
     assert own is not None
     paths = {row["path"] for row in own.snapshot()["transfers"]}
     assert paths == ({"gather"} if stage_regions == "off" else {"staged"})
+    assert pools.verify_all()
+
+
+def test_the_named_layouts_hold_what_the_rule_rows_they_probe_need():
+    """``--rows`` names: pages of 64 KiB per layer, and one tensor whose blocks hold every
+    layer's page (1 MiB and more), beside the forward of their model."""
+    layouts = beside.LAYOUTS
+    assert layouts["mha-64k"].layer_page_bytes == 64 << 10 and not layouts["mha-64k"].cross_layer
+    for name in ("mha-cross", "mla-cross"):
+        cross = layouts[name]
+        assert cross.cross_layer and cross.layout(8).tensors == 1
+        assert cross.layout(8).page_bytes == cross.block_bytes >= 1 << 20
+        assert cross.page == name.split("-")[0]
+
+
+@pytest.mark.parametrize("stores", [False, True], ids=["loads", "stores"])
+def test_a_cross_layer_layout_runs_through_the_cells_checked(monkeypatch, stores):
+    model = ModelLayout(True, 4, "small", 1 << 10)
+    pools, blocks, sides = _setup(monkeypatch, gpu_to_cpu=stores, model=model)
+    loads = beside._Loads(pools, blocks, seed=11)
+    forward = FakeForward(loads)
+    opts = beside.VllmBesideOptions(
+        tokens=TOKENS, loads=("decode-64",), repeats=1, device=torch.device("cpu")
+    )
+    rows = list(beside.cells(model, loads, sides, {"decode-64": forward}, opts, stores))
+    op = "store" if stores else "load"
+    assert [row["case"] for row in rows] == [f"cross-layer/4L/small-1KiB/host-0%/{op}"] * 4
+    assert all(row["identical"] for row in rows)
     assert pools.verify_all()
