@@ -57,7 +57,9 @@ class VLLMRules:
     batches). Loads of such
     pages are kvcore's: the gather took 0.66-0.86x of stock's time beside compute, and the
     forward beside it 0.86-1.03x its time beside stock's load (vLLM's Triton kernel for MLA
-    slowed that forward 1.12-1.40x). Smaller pages were not measured beside compute."""
+    slowed that forward 1.12-1.40x); from a shared CPU region they now go staged by region
+    (:data:`kvcore.planning.path_policy.REGION_STAGING_EVIDENCE`). Smaller pages were not
+    measured beside compute."""
 
     def min_pages(self, page_bytes: int) -> int:
         """Pages a submission must cover, on average, for pages of ``page_bytes``."""
