@@ -65,14 +65,21 @@ def _load(
     mover = Mover(policy, metrics=Metrics())
     chosen = plan(srcs[0], region.dsts[0], src_idx, dst_idx, direction=Direction.H2D, force=path)
     mover.execute(chosen, pairs)
+    _assert_copied(region, srcs, src_idx, dst_idx)
+    assert torch.equal(region.host, host_before)
+    assert mover.metrics is not None
+    return [row["path"] for row in mover.metrics.snapshot()["transfers"]]
+
+
+def _assert_copied(
+    region: Region, srcs: list[torch.Tensor], src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """Every pair's rows copied exactly, every other destination row still poisoned."""
     untouched = torch.ones(BLOCKS * region.spacing, dtype=torch.bool)
     untouched[dst_idx] = False
     for src, dst in zip(srcs, region.dsts, strict=True):
         assert torch.equal(dst[dst_idx], src[src_idx])
         assert bool((dst[untouched] == POISON).all())
-    assert torch.equal(region.host, host_before)
-    assert mover.metrics is not None
-    return [row["path"] for row in mover.metrics.snapshot()["transfers"]]
 
 
 def test_evenly_spaced_views_of_one_host_region_are_a_source_region():
@@ -236,11 +243,7 @@ def test_random_loads_through_the_ring_copy_every_pair_exactly(monkeypatch, seed
             srcs[0], region.dsts[0], src_idx, dst_idx, direction=Direction.H2D, force=GATHER
         )
         mover.execute(chosen, pairs)
-        untouched = torch.ones(BLOCKS * spacing, dtype=torch.bool)
-        untouched[dst_idx] = False
-        for src, dst in zip(srcs, region.dsts, strict=True):
-            assert torch.equal(dst[dst_idx], src[src_idx])
-            assert bool((dst[untouched] == POISON).all())
+        _assert_copied(region, srcs, src_idx, dst_idx)
     assert torch.equal(region.host, host_before)
     assert mover.metrics is not None
     assert {row["path"] for row in mover.metrics.snapshot()["transfers"]} == {"staged"}
