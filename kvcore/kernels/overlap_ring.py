@@ -5,7 +5,7 @@ unit's scatter follows its own DMA."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -63,31 +63,39 @@ class SlotRing:
             yield
             lanes.filled[slot].record(lanes.dma)
 
-    def draining(self, slot: int, refilled: bool) -> AbstractContextManager[None]:
-        if self._lanes is None:
-            return nullcontext()
-        return self._draining(self._lanes, slot, refilled)
-
     @contextmanager
-    def _draining(self, lanes: StageInLanes, slot: int, refilled: bool) -> Iterator[None]:
-        assert self._current is not None
-        self._current.wait_event(lanes.filled[slot])
+    def draining(self, slot: int, refilled: bool) -> Iterator[None]:
+        lanes, current = self._lanes, self._current
+        if lanes is None or current is None:
+            yield
+            return
+        current.wait_event(lanes.filled[slot])
         yield
         if refilled:
-            lanes.freed[slot].record(self._current)
+            lanes.freed[slot].record(current)
 
 
 @contextmanager
 def slot_ring(
     lanes_by_device: dict[torch.device, StageInLanes], device: torch.device, slots: int
 ) -> Iterator[SlotRing]:
-    """A :class:`SlotRing` of ``slots`` slots on ``device``: its second stream first waits for
-    the current one (the engine's earlier work, an earlier lease's scatters), and the
-    current one ends waiting for it, after a failure too, so the call ends joined to it.
-    The device's lanes are kept in ``lanes_by_device``, made on its first use."""
+    """A :class:`SlotRing` of ``slots`` slots on ``device``, joined to the current stream as
+    :func:`_joined_lanes` says."""
     if device.type != "cuda":
         yield SlotRing(None, None)
         return
+    with _joined_lanes(lanes_by_device, device, slots) as (lanes, current):
+        yield SlotRing(lanes, current)
+
+
+@contextmanager
+def _joined_lanes(
+    lanes_by_device: dict[torch.device, StageInLanes], device: torch.device, slots: int
+) -> Iterator[tuple[StageInLanes, torch.cuda.Stream]]:
+    """The device's lanes (kept in ``lanes_by_device``, made on first use) with events for
+    ``slots`` slots, and the current stream: the second stream first waits for the current
+    one (the engine's earlier work, an earlier lease's scatters), and the current one ends
+    waiting for the second, after a failure too, so the call ends joined to it."""
     lanes = lanes_by_device.get(device)
     if lanes is None:
         lanes = lanes_by_device.setdefault(device, StageInLanes(device))
@@ -95,10 +103,10 @@ def slot_ring(
     current = torch.cuda.current_stream(device)
     lanes.dma.wait_stream(current)
     try:
-        yield SlotRing(lanes, current)
+        yield lanes, current
     finally:
-        # A DMA left running by a failed call would otherwise write into the next
-        # holder's staging rows.
+        # Whatever was issued, the lease's next holder waits for it: a DMA left running by
+        # a failed call would otherwise write into its staging rows.
         current.wait_stream(lanes.dma)
 
 
@@ -136,24 +144,13 @@ def stage_in_overlapped(
     """Every pair's chunks through a ring of ``slots`` slots, in rounds of one unit a
     slot: a round's DMAs on the device's second stream (each after the previous
     round's scatter from its slot), then its scatters on the current stream (each
-    after its own DMA). The second stream first waits for the current one (the
-    engine's earlier work, an earlier lease's scatters), and the current one ends
-    waiting for the second (after a failure too): the call ends joined to it. The
-    device's lanes are kept in ``lanes_by_device``, made on its first page-in."""
-    device = staging.device
-    lanes = lanes_by_device.get(device)
-    if lanes is None:
-        lanes = lanes_by_device.setdefault(device, StageInLanes(device))
-    lanes.events_for(slots)
-    filled, freed = lanes.filled, lanes.freed
+    after its own DMA), the streams joined as :func:`_joined_lanes` says."""
     total = len(pairs.src_words) * len(prepared.chunks)
     # Made one by one as their DMAs are issued: the first DMA waits for one unit's
     # set-up, not for every unit's.
     units = _staged_units(pairs, prepared, staging, slot_rows, slots)
-    current = torch.cuda.current_stream(device)
-    dma = lanes.dma
-    dma.wait_stream(current)
-    try:
+    with _joined_lanes(lanes_by_device, staging.device, slots) as (lanes, current):
+        dma, filled, freed = lanes.dma, lanes.filled, lanes.freed
         for start in range(0, total, slots):
             batch: list[_Unit] = []
             with torch.cuda.stream(dma):
@@ -170,10 +167,6 @@ def stage_in_overlapped(
                 dst_words.index_copy_(0, rows_on_device, staged)
                 if refilled:
                     freed[slot].record(current)
-    finally:
-        # Whatever was issued, the lease's next holder waits for it: a DMA left
-        # running by a failed call would otherwise write into its staging rows.
-        current.wait_stream(dma)
 
 
 _Unit = tuple[torch.Tensor, tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor, torch.Tensor]

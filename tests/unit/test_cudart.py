@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import types
 
@@ -224,3 +225,151 @@ def test_a_layered_gather_reads_the_current_stream_once_for_its_rows_and_its_off
     # Rows already on the device: no upload to order, so the offsets read the handle.
     assert ops.gather_prepared(layer_pairs(host, device), cuda._DeviceRows(idx, idx, ())) is None
     assert seen == [("offsets", None), "launch"]
+
+
+class _Log(list):
+    """What the fake streams and events were asked to do, in order."""
+
+
+class _FakeEvent:
+    def __init__(self, log: _Log, name: str) -> None:
+        self.log, self.name = log, name
+
+    def record(self, stream) -> None:
+        self.log.append(f"{self.name} recorded on {stream.name}")
+
+
+class _FakeStream:
+    def __init__(self, log: _Log, name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait_stream(self, other) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def wait_event(self, event) -> None:
+        self.log.append(f"{self.name} waits {event.name}")
+
+
+class _FakeLanes:
+    def __init__(self, log: _Log) -> None:
+        self.dma = _FakeStream(log, "dma")
+        self.filled: list[_FakeEvent] = []
+        self.freed: list[_FakeEvent] = []
+        self.log = log
+
+    def events_for(self, slots: int) -> None:
+        while len(self.filled) < slots:
+            n = len(self.filled)
+            self.filled.append(_FakeEvent(self.log, f"filled{n}"))
+            self.freed.append(_FakeEvent(self.log, f"freed{n}"))
+
+
+def _fake_cuda_streams(monkeypatch) -> tuple[_Log, dict]:
+    """Lanes of fake streams for a "cuda" device, the current stream a fake too, and
+    ``torch.cuda.stream`` noting which stream work is issued under."""
+    log = _Log()
+    current = _FakeStream(log, "current")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(f"on {stream.name}")
+        yield
+        log.append(f"off {stream.name}")
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    return log, {torch.device("cuda", 0): _FakeLanes(log)}
+
+
+def test_a_slot_ring_fills_on_the_second_stream_drains_on_the_current_and_ends_joined(
+    monkeypatch,
+):
+    log, lanes = _fake_cuda_streams(monkeypatch)
+    with overlap_ring.slot_ring(lanes, torch.device("cuda", 0), 2) as ring:
+        with ring.filling(1, reused=False):
+            log.append("dma into slot 1")
+        with ring.draining(1, refilled=True):
+            log.append("scatter from slot 1")
+        with ring.filling(1, reused=True):
+            log.append("dma into slot 1 again")
+        with ring.draining(1, refilled=False):
+            log.append("scatter from slot 1 again")
+    assert log == [
+        "dma waits current",
+        "on dma",
+        "dma into slot 1",
+        "filled1 recorded on dma",
+        "off dma",
+        "current waits filled1",
+        "scatter from slot 1",
+        "freed1 recorded on current",
+        "on dma",
+        "dma waits freed1",
+        "dma into slot 1 again",
+        "filled1 recorded on dma",
+        "off dma",
+        "current waits filled1",
+        "scatter from slot 1 again",
+        "current waits dma",
+    ]
+
+
+def test_a_failed_call_through_either_ring_still_ends_joined_to_the_second_stream(monkeypatch):
+    log, lanes = _fake_cuda_streams(monkeypatch)
+    with (
+        pytest.raises(RuntimeError, match="a copy failed"),
+        overlap_ring.slot_ring(lanes, torch.device("cuda", 0), 2) as ring,
+        ring.filling(0, reused=False),
+    ):
+        raise RuntimeError("a copy failed")
+    assert log[0] == "dma waits current" and log[-1] == "current waits dma"
+    log.clear()
+    cpu_lanes = {torch.device("cpu"): lanes[torch.device("cuda", 0)]}
+
+    def failing_copy(*args, **kwargs):
+        raise RuntimeError("a copy failed")
+
+    monkeypatch.setattr(overlap_ring.reference, "listed_runs_to_staging", failing_copy)
+    pairs, prepared, staging = _overlap_job()
+    with pytest.raises(RuntimeError, match="a copy failed"):
+        overlap_ring.stage_in_overlapped(cpu_lanes, pairs, prepared, staging, 8, 3)
+    assert log[0] == "dma waits current" and log[-1] == "current waits dma"
+
+
+def _overlap_job():
+    """Five pairs of 6 host rows into scattered rows, a staging buffer of 3 slots of 8 rows
+    (on the CPU: the ring's lanes are looked up by the buffer's device, here fakes)."""
+    words = 4
+    host = [torch.arange(p * 100, p * 100 + 40 * words).view(40, words) for p in range(5)]
+    dsts = [torch.full((40, words), -1, dtype=torch.int64) for _ in range(5)]
+    pairs = layer_pairs(host, dsts)
+    chunks = staged_chunks(Runs(torch.tensor([2]), torch.tensor([6])), 6, 6)
+    prepared = reference.prepare_stage_in(chunks, DST_ROWS, torch.device("cpu"))
+    staging = torch.zeros(3 * 8 * words * 8, dtype=torch.uint8)
+    return pairs, prepared, staging
+
+
+DST_ROWS = torch.tensor([7, 3, 30, 12, 0, 25])
+
+
+def test_an_overlapped_page_in_copies_every_pair_in_rounds_of_one_unit_a_slot(monkeypatch):
+    log, lanes = _fake_cuda_streams(monkeypatch)
+    cpu_lanes = {torch.device("cpu"): lanes[torch.device("cuda", 0)]}
+    pairs, prepared, staging = _overlap_job()
+    overlap_ring.stage_in_overlapped(cpu_lanes, pairs, prepared, staging, 8, 3)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[DST_ROWS] = False
+    for src, dst in zip(pairs.srcs, pairs.dsts, strict=True):
+        assert torch.equal(dst[DST_ROWS], src[2:8])
+        assert bool((dst[untouched] == -1).all())
+    # Five units through three slots: a round of three, then one of two that first waits
+    # for the scatters that read its slots; one stream switch a round.
+    assert log.count("on dma") == 2
+    assert [e for e in log if "freed" in e] == [
+        "freed0 recorded on current",
+        "freed1 recorded on current",
+        "freed2 recorded on current",
+        "dma waits freed0",
+        "dma waits freed1",
+    ]
+    assert log[0] == "dma waits current" and log[-1] == "current waits dma"
