@@ -326,14 +326,32 @@ def _document(
     )
 
 
+HOST_LEVELS = {"0%": 0.0, "50%": 0.5, "100%": 1.0}
+"""``--host-levels``, one of these: the share of a request's host blocks not next to the one
+before (0%: one run, as kvcore's allocator keeps them)."""
+
+
 def options_for(args: argparse.Namespace) -> VllmBesideOptions:
-    return replace(
+    opts = replace(
         VllmBesideOptions(), **shared_options(args), stores=bool(getattr(args, "stores", False))
     )
+    level = getattr(args, "host_levels", None)
+    if level:
+        if level not in HOST_LEVELS:
+            raise ValueError(
+                f"--host-levels {level}: vLLM's beside-compute bench takes one of "
+                f"{', '.join(HOST_LEVELS)}"
+            )
+        opts = replace(opts, frag=HOST_LEVELS[level])
+    return opts
 
 
 def main(args: argparse.Namespace) -> int:
-    opts = options_for(args)
+    try:
+        opts = options_for(args)
+    except ValueError as exc:
+        print(f"kvcore bench: {exc}", file=sys.stderr)
+        return 2
     unknown = [kind for kind in opts.kinds if kind not in LAYOUTS]
     if unknown:
         print(

@@ -3,6 +3,7 @@ forward queued between their submission and their collection, every one checked.
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from benchmarks.vllm.offload_handlers import stock_handler
 from benchmarks.vllm.sweep_plan import ModelLayout
 from benchmarks.vllm.sweep_pools import Pools, slice_blocks
 from benchmarks.vllm.sweep_sides import kvcore_side
+from kvcore.bench.cli import add_arguments
 
 pytestmark = pytest.mark.vllm
 
@@ -226,3 +228,16 @@ def test_a_cross_layer_layout_runs_through_the_cells_checked(monkeypatch, stores
     assert [row["case"] for row in rows] == [f"cross-layer/4L/small-1KiB/host-0%/{op}"] * 4
     assert all(row["identical"] for row in rows)
     assert pools.verify_all()
+
+
+def test_one_host_level_sets_the_fragmentation_and_a_wrong_one_is_one_line(capsys):
+    def args(*argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return parser.parse_args(["--engine", "vllm", "--sweep", "--beside-compute", *argv])
+
+    assert beside.options_for(args()).frag == 0.0
+    assert beside.options_for(args("--host-levels", "100%")).frag == 1.0
+    assert beside.main(args("--host-levels", "0%,100%")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "takes one of 0%, 50%, 100%" in err[0]
