@@ -22,7 +22,7 @@ from kvcore.planning.rule_evidence import (
     RING_EVIDENCE,
     RING_EVIDENCE_H100,
 )
-from kvcore.planning.vllm_rule import GATHER_EVIDENCE, VLLM_RULES
+from kvcore.planning.vllm_rule import describe_vllm
 
 ANY = "*"
 
@@ -395,100 +395,4 @@ def describe(rules: Iterable[SGLangRule] = SGLANG_RULES) -> list[dict[str, objec
                 "cited": list(rule.cited),
             }
         )
-    return rows + _vllm_rows()
-
-
-_BOTH_LAYOUTS = "per-layer or cross-layer"
-_ONE_TENSOR = "cross-layer (one KV tensor)"
-
-
-def _vllm_row(
-    op: str, layout: str, page_sizes: str, serves: str, reason: str, evidence: str, **more: object
-) -> dict[str, object]:
-    return {
-        "engine": "vllm",
-        "pool": "-",
-        "op": op,
-        "io_backend": "-",
-        "layout": layout,
-        "page_sizes": page_sizes,
-        "serves": serves,
-        "reason": reason,
-        "evidence": evidence,
-        **more,
-    }
-
-
-def _vllm_rows() -> list[dict[str, object]]:
-    """:data:`VLLM_RULES` as rows, in the order the handler asks them."""
-    rows = []
-    large = f"{VLLM_RULES.large_page_bytes >> 10} KiB"
-    gathered_from = VLLM_RULES.stock_gathered_stores_from_page_bytes
-    if gathered_from is not None:
-        rows.append(
-            _vllm_row(
-                "store",
-                _BOTH_LAYOUTS,
-                f">= {gathered_from >> 10} KiB, under the DMA-in-place runs",
-                "never",
-                "stock_gather_beside_compute",
-                "beside compute, kvcore's gathered stores slowed another batch's forward "
-                "1.01-1.25x against stock's, which left it at its time alone (MLA 18 KiB "
-                "blocks, H100)",
-                cited=list(GATHER_EVIDENCE),
-            )
-        )
-    stores_from = VLLM_RULES.stock_stores_from_page_bytes
-    if stores_from is not None:
-        rows.append(
-            _vllm_row(
-                "store",
-                _BOTH_LAYOUTS,
-                f">= {stores_from >> 10} KiB",
-                "never",
-                "stock_store_large_pages",
-                "live vLLM 0.25.1, 8B shape: stock's stores 52 GB/s, kvcore's 24",
-            )
-        )
-    rows += [
-        _vllm_row(
-            "store/load",
-            _BOTH_LAYOUTS,
-            f"< {large}",
-            f">= {VLLM_RULES.min_pages_per_submission} pages per submission",
-            "few_pages",
-            "jobs of 32-256 pages: kvcore 0.88-0.99x on its own paths (H200 A/B)",
-        ),
-        _vllm_row(
-            "store/load",
-            _BOTH_LAYOUTS,
-            f">= {large}",
-            f">= {VLLM_RULES.min_large_pages_per_submission} pages per submission",
-            "few_pages",
-            "live vLLM 0.25.1, 8B shape: 1024-page reloads 1.10x stock's time",
-        ),
-    ]
-    if VLLM_RULES.stock_kernel_loads:
-        rows.append(
-            _vllm_row(
-                "load",
-                _ONE_TENSOR,
-                "< 28 KiB",
-                "only one run per group",
-                "stock_kernel_load",
-                "vLLM's Triton load kernel as fast as kvcore's gather there",
-            )
-        )
-    scattered_from = VLLM_RULES.stock_scattered_loads_from_page_bytes
-    if scattered_from is not None:
-        rows.append(
-            _vllm_row(
-                "load",
-                _ONE_TENSOR,
-                f">= {scattered_from >> 10} KiB",
-                "only one run per group",
-                "stock_dma_large_pages",
-                "vLLM 0.25.1 sweep: kvcore's gather 0.94-1.00x of stock's DMA",
-            )
-        )
-    return rows
+    return rows + describe_vllm()

@@ -96,8 +96,10 @@ def test_vllm_large_pages_take_their_own_thresholds():
     small, large = rules.large_page_bytes // 2, rules.large_page_bytes
     assert rules.min_pages(small) == rules.min_pages_per_submission
     assert rules.min_pages(large) == rules.min_large_pages_per_submission
-    assert rules.store_passes(large) and not rules.store_passes(small)
-    assert not replace(rules, stock_stores_from_page_bytes=None).store_passes(large)
+    stores_from = rules.stock_stores_from_page_bytes
+    assert stores_from is not None and stores_from > large
+    assert rules.store_passes(stores_from) and not rules.store_passes(large)
+    assert not replace(rules, stock_stores_from_page_bytes=None).store_passes(stores_from)
     largest = rules.stock_scattered_loads_from_page_bytes
     assert largest is not None and largest > large
     assert rules.scattered_load_passes(largest) and not rules.scattered_load_passes(large)
@@ -447,3 +449,44 @@ def test_region_stagings_default_holds_against_the_json_it_cites():
             assert all(s <= _FORWARD_NOISE * k for s, k in forwards), forwards
         else:
             assert sum(s > k for s, k in forwards) > len(forwards) / 2, forwards
+
+
+def _large_page_cells() -> dict[tuple[str, str, str, str, int], list[dict]]:
+    """The cited large-page runs' cells by (layout, block, host, op, tokens), every
+    situation."""
+    root = Path(__file__).resolve().parents[2]
+    cells: dict[tuple[str, str, str, str, int], list[dict]] = {}
+    for cited in vllm_rule.LARGE_PAGE_EVIDENCE:
+        for row in json.loads((root / cited).read_text())["rows"]:
+            layout, _, block, host, op = row["case"].split("/")
+            cells.setdefault((layout, block, host, op, row["tokens"]), []).append(row)
+    return cells
+
+
+def test_the_large_page_rows_hold_against_the_json_they_cite():
+    """Beside compute (H100): kvcore's own stores of 64 KiB per-layer pages were faster than
+    stock's from 2048 pages with the other forward as fast, so only stores of 1 MiB pages and
+    more stay stock, where kvcore's own gained nothing; jobs under ``few_pages`` ran slower
+    on kvcore's own paths; scattered 1 MiB loads, left to stock's DMA, level."""
+    cells = _large_page_cells()
+    assert all(row["identical"] for rows in cells.values() for row in rows)
+    rules = vllm_rule.VLLM_RULES
+    assert not rules.store_passes(64 << 10) and rules.store_passes(1 << 20)
+    for tokens in (1024, 8192):
+        for row in cells[("per-layer", "mha-64KiB", "host-0%", "store", tokens)]:
+            assert row["own_speed_paired"][0] >= 1.1, row
+            if row["situation"] == "independent":
+                assert row["forward_with_own_ms"] <= _FORWARD_NOISE * row["forward_with_stock_ms"]
+    for tokens in (128, 1024, 8192, 32768):
+        for block in ("mha-32KiB", "mla-18KiB"):
+            stores = cells[("cross-layer", block, "host-0%", "store", tokens)]
+            assert all(row["own_speed_paired"][0] <= 1.04 for row in stores), stores
+    for block, tokens in (("mha-64KiB", 128), ("mha-32KiB", 128)):
+        for op in ("load", "store"):
+            passed = cells[("per-layer", block, "host-0%", op, tokens)]
+            # 256 pages: under few_pages (the 64 KiB stores ran under the store rule then).
+            assert all(row["kvcore_passes"] and not row["kvcore_paths"] for row in passed)
+            assert all(row["own_speed_paired"][0] < 1 for row in passed), passed
+    scattered = cells[("cross-layer", "mha-32KiB", "host-100%", "load", 32768)]
+    assert all(row["kvcore_passes"] == {"stock_dma_large_pages": 1.0} for row in scattered)
+    assert all(0.98 <= row["own_speed_paired"][0] <= 1.02 for row in scattered), scattered
