@@ -30,6 +30,11 @@ from kvcore.staging import StagingBuffers
 RING_SLOTS = 4
 # Pieces shorter than this cross PCIe in less time than a DMA's set-up and a scatter's launch.
 _MIN_PIECE_BYTES = 4 << 20
+# Pieces no longer than this: a ring of such slots stays in the GPU's L2 cache, so a scatter
+# reads its slot from there and spares the memory bandwidth the model's kernels need.
+_MAX_PIECE_BYTES = 8 << 20
+PIECE_EVIDENCE = "docs/bench/h100-beside-compute-vllm-2026-12-06-ring-pieces.json"
+"""The runs ``_MAX_PIECE_BYTES`` and the rows' single upload are judged from (one machine)."""
 
 
 class RegionStaging:
@@ -78,20 +83,26 @@ class RegionStaging:
         device = plan.device
         degraded = None
         spacing = region.spacing
+        positions = _job_positions(starts.size, slots, per_slot, spacing, span_rows)
+        dst_idx = plan.dst_idx
+        if kernels.upload_rows is not None:
+            # One upload before the ring: a piece's would queue on the copy engine behind
+            # the next piece's DMA and hold its scatter back.
+            positions, dst_idx = kernels.upload_rows((positions, dst_idx), device)
         with self.staging.lease(device) as buffer:
             staged = self._views(pairs, region, buffer, per_lease)
             with slot_ring(self._lanes, device, slots) as ring:
                 for piece, begin in enumerate(range(0, starts.size, per_slot)):
                     end = min(begin + per_slot, starts.size)
                     slot = piece % slots
-                    first = slot * per_slot
-                    runs = _span_runs(starts[begin:end], span_rows, first)
+                    runs = _span_runs(starts[begin:end], span_rows, slot * per_slot)
                     with ring.filling(slot, reused=piece >= slots):
                         degraded = kernels.copy_runs(host, staged.rows, runs) or degraded
-                    positions = staged.positions[first * spacing : (first + end - begin) * spacing]
-                    dst_idx = plan.dst_idx[begin * spacing : end * spacing]
+                    rows = slice(begin * spacing, end * spacing)
                     with ring.draining(slot, refilled=begin + slots * per_slot < starts.size):
-                        scattered = gather_pairs(kernels, staged.pairs, positions, dst_idx, device)
+                        scattered = gather_pairs(
+                            kernels, staged.pairs, positions[rows], dst_idx[rows], device
+                        )
                     degraded = scattered or degraded
         return degraded
 
@@ -113,36 +124,29 @@ class RegionStaging:
         from_staging = layer_pairs(srcs, pairs.dst_words)
         if from_staging.reason is not None:
             raise ValueError(f"the staging buffer's pairs cannot move: {from_staging.reason}")
-        staged = _Staged(
-            staged_rows,
-            from_staging,
-            _positions(spans, region.spacing, len(pairs) * region.spacing),
-        )
+        staged = _Staged(staged_rows, from_staging)
         self._from_staging[pairs] = staged
         return staged
 
 
 @dataclass(frozen=True)
 class _Staged:
-    """The staging buffer's rows in the sources' words, the pairs reading each pair's rows of
-    a staged span (from row ``offset``) into its destination, and each plan row's staging
-    position (from a pair's view) for a whole lease."""
+    """The staging buffer's rows in the sources' words, and the pairs reading each pair's
+    rows of a staged span (from row ``offset``) into its destination."""
 
     rows: torch.Tensor
     pairs: LayerPairs
-    positions: torch.Tensor
 
 
 def ring_slots(per_lease: int, spans: int, span_bytes: int) -> tuple[int, int]:
     """``(slots, spans a slot)`` of a lease holding ``per_lease`` spans of ``span_bytes``, for
-    a page-in of ``spans`` spans: up to ``RING_SLOTS`` slots, a page-in shorter than the
-    lease cut into that many pieces, none shorter than ``_MIN_PIECE_BYTES`` unless a slot
-    holds less."""
+    a page-in of ``spans`` spans: up to ``RING_SLOTS`` slots, each piece of spans from
+    ``_MIN_PIECE_BYTES`` (unless a slot holds less, or the page-in is shorter) to
+    ``_MAX_PIECE_BYTES`` (unless one span is longer)."""
     slots = max(1, min(RING_SLOTS, per_lease))
-    most = per_lease // slots
+    most = min(per_lease // slots, max(1, _MAX_PIECE_BYTES // span_bytes))
     least = -(-_MIN_PIECE_BYTES // span_bytes)
-    per_slot = min(most, max(-(-spans // slots), least))
-    return slots, per_slot
+    return slots, min(most, max(-(-spans // slots), least))
 
 
 def _span_runs(starts: np.ndarray, span_rows: int, first_span: int) -> PairedRuns:
@@ -160,7 +164,12 @@ def _span_runs(starts: np.ndarray, span_rows: int, first_span: int) -> PairedRun
     )
 
 
-def _positions(spans: int, spacing: int, span_rows: int) -> torch.Tensor:
-    """The staging row, from a pair's view, of each plan row of ``spans`` spans in order."""
-    first = np.repeat(np.arange(spans, dtype=np.int64) * span_rows, spacing)
+def _job_positions(
+    spans: int, slots: int, per_slot: int, spacing: int, span_rows: int
+) -> torch.Tensor:
+    """The staging row, from a pair's view, of each plan row of a page-in of ``spans`` spans
+    in order, span ``i`` going to slot ``(i // per_slot) % slots``."""
+    span = np.arange(spans, dtype=np.int64)
+    in_lease = (span // per_slot) % slots * per_slot + span % per_slot
+    first = np.repeat(in_lease * span_rows, spacing)
     return torch.from_numpy(first + np.tile(np.arange(spacing, dtype=np.int64), spans))

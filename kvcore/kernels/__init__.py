@@ -42,6 +42,9 @@ GatherPrepared = Callable[["LayerPairs", object], str | None]
 # request; what comes back is handed to stage_in_prepared with the leased staging buffer.
 PrepareStageIn = Callable[[Sequence["StagedChunk"], torch.Tensor, torch.device], object]
 StageInPrepared = Callable[["LayerPairs", object, torch.Tensor], None]
+# Index tensors on a device, ready for work issued next on the current stream, without a
+# host sync: a job's rows uploaded once, then read piece by piece.
+UploadRows = Callable[[tuple[torch.Tensor, ...], torch.device], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class KernelSet:
     go through ``stage_in``."""
     stage_in_prepared: StageInPrepared | None = None
     """``stage_in`` for every pair and chunk with what ``prepare_stage_in`` made; set with it."""
+    upload_rows: UploadRows | None = None
+    """Indices on their device in one upload. None: a page-in staged by region hands each
+    piece's host indices to ``prepare_rows``."""
 
 
 REFERENCE = KernelSet(
@@ -87,6 +93,7 @@ REFERENCE = KernelSet(
     gather_prepared=reference.gather_prepared,
     prepare_stage_in=reference.prepare_stage_in,
     stage_in_prepared=reference.stage_in_prepared,
+    upload_rows=reference.upload_rows,
 )
 
 

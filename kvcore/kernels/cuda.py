@@ -193,6 +193,12 @@ class _CudaIndexedOps:
             return _DeviceRows(src_idx, kept.on_device[0], (kept,))
         return _DeviceRows(kept.on_device[0], dst_idx, (kept,))
 
+    def upload_rows(
+        self, indices: tuple[torch.Tensor, ...], device: torch.device
+    ) -> tuple[torch.Tensor, ...]:
+        """``indices`` on ``device`` in one upload, ready on the current stream."""
+        return self._uploader(device).upload_all(indices)
+
     def gather_prepared(self, pairs: LayerPairs, rows: object) -> str | None:
         """The gather for every pair, with rows from :meth:`prepare_rows`: one launch, no
         upload; one gather per pair where the launch cannot serve them."""
@@ -418,4 +424,5 @@ def cuda_kernels(
         # In pieces, a layer's scatters go on a second stream: stage_in orders them itself.
         prepare_stage_in=ops.prepare_stage_in if staged_pieces == 1 else None,
         stage_in_prepared=ops.stage_in_prepared if staged_pieces == 1 else None,
+        upload_rows=ops.upload_rows,
     )

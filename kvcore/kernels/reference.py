@@ -137,6 +137,13 @@ def prepare_rows(
     return index_on(src_idx, device), index_on(dst_idx, device)
 
 
+def upload_rows(
+    indices: tuple[torch.Tensor, ...], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Each of ``indices`` on ``device``."""
+    return tuple(index_on(index, device) for index in indices)
+
+
 def gather_prepared(pairs: LayerPairs, rows: object) -> None:
     """:func:`gather_rows` for every pair, with the indices of :func:`prepare_rows`."""
     if not (isinstance(rows, tuple) and len(rows) == 2):

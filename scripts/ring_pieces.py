@@ -1,0 +1,30 @@
+"""``kvcore bench`` with region staging's ring pieces of at most ``PIECE_CAP_MIB`` MiB (0: no
+cap beyond a quarter of the lease), to compare piece sizes on one GPU machine:
+
+    PIECE_CAP_MIB=0 python3 scripts/ring_pieces.py bench --engine vllm --sweep \\
+        --beside-compute --rows mla --sizes 8192,32768 --json out.json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from kvcore import region_staging
+from kvcore.cli import main
+
+
+def piece_cap_bytes(environ: dict[str, str]) -> int:
+    """The cap ``PIECE_CAP_MIB`` names, in bytes (the package's where unset)."""
+    text = environ.get("PIECE_CAP_MIB")
+    if text is None:
+        return region_staging._MAX_PIECE_BYTES
+    mib = int(text)
+    if mib < 0:
+        raise SystemExit(f"PIECE_CAP_MIB={text}: give 0 (no cap) or a size in MiB")
+    return mib << 20 if mib else 1 << 62
+
+
+if __name__ == "__main__":
+    region_staging._MAX_PIECE_BYTES = piece_cap_bytes(dict(os.environ))
+    raise SystemExit(main(sys.argv[1:]))

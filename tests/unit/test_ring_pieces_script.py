@@ -1,0 +1,26 @@
+"""scripts/ring_pieces.py: the piece cap it sets from PIECE_CAP_MIB."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcore import region_staging
+from tests.support.scripts import load_script
+
+script = load_script("ring_pieces")
+
+
+def test_the_cap_is_the_packages_unless_named_and_0_lifts_it(monkeypatch):
+    assert script.piece_cap_bytes({}) == region_staging._MAX_PIECE_BYTES
+    assert script.piece_cap_bytes({"PIECE_CAP_MIB": "16"}) == 16 << 20
+    assert region_staging.ring_slots(256, 1024, 1 << 20) == (4, 8)
+    # Lifted, a 1 GiB page-in of 1 MiB spans takes a quarter of the 256-span lease a piece.
+    monkeypatch.setattr(
+        region_staging, "_MAX_PIECE_BYTES", script.piece_cap_bytes({"PIECE_CAP_MIB": "0"})
+    )
+    assert region_staging.ring_slots(256, 1024, 1 << 20) == (4, 64)
+
+
+def test_a_negative_cap_is_refused_in_one_line():
+    with pytest.raises(SystemExit, match="PIECE_CAP_MIB=-1: give 0"):
+        script.piece_cap_bytes({"PIECE_CAP_MIB": "-1"})
