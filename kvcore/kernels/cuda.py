@@ -196,8 +196,13 @@ class _CudaIndexedOps:
     def upload_rows(
         self, indices: tuple[torch.Tensor, ...], device: torch.device
     ) -> tuple[torch.Tensor, ...]:
-        """``indices`` on ``device`` in one upload, ready on the current stream."""
-        return self._uploader(device).upload_all(indices)
+        """``indices`` on ``device``, those on the host in one upload, ready on the current
+        stream (one already there is handed back as it is: copying it out would sync)."""
+        host = tuple(index for index in indices if index.device != device)
+        if not host:
+            return indices
+        uploaded = iter(self._uploader(device).upload_all(host))
+        return tuple(index if index.device == device else next(uploaded) for index in indices)
 
     def gather_prepared(self, pairs: LayerPairs, rows: object) -> str | None:
         """The gather for every pair, with rows from :meth:`prepare_rows`: one launch, no

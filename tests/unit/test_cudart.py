@@ -373,3 +373,28 @@ def test_an_overlapped_page_in_copies_every_pair_in_rounds_of_one_unit_a_slot(mo
         "dma waits freed1",
     ]
     assert log[0] == "dma waits current" and log[-1] == "current waits dma"
+
+
+def test_rows_uploaded_for_a_page_in_go_in_one_upload_and_device_ones_stay(monkeypatch):
+    """Region staging's single upload: the host indices in one ``upload_all``, in order; an
+    index already on the device is handed back untouched, none uploaded where all are."""
+    calls: list[int] = []
+
+    class Uploader:
+        def upload_all(self, indices):
+            calls.append(len(indices))
+            return tuple(index + 100 for index in indices)
+
+    ops = cuda._CudaIndexedOps(gather_ctas=4, staged_pieces=1, gather_ctas_to_host=2)
+    monkeypatch.setattr(ops, "_uploader", lambda device: Uploader())
+    first, second = torch.arange(3), torch.arange(4)
+    uploaded = ops.upload_rows((first, second), torch.device("meta"))
+    assert calls == [2] and [u.tolist() for u in uploaded] == [
+        [100, 101, 102],
+        [100, 101, 102, 103],
+    ]
+    on_device = torch.empty(5, device="meta")
+    mixed = ops.upload_rows((first, on_device), torch.device("meta"))
+    assert calls == [2, 1] and mixed[1] is on_device and mixed[0].tolist() == [100, 101, 102]
+    both = (on_device, on_device)
+    assert ops.upload_rows(both, torch.device("meta")) is both and calls == [2, 1]
