@@ -134,18 +134,25 @@ def _vllm_row(
     }
 
 
+def _size(nbytes: int) -> str:
+    """``nbytes`` in whole MiB where it is one, else in KiB."""
+    if nbytes >= 1 << 20 and nbytes % (1 << 20) == 0:
+        return f"{nbytes >> 20} MiB"
+    return f"{nbytes >> 10} KiB"
+
+
 def describe_vllm() -> list[dict[str, object]]:
     """:data:`VLLM_RULES` as plain rows (``kvcore doctor``'s table), in the order the handler
     asks them."""
     rows = []
-    large = f"{VLLM_RULES.large_page_bytes >> 10} KiB"
+    large = _size(VLLM_RULES.large_page_bytes)
     gathered_from = VLLM_RULES.stock_gathered_stores_from_page_bytes
     if gathered_from is not None:
         rows.append(
             _vllm_row(
                 "store",
                 _BOTH_LAYOUTS,
-                f">= {gathered_from >> 10} KiB, under the DMA-in-place runs",
+                f">= {_size(gathered_from)}, under the DMA-in-place runs",
                 "never",
                 "stock_gather_beside_compute",
                 "beside compute, kvcore's gathered stores slowed another batch's forward "
@@ -160,7 +167,7 @@ def describe_vllm() -> list[dict[str, object]]:
             _vllm_row(
                 "store",
                 _BOTH_LAYOUTS,
-                f">= {stores_from >> 10} KiB",
+                f">= {_size(stores_from)}",
                 "never",
                 "stock_store_large_pages",
                 "beside compute, kvcore's stores of 1 MiB blocks ran 0.97-1.01x stock's speed "
@@ -209,7 +216,7 @@ def describe_vllm() -> list[dict[str, object]]:
             _vllm_row(
                 "load",
                 _ONE_TENSOR,
-                f">= {scattered_from >> 10} KiB",
+                f">= {_size(scattered_from)}",
                 "only one run per group",
                 "stock_dma_large_pages",
                 "beside compute, scattered 1 MiB blocks: stock's DMA 1.04-1.05x the link, "

@@ -89,6 +89,9 @@ def test_describe_lists_every_rule_once_with_its_evidence():
         "stock_kernel_load",
         "stock_dma_large_pages",
     ]
+    sizes = {row["reason"]: row["page_sizes"] for row in rows if row["engine"] == "vllm"}
+    assert sizes["stock_store_large_pages"] == sizes["stock_dma_large_pages"] == ">= 1 MiB"
+    assert sizes["stock_kernel_load"] == "< 28 KiB"
 
 
 def test_vllm_large_pages_take_their_own_thresholds():
