@@ -81,6 +81,8 @@ class VllmBesideOptions:
     repeats: int = 5
     frag: float = 0.0
     """The host blocks' fragmentation (kvcore's allocator keeps a request's chunks in a run)."""
+    gpu_frag: float | None = None
+    """The GPU blocks' (None: as the host's, so 0% puts both sides in one run)."""
     with_own: bool = True
     stores: bool = False
     """Also time stores (GPU to CPU: the page-outs of what the forward just wrote)."""
@@ -155,15 +157,15 @@ def cells(
     for tokens in opts.tokens:
         blocks = tokens // BLOCK_TOKENS
         link_ms = blocks * model.block_bytes / LINK_GBPS / 1e6
-        place = RowPlace(
-            "vllm", f"{model.name}/host-{opts.frag:.0%}/{op}", tokens, 16, model.layers
-        )
+        place = RowPlace("vllm", f"{model.name}/{_levels(opts)}/{op}", tokens, 16, model.layers)
         ok = True
         times: dict[str, list[float]] = {side.name: [] for side in sides}
         tally = Tally(_Metrics(kvcore))
         # A warm-up, then the requests timed, each with new block ids.
         for i in range(opts.repeats + 1):
-            request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu)
+            request = loads.drawer.draw(
+                blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu, gpu_frag=opts.gpu_frag
+            )
             for side in _order(sides, i):
                 ms, checked = tally.timed(side, functools.partial(loads.through, side, request))
                 ok &= checked
@@ -187,7 +189,9 @@ def cells(
                 if i:
                     alone.append(start.elapsed_time(end))
                     harness_only.append(control)
-                request = loads.drawer.draw(blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu)
+                request = loads.drawer.draw(
+                    blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu, gpu_frag=opts.gpu_frag
+                )
                 for side in _order(sides, i):
                     ms, checked, forward_ms, launch_ms = tally.timed(
                         side, functools.partial(_beside, loads, side, request, forward)
@@ -322,28 +326,43 @@ def _document(
         rows,
         skipped,
         host_fragmentation=opts.frag,
+        gpu_fragmentation=opts.frag if opts.gpu_frag is None else opts.gpu_frag,
         forward_span=opts.forward_span,
     )
 
 
 HOST_LEVELS = {"0%": 0.0, "50%": 0.5, "100%": 1.0}
-"""``--host-levels``, one of these: the share of a request's host blocks not next to the one
-before (0%: one run, as kvcore's allocator keeps them)."""
+"""``--host-levels`` and ``--gpu-levels``, one of these each: the share of a request's host
+(GPU) blocks not next to the one before (0%: one run, as kvcore's allocator keeps host
+blocks)."""
+
+
+def _levels(opts: VllmBesideOptions) -> str:
+    """The case's blocks part: ``host-0%``, with ``+gpu-100%`` where the GPU's level is set."""
+    host = f"host-{opts.frag:.0%}"
+    return host if opts.gpu_frag is None else f"{host}+gpu-{opts.gpu_frag:.0%}"
 
 
 def options_for(args: argparse.Namespace) -> VllmBesideOptions:
     opts = replace(
         VllmBesideOptions(), **shared_options(args), stores=bool(getattr(args, "stores", False))
     )
-    level = getattr(args, "host_levels", None)
-    if level:
-        if level not in HOST_LEVELS:
-            raise ValueError(
-                f"--host-levels {level}: vLLM's beside-compute bench takes one of "
-                f"{', '.join(HOST_LEVELS)}"
-            )
-        opts = replace(opts, frag=HOST_LEVELS[level])
-    return opts
+    host = _level("--host-levels", getattr(args, "host_levels", None))
+    gpu = _level("--gpu-levels", getattr(args, "gpu_levels", None))
+    if host is not None:
+        opts = replace(opts, frag=host)
+    return opts if gpu is None else replace(opts, gpu_frag=gpu)
+
+
+def _level(option: str, level: str | None) -> float | None:
+    """The fragmentation ``option``'s value names (None where not given)."""
+    if not level:
+        return None
+    if level not in HOST_LEVELS:
+        raise ValueError(
+            f"{option} {level}: vLLM's beside-compute bench takes one of {', '.join(HOST_LEVELS)}"
+        )
+    return HOST_LEVELS[level]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -77,7 +77,17 @@ class RequestDrawer:
         self._rng = rng
         self._seen: set[bytes] = set()
 
-    def draw(self, blocks: int, frag: float, jobs: int, *, gpu_to_cpu: bool) -> Request:
+    def draw(
+        self,
+        blocks: int,
+        frag: float,
+        jobs: int,
+        *,
+        gpu_to_cpu: bool,
+        gpu_frag: float | None = None,
+    ) -> Request:
+        """A request of ``jobs`` jobs of ``blocks`` blocks; the GPU ids broken at ``gpu_frag``
+        of the neighbour pairs (None: at ``frag``, as the CPU ids)."""
         slice_rows = self.pool_blocks // jobs
         if slice_rows < slice_blocks(blocks):
             raise ValueError(
@@ -88,7 +98,12 @@ class RequestDrawer:
             request = Request(
                 tuple(
                     Job(
-                        self._ids(blocks, frag, j * slice_rows, slice_rows),
+                        self._ids(
+                            blocks,
+                            frag if gpu_frag is None else gpu_frag,
+                            j * slice_rows,
+                            slice_rows,
+                        ),
                         self._ids(blocks, frag, j * slice_rows, slice_rows),
                         (j * slice_rows, (j + 1) * slice_rows),
                     )

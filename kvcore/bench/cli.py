@@ -100,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "backups), GPU to CPU",
     )
     parser.add_argument(
+        "--gpu-levels",
+        help="with --engine vllm --sweep --beside-compute: one of 0%%, 50%%, 100%%, the share of "
+        "a request's GPU blocks not next to the one before (default: --host-levels')",
+    )
+    parser.add_argument(
         "--host-pool",
         action="store_true",
         help=(
@@ -220,6 +225,12 @@ def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--pages {pages}: vLLM's blocks are 16 tokens; --pages is SGLang's")
     if getattr(args, "stores", False) and not beside:
         problems.append("--stores: it applies only with --beside-compute")
+    gpu_levels = getattr(args, "gpu_levels", None)
+    if gpu_levels is not None and not (beside and engine == "vllm"):
+        problems.append(
+            f"--gpu-levels {gpu_levels}: it applies only with --engine vllm --sweep "
+            "--beside-compute"
+        )
     span = getattr(args, "forward_span", None)
     if span is not None and not beside:
         problems.append(f"--forward-span {span:g}: it applies only with --beside-compute")

@@ -126,6 +126,10 @@ def test_the_summary_line_gives_each_sides_forward_launch_host_time_where_the_ro
         (["--pages", "64"], "--pages 64: it applies only with"),
         (["--forward-span", "3"], "--forward-span 3: it applies only with --beside-compute"),
         (
+            ["--engine", "sglang", "--sweep", "--beside-compute", "--gpu-levels", "100%"],
+            "--gpu-levels 100%: it applies only with --engine vllm --sweep --beside-compute",
+        ),
+        (
             ["--engine", "vllm", "--sweep", "--beside-compute", "--forward-span", "0"],
             "--forward-span 0: give a multiple of stock's copy time from 0.1 to 100",
         ),

@@ -7,6 +7,7 @@ import argparse
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
@@ -237,7 +238,35 @@ def test_one_host_level_sets_the_fragmentation_and_a_wrong_one_is_one_line(capsy
         return parser.parse_args(["--engine", "vllm", "--sweep", "--beside-compute", *argv])
 
     assert beside.options_for(args()).frag == 0.0
+    assert beside.options_for(args()).gpu_frag is None
     assert beside.options_for(args("--host-levels", "100%")).frag == 1.0
+    assert beside.options_for(args("--gpu-levels", "50%")).gpu_frag == 0.5
     assert beside.main(args("--host-levels", "0%,100%")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "takes one of 0%, 50%, 100%" in err[0]
+
+
+def test_a_gpu_level_scatters_the_gpu_ids_alone_and_names_itself_in_the_case(monkeypatch):
+    """``--gpu-levels 100%`` with the host in one run: every request's GPU ids broken at
+    each neighbour, its CPU ids one run, the rows checked, the case saying both levels."""
+    pools, blocks, sides = _setup(monkeypatch)
+    loads = beside._Loads(pools, blocks, seed=5)
+    drawn = []
+    draw = loads.drawer.draw
+
+    def recording(*args, **kwargs):
+        request = draw(*args, **kwargs)
+        drawn.append(request)
+        return request
+
+    monkeypatch.setattr(loads.drawer, "draw", recording)
+    opts = beside.VllmBesideOptions(
+        tokens=TOKENS, loads=("decode-64",), repeats=1, device=torch.device("cpu"), gpu_frag=1.0
+    )
+    rows = list(beside.cells(MODEL, loads, sides, {"decode-64": FakeForward(loads)}, opts, False))
+    assert {row["case"] for row in rows} == {f"{MODEL.name}/host-0%+gpu-100%/load"}
+    assert all(row["identical"] for row in rows) and pools.verify_all()
+    assert drawn
+    for request in drawn:
+        assert (np.diff(request.cpu_ids) == 1).all()
+        assert (np.diff(request.gpu_ids) > 1).all()
