@@ -19,7 +19,7 @@ def piece_cap_bytes(environ: dict[str, str]) -> int:
     text = environ.get("PIECE_CAP_MIB")
     if text is None:
         return region_staging._MAX_PIECE_BYTES
-    mib = int(text)
+    mib = int(text) if text.strip().isdigit() else -1
     if mib < 0:
         raise SystemExit(f"PIECE_CAP_MIB={text}: give 0 (no cap) or a size in MiB")
     return mib << 20 if mib else 1 << 62

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvcore.bench.measure import sync_device
+from kvcore.bench.suite_options import PAGE_LEVELS as HOST_LEVELS
 
 KINDS = ("mha", "mla")
 LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
@@ -25,7 +26,6 @@ LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
     "page_first": ("kernel",),
     "page_first_direct": ("direct",),
 }
-HOST_LEVELS = {"0%": 0.0, "50%": 0.5, "100%": 1.0}
 PAGE_SIZES = (64, 1)
 # Geometry of the rows: MHA 8 KV heads x 128 (2 KiB of K and 2 KiB of V per token and
 # layer), MLA DeepSeek's 512 + 64 latent (1152 B), both bf16.

@@ -58,6 +58,7 @@ from benchmarks.vllm.sweep import host_region, request_through
 from benchmarks.vllm.sweep_plan import BLOCK_TOKENS, MHA_PAGE_BYTES, MLA_PAGE_BYTES, ModelLayout
 from benchmarks.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
 from benchmarks.vllm.sweep_sides import Side, kvcore_side, stock_side
+from kvcore.bench.suite_options import PAGE_LEVELS
 
 LAYOUTS: dict[str, ModelLayout] = {
     "mha": ModelLayout(False, 32, "mha", MHA_PAGE_BYTES),
@@ -331,12 +332,6 @@ def _document(
     )
 
 
-HOST_LEVELS = {"0%": 0.0, "50%": 0.5, "100%": 1.0}
-"""``--host-levels`` and ``--gpu-levels``, one of these each: the share of a request's host
-(GPU) blocks not next to the one before (0%: one run, as kvcore's allocator keeps host
-blocks)."""
-
-
 def _levels(opts: VllmBesideOptions) -> str:
     """The case's blocks part: ``host-0%``, with ``+gpu-100%`` where the GPU's level is set."""
     host = f"host-{opts.frag:.0%}"
@@ -355,14 +350,15 @@ def options_for(args: argparse.Namespace) -> VllmBesideOptions:
 
 
 def _level(option: str, level: str | None) -> float | None:
-    """The fragmentation ``option``'s value names (None where not given)."""
+    """The fragmentation ``option``'s value names (None where not given): the share of a
+    request's host (GPU) blocks not next to the one before."""
     if not level:
         return None
-    if level not in HOST_LEVELS:
+    if level not in PAGE_LEVELS:
         raise ValueError(
-            f"{option} {level}: vLLM's beside-compute bench takes one of {', '.join(HOST_LEVELS)}"
+            f"{option} {level}: vLLM's beside-compute bench takes one of {', '.join(PAGE_LEVELS)}"
         )
-    return HOST_LEVELS[level]
+    return PAGE_LEVELS[level]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -29,6 +29,9 @@ HOST_FRAGMENTATION = {
     "100%": (1.0, PAGE),
     "tokens": (1.0, 1),
 }
+PAGE_LEVELS = {name: share for name, (share, unit) in HOST_FRAGMENTATION.items() if unit == PAGE}
+"""The layouts that move whole pages, by name: the share of pages moved (the engine benches'
+host levels)."""
 
 
 @dataclass(frozen=True)

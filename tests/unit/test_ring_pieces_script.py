@@ -21,6 +21,7 @@ def test_the_cap_is_the_packages_unless_named_and_0_lifts_it(monkeypatch):
     assert region_staging.ring_slots(256, 1024, 1 << 20) == (4, 64)
 
 
-def test_a_negative_cap_is_refused_in_one_line():
-    with pytest.raises(SystemExit, match="PIECE_CAP_MIB=-1: give 0"):
-        script.piece_cap_bytes({"PIECE_CAP_MIB": "-1"})
+@pytest.mark.parametrize("text", ["-1", "lots", ""])
+def test_a_cap_that_is_no_size_is_refused_in_one_line(text):
+    with pytest.raises(SystemExit, match=f"PIECE_CAP_MIB={text}: give 0"):
+        script.piece_cap_bytes({"PIECE_CAP_MIB": text})
