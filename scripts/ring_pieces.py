@@ -1,7 +1,8 @@
 """``kvcore bench`` with region staging's ring pieces of at most ``PIECE_CAP_MIB`` MiB (0: no
-cap beyond a quarter of the lease), to compare piece sizes on one GPU machine:
+cap beyond a quarter of the lease) and ``RING_SLOTS`` slots, to compare them on one GPU
+machine (either unset: the package's):
 
-    PIECE_CAP_MIB=0 python3 scripts/ring_pieces.py bench --engine vllm --sweep \\
+    PIECE_CAP_MIB=0 RING_SLOTS=8 python3 scripts/ring_pieces.py bench --engine vllm --sweep \\
         --beside-compute --rows mla --sizes 8192,32768 --json out.json
 """
 
@@ -25,6 +26,18 @@ def piece_cap_bytes(environ: dict[str, str]) -> int:
     return mib << 20 if mib else 1 << 62
 
 
+def ring_slots(environ: dict[str, str]) -> int:
+    """The slot count ``RING_SLOTS`` names (the package's where unset)."""
+    text = environ.get("RING_SLOTS")
+    if text is None:
+        return region_staging.RING_SLOTS
+    slots = int(text) if text.strip().isdigit() else 0
+    if not 1 <= slots <= 64:
+        raise SystemExit(f"RING_SLOTS={text}: give a slot count from 1 to 64")
+    return slots
+
+
 if __name__ == "__main__":
     region_staging._MAX_PIECE_BYTES = piece_cap_bytes(dict(os.environ))
+    region_staging.RING_SLOTS = ring_slots(dict(os.environ))
     raise SystemExit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""scripts/ring_pieces.py: the piece cap it sets from PIECE_CAP_MIB."""
+"""scripts/ring_pieces.py: the piece cap and slots it sets from PIECE_CAP_MIB and RING_SLOTS."""
 
 from __future__ import annotations
 
@@ -25,3 +25,15 @@ def test_the_cap_is_the_packages_unless_named_and_0_lifts_it(monkeypatch):
 def test_a_cap_that_is_no_size_is_refused_in_one_line(text):
     with pytest.raises(SystemExit, match=f"PIECE_CAP_MIB={text}: give 0"):
         script.piece_cap_bytes({"PIECE_CAP_MIB": text})
+
+
+def test_the_slots_are_the_packages_unless_named(monkeypatch):
+    assert script.ring_slots({}) == region_staging.RING_SLOTS
+    monkeypatch.setattr(region_staging, "RING_SLOTS", script.ring_slots({"RING_SLOTS": "8"}))
+    assert region_staging.ring_slots(256, 1024, 1 << 20) == (8, 8)
+
+
+@pytest.mark.parametrize("text", ["0", "65", "many", ""])
+def test_a_slot_count_out_of_range_is_refused_in_one_line(text):
+    with pytest.raises(SystemExit, match=f"RING_SLOTS={text}: give a slot count"):
+        script.ring_slots({"RING_SLOTS": text})
