@@ -66,12 +66,15 @@ LAYOUTS: dict[str, ModelLayout] = {
     "mha-64k": ModelLayout(False, 32, "mha", 2 * MHA_PAGE_BYTES),
     "mha-cross": ModelLayout(True, 32, "mha", MHA_PAGE_BYTES),
     "mla-cross": ModelLayout(True, 61, "mla", MLA_PAGE_BYTES),
+    "mha-cross-24k": ModelLayout(True, 12, "mha", 2 << 10),
 }
 """The layouts by ``--rows`` name: per-layer KV tensors, as vLLM's connector registers a
 model's layers (``mha``, ``mla``; ``mha-64k``: pages of 64 KiB, where vLLM's rule keeps
 stores stock's and serves jobs from 2048 pages), or one tensor whose block holds every
 layer's page (``-cross``: blocks of 1 MiB and more, whose scattered loads the rule keeps
-stock's). The forward beside them is the model of their page (``ModelLayout.page``)."""
+stock's; ``mha-cross-24k``: blocks of 24 KiB, under the 28 KiB up to which vLLM loads with
+its Triton kernel, whose scattered loads the rule keeps stock's too). The forward beside
+them is the model of their page (``ModelLayout.page``)."""
 
 
 @dataclass(frozen=True)

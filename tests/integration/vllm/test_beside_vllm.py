@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 
 import torch
+from vllm.v1.kv_offload.cpu.swap_blocks_triton import THRESHOLD_BYTES
 
 from benchmarks.vllm import beside
 from benchmarks.vllm.offload_handlers import stock_handler
@@ -205,7 +206,8 @@ def test_the_sides_stage_their_loads_by_region_under_the_setting(monkeypatch, st
 
 def test_the_named_layouts_hold_what_the_rule_rows_they_probe_need():
     """``--rows`` names: pages of 64 KiB per layer, and one tensor whose blocks hold every
-    layer's page (1 MiB and more), beside the forward of their model."""
+    layer's page (1 MiB and more; 24 KiB, which vLLM loads by its Triton kernel), beside
+    the forward of their model."""
     layouts = beside.LAYOUTS
     assert layouts["mha-64k"].layer_page_bytes == 64 << 10 and not layouts["mha-64k"].cross_layer
     for name in ("mha-cross", "mla-cross"):
@@ -213,6 +215,9 @@ def test_the_named_layouts_hold_what_the_rule_rows_they_probe_need():
         assert cross.cross_layer and cross.layout(8).tensors == 1
         assert cross.layout(8).page_bytes == cross.block_bytes >= 1 << 20
         assert cross.page == name.split("-")[0]
+    small = layouts["mha-cross-24k"]
+    assert small.cross_layer and small.layout(8).tensors == 1
+    assert small.layout(8).page_bytes == 24 << 10 < THRESHOLD_BYTES
 
 
 @pytest.mark.parametrize("stores", [False, True], ids=["loads", "stores"])
