@@ -26,12 +26,13 @@ from kvcore.planning.plans import TransferPlan
 from kvcore.runs import PairedRuns
 from kvcore.staging import StagingBuffers
 
-# Slots of the lease's ring: DMAs run up to this many pieces ahead of a held-back scatter.
-RING_SLOTS = 4
+# Slots of the lease's ring: DMAs run up to this many pieces ahead of a scatter held back
+# behind the model's long kernels (a prefill's GEMMs), so the link stays busy meanwhile.
+RING_SLOTS = 8
 # Pieces shorter than this cross PCIe in less time than a DMA's set-up and a scatter's launch.
 _MIN_PIECE_BYTES = 4 << 20
-# Pieces no longer than this: a ring of such slots stays in the GPU's L2 cache, so a scatter
-# reads its slot from there and spares the memory bandwidth the model's kernels need.
+# Pieces no longer than this: a scatter then reads its slot soon after its DMA wrote it,
+# mostly from the GPU's L2 cache, sparing the memory bandwidth the model's kernels need.
 _MAX_PIECE_BYTES = 8 << 20
 PIECE_EVIDENCE = "docs/bench/h100-beside-compute-vllm-2026-12-06-ring-pieces.json"
 """The runs ``_MAX_PIECE_BYTES`` and the rows' single upload are judged from (one machine)."""

@@ -50,14 +50,22 @@ def copy_runs_layers(pairs: LayerPairs, runs: PairedRuns) -> str | None:
             reference.copy_runs(src_words, dst_words, runs)
         return None
     row_bytes = pairs.row_bytes
-    bases = _bases(pairs)
+    src_bases, dst_bases, run_by_run = _bases(pairs)
     src_offsets = (runs.src_starts.numpy() * row_bytes).astype(np.uint64)
     dst_offsets = (runs.dst_starts.numpy() * row_bytes).astype(np.uint64)
-    sizes = np.tile((runs.lengths.numpy() * row_bytes).astype(np.uint64), len(pairs))
+    lengths = (runs.lengths.numpy() * row_bytes).astype(np.uint64)
+    if run_by_run:
+        dsts = (dst_bases[None, :] + dst_offsets[:, None]).ravel()
+        srcs = (src_bases[None, :] + src_offsets[:, None]).ravel()
+        sizes = np.repeat(lengths, len(pairs))
+    else:
+        dsts = (dst_bases[:, None] + dst_offsets[None, :]).ravel()
+        srcs = (src_bases[:, None] + src_offsets[None, :]).ravel()
+        sizes = np.tile(lengths, len(pairs))
     try:
         copy_pointers_batched(
-            (bases[1][:, None] + dst_offsets[None, :]).ravel(),
-            (bases[0][:, None] + src_offsets[None, :]).ravel(),
+            dsts,
+            srcs,
             sizes,
             pairs.dsts[0].device if pairs.dsts[0].device.type == "cuda" else pairs.srcs[0].device,
             host_pinned=host_pinned(pairs),
@@ -70,22 +78,44 @@ def copy_runs_layers(pairs: LayerPairs, runs: PairedRuns) -> str | None:
 
 
 # Facts about a LayerPairs that hold as long as it lives, computed on its first use.
-_BASES: weakref.WeakKeyDictionary[LayerPairs, tuple[np.ndarray, np.ndarray]] = (
+_BASES: weakref.WeakKeyDictionary[LayerPairs, tuple[np.ndarray, np.ndarray, bool]] = (
     weakref.WeakKeyDictionary()
 )
 _PINNED: weakref.WeakKeyDictionary[LayerPairs, bool] = weakref.WeakKeyDictionary()
 
 
-def _bases(pairs: LayerPairs) -> tuple[np.ndarray, np.ndarray]:
-    """The pairs' source and destination addresses."""
+def _bases(pairs: LayerPairs) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The pairs' source and destination addresses, and whether their copies go run by run
+    (every pair's copy of a run, then the next run's) rather than pair by pair.
+
+    Run by run where one side's views interleave in one region (vLLM's CPU tier: a chunk
+    row holds every layer's page side by side; the sources' side first), the pairs then
+    sorted by that side's addresses: the copy engines read or write the host in address
+    order, where pair by pair they jump a chunk row each copy, which cost them time beside
+    the model's compute (docs/performance.md, MHA's 32 KiB pages)."""
     bases = _BASES.get(pairs)
     if bases is None:
         src, dst = (
             np.array([t.data_ptr() for t in side], dtype=np.uint64)
             for side in (pairs.src_words, pairs.dst_words)
         )
-        bases = _BASES[pairs] = (src, dst)
+        sides = ((src, pairs.src_words), (dst, pairs.dst_words))
+        interleaved = next((starts for starts, views in sides if _interleaved(starts, views)), None)
+        if interleaved is not None:
+            order = np.argsort(interleaved, kind="stable")
+            src, dst = src[order], dst[order]
+        bases = _BASES[pairs] = (src, dst, interleaved is not None)
     return bases
+
+
+def _interleaved(starts: np.ndarray, views: tuple[torch.Tensor, ...]) -> bool:
+    """Whether several ``views``, starting at ``starts``, start closer together than any of
+    them reaches: views of one region, each a row offset in, rather than tensors one after
+    the other."""
+    if len(starts) < 2:
+        return False
+    reach = min(t.shape[0] * t.stride(0) * t.element_size() for t in views)
+    return int(starts.max() - starts.min()) < reach
 
 
 def host_pinned(pairs: LayerPairs) -> bool:

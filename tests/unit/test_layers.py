@@ -334,6 +334,53 @@ def test_cuda_batched_runs_address_every_pair(monkeypatch, shared_host):
     assert log == [(chosen.runs.count * LAYERS, False)]
 
 
+@pytest.mark.parametrize("direction", [H2D, D2H])
+@pytest.mark.parametrize("shared_host", [False, True], ids=["own_tensors", "shared_host"])
+def test_cuda_batched_runs_walk_an_interleaved_host_region_in_address_order(
+    monkeypatch, direction, shared_host
+):
+    """Views interleaved in one host region go run by run, each run's pages of every layer
+    in address order; a layer's own host tensor goes layer by layer, as before."""
+    host_addresses: list[int] = []
+    copy = memmove_batches([])
+
+    def logged(dsts, srcs, sizes, device, **kwargs):
+        host_addresses.extend((srcs if direction is H2D else dsts).tolist())
+        copy(dsts, srcs, sizes, device, **kwargs)
+
+    monkeypatch.setattr(run_copies, "copy_pointers_batched", logged)
+    gen = torch.Generator().manual_seed(12)
+    host_memory, host = side(shared_host, gen)
+    device_memory, device = side(False, gen)
+    host_idx = torch.cat([SLOTS[8:12], SLOTS[16:24], SLOTS[0:3]])
+    device_idx = torch.cat([SLOTS[40:44], SLOTS[0:8], SLOTS[20:23]])
+    if direction is H2D:
+        srcs, dsts, src_idx, dst_idx = host, device, host_idx, device_idx
+        written, untouched, shared_dst = device_memory, host_memory, False
+    else:
+        srcs, dsts, src_idx, dst_idx = device, host, device_idx, host_idx
+        written, untouched, shared_dst = host_memory, device_memory, shared_host
+    source_before = untouched.clone()
+    expected = expected_after(srcs, written, shared_dst, src_idx, dst_idx)
+    # The pairs in reverse: the host's address order is then not the pairs' order.
+    srcs, dsts = srcs[::-1], dsts[::-1]
+    chosen = plan(
+        srcs[0], dsts[0], src_idx, dst_idx, direction=direction, force=TransferPath.BATCHED_RUNS
+    )
+    assert run_copies.copy_runs_layers(layer_pairs(srcs, dsts), chosen.runs) is None
+    assert same_bytes(written, expected)
+    assert same_bytes(untouched, source_before)
+    runs = chosen.runs.count
+    by_run = np.array(host_addresses).reshape(runs, LAYERS)
+    by_layer = np.array(host_addresses).reshape(LAYERS, runs)
+    if shared_host:
+        assert (np.diff(by_run, axis=1) > 0).all()
+    else:
+        view_bytes = VIEW_ROWS * host_memory[0].numel() * host_memory.element_size()
+        views = (by_layer - host_memory.data_ptr()) // view_bytes
+        assert views.tolist() == [[layer] * runs for layer in reversed(range(LAYERS))]
+
+
 def test_cuda_batched_runs_refused_go_run_by_run(monkeypatch):
     def refuse(*args, **kwargs):
         raise BatchCopyError("pageable host memory")

@@ -138,12 +138,12 @@ def test_adjacent_chunks_go_in_one_dma_and_a_gap_starts_another(swap_kernels):
 @pytest.mark.parametrize(
     ("per_lease", "spans", "span_bytes", "layout"),
     [
-        (64, 1000, 1 << 20, (4, 8)),  # a long page-in: four slots of 8 MiB, reused
-        (64, 20, 1 << 20, (4, 5)),  # a page-in of four pieces under 8 MiB
-        (64, 8, 1 << 20, (4, 4)),  # shorter: pieces of at least 4 MiB
-        (64, 40, 64 << 10, (4, 16)),  # small spans: pieces of at least 4 MiB, a slot's most
-        (64, 3, 64 << 10, (4, 16)),  # fewer spans than slots: one piece
-        (64, 10, 24 << 20, (4, 1)),  # spans over 8 MiB: one a piece
+        (64, 1000, 1 << 20, (8, 8)),  # a long page-in: eight slots of 8 MiB, reused
+        (64, 20, 1 << 20, (8, 4)),  # shorter: pieces of at least 4 MiB
+        (64, 8, 1 << 20, (8, 4)),
+        (64, 40, 64 << 10, (8, 8)),  # small spans: at most what a slot holds
+        (64, 3, 64 << 10, (8, 8)),  # fewer spans than slots: one piece
+        (64, 10, 24 << 20, (8, 1)),  # spans over 8 MiB: one a piece
         (2, 40, 1 << 20, (2, 1)),  # a lease of two spans: two slots of one
         (1, 40, 1 << 20, (1, 1)),
     ],
