@@ -29,6 +29,8 @@ from kvcore.staging import StagingBuffers
 # Slots of the lease's ring: DMAs run up to this many pieces ahead of a scatter held back
 # behind the model's long kernels (a prefill's GEMMs), so the link stays busy meanwhile.
 RING_SLOTS = 8
+SLOT_EVIDENCE = "docs/bench/h100-beside-compute-vllm-2026-12-06-ring-slots.json"
+"""The runs ``RING_SLOTS`` is judged from (one machine)."""
 # Pieces shorter than this cross PCIe in less time than a DMA's set-up and a scatter's launch.
 _MIN_PIECE_BYTES = 4 << 20
 # Pieces no longer than this: a scatter then reads its slot soon after its DMA wrote it,

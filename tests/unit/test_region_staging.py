@@ -287,9 +287,31 @@ def test_random_loads_through_the_ring_copy_every_pair_exactly(monkeypatch, seed
     assert {row["path"] for row in mover.metrics.snapshot()["transfers"]} == {"staged"}
 
 
-def _piece_runs() -> dict[str, list[dict]]:
+def test_the_slot_count_holds_against_the_json_it_cites():
+    """On one machine: eight slots loaded MLA beside a prefill at least 4% sooner than four
+    (8k and 32k tokens), the other cells within 3%, the other batch's forward within 1% of
+    its time alone; sixteen slots brought no more."""
+    assert region_staging.RING_SLOTS == 8
+    runs = _piece_runs(region_staging.SLOT_EVIDENCE)
+    four = [row for row in runs["4-slots"] if row["tokens"] >= 8192]
+    eight, sixteen = runs["8-slots"], runs["16-slots"]
+    assert len(four) == len(eight) == len(sixteen) == 8
+    for base, row, more in zip(four, eight, sixteen, strict=True):
+        cell = (row["tokens"], row["compute"])
+        assert cell == (base["tokens"], base["compute"]) == (more["tokens"], more["compute"])
+        assert row["identical"] and row["kvcore_paths"] == ["staged"]
+        if row["compute"] == "prefill-4096":
+            assert row["kvcore_ms"] <= 0.96 * base["kvcore_ms"], cell
+        else:
+            assert row["kvcore_ms"] <= 1.03 * base["kvcore_ms"], cell
+        assert more["kvcore_ms"] >= 0.98 * row["kvcore_ms"], cell
+        if row["situation"] == "independent":
+            assert row["forward_with_kvcore_ms"] <= 1.01 * row["forward_alone_ms"], cell
+
+
+def _piece_runs(evidence: str = region_staging.PIECE_EVIDENCE) -> dict[str, list[dict]]:
     root = Path(__file__).resolve().parents[2]
-    runs = json.loads((root / region_staging.PIECE_EVIDENCE).read_text())["runs"]
+    runs = json.loads((root / evidence).read_text())["runs"]
     return {
         name: [row for row in run["rows"] if "mla-18KiB" in row["case"]]
         for name, run in runs.items()
