@@ -20,6 +20,12 @@ from kvcore.runs import PairedRuns
 
 # Below this many runs one copy_ per run costs less host time than building a batch.
 _FEW_RUNS = 4
+RUN_ORDER_EVIDENCE = (
+    "docs/bench/h100-dma-order-2026-12-06.json",
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-run-by-run.json",
+)
+"""The runs that judged copies of an interleaved region run by run (:func:`_bases`): a probe
+pairing both orders request by request, and vLLM's handler before and after."""
 
 
 def copy_runs(src_words: torch.Tensor, dst_words: torch.Tensor, runs: PairedRuns) -> str | None:
@@ -92,7 +98,7 @@ def _bases(pairs: LayerPairs) -> tuple[np.ndarray, np.ndarray, bool]:
     row holds every layer's page side by side; the sources' side first), the pairs then
     sorted by that side's addresses: the copy engines read or write the host in address
     order, where pair by pair they jump a chunk row each copy, which cost them time beside
-    the model's compute (docs/performance.md, MHA's 32 KiB pages)."""
+    the model's compute (:data:`RUN_ORDER_EVIDENCE`, MHA's 32 KiB pages)."""
     bases = _BASES.get(pairs)
     if bases is None:
         src, dst = (
