@@ -37,8 +37,10 @@ class VLLMRules:
     at 32k tokens), the other batch's forward as fast as beside stock's."""
     stock_kernel_loads: bool = True
     """Loads over a single KV tensor (cross-layer layout) that are not one run per group
-    stay with vLLM's Triton kernel, which moves them as fast as kvcore's gather for less
-    host time."""
+    stay with vLLM's Triton kernel, which vLLM picks for blocks under 28 KiB. Judged beside
+    the model's compute (:data:`KERNEL_LOAD_EVIDENCE`, vLLM 0.33's handler on an H100, blocks
+    of 24 KiB): kvcore's own copy ran 0.58-0.94x the kernel's speed, the other batch's
+    forward no faster beside it."""
 
     stock_scattered_loads_from_page_bytes: int | None = 1 << 20
     """Loads over a single KV tensor (cross-layer layout) of pages this large stay with
@@ -109,6 +111,9 @@ LARGE_PAGE_EVIDENCE = (
 """The beside-compute runs the rows for pages of 64 KiB and more are judged from: stores of
 large pages (:attr:`VLLMRules.stock_stores_from_page_bytes`), the pages a submission needs
 (``few_pages``, both sizes) and scattered loads of 1 MiB blocks."""
+
+KERNEL_LOAD_EVIDENCE = "docs/bench/h100-beside-compute-vllm-2026-12-06-rule-row-17.json"
+"""The beside-compute run :attr:`VLLMRules.stock_kernel_loads` is judged from."""
 
 VLLM_RULES = VLLMRules()
 
@@ -207,7 +212,9 @@ def describe_vllm() -> list[dict[str, object]]:
                 "< 28 KiB",
                 "only one run per group",
                 "stock_kernel_load",
-                "vLLM's Triton load kernel as fast as kvcore's gather there",
+                "beside compute, scattered 24 KiB blocks: kvcore's own copy 0.58-0.94x the "
+                "speed of vLLM's Triton load kernel (H100)",
+                cited=[KERNEL_LOAD_EVIDENCE],
             )
         )
     scattered_from = VLLM_RULES.stock_scattered_loads_from_page_bytes

@@ -493,3 +493,16 @@ def test_the_large_page_rows_hold_against_the_json_they_cite():
     scattered = cells[("cross-layer", "mha-32KiB", "host-100%", "load", 32768)]
     assert all(row["kvcore_passes"] == {"stock_dma_large_pages": 1.0} for row in scattered)
     assert all(0.98 <= row["own_speed_paired"][0] <= 1.02 for row in scattered), scattered
+
+
+def test_the_kernel_load_row_holds_against_the_json_it_cites():
+    """Beside compute (H100), scattered loads of 24 KiB cross-layer blocks, which vLLM moves
+    with its Triton kernel: kvcore's own copy slower in every cell, and the rule passed them
+    all to stock."""
+    root = Path(__file__).resolve().parents[2]
+    rows = json.loads((root / vllm_rule.KERNEL_LOAD_EVIDENCE).read_text())["rows"]
+    assert len(rows) == 8 and vllm_rule.VLLM_RULES.stock_kernel_loads
+    for row in rows:
+        assert row["identical"] and row["stock_copy"] == "handler/triton-kernel", row
+        assert row["kvcore_passes"] == {"stock_kernel_load": 1.0}, row
+        assert row["own_speed_paired"][2] < 1, row
