@@ -146,6 +146,7 @@ class KVCoreOffloadingHandler:
             self._stock.copy_op, functools.partial
         )
         self._glance_reason, self._glance_blocks = self._stock_is_cheaper_at_a_glance()
+        self._scattered_reason = self._scattered_load_reason()
         self._pointers = (
             PointerReader(
                 self._stock.gpu_tensors,
@@ -205,6 +206,8 @@ class KVCoreOffloadingHandler:
                 raise TypeError(f"the GPU side of job {job_id} is a {type(gpu_spec).__name__}")
             gpu_ids, cpu_ids = np.asarray(gpu_spec.block_ids), np.asarray(cpu_spec.block_ids)
             group_sizes, block_indices = gpu_spec.group_sizes, gpu_spec.block_indices
+        if self._scattered_reason is not None and _surely_scattered(gpu_ids, group_sizes):
+            return self._scattered_reason
         segments = split_groups(gpu_ids, cpu_ids, group_sizes, block_indices, self.blocks_per_chunk)
         try:
             return self._serve(job_id, segments, handed_over)
@@ -253,6 +256,20 @@ class KVCoreOffloadingHandler:
             return "few_pages", sys.maxsize
         # blocks * tensors < min_pages, as a block count.
         return "few_pages", -(-RULES.min_pages(self._page_bytes) // self._max_tensors)
+
+    def _scattered_load_reason(self) -> str | None:
+        """The reason :meth:`_stock_loads_scattered_pages` gives every scattered load of this
+        handler, where the job's GPU ids are enough to see it (loads over one KV tensor);
+        None otherwise."""
+        if not self._stock_rules or self.gpu_to_cpu:
+            return None
+        if self._max_tensors != 1 or any(isinstance(g, str) for g in self._groups):
+            return None
+        if RULES.stock_kernel_loads and self._stock_loads_by_kernel:
+            return "stock_kernel_load"
+        if RULES.scattered_load_passes(self._page_bytes):
+            return "stock_dma_large_pages"
+        return None
 
     def _serve(self, job_id: int, segments: list[Segment], handed_over: float) -> str | None:
         """Submit the job on kvcore's paths; the reason it goes to stock instead, if any.
@@ -464,6 +481,17 @@ class KVCoreOffloadingHandler:
             self._metrics.release_tally(self._passes)
         if error is not None:
             raise error
+
+
+def _surely_scattered(gpu_ids: np.ndarray, group_sizes: Sequence[int]) -> bool:
+    """Whether a one-group job's GPU blocks are surely not one run, from its first and last
+    id alone: a job passed for that then costs no split into segments (a loop of NumPy
+    calls, tens of microseconds beside a copy of well under a millisecond)."""
+    return (
+        len(group_sizes) == 1
+        and len(gpu_ids) > 1
+        and int(gpu_ids[-1]) - int(gpu_ids[0]) != len(gpu_ids) - 1
+    )
 
 
 def _succeeded(job_id: int, nbytes: int, seconds: float | None) -> TransferResult:

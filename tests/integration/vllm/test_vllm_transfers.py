@@ -552,6 +552,38 @@ def test_scattered_loads_stay_with_vllms_own_kernel_where_it_picked_it(monkeypat
         assert [op for op, *_ in mover.ops] == ["copy_runs"]
 
 
+@pytest.mark.parametrize(
+    ("gpu_ids", "split"),
+    [([9, 2, 14, 5], False), ([2, 9, 3, 5], True)],
+    ids=["ends-apart", "ends-one-run-apart"],
+)
+def test_a_load_surely_scattered_passes_before_its_job_is_split(monkeypatch, gpu_ids, split):
+    """Where the first and last GPU ids alone show the job is not one run, the scattered
+    rule passes it without splitting the job into segments; where they could be one run,
+    the job is split and judged as before. Both go to stock's kernel, bytes checked."""
+    monkeypatch.setattr(transfers, "RULES", replace(transfers.RULES, stock_kernel_loads=True))
+    splits: list[int] = []
+    split_groups = transfers.split_groups
+
+    def counted(*args, **kwargs):
+        splits.append(1)
+        return split_groups(*args, **kwargs)
+
+    monkeypatch.setattr(transfers, "split_groups", counted)
+    layout = Layout(page_bytes=256, gpu_blocks=16, cpu_chunks=16)
+    gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(31))
+    handler, mover, metrics, issued = logged_handler(
+        gpu, host, layout, False, wrap=functools.partial
+    )
+    job = [(gpu_ids, [3, 11, 0, 7], 0)]
+    expected = reference(gpu, host, layout, job, False)
+    submit(handler, 1, *make_job(job, False))
+    assert [r.job_id for r in handler.get_finished()] == [1]
+    assert_tensors_are(gpu, host, expected)
+    assert issued == [4] and metrics.snapshot()["fallbacks"] == {"stock_kernel_load": 1}
+    assert mover.ops == [] and splits == ([1] if split else [])
+
+
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
 def test_scattered_loads_of_the_largest_pages_over_one_tensor_stay_with_stocks_dma(
     monkeypatch, gpu_to_cpu
