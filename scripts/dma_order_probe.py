@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.model_forward import measured_forward
+from benchmarks.model_forward import COMPUTE_LOADS, measured_forward
 from benchmarks.paired_speed import paired_speed
 from kvcore.kernels.batch_copy import batch_copy_pointers
 
@@ -191,24 +191,50 @@ def cell(
     return out
 
 
+def token_counts(text: str) -> list[int]:
+    """``--tokens``: whole blocks of 16 tokens, comma-separated."""
+    counts = [int(t) for t in text.split(",") if t.strip().isdigit()]
+    if len(counts) != len(text.split(",")) or any(c < BLOCK_TOKENS for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give token counts of 16 and more, e.g. 8192")
+    return counts
+
+
+def compute_loads(text: str) -> list[str]:
+    """``--loads``: ``none`` or forwards of :data:`benchmarks.model_forward.COMPUTE_LOADS`."""
+    loads = text.split(",")
+    unknown = [load for load in loads if load != "none" and load not in COMPUTE_LOADS]
+    if unknown:
+        known = ", ".join(["none", *COMPUTE_LOADS])
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: give some of {known}")
+    return loads
+
+
+def repeat_count(text: str) -> int:
+    """``--repeats``: at least two, so that each variant's speed has a paired interval."""
+    count = int(text) if text.strip().isdigit() else 0
+    if count < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 2 or more")
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="8192,32768")
-    parser.add_argument("--loads", default="none,decode-256,prefill-4096")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tokens", type=token_counts, default="8192,32768")
+    parser.add_argument("--loads", type=compute_loads, default="none,decode-256,prefill-4096")
+    parser.add_argument("--repeats", type=repeat_count, default=7)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("dma_order_probe: needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = args.tokens
     most = max(tokens) // BLOCK_TOKENS
     pools = Pools(most + 256, 2 * most, device)
     streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
     rng = np.random.default_rng(7)
     results = []
-    for load in args.loads.split(","):
+    for load in args.loads:
         forward = None if load == "none" else measured_forward("mha", load, LAYERS, device)
         for count in tokens:
             blocks = count // BLOCK_TOKENS
