@@ -112,8 +112,12 @@ LARGE_PAGE_EVIDENCE = (
 large pages (:attr:`VLLMRules.stock_stores_from_page_bytes`), the pages a submission needs
 (``few_pages``, both sizes) and scattered loads of 1 MiB blocks."""
 
-KERNEL_LOAD_EVIDENCE = "docs/bench/h100-beside-compute-vllm-2026-12-06-rule-row-17.json"
-"""The beside-compute run :attr:`VLLMRules.stock_kernel_loads` is judged from."""
+KERNEL_LOAD_EVIDENCE = (
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-rule-row-17.json",
+    "docs/bench/h100-beside-compute-vllm-2026-12-06-rule-row-17-early-pass.json",
+)
+"""The beside-compute runs :attr:`VLLMRules.stock_kernel_loads` is judged from: before and
+after such loads passed from their first and last GPU ids (two machines)."""
 
 VLLM_RULES = VLLMRules()
 
@@ -214,7 +218,7 @@ def describe_vllm() -> list[dict[str, object]]:
                 "stock_kernel_load",
                 "beside compute, scattered 24 KiB blocks: kvcore's own copy 0.58-0.94x the "
                 "speed of vLLM's Triton load kernel (H100)",
-                cited=[KERNEL_LOAD_EVIDENCE],
+                cited=list(KERNEL_LOAD_EVIDENCE),
             )
         )
     scattered_from = VLLM_RULES.stock_scattered_loads_from_page_bytes
