@@ -147,6 +147,13 @@ class KVCoreOffloadingHandler:
         )
         self._glance_reason, self._glance_blocks = self._stock_is_cheaper_at_a_glance()
         self._scattered_reason = self._scattered_load_reason()
+        # Over one KV tensor, every group copyable, a job's GPU ids can show it scattered.
+        self._scattered_at_a_glance = (
+            self._stock_rules
+            and self._scattered_reason is not None
+            and self._max_tensors == 1
+            and not any(isinstance(g, str) for g in self._groups)
+        )
         self._pointers = (
             PointerReader(
                 self._stock.gpu_tensors,
@@ -206,7 +213,7 @@ class KVCoreOffloadingHandler:
                 raise TypeError(f"the GPU side of job {job_id} is a {type(gpu_spec).__name__}")
             gpu_ids, cpu_ids = np.asarray(gpu_spec.block_ids), np.asarray(cpu_spec.block_ids)
             group_sizes, block_indices = gpu_spec.group_sizes, gpu_spec.block_indices
-        if self._scattered_reason is not None and _surely_scattered(gpu_ids, group_sizes):
+        if self._scattered_at_a_glance and _surely_scattered(gpu_ids, group_sizes):
             return self._scattered_reason
         segments = split_groups(gpu_ids, cpu_ids, group_sizes, block_indices, self.blocks_per_chunk)
         try:
@@ -258,12 +265,10 @@ class KVCoreOffloadingHandler:
         return "few_pages", -(-RULES.min_pages(self._page_bytes) // self._max_tensors)
 
     def _scattered_load_reason(self) -> str | None:
-        """The reason :meth:`_stock_loads_scattered_pages` gives every scattered load of this
-        handler, where the job's GPU ids are enough to see it (loads over one KV tensor);
-        None otherwise."""
-        if not self._stock_rules or self.gpu_to_cpu:
-            return None
-        if self._max_tensors != 1 or any(isinstance(g, str) for g in self._groups):
+        """Why stock's copy of this handler's scattered loads over one KV tensor costs less,
+        if it does: vLLM's Triton kernel where it picked that, its batched DMA where pages
+        are large."""
+        if self.gpu_to_cpu:
             return None
         if RULES.stock_kernel_loads and self._stock_loads_by_kernel:
             return "stock_kernel_load"
@@ -396,17 +401,10 @@ class KVCoreOffloadingHandler:
     def _stock_loads_scattered_pages(
         self, batches: dict[tuple[Any, ...], list[int]], segments: list[Segment]
     ) -> str | None:
-        """Why stock's copy of a scattered load over one KV tensor costs less, if it does:
-        vLLM's Triton kernel where it picked that, its batched DMA where pages are large."""
-        if self.gpu_to_cpu:
-            return None
-        if RULES.stock_kernel_loads and self._stock_loads_by_kernel:
-            reason = "stock_kernel_load"
-        elif RULES.scattered_load_passes(self._page_bytes):
-            reason = "stock_dma_large_pages"
-        else:
-            return None
-        if any(len(tensors) > 1 for tensors in batches.values()):
+        """:meth:`_scattered_load_reason` where this load is over one KV tensor and not one
+        run per group."""
+        reason = self._scattered_reason
+        if reason is None or any(len(tensors) > 1 for tensors in batches.values()):
             return None
         return None if all(s.one_run() for s in segments) else reason
 
