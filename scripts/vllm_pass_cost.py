@@ -48,7 +48,12 @@ import torch
 # The engine benches are in the checkout's benchmarks/ package, not in the wheel.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.vllm.offload_handlers import kvcore_handler, runnable_stock, stock_handler
+from benchmarks.vllm.offload_handlers import (
+    kvcore_handler,
+    runnable_stock,
+    stock_handler,
+    transfer_args,
+)
 from benchmarks.vllm.offload_layout import Layout, job_specs
 from kvcore.metrics import Metrics
 
@@ -64,7 +69,8 @@ class Side:
 
     name: str
     handler: Any
-    specs: tuple[Any, Any]
+    args: tuple[Any, Any]
+    """What ``transfer_async`` takes after the job id, as the installed vLLM passes it."""
     next_id: int = 0
     seconds: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     """Per phase, the host seconds a job (a call, when idle) of each timed round."""
@@ -96,7 +102,7 @@ class Side:
         for _ in range(jobs):
             job_id = self.next_id
             self.next_id += 1
-            call("transfer_async", handler.transfer_async, job_id, *self.specs)
+            call("transfer_async", handler.transfer_async, job_id, *self.args)
             call("wait", handler.wait, {job_id})
             reported: list[Any] = []
             while not reported:
@@ -137,8 +143,10 @@ def sides(
     stock = runnable_stock(stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu), device)
     metrics = Metrics()
     kvcore = kvcore_handler(stock, metrics=metrics)
-    specs = job_specs(np.array([3]), np.array([5]), gpu_to_cpu=gpu_to_cpu)
-    return Side("stock", stock, specs), Side("kvcore", kvcore, specs), metrics
+    # What the installed vLLM passes transfer_async after the job id, resolved once: both
+    # sides take the same arguments, made before either is timed.
+    args = transfer_args(stock, *job_specs(np.array([3]), np.array([5]), gpu_to_cpu=gpu_to_cpu))
+    return Side("stock", stock, args), Side("kvcore", kvcore, args), metrics
 
 
 def measure(stock: Side, kvcore: Side, jobs: int, rounds: int) -> None:

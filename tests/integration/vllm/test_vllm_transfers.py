@@ -1086,7 +1086,6 @@ def test_the_block_count_a_job_passes_under_is_the_page_rule_read_once(
     assert metrics.snapshot()["fallbacks"] == ({"few_pages": passed} if passed else {})
 
 
-@FILLS_FROM_BLOCK_IDS
 def test_pass_cost_script_counts_kvcores_calls_beyond_stocks_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(transfers, "RULES", vllm_rule.VLLM_RULES)
     module = load_script("vllm_pass_cost")
