@@ -14,6 +14,7 @@ and one layered gather reads each pair's rows back out of device memory into its
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,8 +65,8 @@ class RegionStaging:
         region = pairs.src_region
         if region is None or self.spans_fitting(pairs) < 1:
             return False
-        lengths = plan.host_runs.lengths
-        return lengths.numel() > 0 and bool((lengths == region.spacing).all())
+        lengths = plan.host_runs.lengths.numpy()
+        return lengths.size > 0 and bool((lengths == region.spacing).all())
 
     def stage_in(self, plan: TransferPlan, pairs: LayerPairs, kernels: KernelSet) -> str | None:
         """Copy ``plan``'s rows of every pair (:meth:`takes` holds); returns why a slower way
@@ -86,21 +87,22 @@ class RegionStaging:
         device = plan.device
         degraded = None
         spacing = region.spacing
-        positions = _job_positions(starts.size, slots, per_slot, spacing, span_rows)
-        dst_idx = plan.dst_idx
-        if kernels.upload_rows is not None:
-            # One upload before the ring: a piece's would queue on the copy engine behind
-            # the next piece's DMA and hold its scatter back.
-            positions, dst_idx = kernels.upload_rows((positions, dst_idx), device)
+        piece_runs = _piece_runs(starts, span_rows, slots, per_slot)
+        rows_of: tuple[torch.Tensor, torch.Tensor] | None = None
         with self.staging.lease(device) as buffer:
             staged = self._views(pairs, region, buffer, per_lease)
             with slot_ring(self._lanes, device, slots) as ring:
                 for piece, begin in enumerate(range(0, starts.size, per_slot)):
                     end = min(begin + per_slot, starts.size)
                     slot = piece % slots
-                    runs = _span_runs(starts[begin:end], span_rows, slot * per_slot)
                     with ring.filling(slot, reused=piece >= slots):
+                        runs = piece_runs(piece)
                         degraded = kernels.copy_runs(host, staged.rows, runs) or degraded
+                    if rows_of is None:
+                        # Only the scatters read them: found once the first DMA is queued.
+                        positions = _job_positions(starts.size, slots, per_slot, spacing, span_rows)
+                        rows_of = _on_device(kernels, (positions, plan.dst_idx), device)
+                    positions, dst_idx = rows_of
                     rows = slice(begin * spacing, end * spacing)
                     with ring.draining(slot, refilled=begin + slots * per_slot < starts.size):
                         scattered = gather_pairs(
@@ -152,19 +154,43 @@ def ring_slots(per_lease: int, spans: int, span_bytes: int) -> tuple[int, int]:
     return slots, min(most, max(-(-spans // slots), least))
 
 
-def _span_runs(starts: np.ndarray, span_rows: int, first_span: int) -> PairedRuns:
-    """The DMA runs of spans whose first region rows are ``starts`` (in order) into
-    consecutive staging spans from span ``first_span``: one run where a span follows the
-    previous one in the region."""
-    breaks = np.flatnonzero(np.diff(starts) != span_rows) + 1
-    firsts = np.concatenate(([0], breaks)).astype(np.int64)
-    lasts = np.concatenate((breaks, [starts.size])).astype(np.int64)
-    return PairedRuns(
-        src_starts=torch.from_numpy(starts[firsts].astype(np.int64)),
-        dst_starts=torch.from_numpy((firsts + first_span) * span_rows),
-        lengths=torch.from_numpy((lasts - firsts) * span_rows),
-        offsets=torch.from_numpy(firsts * span_rows),
-    )
+def _on_device(
+    kernels: KernelSet, rows: tuple[torch.Tensor, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A page-in's scatter rows on ``device`` in one upload for every piece: a piece's own
+    would queue on the copy engine behind the next piece's DMA and hold its scatter back."""
+    if kernels.upload_rows is None:
+        return rows
+    positions, dst_idx = kernels.upload_rows(rows, device)
+    return positions, dst_idx
+
+
+def _piece_runs(
+    starts: np.ndarray, span_rows: int, slots: int, per_slot: int
+) -> Callable[[int], PairedRuns]:
+    """The DMA runs of each piece of a page-in whose spans' first region rows are
+    ``starts`` (in order), piece ``p`` being spans ``p * per_slot`` on, into consecutive
+    staging spans of slot ``p % slots``: one run where a span follows the previous one in
+    the region within a piece. Found for every piece in one pass; each piece's are read
+    out as it is issued."""
+    span = np.arange(starts.size, dtype=np.int64)
+    piece = span // per_slot
+    opens = np.ones(starts.size, dtype=bool)
+    opens[1:] = (np.diff(starts) != span_rows) | (piece[1:] != piece[:-1])
+    firsts = np.flatnonzero(opens)
+    lasts = np.append(firsts[1:], starts.size)
+    in_piece = firsts - piece[firsts] * per_slot
+    src_starts = torch.from_numpy(starts[firsts].astype(np.int64))
+    dst_starts = torch.from_numpy(((piece[firsts] % slots) * per_slot + in_piece) * span_rows)
+    lengths = torch.from_numpy((lasts - firsts) * span_rows)
+    offsets = torch.from_numpy(in_piece * span_rows)
+    bounds = np.searchsorted(piece[firsts], np.arange(piece[-1] + 2)).tolist()
+
+    def runs(index: int) -> PairedRuns:
+        at = slice(bounds[index], bounds[index + 1])
+        return PairedRuns(src_starts[at], dst_starts[at], lengths[at], offsets[at])
+
+    return runs
 
 
 def _job_positions(
@@ -174,5 +200,5 @@ def _job_positions(
     in order, span ``i`` going to slot ``(i // per_slot) % slots``."""
     span = np.arange(spans, dtype=np.int64)
     in_lease = (span // per_slot) % slots * per_slot + span % per_slot
-    first = np.repeat(in_lease * span_rows, spacing)
-    return torch.from_numpy(first + np.tile(np.arange(spacing, dtype=np.int64), spans))
+    rows = in_lease[:, None] * span_rows + np.arange(spacing, dtype=np.int64)
+    return torch.from_numpy(rows.reshape(-1))

@@ -2,11 +2,14 @@
 kvcore's handler, under torch's profiler, each request's host steps and GPU work laid on one
 clock. Per request it reports, in ms from the first submission: when the submission
 returned, when the first and last DMA ran, when the last scatter ended and when the wait
-returned, and the DMAs' own GB/s. ``PIECE_CAP_MIB`` and ``RING_SLOTS`` set region staging's
-ring as ``scripts/ring_pieces.py`` does.
+returned, and the DMAs' own GB/s. The profiler slows the host several times over, so
+``--events`` times the ring with CUDA events instead: each piece's DMA, the gaps between
+DMAs, whether a DMA began as soon as the host issued it, and the last scatter's end.
+``PIECE_CAP_MIB`` and ``RING_SLOTS`` set region staging's ring as ``scripts/ring_pieces.py`` does.
 
     python3 scripts/region_tail_probe.py [--rows mla] [--sizes 8192,32768] [--requests 4]
-        [--compute none,prefill-4096] [--json out.json] [--trace-dir DIR]
+        [--compute none,prefill-4096] [--events] [--json out.json]
+        [--trace-dir DIR]
 
 Measuring code only; needs CUDA and vLLM (the bench's own set-up).
 """
@@ -15,10 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ from benchmarks.vllm.sweep_plan import BLOCK_TOKENS
 from benchmarks.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
 from benchmarks.vllm.sweep_sides import kvcore_side
 from kvcore import region_staging
+from kvcore.kernels.overlap_ring import SlotRing
 from kvcore.region_staging import RegionStaging
 
 LINK_GBPS = 55.3
@@ -64,6 +71,119 @@ def _staging_annotated() -> Iterator[None]:
         yield
     finally:
         RegionStaging.stage_in = original  # type: ignore[method-assign]
+
+
+class RingClock:
+    """CUDA events around each ring piece's DMA and scatter and at each submission's start,
+    with the host's clock beside them: the profiler's own host cost left out."""
+
+    def __init__(self) -> None:
+        self.start: torch.cuda.Event | None = None
+        self.host_start = 0.0
+        self.fills: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
+        self.drains: list[torch.cuda.Event] = []
+        self.host_returned = 0.0
+        self.host_stage_in = 0.0
+        self.profile_next = False
+        """Profile the next submission's host work until its first DMA is issued."""
+        self.prefix: cProfile.Profile | None = None
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        self.fills, self.drains = [], []
+        self.host_start = time.perf_counter()
+        self.start = self._event()
+        if self.profile_next:
+            self.profile_next = False
+            self.prefix = cProfile.Profile()
+            self.prefix.enable()
+
+    def prefix_top(self, count: int = 20) -> list[str]:
+        """The profiled prefix's functions by their own time, most first."""
+        if self.prefix is None:
+            return []
+        stats: dict[Any, tuple[Any, ...]] = pstats.Stats(self.prefix).stats  # type: ignore[attr-defined]
+        ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:count]
+        return [f"{v[2] * 1e6:9.1f} us {v[1]:5d}x {k[0]}:{k[1]}({k[2]})" for k, v in ranked]
+
+    @contextlib.contextmanager
+    def installed(self, handler: Any) -> Iterator[None]:
+        """The clock on ``handler``'s submissions and on every slot ring's pieces."""
+        clock, submit = self, handler.transfer_async
+        filling, draining = SlotRing.filling, SlotRing.draining
+        stage_in = RegionStaging.stage_in
+
+        def timed_stage_in(staging: RegionStaging, *args: Any, **kwargs: Any) -> Any:
+            clock.host_stage_in = time.perf_counter()
+            return stage_in(staging, *args, **kwargs)
+
+        def transfer_async(*args: Any, **kwargs: Any) -> Any:
+            clock.begin()
+            result = submit(*args, **kwargs)
+            clock.host_returned = time.perf_counter()
+            return result
+
+        @contextlib.contextmanager
+        def timed_filling(ring: SlotRing, slot: int, reused: bool) -> Iterator[None]:
+            if not clock.fills and clock.prefix is not None:
+                clock.prefix.disable()
+            with filling(ring, slot, reused):
+                issued, began = time.perf_counter(), clock._event()
+                yield
+                clock.fills.append((began, clock._event(), issued))
+
+        @contextlib.contextmanager
+        def timed_draining(ring: SlotRing, slot: int, refilled: bool) -> Iterator[None]:
+            with draining(ring, slot, refilled):
+                yield
+                clock.drains.append(clock._event())
+
+        handler.transfer_async = transfer_async
+        RegionStaging.stage_in = timed_stage_in  # type: ignore[method-assign,assignment]
+        SlotRing.filling = timed_filling  # type: ignore[method-assign,assignment]
+        SlotRing.draining = timed_draining  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            SlotRing.filling, SlotRing.draining = filling, draining  # type: ignore[method-assign]
+            RegionStaging.stage_in = stage_in  # type: ignore[method-assign]
+            handler.transfer_async = submit
+
+    def steps(self) -> dict[str, float]:
+        """The last request's steps in ms from its submission (call once it is synchronised)."""
+        start = self.start
+        if start is None or not self.fills:
+            return {}
+
+        def at(event: torch.cuda.Event) -> float:
+            return float(start.elapsed_time(event))
+
+        began = [at(b) for b, _, _ in self.fills]
+        ended = [at(e) for _, e, _ in self.fills]
+        gaps = [b - e for b, e in zip(began[1:], ended[:-1], strict=True)]
+        host_late = [
+            b - (issued - self.host_start) * 1e3
+            for b, (_, _, issued) in zip(began, self.fills, strict=True)
+        ]
+        return {
+            "pieces": float(len(began)),
+            "first_dma_ms": began[0],
+            "host_stage_in_ms": (self.host_stage_in - self.host_start) * 1e3,
+            "host_first_dma_issued_ms": (self.fills[0][2] - self.host_start) * 1e3,
+            "host_last_dma_issued_ms": (self.fills[-1][2] - self.host_start) * 1e3,
+            "submit_returned_ms": (self.host_returned - self.host_start) * 1e3,
+            "dma_busy_ms": sum(e - b for b, e in zip(began, ended, strict=True)),
+            "dma_gaps_ms": sum(gaps),
+            "widest_gap_ms": max(gaps, default=0.0),
+            "gaps_dma_ran_at_issue": float(sum(1 for late in host_late[1:] if late < 0.05)),
+            "last_dma_end_ms": ended[-1],
+            "last_scatter_end_ms": at(self.drains[-1]) if self.drains else -1.0,
+        }
 
 
 def timelines(trace: dict[str, Any], link_ms: float) -> list[dict[str, float]]:
@@ -115,7 +235,12 @@ def timelines(trace: dict[str, Any], link_ms: float) -> list[dict[str, float]]:
 
 
 def _probe(
-    layout_name: str, tokens: int, requests: int, compute: str, trace_dir: Path | None
+    layout_name: str,
+    tokens: int,
+    requests: int,
+    compute: str,
+    trace_dir: Path | None,
+    events: bool,
 ) -> dict[str, Any]:
     device = torch.device("cuda")
     model = LAYOUTS[layout_name]
@@ -126,8 +251,9 @@ def _probe(
         pools = Pools(model.layout(blocks), host.tensor.view(torch.int8), device, generator)
         stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=False)
         side = kvcore_side(stock, device)
-        _annotated(side.handler, "transfer_async", "submit")
-        _annotated(side.handler, "wait", "wait")
+        if not events:
+            _annotated(side.handler, "transfer_async", "submit")
+            _annotated(side.handler, "wait", "wait")
         drawer = RequestDrawer(blocks, np.random.default_rng(11))
         forward = None
         if compute != "none":
@@ -150,22 +276,38 @@ def _probe(
             torch.cuda.synchronize()
             return wall * 1e3, not errors
 
-        with _staging_annotated():
-            for _ in range(3):
+        if events:
+            clock = RingClock()
+            with clock.installed(side.handler):
+                for _ in range(3):
+                    one(None)
+                results, rows = [], []
+                for _ in range(requests):
+                    results.append(one(None))
+                    rows.append({"wall_ms": results[-1][0], "link_ms": link_ms} | clock.steps())
+                # One more, its host work profiled up to its first DMA, and not timed.
+                clock.profile_next = True
                 one(None)
-            activities = [
-                torch.profiler.ProfilerActivity.CPU,
-                torch.profiler.ProfilerActivity.CUDA,
-            ]
-            with torch.profiler.profile(activities=activities) as prof:
-                results = [one(f"request-{i}") for i in range(requests)]
             side.handler.shutdown()
-        path = Path(trace_dir or ".") / f"trace-{layout_name}-{tokens}-{compute}.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-        if trace_dir is None:
-            path.unlink()
-        rows = timelines(trace, link_ms)
+            prefix = clock.prefix_top()
+        else:
+            prefix = []
+            with _staging_annotated():
+                for _ in range(3):
+                    one(None)
+                activities = [
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA,
+                ]
+                with torch.profiler.profile(activities=activities) as prof:
+                    results = [one(f"request-{i}") for i in range(requests)]
+                side.handler.shutdown()
+            path = Path(trace_dir or ".") / f"trace-{layout_name}-{tokens}-{compute}.json"
+            prof.export_chrome_trace(str(path))
+            trace = json.loads(path.read_text())
+            if trace_dir is None:
+                path.unlink()
+            rows = timelines(trace, link_ms)
         return {
             "case": layout_name,
             "tokens": tokens,
@@ -176,6 +318,8 @@ def _probe(
             "bench_wall_ms": [ms for ms, _ in results],
             "identical": all(ok for _, ok in results),
             "timelines": rows,
+            "events": events,
+            "prefix_profile": prefix,
             "median": {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {},
         }
     finally:
@@ -190,6 +334,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--compute", default="none,prefill-4096")
     parser.add_argument("--json")
     parser.add_argument("--trace-dir")
+    parser.add_argument(
+        "--events",
+        action="store_true",
+        help="CUDA events around each ring piece in place of the profiler (no host slowdown)",
+    )
     args = parser.parse_args(argv)
     computes = args.compute.split(",")
     sizes = args.sizes.split(",")
@@ -215,7 +364,7 @@ def main(argv: list[str]) -> int:
     for tokens in map(int, sizes):
         for compute in computes:
             trace_dir = Path(args.trace_dir) if args.trace_dir else None
-            result = _probe(args.rows, tokens, args.requests, compute, trace_dir)
+            result = _probe(args.rows, tokens, args.requests, compute, trace_dir, args.events)
             out.append(result)
             med = result["median"]
             print(
@@ -224,6 +373,8 @@ def main(argv: list[str]) -> int:
                 + f" identical={result['identical']}",
                 flush=True,
             )
+            for line in result["prefix_profile"]:
+                print("   ", line)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

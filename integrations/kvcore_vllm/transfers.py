@@ -49,8 +49,9 @@ from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.planning.layers import LayerPairs, layer_pairs
 from kvcore.planning.path_policy import PathPolicy
-from kvcore.planning.plans import plan
+from kvcore.planning.plans import plan_for
 from kvcore.planning.submissions import Submission, submissions
+from kvcore.planning.transfer_sides import CheckedSides, check_sides
 from kvcore.planning.vllm_rule import VLLM_RULES
 from kvcore.runs import has_duplicates
 from kvcore.stock_share import REASON as STOCK_SHARE
@@ -133,6 +134,7 @@ class KVCoreOffloadingHandler:
             defaultdict(int) if metrics is None else metrics.fallback_tally()
         )
         self._pairs: dict[tuple[int, ...], LayerPairs] = {}
+        self._checked_sides: dict[int, CheckedSides] = {}
         self._batches_by_groups: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
         self._stock_rules = stock_rules
         self._stock_share = StockShare(0.0 if self.gpu_to_cpu else stock_share, ab_seed)
@@ -334,11 +336,12 @@ class KVCoreOffloadingHandler:
             gpu_idx = torch.from_numpy(np.concatenate(gpu_rows))
             cpu_idx = torch.from_numpy(np.concatenate(cpu_rows))
             src_idx, dst_idx = (gpu_idx, cpu_idx) if self.gpu_to_cpu else (cpu_idx, gpu_idx)
-            src, dst = self._sides(rows)
+            sides = self._checked_sides.get(tensors[0])
+            if sides is None:  # the engine's buffers: checked on their first job only
+                sides = check_sides(*self._sides(rows), self.direction)
+                self._checked_sides[tensors[0]] = sides
             try:
-                first = plan(
-                    src, dst, src_idx, dst_idx, direction=self.direction, policy=self._plan_policy
-                )
+                first = plan_for(sides, src_idx, dst_idx, policy=self._plan_policy)
             except ValueError:
                 # plan() checks for duplicates in the same pass as the runs; only a refused
                 # plan pays for telling them apart from other errors.
@@ -350,7 +353,7 @@ class KVCoreOffloadingHandler:
                 return [], first.reason
             layered = self._layer_pairs(tuple(tensors)) if len(tensors) > 1 else None
             buffers = (
-                [(src, dst)]
+                [(sides.src, sides.dst)]
                 if layered is None
                 else list(zip(layered.srcs, layered.dsts, strict=True))
             )

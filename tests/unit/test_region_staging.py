@@ -183,23 +183,35 @@ def test_pieces_through_the_ring_slots_copy_every_pair_exactly(
 
 
 @pytest.mark.parametrize("uploads", [True, False])
-def test_a_page_in_uploads_its_rows_once_before_the_ring(swap_kernels, monkeypatch, uploads):
-    """Every piece scatters with a slice of one upload of the job's rows; a kernel set
-    without ``upload_rows`` is handed each piece's host rows, and copies the same bytes."""
+def test_a_page_in_uploads_its_rows_once_its_first_dma_is_queued(
+    swap_kernels, monkeypatch, uploads
+):
+    """Every piece scatters with a slice of one upload of the job's rows, made once the
+    first piece's DMA is queued (only the scatters read them); a kernel set without
+    ``upload_rows`` is handed each piece's host rows, and copies the same bytes."""
     monkeypatch.setattr(region_staging, "_MIN_PIECE_BYTES", 1)
     uploaded: list[int] = []
     handed: list[torch.Tensor] = []
+    order: list[str] = []
 
     def upload_rows(indices, device):
         uploaded.append(len(indices))
+        order.append("upload")
         return tuple(index.clone() for index in indices)
+
+    def copy_runs(src, dst, paired):
+        order.append("dma")
+        return REFERENCE.copy_runs(src, dst, paired)
 
     def prepare_rows(src_idx, dst_idx, device):
         handed.append(dst_idx)
         return REFERENCE.prepare_rows(src_idx, dst_idx, device)
 
     kernels = dataclasses.replace(
-        REFERENCE, prepare_rows=prepare_rows, upload_rows=upload_rows if uploads else None
+        REFERENCE,
+        prepare_rows=prepare_rows,
+        upload_rows=upload_rows if uploads else None,
+        copy_runs=copy_runs,
     )
     swap_kernels("cpu", kernels)
     region = Region(spacing=2, period=7, chunks=30)
@@ -208,6 +220,7 @@ def test_a_page_in_uploads_its_rows_once_before_the_ring(swap_kernels, monkeypat
     policy = PathPolicy(stage_regions="all", staging_bytes=3 * TENSORS * 2 * ROW_BYTES)
     assert _load(region, [1, 2, 0], src_idx, dst_idx, policy) == ["staged"]
     assert uploaded == ([2] if uploads else [])
+    assert order[:2] == (["dma", "upload"] if uploads else ["dma", "dma"])
     assert len(handed) == len(chunks)
     assert torch.equal(torch.cat(handed), dst_idx)
     shares_upload = [

@@ -99,7 +99,7 @@ def stage_breaker(stage: str, monkeypatch: pytest.MonkeyPatch, error: Exception)
     if stage == "rules":
         monkeypatch.setattr(transfers.KVCoreOffloadingHandler, "_stock_is_cheaper", broken)
     elif stage == "plan":
-        monkeypatch.setattr(transfers, "plan", broken)
+        monkeypatch.setattr(transfers, "plan_for", broken)
     elif stage == "batches":
         monkeypatch.setattr(transfers.KVCoreOffloadingHandler, "_batches", broken)
     elif stage == "first_submission":

@@ -42,6 +42,7 @@ from kvcore.metrics import METRICS, Metrics
 from kvcore.mover import Mover
 from kvcore.planning import vllm_rule
 from kvcore.planning.path_policy import PathPolicy
+from kvcore.planning.transfer_sides import check_sides
 from kvcore.streams import CpuSyncStreams
 from kvcore.warm_up import WarmUp
 from kvcore_vllm import handler_install, transfers
@@ -335,7 +336,11 @@ def test_descriptors_merge_where_both_sides_are_consecutive(layout, ids, chunks,
 
 @pytest.mark.parametrize("shared_region", [False, True], ids=["own_tensors", "shared_region"])
 @pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
-def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_cpu):
+def test_every_kv_tensor_of_a_job_moves_in_one_submission(monkeypatch, shared_region, gpu_to_cpu):
+    checked = []
+    monkeypatch.setattr(
+        transfers, "check_sides", lambda *sides: checked.append(sides) or check_sides(*sides)
+    )
     layout = Layout(
         page_bytes=512, tensors=4, gpu_blocks=64, cpu_chunks=64, shared_region=shared_region
     )
@@ -355,6 +360,8 @@ def test_every_kv_tensor_of_a_job_moves_in_one_submission(shared_region, gpu_to_
     # put the six chunks' rows of every tensor first.
     staged = [("copy_runs", 6)] if shared_region and not gpu_to_cpu else []
     assert mover.ops == [*staged, ("gather_prepared", 6 * 4), ("copy_runs_layers", 1 * 4)]
+    # The engine's buffers are checked on the first job only, the next job planned on them.
+    assert len(checked) == 1
 
 
 def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
