@@ -343,7 +343,7 @@ class KVCoreOffloadingHandler:
             try:
                 first = plan_for(sides, src_idx, dst_idx, policy=self._plan_policy)
             except ValueError:
-                # plan() checks for duplicates in the same pass as the runs; only a refused
+                # Planning checks for duplicates in the same pass as the runs; only a refused
                 # plan pays for telling them apart from other errors.
                 if has_duplicates(dst_idx):
                     # Which copy lands last is undefined; stock races the same way.
@@ -477,6 +477,7 @@ class KVCoreOffloadingHandler:
             error = exc
         self._rows.clear()
         self._pairs.clear()
+        self._checked_sides.clear()
         self._stock.shutdown()
         if self._metrics is not None:
             self._metrics.release_tally(self._passes)

@@ -473,6 +473,8 @@ def test_shutdown_drains_queued_jobs_and_releases_tensors():
     assert handler.get_finished() == []
     held = ("cpu_tensors",) if installed_shape().device_pointers else ("src_tensors", "dst_tensors")
     assert all(getattr(stock, name) == [] for name in held)
+    # Nor does kvcore's handler keep the engine's buffers (its checked sides hold them).
+    assert not (handler._rows or handler._pairs or handler._checked_sides)
 
 
 @settings(
