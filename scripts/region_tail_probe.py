@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.beside_rows import LINK_GBPS
 from benchmarks.model_forward import COMPUTE_LOADS, measured_forward
 from benchmarks.vllm.beside import LAYOUTS
 from benchmarks.vllm.offload_handlers import stock_handler
@@ -43,12 +44,10 @@ from kvcore import region_staging
 from kvcore.kernels.overlap_ring import SlotRing
 from kvcore.region_staging import RegionStaging
 
-LINK_GBPS = 55.3
-_GPU_KINDS = ("kernel", "gpu_memcpy")
 
-
-def _annotated(owner: Any, name: str, label: str) -> None:
-    """Wrap ``owner.name`` so each call is a profiler range named ``label``."""
+@contextlib.contextmanager
+def _annotated(owner: Any, name: str, label: str) -> Iterator[None]:
+    """``owner.name`` wrapped so each call is a profiler range named ``label``, put back after."""
     inner = getattr(owner, name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -56,21 +55,10 @@ def _annotated(owner: Any, name: str, label: str) -> None:
             return inner(*args, **kwargs)
 
     setattr(owner, name, wrapped)
-
-
-@contextlib.contextmanager
-def _staging_annotated() -> Iterator[None]:
-    original = RegionStaging.stage_in
-
-    def stage_in(self: RegionStaging, *args: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function("stage_in"):
-            return original(self, *args, **kwargs)
-
-    RegionStaging.stage_in = stage_in  # type: ignore[method-assign]
     try:
         yield
     finally:
-        RegionStaging.stage_in = original  # type: ignore[method-assign]
+        setattr(owner, name, inner)
 
 
 class RingClock:
@@ -251,16 +239,13 @@ def _probe(
         pools = Pools(model.layout(blocks), host.tensor.view(torch.int8), device, generator)
         stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=False)
         side = kvcore_side(stock, device)
-        if not events:
-            _annotated(side.handler, "transfer_async", "submit")
-            _annotated(side.handler, "wait", "wait")
         drawer = RequestDrawer(blocks, np.random.default_rng(11))
+        link_ms = tokens // BLOCK_TOKENS * model.block_bytes / LINK_GBPS / 1e6
         forward = None
         if compute != "none":
             forward = measured_forward(model.page, compute, model.layers, device)
-            forward.size_for(tokens // BLOCK_TOKENS * model.block_bytes / LINK_GBPS / 1e6 * 1.5)
+            forward.size_for(link_ms * 1.5)
         next_id = 0
-        link_ms = tokens // BLOCK_TOKENS * model.block_bytes / LINK_GBPS / 1e6
 
         def one(label: str | None) -> tuple[float, bool]:
             nonlocal next_id
@@ -292,7 +277,11 @@ def _probe(
             prefix = clock.prefix_top()
         else:
             prefix = []
-            with _staging_annotated():
+            with (
+                _annotated(side.handler, "transfer_async", "submit"),
+                _annotated(side.handler, "wait", "wait"),
+                _annotated(RegionStaging, "stage_in", "stage_in"),
+            ):
                 for _ in range(3):
                     one(None)
                 activities = [
