@@ -33,11 +33,12 @@ from kvcore.kernels import (
 )
 from kvcore.kernels.reference import index_copy_rows, staging_words
 from kvcore.metrics import Metrics
+from kvcore.planning.path_choice import rules_out_dma
 from kvcore.planning.path_policy import REGION_STAGED_PATHS, PathPolicy, TransferPath
 from kvcore.planning.plans import TransferPlan, plan
 from kvcore.planning.staged_chunks import StagedChunk, staged_chunks
 from kvcore.planning.submissions import layers_mismatch
-from kvcore.region_staging import RegionStaging
+from kvcore.region_staging import RegionLoad, RegionStaging
 from kvcore.row_words import row_word_bytes, rows_as_words
 from kvcore.staging import StagingBuffers
 
@@ -132,12 +133,39 @@ class Mover:
         self.execute(chosen, stock=stock)
         return chosen
 
+    def begin_region_load(
+        self,
+        src_idx: torch.Tensor,
+        dst_idx: torch.Tensor,
+        pairs: LayerPairs,
+        plan_policy: PathPolicy | None = None,
+    ) -> RegionLoad | None:
+        """A page-in over ``pairs`` staged by region (:meth:`RegionStaging.begin`) begun before
+        it is planned, where its plan (under ``plan_policy``, this mover's by default) will
+        surely be staged so: its first DMAs then run while the caller plans, and the
+        :meth:`execute` handed it finishes it. None where not: the indices' own rows decide,
+        unchecked (the DMAs read the region's spans only, inside its bounds, and write the
+        staging buffer only). The caller closes it whatever happens to the plan."""
+        policy = self.policy if plan_policy is None else plan_policy
+        if TransferPath.GATHER not in REGION_STAGED_PATHS[self.policy.stage_regions]:
+            return None
+        if src_idx.dtype != torch.int64 or src_idx.device.type != "cpu":
+            return None
+        starts = self._regions.starts_of(src_idx.numpy(), pairs)
+        if starts is None or src_idx.numel() != dst_idx.numel():
+            return None
+        if not rules_out_dma(starts.size, src_idx.numel() * pairs.row_bytes, policy):
+            return None
+        device = pairs.dsts[0].device
+        return self._regions.begin(starts, dst_idx, pairs, self.kernels(device), device)
+
     def execute(
         self,
         plan: TransferPlan,
         pairs: LayerPairs | None = None,
         *,
         stock: Callable[[], None] | None = None,
+        begun: RegionLoad | None = None,
     ) -> None:
         """Run ``plan`` over its own buffers or, given ``pairs``, its rows between every pair
         of them: one submission for all where the device's kernels have one, one per pair
@@ -150,13 +178,18 @@ class Mover:
         FALLBACK without ``stock`` would need a conversion or a broadcast. With ``pairs``,
         raises ValueError when ``plan`` does not fit them or either says the copy must take
         the engine's stock path (the caller runs that path instead), or where ``stock`` is
-        given too.
+        given too. ``begun``: the page-in :meth:`begin_region_load` began for ``plan`` over
+        ``pairs``, finished here where the plan is staged by region and its source rows are
+        the page-in's, else closed first (its DMAs wasted, the plan run as usual); where
+        this raises first, the caller closes it.
         """
         if pairs is not None:
             if stock is not None:
                 raise ValueError("stock runs in place of a plan over its own buffers only")
-            self.execute_prepared(PreparedLayers(plan, None, None), pairs)
+            self.execute_prepared(PreparedLayers(plan, None, None), pairs, begun)
             return
+        if begun is not None:
+            begun.close()
         started = time.perf_counter()
         if plan.path is TransferPath.FALLBACK and stock is not None:
             stock()
@@ -234,7 +267,9 @@ class Mover:
             return staged_chunks(plan.host_runs, chunk_rows, plan.rows)
         return chunks
 
-    def execute_prepared(self, prepared: PreparedLayers, pairs: LayerPairs) -> None:
+    def execute_prepared(
+        self, prepared: PreparedLayers, pairs: LayerPairs, begun: RegionLoad | None = None
+    ) -> None:
         """:meth:`execute` over ``pairs`` for one layer of a prepared request; raises as it does,
         but looks at all :func:`layers_mismatch` asks only where no earlier answer holds
         (:func:`_fits`)."""
@@ -248,7 +283,13 @@ class Mover:
         started = time.perf_counter()
         degraded = None
         path = plan.path
-        if prepared.rows is not None and prepared.run is not None:
+        if begun is not None and not self._finishes(begun, plan, pairs):
+            begun.close()
+            begun = None
+        if begun is not None:
+            path = TransferPath.STAGED
+            degraded = begun.finish(plan.dst_idx)
+        elif prepared.rows is not None and prepared.run is not None:
             degraded = prepared.run(pairs, prepared.rows)
         elif self._stages_region(plan, pairs):
             path = TransferPath.STAGED
@@ -266,6 +307,15 @@ class Mover:
             and plan.path in REGION_STAGED_PATHS[self.policy.stage_regions]
             and plan.rows > 0
             and self._regions.takes(plan, pairs)
+        )
+
+    def _finishes(self, begun: RegionLoad, plan: TransferPlan, pairs: LayerPairs) -> bool:
+        """Whether the page-in ``begun`` copies ``plan`` over ``pairs``: a page-in staged by
+        region (:meth:`_stages_region`, the plan's runs being the page-in's)."""
+        return (
+            plan.direction is Direction.H2D
+            and plan.path in REGION_STAGED_PATHS[self.policy.stage_regions]
+            and begun.copies(plan.src_idx, pairs)
         )
 
     def _record_layers(

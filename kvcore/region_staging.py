@@ -13,6 +13,7 @@ and one layered gather reads each pair's rows back out of device memory into its
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,48 +69,43 @@ class RegionStaging:
         lengths = plan.host_runs.lengths.numpy()
         return lengths.size > 0 and bool((lengths == region.spacing).all())
 
+    def starts_of(self, src_rows: np.ndarray, pairs: LayerPairs) -> np.ndarray | None:
+        """The spans' first region rows of a page-in of ``src_rows`` over ``pairs``, where
+        :meth:`begin` can take it before it is planned: a region's sources, the rows whole
+        pages of its spacing (runs of exactly that many rows, as :meth:`takes` asks of a plan),
+        every span inside the region and one span fitting the staging buffer; else None."""
+        region = pairs.src_region
+        if region is None or self.spans_fitting(pairs) < 1:
+            return None
+        starts = _page_starts(src_rows, region.spacing)
+        if starts is None:
+            return None
+        span_rows = len(pairs) * region.spacing
+        if int(starts.min()) < 0 or int(starts.max()) + span_rows > region.rows:
+            return None
+        return starts
+
+    def begin(
+        self,
+        starts: np.ndarray,
+        dst_idx: torch.Tensor,
+        pairs: LayerPairs,
+        kernels: KernelSet,
+        device: torch.device,
+    ) -> RegionLoad:
+        """A page-in of the spans from region rows ``starts`` (:meth:`starts_of`) into rows
+        ``dst_idx`` of every pair, under way: the ring's first round of DMAs queued (they
+        write the staging buffer only), the scatters left to :meth:`RegionLoad.finish`."""
+        return RegionLoad(self, starts, dst_idx, pairs, kernels, device)
+
     def stage_in(self, plan: TransferPlan, pairs: LayerPairs, kernels: KernelSet) -> str | None:
         """Copy ``plan``'s rows of every pair (:meth:`takes` holds); returns why a slower way
-        was taken, if one was.
-
-        The lease's buffer is a ring of slots: each piece of spans goes by DMA into a slot on
-        a second stream, then is scattered from it on the current one, so that the next
-        pieces' DMAs run while the model's kernels hold the SMs a scatter waits for."""
-        region = pairs.src_region
-        if region is None or not self.takes(plan, pairs):
+        was taken, if one was (:class:`RegionLoad`)."""
+        if not self.takes(plan, pairs):
             raise ValueError("the plan's source rows are not whole spans of one host region")
-        span_rows = len(pairs) * region.spacing
-        base = pairs.src_words[region.base]
-        host = base.as_strided((region.rows, base.shape[1]), (base.shape[1], 1))
         starts = plan.host_runs.starts.numpy()
-        per_lease = self.spans_fitting(pairs)
-        slots, per_slot = ring_slots(per_lease, starts.size, span_rows * pairs.row_bytes)
-        device = plan.device
-        degraded = None
-        spacing = region.spacing
-        piece_runs = _piece_runs(starts, span_rows, slots, per_slot)
-        rows_of: tuple[torch.Tensor, torch.Tensor] | None = None
-        with self.staging.lease(device) as buffer:
-            staged = self._views(pairs, region, buffer, per_lease)
-            with slot_ring(self._lanes, device, slots) as ring:
-                for piece, begin in enumerate(range(0, starts.size, per_slot)):
-                    end = min(begin + per_slot, starts.size)
-                    slot = piece % slots
-                    with ring.filling(slot, reused=piece >= slots):
-                        runs = piece_runs(piece)
-                        degraded = kernels.copy_runs(host, staged.rows, runs) or degraded
-                    if rows_of is None:
-                        # Only the scatters read them: found once the first DMA is queued.
-                        positions = _job_positions(starts.size, slots, per_slot, spacing, span_rows)
-                        rows_of = _on_device(kernels, (positions, plan.dst_idx), device)
-                    positions, dst_idx = rows_of
-                    rows = slice(begin * spacing, end * spacing)
-                    with ring.draining(slot, refilled=begin + slots * per_slot < starts.size):
-                        scattered = gather_pairs(
-                            kernels, staged.pairs, positions[rows], dst_idx[rows], device
-                        )
-                    degraded = scattered or degraded
-        return degraded
+        with self.begin(starts, plan.dst_idx, pairs, kernels, plan.device) as load:
+            return load.finish(plan.dst_idx)
 
     def _views(
         self, pairs: LayerPairs, region: SourceRegion, buffer: torch.Tensor, spans: int
@@ -118,18 +114,19 @@ class RegionStaging:
         pairs while the buffer is the same)."""
         like = pairs.src_words[0]
         rows = spans * len(pairs) * region.spacing
+        kept = self._from_staging.get(pairs)
+        # Checked before any view is made: each costs microseconds, on every page-in.
+        if kept is not None and kept.buffer_ptr == buffer.data_ptr() and kept.spans == spans:
+            return kept
         flat = buffer[: rows * like.shape[1] * like.element_size()].view(like.dtype)
         staged_rows = flat.view(rows, like.shape[1])
-        kept = self._from_staging.get(pairs)
-        if kept is not None and kept.rows.data_ptr() == staged_rows.data_ptr():
-            return kept
         # Every view as long as the one furthest in can be, so that all share one row count.
         length = rows - max(region.offsets)
         srcs = [staged_rows[o : o + length] for o in region.offsets]
         from_staging = layer_pairs(srcs, pairs.dst_words)
         if from_staging.reason is not None:
             raise ValueError(f"the staging buffer's pairs cannot move: {from_staging.reason}")
-        staged = _Staged(staged_rows, from_staging)
+        staged = _Staged(staged_rows, from_staging, buffer.data_ptr(), spans)
         self._from_staging[pairs] = staged
         return staged
 
@@ -141,6 +138,108 @@ class _Staged:
 
     rows: torch.Tensor
     pairs: LayerPairs
+    buffer_ptr: int
+    """The staging buffer they are views of, and how many spans they hold."""
+    spans: int
+
+
+class RegionLoad:
+    """One page-in staged by region (:meth:`RegionStaging.begin`), under way.
+
+    The lease's buffer is a ring of slots: each piece of spans goes by DMA into a slot on
+    a second stream, then is scattered from it on the stream the page-in began on, so that
+    the next pieces' DMAs run while the model's kernels hold the SMs a scatter waits for.
+    Begun, the ring's first round of DMAs is queued, and the scatter rows' upload after the
+    first of them; :meth:`finish` issues the scatters and the later DMAs. :meth:`close`
+    (leaving its ``with`` too) gives the ring and the lease back, the stream it began on
+    waiting for every DMA issued: called again, or after :meth:`finish`, it does nothing."""
+
+    def __init__(
+        self,
+        owner: RegionStaging,
+        starts: np.ndarray,
+        dst_idx: torch.Tensor,
+        pairs: LayerPairs,
+        kernels: KernelSet,
+        device: torch.device,
+    ) -> None:
+        region = pairs.src_region
+        if region is None:
+            raise ValueError("the pairs' sources are no host region")
+        self.pairs = pairs
+        self.starts = starts
+        self._kernels, self._device, self._dst_idx = kernels, device, dst_idx
+        self._spacing = region.spacing
+        span_rows = len(pairs) * region.spacing
+        base = pairs.src_words[region.base]
+        self._host = base.as_strided((region.rows, base.shape[1]), (base.shape[1], 1))
+        per_lease = owner.spans_fitting(pairs)
+        span_bytes = span_rows * pairs.row_bytes
+        self._slots, self._per_slot = ring_slots(per_lease, starts.size, span_bytes)
+        self._pieces = -(-starts.size // self._per_slot)
+        self._piece_runs = _piece_runs(starts, span_rows, self._slots, self._per_slot)
+        self.degraded: str | None = None
+        self._exits = contextlib.ExitStack()
+        try:
+            buffer = self._exits.enter_context(owner.staging.lease(device))
+            self._staged = owner._views(pairs, region, buffer, per_lease)
+            self._ring = self._exits.enter_context(slot_ring(owner._lanes, device, self._slots))
+            self._fill(0)
+            positions = _job_positions(
+                starts.size, self._slots, self._per_slot, region.spacing, span_rows
+            )
+            # Only the scatters read them: uploaded once the first DMA is queued.
+            self._rows = _on_device(kernels, (positions, dst_idx), device)
+            for piece in range(1, min(self._slots, self._pieces)):
+                self._fill(piece)
+        except BaseException:
+            self._exits.close()
+            raise
+
+    def __enter__(self) -> RegionLoad:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._exits.close()
+
+    def copies(self, src_idx: torch.Tensor, pairs: LayerPairs) -> bool:
+        """Whether this page-in copies source rows ``src_idx`` over ``pairs``: the spans it
+        reads are theirs."""
+        if pairs is not self.pairs:
+            return False
+        starts = _page_starts(src_idx.numpy(), self._spacing)
+        return starts is not None and np.array_equal(starts, self.starts)
+
+    def finish(self, dst_idx: torch.Tensor) -> str | None:
+        """Scatter every piece into rows ``dst_idx`` (the caller's plan checked them, and
+        that the page-in :meth:`copies` its source rows), issuing the later pieces' DMAs as
+        their slots free; then :meth:`close`. Returns why a slower way was taken, if one was."""
+        positions, rows = self._rows
+        if dst_idx is not self._dst_idx and not torch.equal(dst_idx, self._dst_idx):
+            positions, rows = _on_device(self._kernels, (positions, dst_idx), self._device)
+        spacing, per_slot, slots = self._spacing, self._per_slot, self._slots
+        with self._exits:
+            for piece in range(self._pieces):
+                begin = piece * per_slot
+                at = slice(begin * spacing, min(begin + per_slot, self.starts.size) * spacing)
+                refilled = piece + slots < self._pieces
+                with self._ring.draining(piece % slots, refilled=refilled):
+                    scattered = gather_pairs(
+                        self._kernels, self._staged.pairs, positions[at], rows[at], self._device
+                    )
+                self.degraded = scattered or self.degraded
+                if refilled:
+                    self._fill(piece + slots)
+        return self.degraded
+
+    def _fill(self, piece: int) -> None:
+        """Queue piece ``piece``'s DMA into its slot, after the scatter that last read it."""
+        with self._ring.filling(piece % self._slots, reused=piece >= self._slots):
+            copied = self._kernels.copy_runs(self._host, self._staged.rows, self._piece_runs(piece))
+        self.degraded = copied or self.degraded
 
 
 def ring_slots(per_lease: int, spans: int, span_bytes: int) -> tuple[int, int]:
@@ -165,6 +264,20 @@ def _on_device(
     return positions, dst_idx
 
 
+def _page_starts(rows: np.ndarray, spacing: int) -> np.ndarray | None:
+    """The first of each page of ``rows``, where they are whole pages of ``spacing`` rows
+    each its own run (no page right after the one before it); else None."""
+    if rows.ndim != 1 or rows.size == 0 or rows.size % spacing:
+        return None
+    pages = rows.reshape(-1, spacing)
+    starts = pages[:, 0]
+    if spacing > 1 and not bool((np.diff(pages, axis=1) == 1).all()):
+        return None
+    if starts.size > 1 and bool((starts[1:] == pages[:-1, -1] + 1).any()):
+        return None
+    return starts
+
+
 def _piece_runs(
     starts: np.ndarray, span_rows: int, slots: int, per_slot: int
 ) -> Callable[[int], PairedRuns]:
@@ -180,10 +293,13 @@ def _piece_runs(
     firsts = np.flatnonzero(opens)
     lasts = np.append(firsts[1:], starts.size)
     in_piece = firsts - piece[firsts] * per_slot
-    src_starts = torch.from_numpy(starts[firsts].astype(np.int64))
-    dst_starts = torch.from_numpy(((piece[firsts] % slots) * per_slot + in_piece) * span_rows)
-    lengths = torch.from_numpy((lasts - firsts) * span_rows)
-    offsets = torch.from_numpy(in_piece * span_rows)
+    # One tensor of all four columns: each conversion to torch costs microseconds.
+    columns = np.empty((4, firsts.size), dtype=np.int64)
+    columns[0] = starts[firsts]
+    columns[1] = ((piece[firsts] % slots) * per_slot + in_piece) * span_rows
+    columns[2] = (lasts - firsts) * span_rows
+    columns[3] = in_piece * span_rows
+    src_starts, dst_starts, lengths, offsets = torch.from_numpy(columns)
     bounds = np.searchsorted(piece[firsts], np.arange(piece[-1] + 2)).tolist()
 
     def runs(index: int) -> PairedRuns:

@@ -242,6 +242,14 @@ class OrderedJobs:
                 self._streams.synchronize(job.end)
                 return
 
+    def ahead(self, work: Callable[[], T]) -> T:
+        """``work``'s result, the copies it issues queued on the jobs' stream now, ahead of
+        the next job's wait for the compute stream: for copies that touch nothing the
+        compute stream's work reads or writes (a load's DMAs into kvcore's own staging)."""
+        done: list[T] = []
+        self._streams.run_on(self._stream, lambda: done.append(work()))
+        return done[0]
+
     def settle(self) -> None:
         """Block until everything queued on the stream has run, a failed job's part too."""
         streams = self._streams

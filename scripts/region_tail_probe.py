@@ -42,7 +42,7 @@ from benchmarks.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
 from benchmarks.vllm.sweep_sides import kvcore_side
 from kvcore import region_staging
 from kvcore.kernels.overlap_ring import SlotRing
-from kvcore.region_staging import RegionStaging
+from kvcore.region_staging import RegionLoad, RegionStaging
 
 
 @contextlib.contextmanager
@@ -71,7 +71,7 @@ class RingClock:
         self.fills: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
         self.drains: list[torch.cuda.Event] = []
         self.host_returned = 0.0
-        self.host_stage_in = 0.0
+        self.host_begun = 0.0
         self.profile_next = False
         """Profile the next submission's host work until its first DMA is issued."""
         self.prefix: cProfile.Profile | None = None
@@ -104,11 +104,11 @@ class RingClock:
         """The clock on ``handler``'s submissions and on every slot ring's pieces."""
         clock, submit = self, handler.transfer_async
         filling, draining = SlotRing.filling, SlotRing.draining
-        stage_in = RegionStaging.stage_in
+        begin = RegionStaging.begin
 
-        def timed_stage_in(staging: RegionStaging, *args: Any, **kwargs: Any) -> Any:
-            clock.host_stage_in = time.perf_counter()
-            return stage_in(staging, *args, **kwargs)
+        def timed_begin(staging: RegionStaging, *args: Any, **kwargs: Any) -> Any:
+            clock.host_begun = time.perf_counter()
+            return begin(staging, *args, **kwargs)
 
         def transfer_async(*args: Any, **kwargs: Any) -> Any:
             clock.begin()
@@ -132,14 +132,14 @@ class RingClock:
                 clock.drains.append(clock._event())
 
         handler.transfer_async = transfer_async
-        RegionStaging.stage_in = timed_stage_in  # type: ignore[method-assign,assignment]
+        RegionStaging.begin = timed_begin  # type: ignore[method-assign,assignment]
         SlotRing.filling = timed_filling  # type: ignore[method-assign,assignment]
         SlotRing.draining = timed_draining  # type: ignore[method-assign,assignment]
         try:
             yield
         finally:
             SlotRing.filling, SlotRing.draining = filling, draining  # type: ignore[method-assign]
-            RegionStaging.stage_in = stage_in  # type: ignore[method-assign]
+            RegionStaging.begin = begin  # type: ignore[method-assign]
             handler.transfer_async = submit
 
     def steps(self) -> dict[str, float]:
@@ -161,7 +161,7 @@ class RingClock:
         return {
             "pieces": float(len(began)),
             "first_dma_ms": began[0],
-            "host_stage_in_ms": (self.host_stage_in - self.host_start) * 1e3,
+            "host_load_begun_ms": (self.host_begun - self.host_start) * 1e3,
             "host_first_dma_issued_ms": (self.fills[0][2] - self.host_start) * 1e3,
             "host_last_dma_issued_ms": (self.fills[-1][2] - self.host_start) * 1e3,
             "submit_returned_ms": (self.host_returned - self.host_start) * 1e3,
@@ -198,7 +198,7 @@ def timelines(trace: dict[str, Any], link_ms: float) -> list[dict[str, float]]:
             "wall_ms": request["dur"] / 1e3,
             "link_ms": link_ms,
             "submit_returned_ms": ends("submit"),
-            "stage_in_returned_ms": ends("stage_in"),
+            "scatters_returned_ms": ends("scatters"),
             "wait_returned_ms": ends("wait"),
         }
         if memcpy:
@@ -280,7 +280,7 @@ def _probe(
             with (
                 _annotated(side.handler, "transfer_async", "submit"),
                 _annotated(side.handler, "wait", "wait"),
-                _annotated(RegionStaging, "stage_in", "stage_in"),
+                _annotated(RegionLoad, "finish", "scatters"),
             ):
                 for _ in range(3):
                     one(None)

@@ -9,7 +9,10 @@ are reported in submission order (:class:`kvcore.streams.OrderedJobs`). A job is
 from its block ids alone, never from device memory: per KV tensor, its pages become row
 indices (:mod:`kvcore_vllm.page_rows`), and KV tensors whose pages give the same row indices
 (a model's layers) share one plan and move in one submission
-(:meth:`kvcore.mover.Mover.execute` over them: one gather launch or one batched DMA call).
+(:meth:`kvcore.mover.Mover.execute` over them: one gather launch or one batched DMA call;
+:mod:`kvcore_vllm.job_plans`). A load staged by host region begins before it is planned:
+its first DMAs into kvcore's staging buffer are queued on the handler's stream ahead of the
+job's wait for the compute stream, and its scatters after that wait.
 
 A job kvcore cannot prove it copies exactly as stock does (a canonical host layout, a page
 only partly copied, a row layout it cannot express, duplicate destinations, a fallback
@@ -47,20 +50,19 @@ from kvcore.internal_errors import InternalErrors, device_in_doubt
 from kvcore.kernels.cudart import clear_pending_error
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
-from kvcore.planning.layers import LayerPairs, layer_pairs
+from kvcore.planning.layers import LayerPairs
 from kvcore.planning.path_policy import PathPolicy
-from kvcore.planning.plans import plan_for
-from kvcore.planning.submissions import Submission, submissions
-from kvcore.planning.transfer_sides import CheckedSides, check_sides
+from kvcore.planning.submissions import Submission
 from kvcore.planning.vllm_rule import VLLM_RULES
-from kvcore.runs import has_duplicates
+from kvcore.region_staging import RegionLoad
 from kvcore.stock_share import REASON as STOCK_SHARE
 from kvcore.stock_share import StockShare
 from kvcore.streams import NamedStreams, OrderedJobs
 from kvcore_vllm.device_pointers import PointerReader
-from kvcore_vllm.job_groups import Group, describe_groups
+from kvcore_vllm.job_groups import describe_groups
+from kvcore_vllm.job_plans import JobPlanner
 from kvcore_vllm.job_segments import Segment, split_groups
-from kvcore_vllm.page_rows import PageRows, page_bytes
+from kvcore_vllm.page_rows import page_bytes
 from kvcore_vllm.releases import ReleaseShape, installed_shape
 from kvcore_vllm.stock_copies import StockCopies
 
@@ -133,12 +135,16 @@ class KVCoreOffloadingHandler:
         self._passes: defaultdict[str, int] = (
             defaultdict(int) if metrics is None else metrics.fallback_tally()
         )
-        self._pairs: dict[tuple[int, ...], LayerPairs] = {}
-        self._checked_sides: dict[int, CheckedSides] = {}
-        self._batches_by_groups: dict[tuple[int, ...], dict[tuple[Any, ...], list[int]]] = {}
         self._stock_rules = stock_rules
         self._stock_share = StockShare(0.0 if self.gpu_to_cpu else stock_share, ab_seed)
-        self._groups, self._rows = describe_groups(self._stock, self.blocks_per_chunk)
+        self._groups, rows = describe_groups(self._stock, self.blocks_per_chunk)
+        self._planner = JobPlanner(
+            self._groups,
+            rows,
+            self.direction,
+            self._plan_policy,
+            None if self.gpu_to_cpu else self._begin_load,
+        )
         self._page_bytes = max(page_bytes(t) for t in self._stock.gpu_tensors)
         self._max_tensors = max(
             len({ref.tensor_idx for ref in refs}) for refs in self._stock.layer_refs_per_group
@@ -290,18 +296,28 @@ class KVCoreOffloadingHandler:
             reason = STOCK_SHARE
         if reason is not None:
             return reason
-        work, reason = self._plan(segments)
-        if reason is not None:
-            return reason
-        nbytes = sum(s.pages * self._group(s).page_bytes for s in segments)
-        planned_s = perf_counter() - handed_over
-        self._jobs.submit(job_id, nbytes, lambda: self._execute(work), planned_s)
+        planned = self._planner.plan(segments)
+        if planned.reason is not None:
+            return planned.reason
+        begun = planned.begun
+        try:
+            nbytes = sum(s.pages * self._planner.group(s).page_bytes for s in segments)
+            planned_s = perf_counter() - handed_over
+            self._jobs.submit(job_id, nbytes, lambda: self._execute(planned.work, begun), planned_s)
+        finally:
+            if begun is not None:
+                begun.close()
         return None
 
-    def _group(self, segment: Segment) -> Group:
-        group = self._groups[segment.group]
-        assert isinstance(group, Group)
-        return group
+    def _begin_load(
+        self, src_idx: torch.Tensor, dst_idx: torch.Tensor, pairs: LayerPairs
+    ) -> RegionLoad | None:
+        """The load begun before it is planned (:meth:`kvcore.mover.Mover.begin_region_load`),
+        on the jobs' stream ahead of the job's wait for the compute stream: its DMAs write the
+        staging buffer only, and its scatters, issued with the job, come after that wait."""
+        return self._jobs.ahead(
+            lambda: self._mover.begin_region_load(src_idx, dst_idx, pairs, self._plan_policy)
+        )
 
     def _unsupported_group(self, segments: list[Segment]) -> str | None:
         for segment in segments:
@@ -309,68 +325,6 @@ class KVCoreOffloadingHandler:
             if isinstance(described, str):
                 return described
         return None
-
-    def _batches(self, segments: list[Segment]) -> dict[tuple[Any, ...], list[int]]:
-        """The job's KV tensors grouped by what their row indices depend on: the tensors of
-        one batch share one plan and move in one submission."""
-        groups = tuple(s.group for s in segments)
-        batches = self._batches_by_groups.get(groups)
-        if batches is None:
-            batches = {}
-            for tensor in dict.fromkeys(t for s in segments for t in self._group(s).tensors):
-                used = tuple(s.group for s in segments if tensor in self._group(s).tensors)
-                batches.setdefault((self._rows[tensor].geometry, used), []).append(tensor)
-            # Which groups a job copies decides its batches: a handful of combinations.
-            self._batches_by_groups[groups] = batches
-        return batches
-
-    def _plan(self, segments: list[Segment]) -> tuple[list[Submission], str | None]:
-        work: list[Submission] = []
-        for (_, used), tensors in self._batches(segments).items():
-            rows = self._rows[tensors[0]]
-            gpu_rows, cpu_rows = [], []
-            for segment in segments:
-                if segment.group in used:
-                    gpu_rows.append(rows.gpu_pages.rows_of_array(segment.gpu_blocks))
-                    cpu_rows.append(rows.cpu_pages.rows_of_array(segment.cpu_sub_blocks))
-            gpu_idx = torch.from_numpy(np.concatenate(gpu_rows))
-            cpu_idx = torch.from_numpy(np.concatenate(cpu_rows))
-            src_idx, dst_idx = (gpu_idx, cpu_idx) if self.gpu_to_cpu else (cpu_idx, gpu_idx)
-            sides = self._checked_sides.get(tensors[0])
-            if sides is None:  # the engine's buffers: checked on their first job only
-                sides = check_sides(*self._sides(rows), self.direction)
-                self._checked_sides[tensors[0]] = sides
-            try:
-                first = plan_for(sides, src_idx, dst_idx, policy=self._plan_policy)
-            except ValueError:
-                # Planning checks for duplicates in the same pass as the runs; only a refused
-                # plan pays for telling them apart from other errors.
-                if has_duplicates(dst_idx):
-                    # Which copy lands last is undefined; stock races the same way.
-                    return [], "duplicate_destinations"
-                raise
-            if first.reason is not None:
-                return [], first.reason
-            layered = self._layer_pairs(tuple(tensors)) if len(tensors) > 1 else None
-            buffers = (
-                [(sides.src, sides.dst)]
-                if layered is None
-                else list(zip(layered.srcs, layered.dsts, strict=True))
-            )
-            decided = submissions(first, buffers, layered)
-            if isinstance(decided, str):
-                return [], decided
-            work += decided
-        return work, None
-
-    def _layer_pairs(self, tensors: tuple[int, ...]) -> LayerPairs:
-        pairs = self._pairs.get(tensors)
-        if pairs is None:
-            sides = [self._sides(self._rows[t]) for t in tensors]
-            pairs = self._pairs[tensors] = layer_pairs(
-                [src for src, _ in sides], [dst for _, dst in sides]
-            )
-        return pairs
 
     def _stock_is_cheaper(self, segments: list[Segment]) -> str | None:
         """Why stock's own copy costs less for this job, judged from the block ids alone.
@@ -392,11 +346,11 @@ class KVCoreOffloadingHandler:
             return None
         if self.gpu_to_cpu and RULES.store_passes(self._page_bytes):
             return "stock_store_large_pages"
-        batches = self._batches(segments)
+        batches = self._planner.batches(segments)
         reason = self._stock_loads_scattered_pages(batches, segments)
         if reason is not None:
             return reason
-        pages = sum(s.pages * len(self._group(s).tensors) for s in segments)
+        pages = sum(s.pages * len(self._planner.group(s).tensors) for s in segments)
         if pages < RULES.min_pages(self._page_bytes) * len(batches):
             return "few_pages"
         return None
@@ -411,12 +365,9 @@ class KVCoreOffloadingHandler:
             return None
         return None if all(s.one_run() for s in segments) else reason
 
-    def _sides(self, rows: PageRows) -> tuple[torch.Tensor, torch.Tensor]:
-        return (rows.gpu, rows.cpu) if self.gpu_to_cpu else (rows.cpu, rows.gpu)
-
-    def _execute(self, work: list[Submission]) -> None:
+    def _execute(self, work: list[Submission], begun: RegionLoad | None) -> None:
         for each in work:
-            self._mover.execute(each.plan, each.pairs)
+            self._mover.execute(each.plan, each.pairs, begun=begun)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs whose copies have finished, each reported once: kvcore's in submission order,
@@ -475,9 +426,7 @@ class KVCoreOffloadingHandler:
                 "kvcore: a transfer failed with %d queued; dropping those after it", queued
             )
             error = exc
-        self._rows.clear()
-        self._pairs.clear()
-        self._checked_sides.clear()
+        self._planner.clear()
         self._stock.shutdown()
         if self._metrics is not None:
             self._metrics.release_tally(self._passes)

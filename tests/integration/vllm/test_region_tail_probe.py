@@ -23,7 +23,7 @@ def test_a_requests_steps_are_timed_from_its_start_and_others_left_out():
         "traceEvents": [
             _event("request-0", 1000.0, 3000.0),
             _event("submit", 1000.0, 400.0),
-            _event("stage_in", 1100.0, 250.0),
+            _event("scatters", 1100.0, 250.0),
             _event("wait", 1500.0, 2400.0),
             _event("copy", 1200.0, 1000.0, cat="gpu_memcpy", bytes=55e6),
             _event("copy", 2200.0, 1000.0, cat="gpu_memcpy", bytes=55e6),
@@ -40,7 +40,7 @@ def test_a_requests_steps_are_timed_from_its_start_and_others_left_out():
         "wall_ms": 3.0,
         "link_ms": 2.0,
         "submit_returned_ms": 0.4,
-        "stage_in_returned_ms": 0.35,
+        "scatters_returned_ms": 0.35,
         "wait_returned_ms": 2.9,
         "first_dma_ms": 0.2,
         "last_dma_end_ms": 2.2,

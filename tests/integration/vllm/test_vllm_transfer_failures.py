@@ -28,7 +28,7 @@ from kvcore.planning.layers import LayerPairs
 from kvcore.planning.path_policy import PathPolicy
 from kvcore.planning.plans import TransferPlan
 from kvcore.streams import CpuSyncStreams
-from kvcore_vllm import transfers
+from kvcore_vllm import job_plans, transfers
 from kvcore_vllm.releases import installed_shape
 
 pytestmark = pytest.mark.vllm
@@ -99,9 +99,9 @@ def stage_breaker(stage: str, monkeypatch: pytest.MonkeyPatch, error: Exception)
     if stage == "rules":
         monkeypatch.setattr(transfers.KVCoreOffloadingHandler, "_stock_is_cheaper", broken)
     elif stage == "plan":
-        monkeypatch.setattr(transfers, "plan_for", broken)
+        monkeypatch.setattr(job_plans, "plan_for", broken)
     elif stage == "batches":
-        monkeypatch.setattr(transfers.KVCoreOffloadingHandler, "_batches", broken)
+        monkeypatch.setattr(job_plans.JobPlanner, "batches", broken)
     elif stage == "first_submission":
         return BreakingMover(error)
     elif stage == "after_copying":
