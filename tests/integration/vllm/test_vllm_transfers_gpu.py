@@ -166,3 +166,45 @@ def test_mla_sized_blocks_store_by_dma_into_place_and_load_through_the_gather(
     paths = [row["path"] for row in snapshot["transfers"]]
     load = "staged" if shared_region else "gather"
     assert paths == (["batched_runs"] if gpu_to_cpu else [load])
+
+
+def test_begun_loads_queued_back_to_back_land_after_the_compute_streams_writes() -> None:
+    """Loads from a shared CPU region begin before they are planned, their first DMAs ahead
+    of the job's wait for the compute stream: four jobs queued without a wait, while the
+    compute stream, held up, writes each job's destination pages last before the jobs. Every
+    page ends with the loaded bytes (each scatter after the compute stream's write, each
+    job's DMAs after the previous job's scatters read the staging slots), and every other
+    page keeps its bytes."""
+    from kvcore.metrics import Metrics
+
+    device = torch.device("cuda")
+    layout = Layout(
+        page_bytes=18 << 10, tensors=4, gpu_blocks=512, cpu_chunks=512, shared_region=True
+    )
+    gpu, host = layout.make_tensors(device, torch.Generator().manual_seed(8))
+    metrics = Metrics()
+    stock = runnable_stock(stock_handler(gpu, host, layout, gpu_to_cpu=False), device)
+    handler = kvcore_handler(stock, metrics=metrics)
+    rng = np.random.default_rng(9)
+    gpu_order, cpu_order = rng.permutation(layout.gpu_blocks), rng.permutation(layout.cpu_chunks)
+    jobs = [
+        (gpu_order[i * 100 : (i + 1) * 100], cpu_order[i * 100 : (i + 1) * 100]) for i in range(4)
+    ]
+    want = [t.clone() for t in gpu]
+    for gpu_ids, cpu_ids in jobs:
+        for t, target in enumerate(want):
+            target[torch.from_numpy(gpu_ids).cuda()] = host[t][torch.from_numpy(cpu_ids)].cuda()
+    written = torch.from_numpy(np.concatenate([g for g, _ in jobs])).cuda()
+    torch.cuda._sleep(SPIN_CYCLES)
+    for tensor in gpu:
+        tensor[written] = 0
+    for job_id, (gpu_ids, cpu_ids) in enumerate(jobs):
+        assert handler.transfer_async(job_id, *job_specs(gpu_ids, cpu_ids, gpu_to_cpu=False))
+    handler.wait(set(range(4)))
+    assert sorted(r.job_id for r in handler.get_finished()) == [0, 1, 2, 3]
+    for got, expected in zip(gpu, want, strict=True):
+        assert torch.equal(got, expected)
+    handler.shutdown()
+    snapshot = metrics.snapshot()
+    assert snapshot["fallbacks"] == {}
+    assert [row["path"] for row in snapshot["transfers"]] == ["staged"]
