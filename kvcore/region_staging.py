@@ -177,7 +177,8 @@ class RegionLoad:
         span_bytes = span_rows * pairs.row_bytes
         self._slots, self._per_slot = ring_slots(per_lease, starts.size, span_bytes)
         self._pieces = -(-starts.size // self._per_slot)
-        self._piece_runs = _piece_runs(starts, span_rows, self._slots, self._per_slot)
+        # The first piece's runs alone before its DMA; every piece's in one pass after it.
+        self._piece_runs = _piece_runs(starts[: self._per_slot], span_rows, 1, self._per_slot)
         self.degraded: str | None = None
         self._exits = contextlib.ExitStack()
         try:
@@ -185,6 +186,7 @@ class RegionLoad:
             self._staged = owner._views(pairs, region, buffer, per_lease)
             self._ring = self._exits.enter_context(slot_ring(owner._lanes, device, self._slots))
             self._fill(0)
+            self._piece_runs = _piece_runs(starts, span_rows, self._slots, self._per_slot)
             positions = _job_positions(
                 starts.size, self._slots, self._per_slot, region.spacing, span_rows
             )
