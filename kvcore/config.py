@@ -119,6 +119,13 @@ class KVCoreConfig:
         "small for one DMA each, as MLA's); all: in place of one DMA a page too (the load "
         "nearer the link, the forward beside it slower); off: neither",
     )
+    begin_region_loads: bool = _setting(
+        False,
+        BOOLEAN,
+        "vLLM's loads staged by region (KVCORE_STAGE_REGIONS) begin before the handler plans "
+        "them: the first chunks' DMAs run during the planning, which checks them before any "
+        "page is written (off until measured on a GPU)",
+    )
     metrics: bool = _setting(True, BOOLEAN, "collect transfer metrics (Prometheus when installed)")
     transfers: bool = _setting(
         True,

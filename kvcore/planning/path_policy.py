@@ -98,6 +98,10 @@ class PathPolicy:
     forward beside them lost less; one DMA a page keeps its place, as it leaves the forward
     untouched (:data:`REGION_STAGING_EVIDENCE`; docs/performance.md, "Reloads beside the
     model's compute")."""
+    begin_region_loads: bool = False
+    """Such page-ins may begin before they are planned
+    (:meth:`kvcore.mover.Mover.begin_region_load`): off until an A/B on a GPU shows their
+    first DMA sooner and no load slower."""
 
     def __post_init__(self) -> None:
         sizes = (
@@ -133,6 +137,7 @@ def policy_from_config(config: KVCoreConfig) -> PathPolicy:
         ring_scatter_ctas=config.ring_scatter_ctas,
         staged_pieces=config.staged_pieces,
         stage_regions=config.stage_regions,
+        begin_region_loads=config.begin_region_loads,
     )
 
 

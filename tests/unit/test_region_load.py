@@ -6,6 +6,7 @@ of other rows, it writes nothing of its own, and the staging buffer is free agai
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +22,10 @@ from kvcore.planning.plans import plan
 CPU = torch.device("cpu")
 
 
-def _mover(policy: PathPolicy = PathPolicy()) -> Mover:
+ON = PathPolicy(begin_region_loads=True)
+
+
+def _mover(policy: PathPolicy = ON) -> Mover:
     return Mover(policy, metrics=Metrics())
 
 
@@ -47,7 +51,7 @@ def test_a_begun_load_finished_by_its_plan_copies_every_pair_exactly(seed):
     srcs = region.srcs(rnd.sample(range(TENSORS), TENSORS))
     pairs = layer_pairs(srcs, region.dsts)
     spans = rnd.randint(1, 15)
-    mover = _mover(PathPolicy(staging_bytes=spans * TENSORS * spacing * ROW_BYTES))
+    mover = _mover(replace(ON, staging_bytes=spans * TENSORS * spacing * ROW_BYTES))
     host_before = region.host.clone()
     for _ in range(2):
         _poisoned(region)
@@ -122,11 +126,12 @@ def test_only_loads_surely_staged_by_region_are_begun(rows, begins):
 @pytest.mark.parametrize(
     "policy",
     [
-        PathPolicy(stage_regions="off"),
-        PathPolicy(long_run_bytes=1),  # pages long enough for one DMA each: not a gather
-        PathPolicy(staging_bytes=TENSORS * 2 * ROW_BYTES - 1),  # no span fits
+        PathPolicy(),  # the setting's default
+        replace(ON, stage_regions="off"),
+        replace(ON, long_run_bytes=1),  # pages long enough for one DMA each: not a gather
+        replace(ON, staging_bytes=TENSORS * 2 * ROW_BYTES - 1),  # no span fits
     ],
-    ids=["off", "dma_pages", "no_span_fits"],
+    ids=["default", "off", "dma_pages", "no_span_fits"],
 )
 def test_no_load_is_begun_where_the_plan_is_not_staged_by_region(policy):
     region = Region(spacing=2, period=7, chunks=30)

@@ -6,6 +6,7 @@ exactly what stock copies and gives the staging buffer back."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.vllm
 
 LAYOUT = Layout(page_bytes=512, tensors=4, gpu_blocks=64, cpu_chunks=64, shared_region=True)
 CPU = torch.device("cpu")
+ON = PathPolicy(staging_bytes=1 << 20, begin_region_loads=True)
 SCATTERED = [([9, 2, 14, 5, 40, 33], [3, 11, 0, 7, 50, 21], 0)]
 
 
@@ -35,7 +37,7 @@ class LoggingMover(Mover):
     """A mover on the reference kernels that logs its DMAs, its scatters and its begun loads
     into ``log``, the handler's planning logging there too."""
 
-    def __init__(self, log: list[str], policy: PathPolicy = PathPolicy(staging_bytes=1 << 20)):
+    def __init__(self, log: list[str], policy: PathPolicy = ON):
         super().__init__(policy, metrics=Metrics())
         self.log = log
 
@@ -138,9 +140,10 @@ def test_a_load_whose_planning_breaks_after_it_began_goes_to_stock(monkeypatch, 
 @pytest.mark.parametrize(
     ("policy", "why"),
     [
-        (PathPolicy(staging_bytes=1 << 20, stage_regions="off"), "region staging off"),
-        (PathPolicy(staging_bytes=1 << 20, long_run_bytes=1), "one DMA a page is open"),
-        (PathPolicy(staging_bytes=1024), "a span does not fit the staging buffer"),
+        (PathPolicy(staging_bytes=1 << 20), "KVCORE_BEGIN_REGION_LOADS is off by default"),
+        (replace(ON, stage_regions="off"), "region staging off"),
+        (replace(ON, long_run_bytes=1), "one DMA a page is open"),
+        (replace(ON, staging_bytes=1024), "a span does not fit the staging buffer"),
     ],
 )
 def test_a_load_the_plan_may_not_stage_by_region_is_not_begun(monkeypatch, policy, why):

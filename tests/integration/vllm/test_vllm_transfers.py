@@ -366,7 +366,8 @@ def test_every_kv_tensor_of_a_job_moves_in_one_submission(monkeypatch, shared_re
 
 def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
     """Should a batch's plan not fit all its tensors, each tensor gets its own plan; a load
-    begun before it was planned (one DMA submission of its spans) is closed unfinished."""
+    begun before it was planned (KVCORE_BEGIN_REGION_LOADS: one DMA submission of its
+    spans) is closed unfinished."""
     monkeypatch.setattr(
         "kvcore.planning.submissions.layers_mismatch", lambda plan, pairs: "a test says so"
     )
@@ -374,7 +375,7 @@ def test_tensors_one_submission_cannot_take_are_moved_one_by_one(monkeypatch):
     gpu, host = layout.make_tensors(torch.device("cpu"), torch.Generator().manual_seed(22))
     for gpu_to_cpu in (True, False):
         stock = stock_handler(gpu, host, layout, gpu_to_cpu=gpu_to_cpu)
-        mover = RecordingMover(SMALL, layered=True)
+        mover = RecordingMover(replace(SMALL, begin_region_loads=True), layered=True)
         handler = kvcore_handler(stock, mover=mover)
         groups = [([9, 2, 14, 5], [3, 11, 0, 7], 0)]
         expected = reference(gpu, host, layout, groups, gpu_to_cpu)

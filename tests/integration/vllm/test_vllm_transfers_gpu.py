@@ -168,7 +168,9 @@ def test_mla_sized_blocks_store_by_dma_into_place_and_load_through_the_gather(
     assert paths == (["batched_runs"] if gpu_to_cpu else [load])
 
 
-def test_begun_loads_queued_back_to_back_land_after_the_compute_streams_writes() -> None:
+def test_begun_loads_queued_back_to_back_land_after_the_compute_streams_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Loads from a shared CPU region begin before they are planned, their first DMAs ahead
     of the job's wait for the compute stream: four jobs queued without a wait, while the
     compute stream, held up, writes each job's destination pages last before the jobs. Every
@@ -177,6 +179,7 @@ def test_begun_loads_queued_back_to_back_land_after_the_compute_streams_writes()
     page keeps its bytes."""
     from kvcore.metrics import Metrics
 
+    monkeypatch.setenv("KVCORE_BEGIN_REGION_LOADS", "1")
     device = torch.device("cuda")
     layout = Layout(
         page_bytes=18 << 10, tensors=4, gpu_blocks=512, cpu_chunks=512, shared_region=True
