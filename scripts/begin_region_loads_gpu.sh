@@ -7,8 +7,9 @@
 #
 #   OUT=<dir> [SIZES=8192,32768] [ROUNDS=2] bash scripts/begin_region_loads_gpu.sh
 #
-# Writes $OUT/env.txt, $OUT/tests.log, $OUT/on-<round>.json, $OUT/off-<round>.json (and
-# .log), $OUT/probe-on.json and $OUT/probe-off.json.
+# Writes $OUT/on-<round>.json, $OUT/off-<round>.json, $OUT/probe-on.json, $OUT/probe-off.json
+# and the logs (env.txt, tests.log, one per run), packed by scripts/pack_out.sh: a call brings
+# back at most 8 files.
 set -uo pipefail
 OUT=${OUT:-out/begin-region-loads}
 mkdir -p "$OUT"
@@ -34,3 +35,4 @@ for setting in on off; do
         --json "$OUT/probe-$setting.json" > "$OUT/probe-$setting.log" 2>&1
     echo "probe $setting rc=$? at ${SECONDS}s"
 done
+OUT="$OUT" bash scripts/pack_out.sh

@@ -187,7 +187,8 @@ def test_begun_loads_queued_back_to_back_land_after_the_compute_streams_writes(
     gpu, host = layout.make_tensors(device, torch.Generator().manual_seed(8))
     metrics = Metrics()
     stock = runnable_stock(stock_handler(gpu, host, layout, gpu_to_cpu=False), device)
-    handler = kvcore_handler(stock, metrics=metrics)
+    # Without the rules: jobs this short (100 pages) would go to stock as few_pages.
+    handler = kvcore_handler(stock, metrics=metrics, stock_rules=False)
     rng = np.random.default_rng(9)
     gpu_order, cpu_order = rng.permutation(layout.gpu_blocks), rng.permutation(layout.cpu_chunks)
     jobs = [
