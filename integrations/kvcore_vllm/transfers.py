@@ -143,7 +143,8 @@ class KVCoreOffloadingHandler:
             rows,
             self.direction,
             self._plan_policy,
-            None if self.gpu_to_cpu else self._begin_load,
+            # Where loads may begin unplanned (KVCORE_BEGIN_REGION_LOADS): no call otherwise.
+            self._begin_load if mover.policy.begin_region_loads and not self.gpu_to_cpu else None,
         )
         self._page_bytes = max(page_bytes(t) for t in self._stock.gpu_tensors)
         self._max_tensors = max(
