@@ -144,9 +144,9 @@ class Mover:
         it is planned, where its plan (under ``plan_policy``, this mover's by default) will
         surely be staged so (and ``PathPolicy.begin_region_loads`` is on): its first DMAs then
         run while the caller plans, and the :meth:`execute` handed it finishes it. None where
-        not: the indices' own rows decide,
-        unchecked (the DMAs read the region's spans only, inside its bounds, and write the
-        staging buffer only). The caller closes it whatever happens to the plan."""
+        not: the indices' own rows decide, unchecked (the DMAs read the region's spans only,
+        inside its bounds, and write the staging buffer only). The caller closes it whatever
+        happens to the plan."""
         policy = self.policy if plan_policy is None else plan_policy
         if not self.policy.begin_region_loads:
             return None
