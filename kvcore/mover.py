@@ -160,7 +160,7 @@ class Mover:
         if not rules_out_dma(starts.size, src_idx.numel() * pairs.row_bytes, policy):
             return None
         device = pairs.dsts[0].device
-        return self._regions.begin(starts, dst_idx, pairs, self.kernels(device), device)
+        return self._regions.begin(starts, dst_idx, pairs, self.kernels(device), device, src_idx)
 
     def execute(
         self,

@@ -92,11 +92,13 @@ class RegionStaging:
         pairs: LayerPairs,
         kernels: KernelSet,
         device: torch.device,
+        src_idx: torch.Tensor | None = None,
     ) -> RegionLoad:
-        """A page-in of the spans from region rows ``starts`` (:meth:`starts_of`) into rows
-        ``dst_idx`` of every pair, under way: the ring's first round of DMAs queued (they
-        write the staging buffer only), the scatters left to :meth:`RegionLoad.finish`."""
-        return RegionLoad(self, starts, dst_idx, pairs, kernels, device)
+        """A page-in of the spans from region rows ``starts`` (:meth:`starts_of` of
+        ``src_idx``, where given) into rows ``dst_idx`` of every pair, under way: the ring's
+        first round of DMAs queued (they write the staging buffer only), the scatters left to
+        :meth:`RegionLoad.finish`."""
+        return RegionLoad(self, starts, dst_idx, pairs, kernels, device, src_idx)
 
     def stage_in(self, plan: TransferPlan, pairs: LayerPairs, kernels: KernelSet) -> str | None:
         """Copy ``plan``'s rows of every pair (:meth:`takes` holds); returns why a slower way
@@ -104,7 +106,7 @@ class RegionStaging:
         if not self.takes(plan, pairs):
             raise ValueError("the plan's source rows are not whole spans of one host region")
         starts = plan.host_runs.starts.numpy()
-        with self.begin(starts, plan.dst_idx, pairs, kernels, plan.device) as load:
+        with self.begin(starts, plan.dst_idx, pairs, kernels, plan.device, plan.src_idx) as load:
             return load.finish(plan.dst_idx)
 
     def _views(
@@ -162,12 +164,17 @@ class RegionLoad:
         pairs: LayerPairs,
         kernels: KernelSet,
         device: torch.device,
+        src_idx: torch.Tensor | None = None,
     ) -> None:
         region = pairs.src_region
         if region is None:
             raise ValueError("the pairs' sources are no host region")
         self.pairs = pairs
         self.starts = starts
+        # The source rows ``starts`` came from and their version: the same tensor, unchanged,
+        # spares :meth:`copies` finding their pages again.
+        self._src_idx = src_idx
+        self._src_version = None if src_idx is None else src_idx._version
         self._kernels, self._device, self._dst_idx = kernels, device, dst_idx
         self._spacing = region.spacing
         span_rows = len(pairs) * region.spacing
@@ -212,6 +219,8 @@ class RegionLoad:
         reads are theirs."""
         if pairs is not self.pairs:
             return False
+        if src_idx is self._src_idx and src_idx._version == self._src_version:
+            return True
         starts = _page_starts(src_idx.numpy(), self._spacing)
         return starts is not None and np.array_equal(starts, self.starts)
 
@@ -272,7 +281,8 @@ def _page_starts(rows: np.ndarray, spacing: int) -> np.ndarray | None:
     if rows.ndim != 1 or rows.size == 0 or rows.size % spacing:
         return None
     pages = rows.reshape(-1, spacing)
-    starts = pages[:, 0]
+    # A copy: a view would follow the caller's rows if they were rewritten in place.
+    starts = pages[:, 0].copy()
     if spacing > 1 and not bool((np.diff(pages, axis=1) == 1).all()):
         return None
     if starts.size > 1 and bool((starts[1:] == pages[:-1, -1] + 1).any()):
