@@ -27,7 +27,10 @@ serve-or-pass rule off. The sides alternate request by request on the same pools
 request is checked byte for byte, every other row keeping its bytes. Rows are
 :func:`benchmarks.beside_rows.reload_row`'s: ``engine case situation tokens page_size
 stock_ms kvcore_ms link_ms forward_alone_ms forward_with_stock_ms forward_with_kvcore_ms
-identical``, ``page_size`` being vLLM's 16-token block.
+identical``, ``page_size`` being vLLM's 16-token block, and ``plain_copy_gbps``: one
+contiguous pinned copy of up to 1 GiB that way in the same process, from the same host
+region (a process whose region sits far from the GPU is slower in every cell, and this says
+so).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from benchmarks.beside_rows import (
 )
 from benchmarks.model_forward import COMPUTE_LOADS, measured_forward
 from benchmarks.vllm.offload_handlers import stock_handler
-from benchmarks.vllm.sweep import host_region, request_through
+from benchmarks.vllm.sweep import host_region, link_ceilings, request_through
 from benchmarks.vllm.sweep_plan import BLOCK_TOKENS, MHA_PAGE_BYTES, MLA_PAGE_BYTES, ModelLayout
 from benchmarks.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
 from benchmarks.vllm.sweep_sides import Side, kvcore_side, stock_side
@@ -297,6 +300,7 @@ def _layout_rows(
         load: measured_forward(model.page, load, model.layers, opts.device) for load in opts.loads
     }
     loads = _Loads(pools, blocks, opts.seed)
+    plain_copy_gbps = link_ceilings(pools)
     rows = []
     for gpu_to_cpu in (False, True) if opts.stores else (False,):
         stock = stock_handler(pools.gpu, pools.host, pools.layout, gpu_to_cpu=gpu_to_cpu)
@@ -309,6 +313,7 @@ def _layout_rows(
         try:
             for row in cells(model, loads, sides, dict(forwards), opts, gpu_to_cpu):
                 row["stock_copy"] = label
+                row["plain_copy_gbps"] = plain_copy_gbps["store" if gpu_to_cpu else "load"]
                 progress(summary_line(row))
                 rows.append(row)
         finally:

@@ -104,7 +104,7 @@ class _Sweep:
                     self._generator,
                 )
                 if self.device.type == "cuda" and not self.result.ceiling_gbps:
-                    self.result.ceiling_gbps = _ceilings(pools)
+                    self.result.ceiling_gbps = link_ceilings(pools)
                 for op in self.plan.ops:
                     self._pass(model, op, pools)
                 del pools
@@ -322,7 +322,7 @@ def host_region(nbytes: int, device: torch.device) -> HostBuffer:
     return allocate_host_buffer(nbytes, pin=True, register_chunk_bytes=nbytes)
 
 
-def _ceilings(pools: Pools) -> dict[str, float]:
+def link_ceilings(pools: Pools) -> dict[str, float]:
     """GB/s of one contiguous copy of up to 1 GiB each way: what the link gives."""
     rows = max(1, min(pools.blocks, (1 << 30) // pools.region.shape[1]))
     host, device = pools.region[:rows], pools.host_ref[:rows]
