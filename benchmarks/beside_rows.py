@@ -130,6 +130,8 @@ def summary_line(row: dict[str, Any]) -> str:
         if "forward_harness_only_ms" in row:
             forward += f" in a request of no job {row['forward_harness_only_ms']:.1f}"
     own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""
+    if "plain_copy_gbps" in row:
+        own += f" (plain copy {row['plain_copy_gbps']:.1f} GB/s)"
     case = f"{row['case']}/{row['op']}" if "op" in row else row["case"]
     return (
         f"{case} {row['tokens']} {row['situation']} {row['compute']}: link "

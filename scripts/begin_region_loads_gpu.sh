@@ -26,6 +26,7 @@ for round in $(seq "${ROUNDS:-2}"); do
             --beside-compute --rows mla --sizes "${SIZES:-8192,32768}" \
             --json "$OUT/$setting-$round.json" > "$OUT/$setting-$round.log" 2>&1
         echo "$setting $round rc=$? at ${SECONDS}s"
+        grep "identical=" "$OUT/$setting-$round.log" | cut -c1-150
     done
 done
 for setting in on off; do
