@@ -5,7 +5,7 @@
 # time with each (scripts/region_tail_probe.py --events).
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried, as scripts/vllm_sweep.sh does.
 #
-#   OUT=<dir> [SIZES=8192,32768] [ROUNDS=2] bash scripts/begin_region_loads_gpu.sh
+#   OUT=<dir> [SIZES=8192,32768] [ROUNDS=2] [TESTS=0] bash scripts/begin_region_loads_gpu.sh
 #
 # Writes $OUT/on-<round>.json, $OUT/off-<round>.json, $OUT/probe-on.json, $OUT/probe-off.json
 # and the logs (env.txt, tests.log, one per run), packed by scripts/pack_out.sh: a call brings
@@ -16,9 +16,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # shellcheck source=scripts/vllm_device_env.sh
 source scripts/vllm_device_env.sh || exit 1
-python3 -m pytest -q -p no:cacheprovider tests/gpu/test_region_staging_gpu.py \
-    tests/integration/vllm/test_vllm_transfers_gpu.py > "$OUT/tests.log" 2>&1
-echo "tests rc=$? $(tail -1 "$OUT/tests.log")"
+if [ "${TESTS:-1}" = 1 ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_region_staging_gpu.py \
+        tests/integration/vllm/test_vllm_transfers_gpu.py > "$OUT/tests.log" 2>&1
+    echo "tests rc=$? $(tail -1 "$OUT/tests.log")"
+fi
 for round in $(seq "${ROUNDS:-2}"); do
     for setting in on off; do
         value=$([ "$setting" = on ] && echo 1 || echo 0)
