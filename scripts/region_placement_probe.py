@@ -1,7 +1,9 @@
 """Where the vLLM beside-compute bench's pinned host region lies, and how fast each part
-of it copies to the GPU: NUMA nodes of its pages, the GPU's node, and one contiguous
-host-to-device copy per slice of the region. A process whose region is partly on the far
-node is slower in every cell of the bench; this says whether that is what varies.
+of it copies to the GPU: NUMA nodes of its pages, its transparent huge pages, the GPU's
+node, one contiguous host-to-device copy per slice of the region, and copies of spans
+drawn at random across it (as a region-staged load reads MLA's chunk rows). A process
+whose region is partly on the far node, or in small pages the GPU translates one by one,
+could be slower in every cell of the bench; this says which of them varies.
 
     python scripts/region_placement_probe.py [--gib 2.5] [--slice-mib 256] [--json OUT]
 """
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,6 +37,35 @@ def _slice_gbps(host: torch.Tensor, device_buffer: torch.Tensor, slice_bytes: in
     return rates
 
 
+def _span_gbps(host: torch.Tensor, device_buffer: torch.Tensor, span_bytes: int) -> float:
+    """One copy a span, spans at random page-aligned places across the region."""
+    spans = device_buffer.numel() // span_bytes
+    starts = random.Random(0).sample(range(0, host.numel() - span_bytes, 4096), spans)
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for i, start in enumerate(starts):
+            device_buffer[i * span_bytes : (i + 1) * span_bytes].copy_(
+                host[start : start + span_bytes], non_blocking=True
+            )
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return round(spans * span_bytes / best / 1e9, 1)
+
+
+def _huge_kib(address: int) -> int | None:
+    """AnonHugePages of the mapping that starts at ``address``, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            inside = int(head.split("-")[0], 16) == address
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.5)
@@ -50,10 +83,13 @@ def main() -> None:
             "gpu_node": numa.cuda_numa_node(device),
             "region_bytes": nbytes,
             "pages_by_node": numa.pages_by_node(host.data_ptr(), nbytes),
+            "anon_huge_kib": _huge_kib(host.data_ptr()),
             "slice_bytes": slice_bytes,
-            "slice_gbps": _slice_gbps(
-                host, torch.empty(slice_bytes, dtype=torch.uint8, device=device), slice_bytes
-            ),
+        }
+        device_buffer = torch.empty(slice_bytes, dtype=torch.uint8, device=device)
+        found["slice_gbps"] = _slice_gbps(host, device_buffer, slice_bytes)
+        found["span_gbps"] = {
+            str(span): _span_gbps(host, device_buffer, span) for span in (1 << 20, 1_249_280)
         }
     finally:
         region.close()
