@@ -83,31 +83,23 @@ def test_a_begun_load_closed_unfinished_writes_nothing_and_frees_the_staging():
     assert all(bool((dst == POISON).all()) for dst in region.dsts)
 
 
-def test_a_begun_load_handed_a_plan_of_other_rows_is_closed_and_the_plan_runs():
+@pytest.mark.parametrize("in_place", [False, True], ids=["new_rows", "rows_rewritten_in_place"])
+def test_a_begun_load_handed_a_plan_of_other_rows_is_closed_and_the_plan_runs(in_place):
     region = Region(spacing=2, period=7, chunks=30)
     srcs = region.srcs([2, 0, 1])
-    pairs = layer_pairs(srcs, region.dsts)
-    _poisoned(region)
-    mover = _mover()
-    begun = mover.begin_region_load(*region.rows([3, 9, 4], [0, 5, 2]), pairs)
-    assert begun is not None
-    src_idx, dst_idx = region.rows([11, 1, 6], [8, 1, 4])
-    chosen = plan(srcs[0], region.dsts[0], src_idx, dst_idx, direction=Direction.H2D)
-    mover.execute(chosen, pairs, begun=begun)
-    _assert_copied(region, srcs, src_idx, dst_idx)
-    assert _staging_free(mover) and _paths(mover) == ["staged"]
-
-
-def test_a_begun_load_whose_source_rows_were_rewritten_in_place_copies_the_new_rows():
-    region = Region(spacing=2, period=7, chunks=30)
-    srcs = region.srcs([1, 2, 0])
     pairs = layer_pairs(srcs, region.dsts)
     _poisoned(region)
     mover = _mover()
     src_idx, dst_idx = region.rows([3, 9, 4], [0, 5, 2])
     begun = mover.begin_region_load(src_idx, dst_idx, pairs)
     assert begun is not None
-    src_idx.copy_(region.rows([12, 1, 7], [0, 5, 2])[0])
+    other_src, other_dst = region.rows([12, 1, 7], [8, 1, 4])
+    if in_place:
+        # The same tensors, as the begun load saw them, now name other rows.
+        src_idx.copy_(other_src)
+        dst_idx.copy_(other_dst)
+    else:
+        src_idx, dst_idx = other_src, other_dst
     chosen = plan(srcs[0], region.dsts[0], src_idx, dst_idx, direction=Direction.H2D)
     mover.execute(chosen, pairs, begun=begun)
     _assert_copied(region, srcs, src_idx, dst_idx)
