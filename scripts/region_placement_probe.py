@@ -118,6 +118,10 @@ def main() -> None:
     parser.add_argument("--shm", action="store_true", help="map the region as vLLM 0.34 does")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.slice_mib <= 0 or args.gib * 1024 < 2 * args.slice_mib:
+        parser.error("--gib must hold at least two slices of --slice-mib (both positive)")
+    if not torch.cuda.is_available():
+        raise SystemExit("region_placement_probe: needs a CUDA GPU (the copies are to one)")
     device = torch.device("cuda")
     nbytes = int(args.gib * (1 << 30))
     slice_bytes = args.slice_mib << 20
