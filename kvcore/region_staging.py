@@ -176,6 +176,7 @@ class RegionLoad:
         self._src_idx = src_idx
         self._src_version = None if src_idx is None else src_idx._version
         self._kernels, self._device, self._dst_idx = kernels, device, dst_idx
+        self._dst_version = dst_idx._version
         self._spacing = region.spacing
         span_rows = len(pairs) * region.spacing
         base = pairs.src_words[region.base]
@@ -229,7 +230,11 @@ class RegionLoad:
         that the page-in :meth:`copies` its source rows), issuing the later pieces' DMAs as
         their slots free; then :meth:`close`. Returns why a slower way was taken, if one was."""
         positions, rows = self._rows
-        if dst_idx is not self._dst_idx and not torch.equal(dst_idx, self._dst_idx):
+        # The rows uploaded at the start are a copy: rewritten in place since, they are stale.
+        uploaded_still = self._dst_idx._version == self._dst_version
+        if not uploaded_still or (
+            dst_idx is not self._dst_idx and not torch.equal(dst_idx, self._dst_idx)
+        ):
             positions, rows = _on_device(self._kernels, (positions, dst_idx), self._device)
         spacing, per_slot, slots = self._spacing, self._per_slot, self._slots
         with self._exits:

@@ -13,6 +13,7 @@ import torch
 from test_region_staging import BLOCKS, POISON, ROW_BYTES, TENSORS, Region, _assert_copied
 
 from kvcore.direction import Direction
+from kvcore.kernels import REFERENCE
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.planning.layers import layer_pairs
@@ -100,6 +101,33 @@ def test_a_begun_load_handed_a_plan_of_other_rows_is_closed_and_the_plan_runs(in
         dst_idx.copy_(other_dst)
     else:
         src_idx, dst_idx = other_src, other_dst
+    chosen = plan(srcs[0], region.dsts[0], src_idx, dst_idx, direction=Direction.H2D)
+    mover.execute(chosen, pairs, begun=begun)
+    _assert_copied(region, srcs, src_idx, dst_idx)
+    assert _staging_free(mover) and _paths(mover) == ["staged"]
+
+
+def test_a_begun_load_whose_destination_rows_were_rewritten_in_place_scatters_to_the_new_ones(
+    swap_kernels,
+):
+    """The scatter rows a begun load uploaded are a copy, as on a GPU: rewritten in place
+    since, the destination rows are uploaded again."""
+    swap_kernels(
+        "cpu",
+        replace(
+            REFERENCE,
+            upload_rows=lambda indices, device: tuple(index.clone() for index in indices),
+        ),
+    )
+    region = Region(spacing=2, period=7, chunks=30)
+    srcs = region.srcs([0, 2, 1])
+    pairs = layer_pairs(srcs, region.dsts)
+    _poisoned(region)
+    mover = _mover()
+    src_idx, dst_idx = region.rows([3, 9, 4], [0, 5, 2])
+    begun = mover.begin_region_load(src_idx, dst_idx, pairs)
+    assert begun is not None
+    dst_idx.copy_(region.rows([3, 9, 4], [7, 1, 10])[1])
     chosen = plan(srcs[0], region.dsts[0], src_idx, dst_idx, direction=Direction.H2D)
     mover.execute(chosen, pairs, begun=begun)
     _assert_copied(region, srcs, src_idx, dst_idx)
