@@ -84,8 +84,18 @@ def test_a_begun_load_closed_unfinished_writes_nothing_and_frees_the_staging():
     assert all(bool((dst == POISON).all()) for dst in region.dsts)
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["new_rows", "rows_rewritten_in_place"])
-def test_a_begun_load_handed_a_plan_of_other_rows_is_closed_and_the_plan_runs(in_place):
+@pytest.mark.parametrize("rewritten", ["new_tensors", "sources_in_place", "destinations_in_place"])
+def test_a_begun_load_handed_a_plan_of_other_rows_copies_the_plans_rows(swap_kernels, rewritten):
+    """Other rows than the begun load's, in new tensors or in the same ones rewritten in place
+    since: the plan's rows are copied, and nothing else written. The kernel set's upload of
+    the scatter rows is a copy, as on a GPU (the reference set's would alias them)."""
+    swap_kernels(
+        "cpu",
+        replace(
+            REFERENCE,
+            upload_rows=lambda indices, device: tuple(index.clone() for index in indices),
+        ),
+    )
     region = Region(spacing=2, period=7, chunks=30)
     srcs = region.srcs([2, 0, 1])
     pairs = layer_pairs(srcs, region.dsts)
@@ -95,39 +105,12 @@ def test_a_begun_load_handed_a_plan_of_other_rows_is_closed_and_the_plan_runs(in
     begun = mover.begin_region_load(src_idx, dst_idx, pairs)
     assert begun is not None
     other_src, other_dst = region.rows([12, 1, 7], [8, 1, 4])
-    if in_place:
-        # The same tensors, as the begun load saw them, now name other rows.
-        src_idx.copy_(other_src)
-        dst_idx.copy_(other_dst)
-    else:
+    if rewritten == "new_tensors":
         src_idx, dst_idx = other_src, other_dst
-    chosen = plan(srcs[0], region.dsts[0], src_idx, dst_idx, direction=Direction.H2D)
-    mover.execute(chosen, pairs, begun=begun)
-    _assert_copied(region, srcs, src_idx, dst_idx)
-    assert _staging_free(mover) and _paths(mover) == ["staged"]
-
-
-def test_a_begun_load_whose_destination_rows_were_rewritten_in_place_scatters_to_the_new_ones(
-    swap_kernels,
-):
-    """The scatter rows a begun load uploaded are a copy, as on a GPU: rewritten in place
-    since, the destination rows are uploaded again."""
-    swap_kernels(
-        "cpu",
-        replace(
-            REFERENCE,
-            upload_rows=lambda indices, device: tuple(index.clone() for index in indices),
-        ),
-    )
-    region = Region(spacing=2, period=7, chunks=30)
-    srcs = region.srcs([0, 2, 1])
-    pairs = layer_pairs(srcs, region.dsts)
-    _poisoned(region)
-    mover = _mover()
-    src_idx, dst_idx = region.rows([3, 9, 4], [0, 5, 2])
-    begun = mover.begin_region_load(src_idx, dst_idx, pairs)
-    assert begun is not None
-    dst_idx.copy_(region.rows([3, 9, 4], [7, 1, 10])[1])
+    elif rewritten == "sources_in_place":
+        src_idx.copy_(other_src)
+    else:
+        dst_idx.copy_(other_dst)
     chosen = plan(srcs[0], region.dsts[0], src_idx, dst_idx, direction=Direction.H2D)
     mover.execute(chosen, pairs, begun=begun)
     _assert_copied(region, srcs, src_idx, dst_idx)
