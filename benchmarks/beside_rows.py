@@ -130,11 +130,10 @@ def summary_line(row: dict[str, Any]) -> str:
         if "forward_harness_only_ms" in row:
             forward += f" in a request of no job {row['forward_harness_only_ms']:.1f}"
     own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""
-    if "plain_copy_gbps" in row:
-        own += f" (plain copy {row['plain_copy_gbps']:.1f} GB/s)"
+    plain = f" (plain copy {row['plain_copy_gbps']:.1f} GB/s)" if "plain_copy_gbps" in row else ""
     case = f"{row['case']}/{row['op']}" if "op" in row else row["case"]
     return (
         f"{case} {row['tokens']} {row['situation']} {row['compute']}: link "
         f"{row['link_ms']:.1f} stock {row['stock_ms']:.1f} kvcore {row['kvcore_ms']:.1f}{own}"
-        f"{forward} identical={row['identical']}"
+        f"{plain}{forward} identical={row['identical']}"
     )
