@@ -3,11 +3,17 @@ of it copies to the GPU: NUMA nodes of its pages, its transparent huge pages, th
 node, one contiguous host-to-device copy per slice of the region, and copies of spans
 drawn at random across it (as a region-staged load reads MLA's chunk rows). A process
 whose region is partly on the far node, or in small pages the GPU translates one by one,
-could be slower in every cell of the bench; this says which of them varies. ``--shm`` maps
-the region as vLLM 0.34's shared CPU tier does instead (a /dev/shm file, pre-faulted by one
-thread, then registered), to tell the bench's region from the engine's.
+could be slower in every cell of the bench; this says which of them varies.
 
-    python scripts/region_placement_probe.py [--gib 2.5] [--slice-mib 256] [--shm] [--json OUT]
+``--region`` picks how the region is made: ``bench`` as the bench makes it
+(:func:`benchmarks.vllm.sweep.host_region`: pre-faulted by eight threads, not placed);
+``vllm`` as stock vLLM 0.34 with one GPU does (shared memory faulted in by one thread);
+``kvcore`` as kvcore's host pool makes vLLM's region live (faulted in by every usable
+CPU, on the GPU's NUMA node: :mod:`kvcore_vllm.region_faulting`). Each is then
+registered with cudaHostRegister, as vLLM registers its region.
+
+    python scripts/region_placement_probe.py [--gib 2.5] [--slice-mib 256]
+        [--region bench|vllm|kvcore] [--json OUT]
 """
 
 from __future__ import annotations
@@ -15,10 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import mmap
-import os
 import random
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,34 +30,26 @@ import torch
 
 from benchmarks.vllm.sweep import host_region
 from kvcore import numa
+from kvcore.host_mapping import faulted_memory
 from kvcore.host_pinning import CudaHostRegistrar
-
-# madvise(2)'s MADV_POPULATE_WRITE, as vLLM pre-faults its region (Linux 5.14 and later).
-_MADV_POPULATE_WRITE = 23
 
 
 @contextlib.contextmanager
-def _shm_region(nbytes: int) -> Iterator[torch.Tensor]:
-    """``nbytes`` of a /dev/shm file, mapped shared, pre-faulted and registered."""
-    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="kvcore-probe-") as file:
-        os.ftruncate(file.fileno(), nbytes)
-        mapped = mmap.mmap(file.fileno(), nbytes, flags=mmap.MAP_SHARED)
-        try:
-            mapped.madvise(_MADV_POPULATE_WRITE, 0, nbytes)
-        except OSError:
-            view = memoryview(mapped)
-            for page in range(0, nbytes, mmap.PAGESIZE):
-                view[page] = 0
-            view.release()
-        host = torch.frombuffer(mapped, dtype=torch.uint8)
-        registrar = CudaHostRegistrar()
-        registrar.register(host.data_ptr(), nbytes)
-        try:
-            yield host
-        finally:
-            registrar.unregister(host.data_ptr())
-            del host
-            mapped.close()
+def _registered(
+    nbytes: int, *, threads: int | None, placement: numa.Placement | None
+) -> Iterator[torch.Tensor]:
+    """``nbytes`` of shared memory faulted in by ``threads`` threads, placed as
+    ``placement`` says (:func:`kvcore.host_mapping.faulted_memory`), then registered."""
+    memory = faulted_memory(nbytes, placement=placement, threads=threads)
+    host = torch.frombuffer(memory.buffer, dtype=torch.uint8)
+    registrar = CudaHostRegistrar()
+    registrar.register(memory.address, nbytes)
+    try:
+        yield host
+    finally:
+        registrar.unregister(memory.address)
+        del host
+        memory.close()
 
 
 @contextlib.contextmanager
@@ -65,6 +60,14 @@ def _bench_region(nbytes: int, device: torch.device) -> Iterator[torch.Tensor]:
         yield region.tensor
     finally:
         region.close()
+
+
+def _region(kind: str, nbytes: int, device: torch.device) -> contextlib.AbstractContextManager:
+    if kind == "vllm":
+        return _registered(nbytes, threads=1, placement=None)
+    if kind == "kvcore":
+        return _registered(nbytes, threads=None, placement=numa.current_gpu_placement())
+    return _bench_region(nbytes, device)
 
 
 def _slice_gbps(host: torch.Tensor, device_buffer: torch.Tensor, slice_bytes: int) -> list[float]:
@@ -99,23 +102,25 @@ def _span_gbps(host: torch.Tensor, device_buffer: torch.Tensor, span_bytes: int)
     return round(spans * span_bytes / best / 1e9, 1)
 
 
-def _huge_kib(address: int) -> int | None:
-    """AnonHugePages of the mapping that starts at ``address``, from /proc/self/smaps."""
+def _huge_page_kib(address: int, nbytes: int) -> int:
+    """KiB of ``[address, address + nbytes)`` in huge pages, anonymous or shared, over every
+    mapping that starts inside it (from /proc/self/smaps)."""
     inside = False
+    total = 0
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
-            inside = int(head.split("-")[0], 16) == address
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return None
+            inside = address <= int(head.split("-")[0], 16) < address + nbytes
+        elif inside and head in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+            total += int(line.split()[1])
+    return total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.5)
     parser.add_argument("--slice-mib", type=int, default=256)
-    parser.add_argument("--shm", action="store_true", help="map the region as vLLM 0.34 does")
+    parser.add_argument("--region", choices=("bench", "vllm", "kvcore"), default="bench")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.slice_mib <= 0 or args.gib * 1024 < 2 * args.slice_mib:
@@ -125,15 +130,14 @@ def main() -> None:
     device = torch.device("cuda")
     nbytes = int(args.gib * (1 << 30))
     slice_bytes = args.slice_mib << 20
-    opened = _shm_region(nbytes) if args.shm else _bench_region(nbytes, device)
-    with opened as host:
+    with _region(args.region, nbytes, device) as host:
         found = {
-            "region": "shm" if args.shm else "bench",
+            "region": args.region,
             "nodes": list(numa.online_nodes()),
             "gpu_node": numa.cuda_numa_node(device),
             "region_bytes": nbytes,
             "pages_by_node": numa.pages_by_node(host.data_ptr(), nbytes),
-            "anon_huge_kib": _huge_kib(host.data_ptr()),
+            "huge_page_kib": _huge_page_kib(host.data_ptr(), nbytes),
             "slice_bytes": slice_bytes,
         }
         device_buffer = torch.empty(slice_bytes, dtype=torch.uint8, device=device)
