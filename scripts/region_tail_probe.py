@@ -72,6 +72,10 @@ class RingClock:
         self.drains: list[torch.cuda.Event] = []
         self.host_returned = 0.0
         self.host_begun = 0.0
+        self.host_in_dmas = self.host_in_scatters = 0.0
+        """Host seconds spent issuing the DMAs (near their busy time where each copy holds
+        the host until it is done, as one from memory the driver does not take for pinned)
+        and the scatters (with their slot's events)."""
         self.profile_next = False
         """Profile the next submission's host work until its first DMA is issued."""
         self.prefix: cProfile.Profile | None = None
@@ -84,6 +88,7 @@ class RingClock:
 
     def begin(self) -> None:
         self.fills, self.drains = [], []
+        self.host_in_dmas = self.host_in_scatters = 0.0
         self.host_start = time.perf_counter()
         self.start = self._event()
         if self.profile_next:
@@ -124,12 +129,15 @@ class RingClock:
                 issued, began = time.perf_counter(), clock._event()
                 yield
                 clock.fills.append((began, clock._event(), issued))
+                clock.host_in_dmas += time.perf_counter() - issued
 
         @contextlib.contextmanager
         def timed_draining(ring: SlotRing, slot: int, refilled: bool) -> Iterator[None]:
+            issued = time.perf_counter()
             with draining(ring, slot, refilled):
                 yield
                 clock.drains.append(clock._event())
+            clock.host_in_scatters += time.perf_counter() - issued
 
         handler.transfer_async = transfer_async
         RegionStaging.begin = timed_begin  # type: ignore[method-assign,assignment]
@@ -166,6 +174,8 @@ class RingClock:
             "host_last_dma_issued_ms": (self.fills[-1][2] - self.host_start) * 1e3,
             "submit_returned_ms": (self.host_returned - self.host_start) * 1e3,
             "dma_busy_ms": sum(e - b for b, e in zip(began, ended, strict=True)),
+            "host_in_dmas_ms": self.host_in_dmas * 1e3,
+            "host_in_scatters_ms": self.host_in_scatters * 1e3,
             "dma_gaps_ms": sum(gaps),
             "widest_gap_ms": max(gaps, default=0.0),
             "gaps_dma_ran_at_issue": float(sum(1 for late in host_late[1:] if late < 0.05)),
