@@ -4,7 +4,10 @@ clock. Per request it reports, in ms from the first submission: when the submiss
 returned, when the first and last DMA ran, when the last scatter ended and when the wait
 returned, and the DMAs' own GB/s. The profiler slows the host several times over, so
 ``--events`` times the ring with CUDA events instead: each piece's DMA, the gaps between
-DMAs, whether a DMA began as soon as the host issued it, and the last scatter's end.
+DMAs, whether a DMA began as soon as the host issued it, the host's time inside the
+ring's DMA and scatter calls, and the last scatter's end; then one submission's host work
+is profiled up to its first DMA, and one more whole (``prefix_profile``,
+``submission_profile``).
 ``PIECE_CAP_MIB`` and ``RING_SLOTS`` set region staging's ring as ``scripts/ring_pieces.py`` does.
 
     python3 scripts/region_tail_probe.py [--rows mla] [--sizes 8192,32768] [--requests 4]
@@ -79,6 +82,9 @@ class RingClock:
         self.profile_next = False
         """Profile the next submission's host work until its first DMA is issued."""
         self.prefix: cProfile.Profile | None = None
+        self.profile_whole_next = False
+        """Profile the next submission's host work until it returns."""
+        self.whole: cProfile.Profile | None = None
 
     @staticmethod
     def _event() -> torch.cuda.Event:
@@ -95,12 +101,17 @@ class RingClock:
             self.profile_next = False
             self.prefix = cProfile.Profile()
             self.prefix.enable()
+        elif self.profile_whole_next:
+            self.profile_whole_next = False
+            self.whole = cProfile.Profile()
+            self.whole.enable()
 
-    def prefix_top(self, count: int = 20) -> list[str]:
-        """The profiled prefix's functions by their own time, most first."""
-        if self.prefix is None:
+    @staticmethod
+    def top(profile: cProfile.Profile | None, count: int = 20) -> list[str]:
+        """A profile's functions by their own time, most first."""
+        if profile is None:
             return []
-        stats: dict[Any, tuple[Any, ...]] = pstats.Stats(self.prefix).stats  # type: ignore[attr-defined]
+        stats: dict[Any, tuple[Any, ...]] = pstats.Stats(profile).stats  # type: ignore[attr-defined]
         ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:count]
         return [f"{v[2] * 1e6:9.1f} us {v[1]:5d}x {k[0]}:{k[1]}({k[2]})" for k, v in ranked]
 
@@ -119,6 +130,8 @@ class RingClock:
             clock.begin()
             result = submit(*args, **kwargs)
             clock.host_returned = time.perf_counter()
+            if clock.whole is not None:
+                clock.whole.disable()
             return result
 
         @contextlib.contextmanager
@@ -283,10 +296,13 @@ def _probe(
                 # One more, its host work profiled up to its first DMA, and not timed.
                 clock.profile_next = True
                 one(None)
+                # And one more, its whole submission profiled.
+                clock.profile_whole_next = True
+                one(None)
             side.handler.shutdown()
-            prefix = clock.prefix_top()
+            prefix, whole = clock.top(clock.prefix), clock.top(clock.whole, 30)
         else:
-            prefix = []
+            prefix, whole = [], []
             with (
                 _annotated(side.handler, "transfer_async", "submit"),
                 _annotated(side.handler, "wait", "wait"),
@@ -319,6 +335,7 @@ def _probe(
             "timelines": rows,
             "events": events,
             "prefix_profile": prefix,
+            "submission_profile": whole,
             "median": {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {},
         }
     finally:
@@ -372,8 +389,10 @@ def main(argv: list[str]) -> int:
                 + f" identical={result['identical']}",
                 flush=True,
             )
-            for line in result["prefix_profile"]:
-                print("   ", line)
+            for name in ("prefix_profile", "submission_profile"):
+                print(f"  {name}:")
+                for line in result[name]:
+                    print("   ", line)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
