@@ -131,6 +131,9 @@ def summary_line(row: dict[str, Any]) -> str:
             forward += f" in a request of no job {row['forward_harness_only_ms']:.1f}"
     own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""
     plain = f" (plain copy {row['plain_copy_gbps']:.1f} GB/s)" if "plain_copy_gbps" in row else ""
+    submits = row.get("submit_host_ms")
+    if submits:
+        plain += " submit host " + "/".join(f"{ms:.2f}" for ms in submits.values())
     case = f"{row['case']}/{row['op']}" if "op" in row else row["case"]
     return (
         f"{case} {row['tokens']} {row['situation']} {row['compute']}: link "

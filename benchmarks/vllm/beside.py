@@ -30,7 +30,9 @@ stock_ms kvcore_ms link_ms forward_alone_ms forward_with_stock_ms forward_with_k
 identical``, ``page_size`` being vLLM's 16-token block, and ``plain_copy_gbps``: one
 contiguous pinned copy of up to 1 GiB that way in the same process, from the same host
 region (a process whose region sits far from the GPU is slower in every cell, and this says
-so).
+so), and ``submit_host_ms``: per side, how long the request's ``transfer_async`` calls held
+the host (the engine's thread, which queues the next forward only after them; the
+independent forward here is queued after them too, so its own time does not show it).
 """
 
 from __future__ import annotations
@@ -123,12 +125,13 @@ class _Loads:
         request: Any,
         between: Callable[[], object] | None = None,
         before_check: Callable[[], object] | None = None,
-    ) -> tuple[float, bool]:
-        """(ms, checked ok) of one request through ``side``."""
+    ) -> tuple[float, bool, float]:
+        """(ms, checked ok, ms the submissions held the host) of one request through
+        ``side``."""
         ids = list(range(self.next_id, self.next_id + len(request.jobs)))
         self.next_id += len(ids)
-        wall, _, errors = request_through(side, self.pools, request, ids, between, before_check)
-        return wall * 1e3, not errors
+        wall, host, errors = request_through(side, self.pools, request, ids, between, before_check)
+        return wall * 1e3, not errors, host * 1e3
 
 
 class _Metrics:
@@ -167,6 +170,7 @@ def cells(
         place = RowPlace("vllm", f"{model.name}/{_levels(opts)}/{op}", tokens, 16, model.layers)
         ok = True
         times: dict[str, list[float]] = {side.name: [] for side in sides}
+        submits: dict[str, list[float]] = {side.name: [] for side in sides}
         tally = Tally(_Metrics(kvcore))
         # A warm-up, then the requests timed, each with new block ids.
         for i in range(opts.repeats + 1):
@@ -174,11 +178,15 @@ def cells(
                 blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu, gpu_frag=opts.gpu_frag
             )
             for side in _order(sides, i):
-                ms, checked = tally.timed(side, functools.partial(loads.through, side, request))
+                ms, checked, submit_ms = tally.timed(
+                    side, functools.partial(loads.through, side, request)
+                )
                 ok &= checked
                 if i:
                     times[side.name].append(ms)
-        yield reload_row(place, "alone", "none", link_ms, times, {}, None, ok, tally)
+                    submits[side.name].append(submit_ms)
+        row = reload_row(place, "alone", "none", link_ms, times, {}, None, ok, tally)
+        yield row | {"submit_host_ms": _medians(submits)}
         reference = median(times["stock"]) if times.get("stock") else median(times["kvcore"])
         for load in opts.loads:
             forward = forwards[load]
@@ -186,6 +194,7 @@ def cells(
             reload_times: dict[str, list[float]] = {side.name: [] for side in sides}
             forward_times: dict[str, list[float]] = {side.name: [] for side in sides}
             launch_times: dict[str, list[float]] = {side.name: [] for side in sides}
+            submits = {side.name: [] for side in sides}
             alone: list[float] = []
             harness_only: list[float] = []
             tally = Tally(_Metrics(kvcore))
@@ -200,12 +209,13 @@ def cells(
                     blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu, gpu_frag=opts.gpu_frag
                 )
                 for side in _order(sides, i):
-                    ms, checked, forward_ms, launch_ms = tally.timed(
+                    ms, checked, forward_ms, launch_ms, submit_ms = tally.timed(
                         side, functools.partial(_beside, loads, side, request, forward)
                     )
                     ok &= checked
                     if i:
                         reload_times[side.name].append(ms)
+                        submits[side.name].append(submit_ms)
                         forward_times[side.name].append(forward_ms)
                         launch_times[side.name].append(launch_ms)
             row = reload_row(
@@ -219,17 +229,24 @@ def cells(
                 ok,
                 tally,
             )
-            row["forward_launch_host_ms"] = {name: median(t) for name, t in launch_times.items()}
+            row["forward_launch_host_ms"] = _medians(launch_times)
+            row["submit_host_ms"] = _medians(submits)
             row["forward_harness_only_ms"] = median(harness_only)
             yield row
 
 
+def _medians(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {name: median(values) for name, values in samples.items()}
+
+
 def _beside(
     loads: _Loads, side: Side, request: Any, forward: Forward
-) -> tuple[float, bool, float, float]:
-    """(load ms, checked ok, forward ms, forward launch host ms) of one request with the
-    forward queued right after its submissions. The launch's host time tells a forward held
-    back on the host (its start event already queued) from one slowed on the GPU."""
+) -> tuple[float, bool, float, float, float]:
+    """(load ms, checked ok, forward ms, forward launch host ms, submissions' host ms) of one
+    request with the forward queued right after its submissions. The launch's host time
+    tells a forward held back on the host (its start event already queued) from one slowed
+    on the GPU; the submissions' tells how long the engine's thread was held before it could
+    queue the forward at all."""
     events: list[tuple[Any, Any]] = []
     launch: list[float] = []
 
@@ -242,9 +259,9 @@ def _beside(
         # The check's kernels would otherwise run beside the forward's tail and stretch it.
         events[0][1].synchronize()
 
-    ms, ok = loads.through(side, request, queue_forward, forward_done)
+    ms, ok, submit_ms = loads.through(side, request, queue_forward, forward_done)
     start, end = events[0]
-    return ms, ok, start.elapsed_time(end), launch[0]
+    return ms, ok, start.elapsed_time(end), launch[0], submit_ms
 
 
 def _harness_only(side: Side, forward: Forward) -> float:

@@ -110,6 +110,8 @@ def test_the_summary_line_gives_each_sides_forward_launch_host_time_where_the_ro
     assert beside_rows.summary_line(row).endswith(
         "launch host 0.04/9.50 in a request of no job 16.2 identical=True"
     )
+    row["submit_host_ms"] = {"stock": 0.05, "kvcore": 11.25}
+    assert "kvcore 12.2 submit host 0.05/11.25  forward alone" in beside_rows.summary_line(row)
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,10 @@ def test_every_cell_has_its_rows_checked_and_the_forward_beside_each_request(mon
             row["tokens"] // 16 * MODEL.block_bytes / beside.LINK_GBPS / 1e6
         )
         assert row["own_ms"] > 0 and row["kvcore_ms"] > 0
+        # How long each side's submissions held the host: within its request's time.
+        submits = row["submit_host_ms"]
+        assert set(submits) == {"stock", "kvcore", "own"}
+        assert all(0 < submits[name] <= row[f"{name}_ms"] for name in ("kvcore", "own"))
     independent = rows[1]
     assert independent["forward_alone_ms"] == 3.0
     assert independent["forward_with_kvcore_ms"] == independent["forward_with_own_ms"] == 3.0
