@@ -17,12 +17,13 @@ import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
 
-from kvcore.kernels import KernelSet, gather_pairs
-from kvcore.kernels.overlap_ring import StageInLanes, slot_ring
+from kvcore.kernels import AddressRing, KernelSet, gather_pairs
+from kvcore.kernels.overlap_ring import SlotRing, StageInLanes, slot_ring
 from kvcore.planning.layers import LayerPairs, SourceRegion, layer_pairs
 from kvcore.planning.plans import TransferPlan
 from kvcore.runs import PairedRuns
@@ -185,16 +186,23 @@ class RegionLoad:
         span_bytes = span_rows * pairs.row_bytes
         self._slots, self._per_slot = ring_slots(per_lease, starts.size, span_bytes)
         self._pieces = -(-starts.size // self._per_slot)
-        # The first piece's runs alone before its DMA; every piece's in one pass after it.
-        self._piece_runs = _piece_runs(starts[: self._per_slot], span_rows, 1, self._per_slot)
         self.degraded: str | None = None
         self._exits = contextlib.ExitStack()
         try:
             buffer = self._exits.enter_context(owner.staging.lease(device))
             self._staged = owner._views(pairs, region, buffer, per_lease)
-            self._ring = self._exits.enter_context(slot_ring(owner._lanes, device, self._slots))
+            open_by_address = kernels.open_address_ring
+            self._ring: SlotRing | AddressRing
+            if open_by_address is None:
+                self._ring = self._exits.enter_context(slot_ring(owner._lanes, device, self._slots))
+                self._bases: tuple[int, int, int] | None = None
+            else:
+                self._ring = self._exits.enter_context(open_by_address(device, self._slots))
+                self._bases = (self._host.data_ptr(), self._staged.rows.data_ptr(), pairs.row_bytes)
+            # The first piece's runs alone before its DMA; every piece's in one pass after it.
+            self._set_pieces(_piece_columns(starts[: self._per_slot], span_rows, 1, self._per_slot))
             self._fill(0)
-            self._piece_runs = _piece_runs(starts, span_rows, self._slots, self._per_slot)
+            self._set_pieces(_piece_columns(starts, span_rows, self._slots, self._per_slot))
             positions = _job_positions(
                 starts.size, self._slots, self._per_slot, region.spacing, span_rows
             )
@@ -251,9 +259,19 @@ class RegionLoad:
                     self._fill(piece + slots)
         return self.degraded
 
+    def _set_pieces(self, columns: _PieceColumns) -> None:
+        if self._bases is None:
+            self._piece_runs = _piece_runs(columns)
+        else:
+            self._piece_copies = _piece_copies(columns, *self._bases)
+
     def _fill(self, piece: int) -> None:
         """Queue piece ``piece``'s DMA into its slot, after the scatter that last read it."""
-        with self._ring.filling(piece % self._slots, reused=piece >= self._slots):
+        slot, reused = piece % self._slots, piece >= self._slots
+        if self._bases is not None:
+            cast(AddressRing, self._ring).fill(slot, reused, self._piece_copies(piece))
+            return
+        with cast(SlotRing, self._ring).filling(slot, reused=reused):
             copied = self._kernels.copy_runs(self._host, self._staged.rows, self._piece_runs(piece))
         self.degraded = copied or self.degraded
 
@@ -295,14 +313,21 @@ def _page_starts(rows: np.ndarray, spacing: int) -> np.ndarray | None:
     return starts
 
 
-def _piece_runs(
-    starts: np.ndarray, span_rows: int, slots: int, per_slot: int
-) -> Callable[[int], PairedRuns]:
+@dataclass(frozen=True)
+class _PieceColumns:
+    """Every piece's DMA runs in rows: source start, staging start, length and offset in the
+    piece (the rows of ``runs``), piece ``p``'s being columns ``bounds[p]`` on."""
+
+    runs: np.ndarray
+    bounds: list[int]
+
+
+def _piece_columns(starts: np.ndarray, span_rows: int, slots: int, per_slot: int) -> _PieceColumns:
     """The DMA runs of each piece of a page-in whose spans' first region rows are
     ``starts`` (in order), piece ``p`` being spans ``p * per_slot`` on, into consecutive
     staging spans of slot ``p % slots``: one run where a span follows the previous one in
     the region within a piece. Found for every piece in one pass; each piece's are read
-    out as it is issued."""
+    out as it is issued (:func:`_piece_runs`, :func:`_piece_copies`)."""
     span = np.arange(starts.size, dtype=np.int64)
     piece = span // per_slot
     opens = np.ones(starts.size, dtype=bool)
@@ -310,20 +335,44 @@ def _piece_runs(
     firsts = np.flatnonzero(opens)
     lasts = np.append(firsts[1:], starts.size)
     in_piece = firsts - piece[firsts] * per_slot
-    # One tensor of all four columns: each conversion to torch costs microseconds.
     columns = np.empty((4, firsts.size), dtype=np.int64)
     columns[0] = starts[firsts]
     columns[1] = ((piece[firsts] % slots) * per_slot + in_piece) * span_rows
     columns[2] = (lasts - firsts) * span_rows
     columns[3] = in_piece * span_rows
-    src_starts, dst_starts, lengths, offsets = torch.from_numpy(columns)
     bounds = np.searchsorted(piece[firsts], np.arange(piece[-1] + 2)).tolist()
+    return _PieceColumns(columns, bounds)
+
+
+def _piece_runs(columns: _PieceColumns) -> Callable[[int], PairedRuns]:
+    """Each piece's runs of rows, as ``KernelSet.copy_runs`` takes them."""
+    # One tensor of all four columns: each conversion to torch costs microseconds.
+    src_starts, dst_starts, lengths, offsets = torch.from_numpy(columns.runs)
+    bounds = columns.bounds
 
     def runs(index: int) -> PairedRuns:
         at = slice(bounds[index], bounds[index + 1])
         return PairedRuns(src_starts[at], dst_starts[at], lengths[at], offsets[at])
 
     return runs
+
+
+def _piece_copies(
+    columns: _PieceColumns, src_base: int, dst_base: int, row_bytes: int
+) -> Callable[[int], list[tuple[int, int, int]]]:
+    """Each piece's runs as ``(dst, src, nbytes)`` copies by address, from host rows at
+    ``src_base`` into staging rows at ``dst_base``, rows of ``row_bytes``."""
+    runs = columns.runs
+    copies = list(
+        zip(
+            (dst_base + runs[1] * row_bytes).tolist(),
+            (src_base + runs[0] * row_bytes).tolist(),
+            (runs[2] * row_bytes).tolist(),
+            strict=True,
+        )
+    )
+    bounds = columns.bounds
+    return lambda index: copies[bounds[index] : bounds[index + 1]]
 
 
 def _job_positions(

@@ -8,7 +8,8 @@ DMAs, whether a DMA began as soon as the host issued it, the host's time inside 
 ring's DMA and scatter calls, and the last scatter's end; then one submission's host work
 is profiled up to its first DMA, and one more whole (``prefix_profile``,
 ``submission_profile``).
-``PIECE_CAP_MIB`` and ``RING_SLOTS`` set region staging's ring as ``scripts/ring_pieces.py`` does.
+``PIECE_CAP_MIB``, ``RING_SLOTS`` and ``ADDRESS_RING`` set region staging's ring as
+``scripts/ring_pieces.py`` does.
 
     python3 scripts/region_tail_probe.py [--rows mla] [--sizes 8192,32768] [--requests 4]
         [--compute none,prefill-4096] [--events] [--json out.json]
@@ -44,7 +45,7 @@ from benchmarks.vllm.sweep_plan import BLOCK_TOKENS
 from benchmarks.vllm.sweep_pools import Pools, RequestDrawer, slice_blocks
 from benchmarks.vllm.sweep_sides import kvcore_side
 from kvcore import region_staging
-from kvcore.kernels.overlap_ring import SlotRing
+from kvcore.kernels.overlap_ring import AddressRing, SlotRing
 from kvcore.region_staging import RegionLoad, RegionStaging
 
 
@@ -87,9 +88,9 @@ class RingClock:
         self.whole: cProfile.Profile | None = None
 
     @staticmethod
-    def _event() -> torch.cuda.Event:
+    def _event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(stream)
         return event
 
     def begin(self) -> None:
@@ -120,6 +121,7 @@ class RingClock:
         """The clock on ``handler``'s submissions and on every slot ring's pieces."""
         clock, submit = self, handler.transfer_async
         filling, draining = SlotRing.filling, SlotRing.draining
+        fill, address_draining = AddressRing.fill, AddressRing.draining
         begin = RegionStaging.begin
 
         def timed_begin(staging: RegionStaging, *args: Any, **kwargs: Any) -> Any:
@@ -138,28 +140,50 @@ class RingClock:
         def timed_filling(ring: SlotRing, slot: int, reused: bool) -> Iterator[None]:
             if not clock.fills and clock.prefix is not None:
                 clock.prefix.disable()
+            entered = time.perf_counter()
             with filling(ring, slot, reused):
                 issued, began = time.perf_counter(), clock._event()
                 yield
                 clock.fills.append((began, clock._event(), issued))
-                clock.host_in_dmas += time.perf_counter() - issued
+            clock.host_in_dmas += time.perf_counter() - entered
 
-        @contextlib.contextmanager
-        def timed_draining(ring: SlotRing, slot: int, refilled: bool) -> Iterator[None]:
-            issued = time.perf_counter()
-            with draining(ring, slot, refilled):
-                yield
-                clock.drains.append(clock._event())
-            clock.host_in_scatters += time.perf_counter() - issued
+        def timed_fill(ring: AddressRing, slot: int, reused: bool, copies: Any) -> None:
+            # The slot's wait first, so that the events time the copies alone.
+            if not clock.fills and clock.prefix is not None:
+                clock.prefix.disable()
+            entered = time.perf_counter()
+            lanes = ring._lanes
+            if reused:
+                lanes.calls.wait(lanes.dma_handle, lanes.freed[slot])
+            issued, began = time.perf_counter(), clock._event(lanes.dma)
+            fill(ring, slot, False, copies)
+            clock.fills.append((began, clock._event(lanes.dma), issued))
+            clock.host_in_dmas += time.perf_counter() - entered
+
+        def timed_draining(
+            original: Callable[..., Any],
+        ) -> Callable[[Any, int, bool], contextlib.AbstractContextManager[None]]:
+            @contextlib.contextmanager
+            def timed(ring: Any, slot: int, refilled: bool) -> Iterator[None]:
+                issued = time.perf_counter()
+                with original(ring, slot, refilled):
+                    yield
+                    clock.drains.append(clock._event())
+                clock.host_in_scatters += time.perf_counter() - issued
+
+            return timed
 
         handler.transfer_async = transfer_async
         RegionStaging.begin = timed_begin  # type: ignore[method-assign,assignment]
         SlotRing.filling = timed_filling  # type: ignore[method-assign,assignment]
-        SlotRing.draining = timed_draining  # type: ignore[method-assign,assignment]
+        SlotRing.draining = timed_draining(draining)  # type: ignore[method-assign,assignment]
+        AddressRing.fill = timed_fill  # type: ignore[method-assign,assignment]
+        AddressRing.draining = timed_draining(address_draining)  # type: ignore[method-assign,assignment]
         try:
             yield
         finally:
             SlotRing.filling, SlotRing.draining = filling, draining  # type: ignore[method-assign]
+            AddressRing.fill, AddressRing.draining = fill, address_draining  # type: ignore[method-assign]
             RegionStaging.begin = begin  # type: ignore[method-assign]
             handler.transfer_async = submit
 
@@ -374,8 +398,7 @@ def main(argv: list[str]) -> int:
         return 2
     import ring_pieces  # beside this script: PIECE_CAP_MIB and RING_SLOTS, as it reads them
 
-    region_staging._MAX_PIECE_BYTES = ring_pieces.piece_cap_bytes(dict(os.environ))
-    region_staging.RING_SLOTS = ring_pieces.ring_slots(dict(os.environ))
+    ring_pieces.apply(dict(os.environ))
     out = []
     for tokens in map(int, sizes):
         for compute in computes:

@@ -11,8 +11,9 @@ place of either; :func:`unregister_kernels` takes an entry out again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -45,6 +46,19 @@ StageInPrepared = Callable[["LayerPairs", object, torch.Tensor], None]
 # Index tensors on a device, ready for work issued next on the current stream, without a
 # host sync: a job's rows uploaded once, then read piece by piece.
 UploadRows = Callable[[tuple[torch.Tensor, ...], torch.device], tuple[torch.Tensor, ...]]
+
+
+class AddressRing(Protocol):
+    """Slots of a staging buffer taken in turn, each piece's DMAs given by address
+    (:class:`~kvcore.kernels.overlap_ring.AddressRing`)."""
+
+    def fill(self, slot: int, reused: bool, copies: Sequence[tuple[int, int, int]]) -> None: ...
+
+    def draining(self, slot: int, refilled: bool) -> AbstractContextManager[None]: ...
+
+
+# A ring of this many slots on a device, joined to its current stream while open.
+OpenAddressRing = Callable[[torch.device, int], AbstractContextManager[AddressRing]]
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,9 @@ class KernelSet:
     upload_rows: UploadRows | None = None
     """Indices on their device in one upload. None: a page-in staged by region hands each
     piece's host indices to ``prepare_rows``."""
+    open_address_ring: OpenAddressRing | None = None
+    """A ring whose pieces are copied by address, for a page-in staged by region. None: its
+    pieces go through ``copy_runs`` on a ring of torch's streams and events."""
 
 
 REFERENCE = KernelSet(

@@ -12,19 +12,23 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvcore.kernels import KernelSet, PreparedGather, reference
-from kvcore.kernels.cudart import device_address
+from kvcore.kernels.cudart import device_address, stream_calls
 from kvcore.kernels.index_upload import IndexUploader, KeptUpload
 from kvcore.kernels.layer_ring import LayerRing, stage_in_ring
 from kvcore.kernels.overlap_ring import (
     OVERLAP_MAX_SLOTS,
     OVERLAP_MIN_UNITS,
+    AddressLanes,
+    AddressRing,
     StageInLanes,
+    address_ring,
     overlap_slots,
     stage_in_overlapped,
 )
@@ -119,6 +123,7 @@ class _CudaIndexedOps:
         self._uploaders: dict[torch.device, IndexUploader] = {}
         self._scatter_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._lanes: dict[torch.device, StageInLanes] = {}
+        self._address_lanes: dict[torch.device, AddressLanes] = {}
         self._rings: dict[torch.device, LayerRing] = {}
         self._slot_scatter = SlotScatter(ring_scatter_ctas)
         self.overlap_max_slots = OVERLAP_MAX_SLOTS
@@ -347,6 +352,15 @@ class _CudaIndexedOps:
         else:
             stage_in_overlapped(self._lanes, pairs, chunks, staging, *slots)
 
+    def open_address_ring(
+        self, device: torch.device, slots: int
+    ) -> AbstractContextManager[AddressRing]:
+        """A ring of ``slots`` slots whose pieces are copied by address on ``device``."""
+        calls = stream_calls()
+        if calls is None:
+            raise RuntimeError("no CUDA runtime is loaded for a ring copied by address")
+        return address_ring(self._address_lanes, device, slots, calls)
+
     def stage_out(
         self,
         src_words: torch.Tensor,
@@ -430,4 +444,5 @@ def cuda_kernels(
         prepare_stage_in=ops.prepare_stage_in if staged_pieces == 1 else None,
         stage_in_prepared=ops.stage_in_prepared if staged_pieces == 1 else None,
         upload_rows=ops.upload_rows,
+        open_address_ring=ops.open_address_ring if stream_calls() is not None else None,
     )

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 import torch
 
 from kvcore.kernels import reference
+from kvcore.kernels.cudart import StreamCalls
+from kvcore.kernels.index_upload import current_stream_handle
 from kvcore.planning.layers import LayerPairs
 
 # A prepared staged page-in of many pairs (a vLLM job: every layer's K and V) goes through
@@ -108,6 +110,85 @@ def _joined_lanes(
         # Whatever was issued, the lease's next holder waits for it: a DMA left running by
         # a failed call would otherwise write into its staging rows.
         current.wait_stream(lanes.dma)
+
+
+class AddressLanes:
+    """A device's second stream and events for rings whose pieces are copied by address,
+    every copy, wait and record a call of the CUDA runtime (:class:`StreamCalls`)."""
+
+    def __init__(self, device: torch.device, calls: StreamCalls) -> None:
+        self.calls = calls
+        self.dma = torch.cuda.Stream(device=device)
+        self.dma_handle = int(self.dma.cuda_stream)
+        self.joined = calls.event()
+        self.filled: list[int] = []
+        self.freed: list[int] = []
+
+    def events_for(self, slots: int) -> None:
+        while len(self.filled) < slots:
+            self.filled.append(self.calls.event())
+            self.freed.append(self.calls.event())
+
+
+class AddressRing:
+    """:class:`SlotRing`'s order, its pieces given as copies by address: :meth:`fill` issues
+    a piece's copies on the second stream after the scatter that last read the slot, and
+    what is issued under :meth:`draining` goes on the current stream after the slot's fill.
+
+    A few µs of host time a piece where SlotRing's torch calls take tens (a stream switch,
+    an Event object a record, a tensor slice and a dispatch a copy): a staged load of many
+    pieces is issued whole in its ``transfer_async``, so each piece's host time holds the
+    engine's thread, and where it exceeds the piece's time on the link the DMAs wait for the
+    host."""
+
+    def __init__(self, lanes: AddressLanes, current: int) -> None:
+        self._lanes = lanes
+        self._current = current
+
+    def fill(self, slot: int, reused: bool, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Copy each ``(dst, src, nbytes)`` into slot ``slot``, after the scatter that last
+        read it where the slot is ``reused``."""
+        lanes = self._lanes
+        calls, dma = lanes.calls, lanes.dma_handle
+        if reused:
+            calls.wait(dma, lanes.freed[slot])
+        for dst, src, nbytes in copies:
+            calls.copy(dst, src, nbytes, dma)
+        calls.record(lanes.filled[slot], dma)
+
+    @contextmanager
+    def draining(self, slot: int, refilled: bool) -> Iterator[None]:
+        lanes, current = self._lanes, self._current
+        lanes.calls.wait(current, lanes.filled[slot])
+        yield
+        if refilled:
+            lanes.calls.record(lanes.freed[slot], current)
+
+
+@contextmanager
+def address_ring(
+    lanes_by_device: dict[torch.device, AddressLanes],
+    device: torch.device,
+    slots: int,
+    calls: StreamCalls,
+) -> Iterator[AddressRing]:
+    """An :class:`AddressRing` of ``slots`` slots on ``device`` (its lanes kept in
+    ``lanes_by_device``, made on first use), joined to the current stream as
+    :func:`_joined_lanes` says."""
+    lanes = lanes_by_device.get(device)
+    if lanes is None:
+        lanes = lanes_by_device.setdefault(device, AddressLanes(device, calls))
+    lanes.events_for(slots)
+    current = current_stream_handle(device, device.index)
+    calls.record(lanes.joined, current)
+    calls.wait(lanes.dma_handle, lanes.joined)
+    try:
+        yield AddressRing(lanes, current)
+    finally:
+        # As _joined_lanes: the lease's next holder waits for every DMA issued, a failed
+        # call's too.
+        calls.record(lanes.joined, lanes.dma_handle)
+        calls.wait(current, lanes.joined)
 
 
 def overlap_slots(

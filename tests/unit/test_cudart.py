@@ -314,6 +314,86 @@ def test_a_slot_ring_fills_on_the_second_stream_drains_on_the_current_and_ends_j
     ]
 
 
+class _FakeCalls:
+    """StreamCalls noting each call by the names of its handles (events 100 on, streams
+    below)."""
+
+    def __init__(self, log: _Log, names: dict[int, str]) -> None:
+        self.log, self.names = log, names
+
+    def event(self) -> int:
+        handle = 100 + len([n for n in self.names if n >= 100])
+        self.names[handle] = f"event{handle - 100}"
+        return handle
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.log.append(f"copy {nbytes} from {src} to {dst} on {self.names[stream]}")
+
+    def record(self, event: int, stream: int) -> None:
+        self.log.append(f"{self.names[event]} recorded on {self.names[stream]}")
+
+    def wait(self, stream: int, event: int) -> None:
+        self.log.append(f"{self.names[stream]} waits {self.names[event]}")
+
+
+def _address_ring_on_fakes(monkeypatch) -> tuple[_Log, _FakeCalls, dict]:
+    log, names = _Log(), {1: "current", 2: "dma"}
+    calls = _FakeCalls(log, names)
+    monkeypatch.setattr(
+        overlap_ring.torch.cuda, "Stream", lambda device: types.SimpleNamespace(cuda_stream=2)
+    )
+    monkeypatch.setattr(overlap_ring, "current_stream_handle", lambda device, index: 1)
+    return log, calls, {}
+
+
+def test_an_address_ring_copies_on_the_second_stream_drains_on_the_current_and_ends_joined(
+    monkeypatch,
+):
+    log, calls, lanes = _address_ring_on_fakes(monkeypatch)
+    device = torch.device("cuda", 0)
+    with overlap_ring.address_ring(lanes, device, 2, calls) as ring:
+        ring.fill(1, False, [(5000, 9000, 64), (5064, 9500, 32)])
+        with ring.draining(1, refilled=True):
+            log.append("scatter from slot 1")
+        ring.fill(1, True, [(5000, 7000, 96)])
+        with ring.draining(1, refilled=False):
+            log.append("scatter from slot 1 again")
+    # event0 joins the streams; slot s has filled event 1 + 2s and freed event 2 + 2s.
+    assert log == [
+        "event0 recorded on current",
+        "dma waits event0",
+        "copy 64 from 9000 to 5000 on dma",
+        "copy 32 from 9500 to 5064 on dma",
+        "event3 recorded on dma",
+        "current waits event3",
+        "scatter from slot 1",
+        "event4 recorded on current",
+        "dma waits event4",
+        "copy 96 from 7000 to 5000 on dma",
+        "event3 recorded on dma",
+        "current waits event3",
+        "scatter from slot 1 again",
+        "event0 recorded on dma",
+        "current waits event0",
+    ]
+    # The device's lanes are kept: a second ring makes no new stream or events.
+    log.clear()
+    with overlap_ring.address_ring(lanes, device, 2, calls):
+        pass
+    assert len(calls.names) == 2 + 5
+    assert log[-1] == "current waits event0"
+
+
+def test_a_failed_call_through_an_address_ring_still_ends_joined(monkeypatch):
+    log, calls, lanes = _address_ring_on_fakes(monkeypatch)
+    with (
+        pytest.raises(RuntimeError, match="a copy failed"),
+        overlap_ring.address_ring(lanes, torch.device("cuda", 0), 2, calls),
+    ):
+        raise RuntimeError("a copy failed")
+    assert log[-2:] == ["event0 recorded on dma", "current waits event0"]
+
+
 def test_a_failed_call_through_either_ring_still_ends_joined_to_the_second_stream(monkeypatch):
     log, lanes = _fake_cuda_streams(monkeypatch)
     with (

@@ -4,6 +4,8 @@ vLLM's shared CPU tier, where a chunk row holds every tensor's pages side by sid
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import json
 import random
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcore import region_staging
+from kvcore import kernels, region_staging
 from kvcore.direction import Direction
 from kvcore.kernels import REFERENCE
 from kvcore.metrics import Metrics
@@ -265,11 +267,37 @@ def test_it_takes_only_page_ins_of_whole_pages_whose_span_fits():
     assert _load(region, [0, 1, 2], src_idx, dst_idx, tight) == ["gather"]
 
 
+class _MemmoveRing:
+    """An address ring whose pieces are copied on the host as they are filled (by
+    ``ctypes.memmove``, at the addresses the page-in hands it): its address arithmetic is
+    then checked byte for byte."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+
+    def fill(self, slot: int, reused: bool, copies: list[tuple[int, int, int]]) -> None:
+        for dst, src, nbytes in copies:
+            ctypes.memmove(dst, src, nbytes)
+            self.copies += 1
+
+    @contextlib.contextmanager
+    def draining(self, slot: int, refilled: bool):
+        yield
+
+
+@pytest.mark.parametrize("by_address", [False, True], ids=["torch_ring", "address_ring"])
 @pytest.mark.parametrize("seed", range(60))
-def test_random_loads_through_the_ring_copy_every_pair_exactly(monkeypatch, seed):
+def test_random_loads_through_the_ring_copy_every_pair_exactly(monkeypatch, seed, by_address):
     """Random spacings, paddings, pair orders, staging sizes and chunk sets, one piece of a
     span or more a slot, two loads in turn through one mover (its kept views and slots
-    reused): every copied row exact, every other row untouched, the region unchanged."""
+    reused): every copied row exact, every other row untouched, the region unchanged; with
+    the pieces copied by address too (:class:`_MemmoveRing`)."""
+    ring = _MemmoveRing()
+    if by_address:
+        opened = dataclasses.replace(
+            REFERENCE, open_address_ring=lambda device, slots: contextlib.nullcontext(ring)
+        )
+        monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", opened)
     rnd = random.Random(seed)
     monkeypatch.setattr(region_staging, "_MIN_PIECE_BYTES", rnd.choice((1, 3 * ROW_BYTES, 1 << 20)))
     spacing = rnd.randint(1, 4)
@@ -298,6 +326,7 @@ def test_random_loads_through_the_ring_copy_every_pair_exactly(monkeypatch, seed
     assert torch.equal(region.host, host_before)
     assert mover.metrics is not None
     assert {row["path"] for row in mover.metrics.snapshot()["transfers"]} == {"staged"}
+    assert (ring.copies > 0) == by_address
 
 
 def test_the_slot_count_holds_against_the_json_it_cites():
