@@ -16,11 +16,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # shellcheck source=scripts/vllm_device_env.sh
 source scripts/vllm_device_env.sh || exit 1
-if [ "${TESTS:-1}" = 1 ]; then
-    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_region_staging_gpu.py \
-        tests/integration/vllm/test_vllm_transfers_gpu.py > "$OUT/tests.log" 2>&1
-    echo "tests rc=$? $(tail -1 "$OUT/tests.log")"
-fi
+[ "${TESTS:-1}" = 1 ] && OUT="$OUT" bash scripts/region_gpu_tests.sh
 for ring in address torch; do
     value=$([ "$ring" = address ] && echo 1 || echo 0)
     ADDRESS_RING=$value timeout 120 python3 scripts/region_tail_probe.py --rows mla \
