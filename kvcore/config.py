@@ -126,6 +126,13 @@ class KVCoreConfig:
         "them: the first chunks' DMAs run during the planning, which checks them before any "
         "page is written (off until measured on a GPU)",
     )
+    address_ring: bool = _setting(
+        False,
+        BOOLEAN,
+        "vLLM's loads staged by region issue each piece's copies, waits and records as one "
+        "CUDA runtime call each, not through torch's streams and events, whose host time "
+        "held transfer_async for about the whole load (off until it has run on a GPU)",
+    )
     metrics: bool = _setting(True, BOOLEAN, "collect transfer metrics (Prometheus when installed)")
     transfers: bool = _setting(
         True,

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Region staging's ring issued by address (the package's) against torch's ring
-# (ADDRESS_RING=0) on the GPU machine in one device call: the GPU tests of region staging
-# and of vLLM's handler, scripts/region_tail_probe.py --events with each (the host's time
-# in the ring's calls, the DMAs' busy time), then `kvcore bench --engine vllm --sweep
-# --beside-compute` with each, alternated ROUNDS times (scripts/ring_pieces.py sets the
-# ring). Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried.
+# Region staging's ring issued by address (KVCORE_ADDRESS_RING=1) against torch's ring (0)
+# on the GPU machine in one device call: the GPU tests of region staging and of vLLM's
+# handler (both rings), scripts/region_tail_probe.py --events with each (the host's time in
+# the ring's calls, the DMAs' busy time), then `kvcore bench --engine vllm --sweep
+# --beside-compute` with each, alternated ROUNDS times. Needs .vllm-tree/
+# (scripts/vllm_device_tree.sh) carried.
 #
 #   OUT=<dir> [SIZES=8192] [ROUNDS=2] [TESTS=1] bash scripts/address_ring_gpu.sh
 #
@@ -19,7 +19,7 @@ source scripts/vllm_device_env.sh || exit 1
 [ "${TESTS:-1}" = 1 ] && OUT="$OUT" bash scripts/region_gpu_tests.sh
 for ring in address torch; do
     value=$([ "$ring" = address ] && echo 1 || echo 0)
-    ADDRESS_RING=$value timeout 120 python3 scripts/region_tail_probe.py --rows mla \
+    KVCORE_ADDRESS_RING=$value timeout 120 python3 scripts/region_tail_probe.py --rows mla \
         --sizes "${SIZES:-8192}" --compute none,prefill-4096 --events \
         --json "$OUT/tail-$ring.json" > "$OUT/tail-$ring.log" 2>&1
     echo "tail $ring rc=$? at ${SECONDS}s"
@@ -28,7 +28,7 @@ done
 for round in $(seq "${ROUNDS:-2}"); do
     for ring in address torch; do
         value=$([ "$ring" = address ] && echo 1 || echo 0)
-        ADDRESS_RING=$value python3 scripts/ring_pieces.py bench --engine vllm --sweep \
+        KVCORE_ADDRESS_RING=$value python3 -m kvcore bench --engine vllm --sweep \
             --beside-compute --rows mla --sizes "${SIZES:-8192}" \
             --json "$OUT/$ring-$round.json" > "$OUT/$ring-$round.log" 2>&1
         echo "$ring $round rc=$? at ${SECONDS}s"

@@ -8,8 +8,8 @@ DMAs, whether a DMA began as soon as the host issued it, the host's time inside 
 ring's DMA and scatter calls, and the last scatter's end; then one submission's host work
 is profiled up to its first DMA, and one more whole (``prefix_profile``,
 ``submission_profile``).
-``PIECE_CAP_MIB``, ``RING_SLOTS`` and ``ADDRESS_RING`` set region staging's ring as
-``scripts/ring_pieces.py`` does.
+``PIECE_CAP_MIB`` and ``RING_SLOTS`` set region staging's ring as ``scripts/ring_pieces.py``
+does; ``KVCORE_ADDRESS_RING`` picks the ring by address or torch's.
 
     python3 scripts/region_tail_probe.py [--rows mla] [--sizes 8192,32768] [--requests 4]
         [--compute none,prefill-4096] [--events] [--json out.json]

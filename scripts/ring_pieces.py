@@ -1,7 +1,6 @@
 """``kvcore bench`` with region staging's ring pieces of at most ``PIECE_CAP_MIB`` MiB (0: no
 cap beyond a quarter of the lease) and ``RING_SLOTS`` slots, to compare them on one GPU
-machine (either unset: the package's); ``ADDRESS_RING=0`` issues the ring through torch's
-streams and events instead of by address (as before the address ring):
+machine (either unset: the package's):
 
     PIECE_CAP_MIB=0 RING_SLOTS=8 python3 scripts/ring_pieces.py bench --engine vllm --sweep \\
         --beside-compute --rows mla --sizes 8192,32768 --json out.json
@@ -42,13 +41,6 @@ def apply(environ: dict[str, str]) -> None:
     """Set the package's ring as ``environ`` says, before any mover is made."""
     region_staging._MAX_PIECE_BYTES = piece_cap_bytes(environ)
     region_staging.RING_SLOTS = ring_slots(environ)
-    address = environ.get("ADDRESS_RING", "1")
-    if address not in ("0", "1"):
-        raise SystemExit(f"ADDRESS_RING={address}: give 1 (by address, the package's) or 0")
-    if address == "0":
-        from kvcore.kernels import cuda
-
-        cuda.stream_calls = lambda: None  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ def _cuda_kernels(policy: PathPolicy) -> KernelSet:
         policy.gather_ctas_to_host,
         short_rows=(policy.gather_ctas_short_rows, policy.short_row_bytes),
         ring_scatter_ctas=policy.ring_scatter_ctas,
+        by_address=policy.address_ring,
     )
 
 

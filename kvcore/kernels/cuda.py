@@ -420,10 +420,12 @@ def cuda_kernels(
     *,
     short_rows: tuple[int, int] | None = None,
     ring_scatter_ctas: int = RING_SCATTER_CTAS,
+    by_address: bool = False,
 ) -> KernelSet:
     """``short_rows``: (CTAs, bytes), the gather's CTAs for device rows under that many
     bytes (None: ``gather_ctas`` for every device row); ``ring_scatter_ctas``: the layer
-    ring's scatter's."""
+    ring's scatter's; ``by_address``: region staging's ring by address, where a CUDA
+    runtime is loaded."""
     ops = _CudaIndexedOps(
         gather_ctas, staged_pieces, gather_ctas_to_host, short_rows, ring_scatter_ctas
     )
@@ -444,5 +446,7 @@ def cuda_kernels(
         prepare_stage_in=ops.prepare_stage_in if staged_pieces == 1 else None,
         stage_in_prepared=ops.stage_in_prepared if staged_pieces == 1 else None,
         upload_rows=ops.upload_rows,
-        open_address_ring=ops.open_address_ring if stream_calls() is not None else None,
+        open_address_ring=(
+            ops.open_address_ring if by_address and stream_calls() is not None else None
+        ),
     )

@@ -102,6 +102,10 @@ class PathPolicy:
     """Such page-ins may begin before they are planned
     (:meth:`kvcore.mover.Mover.begin_region_load`): off until an A/B on a GPU shows their
     first DMA sooner and no load slower."""
+    address_ring: bool = False
+    """Such page-ins issue their ring by address, a CUDA runtime call a copy, wait or record
+    (``KernelSet.open_address_ring``), where the kernel set has it: off until it has run on
+    a GPU."""
 
     def __post_init__(self) -> None:
         sizes = (
@@ -138,6 +142,7 @@ def policy_from_config(config: KVCoreConfig) -> PathPolicy:
         staged_pieces=config.staged_pieces,
         stage_regions=config.stage_regions,
         begin_region_loads=config.begin_region_loads,
+        address_ring=config.address_ring,
     )
 
 

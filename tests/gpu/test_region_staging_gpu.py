@@ -36,8 +36,9 @@ def _random(shape: tuple[int, ...]) -> torch.Tensor:
 )
 @pytest.mark.parametrize("staging_spans", [64, 7])
 @pytest.mark.parametrize("path", [TransferPath.GATHER, TransferPath.BATCHED_RUNS])
+@pytest.mark.parametrize("by_address", [False, True], ids=["torch_ring", "address_ring"])
 def test_a_load_staged_by_region_copies_every_tensor_exactly(
-    tensors, page_bytes, row_bytes, staging_spans, path
+    tensors, page_bytes, row_bytes, staging_spans, path, by_address
 ):
     spacing = page_bytes // row_bytes
     period = -(-tensors * page_bytes // 4096) * 4096 // row_bytes
@@ -54,8 +55,13 @@ def test_a_load_staged_by_region_copies_every_tensor_exactly(
     dst_idx = (blocks[:, None] * spacing + each).reshape(-1)
     for src, want in zip(srcs, expected, strict=True):
         want[dst_idx.cuda()] = src[src_idx].cuda()
-    policy = PathPolicy(stage_regions="all", staging_bytes=staging_spans * tensors * page_bytes)
+    policy = PathPolicy(
+        stage_regions="all",
+        staging_bytes=staging_spans * tensors * page_bytes,
+        address_ring=by_address,
+    )
     mover = Mover(policy, metrics=Metrics())
+    assert (mover.kernels(dsts[0].device).open_address_ring is not None) == by_address
     pairs = layer_pairs(srcs, dsts)
     chosen = plan(srcs[0], dsts[0], src_idx, dst_idx, direction=Direction.H2D, force=path)
     mover.execute(chosen, pairs)

@@ -161,6 +161,18 @@ def test_the_layer_rings_scatter_takes_the_policys_ctas():
     assert "ring_scatter_ctas=5" in named
 
 
+def test_the_policy_opens_the_address_ring_only_where_a_cuda_runtime_is_loaded(monkeypatch):
+    from kvcore.kernels import kernels_for
+    from kvcore.planning.path_policy import PathPolicy
+
+    device = torch.device("cuda")
+    monkeypatch.setattr(cuda, "stream_calls", lambda: object())
+    assert kernels_for(device, PathPolicy()).open_address_ring is None
+    assert kernels_for(device, PathPolicy(address_ring=True)).open_address_ring is not None
+    monkeypatch.setattr(cuda, "stream_calls", lambda: None)
+    assert kernels_for(device, PathPolicy(address_ring=True)).open_address_ring is None
+
+
 def test_a_layered_gather_that_falls_back_pair_by_pair_waits_for_its_rows_first(monkeypatch):
     """Rows kept on the device by ``prepare_rows`` may have been uploaded on another stream:
     the per-pair gathers of a fallback read them only after the current stream is ordered

@@ -37,19 +37,3 @@ def test_the_slots_are_the_packages_unless_named(monkeypatch):
 def test_a_slot_count_out_of_range_is_refused_in_one_line(text):
     with pytest.raises(SystemExit, match=f"RING_SLOTS={text}: give a slot count"):
         script.ring_slots({"RING_SLOTS": text})
-
-
-def test_address_ring_0_builds_cuda_kernel_sets_with_no_address_ring(monkeypatch):
-    from kvcore.kernels import cuda
-
-    monkeypatch.setattr(region_staging, "_MAX_PIECE_BYTES", region_staging._MAX_PIECE_BYTES)
-    monkeypatch.setattr(region_staging, "RING_SLOTS", region_staging.RING_SLOTS)
-    monkeypatch.setattr(cuda, "stream_calls", lambda: object())
-    assert cuda.cuda_kernels(4, 1, 2).open_address_ring is not None
-    script.apply({"ADDRESS_RING": "0"})
-    assert cuda.cuda_kernels(4, 1, 2).open_address_ring is None
-
-
-def test_an_address_ring_setting_other_than_0_or_1_is_refused_in_one_line():
-    with pytest.raises(SystemExit, match="ADDRESS_RING=off: give 1"):
-        script.apply({"ADDRESS_RING": "off"})

@@ -168,18 +168,22 @@ def test_mla_sized_blocks_store_by_dma_into_place_and_load_through_the_gather(
     assert paths == (["batched_runs"] if gpu_to_cpu else [load])
 
 
+@pytest.mark.parametrize("begun", ["1", "0"], ids=["begun", "planned_first"])
+@pytest.mark.parametrize("by_address", ["0", "1"], ids=["torch_ring", "address_ring"])
 def test_begun_loads_queued_back_to_back_land_after_the_compute_streams_writes(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, begun: str, by_address: str
 ) -> None:
-    """Loads from a shared CPU region begin before they are planned, their first DMAs ahead
-    of the job's wait for the compute stream: four jobs queued without a wait, while the
+    """Loads from a shared CPU region, begun before they are planned (their first DMAs ahead
+    of the job's wait for the compute stream) or not, through either ring: four jobs queued
+    without a wait, while the
     compute stream, held up, writes each job's destination pages last before the jobs. Every
     page ends with the loaded bytes (each scatter after the compute stream's write, each
     job's DMAs after the previous job's scatters read the staging slots), and every other
     page keeps its bytes."""
     from kvcore.metrics import Metrics
 
-    monkeypatch.setenv("KVCORE_BEGIN_REGION_LOADS", "1")
+    monkeypatch.setenv("KVCORE_BEGIN_REGION_LOADS", begun)
+    monkeypatch.setenv("KVCORE_ADDRESS_RING", by_address)
     device = torch.device("cuda")
     layout = Layout(
         page_bytes=18 << 10, tensors=4, gpu_blocks=512, cpu_chunks=512, shared_region=True
