@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# A setting of region staging, on against off, on the GPU machine in one device call: the GPU
+# tests of region staging and of vLLM's handler (both rings, begun loads or not), then
+# scripts/region_tail_probe.py --events with the setting on and off (the first DMA, the
+# host's time in the ring's calls, the DMAs' busy time, the submission's return), then
+# `kvcore bench --engine vllm --sweep --beside-compute --rows mla` on and off, alternated
+# ROUNDS times on one machine. SETTING is a boolean KVCORE_ variable:
+# KVCORE_ADDRESS_RING (the ring by address), KVCORE_BEGIN_REGION_LOADS (begun loads).
+# Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried, as scripts/vllm_sweep.sh does.
+#
+#   SETTING=<KVCORE_...> OUT=<dir> [SIZES=8192,32768] [ROUNDS=2] [TESTS=1] \
+#       bash scripts/region_setting_ab_gpu.sh
+#
+# Writes $OUT/on-<round>.json, $OUT/off-<round>.json, $OUT/probe-on.json, $OUT/probe-off.json
+# and the logs (tests.log, one per run), packed by scripts/pack_out.sh: a call brings back
+# at most 8 files. Each run's summary lines are printed too.
+set -uo pipefail
+SETTING=${SETTING:?name the KVCORE_ setting to compare, e.g. SETTING=KVCORE_ADDRESS_RING}
+OUT=${OUT:-out/${SETTING,,}}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# shellcheck source=scripts/vllm_device_env.sh
+source scripts/vllm_device_env.sh || exit 1
+if [ "${TESTS:-1}" = 1 ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_region_staging_gpu.py \
+        tests/integration/vllm/test_vllm_transfers_gpu.py > "$OUT/tests.log" 2>&1
+    echo "tests rc=$? $(tail -1 "$OUT/tests.log")"
+fi
+for setting in on off; do
+    value=$([ "$setting" = on ] && echo 1 || echo 0)
+    env "$SETTING=$value" timeout 120 python3 scripts/region_tail_probe.py --rows mla \
+        --sizes "${SIZES:-8192,32768}" --compute none,prefill-4096 --events \
+        --json "$OUT/probe-$setting.json" > "$OUT/probe-$setting.log" 2>&1
+    echo "probe $setting rc=$? at ${SECONDS}s"
+    grep "identical=" "$OUT/probe-$setting.log" | cut -c1-700
+done
+for round in $(seq "${ROUNDS:-2}"); do
+    for setting in on off; do
+        value=$([ "$setting" = on ] && echo 1 || echo 0)
+        env "$SETTING=$value" python3 -m kvcore bench --engine vllm --sweep \
+            --beside-compute --rows mla --sizes "${SIZES:-8192,32768}" \
+            --json "$OUT/$setting-$round.json" > "$OUT/$setting-$round.log" 2>&1
+        echo "$setting $round rc=$? at ${SECONDS}s"
+        grep "identical=" "$OUT/$setting-$round.log" | cut -c1-420
+    done
+done
+OUT="$OUT" bash scripts/pack_out.sh
