@@ -127,6 +127,11 @@ def summary_line(row: dict[str, Any]) -> str:
         launches = row.get("forward_launch_host_ms")
         if launches:
             forward += " launch host " + "/".join(f"{ms:.2f}" for ms in launches.values())
+        done = row.get("forward_done_ms")
+        if done:
+            forward += f" done alone {row['forward_done_alone_ms']:.1f} with " + "/".join(
+                f"{ms:.1f}" for ms in done.values()
+            )
         if "forward_harness_only_ms" in row:
             forward += f" in a request of no job {row['forward_harness_only_ms']:.1f}"
     own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""

@@ -202,6 +202,12 @@ class ForwardGraph:
             self.model.queue(None, count=count)
         self.count = count
 
+    def mark(self) -> torch.cuda.Event:
+        """An event on the forward's stream now: a start to time a later replay's end from."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
     def replay(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         assert self.graph is not None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -33,6 +33,9 @@ region (a process whose region sits far from the GPU is slower in every cell, an
 so), and ``submit_host_ms``: per side, how long the request's ``transfer_async`` calls held
 the host (the engine's thread, which queues the next forward only after them; the
 independent forward here is queued after them too, so its own time does not show it).
+``forward_done_ms`` (per side) times the independent forward's end from the request's start
+instead, and ``forward_done_alone_ms`` from its own queueing with no request: what the
+running batch waits in all, the submissions' hold included.
 """
 
 from __future__ import annotations
@@ -109,6 +112,24 @@ class Forward(Protocol):
     def size_for(self, target_ms: float) -> None: ...
 
     def replay(self) -> tuple[Any, Any]: ...
+
+    def mark(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class _Beside:
+    """One request of a side with the other batch's forward queued after its submissions."""
+
+    load_ms: float
+    checked: bool
+    forward_ms: float
+    """The forward's own time, from its first kernel to its last."""
+    launch_ms: float
+    """The host's time to queue the forward."""
+    submit_ms: float
+    """How long the request's submissions held the host before the forward could be queued."""
+    forward_done_ms: float
+    """From the request's first submission to the forward's end: the other batch's wait."""
 
 
 class _Loads:
@@ -195,29 +216,34 @@ def cells(
             forward_times: dict[str, list[float]] = {side.name: [] for side in sides}
             launch_times: dict[str, list[float]] = {side.name: [] for side in sides}
             submits = {side.name: [] for side in sides}
+            done_times: dict[str, list[float]] = {side.name: [] for side in sides}
             alone: list[float] = []
+            done_alone: list[float] = []
             harness_only: list[float] = []
             tally = Tally(_Metrics(kvcore))
             for i in range(opts.repeats + 1):
+                queued = forward.mark()
                 start, end = forward.replay()
                 end.synchronize()
                 control = _harness_only(kvcore, forward)
                 if i:
                     alone.append(start.elapsed_time(end))
+                    done_alone.append(queued.elapsed_time(end))
                     harness_only.append(control)
                 request = loads.drawer.draw(
                     blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu, gpu_frag=opts.gpu_frag
                 )
                 for side in _order(sides, i):
-                    ms, checked, forward_ms, launch_ms, submit_ms = tally.timed(
+                    beside_one: _Beside = tally.timed(
                         side, functools.partial(_beside, loads, side, request, forward)
                     )
-                    ok &= checked
+                    ok &= beside_one.checked
                     if i:
-                        reload_times[side.name].append(ms)
-                        submits[side.name].append(submit_ms)
-                        forward_times[side.name].append(forward_ms)
-                        launch_times[side.name].append(launch_ms)
+                        reload_times[side.name].append(beside_one.load_ms)
+                        submits[side.name].append(beside_one.submit_ms)
+                        forward_times[side.name].append(beside_one.forward_ms)
+                        launch_times[side.name].append(beside_one.launch_ms)
+                        done_times[side.name].append(beside_one.forward_done_ms)
             row = reload_row(
                 place,
                 "independent",
@@ -231,6 +257,8 @@ def cells(
             )
             row["forward_launch_host_ms"] = _medians(launch_times)
             row["submit_host_ms"] = _medians(submits)
+            row["forward_done_alone_ms"] = median(done_alone)
+            row["forward_done_ms"] = _medians(done_times)
             row["forward_harness_only_ms"] = median(harness_only)
             yield row
 
@@ -239,14 +267,12 @@ def _medians(samples: dict[str, list[float]]) -> dict[str, float]:
     return {name: median(values) for name, values in samples.items()}
 
 
-def _beside(
-    loads: _Loads, side: Side, request: Any, forward: Forward
-) -> tuple[float, bool, float, float, float]:
-    """(load ms, checked ok, forward ms, forward launch host ms, submissions' host ms) of one
-    request with the forward queued right after its submissions. The launch's host time
-    tells a forward held back on the host (its start event already queued) from one slowed
-    on the GPU; the submissions' tells how long the engine's thread was held before it could
-    queue the forward at all."""
+def _beside(loads: _Loads, side: Side, request: Any, forward: Forward) -> _Beside:
+    """One request with the forward queued right after its submissions. The launch's host
+    time tells a forward held back on the host (its start event already queued) from one
+    slowed on the GPU; the submissions' tells how long the engine's thread was held before
+    it could queue the forward at all; the forward's end from the request's start, what the
+    other batch waited in all."""
     events: list[tuple[Any, Any]] = []
     launch: list[float] = []
 
@@ -259,9 +285,10 @@ def _beside(
         # The check's kernels would otherwise run beside the forward's tail and stretch it.
         events[0][1].synchronize()
 
+    queued = forward.mark()
     ms, ok, submit_ms = loads.through(side, request, queue_forward, forward_done)
     start, end = events[0]
-    return ms, ok, start.elapsed_time(end), launch[0], submit_ms
+    return _Beside(ms, ok, start.elapsed_time(end), launch[0], submit_ms, queued.elapsed_time(end))
 
 
 def _harness_only(side: Side, forward: Forward) -> float:

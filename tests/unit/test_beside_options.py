@@ -112,6 +112,10 @@ def test_the_summary_line_gives_each_sides_forward_launch_host_time_where_the_ro
     )
     row["submit_host_ms"] = {"stock": 0.05, "kvcore": 11.25}
     assert "kvcore 12.2 submit host 0.05/11.25  forward alone" in beside_rows.summary_line(row)
+    row["forward_done_alone_ms"], row["forward_done_ms"] = 16.3, {"stock": 26.2, "kvcore": 37.9}
+    assert "launch host 0.04/9.50 done alone 16.3 with 26.2/37.9 in a request" in (
+        beside_rows.summary_line(row)
+    )
 
 
 @pytest.mark.parametrize(

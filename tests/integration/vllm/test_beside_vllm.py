@@ -31,14 +31,19 @@ LAUNCH_S = 0.002
 
 @dataclass
 class FakeEvent:
-    at: float
+    at_us: int
+    """The host clock when it was recorded, in whole µs (so differences are exact in ms)."""
     synchronized: bool = False
 
     def synchronize(self) -> None:
         self.synchronized = True
 
     def elapsed_time(self, end: FakeEvent) -> float:
-        return end.at - self.at
+        return (end.at_us - self.at_us) / 1000
+
+
+def _now_us() -> int:
+    return time.perf_counter_ns() // 1000
 
 
 @dataclass
@@ -54,13 +59,18 @@ class FakeForward:
     def size_for(self, target_ms: float) -> None:
         self.sized.append(target_ms)
 
+    def mark(self) -> FakeEvent:
+        return FakeEvent(_now_us())
+
     def replay(self) -> tuple[FakeEvent, FakeEvent]:
         # Job ids handed out so far: a replay inside a request comes after its submission.
         self.replays.append(f"after job {self.loads.next_id - 1}")
-        # A launch that holds the host (as a full launch queue would) for 2 ms.
+        # A launch that holds the host (as a full launch queue would) for 2 ms, then a
+        # forward of 3 ms from there.
         time.sleep(LAUNCH_S)
-        self.ends.append(FakeEvent(3.0))
-        return FakeEvent(0.0), self.ends[-1]
+        start = FakeEvent(_now_us())
+        self.ends.append(FakeEvent(start.at_us + 3000))
+        return start, self.ends[-1]
 
 
 def _setup(monkeypatch: pytest.MonkeyPatch, gpu_to_cpu: bool = False, model: ModelLayout = MODEL):
@@ -109,6 +119,13 @@ def test_every_cell_has_its_rows_checked_and_the_forward_beside_each_request(mon
     assert set(launches) == {"stock", "kvcore", "own"}
     assert all(LAUNCH_S * 1e3 <= ms < 50 * LAUNCH_S * 1e3 for ms in launches.values())
     assert "forward_launch_host_ms" not in rows[0]
+    # From the request's start, the forward ends after the submissions held the host, the
+    # launch and the forward itself; alone, after the launch and the forward.
+    done, submits = independent["forward_done_ms"], independent["submit_host_ms"]
+    assert set(done) == {"stock", "kvcore", "own"}
+    assert all(done[name] >= submits[name] + LAUNCH_S * 1e3 + 3.0 for name in done)
+    assert LAUNCH_S * 1e3 + 3.0 <= independent["forward_done_alone_ms"] < 50 * LAUNCH_S * 1e3
+    assert "forward_done_ms" not in rows[0]
     # The control: the forward inside a request with no job, no copy beside it.
     assert independent["forward_harness_only_ms"] == 3.0
     assert "forward_harness_only_ms" not in rows[0]
