@@ -137,11 +137,10 @@ def summary_line(row: dict[str, Any]) -> str:
     own = f" own {row['own_ms']:.1f}" if "own_ms" in row else ""
     plain = f" (plain copy {row['plain_copy_gbps']:.1f} GB/s)" if "plain_copy_gbps" in row else ""
     submits = row.get("submit_host_ms")
-    if submits:
-        plain += " submit host " + "/".join(f"{ms:.2f}" for ms in submits.values())
+    submit = " submit host " + "/".join(f"{ms:.2f}" for ms in submits.values()) if submits else ""
     case = f"{row['case']}/{row['op']}" if "op" in row else row["case"]
     return (
         f"{case} {row['tokens']} {row['situation']} {row['compute']}: link "
         f"{row['link_ms']:.1f} stock {row['stock_ms']:.1f} kvcore {row['kvcore_ms']:.1f}{own}"
-        f"{plain}{forward} identical={row['identical']}"
+        f"{plain}{submit}{forward} identical={row['identical']}"
     )

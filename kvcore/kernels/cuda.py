@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcore.kernels import KernelSet, PreparedGather, reference
-from kvcore.kernels.cudart import device_address, stream_calls
+from kvcore.kernels.cudart import StreamCalls, device_address, stream_calls
 from kvcore.kernels.index_upload import IndexUploader, KeptUpload
 from kvcore.kernels.layer_ring import LayerRing, stage_in_ring
 from kvcore.kernels.overlap_ring import (
@@ -353,12 +353,9 @@ class _CudaIndexedOps:
             stage_in_overlapped(self._lanes, pairs, chunks, staging, *slots)
 
     def open_address_ring(
-        self, device: torch.device, slots: int
+        self, calls: StreamCalls, device: torch.device, slots: int
     ) -> AbstractContextManager[AddressRing]:
         """A ring of ``slots`` slots whose pieces are copied by address on ``device``."""
-        calls = stream_calls()
-        if calls is None:
-            raise RuntimeError("no CUDA runtime is loaded for a ring copied by address")
         return address_ring(self._address_lanes, device, slots, calls)
 
     def stage_out(
@@ -429,6 +426,7 @@ def cuda_kernels(
     ops = _CudaIndexedOps(
         gather_ctas, staged_pieces, gather_ctas_to_host, short_rows, ring_scatter_ctas
     )
+    calls = stream_calls() if by_address else None
     short = "" if short_rows is None else f", short_rows={short_rows[0]}@<{short_rows[1]}B"
     return KernelSet(
         name=(
@@ -447,6 +445,6 @@ def cuda_kernels(
         stage_in_prepared=ops.stage_in_prepared if staged_pieces == 1 else None,
         upload_rows=ops.upload_rows,
         open_address_ring=(
-            ops.open_address_ring if by_address and stream_calls() is not None else None
+            None if calls is None else functools.partial(ops.open_address_ring, calls)
         ),
     )
