@@ -41,6 +41,9 @@ _MIN_PIECE_BYTES = 4 << 20
 _MAX_PIECE_BYTES = 8 << 20
 PIECE_EVIDENCE = "docs/bench/h100-beside-compute-vllm-2026-12-06-ring-pieces.json"
 """The runs ``_MAX_PIECE_BYTES`` and the rows' single upload are judged from (one machine)."""
+# Spans this close (a gap of at most a span's 1/_MAX_GAP_PART) go in one DMA, the gap too:
+# a copy engine descriptor and a runtime call each cost more than the gap's bytes.
+_MAX_GAP_PART = 8
 
 
 class RegionStaging:
@@ -111,15 +114,14 @@ class RegionStaging:
             return load.finish(plan.dst_idx)
 
     def _views(
-        self, pairs: LayerPairs, region: SourceRegion, buffer: torch.Tensor, spans: int
+        self, pairs: LayerPairs, region: SourceRegion, buffer: torch.Tensor, rows: int
     ) -> _Staged:
-        """What one lease of ``buffer`` holding ``spans`` spans reads and writes (kept per
-        pairs while the buffer is the same)."""
+        """What the first ``rows`` rows of a lease of ``buffer`` read and write (kept per
+        pairs while the buffer and the rows are the same)."""
         like = pairs.src_words[0]
-        rows = spans * len(pairs) * region.spacing
         kept = self._from_staging.get(pairs)
         # Checked before any view is made: each costs microseconds, on every page-in.
-        if kept is not None and kept.buffer_ptr == buffer.data_ptr() and kept.spans == spans:
+        if kept is not None and kept.buffer_ptr == buffer.data_ptr() and kept.rows_used == rows:
             return kept
         flat = buffer[: rows * like.shape[1] * like.element_size()].view(like.dtype)
         staged_rows = flat.view(rows, like.shape[1])
@@ -129,7 +131,7 @@ class RegionStaging:
         from_staging = layer_pairs(srcs, pairs.dst_words)
         if from_staging.reason is not None:
             raise ValueError(f"the staging buffer's pairs cannot move: {from_staging.reason}")
-        staged = _Staged(staged_rows, from_staging, buffer.data_ptr(), spans)
+        staged = _Staged(staged_rows, from_staging, buffer.data_ptr(), rows)
         self._from_staging[pairs] = staged
         return staged
 
@@ -142,8 +144,8 @@ class _Staged:
     rows: torch.Tensor
     pairs: LayerPairs
     buffer_ptr: int
-    """The staging buffer they are views of, and how many spans they hold."""
-    spans: int
+    """The staging buffer they are views of, and how many of its rows they reach."""
+    rows_used: int
 
 
 class RegionLoad:
@@ -182,15 +184,16 @@ class RegionLoad:
         span_rows = len(pairs) * region.spacing
         base = pairs.src_words[region.base]
         self._host = base.as_strided((region.rows, base.shape[1]), (base.shape[1], 1))
-        per_lease = owner.spans_fitting(pairs)
-        span_bytes = span_rows * pairs.row_bytes
-        self._slots, self._per_slot = ring_slots(per_lease, starts.size, span_bytes)
+        capacity_rows = owner.staging.capacity_bytes // pairs.row_bytes
+        stride = span_stride(starts, span_rows, capacity_rows)
+        per_lease = capacity_rows // stride
+        self._slots, self._per_slot = ring_slots(per_lease, starts.size, stride * pairs.row_bytes)
         self._pieces = -(-starts.size // self._per_slot)
         self.degraded: str | None = None
         self._exits = contextlib.ExitStack()
         try:
             buffer = self._exits.enter_context(owner.staging.lease(device))
-            self._staged = owner._views(pairs, region, buffer, per_lease)
+            self._staged = owner._views(pairs, region, buffer, per_lease * stride)
             open_by_address = kernels.open_address_ring
             self._ring: SlotRing | AddressRing
             if open_by_address is None:
@@ -200,12 +203,11 @@ class RegionLoad:
                 self._ring = self._exits.enter_context(open_by_address(device, self._slots))
                 self._bases = (self._host.data_ptr(), self._staged.rows.data_ptr(), pairs.row_bytes)
             # The first piece's runs alone before its DMA; every piece's in one pass after it.
-            self._set_pieces(_piece_columns(starts[: self._per_slot], span_rows, 1, self._per_slot))
+            layout = _SpanLayout(span_rows, stride, self._per_slot)
+            self._set_pieces(_piece_columns(starts[: self._per_slot], layout, 1))
             self._fill(0)
-            self._set_pieces(_piece_columns(starts, span_rows, self._slots, self._per_slot))
-            positions = _job_positions(
-                starts.size, self._slots, self._per_slot, region.spacing, span_rows
-            )
+            self._set_pieces(_piece_columns(starts, layout, self._slots))
+            positions = _job_positions(starts.size, layout, self._slots, region.spacing)
             # Only the scatters read them: uploaded once the first DMA is queued.
             self._rows = _on_device(kernels, (positions, dst_idx), device)
             for piece in range(1, min(self._slots, self._pieces)):
@@ -313,6 +315,31 @@ def _page_starts(rows: np.ndarray, spacing: int) -> np.ndarray | None:
     return starts
 
 
+def span_stride(starts: np.ndarray, span_rows: int, capacity_rows: int) -> int:
+    """Staging rows a span of ``span_rows`` takes in a page-in of the spans from region rows
+    ``starts``: the spans' most common distance where it exceeds a span by at most
+    ``span_rows // _MAX_GAP_PART`` rows (padding at each chunk row's end, as vLLM aligns its
+    rows), so that spans that far apart go in one DMA, the gap with them, and still fit the
+    staging buffer's ``capacity_rows``; else ``span_rows``."""
+    gaps = np.diff(starts) - span_rows
+    gaps = gaps[(gaps > 0) & (gaps <= span_rows // _MAX_GAP_PART)]
+    if gaps.size == 0:
+        return span_rows
+    values, counts = np.unique(gaps, return_counts=True)
+    stride = span_rows + int(values[np.argmax(counts)])
+    return stride if stride <= capacity_rows else span_rows
+
+
+@dataclass(frozen=True)
+class _SpanLayout:
+    """Spans of ``span_rows`` rows, each taking ``stride`` staging rows (its chunk row's
+    padding after it), ``per_slot`` of them to a ring slot."""
+
+    span_rows: int
+    stride: int
+    per_slot: int
+
+
 @dataclass(frozen=True)
 class _PieceColumns:
     """Every piece's DMA runs in rows: source start, staging start, length and offset in the
@@ -322,24 +349,26 @@ class _PieceColumns:
     bounds: list[int]
 
 
-def _piece_columns(starts: np.ndarray, span_rows: int, slots: int, per_slot: int) -> _PieceColumns:
+def _piece_columns(starts: np.ndarray, layout: _SpanLayout, slots: int) -> _PieceColumns:
     """The DMA runs of each piece of a page-in whose spans' first region rows are
-    ``starts`` (in order), piece ``p`` being spans ``p * per_slot`` on, into consecutive
-    staging spans of slot ``p % slots``: one run where a span follows the previous one in
-    the region within a piece. Found for every piece in one pass; each piece's are read
-    out as it is issued (:func:`_piece_runs`, :func:`_piece_copies`)."""
+    ``starts`` (in order), piece ``p`` being spans ``p * per_slot`` on, into staging spans
+    ``stride`` rows apart in slot ``p % slots``: one run where a span lies ``stride`` rows
+    after the previous one in the region within a piece (the rows between copied too).
+    Found for every piece in one pass; each piece's are read out as it is issued
+    (:func:`_piece_runs`, :func:`_piece_copies`)."""
+    per_slot, stride = layout.per_slot, layout.stride
     span = np.arange(starts.size, dtype=np.int64)
     piece = span // per_slot
     opens = np.ones(starts.size, dtype=bool)
-    opens[1:] = (np.diff(starts) != span_rows) | (piece[1:] != piece[:-1])
+    opens[1:] = (np.diff(starts) != stride) | (piece[1:] != piece[:-1])
     firsts = np.flatnonzero(opens)
     lasts = np.append(firsts[1:], starts.size)
     in_piece = firsts - piece[firsts] * per_slot
     columns = np.empty((4, firsts.size), dtype=np.int64)
     columns[0] = starts[firsts]
-    columns[1] = ((piece[firsts] % slots) * per_slot + in_piece) * span_rows
-    columns[2] = (lasts - firsts) * span_rows
-    columns[3] = in_piece * span_rows
+    columns[1] = ((piece[firsts] % slots) * per_slot + in_piece) * stride
+    columns[2] = (lasts - firsts - 1) * stride + layout.span_rows
+    columns[3] = in_piece * stride
     bounds = np.searchsorted(piece[firsts], np.arange(piece[-1] + 2)).tolist()
     return _PieceColumns(columns, bounds)
 
@@ -375,12 +404,11 @@ def _piece_copies(
     return lambda index: copies[bounds[index] : bounds[index + 1]]
 
 
-def _job_positions(
-    spans: int, slots: int, per_slot: int, spacing: int, span_rows: int
-) -> torch.Tensor:
+def _job_positions(spans: int, layout: _SpanLayout, slots: int, spacing: int) -> torch.Tensor:
     """The staging row, from a pair's view, of each plan row of a page-in of ``spans`` spans
     in order, span ``i`` going to slot ``(i // per_slot) % slots``."""
+    per_slot = layout.per_slot
     span = np.arange(spans, dtype=np.int64)
     in_lease = (span // per_slot) % slots * per_slot + span % per_slot
-    rows = in_lease[:, None] * span_rows + np.arange(spacing, dtype=np.int64)
+    rows = in_lease[:, None] * layout.stride + np.arange(spacing, dtype=np.int64)
     return torch.from_numpy(rows.reshape(-1))

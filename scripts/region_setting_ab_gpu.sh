@@ -5,11 +5,14 @@
 # host's time in the ring's calls, the DMAs' busy time, the submission's return), then
 # `kvcore bench --engine vllm --sweep --beside-compute --rows mla` on and off, alternated
 # ROUNDS times on one machine. SETTING is a boolean KVCORE_ variable:
-# KVCORE_ADDRESS_RING (the ring by address), KVCORE_BEGIN_REGION_LOADS (begun loads).
+# KVCORE_ADDRESS_RING (the ring by address), KVCORE_BEGIN_REGION_LOADS (begun loads),
+# KVCORE_BENCH_HIGH_PRIORITY (the bench's handler streams at the top CUDA priority).
+# BASE_ENV (VAR=value words) holds for both sides. PROBES=0 skips the probes; PACK=0 leaves
+# $OUT unpacked, for a call that runs this twice and packs once.
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried, as scripts/vllm_sweep.sh does.
 #
-#   SETTING=<KVCORE_...> OUT=<dir> [SIZES=8192,32768] [ROUNDS=2] [TESTS=1] \
-#       bash scripts/region_setting_ab_gpu.sh
+#   SETTING=<KVCORE_...> OUT=<dir> [SIZES=8192,32768] [ROUNDS=2] [TESTS=1] [PROBES=1] \
+#       [PACK=1] [BASE_ENV="KVCORE_ADDRESS_RING=1"] bash scripts/region_setting_ab_gpu.sh
 #
 # Writes $OUT/on-<round>.json, $OUT/off-<round>.json, $OUT/probe-on.json, $OUT/probe-off.json
 # and the logs (tests.log, one per run), packed by scripts/pack_out.sh: a call brings back
@@ -19,6 +22,7 @@ SETTING=${SETTING:?name the KVCORE_ setting to compare, e.g. SETTING=KVCORE_ADDR
 OUT=${OUT:-out/${SETTING,,}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+read -r -a base_env <<< "${BASE_ENV:-}"
 # shellcheck source=scripts/vllm_device_env.sh
 source scripts/vllm_device_env.sh || exit 1
 if [ "${TESTS:-1}" = 1 ]; then
@@ -27,8 +31,9 @@ if [ "${TESTS:-1}" = 1 ]; then
     echo "tests rc=$? $(tail -1 "$OUT/tests.log")"
 fi
 for setting in on off; do
+    [ "${PROBES:-1}" = 1 ] || break
     value=$([ "$setting" = on ] && echo 1 || echo 0)
-    env "$SETTING=$value" timeout 120 python3 scripts/region_tail_probe.py --rows mla \
+    env "${base_env[@]}" "$SETTING=$value" timeout 120 python3 scripts/region_tail_probe.py --rows mla \
         --sizes "${SIZES:-8192,32768}" --compute none,prefill-4096 --events \
         --json "$OUT/probe-$setting.json" > "$OUT/probe-$setting.log" 2>&1
     echo "probe $setting rc=$? at ${SECONDS}s"
@@ -37,11 +42,13 @@ done
 for round in $(seq "${ROUNDS:-2}"); do
     for setting in on off; do
         value=$([ "$setting" = on ] && echo 1 || echo 0)
-        env "$SETTING=$value" python3 -m kvcore bench --engine vllm --sweep \
+        env "${base_env[@]}" "$SETTING=$value" python3 -m kvcore bench --engine vllm --sweep \
             --beside-compute --rows mla --sizes "${SIZES:-8192,32768}" \
             --json "$OUT/$setting-$round.json" > "$OUT/$setting-$round.log" 2>&1
         echo "$setting $round rc=$? at ${SECONDS}s"
         grep "identical=" "$OUT/$setting-$round.log" | cut -c1-420
     done
 done
-OUT="$OUT" bash scripts/pack_out.sh
+if [ "${PACK:-1}" = 1 ]; then
+    OUT="$OUT" bash scripts/pack_out.sh
+fi

@@ -303,4 +303,5 @@ def _bench_stream_priority() -> int:
     """kvcore's handler streams' priority in the bench: the highest where
     ``KVCORE_BENCH_HIGH_PRIORITY`` is set (an experiment: a gather's CTAs ahead of the
     model's queued ones), else torch's default."""
-    return highest_priority() if os.environ.get("KVCORE_BENCH_HIGH_PRIORITY") else 0
+    chosen = os.environ.get("KVCORE_BENCH_HIGH_PRIORITY", "").strip().lower()
+    return highest_priority() if chosen in ("1", "true", "yes", "on") else 0

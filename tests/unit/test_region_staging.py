@@ -11,6 +11,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,7 +124,10 @@ def test_a_load_staged_by_region_copies_every_pair_exactly(spacing, period, orde
     assert _load(region, order, src_idx, dst_idx, policy) == ["staged"]
 
 
-def test_adjacent_chunks_go_in_one_dma_and_a_gap_starts_another(swap_kernels):
+@pytest.mark.parametrize("padding", [0, 1], ids=["dense_rows", "padded_rows"])
+def test_adjacent_chunks_go_in_one_dma_and_a_gap_starts_another(swap_kernels, monkeypatch, padding):
+    """Chunk rows side by side, or a padding row apart (copied along with them), are one
+    DMA; a chunk further on starts the next."""
     runs: list[int] = []
 
     def copy_runs(src, dst, paired):
@@ -131,10 +135,27 @@ def test_adjacent_chunks_go_in_one_dma_and_a_gap_starts_another(swap_kernels):
         return REFERENCE.copy_runs(src, dst, paired)
 
     swap_kernels("cpu", dataclasses.replace(REFERENCE, copy_runs=copy_runs))
-    region = Region(spacing=1, period=TENSORS)
+    monkeypatch.setattr(region_staging, "_MAX_GAP_PART", 1)
+    region = Region(spacing=1, period=TENSORS + padding)
     src_idx, dst_idx = region.rows([2, 3, 4, 7, 8], [1, 2, 3, 4, 5])
     assert _load(region, [0, 1, 2], src_idx, dst_idx, PathPolicy(stage_regions="all")) == ["staged"]
     assert runs == [2]
+
+
+@pytest.mark.parametrize(
+    ("starts", "capacity_rows", "stride"),
+    [
+        ([0, 10, 20, 40, 55], 1000, 10),  # dense rows: spans side by side
+        ([0, 11, 22, 33, 50, 62], 1000, 11),  # one padding row after each span: the usual gap
+        ([0, 12, 24, 35, 46, 57], 1000, 11),  # the most common gap wins
+        ([0, 12, 30], 1000, 10),  # gaps longer than an eighth of a span: copied apart
+        ([30, 19, 8], 1000, 10),  # spans in falling order: no gap to copy along
+        ([0, 11, 22], 10, 10),  # a stride the staging buffer cannot hold once
+    ],
+)
+def test_spans_a_padding_apart_take_their_gap_in_staging(starts, capacity_rows, stride):
+    span_stride = region_staging.span_stride
+    assert span_stride(np.array(starts, dtype=np.int64), 10, capacity_rows) == stride
 
 
 @pytest.mark.parametrize(
@@ -300,6 +321,7 @@ def test_random_loads_through_the_ring_copy_every_pair_exactly(monkeypatch, seed
         monkeypatch.setitem(kernels._BY_DEVICE_TYPE, "cpu", opened)
     rnd = random.Random(seed)
     monkeypatch.setattr(region_staging, "_MIN_PIECE_BYTES", rnd.choice((1, 3 * ROW_BYTES, 1 << 20)))
+    monkeypatch.setattr(region_staging, "_MAX_GAP_PART", rnd.choice((1, 8)))
     spacing = rnd.randint(1, 4)
     region = Region(spacing, TENSORS * spacing + rnd.choice((0, 0, 1, 5)), chunks=40, seed=seed)
     order = rnd.sample(range(TENSORS), TENSORS)
