@@ -127,11 +127,18 @@ class KVCoreConfig:
         "page is written (off until measured on a GPU)",
     )
     address_ring: bool = _setting(
-        False,
+        True,
         BOOLEAN,
         "vLLM's loads staged by region issue each piece's copies, waits and records as one "
         "CUDA runtime call each, not through torch's streams and events, whose host time "
-        "held transfer_async for about the whole load (off until it has run on a GPU)",
+        "holds transfer_async, and so the engine's next forward, several times longer",
+    )
+    high_priority_loads: bool = _setting(
+        True,
+        BOOLEAN,
+        "kvcore's vLLM load handler runs on streams of the highest CUDA priority: a staged "
+        "load's scatters take SMs first as a prefill's kernels free them, so its ring of "
+        "DMAs is not held back (the forward beside it up to ~2% slower)",
     )
     metrics: bool = _setting(True, BOOLEAN, "collect transfer metrics (Prometheus when installed)")
     transfers: bool = _setting(

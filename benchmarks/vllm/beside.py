@@ -15,7 +15,8 @@ new block ids every time, in two situations:
   and beside each side's load says what the load costs everyone else. A control row field,
   ``forward_harness_only_ms``, times it inside a request of no job (the bench's own steps,
   no copy), to tell a stretch the copies cause from one the bench does.
-  ``KVCORE_BENCH_HIGH_PRIORITY=1`` puts kvcore's handler streams at the highest CUDA priority.
+  kvcore's load handler runs at the highest CUDA priority unless
+  ``KVCORE_HIGH_PRIORITY_LOADS=0``, as in an engine.
 
 vLLM schedules a request only once its loads are reported, so no forward waits layer by
 layer on them: there is no ``dependent`` situation as in SGLang's bench

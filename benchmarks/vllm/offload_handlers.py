@@ -15,7 +15,6 @@ import copy
 import ctypes
 import functools
 import inspect
-import os
 import time
 import weakref
 from collections import deque
@@ -34,7 +33,8 @@ from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.planning.path_policy import PathPolicy, vllm_handler_policy
-from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams, highest_priority
+from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
+from kvcore_vllm.handler_install import handler_stream_priority
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.stock_copies import gpu_tensors_of
 from kvcore_vllm.transfers import KVCoreOffloadingHandler
@@ -154,7 +154,8 @@ def kvcore_handler(
     device = gpu_tensors[0].device
     compute: Callable[[], Any]
     if streams is None and device.type == "cuda":
-        cuda = CudaStreams(device, priority=_bench_stream_priority())
+        priority = handler_stream_priority(KVCoreConfig.from_env(), gpu_to_cpu=stock.gpu_to_cpu)
+        cuda = CudaStreams(device, priority=priority)
         streams, compute = cuda, cuda.compute_stream
     else:
         streams = CpuSyncStreams() if streams is None else streams
@@ -297,11 +298,3 @@ def submit_and_collect(
         if time.perf_counter() > deadline:
             raise TimeoutError(f"{len(jobs) - len(results)} jobs were never reported finished")
     return results
-
-
-def _bench_stream_priority() -> int:
-    """kvcore's handler streams' priority in the bench: the highest where
-    ``KVCORE_BENCH_HIGH_PRIORITY`` is set (an experiment: a gather's CTAs ahead of the
-    model's queued ones), else torch's default."""
-    chosen = os.environ.get("KVCORE_BENCH_HIGH_PRIORITY", "").strip().lower()
-    return highest_priority() if chosen in ("1", "true", "yes", "on") else 0

@@ -18,7 +18,7 @@ from kvcore.config import KVCoreConfig
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.planning.path_policy import vllm_handler_policy
-from kvcore.streams import CudaStreams
+from kvcore.streams import CudaStreams, highest_priority
 from kvcore.warm_up import warm_up
 from kvcore_vllm.device_pointers import gpu_rows
 from kvcore_vllm.installation import INSTALLATION
@@ -76,7 +76,10 @@ def install_handlers(
         return []
     handlers = {}
     for attribute, (stock, gpu_tensors) in stocks.items():
-        streams = CudaStreams(gpu_tensors[0].device)
+        streams = CudaStreams(
+            gpu_tensors[0].device,
+            priority=handler_stream_priority(config, gpu_to_cpu=stock.gpu_to_cpu),
+        )
         handlers[attribute] = KVCoreOffloadingHandler(
             stock,
             mover=mover,
@@ -94,6 +97,13 @@ def install_handlers(
     for attribute, handler in handlers.items():
         INSTALLATION.replace_handler(worker, attribute, handler)
     return list(handlers)
+
+
+def handler_stream_priority(config: KVCoreConfig, *, gpu_to_cpu: bool) -> int:
+    """The CUDA priority of a handler's streams: the highest for loads where
+    ``KVCORE_HIGH_PRIORITY_LOADS`` asks for it, else torch's default (stores: a page-out's
+    kernels yield to the model's)."""
+    return highest_priority() if config.high_priority_loads and not gpu_to_cpu else 0
 
 
 def _warmed_up(

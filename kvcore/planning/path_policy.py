@@ -102,10 +102,10 @@ class PathPolicy:
     """Such page-ins may begin before they are planned
     (:meth:`kvcore.mover.Mover.begin_region_load`): off until an A/B on a GPU shows their
     first DMA sooner and no load slower."""
-    address_ring: bool = False
+    address_ring: bool = True
     """Such page-ins issue their ring by address, a CUDA runtime call a copy, wait or record
-    (``KernelSet.open_address_ring``), where the kernel set has it: off until it has run on
-    a GPU."""
+    (``KernelSet.open_address_ring``), where the kernel set has it: torch's streams and
+    events cost the host several times more a piece."""
 
     def __post_init__(self) -> None:
         sizes = (

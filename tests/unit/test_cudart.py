@@ -167,10 +167,10 @@ def test_the_policy_opens_the_address_ring_only_where_a_cuda_runtime_is_loaded(m
 
     device = torch.device("cuda")
     monkeypatch.setattr(cuda, "stream_calls", lambda: object())
-    assert kernels_for(device, PathPolicy()).open_address_ring is None
-    assert kernels_for(device, PathPolicy(address_ring=True)).open_address_ring is not None
+    assert kernels_for(device, PathPolicy(address_ring=False)).open_address_ring is None
+    assert kernels_for(device, PathPolicy()).open_address_ring is not None
     monkeypatch.setattr(cuda, "stream_calls", lambda: None)
-    assert kernels_for(device, PathPolicy(address_ring=True)).open_address_ring is None
+    assert kernels_for(device, PathPolicy()).open_address_ring is None
 
 
 def test_a_layered_gather_that_falls_back_pair_by_pair_waits_for_its_rows_first(monkeypatch):

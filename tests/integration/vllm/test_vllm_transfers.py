@@ -800,17 +800,19 @@ def test_install_leaves_non_cuda_handlers_stock_and_counts_them():
     assert metrics.snapshot()["fallbacks"] == {"unsupported_device": 2}
 
 
-def test_install_plans_stores_by_dma_from_16_kib_and_loads_from_32_kib(monkeypatch):
-    """Each handler gets its direction's planning thresholds; the mover keeps the loads'."""
-    for name in ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS"):
-        monkeypatch.delenv(name, raising=False)
+def _installed_on_fake_cuda(monkeypatch, config: KVCoreConfig) -> dict[str, dict[str, Any]]:
+    """The arguments each of kvcore's handlers was built with, installed by ``config`` on a
+    worker whose tensors pass for CUDA ones (the top CUDA priority taken as -5)."""
     worker = host_worker()
     on_cuda = SimpleNamespace(device=SimpleNamespace(type="cuda"))
     monkeypatch.setattr(handler_install, "gpu_tensors_of", lambda stock: [on_cuda])
     monkeypatch.setattr(handler_install, "gpu_rows", lambda tensor: on_cuda)
     monkeypatch.setattr(handler_install, "_warmed_up", lambda *args: True)
+    monkeypatch.setattr(handler_install, "highest_priority", lambda: -5)
     monkeypatch.setattr(
-        handler_install, "CudaStreams", lambda device: SimpleNamespace(compute_stream=None)
+        handler_install,
+        "CudaStreams",
+        lambda device, priority: SimpleNamespace(compute_stream=None, priority=priority),
     )
     monkeypatch.setattr(handler_install.INSTALLATION, "replace_handler", lambda *args: None)
     built: dict[str, dict[str, Any]] = {}
@@ -819,8 +821,25 @@ def test_install_plans_stores_by_dma_from_16_kib_and_loads_from_32_kib(monkeypat
         return built.setdefault(kwargs["name"], kwargs)
 
     monkeypatch.setattr(handler_install, "KVCoreOffloadingHandler", record)
-    installed = install_handlers(worker, KVCoreConfig(), Metrics(), worker.kv_caches)
+    installed = install_handlers(worker, config, Metrics(), worker.kv_caches)
     assert installed == ["_store_handler", "_load_handler"]
+    return built
+
+
+@pytest.mark.parametrize(("high", "load_priority"), [(True, -5), (False, 0)])
+def test_loads_run_on_streams_of_the_top_priority_unless_turned_off(
+    monkeypatch, high, load_priority
+):
+    built = _installed_on_fake_cuda(monkeypatch, KVCoreConfig(high_priority_loads=high))
+    assert built["_load_handler"]["streams"].priority == load_priority
+    assert built["_store_handler"]["streams"].priority == 0
+
+
+def test_install_plans_stores_by_dma_from_16_kib_and_loads_from_32_kib(monkeypatch):
+    """Each handler gets its direction's planning thresholds; the mover keeps the loads'."""
+    for name in ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS"):
+        monkeypatch.delenv(name, raising=False)
+    built = _installed_on_fake_cuda(monkeypatch, KVCoreConfig())
     store, load = built["_store_handler"], built["_load_handler"]
     assert store["plan_policy"].long_run_bytes == 16 << 10
     assert load["plan_policy"].long_run_bytes == load["mover"].policy.long_run_bytes == 32 << 10
