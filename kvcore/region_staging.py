@@ -7,8 +7,9 @@ the pairs' sources are such a region's views, evenly spaced
 (:class:`~kvcore.planning.layers.SourceRegion`), and the plan's source rows come in runs of
 that spacing (whole pages of every tensor), each run's rows of every pair lie in one span of
 the region: the spans go by DMA into the staging buffer as they lie (a request's chunks are
-one host run in kvcore's allocator, so one long copy where the chunk rows have no padding),
-and one layered gather reads each pair's rows back out of device memory into its tensor.
+one host run in kvcore's allocator, so one long copy, the padding that aligns each chunk row
+copied along), and one layered gather reads each pair's rows back out of device memory into
+its tensor.
 """
 
 from __future__ import annotations
