@@ -884,8 +884,11 @@ def test_a_worker_kvcore_fails_to_equip_keeps_every_stock_handler(monkeypatch):
         return object()
 
     monkeypatch.setattr(handler_install, "KVCoreOffloadingHandler", handler)
+    monkeypatch.setattr(handler_install, "highest_priority", lambda: -5)
     monkeypatch.setattr(
-        handler_install, "CudaStreams", lambda device: SimpleNamespace(compute_stream=None)
+        handler_install,
+        "CudaStreams",
+        lambda device, priority: SimpleNamespace(compute_stream=None),
     )
     before = METRICS.snapshot()["fallbacks"].get("internal_error:KeyError", 0)
     spec = KVCoreCPUOffloadingSpec(*spec_args({"cpu_bytes_to_use": 1 << 20}))
