@@ -38,10 +38,11 @@ SLOT_EVIDENCE = "docs/bench/h100-beside-compute-vllm-2026-12-06-ring-slots.json"
 # Pieces shorter than this cross PCIe in less time than a DMA's set-up and a scatter's launch.
 _MIN_PIECE_BYTES = 4 << 20
 # Pieces no longer than this: a scatter then reads its slot soon after its DMA wrote it,
-# mostly from the GPU's L2 cache, sparing the memory bandwidth the model's kernels need.
-_MAX_PIECE_BYTES = 8 << 20
-PIECE_EVIDENCE = "docs/bench/h100-beside-compute-vllm-2026-12-06-ring-pieces.json"
-"""The runs ``_MAX_PIECE_BYTES`` and the rows' single upload are judged from (one machine)."""
+# mostly from the GPU's L2 cache, sparing the memory bandwidth the model's kernels need;
+# and no shorter, as each piece's calls hold the engine's thread inside transfer_async.
+_MAX_PIECE_BYTES = 16 << 20
+PIECE_EVIDENCE = "docs/bench/h100-beside-compute-vllm-2026-12-07-piece-cap-16.json"
+"""The runs ``_MAX_PIECE_BYTES`` is judged from (one machine)."""
 # Spans this close (a gap of at most a span's 1/_MAX_GAP_PART) go in one DMA, the gap too:
 # a copy engine descriptor and a runtime call each cost more than the gap's bytes.
 _MAX_GAP_PART = 8

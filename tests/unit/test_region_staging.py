@@ -383,19 +383,23 @@ def _piece_runs(evidence: str = region_staging.PIECE_EVIDENCE) -> dict[str, list
 
 
 def test_the_piece_cap_holds_against_the_json_it_cites():
-    """On one machine, with the rows uploaded once a page-in: pieces of at most 8 MiB left
-    the other batch's forward within 1.5% of its time alone in every cell, where pieces of
-    a quarter of the load (up to the lease's quarter) cost it 2-7%; each load no more than
-    1.1x as long, and still faster than stock's."""
-    assert region_staging._MAX_PIECE_BYTES == 8 << 20
+    """On one machine, two rounds, pieces of at most 16 MiB against 8 (by address, loads at
+    the top priority): in every cell the load no longer than 1.01x, the submissions' hold on
+    the host at most 0.75x, the other batch's forward done no later after the request's start
+    and its own time within 7.5% of its time alone; beside the prefill the load at most 0.9x."""
+    assert region_staging._MAX_PIECE_BYTES == 16 << 20
     runs = _piece_runs()
-    capped, uncapped = runs["upload-once-cap8-all"], runs["upload-once"]
-    assert len(capped) == len(uncapped) == 8
-    for cap, whole in zip(capped, uncapped, strict=True):
-        assert (cap["tokens"], cap["compute"]) == (whole["tokens"], whole["compute"])
-        assert cap["identical"] and cap["kvcore_paths"] == ["staged"]
-        assert cap["kvcore_ms"] <= 1.1 * whole["kvcore_ms"], cap
-        assert cap["speed_paired"][1] > 1, cap
-        if cap["situation"] == "independent":
-            assert cap["forward_with_kvcore_ms"] <= 1.015 * cap["forward_alone_ms"], cap
-            assert whole["forward_with_kvcore_ms"] > 1.02 * whole["forward_alone_ms"], whole
+    for round_ in (1, 2):
+        capped, before = runs[f"cap16-{round_}"], runs[f"default-{round_}"]
+        assert len(capped) == len(before) == 8
+        for cap, old in zip(capped, before, strict=True):
+            assert (cap["tokens"], cap["compute"]) == (old["tokens"], old["compute"])
+            assert cap["identical"] and cap["kvcore_paths"] == ["staged"]
+            assert cap["kvcore_ms"] <= 1.01 * old["kvcore_ms"], cap
+            host = cap["submit_host_ms"]["kvcore"]
+            assert host <= 0.75 * old["submit_host_ms"]["kvcore"], cap
+            if cap["compute"] == "prefill-4096":
+                assert cap["kvcore_ms"] <= 0.9 * old["kvcore_ms"], cap
+            if cap["situation"] == "independent":
+                assert cap["forward_done_ms"]["kvcore"] <= old["forward_done_ms"]["kvcore"], cap
+                assert cap["forward_with_kvcore_ms"] <= 1.075 * cap["forward_alone_ms"], cap

@@ -12,8 +12,8 @@ script = load_script("ring_pieces")
 
 def test_the_cap_is_the_packages_unless_named_and_0_lifts_it(monkeypatch):
     assert script.piece_cap_bytes({}) == region_staging._MAX_PIECE_BYTES
-    assert script.piece_cap_bytes({"PIECE_CAP_MIB": "16"}) == 16 << 20
-    assert region_staging.ring_slots(256, 1024, 1 << 20) == (8, 8)
+    assert script.piece_cap_bytes({"PIECE_CAP_MIB": "8"}) == 8 << 20
+    assert region_staging.ring_slots(256, 1024, 1 << 20) == (8, 16)
     # Lifted, a 1 GiB page-in of 1 MiB spans takes an eighth of the 256-span lease a piece.
     monkeypatch.setattr(
         region_staging, "_MAX_PIECE_BYTES", script.piece_cap_bytes({"PIECE_CAP_MIB": "0"})
@@ -30,7 +30,7 @@ def test_a_cap_that_is_no_size_is_refused_in_one_line(text):
 def test_the_slots_are_the_packages_unless_named(monkeypatch):
     assert script.ring_slots({}) == region_staging.RING_SLOTS
     monkeypatch.setattr(region_staging, "RING_SLOTS", script.ring_slots({"RING_SLOTS": "4"}))
-    assert region_staging.ring_slots(256, 1024, 1 << 20) == (4, 8)
+    assert region_staging.ring_slots(256, 1024, 1 << 20) == (4, 16)
 
 
 @pytest.mark.parametrize("text", ["0", "65", "many", ""])
