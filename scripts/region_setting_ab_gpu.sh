@@ -6,7 +6,7 @@
 # `kvcore bench --engine vllm --sweep --beside-compute --rows mla` on and off, alternated
 # ROUNDS times on one machine. SETTING is a boolean KVCORE_ variable:
 # KVCORE_ADDRESS_RING (the ring by address), KVCORE_BEGIN_REGION_LOADS (begun loads),
-# KVCORE_BENCH_HIGH_PRIORITY (the bench's handler streams at the top CUDA priority).
+# KVCORE_HIGH_PRIORITY_LOADS (the load handler's streams at the top CUDA priority).
 # BASE_ENV (VAR=value words) holds for both sides. PROBES=0 skips the probes; PACK=0 leaves
 # $OUT unpacked, for a call that runs this twice and packs once.
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried, as scripts/vllm_sweep.sh does.
