@@ -249,15 +249,14 @@ class RegionLoad:
         ):
             positions, rows = _on_device(self._kernels, (positions, dst_idx), self._device)
         spacing, per_slot, slots = self._spacing, self._per_slot, self._slots
+        scatter = _piece_scatter(self._kernels, self._staged.pairs, positions, rows, self._device)
         with self._exits:
             for piece in range(self._pieces):
                 begin = piece * per_slot
-                at = slice(begin * spacing, min(begin + per_slot, self.starts.size) * spacing)
+                at = (begin * spacing, min(begin + per_slot, self.starts.size) * spacing)
                 refilled = piece + slots < self._pieces
                 with self._ring.draining(piece % slots, refilled=refilled):
-                    scattered = gather_pairs(
-                        self._kernels, self._staged.pairs, positions[at], rows[at], self._device
-                    )
+                    scattered = scatter(*at)
                 self.degraded = scattered or self.degraded
                 if refilled:
                     self._fill(piece + slots)
@@ -289,6 +288,25 @@ def ring_slots(per_lease: int, spans: int, span_bytes: int) -> tuple[int, int]:
     most = min(per_lease // slots, max(1, _MAX_PIECE_BYTES // span_bytes))
     least = -(-_MIN_PIECE_BYTES // span_bytes)
     return slots, min(most, max(-(-spans // slots), least))
+
+
+def _piece_scatter(
+    kernels: KernelSet,
+    pairs: LayerPairs,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
+    device: torch.device,
+) -> Callable[[int, int], str | None]:
+    """The scatter of entries ``begin`` to ``end`` of a page-in's staging ``positions`` into
+    ``rows`` of every pair: the rows prepared once and read in place where the kernel set
+    can (``gather_range``), else each piece's slices through :func:`gather_pairs`."""
+    gather_range = kernels.gather_range
+    if kernels.prepare_rows is None or gather_range is None:
+        return lambda begin, end: gather_pairs(
+            kernels, pairs, positions[begin:end], rows[begin:end], device
+        )
+    prepared = kernels.prepare_rows(positions, rows, device)
+    return lambda begin, end: gather_range(pairs, prepared, begin, end)
 
 
 def _on_device(

@@ -39,6 +39,8 @@ CopyRunsLayers = Callable[["LayerPairs", PairedRuns], str | None]
 # request; what comes back is the kernel set's own, handed back to gather_prepared.
 PrepareRows = Callable[[torch.Tensor, torch.Tensor, torch.device], object]
 GatherPrepared = Callable[["LayerPairs", object], str | None]
+# gather_prepared over entries [begin, end) of the prepared rows: a staged load's pieces.
+GatherRange = Callable[["LayerPairs", object, int, int], str | None]
 # A staged page-in's (chunks, dst_idx) made ready on its device once for every layer of one
 # request; what comes back is handed to stage_in_prepared with the leased staging buffer.
 PrepareStageIn = Callable[[Sequence["StagedChunk"], torch.Tensor, torch.device], object]
@@ -85,6 +87,10 @@ class KernelSet:
     ``gather_prepared``; None: the mover gathers pair by pair."""
     gather_prepared: GatherPrepared | None = None
     """The gather for every pair at once, with indices from ``prepare_rows``."""
+    gather_range: GatherRange | None = None
+    """``gather_prepared`` over entries ``[begin, end)`` of the prepared indices, with no
+    slice of them made (set with ``prepare_rows``). None: a page-in staged by region slices
+    each piece's indices and gathers them as ``gather_pairs`` does."""
     prepare_stage_in: PrepareStageIn | None = None
     """A staged page-in's chunks made ready once for every layer of a request, where each
     layer's ``stage_in`` would issue the same ops (one piece). None: each layer's chunks
@@ -108,6 +114,7 @@ REFERENCE = KernelSet(
     copy_runs_layers=reference.copy_runs_layers,
     prepare_rows=reference.prepare_rows,
     gather_prepared=reference.gather_prepared,
+    gather_range=reference.gather_range,
     prepare_stage_in=reference.prepare_stage_in,
     stage_in_prepared=reference.stage_in_prepared,
     upload_rows=reference.upload_rows,

@@ -223,6 +223,22 @@ class _CudaIndexedOps:
         launch.gather(rows.src_idx, rows.dst_idx)
         return None
 
+    def gather_range(self, pairs: LayerPairs, rows: object, begin: int, end: int) -> str | None:
+        """:meth:`gather_prepared` over entries ``begin`` to ``end`` of the rows, read in
+        place by the layered launch (no slice of them made a piece)."""
+        if not isinstance(rows, _DeviceRows):
+            raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
+        src_idx, dst_idx = rows.src_idx, rows.dst_idx
+        if not (0 <= begin <= end <= src_idx.numel() == dst_idx.numel()):
+            raise ValueError(f"rows {begin} to {end} lie outside {src_idx.numel()} prepared rows")
+        handle = rows.ready()
+        launch = self._launch(pairs)
+        if isinstance(launch, str):
+            return self._gather_each(pairs, src_idx[begin:end], dst_idx[begin:end], launch)
+        launch.offsets.order_current_stream(handle)
+        launch.gather.rows_between(src_idx, dst_idx, begin, end)
+        return None
+
     def _gather_each(
         self, pairs: LayerPairs, src_idx: torch.Tensor, dst_idx: torch.Tensor, reason: str
     ) -> str:
@@ -440,6 +456,7 @@ def cuda_kernels(
         copy_runs_layers=copy_runs_layers,
         prepare_rows=ops.prepare_rows,
         gather_prepared=ops.gather_prepared,
+        gather_range=ops.gather_range,
         # In pieces, a layer's scatters go on a second stream: stage_in orders them itself.
         prepare_stage_in=ops.prepare_stage_in if staged_pieces == 1 else None,
         stage_in_prepared=ops.stage_in_prepared if staged_pieces == 1 else None,

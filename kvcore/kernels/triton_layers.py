@@ -205,8 +205,16 @@ class LayeredLaunch:
     def __call__(self, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
         """Copy rows ``src_idx`` of every source to rows ``dst_idx`` of its destination, on
         the current stream; int64 indices on the kernel's device, checked by the caller."""
-        n_rows = src_idx.numel()
-        if n_rows == 0 or self._empty:
+        self.rows_between(src_idx, dst_idx, 0, src_idx.numel())
+
+    def rows_between(
+        self, src_idx: torch.Tensor, dst_idx: torch.Tensor, begin: int, end: int
+    ) -> None:
+        """:meth:`__call__` with entries ``begin`` to ``end`` of the indices (contiguous, of
+        equal length; ``0 <= begin <= end <=`` their length), read in place: no slice is made
+        where the launch is direct (host time on every piece of a staged load)."""
+        n_rows = end - begin
+        if n_rows <= 0 or self._empty:
             return
         table = self.table
         launch = table.launch
@@ -221,7 +229,10 @@ class LayeredLaunch:
             or _current_device_index() != device_index
             or launch_hooked()
         ):
-            self._jit(src_idx, dst_idx, n_rows, tiles)
+            whole = begin == 0 and end == src_idx.numel()
+            src_rows = src_idx if whole else src_idx[begin:end]
+            dst_rows = dst_idx if whole else dst_idx[begin:end]
+            self._jit(src_rows, dst_rows, n_rows, tiles)
             return
         compiled.run(
             min(self.ctas, tiles),
@@ -234,8 +245,8 @@ class LayeredLaunch:
             None,
             None,
             *self._fixed_head,
-            src_idx.data_ptr(),
-            dst_idx.data_ptr(),
+            src_idx.data_ptr() + begin * src_idx.element_size(),
+            dst_idx.data_ptr() + begin * dst_idx.element_size(),
             n_rows,
             *self._fixed_tail,
         )

@@ -239,6 +239,51 @@ def test_a_layered_gather_reads_the_current_stream_once_for_its_rows_and_its_off
     assert seen == [("offsets", None), "launch"]
 
 
+def test_a_ranged_gather_hands_its_entries_to_the_launch_unsliced(monkeypatch):
+    """``gather_range``: the rows' upload and the offsets ordered as for a whole gather, the
+    launch given the prepared indices and the range; entries outside them refused; where
+    no layered launch serves the pairs, each pair's gather gets the range's slices."""
+    seen: list[object] = []
+
+    class Offsets:
+        def order_current_stream(self, handle: int | None = None) -> int:
+            seen.append(("offsets", handle))
+            return 7
+
+    def rows_between(src_idx, dst_idx, begin, end):
+        seen.append(("launch", src_idx, dst_idx, begin, end))
+
+    launch = types.SimpleNamespace(
+        offsets=Offsets(), gather=types.SimpleNamespace(rows_between=rows_between)
+    )
+    ops = cuda._CudaIndexedOps(gather_ctas=4, staged_pieces=1, gather_ctas_to_host=2)
+    monkeypatch.setattr(ops, "_launch", lambda pairs: launch)
+    host = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
+    device = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
+    pairs = layer_pairs(host, device)
+    src_idx, dst_idx = torch.arange(6), torch.arange(6).flip(0)
+    rows = cuda._DeviceRows(src_idx, dst_idx, ())
+    assert ops.gather_range(pairs, rows, 2, 5) is None
+    assert seen == [("offsets", None), ("launch", src_idx, dst_idx, 2, 5)]
+    for begin, end in ((4, 3), (-1, 2), (0, 7)):
+        with pytest.raises(ValueError, match="outside 6 prepared rows"):
+            ops.gather_range(pairs, rows, begin, end)
+    with pytest.raises(TypeError, match="prepare_rows"):
+        ops.gather_range(pairs, (src_idx, dst_idx), 0, 6)
+
+    gathered: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def prepare_gather(src_words, dst_words):
+        return lambda src, dst: gathered.append((src, dst))
+
+    monkeypatch.setattr(ops, "_launch", lambda pairs: "gather_layers_unavailable:layout")
+    monkeypatch.setattr(ops, "prepare_gather", prepare_gather)
+    assert ops.gather_range(pairs, rows, 1, 4) == "gather_layers_unavailable:layout"
+    assert len(gathered) == 2
+    for src, dst in gathered:
+        assert torch.equal(src, src_idx[1:4]) and torch.equal(dst, dst_idx[1:4])
+
+
 class _Log(list):
     """What the fake streams and events were asked to do, in order."""
 

@@ -18,14 +18,17 @@ from kvcore.kernels import (
 from kvcore.kernels.reference import (
     buffer_rows,
     copy_runs,
+    gather_range,
     gather_rows,
     index_copy_rows,
     prepare_gather,
+    prepare_rows,
     stage_in,
     stage_out,
     staging_words,
 )
 from kvcore.mover import Mover
+from kvcore.planning.layers import layer_pairs
 from kvcore.planning.path_policy import PathPolicy
 from kvcore.row_words import as_row_words, row_bytes, row_word_bytes
 from kvcore.runs import find_paired_runs, find_runs
@@ -334,3 +337,20 @@ def test_gather_into_host_rows_waits_for_the_rows(monkeypatch):
 def _late_index_select(self, dim, index, **kwargs):
     rows = torch.index_select(self.as_subclass(torch.Tensor), dim, index, **kwargs)
     return rows.as_subclass(_LateRows)
+
+
+def test_a_ranged_gather_copies_its_entries_only():
+    """``gather_range``: the rows of entries ``begin`` to ``end`` of the prepared indices, in
+    every pair; the other destination rows untouched; a range outside them refused."""
+    gen = torch.Generator().manual_seed(5)
+    srcs = [torch.randint(-(2**62), 2**62, (12, 4), generator=gen) for _ in range(3)]
+    dsts = [torch.full((12, 4), -7, dtype=torch.int64) for _ in range(3)]
+    src_idx, dst_idx = torch.randperm(12, generator=gen), torch.randperm(12, generator=gen)
+    rows = prepare_rows(src_idx, dst_idx, torch.device("cpu"))
+    gather_range(layer_pairs(srcs, dsts), rows, 3, 8)
+    for src, dst in zip(srcs, dsts, strict=True):
+        assert torch.equal(dst[dst_idx[3:8]], src[src_idx[3:8]])
+        untouched = torch.cat([dst_idx[:3], dst_idx[8:]])
+        assert bool((dst[untouched] == -7).all())
+    with pytest.raises(ValueError, match="outside 12 prepared rows"):
+        gather_range(layer_pairs(srcs, dsts), rows, 8, 13)

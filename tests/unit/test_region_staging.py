@@ -205,16 +205,19 @@ def test_pieces_through_the_ring_slots_copy_every_pair_exactly(
         assert offsets[0] == 0
 
 
+@pytest.mark.parametrize("ranged", [True, False], ids=["gather_range", "sliced"])
 @pytest.mark.parametrize("uploads", [True, False])
 def test_a_page_in_uploads_its_rows_once_its_first_dma_is_queued(
-    swap_kernels, monkeypatch, uploads
+    swap_kernels, monkeypatch, uploads, ranged
 ):
-    """Every piece scatters with a slice of one upload of the job's rows, made once the
-    first piece's DMA is queued (only the scatters read them); a kernel set without
-    ``upload_rows`` is handed each piece's host rows, and copies the same bytes."""
+    """Every piece scatters entries of one upload of the job's rows, made once the first
+    piece's DMA is queued (only the scatters read them): prepared once and read by range
+    where the kernel set has ``gather_range``, else each piece's slice prepared; a kernel
+    set without ``upload_rows`` is handed the host rows, and copies the same bytes."""
     monkeypatch.setattr(region_staging, "_MIN_PIECE_BYTES", 1)
     uploaded: list[int] = []
     handed: list[torch.Tensor] = []
+    ranges: list[tuple[int, int]] = []
     order: list[str] = []
 
     def upload_rows(indices, device):
@@ -230,9 +233,14 @@ def test_a_page_in_uploads_its_rows_once_its_first_dma_is_queued(
         handed.append(dst_idx)
         return REFERENCE.prepare_rows(src_idx, dst_idx, device)
 
+    def gather_range(pairs, rows, begin, end):
+        ranges.append((begin, end))
+        return REFERENCE.gather_range(pairs, rows, begin, end)
+
     kernels = dataclasses.replace(
         REFERENCE,
         prepare_rows=prepare_rows,
+        gather_range=gather_range if ranged else None,
         upload_rows=upload_rows if uploads else None,
         copy_runs=copy_runs,
     )
@@ -244,7 +252,9 @@ def test_a_page_in_uploads_its_rows_once_its_first_dma_is_queued(
     assert _load(region, [1, 2, 0], src_idx, dst_idx, policy) == ["staged"]
     assert uploaded == ([2] if uploads else [])
     assert order[:2] == (["dma", "upload"] if uploads else ["dma", "dma"])
-    assert len(handed) == len(chunks)
+    # One span a piece here: each piece is one chunk's two rows.
+    assert len(handed) == (1 if ranged else len(chunks))
+    assert ranges == ([(2 * i, 2 * i + 2) for i in range(len(chunks))] if ranged else [])
     assert torch.equal(torch.cat(handed), dst_idx)
     shares_upload = [
         rows.untyped_storage().data_ptr() == dst_idx.untyped_storage().data_ptr() for rows in handed
