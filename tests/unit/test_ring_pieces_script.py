@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcore import region_staging
+from kvcore.kernels import REFERENCE
 from tests.support.scripts import load_script
 
 script = load_script("ring_pieces")
@@ -37,3 +38,19 @@ def test_the_slots_are_the_packages_unless_named(monkeypatch):
 def test_a_slot_count_out_of_range_is_refused_in_one_line(text):
     with pytest.raises(SystemExit, match=f"RING_SLOTS={text}: give a slot count"):
         script.ring_slots({"RING_SLOTS": text})
+
+
+def test_sliced_scatters_are_asked_for_by_name_only(monkeypatch):
+    assert not script.sliced_scatters({})
+    assert script.sliced_scatters({"PIECE_SCATTER": "sliced"})
+    with pytest.raises(SystemExit, match="PIECE_SCATTER=slices: give sliced or in-place"):
+        script.sliced_scatters({"PIECE_SCATTER": "slices"})
+    seen: list[object] = []
+    monkeypatch.setattr(
+        region_staging, "_piece_scatter", lambda kernels, *args: seen.append(kernels.gather_range)
+    )
+    monkeypatch.setattr(region_staging, "_MAX_PIECE_BYTES", region_staging._MAX_PIECE_BYTES)
+    monkeypatch.setattr(region_staging, "RING_SLOTS", region_staging.RING_SLOTS)
+    script.apply({"PIECE_SCATTER": "sliced"})
+    region_staging._piece_scatter(REFERENCE, "pairs", "positions", "rows", "device")
+    assert seen == [None]
