@@ -433,7 +433,7 @@ def cuda_kernels(
     *,
     short_rows: tuple[int, int] | None = None,
     ring_scatter_ctas: int = RING_SCATTER_CTAS,
-    by_address: bool = False,
+    by_address: bool = True,
 ) -> KernelSet:
     """``short_rows``: (CTAs, bytes), the gather's CTAs for device rows under that many
     bytes (None: ``gather_ctas`` for every device row); ``ring_scatter_ctas``: the layer
