@@ -7,7 +7,8 @@ One MHA-shaped load (32 layers, 32 KiB blocks, vLLM-shaped host chunk rows, rand
 destination blocks) goes by kvcore's ``batch_copy_pointers`` in batches of 256 copies:
 ``inline`` on the main thread, then ``worker`` from a thread while the main thread replays
 the other batch's forward and then runs ``--python-ms`` of pure Python (the worst case for
-the GIL). Per arm: the main thread's hold before the forward is queued, the load's time from
+the GIL); ``beside`` queues the forward first, then issues inline (the overlap without a
+thread). Per arm: the main thread's hold before the forward is queued, the load's time from
 the first call to the copy's end, the forward's GPU time, the Python work's own time, and
 whether every byte matches.
 
@@ -83,7 +84,7 @@ def main() -> None:
             batch_copy_pointers(dsts, srcs, sizes, stream, source_in_stream_order=False)
 
         for python_ms in (float(p) for p in args.python_ms.split(",")):
-            for arm in ("inline", "worker"):
+            for arm in ("inline", "worker", "beside"):
                 rows.append(
                     _cell(
                         arm, issue, forward, layers, host, blocks, stream, python_ms, args.requests
@@ -125,13 +126,17 @@ def _cell(
         a1.synchronize()
         alone.append(a0.elapsed_time(a1))
         start = time.perf_counter()
-        if arm == "inline":
+        worker = None
+        if arm == "beside":
+            f0, f1 = forward.replay()  # type: ignore[attr-defined]
             issue(dst_blocks)
-            worker = None
         else:
-            worker = threading.Thread(target=issue, args=(dst_blocks,))
-            worker.start()
-        f0, f1 = forward.replay()  # type: ignore[attr-defined]
+            if arm == "inline":
+                issue(dst_blocks)
+            else:
+                worker = threading.Thread(target=issue, args=(dst_blocks,))
+                worker.start()
+            f0, f1 = forward.replay()  # type: ignore[attr-defined]
         holds.append((time.perf_counter() - start) * 1e3)
         took.append(_busy(python_ms) if python_ms else 0.0)
         if worker is not None:
