@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("pitched_dma_probe: needs a CUDA GPU")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     lib = loaded_cudart()
