@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Region staging's ring under several settings at once, on the GPU machine in one device
-# call: `kvcore bench --engine vllm --sweep --beside-compute --rows mla` through
-# scripts/ring_pieces.py (so PIECE_CAP_MIB and RING_SLOTS count too), one run an arm, the
+# call: `kvcore bench --engine vllm --sweep --beside-compute --rows $ROWS` (mla unless named)
+# through scripts/ring_pieces.py (so PIECE_CAP_MIB and RING_SLOTS count too), one run an arm, the
 # arms alternated ROUNDS times on one machine. ARMS is a list of name:VAR=value,VAR=value
 # (a name alone runs the defaults). TESTS=1 runs the region staging GPU tests first.
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried, as scripts/vllm_sweep.sh does.
 #
 #   ARMS="default cap16:PIECE_CAP_MIB=16 ctas32:KVCORE_RING_SCATTER_CTAS=32" OUT=<dir> \
-#       [SIZES=8192,32768] [ROUNDS=2] [TESTS=0] bash scripts/region_arms_gpu.sh
+#       [SIZES=8192,32768] [ROUNDS=2] [TESTS=0] [ROWS=mla] bash scripts/region_arms_gpu.sh
 #
 # Writes $OUT/<arm>-<round>.json and the logs, packed by scripts/pack_out.sh (a call brings
 # back at most 8 files). Each run's summary lines are printed too.
@@ -32,7 +32,7 @@ for round in $(seq "${ROUNDS:-2}"); do
             IFS=, read -r -a settings <<< "${arm#*:}"
         fi
         env "${settings[@]}" python3 scripts/ring_pieces.py bench --engine vllm --sweep \
-            --beside-compute --rows mla --sizes "${SIZES:-8192,32768}" \
+            --beside-compute --rows "${ROWS:-mla}" --sizes "${SIZES:-8192,32768}" \
             --json "$OUT/$name-$round.json" > "$OUT/$name-$round.log" 2>&1
         echo "$name $round rc=$? at ${SECONDS}s"
         grep "identical=" "$OUT/$name-$round.log" | cut -c1-330
