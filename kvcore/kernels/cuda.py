@@ -95,6 +95,12 @@ class _DeviceRows:
         return handle
 
 
+def _prepared(rows: object) -> _DeviceRows:
+    if not isinstance(rows, _DeviceRows):
+        raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
+    return rows
+
+
 @dataclass(frozen=True, eq=False)
 class _StageInRows:
     """A staged page-in's prepared chunks and the upload their destination rows came from
@@ -212,25 +218,23 @@ class _CudaIndexedOps:
     def gather_prepared(self, pairs: LayerPairs, rows: object) -> str | None:
         """The gather for every pair, with rows from :meth:`prepare_rows`: one launch, no
         upload; one gather per pair where the launch cannot serve them."""
-        if not isinstance(rows, _DeviceRows):
-            raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
-        # Whichever way the rows are read, the current stream waits for their upload.
-        handle = rows.ready()
-        launch = self._launch(pairs)
-        if isinstance(launch, str):
-            return self._gather_each(pairs, rows.src_idx, rows.dst_idx, launch)
-        launch.offsets.order_current_stream(handle)
-        launch.gather(rows.src_idx, rows.dst_idx)
-        return None
+        prepared = _prepared(rows)
+        return self._gather_between(pairs, prepared, 0, prepared.src_idx.numel())
 
     def gather_range(self, pairs: LayerPairs, rows: object, begin: int, end: int) -> str | None:
         """:meth:`gather_prepared` over entries ``begin`` to ``end`` of the rows, read in
         place by the layered launch (no slice of them made a piece)."""
-        if not isinstance(rows, _DeviceRows):
-            raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
+        prepared = _prepared(rows)
+        count = prepared.src_idx.numel()
+        if not (0 <= begin <= end <= count == prepared.dst_idx.numel()):
+            raise ValueError(f"rows {begin} to {end} lie outside {count} prepared rows")
+        return self._gather_between(pairs, prepared, begin, end)
+
+    def _gather_between(
+        self, pairs: LayerPairs, rows: _DeviceRows, begin: int, end: int
+    ) -> str | None:
         src_idx, dst_idx = rows.src_idx, rows.dst_idx
-        if not (0 <= begin <= end <= src_idx.numel() == dst_idx.numel()):
-            raise ValueError(f"rows {begin} to {end} lie outside {src_idx.numel()} prepared rows")
+        # Whichever way the rows are read, the current stream waits for their upload.
         handle = rows.ready()
         launch = self._launch(pairs)
         if isinstance(launch, str):

@@ -146,20 +146,22 @@ def upload_rows(
 
 def gather_prepared(pairs: LayerPairs, rows: object) -> None:
     """:func:`gather_rows` for every pair, with the indices of :func:`prepare_rows`."""
-    if not (isinstance(rows, tuple) and len(rows) == 2):
-        raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
-    src_idx, dst_idx = rows
+    src_idx, dst_idx = _prepared(rows)
     gather_layers(pairs, src_idx, dst_idx)
 
 
 def gather_range(pairs: LayerPairs, rows: object, begin: int, end: int) -> None:
     """:func:`gather_prepared` over entries ``begin`` to ``end`` of the prepared indices."""
-    if not (isinstance(rows, tuple) and len(rows) == 2):
-        raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
-    src_idx, dst_idx = rows
+    src_idx, dst_idx = _prepared(rows)
     if not (0 <= begin <= end <= src_idx.numel() == dst_idx.numel()):
         raise ValueError(f"rows {begin} to {end} lie outside {src_idx.numel()} prepared rows")
     gather_layers(pairs, src_idx[begin:end], dst_idx[begin:end])
+
+
+def _prepared(rows: object) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(rows, tuple) and len(rows) == 2):
+        raise TypeError(f"rows must come from prepare_rows, got {type(rows).__name__}")
+    return rows
 
 
 def runs_to_staging(

@@ -219,10 +219,11 @@ def test_a_layered_gather_reads_the_current_stream_once_for_its_rows_and_its_off
             seen.append(("offsets", handle))
             return 7 if handle is None else handle
 
-    def gather(src_idx, dst_idx):
-        seen.append("launch")
+    class Gather:
+        def rows_between(self, src_idx, dst_idx, begin, end):
+            seen.append("launch")
 
-    launch = types.SimpleNamespace(offsets=Offsets(), gather=gather)
+    launch = types.SimpleNamespace(offsets=Offsets(), gather=Gather())
     ops = cuda._CudaIndexedOps(gather_ctas=4, staged_pieces=1, gather_ctas_to_host=2)
     monkeypatch.setattr(ops, "_launch", lambda pairs: launch)
     host = [torch.zeros(8, 16, dtype=torch.int64) for _ in range(2)]
