@@ -13,7 +13,11 @@ by events. Both write vLLM-shaped MLA pages (61 layer tensors of 18 KiB blocks) 
 vLLM-shaped host chunk rows; ``plain`` is one copy of the same bytes (the link).
 
     python3 scripts/resident_scatter_probe.py [--sizes 8192,32768] [--ctas 4,8,16]
-        [--compute none,decode-256,prefill-4096] [--requests 5] [--json out.json]
+        [--compute none,decode-256,prefill-4096] [--requests 5] [--forward-order before,after]
+        [--json out.json]
+
+``--forward-order after`` queues the other forward after the load's copies, in the engine's
+order, where the handler's bench queues it; ``before`` (the default) ahead of them.
 
 Measuring code only; needs CUDA and Triton.
 """
@@ -287,6 +291,12 @@ def main() -> None:
     parser.add_argument("--ctas", default="4,8,16")
     parser.add_argument("--compute", default="none,decode-256,prefill-4096")
     parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument(
+        "--forward-order",
+        default="before",
+        help="before,after: queue the other forward before the load's copies or after them "
+        "(as vLLM's engine does: its connector submits, then the step's forward is queued)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -310,10 +320,22 @@ def main() -> None:
             forward = None if compute == "none" else measured_forward("mla", compute, 61, device)
             if forward is not None:
                 forward.size_for(link_ms * 1.3)
-            for name, arm in arms.items():
-                rows.append(
-                    _cell(setup, name, arm, forward, tokens, compute, link_ms, args.requests)
-                )
+            orders = args.forward_order.split(",") if forward is not None else ["before"]
+            for order in orders:
+                for name, arm in arms.items():
+                    rows.append(
+                        _cell(
+                            setup,
+                            name,
+                            arm,
+                            forward,
+                            tokens,
+                            compute,
+                            link_ms,
+                            args.requests,
+                            order,
+                        )
+                    )
         del setup
         torch.cuda.empty_cache()
     if args.json:
@@ -330,6 +352,7 @@ def _cell(
     compute: str,
     link_ms: float,
     requests: int,
+    order: str = "before",
 ) -> dict[str, object]:
     times: list[float] = []
     holds: list[float] = []
@@ -343,10 +366,13 @@ def _cell(
             a0, a1 = forward.replay()  # type: ignore[attr-defined]
             a1.synchronize()
             alone.append(a0.elapsed_time(a1))
-            f0, f1 = forward.replay()  # type: ignore[attr-defined]
+            if order == "before":
+                f0, f1 = forward.replay()  # type: ignore[attr-defined]
         start = time.perf_counter()
         arm(dst_blocks)
         held = time.perf_counter() - start
+        if forward is not None and order == "after":
+            f0, f1 = forward.replay()  # type: ignore[attr-defined]
         setup.scatter.synchronize()
         setup.dma.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
@@ -360,6 +386,7 @@ def _cell(
         "arm": name,
         "tokens": tokens,
         "compute": compute,
+        "forward_order": order if forward is not None else None,
         "link_ms": link_ms,
         "reload_ms": (reload_ms := statistics.median(times[1:])),
         "reload_ms_all": times[1:],
@@ -372,7 +399,7 @@ def _cell(
     if alone:
         slowed = f" forward {statistics.median(beside[1:]) / statistics.median(alone[1:]):.3f}x"
     print(
-        f"{tokens} {compute} {name}: {row['reload_ms']:.2f} ms "
+        f"{tokens} {compute} {name} (forward {order}): {row['reload_ms']:.2f} ms "
         f"({reload_ms / link_ms:.2f}x link) host {row['host_ms']:.2f} ms{slowed} "
         f"identical={row['identical']}",
         flush=True,
