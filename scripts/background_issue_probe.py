@@ -20,8 +20,6 @@ Measuring code only; needs CUDA and cuda-bindings.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import threading
 import time
@@ -32,6 +30,7 @@ import torch
 
 from benchmarks.beside_rows import LINK_GBPS
 from benchmarks.model_forward import measured_forward
+from benchmarks.probe_shape import probe_device, probe_parser, write_probe_json
 from kvcore.kernels.batch_copy import batch_copy_pointers
 
 LAYERS = 32
@@ -52,16 +51,10 @@ def _busy(ms: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="8192,32768")
+    parser = probe_parser()
     parser.add_argument("--python-ms", default="0,5")
-    parser.add_argument("--requests", type=int, default=5)
-    parser.add_argument("--json")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("background_issue_probe: needs a CUDA GPU")
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = probe_device("background_issue_probe")
     layers = [
         torch.zeros(GPU_BLOCKS, BLOCK_BYTES, dtype=torch.uint8, device=device)
         for _ in range(LAYERS)
@@ -103,9 +96,7 @@ def main() -> None:
                     flush=True,
                 )
         del host
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": torch.cuda.get_device_name(device), "rows": rows}, out, indent=1)
+    write_probe_json(args.json, {"device": torch.cuda.get_device_name(device), "rows": rows})
 
 
 def _cell(

@@ -17,10 +17,8 @@ Measuring code only; needs CUDA.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import itertools
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -30,14 +28,23 @@ import torch
 
 from benchmarks.beside_rows import LINK_GBPS
 from benchmarks.model_forward import measured_forward
+from benchmarks.probe_shape import (
+    BLOCK_TOKENS,
+    GPU_BLOCKS,
+    MLA_CHUNK_BYTES,
+    MLA_LAYERS,
+    MLA_ROW_BYTES,
+    mla_chunks_landed,
+    probe_device,
+    probe_parser,
+    write_probe_json,
+)
 from kvcore.kernels.batch_copy import BatchCopyError
 from kvcore.kernels.cudart import loaded_cudart
 
-LAYERS = 61
-BLOCK_TOKENS = 16
-ROW_BYTES = 576 * 2 * BLOCK_TOKENS  # one block of one layer: 18 KiB
-CHUNK_BYTES = -(-LAYERS * ROW_BYTES // 4096) * 4096  # vLLM aligns each chunk row to 4 KiB
-GPU_BLOCKS = 4096
+LAYERS = MLA_LAYERS
+ROW_BYTES = MLA_ROW_BYTES
+CHUNK_BYTES = MLA_CHUNK_BYTES
 _HOST_TO_DEVICE = 1
 
 
@@ -72,16 +79,10 @@ def pitched_copier(lib: ctypes.CDLL) -> Callable[[int, int, int, int, int, int, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="8192,32768")
+    parser = probe_parser()
     parser.add_argument("--compute", default="none,decode-64,decode-256,prefill-4096")
-    parser.add_argument("--requests", type=int, default=5)
-    parser.add_argument("--json")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("pitched_dma_probe: needs a CUDA GPU")
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = probe_device("pitched_dma_probe")
     lib = loaded_cudart()
     assert lib is not None, "no CUDA runtime loaded"
     copy2d = pitched_copier(lib)
@@ -167,7 +168,7 @@ def main() -> None:
                     times.append(took * 1e3)
                     holds.append(held * 1e3)
                     if name != "plain":
-                        identical &= _matches(host, tensors, dst_blocks)
+                        identical &= mla_chunks_landed(host, tensors, dst_blocks)
                 if len(times) <= args.requests:
                     arms.pop(name)
                     continue
@@ -198,20 +199,7 @@ def main() -> None:
                     flush=True,
                 )
         del staging
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=1)
-
-
-def _matches(host: torch.Tensor, tensors: list[torch.Tensor], dst_blocks: torch.Tensor) -> bool:
-    blocks = dst_blocks.numel()
-    chunks = host[: blocks * CHUNK_BYTES].view(blocks, CHUNK_BYTES)[:, : LAYERS * ROW_BYTES]
-    expected = chunks.to(tensors[0].device).reshape(blocks, LAYERS, ROW_BYTES)
-    index = dst_blocks.to(tensors[0].device)
-    return all(
-        torch.equal(t.view(GPU_BLOCKS, ROW_BYTES)[index], expected[:, layer])
-        for layer, t in enumerate(tensors)
-    )
+    write_probe_json(args.json, report)
 
 
 def _batched_arm(

@@ -24,9 +24,7 @@ Measuring code only; needs CUDA and Triton.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -37,17 +35,26 @@ import triton.language as tl
 
 from benchmarks.beside_rows import LINK_GBPS
 from benchmarks.model_forward import measured_forward
+from benchmarks.probe_shape import (
+    GPU_BLOCKS,
+    MLA_CHUNK_BYTES,
+    MLA_LAYERS,
+    MLA_ROW_BYTES,
+    mla_chunks_landed,
+    probe_device,
+    probe_parser,
+    write_probe_json,
+)
 from kvcore.kernels.cudart import stream_calls
 from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.streams import highest_priority
 
-LAYERS = 61
-ROW_BYTES = 576 * 2 * 16  # one 16-token block of one layer
-CHUNK_BYTES = -(-LAYERS * ROW_BYTES // 4096) * 4096  # vLLM aligns each chunk row to 4 KiB
+LAYERS = MLA_LAYERS
+ROW_BYTES = MLA_ROW_BYTES
+CHUNK_BYTES = MLA_CHUNK_BYTES
 WORD = 8
 ROW_WORDS = ROW_BYTES // WORD  # 2304 = 2048 + 256, the kernel's two loads
 CHUNK_WORDS = CHUNK_BYTES // WORD
-GPU_BLOCKS = 4096
 SLOTS = 8
 PER_PIECE = (16 << 20) // CHUNK_BYTES  # blocks a piece: pieces of at most 16 MiB
 RING_CTAS = 64
@@ -274,35 +281,19 @@ class Setup:
 
         return load
 
-    def matches(self, dst_blocks: torch.Tensor) -> bool:
-        chunks = self.host[: self.blocks * CHUNK_BYTES].view(self.blocks, CHUNK_BYTES)
-        expected = (
-            chunks[:, : LAYERS * ROW_BYTES].to(self.device).reshape(self.blocks, LAYERS, ROW_BYTES)
-        )
-        return all(
-            torch.equal(t.view(GPU_BLOCKS, ROW_BYTES)[dst_blocks], expected[:, layer])
-            for layer, t in enumerate(self.layers)
-        )
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", default="8192,32768")
+    parser = probe_parser()
     parser.add_argument("--ctas", default="4,8,16")
     parser.add_argument("--compute", default="none,decode-256,prefill-4096")
-    parser.add_argument("--requests", type=int, default=5)
     parser.add_argument(
         "--forward-order",
         default="before",
         help="before,after: queue the other forward before the load's copies or after them "
         "(as vLLM's engine does: its connector submits, then the step's forward is queued)",
     )
-    parser.add_argument("--json")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("resident_scatter_probe: needs a CUDA GPU")
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = probe_device("resident_scatter_probe")
     report: dict[str, object] = {"device": torch.cuda.get_device_name(device), "rows": []}
     rows: list[dict[str, object]] = report["rows"]  # type: ignore[assignment]
     for tokens in (int(s) for s in args.sizes.split(",")):
@@ -338,9 +329,7 @@ def main() -> None:
                     )
         del setup
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=1)
+    write_probe_json(args.json, report)
 
 
 def _cell(
@@ -381,7 +370,7 @@ def _cell(
             f1.synchronize()
             beside.append(f0.elapsed_time(f1))
         if name != "plain":
-            identical &= setup.matches(dst_blocks)
+            identical &= mla_chunks_landed(setup.host, setup.layers, dst_blocks)
     row: dict[str, object] = {
         "arm": name,
         "tokens": tokens,

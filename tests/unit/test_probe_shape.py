@@ -1,0 +1,64 @@
+"""benchmarks.probe_shape: the MLA layout the GPU probes share, checked on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.probe_shape import (
+    GPU_BLOCKS,
+    MLA_CHUNK_BYTES,
+    MLA_LAYERS,
+    MLA_ROW_BYTES,
+    mla_chunks_landed,
+    probe_device,
+    probe_parser,
+    write_probe_json,
+)
+
+
+def _loaded(blocks: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Random host chunks copied row by row into random blocks, as a correct load would."""
+    generator = torch.Generator().manual_seed(7)
+    host = torch.randint(
+        -128, 128, (blocks * MLA_CHUNK_BYTES,), dtype=torch.int8, generator=generator
+    )
+    host = host.view(torch.uint8)
+    layers = [torch.zeros(GPU_BLOCKS * MLA_ROW_BYTES, dtype=torch.uint8) for _ in range(MLA_LAYERS)]
+    dst_blocks = torch.randperm(GPU_BLOCKS, generator=generator)[:blocks]
+    chunks = host.view(blocks, MLA_CHUNK_BYTES)
+    for i, block in enumerate(dst_blocks.tolist()):
+        for layer, tensor in enumerate(layers):
+            row = chunks[i, layer * MLA_ROW_BYTES : (layer + 1) * MLA_ROW_BYTES]
+            tensor[block * MLA_ROW_BYTES : (block + 1) * MLA_ROW_BYTES] = row
+    return host, layers, dst_blocks
+
+
+def test_the_chunk_row_is_vllms_padded_row() -> None:
+    assert MLA_ROW_BYTES == 18 << 10
+    assert MLA_CHUNK_BYTES % 4096 == 0
+    assert 0 <= MLA_CHUNK_BYTES - MLA_LAYERS * MLA_ROW_BYTES < 4096
+
+
+def test_a_correct_load_is_told_apart_from_one_wrong_byte_or_block() -> None:
+    host, layers, dst_blocks = _loaded(3)
+    assert mla_chunks_landed(host, layers, dst_blocks)
+    assert not mla_chunks_landed(host, layers, dst_blocks.flip(0))
+    layers[MLA_LAYERS - 1][int(dst_blocks[1]) * MLA_ROW_BYTES + 5] ^= 1
+    assert not mla_chunks_landed(host, layers, dst_blocks)
+
+
+def test_the_parser_and_the_report(tmp_path: Path) -> None:
+    args = probe_parser().parse_args(["--sizes", "8192", "--json", str(tmp_path / "r.json")])
+    assert (args.sizes, args.requests) == ("8192", 5)
+    write_probe_json(args.json, {"rows": [1]})
+    assert (tmp_path / "r.json").read_text().replace(" ", "").replace("\n", "") == '{"rows":[1]}'
+    write_probe_json(None, {"rows": []})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's message")
+def test_no_gpu_stops_with_the_probes_name() -> None:
+    with pytest.raises(SystemExit, match="some_probe: needs a CUDA GPU"):
+        probe_device("some_probe")
