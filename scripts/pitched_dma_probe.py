@@ -42,9 +42,6 @@ from benchmarks.probe_shape import (
 from kvcore.kernels.batch_copy import BatchCopyError
 from kvcore.kernels.cudart import loaded_cudart
 
-LAYERS = MLA_LAYERS
-ROW_BYTES = MLA_ROW_BYTES
-CHUNK_BYTES = MLA_CHUNK_BYTES
 _HOST_TO_DEVICE = 1
 
 
@@ -52,7 +49,8 @@ def layer_tensors(device: torch.device) -> tuple[list[torch.Tensor], int | None]
     """One tensor a layer, allocated one after another as vLLM does, and their spacing
     where it is even."""
     tensors = [
-        torch.zeros(GPU_BLOCKS * ROW_BYTES, dtype=torch.uint8, device=device) for _ in range(LAYERS)
+        torch.zeros(GPU_BLOCKS * MLA_ROW_BYTES, dtype=torch.uint8, device=device)
+        for _ in range(MLA_LAYERS)
     ]
     gaps = {b.data_ptr() - a.data_ptr() for a, b in itertools.pairwise(tensors)}
     return tensors, (gaps.pop() if len(gaps) == 1 and min(gaps) > 0 else None)
@@ -88,22 +86,24 @@ def main() -> None:
     copy2d = pitched_copier(lib)
     sizes = [int(s) for s in args.sizes.split(",")]
     most_blocks = max(sizes) // BLOCK_TOKENS
-    host = torch.empty(most_blocks * CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(most_blocks * MLA_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
     host.view(torch.int32).random_()
     tensors, spacing = layer_tensors(device)
     report: dict[str, object] = {
         "device": torch.cuda.get_device_name(device),
-        "layers": LAYERS,
-        "row_bytes": ROW_BYTES,
-        "chunk_bytes": CHUNK_BYTES,
+        "layers": MLA_LAYERS,
+        "row_bytes": MLA_ROW_BYTES,
+        "chunk_bytes": MLA_CHUNK_BYTES,
         "layer_spacing": spacing,
         "rows": [],
     }
     print(f"layer tensors evenly spaced: {spacing}", flush=True)
     if spacing is None:
-        base = torch.zeros(LAYERS * GPU_BLOCKS * ROW_BYTES, dtype=torch.uint8, device=device)
-        tensors = list(base.view(LAYERS, -1).unbind(0))
-        spacing = GPU_BLOCKS * ROW_BYTES
+        base = torch.zeros(
+            MLA_LAYERS * GPU_BLOCKS * MLA_ROW_BYTES, dtype=torch.uint8, device=device
+        )
+        tensors = list(base.view(MLA_LAYERS, -1).unbind(0))
+        spacing = GPU_BLOCKS * MLA_ROW_BYTES
     dst0 = tensors[0].data_ptr()
     copy_stream = torch.cuda.Stream(device)
     raw = copy_stream.cuda_stream
@@ -111,26 +111,26 @@ def main() -> None:
     rows: list[dict[str, object]] = report["rows"]  # type: ignore[assignment]
     for tokens in sizes:
         blocks = tokens // BLOCK_TOKENS
-        nbytes = blocks * LAYERS * ROW_BYTES
+        nbytes = blocks * MLA_LAYERS * MLA_ROW_BYTES
         link_ms = nbytes / LINK_GBPS / 1e6
-        staging = torch.empty(blocks * CHUNK_BYTES, dtype=torch.uint8, device=device)
+        staging = torch.empty(blocks * MLA_CHUNK_BYTES, dtype=torch.uint8, device=device)
 
         def plain(
             dst_blocks: torch.Tensor, blocks: int = blocks, staging: torch.Tensor = staging
         ) -> None:
             with torch.cuda.stream(copy_stream):
-                staging.copy_(host[: blocks * CHUNK_BYTES], non_blocking=True)
+                staging.copy_(host[: blocks * MLA_CHUNK_BYTES], non_blocking=True)
 
         def pitched(dst_blocks: torch.Tensor, blocks: int = blocks) -> None:
             src = host.data_ptr()
             for chunk, block in enumerate(dst_blocks.tolist()):
                 code = copy2d(
-                    dst0 + block * ROW_BYTES,
+                    dst0 + block * MLA_ROW_BYTES,
                     spacing,
-                    src + chunk * CHUNK_BYTES,
-                    ROW_BYTES,
-                    ROW_BYTES,
-                    LAYERS,
+                    src + chunk * MLA_CHUNK_BYTES,
+                    MLA_ROW_BYTES,
+                    MLA_ROW_BYTES,
+                    MLA_LAYERS,
                     raw,
                 )
                 if code:
@@ -210,14 +210,14 @@ def _batched_arm(
     except ImportError:
         return None
     bases = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
-    offsets = np.arange(LAYERS, dtype=np.int64) * ROW_BYTES
+    offsets = np.arange(MLA_LAYERS, dtype=np.int64) * MLA_ROW_BYTES
 
     def batched(dst_blocks: torch.Tensor) -> None:
         blocks = dst_blocks.numpy().astype(np.int64)
-        dsts = (bases[None, :] + blocks[:, None] * ROW_BYTES).ravel()
-        chunk = np.arange(blocks.size, dtype=np.int64) * CHUNK_BYTES
+        dsts = (bases[None, :] + blocks[:, None] * MLA_ROW_BYTES).ravel()
+        chunk = np.arange(blocks.size, dtype=np.int64) * MLA_CHUNK_BYTES
         srcs = (host.data_ptr() + chunk[:, None] + offsets[None, :]).ravel()
-        sizes = np.full(dsts.size, ROW_BYTES, dtype=np.int64)
+        sizes = np.full(dsts.size, MLA_ROW_BYTES, dtype=np.int64)
         batch_copy_pointers(dsts, srcs, sizes, stream, source_in_stream_order=False)
 
     return batched

@@ -3,11 +3,12 @@
 # call: `kvcore bench --engine vllm --sweep --beside-compute --rows $ROWS` (mla unless named)
 # through scripts/ring_pieces.py (so PIECE_CAP_MIB and RING_SLOTS count too), one run an arm, the
 # arms alternated ROUNDS times on one machine. ARMS is a list of name:VAR=value,VAR=value
-# (a name alone runs the defaults). TESTS=1 runs the region staging GPU tests first.
+# (a name alone runs the defaults). TESTS=1 runs the region staging GPU tests first. PACK=0
+# leaves $OUT unpacked, for a call that runs more and packs once.
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried, as scripts/vllm_sweep.sh does.
 #
 #   ARMS="default cap16:PIECE_CAP_MIB=16 ctas32:KVCORE_RING_SCATTER_CTAS=32" OUT=<dir> \
-#       [SIZES=8192,32768] [ROUNDS=2] [TESTS=0] [ROWS=mla] bash scripts/region_arms_gpu.sh
+#       [SIZES=8192,32768] [ROUNDS=2] [TESTS=0] [ROWS=mla] [PACK=1] bash scripts/region_arms_gpu.sh
 #
 # Writes $OUT/<arm>-<round>.json and the logs, packed by scripts/pack_out.sh (a call brings
 # back at most 8 files). Each run's summary lines are printed too.
@@ -38,4 +39,6 @@ for round in $(seq "${ROUNDS:-2}"); do
         grep "identical=" "$OUT/$name-$round.log" | cut -c1-330
     done
 done
-OUT="$OUT" bash scripts/pack_out.sh
+if [ "${PACK:-1}" = 1 ]; then
+    OUT="$OUT" bash scripts/pack_out.sh
+fi

@@ -4,7 +4,7 @@
 # scripts/region_tail_probe.py --events with the setting on and off (the first DMA, the
 # host's time in the ring's calls, the DMAs' busy time, the submission's return), then
 # `kvcore bench --engine vllm --sweep --beside-compute --rows mla` on and off, alternated
-# ROUNDS times on one machine. SETTING is a boolean KVCORE_ variable:
+# ROUNDS times on one machine (scripts/region_arms_gpu.sh, arms `on` and `off`). SETTING is a boolean KVCORE_ variable:
 # KVCORE_ADDRESS_RING (the ring by address), KVCORE_BEGIN_REGION_LOADS (begun loads),
 # KVCORE_HIGH_PRIORITY_LOADS (the load handler's streams at the top CUDA priority).
 # BASE_ENV (VAR=value words) holds for both sides. PROBES=0 skips the probes; PACK=0 leaves
@@ -39,16 +39,6 @@ for setting in on off; do
     echo "probe $setting rc=$? at ${SECONDS}s"
     grep "identical=" "$OUT/probe-$setting.log" | cut -c1-700
 done
-for round in $(seq "${ROUNDS:-2}"); do
-    for setting in on off; do
-        value=$([ "$setting" = on ] && echo 1 || echo 0)
-        env "${base_env[@]}" "$SETTING=$value" python3 -m kvcore bench --engine vllm --sweep \
-            --beside-compute --rows mla --sizes "${SIZES:-8192,32768}" \
-            --json "$OUT/$setting-$round.json" > "$OUT/$setting-$round.log" 2>&1
-        echo "$setting $round rc=$? at ${SECONDS}s"
-        grep "identical=" "$OUT/$setting-$round.log" | cut -c1-420
-    done
-done
-if [ "${PACK:-1}" = 1 ]; then
-    OUT="$OUT" bash scripts/pack_out.sh
-fi
+base=$(IFS=,; echo "${base_env[*]}")
+ARMS="on:$SETTING=1${base:+,$base} off:$SETTING=0${base:+,$base}" OUT="$OUT" TESTS=0 \
+    bash scripts/region_arms_gpu.sh

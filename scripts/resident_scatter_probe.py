@@ -49,18 +49,15 @@ from kvcore.kernels.cudart import stream_calls
 from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.streams import highest_priority
 
-LAYERS = MLA_LAYERS
-ROW_BYTES = MLA_ROW_BYTES
-CHUNK_BYTES = MLA_CHUNK_BYTES
 WORD = 8
-ROW_WORDS = ROW_BYTES // WORD  # 2304 = 2048 + 256, the kernel's two loads
-CHUNK_WORDS = CHUNK_BYTES // WORD
+ROW_WORDS = MLA_ROW_BYTES // WORD  # 2304 = 2048 + 256, the kernel's two loads
+CHUNK_WORDS = MLA_CHUNK_BYTES // WORD
 SLOTS = 8
-PER_PIECE = (16 << 20) // CHUNK_BYTES  # blocks a piece: pieces of at most 16 MiB
+PER_PIECE = (16 << 20) // MLA_CHUNK_BYTES  # blocks a piece: pieces of at most 16 MiB
 RING_CTAS = 64
 ROW_WORDS_2K = 2048 // WORD  # the rows vLLM's region gives: gcd of a page and a chunk row
-BLOCK_ROWS = ROW_BYTES // 2048
-CHUNK_ROWS = CHUNK_BYTES // 2048
+BLOCK_ROWS = MLA_ROW_BYTES // 2048
+CHUNK_ROWS = MLA_CHUNK_BYTES // 2048
 # The kernels spell these out (Triton folds literals, not module constants).
 assert (PER_PIECE, ROW_WORDS, CHUNK_WORDS) == (14, 2304, 140800)
 
@@ -151,18 +148,18 @@ class Setup:
     def __init__(self, blocks: int, device: torch.device) -> None:
         self.blocks = blocks
         self.device = device
-        self.host = torch.empty(blocks * CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        self.host = torch.empty(blocks * MLA_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
         self.host.view(torch.int32).random_()
         self.layers = [
-            torch.zeros(GPU_BLOCKS * ROW_BYTES, dtype=torch.uint8, device=device)
-            for _ in range(LAYERS)
+            torch.zeros(GPU_BLOCKS * MLA_ROW_BYTES, dtype=torch.uint8, device=device)
+            for _ in range(MLA_LAYERS)
         ]
         base = self.layers[0].data_ptr()
         self.layer_offsets = torch.tensor(
             [(t.data_ptr() - base) // WORD for t in self.layers], dtype=torch.int64, device=device
         )
         self.staging = torch.empty(
-            SLOTS * PER_PIECE * CHUNK_BYTES, dtype=torch.uint8, device=device
+            SLOTS * PER_PIECE * MLA_CHUNK_BYTES, dtype=torch.uint8, device=device
         )
         self.pieces = -(-blocks // PER_PIECE)
         self.whole: torch.Tensor | None = None
@@ -180,8 +177,8 @@ class Setup:
     def piece_copy(self, piece: int) -> tuple[int, int, int]:
         first = piece * PER_PIECE
         blocks = min(PER_PIECE, self.blocks - first)
-        dst = self.staging.data_ptr() + (piece % SLOTS) * PER_PIECE * CHUNK_BYTES
-        return dst, self.host.data_ptr() + first * CHUNK_BYTES, blocks * CHUNK_BYTES
+        dst = self.staging.data_ptr() + (piece % SLOTS) * PER_PIECE * MLA_CHUNK_BYTES
+        return dst, self.host.data_ptr() + first * MLA_CHUNK_BYTES, blocks * MLA_CHUNK_BYTES
 
     def args(self, dst_blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         staging = self.staging.view(torch.int64)
@@ -199,7 +196,7 @@ class Setup:
         args = self.args(dst_blocks)
 
         def scatter(piece: int, first: int, blocks: int) -> None:
-            grid = (min(RING_CTAS, blocks * LAYERS),)
+            grid = (min(RING_CTAS, blocks * MLA_LAYERS),)
             slot_base = (piece % SLOTS) * PER_PIECE
             _piece_scatter[grid](*args, first, blocks, slot_base, num_warps=8)
 
@@ -223,8 +220,8 @@ class Setup:
     def _row_launch(self) -> LayeredLaunch:
         if self.row_launch is None:
             staged = self.staging.view(torch.int64).view(-1, ROW_WORDS_2K)
-            length = staged.shape[0] - (LAYERS - 1) * BLOCK_ROWS
-            srcs = [staged[i * BLOCK_ROWS : i * BLOCK_ROWS + length] for i in range(LAYERS)]
+            length = staged.shape[0] - (MLA_LAYERS - 1) * BLOCK_ROWS
+            srcs = [staged[i * BLOCK_ROWS : i * BLOCK_ROWS + length] for i in range(MLA_LAYERS)]
             dsts = [t.view(torch.int64).view(-1, ROW_WORDS_2K) for t in self.layers]
             table = layer_table(srcs, dsts)
             self.row_launch = LayeredLaunch(table, table.offsets.to(self.device), RING_CTAS)
@@ -298,7 +295,7 @@ def main() -> None:
     rows: list[dict[str, object]] = report["rows"]  # type: ignore[assignment]
     for tokens in (int(s) for s in args.sizes.split(",")):
         setup = Setup(tokens // 16, device)
-        link_ms = setup.blocks * LAYERS * ROW_BYTES / LINK_GBPS / 1e6
+        link_ms = setup.blocks * MLA_LAYERS * MLA_ROW_BYTES / LINK_GBPS / 1e6
         arms: dict[str, Callable[[torch.Tensor], None]] = {
             "plain": setup.plain,
             "ring": setup.ring,
