@@ -133,6 +133,14 @@ class KVCoreConfig:
         "CUDA runtime call each, not through torch's streams and events, whose host time "
         "holds transfer_async, and so the engine's next forward, several times longer",
     )
+    background_issue: bool = _setting(
+        False,
+        BOOLEAN,
+        "kvcore's vLLM handlers issue each job's copies from a thread of their own, so "
+        "transfer_async returns once the job is planned and the engine queues its next forward "
+        "at once (an MHA load's DMAs otherwise hold it 9-35 ms at 8k-32k tokens; off until "
+        "measured live)",
+    )
     high_priority_loads: bool = _setting(
         True,
         BOOLEAN,

@@ -20,6 +20,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from kvcore.issuer import Issued, Issuer
+
 T = TypeVar("T")
 
 
@@ -151,6 +153,9 @@ class Job:
     start: Any
     end: Any
     planned_s: float
+    issued: Issued | None = None
+    """Where an :class:`~kvcore.issuer.Issuer` issues the job: ``start`` and ``end`` are
+    set once it has."""
 
 
 class OrderedJobs:
@@ -158,17 +163,30 @@ class OrderedJobs:
 
     ``compute_stream`` returns the stream whose queued work each job waits for. One stream
     runs them all, so a job has finished once its end event has, and so have those before it.
+    Given an ``issuer``, each job's copies are issued on its thread (:meth:`submit` returns
+    once the job's wait for the compute stream is captured); a job whose issuing raised is
+    not reported but kept for :meth:`take_failed`.
     """
 
     def __init__(
-        self, streams: NamedStreams, name: Hashable, compute_stream: Callable[[], Any]
+        self,
+        streams: NamedStreams,
+        name: Hashable,
+        compute_stream: Callable[[], Any],
+        issuer: Issuer | None = None,
     ) -> None:
         self._streams = streams
         self._stream = streams.stream(name)
         self._compute_stream = compute_stream
+        self._issuer = issuer
         self.queued: deque[Job] = deque()
         """The jobs not yet reported, oldest first: the same deque for the queue's life, for
         callers to test (``if jobs.queued``, no call) and never to change."""
+        self._failed: list[tuple[int, BaseException]] = []
+
+    @property
+    def issuer(self) -> Issuer | None:
+        return self._issuer
 
     def __len__(self) -> int:
         return len(self.queued)
@@ -192,6 +210,15 @@ class OrderedJobs:
         # A job may read what the compute stream is still writing, or overwrite what it
         # has yet to read.
         ready = streams.record(self._compute_stream())
+        if self._issuer is not None:
+            job = Job(job_id, nbytes, None, None, planned_s)
+            # Issued as it would have been here: under this thread's inference and grad
+            # modes (an engine's KV tensors made under inference mode take in-place writes
+            # only there), which torch keeps per thread.
+            modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+            job.issued = self._issuer.submit(lambda: self._issue(job, ready, work, modes))
+            self.queued.append(job)
+            return
         streams.wait_event(stream, ready)
         # The wait holds the event's state as of now, so the event can be recorded again.
         streams.release(ready)
@@ -203,6 +230,27 @@ class OrderedJobs:
             raise
         self.queued.append(Job(job_id, nbytes, start, streams.record(stream), planned_s))
 
+    def _issue(
+        self, job: Job, ready: Any, work: Callable[[], None], modes: tuple[bool, bool]
+    ) -> None:
+        """On the issuer's thread: ``job``'s wait for the compute stream as it was at
+        submission, then its copies, under the submitter's ``(inference, grad)`` modes."""
+        streams, stream = self._streams, self._stream
+        try:
+            streams.wait_event(stream, ready)
+        finally:
+            streams.release(ready)
+        start = streams.record(stream)
+        inference, grad = modes
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                streams.run_on(stream, work)
+            end = streams.record(stream)
+        except BaseException:
+            streams.release(start)
+            raise
+        job.start, job.end = start, end
+
     def finished(self, report: Callable[[int, int, float | None], T]) -> list[T]:
         """``report(job_id, nbytes, seconds)`` for each job finished since the last call, in
         submission order; ``seconds`` is the copies' GPU time and the job's planning (see
@@ -211,8 +259,13 @@ class OrderedJobs:
         jobs, streams = self.queued, self._streams
         reports: list[T] = []
         while jobs:
+            head = jobs[0]
+            if not self._issued(head):
+                break
+            if head.end is None:  # its issuing raised: off the queue now
+                continue
             try:
-                if not streams.query(jobs[0].end):
+                if not streams.query(head.end):
                     break
             except BaseException:
                 if reports:
@@ -227,6 +280,28 @@ class OrderedJobs:
             streams.release(job.end)
         return reports
 
+    def _issued(self, job: Job, *, block: bool = False) -> bool:
+        """Whether ``job``'s copies have all been issued (waiting for that where ``block``);
+        one whose issuing raised is taken off the queue for :meth:`take_failed`."""
+        issued = job.issued
+        if issued is None:
+            return True
+        if block:
+            issued.wait()
+        elif not issued.done:
+            return False
+        if issued.error is not None and job.end is None:
+            self.queued.remove(job)
+            self._failed.append((job.job_id, issued.error))
+        return True
+
+    def take_failed(self) -> list[tuple[int, BaseException]]:
+        """The jobs whose issuing raised, with what it raised, since the last call: never
+        reported by :meth:`finished`; what they issued before raising stays queued on the
+        stream (:meth:`settle` waits for it)."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def drop_oldest(self) -> int:
         """Forget the oldest job (its copy failed); its id."""
         job = self.queued.popleft()
@@ -238,14 +313,23 @@ class OrderedJobs:
         """Block until the jobs named in ``job_ids`` have finished; other ids are ignored."""
         for job in reversed(self.queued):
             if job.job_id in job_ids:
-                # The latest one named: those before it finish first.
-                self._streams.synchronize(job.end)
+                # The latest one named: those before it are issued and finish first.
+                self._issued(job, block=True)
+                for earlier in list(self.queued):
+                    self._issued(earlier)
+                    if earlier is job:
+                        break
+                if job.end is not None:
+                    self._streams.synchronize(job.end)
                 return
 
     def ahead(self, work: Callable[[], T]) -> T:
         """``work``'s result, the copies it issues queued on the jobs' stream now, ahead of
         the next job's wait for the compute stream: for copies that touch nothing the
         compute stream's work reads or writes (a load's DMAs into kvcore's own staging)."""
+        if self._issuer is not None:
+            # "Now" in the stream's order: after every job handed to the issuer so far.
+            self._issuer.idle()
         done: list[T] = []
         self._streams.run_on(self._stream, lambda: done.append(work()))
         return done[0]
@@ -253,6 +337,8 @@ class OrderedJobs:
     def settle(self) -> None:
         """Block until everything queued on the stream has run, a failed job's part too."""
         streams = self._streams
+        if self._issuer is not None:
+            self._issuer.idle()
         settled = streams.record(self._stream)
         streams.synchronize(settled)
         streams.release(settled)
@@ -261,9 +347,15 @@ class OrderedJobs:
         """Block until every job has finished, then forget them all (also when one failed:
         its error propagates and the jobs after it are not waited for)."""
         jobs, streams = self.queued, self._streams
+        if self._issuer is not None:
+            self._issuer.idle()
         try:
             while jobs:
-                streams.synchronize(jobs[0].end)
+                head = jobs[0]
+                self._issued(head)
+                if head.end is None:  # its issuing raised: off the queue now
+                    continue
+                streams.synchronize(head.end)
                 job = jobs.popleft()
                 streams.release(job.start)
                 streams.release(job.end)

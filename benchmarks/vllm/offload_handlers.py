@@ -29,12 +29,13 @@ from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 from benchmarks.vllm.host_platform import is_run_on_host, run_on_host, without_host_methods
 from benchmarks.vllm.offload_layout import Layout
 from kvcore.config import KVCoreConfig
+from kvcore.issuer import Issuer
 from kvcore.kernels.batch_copy import batch_copy_available, batch_copy_pointers
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.planning.path_policy import PathPolicy, vllm_handler_policy
 from kvcore.streams import CpuSyncStreams, CudaStreams, NamedStreams
-from kvcore_vllm.handler_install import handler_stream_priority
+from kvcore_vllm.handler_install import handler_issuer, handler_stream_priority
 from kvcore_vllm.releases import installed_shape
 from kvcore_vllm.stock_copies import gpu_tensors_of
 from kvcore_vllm.transfers import KVCoreOffloadingHandler
@@ -145,18 +146,24 @@ def kvcore_handler(
     stock_rules: bool = True,
     stock_share: float = 0.0,
     plan_policy: PathPolicy | None = None,
+    issuer: Issuer | None = None,
 ) -> KVCoreOffloadingHandler:
     """kvcore's handler in place of ``stock``, on CUDA streams or, on a CPU, run at once;
     ``policy`` defaults to the one the environment (KVCORE_*) asks for. ``plan_policy``: the
     thresholds jobs are planned with; by default the mover's, or, where neither ``policy``
-    nor ``mover`` is given, the environment's for the handler's direction (:func:`env_policy`)."""
+    nor ``mover`` is given, the environment's for the handler's direction (:func:`env_policy`).
+    ``issuer``: the thread that issues its jobs; on CUDA streams, by default the one
+    ``KVCORE_BACKGROUND_ISSUE`` asks for, as the plugin's handlers have."""
     gpu_tensors = handler_gpu_tensors(stock)
     device = gpu_tensors[0].device
     compute: Callable[[], Any]
+    name = "store" if stock.gpu_to_cpu else "load"
     if streams is None and device.type == "cuda":
-        priority = handler_stream_priority(KVCoreConfig.from_env(), gpu_to_cpu=stock.gpu_to_cpu)
+        config = KVCoreConfig.from_env()
+        priority = handler_stream_priority(config, gpu_to_cpu=stock.gpu_to_cpu)
         cuda = CudaStreams(device, priority=priority)
         streams, compute = cuda, cuda.compute_stream
+        issuer = handler_issuer(config, name, device) if issuer is None else issuer
     else:
         streams = CpuSyncStreams() if streams is None else streams
         compute = _named(streams, "compute")
@@ -168,11 +175,12 @@ def kvcore_handler(
         gpu_tensors=gpu_tensors,
         streams=streams,
         compute_stream=compute,
-        name="store" if stock.gpu_to_cpu else "load",
+        name=name,
         metrics=metrics,
         stock_rules=stock_rules,
         stock_share=stock_share,
         plan_policy=plan_policy,
+        issuer=issuer,
     )
 
 

@@ -8,6 +8,7 @@ plugin's uninstall. A worker is equipped whole or not at all.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from kvcore.config import KVCoreConfig
+from kvcore.issuer import Issuer
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
 from kvcore.planning.path_policy import vllm_handler_policy
@@ -75,28 +77,46 @@ def install_handlers(
     if not stocks or not _warmed_up(mover, [t for _, t in stocks.values()], metrics):
         return []
     handlers = {}
-    for attribute, (stock, gpu_tensors) in stocks.items():
-        streams = CudaStreams(
-            gpu_tensors[0].device,
-            priority=handler_stream_priority(config, gpu_to_cpu=stock.gpu_to_cpu),
-        )
-        handlers[attribute] = KVCoreOffloadingHandler(
-            stock,
-            mover=mover,
-            gpu_tensors=gpu_tensors,
-            shape=shape,
-            streams=streams,
-            compute_stream=streams.compute_stream,
-            name=attribute,
-            metrics=metrics,
-            stock_rules=config.serve_rule,
-            stock_share=config.stock_share,
-            plan_policy=vllm_handler_policy(config, gpu_to_cpu=stock.gpu_to_cpu),
-        )
+    issuers: list[Issuer] = []
+    try:
+        for attribute, (stock, gpu_tensors) in stocks.items():
+            streams = CudaStreams(
+                gpu_tensors[0].device,
+                priority=handler_stream_priority(config, gpu_to_cpu=stock.gpu_to_cpu),
+            )
+            issuer = handler_issuer(config, attribute, gpu_tensors[0].device)
+            if issuer is not None:
+                issuers.append(issuer)
+            handlers[attribute] = KVCoreOffloadingHandler(
+                stock,
+                mover=mover,
+                gpu_tensors=gpu_tensors,
+                shape=shape,
+                streams=streams,
+                compute_stream=streams.compute_stream,
+                name=attribute,
+                metrics=metrics,
+                stock_rules=config.serve_rule,
+                stock_share=config.stock_share,
+                plan_policy=vllm_handler_policy(config, gpu_to_cpu=stock.gpu_to_cpu),
+                issuer=issuer,
+            )
+    except BaseException:
+        for issuer in issuers:
+            issuer.close()
+        raise
     # All built before any is put in place: a worker never holds some of each.
     for attribute, handler in handlers.items():
         INSTALLATION.replace_handler(worker, attribute, handler)
     return list(handlers)
+
+
+def handler_issuer(config: KVCoreConfig, name: str, device: torch.device) -> Issuer | None:
+    """The thread that issues a handler's jobs (``KVCORE_BACKGROUND_ISSUE``), its device
+    made current there; None: they are issued inside ``transfer_async``."""
+    if not config.background_issue:
+        return None
+    return Issuer(f"kvcore-{name}", functools.partial(torch.cuda.set_device, device))
 
 
 def handler_stream_priority(config: KVCoreConfig, *, gpu_to_cpu: bool) -> int:

@@ -47,6 +47,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 
 from kvcore.direction import Direction
 from kvcore.internal_errors import InternalErrors, device_in_doubt
+from kvcore.issuer import Issuer
 from kvcore.kernels.cudart import clear_pending_error
 from kvcore.metrics import Metrics
 from kvcore.mover import Mover
@@ -116,6 +117,7 @@ class KVCoreOffloadingHandler:
         stock_share: float = 0.0,
         ab_seed: int = 0,
         plan_policy: PathPolicy | None = None,
+        issuer: Issuer | None = None,
     ) -> None:
         self._shape = installed_shape() if shape is None else shape
         self._stock = StockCopies(stock, self._shape, gpu_tensors)
@@ -128,8 +130,12 @@ class KVCoreOffloadingHandler:
         self.blocks_per_chunk: int = self._stock.blocks_per_chunk
         self._mover = mover
         self._plan_policy = mover.policy if plan_policy is None else plan_policy
-        self._jobs = OrderedJobs(streams, name, compute_stream)
+        self._jobs = OrderedJobs(streams, name, compute_stream, issuer)
         self._queued = self._jobs.queued
+        self._issuer = issuer
+        # Where jobs are issued on the issuer's thread, each one's arguments until it is
+        # reported: a job whose issuing raises there goes to stock with them.
+        self._handed: dict[int, tuple[Any, Any]] = {}
         # A pass is counted with no call: the metrics take the tally in when they are read.
         self._metrics = metrics
         self._passes: defaultdict[str, int] = (
@@ -144,7 +150,10 @@ class KVCoreOffloadingHandler:
             self.direction,
             self._plan_policy,
             # Where loads may begin unplanned (KVCORE_BEGIN_REGION_LOADS): no call otherwise.
-            self._begin_load if mover.policy.begin_region_loads and not self.gpu_to_cpu else None,
+            # Not with an issuer: a begun load's DMAs would wait for its thread to be idle.
+            self._begin_load
+            if mover.policy.begin_region_loads and not self.gpu_to_cpu and issuer is None
+            else None,
         )
         self._page_bytes = max(page_bytes(t) for t in self._stock.gpu_tensors)
         self._max_tensors = max(
@@ -226,7 +235,10 @@ class KVCoreOffloadingHandler:
             return self._scattered_reason
         segments = split_groups(gpu_ids, cpu_ids, group_sizes, block_indices, self.blocks_per_chunk)
         try:
-            return self._serve(job_id, segments, handed_over)
+            reason = self._serve(job_id, segments, handed_over)
+            if reason is None and self._issuer is not None:
+                self._handed[job_id] = (first, second)
+            return reason
         except Exception as exc:
             if self._shape.reports_failed_transfers and device_in_doubt(exc):
                 return self._fail(job_id, exc)
@@ -378,10 +390,35 @@ class KVCoreOffloadingHandler:
         if not self._queued:
             return results + self._stock_get_finished()
         if self._shape.reports_failed_transfers:
-            results += self._finished_or_failed()
+            reported = self._finished_or_failed()
         else:
-            results += self._jobs.finished(_succeeded)
-        return results + self._stock_get_finished()
+            reported = self._jobs.finished(_succeeded)
+        if self._issuer is not None:
+            for result in reported:
+                self._handed.pop(result.job_id, None)
+            self._retry_failed_issues()
+            if self._failed:
+                reported += self._failed_results()
+        return results + reported + self._stock_get_finished()
+
+    def _retry_failed_issues(self) -> None:
+        """The jobs whose issuing raised on the issuer's thread go to stock with their own
+        arguments, as a job that fails inside :meth:`transfer_async` does; where the release
+        reports failures and the device is in doubt, they are reported failed."""
+        failed = self._jobs.take_failed()
+        if not failed:
+            return
+        # What they issued before raising runs first: stock's copies must come after it.
+        self._jobs.settle()
+        for job_id, exc in failed:
+            first, second = self._handed.pop(job_id)
+            if not isinstance(exc, Exception):
+                raise exc
+            if self._shape.reports_failed_transfers and device_in_doubt(exc):
+                self._fail(job_id, exc)
+                continue
+            self._passes[INTERNAL_ERRORS.reason(exc)] += 1
+            self._stock_transfer_async(job_id, first, second)
 
     def _failed_results(self) -> list[TransferResult]:
         failed, self._failed = self._failed, []
@@ -414,6 +451,9 @@ class KVCoreOffloadingHandler:
                     raise
                 clear_pending_error()
                 logger.error("kvcore: a job failed while it was waited for (%s)", exc)
+        if self._issuer is not None:
+            # A named job whose issuing raised is stock's from here: waited for below.
+            self._retry_failed_issues()
         self._stock_wait(job_ids)
 
     def shutdown(self) -> None:
@@ -427,6 +467,11 @@ class KVCoreOffloadingHandler:
                 "kvcore: a transfer failed with %d queued; dropping those after it", queued
             )
             error = exc
+        if self._issuer is not None:
+            for job_id, raised in self._jobs.take_failed():
+                logger.error("kvcore: issuing job %d failed at shutdown (%s)", job_id, raised)
+            self._issuer.close()
+            self._handed.clear()
         self._planner.clear()
         self._stock.shutdown()
         if self._metrics is not None:

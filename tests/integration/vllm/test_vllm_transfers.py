@@ -835,6 +835,19 @@ def test_loads_run_on_streams_of_the_top_priority_unless_turned_off(
     assert built["_store_handler"]["streams"].priority == 0
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_each_handler_gets_a_thread_of_its_own_only_where_asked(monkeypatch, background):
+    built = _installed_on_fake_cuda(monkeypatch, KVCoreConfig(background_issue=background))
+    issuers = [built[name]["issuer"] for name in ("_store_handler", "_load_handler")]
+    try:
+        assert [issuer is not None for issuer in issuers] == [background, background]
+        assert not background or issuers[0] is not issuers[1]
+    finally:
+        for issuer in issuers:
+            if issuer is not None:
+                issuer.close()
+
+
 def test_install_plans_stores_by_dma_from_16_kib_and_loads_from_32_kib(monkeypatch):
     """Each handler gets its direction's planning thresholds; the mover keeps the loads'."""
     for name in ("KVCORE_LONG_RUN_BYTES", "KVCORE_MAX_BATCHED_RUNS"):

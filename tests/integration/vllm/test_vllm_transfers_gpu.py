@@ -125,16 +125,19 @@ def test_jobs_built_under_inference_mode_are_kvcores_and_exact(
     assert metrics.snapshot()["fallbacks"] == {}, INTERNAL_ERRORS.seen()
 
 
+@pytest.mark.parametrize("background", ["0", "1"], ids=["inline", "issuer_thread"])
 @pytest.mark.parametrize("shared_region", [False, True], ids=["own_tensors", "shared_region"])
 @pytest.mark.parametrize("gpu_to_cpu", [True, False], ids=["store", "load"])
 def test_mla_sized_blocks_store_by_dma_into_place_and_load_through_the_gather(
-    gpu_to_cpu: bool, shared_region: bool
+    monkeypatch: pytest.MonkeyPatch, gpu_to_cpu: bool, shared_region: bool, background: str
 ) -> None:
     """The default policies and rules: 18 KiB blocks (MLA's) store by DMA into place and
     load through kvcore's gather, staged by region from a shared CPU region; all exact,
-    every other page kept."""
+    every other page kept, the jobs issued inside transfer_async or on the handler's
+    thread (KVCORE_BACKGROUND_ISSUE)."""
     from kvcore.metrics import Metrics
 
+    monkeypatch.setenv("KVCORE_BACKGROUND_ISSUE", background)
     device = torch.device("cuda")
     layout = Layout(
         page_bytes=18 << 10,
@@ -168,10 +171,11 @@ def test_mla_sized_blocks_store_by_dma_into_place_and_load_through_the_gather(
     assert paths == (["batched_runs"] if gpu_to_cpu else [load])
 
 
+@pytest.mark.parametrize("background", ["0", "1"], ids=["inline", "issuer_thread"])
 @pytest.mark.parametrize("begun", ["1", "0"], ids=["begun", "planned_first"])
 @pytest.mark.parametrize("by_address", ["0", "1"], ids=["torch_ring", "address_ring"])
 def test_begun_loads_queued_back_to_back_land_after_the_compute_streams_writes(
-    monkeypatch: pytest.MonkeyPatch, begun: str, by_address: str
+    monkeypatch: pytest.MonkeyPatch, begun: str, by_address: str, background: str
 ) -> None:
     """Loads from a shared CPU region, begun before they are planned (their first DMAs ahead
     of the job's wait for the compute stream) or not, through either ring: four jobs queued
@@ -179,11 +183,13 @@ def test_begun_loads_queued_back_to_back_land_after_the_compute_streams_writes(
     compute stream, held up, writes each job's destination pages last before the jobs. Every
     page ends with the loaded bytes (each scatter after the compute stream's write, each
     job's DMAs after the previous job's scatters read the staging slots), and every other
-    page keeps its bytes."""
+    page keeps its bytes; so too with the jobs issued on the handler's thread (which begins
+    no load before planning)."""
     from kvcore.metrics import Metrics
 
     monkeypatch.setenv("KVCORE_BEGIN_REGION_LOADS", begun)
     monkeypatch.setenv("KVCORE_ADDRESS_RING", by_address)
+    monkeypatch.setenv("KVCORE_BACKGROUND_ISSUE", background)
     device = torch.device("cuda")
     layout = Layout(
         page_bytes=18 << 10, tensors=4, gpu_blocks=512, cpu_chunks=512, shared_region=True
