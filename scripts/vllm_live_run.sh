@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# vLLM served on the GPU machine with its CPU offloading tier, three ways, one trace each
+# vLLM served on the GPU machine with its CPU offloading tier, one trace a mode
 # (scripts/live_trace.py), after scripts/vllm_live_setup.sh installed vLLM and kvcore:
 #   stock             python -m vllm.entrypoints.cli.main serve ...
 #   kvcore            kvcore launch vllm --kvcore-transfers 0 -- serve ...   (manager, spec)
 #   kvcore-transfers  kvcore launch vllm --kvcore-transfers 1 -- serve ...   (and the copies)
+#   kvcore-background the same with --kvcore-background-issue 1 (each job's copies issued
+#                     from the handler's own thread)
 #   kvcore-ab         the same with --kvcore-stock-share AB_SHARE (0.5): that share of the
 #                     loads kvcore would copy get vLLM's copy instead, each logged, so the
 #                     summary compares the two copies' hits inside one process
@@ -15,7 +17,7 @@
 # (live_trace.py combine) and logs.tar.gz (each mode's server log, trace output, /metrics
 # page and kvcore log lines).
 #
-#   bash scripts/vllm_live_run.sh [MODE...]     (default: all three)
+#   bash scripts/vllm_live_run.sh [MODE...]     (default: stock kvcore kvcore-transfers)
 # A mode may repeat: its later runs are labelled MODE-2, MODE-3, ... (live-MODE-2.json), and
 # the summary pairs stock's runs with those of each other mode that ran twice or more, on
 # the same machine only (`paired_processes`), e.g. `stock kvcore-transfers stock
@@ -103,12 +105,14 @@ start_server() {
             PROMETHEUS_MULTIPROC_DIR="$(mktemp -d)" \
                 "$python" -m vllm.entrypoints.cli.main "${serve_args[@]}" > "$log" 2>&1 &
             ;;
-        kvcore | kvcore-transfers | kvcore-ab)
-            local transfers=1 share=0
+        kvcore | kvcore-transfers | kvcore-ab | kvcore-background)
+            local transfers=1 share=0 background=0
             [[ "$mode" == kvcore ]] && transfers=0
             [[ "$mode" == kvcore-ab ]] && share="${AB_SHARE:-0.5}"
+            [[ "$mode" == kvcore-background ]] && background=1
             "$python" -m kvcore launch vllm --kvcore-transfers "$transfers" \
-                --kvcore-stock-share "$share" -- "${serve_args[@]}" > "$log" 2>&1 &
+                --kvcore-stock-share "$share" --kvcore-background-issue "$background" \
+                -- "${serve_args[@]}" > "$log" 2>&1 &
             ;;
         *)
             echo "unknown mode $mode" >&2
