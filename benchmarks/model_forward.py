@@ -194,7 +194,10 @@ class ForwardGraph:
     graph: torch.cuda.CUDAGraph | None = None
 
     def size_for(self, target_ms: float) -> None:
-        count = max(1, math.ceil(target_ms / self.layer_ms))
+        self.size_layers(max(1, math.ceil(target_ms / self.layer_ms)))
+
+    def size_layers(self, count: int) -> None:
+        """A graph of ``count`` layers (the model's count: one step of the engine)."""
         if count == self.count:
             return
         self.graph = torch.cuda.CUDAGraph()

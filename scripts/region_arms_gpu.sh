@@ -4,7 +4,8 @@
 # through scripts/ring_pieces.py (so PIECE_CAP_MIB and RING_SLOTS count too), one run an arm, the
 # arms alternated ROUNDS times on one machine. ARMS is a list of name:VAR=value,VAR=value
 # (a name alone runs the defaults). TESTS=1 runs the region staging GPU tests first. PACK=0
-# leaves $OUT unpacked, for a call that runs more and packs once.
+# leaves $OUT unpacked, for a call that runs more and packs once. BENCH_ARGS (words) go to
+# the bench too, e.g. BENCH_ARGS="--engine-steps --compute decode-64,prefill-4096".
 # Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried, as scripts/vllm_sweep.sh does.
 #
 #   ARMS="default cap16:PIECE_CAP_MIB=16 ctas32:KVCORE_RING_SCATTER_CTAS=32" OUT=<dir> \
@@ -25,6 +26,7 @@ if [ "${TESTS:-0}" = 1 ]; then
     echo "tests rc=$? $(tail -1 "$OUT/tests.log")"
 fi
 read -r -a arms <<< "$ARMS"
+read -r -a bench_args <<< "${BENCH_ARGS:-}"
 for round in $(seq "${ROUNDS:-2}"); do
     for arm in "${arms[@]}"; do
         name=${arm%%:*}
@@ -34,7 +36,7 @@ for round in $(seq "${ROUNDS:-2}"); do
         fi
         env "${settings[@]}" python3 scripts/ring_pieces.py bench --engine vllm --sweep \
             --beside-compute --rows "${ROWS:-mla}" --sizes "${SIZES:-8192,32768}" \
-            --json "$OUT/$name-$round.json" > "$OUT/$name-$round.log" 2>&1
+            "${bench_args[@]}" --json "$OUT/$name-$round.json" > "$OUT/$name-$round.log" 2>&1
         echo "$name $round rc=$? at ${SECONDS}s"
         grep "identical=" "$OUT/$name-$round.log" | cut -c1-330
     done

@@ -36,7 +36,9 @@ the host (the engine's thread, which queues the next forward only after them; th
 independent forward here is queued after them too, so its own time does not show it).
 ``forward_done_ms`` (per side) times the independent forward's end from the request's start
 instead, and ``forward_done_alone_ms`` from its own queueing with no request: what the
-running batch waits in all, the submissions' hold included.
+running batch waits in all, the submissions' hold included. ``--engine-steps`` adds, per
+cell, the engine's step loop (:mod:`benchmarks.vllm.beside_steps`): the hit ready at the end
+of the step that reports its last job, and the running batch's steps until then.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from benchmarks.beside_rows import (
     summary_line,
 )
 from benchmarks.model_forward import COMPUTE_LOADS, measured_forward
+from benchmarks.vllm.beside_steps import steps_row
 from benchmarks.vllm.offload_handlers import stock_handler
 from benchmarks.vllm.sweep import host_region, link_ceilings, request_through
 from benchmarks.vllm.sweep_plan import BLOCK_TOKENS, MHA_PAGE_BYTES, MLA_PAGE_BYTES, ModelLayout
@@ -105,12 +108,16 @@ class VllmBesideOptions:
     """Where to write the rows so far after every layout, so a run cut short keeps them."""
     forward_span: float = 1.0
     """Another batch's forward lasts about this many times stock's load alone."""
+    engine_steps: bool = False
+    """Also each cell's ``steps`` rows (:mod:`benchmarks.vllm.beside_steps`)."""
 
 
 class Forward(Protocol):
     """What the cells need of a forward (:class:`benchmarks.model_forward.ForwardGraph`)."""
 
     def size_for(self, target_ms: float) -> None: ...
+
+    def size_layers(self, count: int) -> None: ...
 
     def replay(self) -> tuple[Any, Any]: ...
 
@@ -141,6 +148,12 @@ class _Loads:
         self.drawer = RequestDrawer(blocks, np.random.default_rng(seed))
         self.next_id = 0
 
+    def new_ids(self, count: int) -> list[int]:
+        """``count`` job ids never handed out before."""
+        ids = list(range(self.next_id, self.next_id + count))
+        self.next_id += count
+        return ids
+
     def through(
         self,
         side: Side,
@@ -150,8 +163,7 @@ class _Loads:
     ) -> tuple[float, bool, float]:
         """(ms, checked ok, ms the submissions held the host) of one request through
         ``side``."""
-        ids = list(range(self.next_id, self.next_id + len(request.jobs)))
-        self.next_id += len(ids)
+        ids = self.new_ids(len(request.jobs))
         wall, host, errors = request_through(side, self.pools, request, ids, between, before_check)
         return wall * 1e3, not errors, host * 1e3
 
@@ -262,6 +274,26 @@ def cells(
             row["forward_done_ms"] = _medians(done_times)
             row["forward_harness_only_ms"] = median(harness_only)
             yield row
+        if opts.engine_steps:
+            for load in opts.loads:
+                yield steps_row(
+                    place,
+                    load,
+                    link_ms,
+                    loads,
+                    sides,
+                    forwards[load],
+                    functools.partial(
+                        loads.drawer.draw,
+                        blocks,
+                        opts.frag,
+                        1,
+                        gpu_to_cpu=gpu_to_cpu,
+                        gpu_frag=opts.gpu_frag,
+                    ),
+                    opts.repeats,
+                    Tally(_Metrics(kvcore)),
+                )
 
 
 def _medians(samples: dict[str, list[float]]) -> dict[str, float]:
@@ -393,7 +425,10 @@ def _levels(opts: VllmBesideOptions) -> str:
 
 def options_for(args: argparse.Namespace) -> VllmBesideOptions:
     opts = replace(
-        VllmBesideOptions(), **shared_options(args), stores=bool(getattr(args, "stores", False))
+        VllmBesideOptions(),
+        **shared_options(args),
+        stores=bool(getattr(args, "stores", False)),
+        engine_steps=bool(getattr(args, "engine_steps", False)),
     )
     host = _level("--host-levels", getattr(args, "host_levels", None))
     gpu = _level("--gpu-levels", getattr(args, "gpu_levels", None))

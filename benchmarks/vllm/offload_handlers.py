@@ -306,3 +306,33 @@ def submit_and_collect(
         if time.perf_counter() > deadline:
             raise TimeoutError(f"{len(jobs) - len(results)} jobs were never reported finished")
     return results
+
+
+def submit_and_step(
+    handler: Any,
+    jobs: Sequence[tuple[int, tuple[Any, Any]]],
+    submit_seconds: list[float],
+    step: Callable[[], object],
+    max_steps: int,
+) -> tuple[list[TransferResult], list[float]]:
+    """What vLLM's engine does around a step's loads, step after step: ``transfer_async``
+    each job (its host time appended to ``submit_seconds``), then ``step`` (the running
+    batch's forward, run to its end as the engine's sampling waits for it) and
+    ``get_finished`` at the end of each, until every job is reported; nothing waits for
+    the jobs themselves. Returns the results as reported and each step's end
+    (``time.perf_counter``)."""
+    for job_id, (src_spec, dst_spec) in jobs:
+        started = time.perf_counter()
+        submit(handler, job_id, src_spec, dst_spec)
+        submit_seconds.append(time.perf_counter() - started)
+    results: list[TransferResult] = []
+    ends: list[float] = []
+    while len(results) < len(jobs):
+        if len(ends) == max_steps:
+            raise TimeoutError(
+                f"{len(jobs) - len(results)} jobs were not reported within {max_steps} steps"
+            )
+        step()
+        results += handler.get_finished()
+        ends.append(time.perf_counter())
+    return results, ends

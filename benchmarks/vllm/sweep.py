@@ -281,19 +281,29 @@ def request_through(
     """``request``'s jobs (numbered ``ids``) through one side, then checked: wall-clock and
     host seconds, and what was wrong (reports, bytes). ``between`` runs once the jobs are
     submitted (:meth:`Side.run`), ``before_check`` once they are reported."""
-    specs = [
+    pools.prepare(request)
+    wall, host, results = side.run(request_specs(request, ids), between)
+    if before_check is not None:
+        before_check()
+    return wall, host, request_errors(results, ids, request, pools)
+
+
+def request_specs(request: Request, ids: list[int]) -> list[tuple[int, tuple[Any, Any]]]:
+    """``request``'s jobs as vLLM hands them to a handler, numbered ``ids``."""
+    return [
         (job_id, job_specs(job.gpu_ids, job.cpu_ids, gpu_to_cpu=request.gpu_to_cpu))
         for job_id, job in zip(ids, request.jobs, strict=True)
     ]
-    pools.prepare(request)
-    wall, host, results = side.run(specs, between)
-    if before_check is not None:
-        before_check()
+
+
+def request_errors(results: list[Any], ids: list[int], request: Request, pools: Pools) -> list[str]:
+    """What was wrong with a request's jobs (numbered ``ids``): their reports against vLLM's
+    contract, then every byte; checked whatever the reports said, since the check also puts
+    the request's rows back."""
     errors = [] if (error := _results_error(results, ids, request, pools)) is None else [error]
-    # Checked whatever the reports said: the check also puts the request's rows back.
     if not pools.verify(request):
         errors.append("wrong bytes")
-    return wall, host, errors
+    return errors
 
 
 def _results_error(

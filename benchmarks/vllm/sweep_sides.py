@@ -26,6 +26,7 @@ from benchmarks.vllm.offload_handlers import (
     kvcore_handler,
     runnable_stock,
     submit_and_collect,
+    submit_and_step,
 )
 from kvcore.kernels.batch_copy import batch_copy_available
 from kvcore.metrics import Metrics
@@ -77,6 +78,19 @@ class Side:
         started = time.perf_counter()
         results = submit_and_collect(self.handler, specs, submit, between)
         return time.perf_counter() - started, sum(submit), results
+
+    def run_steps(
+        self, specs: list[tuple[int, tuple[Any, Any]]], step: Callable[[], object], max_steps: int
+    ) -> tuple[float, float, list[Any], list[float]]:
+        """One request's jobs through the engine's step loop
+        (:func:`~benchmarks.vllm.offload_handlers.submit_and_step`): its start, the host
+        seconds its submissions took, the results reported and each step's end, on the
+        ``time.perf_counter`` clock."""
+        _synchronize(self.device)
+        submit: list[float] = []
+        started = time.perf_counter()
+        results, ends = submit_and_step(self.handler, specs, submit, step, max_steps)
+        return started, sum(submit), results, ends
 
     def fallbacks(self) -> Counter[str]:
         """Jobs the handler left to stock so far, per reason."""

@@ -100,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "backups), GPU to CPU",
     )
     parser.add_argument(
+        "--engine-steps",
+        action="store_true",
+        help="with --engine vllm --sweep --beside-compute: also the engine's step loop: the "
+        "loads submitted, then the model's forward step after step, each step's end asking "
+        "which jobs finished, until the request's are (the hit ready at a step's end, the "
+        "running batch's steps until then)",
+    )
+    parser.add_argument(
         "--gpu-levels",
         help="with --engine vllm --sweep --beside-compute: one of 0%%, 50%%, 100%%, the share of "
         "a request's GPU blocks not next to the one before (default: --host-levels')",
@@ -225,6 +233,10 @@ def _beside_compute_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--pages {pages}: vLLM's blocks are 16 tokens; --pages is SGLang's")
     if getattr(args, "stores", False) and not beside:
         problems.append("--stores: it applies only with --beside-compute")
+    if getattr(args, "engine_steps", False) and not (beside and engine == "vllm"):
+        problems.append(
+            "--engine-steps: it applies only with --engine vllm --sweep --beside-compute"
+        )
     gpu_levels = getattr(args, "gpu_levels", None)
     if gpu_levels is not None and not (beside and engine == "vllm"):
         problems.append(

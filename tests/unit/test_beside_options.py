@@ -136,6 +136,11 @@ def test_the_summary_line_gives_each_sides_forward_launch_host_time_where_the_ro
             "--gpu-levels 100%: it applies only with --engine vllm --sweep --beside-compute",
         ),
         (
+            ["--engine", "sglang", "--sweep", "--beside-compute", "--engine-steps"],
+            "--engine-steps: it applies only with --engine vllm --sweep --beside-compute",
+        ),
+        (["--engine-steps"], "--engine-steps: it applies only with --engine vllm"),
+        (
             ["--engine", "vllm", "--sweep", "--beside-compute", "--forward-span", "0"],
             "--forward-span 0: give a multiple of stock's copy time from 0.1 to 100",
         ),

@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="needs vLLM installed (ci/install_vllm.sh)")
 import torch
 from vllm.v1.kv_offload.cpu.swap_blocks_triton import THRESHOLD_BYTES
 
-from benchmarks.vllm import beside
+from benchmarks.vllm import beside, beside_steps
 from benchmarks.vllm.offload_handlers import stock_handler
 from benchmarks.vllm.sweep_plan import ModelLayout
 from benchmarks.vllm.sweep_pools import Pools, slice_blocks
@@ -58,6 +58,9 @@ class FakeForward:
 
     def size_for(self, target_ms: float) -> None:
         self.sized.append(target_ms)
+
+    def size_layers(self, count: int) -> None:
+        self.sized.append(-count)
 
     def mark(self) -> FakeEvent:
         return FakeEvent(_now_us())
@@ -264,6 +267,8 @@ def test_one_host_level_sets_the_fragmentation_and_a_wrong_one_is_one_line(capsy
         return parser.parse_args(["--engine", "vllm", "--sweep", "--beside-compute", *argv])
 
     assert beside.options_for(args()).frag == 0.0
+    assert not beside.options_for(args()).engine_steps
+    assert beside.options_for(args("--engine-steps")).engine_steps
     assert beside.options_for(args()).gpu_frag is None
     assert beside.options_for(args("--host-levels", "100%")).frag == 1.0
     assert beside.options_for(args("--gpu-levels", "50%")).gpu_frag == 0.5
@@ -296,3 +301,97 @@ def test_a_gpu_level_scatters_the_gpu_ids_alone_and_names_itself_in_the_case(mon
     for request in drawn:
         assert (np.diff(request.cpu_ids) == 1).all()
         assert (np.diff(request.gpu_ids) > 1).all()
+
+
+class SlowHandler:
+    """A handler standing in for one whose copies take ``steps`` of the engine's steps: each
+    job is reported by the ``steps``-th ``get_finished`` after its submission. Unless
+    ``waits``, nothing may wait for it (the engine's step loop never does)."""
+
+    def __init__(self, inner, steps: int, waits: bool = False) -> None:
+        self.inner, self.steps, self.waits = inner, steps, waits
+        self.calls: list[str] = []
+        self.pending: list[list] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def transfer_async(self, job_id, *args) -> bool:
+        self.calls.append(f"submit {job_id}")
+        ok = self.inner.transfer_async(job_id, *args)
+        self.inner.wait({job_id})
+        self.pending.append([self.steps, self.inner.get_finished()])
+        return ok
+
+    def wait(self, job_ids) -> None:
+        assert self.waits, "the step loop waits for no job"
+
+    def get_finished(self) -> list:
+        self.calls.append("get_finished")
+        done = []
+        for entry in self.pending:
+            entry[0] -= 1
+            if entry[0] == 0:
+                done += entry[1]
+        self.pending = [entry for entry in self.pending if entry[0] > 0]
+        return done
+
+
+def test_the_step_loop_submits_then_steps_until_every_job_is_reported(monkeypatch):
+    pools, blocks, sides = _setup(monkeypatch)
+    loads = beside._Loads(pools, blocks, seed=8)
+    side = sides[1]
+    side.handler = SlowHandler(side.handler, steps=3)
+    steps: list[str] = []
+    request = loads.drawer.draw(TOKENS[0] // 16, 0.0, 1, gpu_to_cpu=False)
+    ids = loads.new_ids(len(request.jobs))
+
+    def step() -> None:
+        side.handler.calls.append("step")
+        time.sleep(0.002)
+        steps.append("step")
+
+    one = beside_steps.stepped(side, pools, request, ids, step)
+    assert one.checked and one.steps == 3
+    assert side.handler.calls == [f"submit {ids[0]}"] + ["step", "get_finished"] * 3
+    assert one.ready_ms >= 3 * 2.0 and one.first_step_ms >= 2.0
+    assert one.mean_step_ms == pytest.approx(one.ready_ms / 3)
+    assert 0 < one.submit_ms <= one.first_step_ms
+    # A handler that never reports: lost after the loop's cap, not waited for forever.
+    side.handler = SlowHandler(side.handler.inner, steps=10**9)
+    monkeypatch.setattr(beside_steps, "MAX_STEPS", 4)
+    request = loads.drawer.draw(TOKENS[0] // 16, 0.0, 1, gpu_to_cpu=False)
+    with pytest.raises(TimeoutError, match="not reported within 4 steps"):
+        beside_steps.stepped(side, pools, request, loads.new_ids(len(request.jobs)), step)
+
+
+def test_engine_steps_add_a_steps_row_a_cell_with_the_model_sized_forward(monkeypatch):
+    pools, blocks, sides = _setup(monkeypatch)
+    # The alone and independent rows' requests wait for their jobs; the steps rows' do not.
+    sides[1].handler = SlowHandler(sides[1].handler, steps=2, waits=True)
+    loads = beside._Loads(pools, blocks, seed=9)
+    forward = FakeForward(loads)
+    opts = beside.VllmBesideOptions(
+        tokens=TOKENS,
+        loads=("decode-64",),
+        repeats=2,
+        device=torch.device("cpu"),
+        engine_steps=True,
+    )
+    rows = list(beside.cells(MODEL, loads, sides, {"decode-64": forward}, opts))
+    assert [(r["tokens"], r["situation"]) for r in rows] == [
+        (tokens, situation) for tokens in TOKENS for situation in ("alone", "independent", "steps")
+    ]
+    for row in (rows[2], rows[5]):
+        assert row["identical"] and row["compute"] == "decode-64" and row["repeats"] == 2
+        assert row["steps_taken"] == {"stock": 1, "kvcore": 2, "own": 1}
+        # A step: the 2 ms launch and the 3 ms forward replayed (FakeForward), then the
+        # handler asked; the hit ready at the end of the step that reported its job.
+        assert row["forward_alone_ms"] >= LAUNCH_S * 1e3
+        assert row["kvcore_ms"] >= 2 * LAUNCH_S * 1e3
+        assert row["kvcore_ms"] > row["stock_ms"]
+        assert set(row["first_step_ms"]) == set(row["submit_host_ms"]) == {"stock", "kvcore", "own"}
+        assert row["forward_with_kvcore_ms"] > 0
+    # Sized to stock's load for the independent rows, to the model's layers for the steps.
+    assert forward.sized == [rows[0]["stock_ms"], -MODEL.layers, rows[3]["stock_ms"], -MODEL.layers]
+    assert pools.verify_all()
