@@ -144,3 +144,23 @@ def summary_line(row: dict[str, Any]) -> str:
         f"{row['link_ms']:.1f} stock {row['stock_ms']:.1f} kvcore {row['kvcore_ms']:.1f}{own}"
         f"{plain}{submit}{forward} identical={row['identical']}"
     )
+
+
+class SideSamples:
+    """Per side, the values of a sample's named fields over a row's timed requests."""
+
+    def __init__(self, sides: Sequence[str], fields: Sequence[str]) -> None:
+        self._values: dict[str, dict[str, list[float]]] = {
+            name: {side: [] for side in sides} for name in fields
+        }
+
+    def add(self, side: str, sample: object) -> None:
+        """Each field's value in ``sample`` (an attribute of that name), under ``side``."""
+        for name, by_side in self._values.items():
+            by_side[side].append(getattr(sample, name))
+
+    def __getitem__(self, name: str) -> dict[str, list[float]]:
+        return self._values[name]
+
+    def medians(self, name: str) -> dict[str, float]:
+        return {side: median(values) for side, values in self._values[name].items()}

@@ -58,6 +58,7 @@ from benchmarks.beside_cli import document, run_command, shared_options, write_j
 from benchmarks.beside_rows import (
     LINK_GBPS,
     RowPlace,
+    SideSamples,
     Tally,
     median,
     reload_row,
@@ -225,11 +226,10 @@ def cells(
         for load in opts.loads:
             forward = forwards[load]
             forward.size_for(reference * opts.forward_span)
-            reload_times: dict[str, list[float]] = {side.name: [] for side in sides}
-            forward_times: dict[str, list[float]] = {side.name: [] for side in sides}
-            launch_times: dict[str, list[float]] = {side.name: [] for side in sides}
-            submits = {side.name: [] for side in sides}
-            done_times: dict[str, list[float]] = {side.name: [] for side in sides}
+            samples = SideSamples(
+                [side.name for side in sides],
+                ["load_ms", "forward_ms", "launch_ms", "submit_ms", "forward_done_ms"],
+            )
             alone: list[float] = []
             done_alone: list[float] = []
             harness_only: list[float] = []
@@ -252,26 +252,22 @@ def cells(
                     )
                     ok &= beside_one.checked
                     if i:
-                        reload_times[side.name].append(beside_one.load_ms)
-                        submits[side.name].append(beside_one.submit_ms)
-                        forward_times[side.name].append(beside_one.forward_ms)
-                        launch_times[side.name].append(beside_one.launch_ms)
-                        done_times[side.name].append(beside_one.forward_done_ms)
+                        samples.add(side.name, beside_one)
             row = reload_row(
                 place,
                 "independent",
                 load,
                 link_ms,
-                reload_times,
-                forward_times,
+                samples["load_ms"],
+                samples["forward_ms"],
                 median(alone),
                 ok,
                 tally,
             )
-            row["forward_launch_host_ms"] = _medians(launch_times)
-            row["submit_host_ms"] = _medians(submits)
+            row["forward_launch_host_ms"] = samples.medians("launch_ms")
+            row["submit_host_ms"] = samples.medians("submit_ms")
             row["forward_done_alone_ms"] = median(done_alone)
-            row["forward_done_ms"] = _medians(done_times)
+            row["forward_done_ms"] = samples.medians("forward_done_ms")
             row["forward_harness_only_ms"] = median(harness_only)
             yield row
         if opts.engine_steps:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from benchmarks.beside_rows import RowPlace, Tally, median, reload_row
+from benchmarks.beside_rows import RowPlace, SideSamples, Tally, median, reload_row
 from benchmarks.vllm.sweep import request_errors, request_specs
 from benchmarks.vllm.sweep_pools import Pools
 from benchmarks.vllm.sweep_sides import Side
@@ -117,12 +117,10 @@ def steps_row(
     the sides alternating which goes first, each request's steps timed alone before it."""
     forward.size_layers(place.layers)
     step = engine_step(forward)
-    names = [side.name for side in sides]
-    ready: dict[str, list[float]] = {name: [] for name in names}
-    mean_steps: dict[str, list[float]] = {name: [] for name in names}
-    first: dict[str, list[float]] = {name: [] for name in names}
-    taken: dict[str, list[float]] = {name: [] for name in names}
-    submits: dict[str, list[float]] = {name: [] for name in names}
+    samples = SideSamples(
+        [side.name for side in sides],
+        ["ready_ms", "mean_step_ms", "first_step_ms", "steps", "submit_ms"],
+    )
     alone: list[float] = []
     ok = True
     for i in range(repeats + 1):
@@ -135,15 +133,21 @@ def steps_row(
             )
             ok &= one.checked
             if i:
-                ready[side.name].append(one.ready_ms)
-                mean_steps[side.name].append(one.mean_step_ms)
-                first[side.name].append(one.first_step_ms)
-                taken[side.name].append(one.steps)
-                submits[side.name].append(one.submit_ms)
+                samples.add(side.name, one)
         if i:
             alone.append(step_alone)
-    row = reload_row(place, "steps", load, link_ms, ready, mean_steps, median(alone), ok, tally)
-    row["steps_taken"] = {name: median(values) for name, values in taken.items()}
-    row["first_step_ms"] = {name: median(values) for name, values in first.items()}
-    row["submit_host_ms"] = {name: median(values) for name, values in submits.items()}
+    row = reload_row(
+        place,
+        "steps",
+        load,
+        link_ms,
+        samples["ready_ms"],
+        samples["mean_step_ms"],
+        median(alone),
+        ok,
+        tally,
+    )
+    row["steps_taken"] = samples.medians("steps")
+    row["first_step_ms"] = samples.medians("first_step_ms")
+    row["submit_host_ms"] = samples.medians("submit_ms")
     return row

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import types
+from dataclasses import dataclass
 
 import pytest
 
@@ -304,3 +305,19 @@ def test_backups_yield_alone_then_each_load_beside_another_batch_only(monkeypatc
     ]
     assert rows[1]["forward_with_stock_ms"] == 5.0 and rows[1]["forward_alone_ms"] == 4.0
     assert beside_rows.summary_line(rows[1]).startswith("mla/layer_first/kernel/p1/backup 64 ")
+
+
+def test_side_samples_keep_each_field_per_side_in_request_order():
+    @dataclass(frozen=True)
+    class Sample:
+        load_ms: float
+        steps: int
+
+    samples = beside_rows.SideSamples(["stock", "kvcore"], ["load_ms", "steps"])
+    samples.add("kvcore", Sample(3.0, 2))
+    samples.add("stock", Sample(5.0, 1))
+    samples.add("kvcore", Sample(1.0, 4))
+    assert samples["load_ms"] == {"stock": [5.0], "kvcore": [3.0, 1.0]}
+    assert samples.medians("steps") == {"stock": 1, "kvcore": 3.0}
+    with pytest.raises(AttributeError):
+        samples.add("stock", object())
