@@ -20,11 +20,16 @@ from __future__ import annotations
 import ctypes
 import itertools
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
+
+# The measuring code is in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.beside_rows import LINK_GBPS
 from benchmarks.model_forward import measured_forward

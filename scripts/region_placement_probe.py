@@ -22,11 +22,19 @@ import argparse
 import contextlib
 import json
 import random
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+# The measuring code is in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.script_env import need_vllm
+
+need_vllm("region_placement_probe")
 
 from benchmarks.vllm.sweep import host_region
 from kvcore import numa

@@ -36,6 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
+# The measuring code is in the checkout's benchmarks/ package, not in the wheel.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.script_env import need_vllm
+
+need_vllm("region_tail_probe")
+
 from benchmarks.beside_rows import LINK_GBPS
 from benchmarks.model_forward import COMPUTE_LOADS, measured_forward
 from benchmarks.vllm.beside import LAYOUTS

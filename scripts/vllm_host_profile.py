@@ -32,6 +32,10 @@ import torch
 # The engine benches are in the checkout's benchmarks/ package, not in the wheel.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.script_env import need_vllm
+
+need_vllm("vllm_host_profile")
+
 from benchmarks.vllm.offload_handlers import (
     kvcore_handler,
     runnable_stock,

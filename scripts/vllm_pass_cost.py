@@ -48,6 +48,10 @@ import torch
 # The engine benches are in the checkout's benchmarks/ package, not in the wheel.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.script_env import need_vllm
+
+need_vllm("vllm_pass_cost")
+
 from benchmarks.vllm.offload_handlers import (
     kvcore_handler,
     runnable_stock,
