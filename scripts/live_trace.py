@@ -3,6 +3,7 @@
     python3 scripts/live_trace.py run --url http://127.0.0.1:8000 --model DIR --mode NAME \\
         --out FILE.json [--conversations 14] [--turns 3] [--concurrency 8[,32...]] [--seed 0]
     python3 scripts/live_trace.py combine FILE.json... --out SUMMARY.json [--device TEXT]
+        [--baseline MODE]
 
 ``run`` sends prompts as token ids (the server runs with ``--skip-tokenizer-init``) over
 HTTP, streamed, so the time to the first token is seen. Conversations open with one of a
@@ -145,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     both.add_argument("--out", type=Path, required=True)
     both.add_argument("--device", default="unknown")
     both.add_argument("--version", default="unknown")
+    both.add_argument(
+        "--baseline",
+        default="stock",
+        help="the mode the others are paired with (default stock; e.g. kvcore-transfers to "
+        "judge kvcore-background on top of it: the summary's stock_* fields then hold it)",
+    )
     args = parser.parse_args(argv)
     if args.command == "run":
         if args.turns < 2:
@@ -172,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         # folder, and one call runs on one machine.
         report.setdefault("machine", str(path.resolve().parent))
         reports.append(report)
-    summary = combine(reports, args.device, args.version)
+    summary = combine(reports, args.device, args.version, args.baseline)
     args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     for mode, row in summary["modes"].items():
         print(

@@ -37,7 +37,9 @@
 # MAX_TOKENS (16: each answer's length), CONCURRENT_MAX_TOKENS (MAX_TOKENS: in the concurrent
 # passes, e.g. 256 to keep requests decoding while hits load beside them),
 # START_TIMEOUT_S (300), TRACE_TIMEOUT_S (300: a mode's trace is stopped after it, its
-# server's log end shown and the next mode started), AB_SHARE (0.5), PYTHON (python3).
+# server's log end shown and the next mode started), AB_SHARE (0.5), PYTHON (python3),
+# BASELINE (stock: the mode the summary pairs the others with; kvcore-transfers to judge
+# kvcore-background, e.g. `kvcore-transfers kvcore-background` then the reverse).
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -185,5 +187,6 @@ if [[ ${#reports[@]} -gt 0 ]]; then
     device="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
     version="$("$python" -c 'import vllm; print(vllm.__version__)' 2> /dev/null || echo unknown)"
     "$python" "$repo/scripts/live_trace.py" combine "${reports[@]}" \
-        --out "$out/h200-live-vllm.json" --device "$device" --version "$version"
+        --out "$out/h200-live-vllm.json" --device "$device" --version "$version" \
+        --baseline "${BASELINE:-stock}"
 fi

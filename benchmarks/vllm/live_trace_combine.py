@@ -12,16 +12,19 @@ from typing import Any
 
 from benchmarks.vllm.live_trace_compare import compare_hits, in_process_ab
 from benchmarks.vllm.live_trace_concurrency import paired_concurrency
-from benchmarks.vllm.live_trace_pairs import paired_processes, unique_labels
+from benchmarks.vllm.live_trace_pairs import BASELINE_MODE, paired_processes, unique_labels
 from benchmarks.vllm.live_trace_result import Result
 from benchmarks.vllm.live_trace_summary import summarize
 
 
-def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[str, Any]:
+def combine(
+    reports: list[dict[str, Any]], device: str, version: str, baseline: str = BASELINE_MODE
+) -> dict[str, Any]:
     """The summary across runs (keyed by label: a mode run again is ``<mode>-2``, ...);
     outputs and hit TTFT are compared with the first report's, and modes run in several
-    processes with stock's in pairs: hit TTFT (:func:`paired_processes`), and output
-    tokens per second and TPOT per concurrency level (:func:`paired_concurrency`)."""
+    processes with ``baseline``'s (stock's unless named) in pairs: hit TTFT
+    (:func:`paired_processes`), and output tokens per second and TPOT per concurrency level
+    (:func:`paired_concurrency`)."""
     reference = [r["output"] for r in reports[0]["sequential_requests"]]
     reference_requests = [Result(**r) for r in reports[0]["sequential_requests"]]
     modes: dict[str, dict[str, Any]] = {}
@@ -47,11 +50,17 @@ def combine(reports: list[dict[str, Any]], device: str, version: str) -> dict[st
         }
         if any(r.copies for r in requests):
             modes[label]["in_process_ab"] = in_process_ab(requests)
-    summary = {"device": device, "engine": "vllm", "version": version, "modes": modes}
-    paired = paired_processes(reports)
+    summary = {
+        "device": device,
+        "engine": "vllm",
+        "version": version,
+        "baseline": baseline,
+        "modes": modes,
+    }
+    paired = paired_processes(reports, baseline)
     if paired:
         summary["paired_processes"] = paired
-    by_level = paired_concurrency(reports)
+    by_level = paired_concurrency(reports, baseline)
     if by_level:
         summary["paired_concurrency"] = by_level
     return summary

@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.vllm.live_trace_pairs import labelled, stock_pairs
+from benchmarks.vllm.live_trace_pairs import BASELINE_MODE, labelled, stock_pairs
 
 
-def paired_concurrency(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+def paired_concurrency(
+    reports: Sequence[dict[str, Any]], baseline: str = BASELINE_MODE
+) -> dict[str, list[dict[str, Any]]]:
     """Per mode paired with stock (:func:`stock_pairs`, among the reports that ran passes
     by level: an older report's one concurrent pass names no level, so it is left out) and
     per concurrency level that both processes of two or more pairs ran: each pair's output
@@ -21,12 +23,13 @@ def paired_concurrency(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict
     each by kvcore's paired_speed (the median of the pairs' ratios and its bootstrap
     interval). ``throughput`` is over 1 where the mode made more output tokens a second
     than stock's process beside it, ``tpot_speed`` where its running requests were
-    faster. A mode with no level to compare has no entry."""
+    faster. A mode with no level to compare has no entry. ``baseline`` stands where stock
+    does (:func:`~benchmarks.vllm.live_trace_pairs.stock_pairs`)."""
     runs = [
         (label, report) for label, report in labelled(reports) if report.get("concurrent_levels")
     ]
     compared = {}
-    for mode, paired in stock_pairs(runs).items():
+    for mode, paired in stock_pairs(runs, baseline).items():
         sides = [
             ([stock_label, mode_label], _by_level(stock), _by_level(other))
             for (stock_label, stock), (mode_label, other) in paired

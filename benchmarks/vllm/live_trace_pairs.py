@@ -1,7 +1,9 @@
 """Stock's server processes paired with each other mode's, for the live trace's summary
 (``scripts/live_trace.py combine``): what kvcore does to hit TTFT, told apart from the
 engine's drift between processes. The pairing itself (:func:`stock_pairs`) is also what
-live_trace_concurrency pairs the concurrent passes by.
+live_trace_concurrency pairs the concurrent passes by. Another mode may stand where stock
+does (``baseline``, e.g. ``kvcore-transfers`` to judge a setting on top of it): the fields
+named ``stock_*`` then hold that mode's processes.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def labelled(reports: Sequence[dict[str, Any]]) -> list[Run]:
     return list(zip(unique_labels(reports), reports, strict=True))
 
 
-def stock_pairs(runs: Sequence[Run]) -> dict[str, list[tuple[Run, Run]]]:
+def stock_pairs(
+    runs: Sequence[Run], baseline: str = BASELINE_MODE
+) -> dict[str, list[tuple[Run, Run]]]:
     """Per mode other than stock that ran in two or more processes, as stock did, and made
     two or more pairs: stock's processes paired with the mode's. Pairs never cross
     machines (a report's ``machine``: machines differ in speed more than kvcore moves a
@@ -47,7 +51,7 @@ def stock_pairs(runs: Sequence[Run]) -> dict[str, list[tuple[Run, Run]]]:
     order given, the fewer side's processes taken again in turn where the two counts
     differ. One process a mode cannot tell kvcore from the engine's drift between
     processes, which has moved hit TTFT as much as kvcore does (docs/lab/benchmarks.md,
-    sessions 25 and 26)."""
+    sessions 25 and 26). ``baseline`` names the mode standing where stock does."""
     machines: dict[Any, dict[str, list[Run]]] = {}
     for label, report in runs:
         by_mode = machines.setdefault(report.get("machine"), {})
@@ -55,11 +59,11 @@ def stock_pairs(runs: Sequence[Run]) -> dict[str, list[tuple[Run, Run]]]:
     modes = dict.fromkeys(m for by_mode in machines.values() for m in by_mode)
     pairs_of = {}
     for mode in modes:
-        if mode == BASELINE_MODE:
+        if mode == baseline:
             continue
         paired: list[tuple[Run, Run]] = []
         for by_mode in machines.values():
-            stock_runs, mode_runs = by_mode.get(BASELINE_MODE, []), by_mode.get(mode, [])
+            stock_runs, mode_runs = by_mode.get(baseline, []), by_mode.get(mode, [])
             if stock_runs and mode_runs:
                 count = max(len(stock_runs), len(mode_runs))
                 paired += [
@@ -68,21 +72,23 @@ def stock_pairs(runs: Sequence[Run]) -> dict[str, list[tuple[Run, Run]]]:
                 ]
         runs_of = [
             sum(len(by_mode.get(name, [])) for by_mode in machines.values())
-            for name in (BASELINE_MODE, mode)
+            for name in (baseline, mode)
         ]
         if min(runs_of) >= 2 and len(paired) >= 2:
             pairs_of[mode] = paired
     return pairs_of
 
 
-def paired_processes(reports: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+def paired_processes(
+    reports: Sequence[dict[str, Any]], baseline: str = BASELINE_MODE
+) -> dict[str, list[dict[str, Any]]]:
     """Per mode paired with stock (:func:`stock_pairs`): per first-turn size, each pair's
     hit TTFT medians, stock's process against the mode's, with stock's own spread across
     its processes. The pairs' speed is kvcore's paired_speed (the median of the pairs'
     ratios and its bootstrap interval), imported here so that ``run`` stays on the
     standard library, and only where there are pairs."""
     compared = {}
-    for mode, paired in stock_pairs(labelled(reports)).items():
+    for mode, paired in stock_pairs(labelled(reports), baseline).items():
         from benchmarks.paired_speed import paired_speed
 
         stock = [_hits(report) for (_, report), _ in paired]

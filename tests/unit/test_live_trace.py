@@ -756,3 +756,32 @@ def test_combine_keeps_each_modes_levels_and_pairs_them():
     (row,) = summary["paired_concurrency"]["kvcore"]
     assert row["pairs"] == [["stock", "kvcore"], ["stock#2", "kvcore#2"]]
     assert row["throughput"] == 0.9 and row["tpot_speed"] == 1.0
+
+
+def test_another_mode_can_stand_where_stock_does():
+    """``--baseline kvcore-transfers``: a setting on top of kvcore judged against kvcore's
+    own processes, hit TTFT and concurrent passes alike; stock's runs are then one mode
+    among the others."""
+    reports = []
+    for label, mode, tps, ttft in (
+        ("kvcore-transfers", "kvcore-transfers", 100.0, 0.050),
+        ("kvcore-background", "kvcore-background", 120.0, 0.040),
+    ) * 2:
+        report = _levels_report(mode, label, "a", {32: (tps, 20.0)})
+        report.update(_report(mode, label, {512: [ttft] * 3}, 0.004))
+        report["machine"] = "a"
+        reports.append(report)
+    summary = combine(reports, "d", "v", baseline="kvcore-transfers")
+    assert summary["baseline"] == "kvcore-transfers"
+    assert list(summary["paired_processes"]) == ["kvcore-background"]
+    (hit,) = summary["paired_processes"]["kvcore-background"]
+    assert hit["speed"] == pytest.approx(1.25, abs=1e-3)
+    (row,) = summary["paired_concurrency"]["kvcore-background"]
+    assert row["pairs"] == [
+        ["kvcore-transfers", "kvcore-background"],
+        ["kvcore-transfers#2", "kvcore-background#2"],
+    ]
+    assert row["throughput"] == pytest.approx(1.2)
+    # Against stock, the default, none of these modes has a process to pair with.
+    assert "paired_processes" not in combine(reports, "d", "v")
+    assert combine(reports, "d", "v")["baseline"] == "stock"
