@@ -303,62 +303,65 @@ def test_a_gpu_level_scatters_the_gpu_ids_alone_and_names_itself_in_the_case(mon
         assert (np.diff(request.gpu_ids) > 1).all()
 
 
-class SlowHandler:
-    """A handler standing in for one whose copies take ``steps`` of the engine's steps: each
-    job is reported by the ``steps``-th ``get_finished`` after its submission. Unless
-    ``waits``, nothing may wait for it (the engine's step loop never does)."""
+def _slow_down(monkeypatch, handler, steps: int, waits: bool = False) -> list[str]:
+    """``handler`` made one whose copies take ``steps`` of the engine's steps: each job is
+    reported by the ``steps``-th ``get_finished`` after its submission. Unless ``waits``,
+    nothing may wait for a job (the engine's step loop never does). Patched in place, as
+    the bench finds a handler's tensors by the handler itself. Returns the calls' log."""
+    calls: list[str] = []
+    pending: list[list] = []
+    transfer_async, wait, get_finished = handler.transfer_async, handler.wait, handler.get_finished
 
-    def __init__(self, inner, steps: int, waits: bool = False) -> None:
-        self.inner, self.steps, self.waits = inner, steps, waits
-        self.calls: list[str] = []
-        self.pending: list[list] = []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def transfer_async(self, job_id, *args) -> bool:
-        self.calls.append(f"submit {job_id}")
-        ok = self.inner.transfer_async(job_id, *args)
-        self.inner.wait({job_id})
-        self.pending.append([self.steps, self.inner.get_finished()])
+    def slow_transfer(job_id, *args) -> bool:
+        calls.append(f"submit {job_id}")
+        ok = transfer_async(job_id, *args)
+        wait({job_id})
+        pending.append([steps, get_finished()])
         return ok
 
-    def wait(self, job_ids) -> None:
-        assert self.waits, "the step loop waits for no job"
+    def no_wait(job_ids) -> None:
+        assert waits, "the step loop waits for no job"
 
-    def get_finished(self) -> list:
-        self.calls.append("get_finished")
+    def slow_finished() -> list:
+        calls.append("get_finished")
         done = []
-        for entry in self.pending:
+        for entry in pending:
             entry[0] -= 1
             if entry[0] == 0:
                 done += entry[1]
-        self.pending = [entry for entry in self.pending if entry[0] > 0]
+        pending[:] = [entry for entry in pending if entry[0] > 0]
         return done
+
+    monkeypatch.setattr(handler, "transfer_async", slow_transfer)
+    monkeypatch.setattr(handler, "wait", no_wait)
+    monkeypatch.setattr(handler, "get_finished", slow_finished)
+    return calls
 
 
 def test_the_step_loop_submits_then_steps_until_every_job_is_reported(monkeypatch):
     pools, blocks, sides = _setup(monkeypatch)
     loads = beside._Loads(pools, blocks, seed=8)
     side = sides[1]
-    side.handler = SlowHandler(side.handler, steps=3)
-    steps: list[str] = []
+    calls = _slow_down(monkeypatch, side.handler, steps=3)
     request = loads.drawer.draw(TOKENS[0] // 16, 0.0, 1, gpu_to_cpu=False)
     ids = loads.new_ids(len(request.jobs))
 
     def step() -> None:
-        side.handler.calls.append("step")
+        calls.append("step")
         time.sleep(0.002)
-        steps.append("step")
 
     one = beside_steps.stepped(side, pools, request, ids, step)
     assert one.checked and one.steps == 3
-    assert side.handler.calls == [f"submit {ids[0]}"] + ["step", "get_finished"] * 3
+    assert calls == [f"submit {ids[0]}"] + ["step", "get_finished"] * 3
     assert one.ready_ms >= 3 * 2.0 and one.first_step_ms >= 2.0
     assert one.mean_step_ms == pytest.approx(one.ready_ms / 3)
     assert 0 < one.submit_ms <= one.first_step_ms
     # A handler that never reports: lost after the loop's cap, not waited for forever.
-    side.handler = SlowHandler(side.handler.inner, steps=10**9)
+    monkeypatch.undo()
+    pools, blocks, sides = _setup(monkeypatch)
+    loads = beside._Loads(pools, blocks, seed=10)
+    side = sides[1]
+    _slow_down(monkeypatch, side.handler, steps=10**9)
     monkeypatch.setattr(beside_steps, "MAX_STEPS", 4)
     request = loads.drawer.draw(TOKENS[0] // 16, 0.0, 1, gpu_to_cpu=False)
     with pytest.raises(TimeoutError, match="not reported within 4 steps"):
@@ -368,7 +371,7 @@ def test_the_step_loop_submits_then_steps_until_every_job_is_reported(monkeypatc
 def test_engine_steps_add_a_steps_row_a_cell_with_the_model_sized_forward(monkeypatch):
     pools, blocks, sides = _setup(monkeypatch)
     # The alone and independent rows' requests wait for their jobs; the steps rows' do not.
-    sides[1].handler = SlowHandler(sides[1].handler, steps=2, waits=True)
+    _slow_down(monkeypatch, sides[1].handler, steps=2, waits=True)
     loads = beside._Loads(pools, blocks, seed=9)
     forward = FakeForward(loads)
     opts = beside.VllmBesideOptions(
