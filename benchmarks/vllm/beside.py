@@ -195,8 +195,8 @@ def cells(
     opts: VllmBesideOptions,
     gpu_to_cpu: bool = False,
 ) -> Iterator[dict[str, Any]]:
-    """Each request size's rows: alone, then beside each compute load's forward; loads, or
-    stores where ``gpu_to_cpu``."""
+    """Each request size's rows: alone, then beside each compute load's forward, then (with
+    ``opts.engine_steps``) in the step loop of each; loads, or stores where ``gpu_to_cpu``."""
     kvcore = next(side for side in sides if side.name == "kvcore")
     op = "store" if gpu_to_cpu else "load"
     for tokens in opts.tokens:
