@@ -163,4 +163,9 @@ class SideSamples:
         return self._values[name]
 
     def medians(self, name: str) -> dict[str, float]:
-        return {side: median(values) for side, values in self._values[name].items()}
+        return side_medians(self._values[name])
+
+
+def side_medians(by_side: dict[str, list[float]]) -> dict[str, float]:
+    """Each side's median."""
+    return {side: median(values) for side, values in by_side.items()}

@@ -62,6 +62,7 @@ from benchmarks.beside_rows import (
     Tally,
     median,
     reload_row,
+    side_medians,
     summary_line,
 )
 from benchmarks.model_forward import COMPUTE_LOADS, measured_forward
@@ -221,7 +222,7 @@ def cells(
                     times[side.name].append(ms)
                     submits[side.name].append(submit_ms)
         row = reload_row(place, "alone", "none", link_ms, times, {}, None, ok, tally)
-        yield row | {"submit_host_ms": _medians(submits)}
+        yield row | {"submit_host_ms": side_medians(submits)}
         reference = median(times["stock"]) if times.get("stock") else median(times["kvcore"])
         for load in opts.loads:
             forward = forwards[load]
@@ -290,10 +291,6 @@ def cells(
                     opts.repeats,
                     Tally(_Metrics(kvcore)),
                 )
-
-
-def _medians(samples: dict[str, list[float]]) -> dict[str, float]:
-    return {name: median(values) for name, values in samples.items()}
 
 
 def _beside(loads: _Loads, side: Side, request: Any, forward: Forward) -> _Beside:

@@ -281,6 +281,17 @@ def through_handler(
 COLLECT_TIMEOUT_S = 300.0
 
 
+def submit_timed(
+    handler: Any, jobs: Sequence[tuple[int, tuple[Any, Any]]], submit_seconds: list[float]
+) -> None:
+    """``transfer_async`` for each job in order, its host time appended to
+    ``submit_seconds``."""
+    for job_id, (src_spec, dst_spec) in jobs:
+        started = time.perf_counter()
+        submit(handler, job_id, src_spec, dst_spec)
+        submit_seconds.append(time.perf_counter() - started)
+
+
 def submit_and_collect(
     handler: Any,
     jobs: Sequence[tuple[int, tuple[Any, Any]]],
@@ -292,10 +303,7 @@ def submit_and_collect(
     ``get_finished`` until every one is reported; returns the results as reported.
     ``between`` runs after the submissions and before the wait: what the engine queues
     meanwhile (the next batch's forward)."""
-    for job_id, (src_spec, dst_spec) in jobs:
-        started = time.perf_counter()
-        submit(handler, job_id, src_spec, dst_spec)
-        submit_seconds.append(time.perf_counter() - started)
+    submit_timed(handler, jobs, submit_seconds)
     if between is not None:
         between()
     handler.wait({job_id for job_id, _ in jobs})
@@ -321,10 +329,7 @@ def submit_and_step(
     ``get_finished`` at the end of each, until every job is reported; nothing waits for
     the jobs themselves. Returns the results as reported and each step's end
     (``time.perf_counter``)."""
-    for job_id, (src_spec, dst_spec) in jobs:
-        started = time.perf_counter()
-        submit(handler, job_id, src_spec, dst_spec)
-        submit_seconds.append(time.perf_counter() - started)
+    submit_timed(handler, jobs, submit_seconds)
     results: list[TransferResult] = []
     ends: list[float] = []
     while len(results) < len(jobs):
