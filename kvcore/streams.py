@@ -206,45 +206,38 @@ class OrderedJobs:
         If ``work`` raises, no job is queued and the exception propagates; what it issued
         before raising stays queued on the stream (:meth:`settle` waits for it).
         """
-        streams, stream = self._streams, self._stream
         # A job may read what the compute stream is still writing, or overwrite what it
         # has yet to read.
-        ready = streams.record(self._compute_stream())
+        ready = self._streams.record(self._compute_stream())
+        job = Job(job_id, nbytes, None, None, planned_s)
         if self._issuer is not None:
-            job = Job(job_id, nbytes, None, None, planned_s)
             # Issued as it would have been here: under this thread's inference and grad
             # modes (an engine's KV tensors made under inference mode take in-place writes
             # only there), which torch keeps per thread.
-            modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-            job.issued = self._issuer.submit(lambda: self._issue(job, ready, work, modes))
+            inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+            def under_modes() -> None:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    work()
+
+            job.issued = self._issuer.submit(lambda: self._issue(job, ready, under_modes))
             self.queued.append(job)
             return
-        streams.wait_event(stream, ready)
-        # The wait holds the event's state as of now, so the event can be recorded again.
-        streams.release(ready)
-        start = streams.record(stream)
-        try:
-            streams.run_on(stream, work)
-        except BaseException:
-            streams.release(start)
-            raise
-        self.queued.append(Job(job_id, nbytes, start, streams.record(stream), planned_s))
+        self._issue(job, ready, work)
+        self.queued.append(job)
 
-    def _issue(
-        self, job: Job, ready: Any, work: Callable[[], None], modes: tuple[bool, bool]
-    ) -> None:
-        """On the issuer's thread: ``job``'s wait for the compute stream as it was at
-        submission, then its copies, under the submitter's ``(inference, grad)`` modes."""
+    def _issue(self, job: Job, ready: Any, work: Callable[[], None]) -> None:
+        """``job``'s wait for the compute stream as it was at submission (``ready``), then
+        its copies between its start and end events: here, or on the issuer's thread."""
         streams, stream = self._streams, self._stream
         try:
             streams.wait_event(stream, ready)
         finally:
+            # The wait holds the event's state as of now, so the event can be recorded again.
             streams.release(ready)
         start = streams.record(stream)
-        inference, grad = modes
         try:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                streams.run_on(stream, work)
+            streams.run_on(stream, work)
             end = streams.record(stream)
         except BaseException:
             streams.release(start)
