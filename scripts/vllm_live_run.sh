@@ -6,6 +6,8 @@
 #   kvcore-transfers  kvcore launch vllm --kvcore-transfers 1 -- serve ...   (and the copies)
 #   kvcore-background the same with --kvcore-background-issue 1 (each job's copies issued
 #                     from the handler's own thread)
+#   kvcore-stage-all  kvcore-transfers with --kvcore-stage-regions all (MHA's loads too
+#                     staged by region: a few large DMAs and scatters, not a DMA a page)
 #   kvcore-ab         the same with --kvcore-stock-share AB_SHARE (0.5): that share of the
 #                     loads kvcore would copy get vLLM's copy instead, each logged, so the
 #                     summary compares the two copies' hits inside one process
@@ -107,14 +109,15 @@ start_server() {
             PROMETHEUS_MULTIPROC_DIR="$(mktemp -d)" \
                 "$python" -m vllm.entrypoints.cli.main "${serve_args[@]}" > "$log" 2>&1 &
             ;;
-        kvcore | kvcore-transfers | kvcore-ab | kvcore-background)
-            local transfers=1 share=0 background=0
+        kvcore | kvcore-transfers | kvcore-ab | kvcore-background | kvcore-stage-all)
+            local transfers=1 share=0 background=0 staged=gather
             [[ "$mode" == kvcore ]] && transfers=0
             [[ "$mode" == kvcore-ab ]] && share="${AB_SHARE:-0.5}"
             [[ "$mode" == kvcore-background ]] && background=1
+            [[ "$mode" == kvcore-stage-all ]] && staged=all
             "$python" -m kvcore launch vllm --kvcore-transfers "$transfers" \
                 --kvcore-stock-share "$share" --kvcore-background-issue "$background" \
-                -- "${serve_args[@]}" > "$log" 2>&1 &
+                --kvcore-stage-regions "$staged" -- "${serve_args[@]}" > "$log" 2>&1 &
             ;;
         *)
             echo "unknown mode $mode" >&2
