@@ -6,7 +6,8 @@
 # (a name alone runs the defaults). TESTS=1 runs the region staging GPU tests first. PACK=0
 # leaves $OUT unpacked, for a call that runs more and packs once. BENCH_ARGS (words) go to
 # the bench too, e.g. BENCH_ARGS="--engine-steps --compute decode-64,prefill-4096".
-# Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried, as scripts/vllm_sweep.sh does.
+# Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried, as scripts/vllm_sweep.sh does, or
+# vLLM installed on the warm machine by scripts/vllm_live_setup.sh (scripts/vllm_device_env.sh).
 #
 #   ARMS="default cap16:PIECE_CAP_MIB=16 ctas32:KVCORE_RING_SCATTER_CTAS=32" OUT=<dir> \
 #       [SIZES=8192,32768] [ROUNDS=2] [TESTS=0] [ROWS=mla] [PACK=1] bash scripts/region_arms_gpu.sh

@@ -1,9 +1,29 @@
 # Sourced by the vLLM device scripts (vllm_ab.sh; by hand before vllm_host_profile.py):
 # puts the carried vLLM tree and the wheels the image lacks on PYTHONPATH, on a GPU machine
 # without internet. Needs .vllm-tree/ (scripts/vllm_device_tree.sh) carried; .whl/ too
-# when carried. Writes what it installed to $OUT/env.txt; returns non-zero on failure.
-[ -d .vllm-tree/vllm ] || { echo "no .vllm-tree: run scripts/vllm_device_tree.sh, carry it"; return 1; }
+# when carried. Without .vllm-tree/, the vLLM that scripts/vllm_live_setup.sh installed on
+# this warm machine (VSITE, /tmp/vsite: vLLM 0.25.1) is used instead, so a bench can run
+# between the live runs without carrying a tree. Writes what it used to $OUT/env.txt;
+# returns non-zero on failure.
 mkdir -p "$OUT"
+vsite=${VSITE:-/tmp/vsite}
+if [ ! -d .vllm-tree/vllm ] && [ -d "$vsite/vllm" ]; then
+    export PYTHONPATH="$vsite:$PWD:$PWD/integrations"
+    # flashinfer is not carried; vLLM's sampler would import it.
+    export VLLM_USE_FLASHINFER_SAMPLER=0
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/env.txt"
+    echo "vLLM from $vsite (scripts/vllm_live_setup.sh), no .vllm-tree" | tee -a "$OUT/env.txt"
+    python3 -c "import benchmarks.vllm.ab" > "$OUT/preflight.log" 2>&1 || {
+        cat "$OUT/preflight.log"
+        return 1
+    }
+    return 0
+fi
+[ -d .vllm-tree/vllm ] || {
+    echo "no .vllm-tree: run scripts/vllm_device_tree.sh and carry it (or install vLLM with" \
+        "scripts/vllm_live_setup.sh device N first)"
+    return 1
+}
 
 # The image's psutil/regex win; a tree wheel goes in only where the image lacks the module.
 wheels=()
