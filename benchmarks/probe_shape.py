@@ -1,43 +1,74 @@
-"""What the GPU probes of scripts/ share: vLLM's MLA page layout as its CPU offloading
-connector lays it out (61 layer tensors of 16-token blocks on the GPU, one chunk row a block
-on the host holding that block's row of every layer), the check that a load put every host
-chunk's rows into its destination blocks, and the probes' common command line."""
+"""What the GPU probes of scripts/ share: vLLM's page layouts as its CPU offloading
+connector lays them out (one GPU tensor a layer, or a layer's K or V, of 16-token blocks; one
+chunk row a block on the host holding that block's page of every tensor), the check that a
+load put every host chunk's pages into its destination blocks, and the probes' common
+command line."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 
 import torch
 
-MLA_LAYERS = 61
 BLOCK_TOKENS = 16
-MLA_ROW_BYTES = 576 * 2 * BLOCK_TOKENS
-"""One block of one layer: 18 KiB."""
-MLA_CHUNK_BYTES = -(-MLA_LAYERS * MLA_ROW_BYTES // 4096) * 4096
-"""A block's host chunk row: vLLM aligns each to 4 KiB."""
 GPU_BLOCKS = 4096
-"""Blocks in each probe's GPU layer tensors; a request's destinations are drawn among them."""
+"""Blocks in each probe's GPU tensors; a request's destinations are drawn among them."""
+
+
+@dataclass(frozen=True)
+class PageShape:
+    """A model's pages: ``tensors`` GPU tensors of ``row_bytes`` a block, for the forward of
+    ``kind`` (:func:`benchmarks.model_forward.measured_forward`) with ``layers`` layers."""
+
+    kind: str
+    layers: int
+    tensors: int
+    row_bytes: int
+
+    @property
+    def chunk_bytes(self) -> int:
+        """A block's host chunk row: vLLM aligns each to 4 KiB."""
+        return -(-self.tensors * self.row_bytes // 4096) * 4096
+
+
+MLA = PageShape("mla", layers=61, tensors=61, row_bytes=576 * 2 * BLOCK_TOKENS)
+"""DeepSeek-V3's: one 18 KiB page a block and layer."""
+MHA = PageShape("mha", layers=32, tensors=64, row_bytes=8 * 128 * 2 * BLOCK_TOKENS)
+"""Llama-3-8B's: a 32 KiB K page and a V page a block and layer."""
+SHAPES = {shape.kind: shape for shape in (MLA, MHA)}
+
+MLA_LAYERS = MLA.layers
+MLA_ROW_BYTES = MLA.row_bytes
+MLA_CHUNK_BYTES = MLA.chunk_bytes
+
+
+def chunks_landed(
+    shape: PageShape, host: torch.Tensor, tensors: list[torch.Tensor], dst_blocks: torch.Tensor
+) -> bool:
+    """Whether host chunk row ``i``'s pages are in block ``dst_blocks[i]`` of each of the
+    ``shape``'s GPU ``tensors``, byte for byte."""
+    blocks = dst_blocks.numel()
+    device = tensors[0].device
+    chunks = host[: blocks * shape.chunk_bytes].view(blocks, shape.chunk_bytes)
+    expected = (
+        chunks[:, : shape.tensors * shape.row_bytes]
+        .to(device)
+        .reshape(blocks, shape.tensors, shape.row_bytes)
+    )
+    index = dst_blocks.to(device)
+    return all(
+        torch.equal(t.view(GPU_BLOCKS, shape.row_bytes)[index], expected[:, page])
+        for page, t in enumerate(tensors)
+    )
 
 
 def mla_chunks_landed(
     host: torch.Tensor, layers: list[torch.Tensor], dst_blocks: torch.Tensor
 ) -> bool:
-    """Whether host chunk row ``i``'s layer rows are in block ``dst_blocks[i]`` of each layer
-    tensor, byte for byte."""
-    blocks = dst_blocks.numel()
-    device = layers[0].device
-    chunks = host[: blocks * MLA_CHUNK_BYTES].view(blocks, MLA_CHUNK_BYTES)
-    expected = (
-        chunks[:, : MLA_LAYERS * MLA_ROW_BYTES]
-        .to(device)
-        .reshape(blocks, MLA_LAYERS, MLA_ROW_BYTES)
-    )
-    index = dst_blocks.to(device)
-    return all(
-        torch.equal(t.view(GPU_BLOCKS, MLA_ROW_BYTES)[index], expected[:, layer])
-        for layer, t in enumerate(layers)
-    )
+    """:func:`chunks_landed` of MLA's pages."""
+    return chunks_landed(MLA, host, layers, dst_blocks)
 
 
 def probe_parser(description: str | None = None) -> argparse.ArgumentParser:

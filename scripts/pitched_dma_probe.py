@@ -1,16 +1,19 @@
-"""Can an MLA reload go straight into vLLM's pages by copy engine alone? One pitched DMA
-(``cudaMemcpy2DAsync``) a block carries that block's row of every layer: its source rows
-lie side by side in the block's chunk row on the host, its destinations one layer tensor
-apart on the GPU, which is a fixed distance where the layer tensors are evenly spaced.
+"""Can a reload go straight into vLLM's pages by copy engine alone? One pitched DMA
+(``cudaMemcpy2DAsync``) a block carries that block's page of every GPU tensor (MLA: a layer's;
+MHA, ``--layout mha``: a layer's K or V): its source pages lie side by side in the block's
+chunk row on the host, its destinations one tensor apart on the GPU, which is a fixed
+distance where the tensors are evenly spaced (an upper bound for MHA, whose K and V share
+one tensor a layer in vLLM, so two copies a block would be needed there).
 
 Per request size and compute load it reports the reload's wall-clock time from the first
 call to the copy's end, the host's time issuing it, the other forward's time alone and
 beside it, and whether every copied byte matches its source. Arms: ``plain`` (one copy of
 the same bytes: the link), ``pitched`` (a 2D copy a block), ``batched`` (one descriptor a
-block and layer through cudaMemcpyBatchAsync, where cuda-bindings is installed).
+block and tensor through cudaMemcpyBatchAsync, where cuda-bindings is installed: kvcore's
+way for MHA today).
 
-    python3 scripts/pitched_dma_probe.py [--sizes 8192,32768] [--compute none,decode-256]
-        [--requests 5] [--json out.json]
+    python3 scripts/pitched_dma_probe.py [--layout mla] [--sizes 8192,32768]
+        [--compute none,decode-256] [--requests 5] [--json out.json]
 
 Measuring code only; needs CUDA.
 """
@@ -36,10 +39,9 @@ from benchmarks.model_forward import measured_forward
 from benchmarks.probe_shape import (
     BLOCK_TOKENS,
     GPU_BLOCKS,
-    MLA_CHUNK_BYTES,
-    MLA_LAYERS,
-    MLA_ROW_BYTES,
-    mla_chunks_landed,
+    SHAPES,
+    PageShape,
+    chunks_landed,
     probe_device,
     probe_parser,
     write_probe_json,
@@ -50,12 +52,12 @@ from kvcore.kernels.cudart import loaded_cudart
 _HOST_TO_DEVICE = 1
 
 
-def layer_tensors(device: torch.device) -> tuple[list[torch.Tensor], int | None]:
-    """One tensor a layer, allocated one after another as vLLM does, and their spacing
+def page_tensors(shape: PageShape, device: torch.device) -> tuple[list[torch.Tensor], int | None]:
+    """The shape's GPU tensors, allocated one after another as vLLM does, and their spacing
     where it is even."""
     tensors = [
-        torch.zeros(GPU_BLOCKS * MLA_ROW_BYTES, dtype=torch.uint8, device=device)
-        for _ in range(MLA_LAYERS)
+        torch.zeros(GPU_BLOCKS * shape.row_bytes, dtype=torch.uint8, device=device)
+        for _ in range(shape.tensors)
     ]
     gaps = {b.data_ptr() - a.data_ptr() for a, b in itertools.pairwise(tensors)}
     return tensors, (gaps.pop() if len(gaps) == 1 and min(gaps) > 0 else None)
@@ -84,58 +86,62 @@ def pitched_copier(lib: ctypes.CDLL) -> Callable[[int, int, int, int, int, int, 
 def main() -> None:
     parser = probe_parser()
     parser.add_argument("--compute", default="none,decode-64,decode-256,prefill-4096")
+    parser.add_argument("--layout", choices=sorted(SHAPES), default="mla")
     args = parser.parse_args()
+    shape = SHAPES[args.layout]
     device = probe_device("pitched_dma_probe")
     lib = loaded_cudart()
     assert lib is not None, "no CUDA runtime loaded"
     copy2d = pitched_copier(lib)
     sizes = [int(s) for s in args.sizes.split(",")]
     most_blocks = max(sizes) // BLOCK_TOKENS
-    host = torch.empty(most_blocks * MLA_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(most_blocks * shape.chunk_bytes, dtype=torch.uint8, pin_memory=True)
     host.view(torch.int32).random_()
-    tensors, spacing = layer_tensors(device)
+    tensors, spacing = page_tensors(shape, device)
     report: dict[str, object] = {
         "device": torch.cuda.get_device_name(device),
-        "layers": MLA_LAYERS,
-        "row_bytes": MLA_ROW_BYTES,
-        "chunk_bytes": MLA_CHUNK_BYTES,
+        "layout": shape.kind,
+        "layers": shape.layers,
+        "tensors": shape.tensors,
+        "row_bytes": shape.row_bytes,
+        "chunk_bytes": shape.chunk_bytes,
         "layer_spacing": spacing,
         "rows": [],
     }
-    print(f"layer tensors evenly spaced: {spacing}", flush=True)
+    print(f"GPU tensors evenly spaced: {spacing}", flush=True)
     if spacing is None:
         base = torch.zeros(
-            MLA_LAYERS * GPU_BLOCKS * MLA_ROW_BYTES, dtype=torch.uint8, device=device
+            shape.tensors * GPU_BLOCKS * shape.row_bytes, dtype=torch.uint8, device=device
         )
-        tensors = list(base.view(MLA_LAYERS, -1).unbind(0))
-        spacing = GPU_BLOCKS * MLA_ROW_BYTES
+        tensors = list(base.view(shape.tensors, -1).unbind(0))
+        spacing = GPU_BLOCKS * shape.row_bytes
     dst0 = tensors[0].data_ptr()
     copy_stream = torch.cuda.Stream(device)
     raw = copy_stream.cuda_stream
-    batched = _batched_arm(tensors, host, copy_stream)
+    batched = _batched_arm(shape, tensors, host, copy_stream)
     rows: list[dict[str, object]] = report["rows"]  # type: ignore[assignment]
     for tokens in sizes:
         blocks = tokens // BLOCK_TOKENS
-        nbytes = blocks * MLA_LAYERS * MLA_ROW_BYTES
+        nbytes = blocks * shape.tensors * shape.row_bytes
         link_ms = nbytes / LINK_GBPS / 1e6
-        staging = torch.empty(blocks * MLA_CHUNK_BYTES, dtype=torch.uint8, device=device)
+        staging = torch.empty(blocks * shape.chunk_bytes, dtype=torch.uint8, device=device)
 
         def plain(
             dst_blocks: torch.Tensor, blocks: int = blocks, staging: torch.Tensor = staging
         ) -> None:
             with torch.cuda.stream(copy_stream):
-                staging.copy_(host[: blocks * MLA_CHUNK_BYTES], non_blocking=True)
+                staging.copy_(host[: blocks * shape.chunk_bytes], non_blocking=True)
 
         def pitched(dst_blocks: torch.Tensor, blocks: int = blocks) -> None:
             src = host.data_ptr()
             for chunk, block in enumerate(dst_blocks.tolist()):
                 code = copy2d(
-                    dst0 + block * MLA_ROW_BYTES,
+                    dst0 + block * shape.row_bytes,
                     spacing,
-                    src + chunk * MLA_CHUNK_BYTES,
-                    MLA_ROW_BYTES,
-                    MLA_ROW_BYTES,
-                    MLA_LAYERS,
+                    src + chunk * shape.chunk_bytes,
+                    shape.row_bytes,
+                    shape.row_bytes,
+                    shape.tensors,
                     raw,
                 )
                 if code:
@@ -145,7 +151,11 @@ def main() -> None:
         if batched is not None:
             arms["batched"] = batched
         for compute in args.compute.split(","):
-            forward = None if compute == "none" else measured_forward("mla", compute, 61, device)
+            forward = (
+                None
+                if compute == "none"
+                else measured_forward(shape.kind, compute, shape.layers, device)
+            )
             if forward is not None:
                 forward.size_for(link_ms * 1.3)
             for name, arm in list(arms.items()):
@@ -173,7 +183,7 @@ def main() -> None:
                     times.append(took * 1e3)
                     holds.append(held * 1e3)
                     if name != "plain":
-                        identical &= mla_chunks_landed(host, tensors, dst_blocks)
+                        identical &= chunks_landed(shape, host, tensors, dst_blocks)
                 if len(times) <= args.requests:
                     arms.pop(name)
                     continue
@@ -208,21 +218,21 @@ def main() -> None:
 
 
 def _batched_arm(
-    tensors: list[torch.Tensor], host: torch.Tensor, stream: torch.cuda.Stream
+    shape: PageShape, tensors: list[torch.Tensor], host: torch.Tensor, stream: torch.cuda.Stream
 ) -> Callable[[torch.Tensor], None] | None:
     try:
         from kvcore.kernels.batch_copy import batch_copy_pointers
     except ImportError:
         return None
     bases = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
-    offsets = np.arange(MLA_LAYERS, dtype=np.int64) * MLA_ROW_BYTES
+    offsets = np.arange(shape.tensors, dtype=np.int64) * shape.row_bytes
 
     def batched(dst_blocks: torch.Tensor) -> None:
         blocks = dst_blocks.numpy().astype(np.int64)
-        dsts = (bases[None, :] + blocks[:, None] * MLA_ROW_BYTES).ravel()
-        chunk = np.arange(blocks.size, dtype=np.int64) * MLA_CHUNK_BYTES
+        dsts = (bases[None, :] + blocks[:, None] * shape.row_bytes).ravel()
+        chunk = np.arange(blocks.size, dtype=np.int64) * shape.chunk_bytes
         srcs = (host.data_ptr() + chunk[:, None] + offsets[None, :]).ravel()
-        sizes = np.full(dsts.size, MLA_ROW_BYTES, dtype=np.int64)
+        sizes = np.full(dsts.size, shape.row_bytes, dtype=np.int64)
         batch_copy_pointers(dsts, srcs, sizes, stream, source_in_stream_order=False)
 
     return batched

@@ -1,4 +1,4 @@
-"""benchmarks.probe_shape: the MLA layout the GPU probes share, checked on the CPU."""
+"""benchmarks.probe_shape: the page layouts the GPU probes share, checked on the CPU."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import torch
 
 from benchmarks.probe_shape import (
     GPU_BLOCKS,
+    MHA,
+    MLA,
     MLA_CHUNK_BYTES,
     MLA_LAYERS,
     MLA_ROW_BYTES,
+    PageShape,
+    chunks_landed,
     mla_chunks_landed,
     probe_device,
     probe_parser,
@@ -19,21 +23,25 @@ from benchmarks.probe_shape import (
 )
 
 
-def _loaded(blocks: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """Random host chunks copied row by row into random blocks, as a correct load would."""
+def _loaded(
+    blocks: int, shape: PageShape = MLA
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Random host chunks copied page by page into random blocks, as a correct load would."""
     generator = torch.Generator().manual_seed(7)
     host = torch.randint(
-        -128, 128, (blocks * MLA_CHUNK_BYTES,), dtype=torch.int8, generator=generator
+        -128, 128, (blocks * shape.chunk_bytes,), dtype=torch.int8, generator=generator
     )
     host = host.view(torch.uint8)
-    layers = [torch.zeros(GPU_BLOCKS * MLA_ROW_BYTES, dtype=torch.uint8) for _ in range(MLA_LAYERS)]
+    tensors = [
+        torch.zeros(GPU_BLOCKS * shape.row_bytes, dtype=torch.uint8) for _ in range(shape.tensors)
+    ]
     dst_blocks = torch.randperm(GPU_BLOCKS, generator=generator)[:blocks]
-    chunks = host.view(blocks, MLA_CHUNK_BYTES)
+    chunks = host.view(blocks, shape.chunk_bytes)
+    row = shape.row_bytes
     for i, block in enumerate(dst_blocks.tolist()):
-        for layer, tensor in enumerate(layers):
-            row = chunks[i, layer * MLA_ROW_BYTES : (layer + 1) * MLA_ROW_BYTES]
-            tensor[block * MLA_ROW_BYTES : (block + 1) * MLA_ROW_BYTES] = row
-    return host, layers, dst_blocks
+        for page, tensor in enumerate(tensors):
+            tensor[block * row : (block + 1) * row] = chunks[i, page * row : (page + 1) * row]
+    return host, tensors, dst_blocks
 
 
 def test_the_chunk_row_is_vllms_padded_row() -> None:
@@ -42,12 +50,25 @@ def test_the_chunk_row_is_vllms_padded_row() -> None:
     assert 0 <= MLA_CHUNK_BYTES - MLA_LAYERS * MLA_ROW_BYTES < 4096
 
 
+def test_the_mha_chunk_row_holds_every_layers_k_and_v_page_unpadded() -> None:
+    assert (MHA.tensors, MHA.row_bytes) == (2 * MHA.layers, 32 << 10)
+    assert MHA.chunk_bytes == MHA.tensors * MHA.row_bytes
+
+
 def test_a_correct_load_is_told_apart_from_one_wrong_byte_or_block() -> None:
     host, layers, dst_blocks = _loaded(3)
     assert mla_chunks_landed(host, layers, dst_blocks)
     assert not mla_chunks_landed(host, layers, dst_blocks.flip(0))
     layers[MLA_LAYERS - 1][int(dst_blocks[1]) * MLA_ROW_BYTES + 5] ^= 1
     assert not mla_chunks_landed(host, layers, dst_blocks)
+
+
+def test_an_mha_load_is_checked_page_by_page_of_every_k_and_v_tensor() -> None:
+    host, tensors, dst_blocks = _loaded(2, MHA)
+    assert chunks_landed(MHA, host, tensors, dst_blocks)
+    assert not chunks_landed(MHA, host, tensors, dst_blocks.flip(0))
+    tensors[MHA.layers][int(dst_blocks[0]) * MHA.row_bytes + MHA.row_bytes - 1] ^= 1
+    assert not chunks_landed(MHA, host, tensors, dst_blocks)
 
 
 def test_the_parser_and_the_report(tmp_path: Path) -> None:
