@@ -138,8 +138,9 @@ class KVCoreConfig:
         BOOLEAN,
         "kvcore's vLLM handlers issue each job's copies from a thread of their own, so "
         "transfer_async returns once the job is planned and the engine queues its next forward "
-        "at once (an MHA load's DMAs otherwise hold it 9-35 ms at 8k-32k tokens; off until "
-        "measured live)",
+        "at once (an MHA load's DMAs otherwise hold it 9-35 ms at 8k-32k tokens); the running "
+        "batch's steps then run beside the load, which itself takes longer (an MHA hit's up to "
+        "about 1.3x beside decode steps); off until measured live",
     )
     high_priority_loads: bool = _setting(
         True,
