@@ -28,6 +28,12 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def alternated(sides: Sequence[Any], request: int) -> Sequence[Any]:
+    """The sides in the order request number ``request`` runs them: reversed every other
+    request, so that neither always goes first."""
+    return sides if request % 2 == 0 else sides[::-1]
+
+
 @dataclass(frozen=True)
 class RowPlace:
     """Where a row's requests ran: the engine, the pool or layout case, the request size."""

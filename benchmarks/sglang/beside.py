@@ -49,6 +49,7 @@ from benchmarks.beside_rows import (
     LINK_GBPS,
     RowPlace,
     Tally,
+    alternated,
     ideal_pipeline_ms,
     median,
     reload_row,
@@ -308,7 +309,7 @@ def _cells(
     times: dict[str, list[float]] = {side.name: [] for side in sides}
     tally = Tally(metrics)
     for i, cpu in enumerate(request_indices(case, tokens, opts.host_level, count, gen)):
-        for side in sides if i % 2 == 0 else sides[::-1]:
+        for side in alternated(sides, i):
             ms = tally.timed(side, functools.partial(_alone, reloads, side, cpu))
             if i:
                 times[side.name].append(ms)
@@ -339,7 +340,7 @@ def _cells(
                     end.synchronize()
                     if i:
                         alone.append(start.elapsed_time(end))
-                for side in sides if i % 2 == 0 else sides[::-1]:
+                for side in alternated(sides, i):
                     run = _independent if situation == "independent" else _dependent
                     reload_ms, forward_ms = tally.timed(
                         side, functools.partial(run, reloads, side, cpu, forward)

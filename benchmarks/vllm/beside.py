@@ -60,6 +60,7 @@ from benchmarks.beside_rows import (
     RowPlace,
     SideSamples,
     Tally,
+    alternated,
     median,
     reload_row,
     side_medians,
@@ -184,10 +185,6 @@ class _Metrics:
         }
 
 
-def _order(sides: Sequence[Side], i: int) -> Sequence[Side]:
-    return sides if i % 2 == 0 else sides[::-1]
-
-
 def cells(
     model: ModelLayout,
     loads: _Loads,
@@ -213,7 +210,7 @@ def cells(
             request = loads.drawer.draw(
                 blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu, gpu_frag=opts.gpu_frag
             )
-            for side in _order(sides, i):
+            for side in alternated(sides, i):
                 ms, checked, submit_ms = tally.timed(
                     side, functools.partial(loads.through, side, request)
                 )
@@ -247,7 +244,7 @@ def cells(
                 request = loads.drawer.draw(
                     blocks, opts.frag, 1, gpu_to_cpu=gpu_to_cpu, gpu_frag=opts.gpu_frag
                 )
-                for side in _order(sides, i):
+                for side in alternated(sides, i):
                     beside_one: _Beside = tally.timed(
                         side, functools.partial(_beside, loads, side, request, forward)
                     )

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from benchmarks.beside_rows import RowPlace, SideSamples, Tally, median, reload_row
+from benchmarks.beside_rows import RowPlace, SideSamples, Tally, alternated, median, reload_row
 from benchmarks.vllm.sweep import request_errors, request_specs
 from benchmarks.vllm.sweep_pools import Pools
 from benchmarks.vllm.sweep_sides import Side
@@ -126,7 +126,7 @@ def steps_row(
     for i in range(repeats + 1):
         step_alone = step_alone_ms(step)
         request = draw()
-        for side in sides if i % 2 == 0 else sides[::-1]:
+        for side in alternated(sides, i):
             ids = loads.new_ids(len(request.jobs))
             one: Stepped = tally.timed(
                 side, functools.partial(stepped, side, loads.pools, request, ids, step)
