@@ -39,10 +39,6 @@ MHA = PageShape("mha", layers=32, tensors=64, row_bytes=8 * 128 * 2 * BLOCK_TOKE
 """Llama-3-8B's: a 32 KiB K page and a V page a block and layer."""
 SHAPES = {shape.kind: shape for shape in (MLA, MHA)}
 
-MLA_LAYERS = MLA.layers
-MLA_ROW_BYTES = MLA.row_bytes
-MLA_CHUNK_BYTES = MLA.chunk_bytes
-
 
 def chunks_landed(
     shape: PageShape, host: torch.Tensor, tensors: list[torch.Tensor], dst_blocks: torch.Tensor
@@ -62,13 +58,6 @@ def chunks_landed(
         torch.equal(t.view(GPU_BLOCKS, shape.row_bytes)[index], expected[:, page])
         for page, t in enumerate(tensors)
     )
-
-
-def mla_chunks_landed(
-    host: torch.Tensor, layers: list[torch.Tensor], dst_blocks: torch.Tensor
-) -> bool:
-    """:func:`chunks_landed` of MLA's pages."""
-    return chunks_landed(MLA, host, layers, dst_blocks)
 
 
 def probe_parser(description: str | None = None) -> argparse.ArgumentParser:

@@ -42,10 +42,8 @@ from benchmarks.beside_rows import LINK_GBPS
 from benchmarks.model_forward import measured_forward
 from benchmarks.probe_shape import (
     GPU_BLOCKS,
-    MLA_CHUNK_BYTES,
-    MLA_LAYERS,
-    MLA_ROW_BYTES,
-    mla_chunks_landed,
+    MLA,
+    chunks_landed,
     probe_device,
     probe_parser,
     write_probe_json,
@@ -55,14 +53,14 @@ from kvcore.kernels.triton_layers import LayeredLaunch, layer_table
 from kvcore.streams import highest_priority
 
 WORD = 8
-ROW_WORDS = MLA_ROW_BYTES // WORD  # 2304 = 2048 + 256, the kernel's two loads
-CHUNK_WORDS = MLA_CHUNK_BYTES // WORD
+ROW_WORDS = MLA.row_bytes // WORD  # 2304 = 2048 + 256, the kernel's two loads
+CHUNK_WORDS = MLA.chunk_bytes // WORD
 SLOTS = 8
-PER_PIECE = (16 << 20) // MLA_CHUNK_BYTES  # blocks a piece: pieces of at most 16 MiB
+PER_PIECE = (16 << 20) // MLA.chunk_bytes  # blocks a piece: pieces of at most 16 MiB
 RING_CTAS = 64
 ROW_WORDS_2K = 2048 // WORD  # the rows vLLM's region gives: gcd of a page and a chunk row
-BLOCK_ROWS = MLA_ROW_BYTES // 2048
-CHUNK_ROWS = MLA_CHUNK_BYTES // 2048
+BLOCK_ROWS = MLA.row_bytes // 2048
+CHUNK_ROWS = MLA.chunk_bytes // 2048
 # The kernels spell these out (Triton folds literals, not module constants).
 assert (PER_PIECE, ROW_WORDS, CHUNK_WORDS) == (14, 2304, 140800)
 
@@ -153,18 +151,18 @@ class Setup:
     def __init__(self, blocks: int, device: torch.device) -> None:
         self.blocks = blocks
         self.device = device
-        self.host = torch.empty(blocks * MLA_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        self.host = torch.empty(blocks * MLA.chunk_bytes, dtype=torch.uint8, pin_memory=True)
         self.host.view(torch.int32).random_()
         self.layers = [
-            torch.zeros(GPU_BLOCKS * MLA_ROW_BYTES, dtype=torch.uint8, device=device)
-            for _ in range(MLA_LAYERS)
+            torch.zeros(GPU_BLOCKS * MLA.row_bytes, dtype=torch.uint8, device=device)
+            for _ in range(MLA.layers)
         ]
         base = self.layers[0].data_ptr()
         self.layer_offsets = torch.tensor(
             [(t.data_ptr() - base) // WORD for t in self.layers], dtype=torch.int64, device=device
         )
         self.staging = torch.empty(
-            SLOTS * PER_PIECE * MLA_CHUNK_BYTES, dtype=torch.uint8, device=device
+            SLOTS * PER_PIECE * MLA.chunk_bytes, dtype=torch.uint8, device=device
         )
         self.pieces = -(-blocks // PER_PIECE)
         self.whole: torch.Tensor | None = None
@@ -182,8 +180,8 @@ class Setup:
     def piece_copy(self, piece: int) -> tuple[int, int, int]:
         first = piece * PER_PIECE
         blocks = min(PER_PIECE, self.blocks - first)
-        dst = self.staging.data_ptr() + (piece % SLOTS) * PER_PIECE * MLA_CHUNK_BYTES
-        return dst, self.host.data_ptr() + first * MLA_CHUNK_BYTES, blocks * MLA_CHUNK_BYTES
+        dst = self.staging.data_ptr() + (piece % SLOTS) * PER_PIECE * MLA.chunk_bytes
+        return dst, self.host.data_ptr() + first * MLA.chunk_bytes, blocks * MLA.chunk_bytes
 
     def args(self, dst_blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         staging = self.staging.view(torch.int64)
@@ -201,7 +199,7 @@ class Setup:
         args = self.args(dst_blocks)
 
         def scatter(piece: int, first: int, blocks: int) -> None:
-            grid = (min(RING_CTAS, blocks * MLA_LAYERS),)
+            grid = (min(RING_CTAS, blocks * MLA.layers),)
             slot_base = (piece % SLOTS) * PER_PIECE
             _piece_scatter[grid](*args, first, blocks, slot_base, num_warps=8)
 
@@ -225,8 +223,8 @@ class Setup:
     def _row_launch(self) -> LayeredLaunch:
         if self.row_launch is None:
             staged = self.staging.view(torch.int64).view(-1, ROW_WORDS_2K)
-            length = staged.shape[0] - (MLA_LAYERS - 1) * BLOCK_ROWS
-            srcs = [staged[i * BLOCK_ROWS : i * BLOCK_ROWS + length] for i in range(MLA_LAYERS)]
+            length = staged.shape[0] - (MLA.layers - 1) * BLOCK_ROWS
+            srcs = [staged[i * BLOCK_ROWS : i * BLOCK_ROWS + length] for i in range(MLA.layers)]
             dsts = [t.view(torch.int64).view(-1, ROW_WORDS_2K) for t in self.layers]
             table = layer_table(srcs, dsts)
             self.row_launch = LayeredLaunch(table, table.offsets.to(self.device), RING_CTAS)
@@ -300,7 +298,7 @@ def main() -> None:
     rows: list[dict[str, object]] = report["rows"]  # type: ignore[assignment]
     for tokens in (int(s) for s in args.sizes.split(",")):
         setup = Setup(tokens // 16, device)
-        link_ms = setup.blocks * MLA_LAYERS * MLA_ROW_BYTES / LINK_GBPS / 1e6
+        link_ms = setup.blocks * MLA.layers * MLA.row_bytes / LINK_GBPS / 1e6
         arms: dict[str, Callable[[torch.Tensor], None]] = {
             "plain": setup.plain,
             "ring": setup.ring,
@@ -372,7 +370,7 @@ def _cell(
             f1.synchronize()
             beside.append(f0.elapsed_time(f1))
         if name != "plain":
-            identical &= mla_chunks_landed(setup.host, setup.layers, dst_blocks)
+            identical &= chunks_landed(MLA, setup.host, setup.layers, dst_blocks)
     row: dict[str, object] = {
         "arm": name,
         "tokens": tokens,

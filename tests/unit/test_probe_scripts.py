@@ -53,7 +53,7 @@ def _case(kernel: str, blocks: int, ctas: int, seed: int) -> dict:
     staging = torch.randint(-(2**62), 2**62, (words,), dtype=torch.int64, generator=gen)
     layers = [
         torch.randint(-(2**62), 2**62, (GPU_BLOCKS * probe.ROW_WORDS,), dtype=torch.int64)
-        for _ in range(probe.MLA_LAYERS)
+        for _ in range(probe.MLA.layers)
     ]
     dst_blocks = torch.randperm(GPU_BLOCKS, generator=gen)[:blocks]
     return {

@@ -11,12 +11,8 @@ from benchmarks.probe_shape import (
     GPU_BLOCKS,
     MHA,
     MLA,
-    MLA_CHUNK_BYTES,
-    MLA_LAYERS,
-    MLA_ROW_BYTES,
     PageShape,
     chunks_landed,
-    mla_chunks_landed,
     probe_device,
     probe_parser,
     write_probe_json,
@@ -45,9 +41,9 @@ def _loaded(
 
 
 def test_the_chunk_row_is_vllms_padded_row() -> None:
-    assert MLA_ROW_BYTES == 18 << 10
-    assert MLA_CHUNK_BYTES % 4096 == 0
-    assert 0 <= MLA_CHUNK_BYTES - MLA_LAYERS * MLA_ROW_BYTES < 4096
+    assert MLA.row_bytes == 18 << 10
+    assert MLA.chunk_bytes % 4096 == 0
+    assert 0 <= MLA.chunk_bytes - MLA.layers * MLA.row_bytes < 4096
 
 
 def test_the_mha_chunk_row_holds_every_layers_k_and_v_page_unpadded() -> None:
@@ -57,10 +53,10 @@ def test_the_mha_chunk_row_holds_every_layers_k_and_v_page_unpadded() -> None:
 
 def test_a_correct_load_is_told_apart_from_one_wrong_byte_or_block() -> None:
     host, layers, dst_blocks = _loaded(3)
-    assert mla_chunks_landed(host, layers, dst_blocks)
-    assert not mla_chunks_landed(host, layers, dst_blocks.flip(0))
-    layers[MLA_LAYERS - 1][int(dst_blocks[1]) * MLA_ROW_BYTES + 5] ^= 1
-    assert not mla_chunks_landed(host, layers, dst_blocks)
+    assert chunks_landed(MLA, host, layers, dst_blocks)
+    assert not chunks_landed(MLA, host, layers, dst_blocks.flip(0))
+    layers[MLA.layers - 1][int(dst_blocks[1]) * MLA.row_bytes + 5] ^= 1
+    assert not chunks_landed(MLA, host, layers, dst_blocks)
 
 
 def test_an_mha_load_is_checked_page_by_page_of_every_k_and_v_tensor() -> None:
